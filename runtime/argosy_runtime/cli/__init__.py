@@ -1,0 +1,1 @@
+"""The `argosy` command line: one module per subcommand (see main.py)."""

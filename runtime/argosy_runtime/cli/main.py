@@ -1,0 +1,55 @@
+"""`argosy` entry point.
+
+Each subcommand lives in its own module `argosy_runtime.cli.<module>` that defines
+`add_parser(subparsers) -> argparse.ArgumentParser` and `run(args) -> int`. Subcommand modules
+import heavy dependencies (torch, uvicorn, kopf) only inside `run`, so `argosy --help`,
+`argosy gateway` and `argosy operator` stay fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module under argosy_runtime.cli
+SUBCOMMANDS: dict[str, str] = {
+    "serve": "serve",
+    "bench": "bench",
+    "perplexity": "perplexity",
+    "gateway": "gateway",
+    "fleet": "fleet",
+    "operator": "operator_cmd",
+    "autoscale-sim": "autoscale_sim",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="argosy",
+        description="Argosy: serve large language models fast and cheaply.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(f"argosy_runtime.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"argosy_runtime.cli.{module_name}":
+                raise
+            continue  # subcommand not built yet
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

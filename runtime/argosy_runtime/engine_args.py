@@ -1,0 +1,139 @@
+"""Every engine option in one place: `LLM(...)`, `LLMEngine(...)` and `argosy serve` flags.
+
+`argosy serve` builds its flags from these fields (`add_cli_args`), so a new engine option is
+reachable from the command line the moment it is added here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _opt(help: str, **kw: Any) -> Any:
+    return field(metadata={"help": help}, **kw)
+
+
+@dataclass
+class EngineArgs:
+    model: str = _opt(
+        "Model: a Hugging Face folder (config.json + safetensors), a .gguf file, or the "
+        "alias 'smollm2-135m' (the embedded SmolLM2-135M-Instruct).",
+        default=DEFAULT_MODEL,
+    )
+    served_model_name: str | None = _opt(
+        "Name clients use in the 'model' field (default: the --model value).", default=None
+    )
+    dtype: str = _opt(
+        "Weight and activation dtype: auto (bfloat16 on CPU and CUDA), float32, float16, "
+        "bfloat16.",
+        default="auto",
+    )
+    device: str = _opt("cpu, cuda, or auto (cuda when available).", default="auto")
+    quantization: str | None = _opt(
+        "Weight-only quantization: int8 (per channel) or int4 (group-wise); default none.",
+        default=None,
+    )
+    quantization_group_size: int = _opt("Group size for int4 (32, 64 or 128).", default=128)
+    kv_cache_dtype: str = _opt("KV cache dtype: auto (same as dtype) or int8.", default="auto")
+    block_size: int = _opt("Tokens per KV-cache block.", default=16)
+    kv_cache_memory: int | None = _opt(
+        "Bytes of memory for the KV cache (default: 2 GiB on CPU; on CUDA, "
+        "--kv-cache-memory-fraction of free memory).",
+        default=None,
+    )
+    kv_cache_memory_fraction: float = _opt(
+        "On CUDA, the fraction of free device memory (after weights) given to the KV cache.",
+        default=0.85,
+    )
+    enable_prefix_caching: bool = _opt("Reuse KV blocks of shared prompt prefixes.", default=True)
+    max_model_len: int | None = _opt(
+        "Longest prompt + output in tokens (default: the model's context length).", default=None
+    )
+    max_num_seqs: int = _opt("Most requests running in one step.", default=256)
+    max_num_batched_tokens: int | None = _opt(
+        "Token budget per step; long prompts are prefilled in chunks of at most this "
+        "(default 512 on CPU, 2048 on CUDA).",
+        default=None,
+    )
+    enable_chunked_prefill: bool = _opt(
+        "Split long prompts across steps so running decodes never stall.", default=True
+    )
+    speculative: dict[str, Any] | str | None = _opt(
+        "Speculative decoding: 'ngram', or JSON such as "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": "...", "num_speculative_tokens": 4}\'.',
+        default=None,
+    )
+    seed: int = _opt("Seed for requests that give none.", default=0)
+    compile: bool = _opt("Use torch.compile for the model forward where it pays.", default=False)
+    enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag` per field (booleans get --x / --no-x)."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                    default=f.default, help=help_text,
+                )
+                continue
+            parser.add_argument(
+                flag, dest=f.name, type=_cli_type(f.name, str(f.type)),
+                default=f.default, help=help_text + " (default: %(default)s)",
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(name: str, type_str: str) -> Any:
+    if name == "speculative":
+        return _parse_speculative
+    if name == "kv_cache_memory":
+        return parse_bytes
+    if type_str.startswith("int"):
+        return int
+    if type_str.startswith("float"):
+        return float
+    return str
+
+
+def _parse_speculative(value: str) -> dict[str, Any] | str:
+    value = value.strip()
+    if value.startswith("{"):
+        return json.loads(value)
+    return value
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MiB', '1e9' or a plain integer -> bytes."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(float(text))
