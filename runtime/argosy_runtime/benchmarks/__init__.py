@@ -1,0 +1,1 @@
+"""Benchmarks behind `argosy bench` (modules import heavy dependencies inside run())."""

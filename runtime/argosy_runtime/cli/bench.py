@@ -1,0 +1,32 @@
+"""`argosy bench offline|serve`: the benchmarks (modules in argosy_runtime.benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# bench kind -> module in argosy_runtime.benchmarks defining add_arguments(parser) and run(args)
+KINDS = {
+    "offline": ("offline", "LLM.generate against transformers (and vLLM where installed)."),
+    "serve": ("serve", "Open-loop load generator against any OpenAI-compatible server."),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="Run a benchmark.", description=__doc__)
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    for kind, (module_name, help_text) in KINDS.items():
+        try:
+            module = importlib.import_module(f"argosy_runtime.benchmarks.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"argosy_runtime.benchmarks.{module_name}":
+                raise
+            continue
+        sub = kinds.add_parser(kind, help=help_text, description=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(_bench_run=module.run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)
