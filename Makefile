@@ -30,3 +30,14 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check runtime kernels operator tests bench
+
+# Container images (needs Docker); names and tags in docs/deploy.md. make images IMAGES=operator
+IMAGES ?= runtime-cpu runtime-cuda operator gateway
+IMAGE_TAG ?= 0.1.0
+.PHONY: images e2e-kind
+images:
+	for name in $(IMAGES); do docker build -f docker/$$name.Dockerfile -t ghcr.io/argosy-project/argosy-$$name:$(IMAGE_TAG) . || exit 1; done
+
+# kind cluster, images, operator, CPU sample, completions, autoscaling, delete (needs Docker + kind).
+e2e-kind: install
+	$(BIN)/python e2e/kind/kind_e2e.py $(ARGS)
