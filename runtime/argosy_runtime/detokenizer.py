@@ -1,0 +1,80 @@
+"""Incremental detokenization for streaming: text deltas as tokens arrive.
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte UTF-8 character can be
+split over several tokens, and decoders may change how a token renders depending on what
+precedes it. Like vLLM, we decode a short window of recent tokens twice, with and without the
+new ones (`prefix_offset` .. `read_offset` .. end), and emit only the extra text, holding it back
+while it ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from argosy_runtime.tokenizer import Tokenizer
+
+# How many prompt tokens to use as left context for the first output token (vLLM uses 5).
+_INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turn a growing list of output token ids into text deltas.
+
+    `push(new_ids)` returns the text that became final with these ids; `text` is all output text
+    so far. For byte-level BPE tokenizers the concatenated deltas equal
+    `tokenizer.decode(output_ids)` once generation ends cleanly; call `flush()` at the end to
+    also get a trailing incomplete character (rendered as U+FFFD, as `decode` does).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        # All ids seen (prompt context + output); offsets index into this list.
+        self._ids: list[int] = context
+        self._num_context = len(context)
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = len(context)  # tokens before this are already emitted
+        self.text = ""
+        self.output_token_ids: list[int] = []
+
+    def push(self, new_token_ids: Sequence[int]) -> str:
+        """Add output tokens; return the newly final text ("" while a character is incomplete)."""
+        if not new_token_ids:
+            return ""
+        self._ids.extend(int(i) for i in new_token_ids)
+        self.output_token_ids.extend(int(i) for i in new_token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset, len(self._ids))
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            # Nothing visible yet (a special token skipped, or a character still incomplete):
+            # keep the window as is so the next push decodes these bytes together.
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (a trailing incomplete character becomes U+FFFD)."""
+        if self.read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset, len(self._ids))
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)

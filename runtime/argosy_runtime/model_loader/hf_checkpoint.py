@@ -1,0 +1,111 @@
+"""Hugging Face model folders: config.json + one or many safetensors files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from argosy_runtime.model_loader.model_spec import ModelSpec
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# Buffers some older checkpoints saved that are recomputed by the model, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON file, raising FileNotFoundError / ValueError that name the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found in model folder {path.parent}")
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: the shards listed by the index, or model.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = read_json(index).get("weight_map", {})
+        if not weight_map:
+            raise ValueError(f"{index} has an empty weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        hint = f" (found {', '.join(others)}: only safetensors is supported)" if others else ""
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in model folder {folder}{hint}")
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"weight shard {file.name} listed in {INDEX_FILE} is missing from {folder}")
+    return files
+
+
+def checkpoint_dtype(files: list[Path]) -> str:
+    """The dtype of the floating point weights ("float32" | "bfloat16" | "float16")."""
+    with safe_open(str(files[0]), framework="pt") as f:
+        for name in f.keys():
+            dtype = f.get_slice(name).get_dtype()
+            if dtype in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[dtype]
+    raise ValueError(f"{files[0]} holds no float32/bfloat16/float16 tensor")
+
+
+def load_hf_spec(folder: Path, files: list[Path]) -> ModelSpec:
+    """ModelSpec from config.json (+ generation_config.json), dtype from the weight files."""
+    config = read_json(folder / "config.json")
+    generation_path = folder / "generation_config.json"
+    generation = read_json(generation_path) if generation_path.is_file() else None
+    return ModelSpec.from_hf_config(
+        config, checkpoint_dtype=checkpoint_dtype(files), generation_config=generation
+    )
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """Every HF parameter name the model forward consumes, in model order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q", "k", "v", "o"):
+            names.append(f"{p}self_attn.{proj}_proj.weight")
+            if spec.attention_bias and proj != "o":
+                names.append(f"{p}self_attn.{proj}_proj.bias")
+        names += [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each model weight, in checkpoint dtype, file by file.
+
+    Raises ValueError for a tensor the architecture does not have, and, at the end, for any
+    weight that never appeared (a truncated or mismatched checkpoint).
+    """
+    expected = set(expected_weight_names(spec))
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and spec.tie_word_embeddings:
+                    continue  # tied: the forward reuses embed_tokens
+                if name not in expected:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {spec.architecture} model")
+                seen.add(name)
+                yield name, f.get_tensor(name)
+    missing = expected - seen
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")

