@@ -1,0 +1,269 @@
+"""The pure scaling decision: policy + current replicas + metric samples + state + clock -> Decision.
+
+No I/O and no clock of its own: `now` is passed in, and everything the decision must remember
+between calls (recent recommendations, panic mode, idleness) travels in `DecisionState`, which
+the caller keeps and hands back on the next call. The operator's timer, `argosy autoscale-sim`
+and `argosy fleet` all drive this same function.
+
+Demand is measured in replica-equivalents over a window of samples:
+
+    demand = max(mean_t(sum_i kv_i) / targetKV, mean_t(sum_i waiting_i) / targetQueue)
+
+which equals current x max(avg KV / target KV, avg queue per replica / target queue) when every
+replica is measured, and stays right while the replica count changes inside the window (a
+per-replica average would keep counting the load of the old, smaller fleet and overshoot).
+
+Replicas that are not ready or whose scrape failed count as 0 demand when deciding to scale UP
+(new replicas are still starting; do not pile more on) and as exactly at target when deciding
+to scale DOWN (a missing sample is never evidence of idleness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from argosy_operator.autoscaling.policy import AutoscalingPolicy
+from argosy_operator.autoscaling.samples import MetricsSample
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionState:
+    """What one decision hands to the next. Start with `DecisionState()`.
+
+    recommendations: (t, raw recommended replicas) of recent decisions, for stabilization;
+    observed_since: time of the first decision (scale-down needs a full window of history);
+    panic_until: panic mode lasts while now < panic_until;
+    idle_since: start of the current fully idle stretch (scale-to-zero), None when busy;
+    last_sample_t: newest sample already folded into idle_since;
+    last_scale_time: when the replica count last changed.
+    """
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    observed_since: float | None = None
+    panic_until: float | None = None
+    idle_since: float | None = None
+    last_sample_t: float | None = None
+    last_scale_time: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionMetrics:
+    """The numbers a decision was made on (stable-window averages; None without data)."""
+
+    kv_cache_utilization: float | None = None  # mean KV usage per measured replica, 0..1
+    queue_depth: float | None = None  # mean waiting requests per measured replica
+    running: float | None = None  # mean running requests per measured replica
+    ready_replicas: int = 0  # in the newest sample
+    measured_replicas: int = 0  # ready and scraped, in the newest sample
+    demand: float | None = None  # replica-equivalents, unmeasured replicas as 0
+    stable_ratio: float | None = None  # demand / current replicas, stable window
+    panic_ratio: float | None = None  # demand / current replicas, panic window
+    recommendation: int | None = None  # raw recommendation before stabilization and limits
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """desired_replicas and why. `limited` is True when min/max or a rate limit cut it short."""
+
+    current_replicas: int
+    desired_replicas: int
+    reason: str  # CamelCase, usable as a Kubernetes condition/event reason
+    message: str
+    metrics: DecisionMetrics
+    panic: bool
+    limited: bool
+    limit_reason: str | None
+    state: DecisionState
+
+    @property
+    def changed(self) -> bool:
+        return self.desired_replicas != self.current_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aggregate:
+    demand_low: float  # unmeasured replicas as 0
+    demand_high: float  # unmeasured replicas as exactly at target
+    kv: float
+    queue: float
+    running: float | None
+
+
+def _aggregate(policy: AutoscalingPolicy, samples: Sequence[MetricsSample]) -> _Aggregate | None:
+    usable = [s for s in samples if s.num_measured > 0]
+    if not usable:
+        return None
+    n = len(usable)
+    sum_kv = sum_wait = 0.0
+    kv_per = wait_per = run_per = 0.0
+    run_known = True
+    max_unmeasured = 0
+    for s in usable:
+        measured = [r for r in s.replicas if r.is_measured]
+        skv = sum(r.kv_cache_usage or 0.0 for r in measured)
+        swait = sum(r.num_waiting or 0.0 for r in measured)
+        sum_kv += skv
+        sum_wait += swait
+        kv_per += skv / len(measured)
+        wait_per += swait / len(measured)
+        if any(r.num_running is None for r in measured):
+            run_known = False
+        else:
+            run_per += sum(r.num_running or 0.0 for r in measured) / len(measured)
+        max_unmeasured = max(max_unmeasured, s.num_unmeasured)
+    demand = max(sum_kv / n / policy.target_kv_cache_utilization,
+                 sum_wait / n / policy.target_queue_depth)
+    return _Aggregate(
+        demand_low=demand,
+        # The most replicas that were missing at any point in the window, each at target.
+        demand_high=demand + max_unmeasured,
+        kv=kv_per / n,
+        queue=wait_per / n,
+        running=run_per / n if run_known else None,
+    )
+
+
+def _in_window(samples: Sequence[MetricsSample], now: float, seconds: float) -> list[MetricsSample]:
+    return [s for s in samples if now - seconds < s.t <= now]
+
+
+def decide(
+    policy: AutoscalingPolicy,
+    current_replicas: int,
+    samples: Sequence[MetricsSample],
+    state: DecisionState,
+    now: float,
+) -> Decision:
+    """Decide the replica count at time `now`.
+
+    policy: the deployment's `AutoscalingPolicy`; current_replicas: replicas that exist (or are
+    requested) now; samples: scrape rounds, oldest first, covering at least the stable window
+    (older ones are ignored); state: the previous decision's `state` (or `DecisionState()`);
+    now: seconds on the same clock as the samples' `t`. Pure: same inputs, same output.
+    """
+    if current_replicas < 0:
+        raise ValueError(f"current_replicas: must be >= 0, got {current_replicas}")
+    samples = [s for s in samples if s.t <= now]
+
+    # Fold samples not seen yet into the idle stretch (scale-to-zero bookkeeping).
+    idle_since = state.idle_since
+    last_sample_t = state.last_sample_t
+    for s in samples:
+        if last_sample_t is not None and s.t <= last_sample_t:
+            continue
+        idle_since = (idle_since if idle_since is not None else s.t) if s.is_idle else None
+        last_sample_t = s.t
+    observed_since = state.observed_since if state.observed_since is not None else now
+    base = dataclasses.replace(state, observed_since=observed_since, idle_since=idle_since,
+                               last_sample_t=last_sample_t)
+
+    def finish(target: int, reason: str, message: str, metrics: DecisionMetrics, panic: bool,
+               new_state: DecisionState) -> Decision:
+        # Rate limits, then [min, max]; either one cutting `target` short marks it limited.
+        desired, limit_reason = target, None
+        if desired > current_replicas:
+            up_limit = max(current_replicas + 1, math.floor(current_replicas * policy.max_scale_up_rate))
+            if desired > up_limit:
+                desired, limit_reason = up_limit, "ScaleUpRate"
+        elif desired < current_replicas:
+            down_limit = min(current_replicas - 1,
+                             math.ceil(current_replicas * policy.max_scale_down_rate))
+            if desired < down_limit:
+                desired, limit_reason = down_limit, "ScaleDownRate"
+        if desired > policy.max_replicas:
+            desired, limit_reason = policy.max_replicas, "MaxReplicas"
+        if desired < policy.min_replicas:
+            desired, limit_reason = policy.min_replicas, "MinReplicas"
+        if desired != target and target != current_replicas and desired == current_replicas:
+            # Wanted a change the limits forbid entirely (already at max/min).
+            reason = "AtMaxReplicas" if limit_reason == "MaxReplicas" else "AtMinReplicas"
+        elif desired > current_replicas and target <= current_replicas:
+            reason, message = "BelowMinReplicas", f"raised to minReplicas {policy.min_replicas}"
+        elif desired < current_replicas and target >= current_replicas:
+            reason, message = "AboveMaxReplicas", f"lowered to maxReplicas {policy.max_replicas}"
+        if desired != current_replicas:
+            new_state = dataclasses.replace(new_state, last_scale_time=now)
+        return Decision(current_replicas=current_replicas, desired_replicas=desired, reason=reason,
+                        message=message, metrics=metrics, panic=panic,
+                        limited=limit_reason is not None and desired != target,
+                        limit_reason=limit_reason if desired != target else None, state=new_state)
+
+    latest = samples[-1] if samples else None
+    ready = sum(1 for r in latest.replicas if r.ready) if latest else 0
+    measured = latest.num_measured if latest else 0
+    if current_replicas == 0:
+        # Nothing runs, nothing to measure: stay at zero until something scales us up.
+        return finish(0, "ScaledToZero", "no replicas; waiting for demand",
+                      DecisionMetrics(), False, base)
+
+    stable = _aggregate(policy, _in_window(samples, now, policy.stable_window_seconds))
+    if latest is None or measured == 0 or now - latest.t > policy.stable_window_seconds or stable is None:
+        # No trustworthy data right now: hold (never scale down on missing samples).
+        return finish(current_replicas, "NoMetrics",
+                      f"no ready replica could be scraped ({ready} ready of {current_replicas})",
+                      DecisionMetrics(ready_replicas=ready, measured_replicas=measured), False, base)
+    panic_agg = _aggregate(policy, _in_window(samples, now, policy.panic_window_seconds))
+    panic_ratio = panic_agg.demand_low / current_replicas if panic_agg else None
+    stable_ratio = stable.demand_low / current_replicas
+
+    panic_until = state.panic_until
+    if panic_ratio is not None and panic_ratio >= policy.panic_threshold:
+        # Knative-style: stay in panic for a full stable window after the last panic signal.
+        panic_until = now + policy.stable_window_seconds
+    panicking = panic_until is not None and now < panic_until
+
+    idle_long = (policy.min_replicas == 0 and idle_since is not None
+                 and now - idle_since >= policy.scale_to_zero_idle_seconds)
+    if stable_ratio > 1.0 + policy.tolerance:
+        recommendation = math.ceil(stable.demand_low - 1e-9)
+    elif stable.demand_high / current_replicas < 1.0 - policy.tolerance:
+        recommendation = math.ceil(stable.demand_high - 1e-9)
+    else:
+        recommendation = current_replicas
+    if recommendation < 1:
+        recommendation = 0 if idle_long else 1
+
+    keep = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    recs = tuple((t, r) for t, r in state.recommendations if now - t < keep and t < now)
+    recs = recs + ((now, recommendation),)
+    up_floor = min(r for t, r in recs if now - t <= policy.scale_up_stabilization_seconds)
+    down_ceiling = max(r for t, r in recs if now - t <= policy.scale_down_stabilization_seconds)
+    if now - observed_since < policy.scale_down_stabilization_seconds:
+        down_ceiling = max(down_ceiling, current_replicas)  # not watched long enough to go down
+
+    metrics = DecisionMetrics(
+        kv_cache_utilization=stable.kv, queue_depth=stable.queue, running=stable.running,
+        ready_replicas=ready, measured_replicas=measured, demand=stable.demand_low,
+        stable_ratio=stable_ratio, panic_ratio=panic_ratio, recommendation=recommendation)
+    new_state = dataclasses.replace(base, recommendations=recs, panic_until=panic_until)
+    load = (f"demand {stable.demand_low:.2f} replicas (kv {stable.kv:.2f}, "
+            f"queue {stable.queue:.2f}/replica) on {current_replicas}")
+
+    if panicking:
+        panic_target = math.ceil(panic_agg.demand_low - 1e-9) if panic_agg else current_replicas
+        target = max(current_replicas, up_floor, panic_target)
+        if target > current_replicas:
+            return finish(target, "PanicScaleUp",
+                          f"panic: short-window load {panic_ratio or 0:.2f}x target; {load}",
+                          metrics, True, new_state)
+        return finish(current_replicas, "PanicHold",
+                      f"panic mode holds replicas (no scale-down while panicking); {load}",
+                      metrics, True, new_state)
+    if idle_long and current_replicas > 0:
+        return finish(0, "ScaleToZero",
+                      f"idle for {now - (idle_since or now):.0f}s >= scaleToZeroIdleSeconds",
+                      metrics, False, new_state)
+    if up_floor > current_replicas:
+        return finish(up_floor, "ScaleUp", load, metrics, False, new_state)
+    if recommendation > current_replicas:
+        return finish(current_replicas, "ScaleUpStabilizing",
+                      f"waiting out scaleUpStabilizationSeconds; {load}", metrics, False, new_state)
+    if down_ceiling < current_replicas:
+        return finish(down_ceiling, "ScaleDown", load, metrics, False, new_state)
+    if recommendation < current_replicas:
+        return finish(current_replicas, "ScaleDownStabilizing",
+                      f"lower demand must last scaleDownStabilizationSeconds; {load}",
+                      metrics, False, new_state)
+    return finish(current_replicas, "WithinTolerance", load, metrics, False, new_state)

@@ -1,0 +1,100 @@
+"""Plain metric samples the decision function consumes (no Kubernetes types).
+
+One `MetricsSample` is one scrape round at time `t`: a `ReplicaSample` for every replica that
+exists (should exist) at that moment, including the ones that are not ready or whose scrape
+failed; those are what keep a missing sample from ever looking like an idle replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSample:
+    """One replica's gauges at one scrape; `None` metrics mean the scrape failed.
+
+    kv_cache_usage: `argosy:kv_cache_usage_perc` (fraction 0..1);
+    num_waiting / num_running: `argosy:num_requests_waiting` / `argosy:num_requests_running`.
+    """
+
+    ready: bool = True
+    kv_cache_usage: float | None = None
+    num_waiting: float | None = None
+    num_running: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_usage", "num_waiting", "num_running"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name}: must be a finite number >= 0 or None, got {value!r}")
+
+    @property
+    def is_measured(self) -> bool:
+        """Ready and scraped: the only replicas whose load the decision may trust."""
+        return self.ready and self.kv_cache_usage is not None and self.num_waiting is not None
+
+    @property
+    def is_idle(self) -> bool:
+        """Measured with nothing running and nothing waiting (an unknown `running` is not idle)."""
+        return self.is_measured and self.num_waiting == 0 and self.num_running == 0
+
+    @classmethod
+    def from_trace(cls, obj: Mapping[str, Any]) -> ReplicaSample:
+        """Parse one replica of a trace line: `{"kv": .., "waiting": .., "running": .., "ready": ..}`."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"replica: must be an object, got {obj!r}")
+        unknown = set(obj) - {"kv", "waiting", "running", "ready"}
+        if unknown:
+            raise ValueError(f"replica: unknown keys {sorted(unknown)}")
+        ready = obj.get("ready", True)
+        if not isinstance(ready, bool):
+            raise ValueError(f"replica.ready: must be a boolean, got {ready!r}")
+
+        def num(key: str) -> float | None:
+            value = obj.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"replica.{key}: must be a number or null, got {value!r}")
+            return float(value)
+
+        return cls(ready=ready, kv_cache_usage=num("kv"), num_waiting=num("waiting"),
+                   num_running=num("running"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSample:
+    """All replicas of one deployment at time `t` (seconds on the decision's clock)."""
+
+    t: float
+    replicas: tuple[ReplicaSample, ...]
+
+    @property
+    def num_measured(self) -> int:
+        return sum(1 for r in self.replicas if r.is_measured)
+
+    @property
+    def num_unmeasured(self) -> int:
+        return len(self.replicas) - self.num_measured
+
+    @property
+    def is_idle(self) -> bool:
+        """Every replica measured and idle (an empty sample is not evidence of idleness)."""
+        return bool(self.replicas) and all(r.is_idle for r in self.replicas)
+
+    @classmethod
+    def from_trace(cls, obj: Mapping[str, Any]) -> MetricsSample:
+        """Parse one trace line: `{"t": seconds, "replicas": [...]}`."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"trace line: must be an object, got {obj!r}")
+        t = obj.get("t")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise ValueError(f"t: must be a number of seconds, got {t!r}")
+        replicas = obj.get("replicas")
+        if not isinstance(replicas, list):
+            raise ValueError(f"replicas: must be a list, got {replicas!r}")
+        return cls(t=float(t), replicas=tuple(ReplicaSample.from_trace(r) for r in replicas))

@@ -1,0 +1,10 @@
+"""Pure manifest builders: an LLMDeployment (and its normalized spec) in, child dicts out."""
+
+from __future__ import annotations
+
+from argosy_operator.builders.deployment import build_deployment
+from argosy_operator.builders.pdb import build_pdb
+from argosy_operator.builders.service import build_service
+from argosy_operator.builders.servicemonitor import build_servicemonitor
+
+__all__ = ["build_deployment", "build_service", "build_pdb", "build_servicemonitor"]

@@ -1,0 +1,189 @@
+"""The runtime Deployment of an LLMDeployment."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from argosy_operator.builders.common import child_metadata, common_labels, selector_labels
+from argosy_operator.builders.download import download_container
+from argosy_operator.builders.security import container_security_context, pod_security_context
+from argosy_operator.builders.serve_args import serve_args
+from argosy_operator.constants import (
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    RUNTIME_CONTAINER,
+    RUNTIME_PORT,
+    RUNTIME_PORT_NAME,
+    SHM_VOLUME,
+    TMP_VOLUME,
+)
+from argosy_operator.model_source import PVC_MOUNT, ModelSource, parse_model_source
+from argosy_operator.spec import runtime_image, termination_grace_seconds
+
+STARTUP_PROBE_PERIOD = 10
+# Shared memory for the CUDA runtime's IPC (the container default of 64 MiB is too small).
+SHM_SIZE = "1Gi"
+
+
+def _probe(path: str, *, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": RUNTIME_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+    res = spec["resources"]
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.get("cpu") is not None:
+        requests["cpu"] = str(res["cpu"])  # no CPU limit: throttling stalls decode steps
+    if res.get("memory") is not None:
+        requests["memory"] = limits["memory"] = str(res["memory"])
+    if res["gpus"] > 0:
+        # Extended resources: the limit is what counts; the request must equal it.
+        requests[res["gpuResourceName"]] = limits[res["gpuResourceName"]] = str(res["gpus"])
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: Mapping[str, Any], source: ModelSource) -> tuple[list[dict], list[dict]]:
+    """(pod volumes, runtime container mounts)."""
+    volumes: list[dict[str, Any]] = [{"name": TMP_VOLUME, "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": TMP_VOLUME, "mountPath": "/tmp"}]
+    if source.needs_download:
+        empty_dir: dict[str, Any] = {}
+        if spec["model"].get("cacheSizeLimit"):
+            empty_dir["sizeLimit"] = str(spec["model"]["cacheSizeLimit"])
+        volumes.append({"name": MODEL_VOLUME, "emptyDir": empty_dir})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.kind == "pvc":
+        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {
+            "claimName": source.location, "readOnly": True}})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": PVC_MOUNT, "readOnly": True})
+    if spec["resources"]["gpus"] > 0:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                         "sizeLimit": SHM_SIZE}})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    template = spec["podTemplate"]
+    volumes += [dict(v) for v in template.get("volumes", [])]
+    mounts += [dict(m) for m in template.get("volumeMounts", [])]
+    return volumes, mounts
+
+
+def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    # Caches on the writable /tmp (the root filesystem is read-only).
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
+    ]
+    user = [dict(e) for e in spec["runtime"].get("env", [])]
+    user_names = {e.get("name") for e in user}
+    return [e for e in env if e["name"] not in user_names] + user
+
+
+def _pod_spec(spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
+    runtime = spec["runtime"]
+    res = spec["resources"]
+    template = spec["podTemplate"]
+    image = runtime_image(spec)
+    volumes, mounts = _volumes(spec, source)
+    container: dict[str, Any] = {
+        "name": RUNTIME_CONTAINER,
+        "image": image,
+        "imagePullPolicy": runtime["imagePullPolicy"],
+        "command": ["argosy"],
+        "args": serve_args(spec, source.serve_path),
+        "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes: the startup probe holds liveness off until then.
+        "startupProbe": _probe("/health", period=STARTUP_PROBE_PERIOD, timeout=5, failures=max(
+            1, math.ceil(runtime["startupTimeoutSeconds"] / STARTUP_PROBE_PERIOD))),
+        "readinessProbe": _probe("/ready", period=5, timeout=3, failures=2),
+        "livenessProbe": _probe("/health", period=15, timeout=5, failures=4),
+        "securityContext": container_security_context(),
+    }
+    if runtime["preStopSleepSeconds"] > 0:
+        # Keep serving while endpoints and load balancers drop the pod; SIGTERM (drain) follows.
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": runtime["preStopSleepSeconds"]}}}
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "enableServiceLinks": False,
+        # The runtime never talks to the API server.
+        "automountServiceAccountToken": bool(template.get("serviceAccountName")),
+    }
+    if source.needs_download:
+        pod["initContainers"] = [download_container(spec, source, image,
+                                                    runtime["imagePullPolicy"])]
+    if template.get("serviceAccountName"):
+        pod["serviceAccountName"] = template["serviceAccountName"]
+    if template.get("imagePullSecrets"):
+        pod["imagePullSecrets"] = [{"name": n} for n in template["imagePullSecrets"]]
+    if res.get("nodeSelector"):
+        pod["nodeSelector"] = dict(res["nodeSelector"])
+    tolerations = [dict(t) for t in res.get("tolerations", [])]
+    if res["gpus"] > 0 and not any(t.get("key") == res["gpuResourceName"] for t in tolerations):
+        # GPU node pools are commonly tainted with the GPU resource name.
+        tolerations.insert(0, {"key": res["gpuResourceName"], "operator": "Exists",
+                               "effect": "NoSchedule"})
+    if tolerations:
+        pod["tolerations"] = tolerations
+    for key in ("affinity",):
+        if res.get(key):
+            pod[key] = res[key]
+    for key in ("runtimeClassName", "priorityClassName"):
+        if res.get(key):
+            pod[key] = res[key]
+    return pod
+
+
+def build_deployment(llmd: Mapping[str, Any], spec: Mapping[str, Any],
+                     replicas: int | None) -> dict[str, Any]:
+    """The Deployment for a normalized spec. `replicas=None` leaves spec.replicas out (when the
+    autoscaler owns it and the Deployment exists)."""
+    name = llmd["metadata"]["name"]
+    source = parse_model_source(spec["model"].get("source"), spec["model"].get("path"),
+                                spec["model"]["format"])
+    template = spec["podTemplate"]
+    pod_labels = {**template.get("labels", {}), **common_labels(name)}
+    pod_annotations = {
+        "kubectl.kubernetes.io/default-container": RUNTIME_CONTAINER,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(RUNTIME_PORT),
+        "prometheus.io/path": "/metrics",
+        **template.get("annotations", {}),
+    }
+    rollout = spec["rollout"]
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+            "maxSurge": rollout["maxSurge"], "maxUnavailable": rollout["maxUnavailable"]}},
+        "progressDeadlineSeconds": rollout["progressDeadlineSeconds"],
+        "revisionHistoryLimit": 5,
+        "template": {
+            "metadata": {"labels": pod_labels, "annotations": pod_annotations},
+            "spec": _pod_spec(spec, source),
+        },
+    }
+    if replicas is not None:
+        deployment_spec = {"replicas": int(replicas), **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(llmd),
+        "spec": deployment_spec,
+    }

@@ -1,0 +1,49 @@
+"""The `argosy serve` command line of the runtime container, derived from the spec."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from argosy_operator.constants import RUNTIME_PORT
+
+
+def speculative_json(speculative: Mapping[str, Any]) -> str:
+    """spec.runtime.speculative (camelCase) -> the runtime's `--speculative` JSON (snake_case)."""
+    out: dict[str, Any] = {
+        "method": speculative["method"],
+        "num_speculative_tokens": int(speculative["numSpeculativeTokens"]),
+    }
+    if speculative.get("draftModel"):
+        out["model"] = speculative["draftModel"]
+    return json.dumps(out, sort_keys=True, separators=(",", ":"))
+
+
+def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
+    """Arguments after `argosy` for a normalized spec (see `spec.normalize_spec`)."""
+    runtime = spec["runtime"]
+    args = [
+        "serve",
+        "--model", model_path,
+        "--served-model-name", spec["model"]["name"],
+        "--host", "0.0.0.0",
+        "--port", str(RUNTIME_PORT),
+        "--dtype", runtime["dtype"],
+    ]
+    if runtime.get("quantization"):
+        args += ["--quantization", runtime["quantization"]]
+    args += ["--kv-cache-dtype", runtime["kvCacheDtype"]]
+    if runtime.get("maxModelLen") is not None:
+        args += ["--max-model-len", str(runtime["maxModelLen"])]
+    args += ["--max-num-seqs", str(runtime["maxNumSeqs"])]
+    args += ["--block-size", str(runtime["blockSize"])]
+    args.append("--enable-prefix-caching" if runtime["prefixCaching"]
+                else "--no-enable-prefix-caching")
+    if runtime.get("speculative"):
+        args += ["--speculative", speculative_json(runtime["speculative"])]
+    args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
+    if runtime.get("maxWaiting") is not None:
+        args += ["--max-waiting", str(runtime["maxWaiting"])]
+    args += [str(a) for a in runtime.get("extraArgs", [])]
+    return args
