@@ -3,11 +3,43 @@
 Cache layout (shared by the torch and Triton paths, fixed in DESIGN.md):
   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 A sequence's token t lives in block block_tables[s, t // block_size] at row t % block_size.
+
+int8 KV cache: the caches hold int8 and `k_scale`/`v_scale` (float32
+[num_blocks, block_size, num_kv_heads], one scale per token per head) dequantize them:
+key = key_cache.float() * k_scale[..., None]. `reshape_and_cache` writes both.
+
+The Triton kernel runs one program per (sequence, kv head, context split). A program loads the
+query rows of every query head that shares the kv head (GQA: padded to 16 rows so `tl.dot`
+applies) and streams the sequence's K/V in tiles of TILE_N tokens, each token's block looked
+up in the block table, with an online softmax. When the batch is too small to fill the GPU
+(few sequences, long contexts) the context is cut into splits ("flash decoding"): each split
+writes an unnormalised partial result with its running max and sum, and a second kernel
+combines them. Nothing depends on host values of `context_lens`, so the launch can be captured
+in a CUDA graph.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from argosy_kernels._triton import (
+    check_device,
+    interpret_mode,
+    next_pow2,
+    num_sms,
+    triton_jit,
+)
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Each split covers at least this many tokens: below it the combine step costs more than the
+# extra parallelism buys.
+_MIN_PARTITION = 256
+_MAX_SPLITS = 64
 
 
 def paged_decode_attention_ref(
@@ -17,11 +49,15 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
     context_lens: torch.Tensor,  # int32 [num_seqs], the current token included
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence against all of its cached tokens (pure torch).
 
     Gathers each sequence's blocks into a dense [num_seqs, max_len] view, then does masked
     softmax attention in float32. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+    With an int8 cache, pass the per-token-per-head `k_scale`/`v_scale`.
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -34,6 +70,10 @@ def paged_decode_attention_ref(
     # [num_seqs, max_len, num_kv_heads, head_dim]
     keys = key_cache[blocks].flatten(1, 2)[:, :max_len].float()
     values = value_cache[blocks].flatten(1, 2)[:, :max_len].float()
+    if k_scale is not None:
+        keys = keys * k_scale[blocks].flatten(1, 2)[:, :max_len, :, None].float()
+    if v_scale is not None:
+        values = values * v_scale[blocks].flatten(1, 2)[:, :max_len, :, None].float()
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [s, kvh, group, max_len]
     positions = torch.arange(max_len, device=query.device)
@@ -42,3 +82,315 @@ def paged_decode_attention_ref(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("skgt,stkd->skgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+@triton_jit
+def _paged_decode_attention_kernel(
+    out_ptr,  # [S, H, D] when NUM_SPLITS == 1, else float32 partial acc [S, H, NUM_SPLITS, D]
+    m_ptr,  # float32 [S, H, NUM_SPLITS]: running max (log2 domain) of each split
+    l_ptr,  # float32 [S, H, NUM_SPLITS]: running softmax denominator of each split
+    q_ptr,  # [S, H, D]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,
+    k_scale_ptr,  # float32 [NB, BS, KVH] (int8 cache only)
+    v_scale_ptr,
+    block_tables_ptr,  # int32 [S, MAX_BLOCKS]
+    context_lens_ptr,  # int32 [S]
+    scale_log2e,  # softmax scale * log2(e): the kernel works with exp2
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_sb,  # scales: [NB, BS, KVH] with unit head stride
+    stride_st,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    partition_size,  # tokens per split, a multiple of TILE_N
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # dot in float32 (fp32 inputs; bf16 under the interpreter)
+    DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    start = split * partition_size
+    end = tl.minimum(ctx, start + partition_size)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    head = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, HEAD_DIM_PAD]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        tok = tile_start + tl.arange(0, TILE_N)
+        t_mask = tok < end
+        blk = tl.load(
+            block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0
+        ).to(tl.int64)
+        row = tok % BLOCK_SIZE
+        # K^T tile [HEAD_DIM_PAD, TILE_N], V tile [TILE_N, HEAD_DIM_PAD]
+        kt = tl.load(
+            k_cache_ptr + blk[None, :] * stride_kb + row[None, :] * stride_kt
+            + kvh * stride_kh + d[:, None],
+            mask=d_mask[:, None] & t_mask[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vb + row[:, None] * stride_vt
+            + kvh * stride_vh + d[None, :],
+            mask=t_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if KV_INT8:
+            kt = kt.to(tl.float32).to(q.dtype)
+        elif UPCAST_DOT:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2e  # [GROUP_PAD, TILE_N]
+        if KV_INT8:
+            ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask, other=0.0)
+            s = s * ks[None, :]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask, other=0.0)
+            p = p * vs[None, :]
+            v = v.to(tl.float32).to(q.dtype)
+        elif UPCAST_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    mask_out = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # A sequence with no tokens (a padded CUDA-graph slot) yields zeros, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_os + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_out,
+        )
+    else:
+        ml_off = (seq * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(m_ptr + ml_off, m_i, mask=g_mask)
+        tl.store(l_ptr + ml_off, l_i, mask=g_mask)
+        tl.store(out_ptr + ml_off[:, None] * HEAD_DIM + d[None, :], acc, mask=mask_out)
+
+
+@triton_jit
+def _paged_decode_attention_reduce_kernel(
+    out_ptr,  # [S, H, D]
+    acc_ptr,  # float32 [S, H, NUM_SPLITS, D]
+    m_ptr,  # float32 [S, H, NUM_SPLITS]
+    l_ptr,
+    stride_os,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    sp_mask = sp < NUM_SPLITS
+    base = (seq * num_heads + head) * NUM_SPLITS
+    m = tl.load(m_ptr + base + sp, mask=sp_mask, other=float("-inf"))
+    lsum = tl.load(l_ptr + base + sp, mask=sp_mask, other=0.0)
+    # Splits past the end of the context hold m = -inf, lsum = 0: weight 0. The clamp keeps an
+    # all-empty row (context length 0) at 0 instead of NaN.
+    m_max = tl.maximum(tl.max(m, axis=0), -1e30)
+    w = tl.exp2(m - m_max)  # [SPLITS_PAD]
+    acc = tl.load(
+        acc_ptr + (base + sp[:, None]) * HEAD_DIM + d[None, :],
+        mask=sp_mask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    denom = tl.sum(w * lsum, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def _choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, tile_n: int,
+                   device: torch.device) -> int:
+    """Splits per sequence so that num_seqs * num_kv_heads * splits fills the GPU twice over."""
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms(device)
+    if programs >= target or max_len <= 2 * _MIN_PARTITION:
+        return 1
+    by_length = -(-max_len // _MIN_PARTITION)
+    return max(1, min(-(-target // programs), by_length, _MAX_SPLITS))
+
+
+def check_paged_attention_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Shape/dtype checks shared by the decode and prefill launchers (ValueError on misuse)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache/value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"key_cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("key_cache/value_cache must be contiguous in head_dim")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_tables must be an int32 [num_seqs, max_blocks_per_seq] tensor")
+    is_int8 = key_cache.dtype == torch.int8
+    if is_int8 != (k_scale is not None) or is_int8 != (v_scale is not None):
+        raise ValueError("k_scale and v_scale are required exactly when the cache dtype is int8")
+    if is_int8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None or s.shape != key_cache.shape[:3] or s.dtype != torch.float32 or not s.is_contiguous():
+                raise ValueError(
+                    f"{name} must be a contiguous float32 [num_blocks, block_size, num_kv_heads] "
+                    f"tensor, got {s.dtype} {tuple(s.shape)}"
+                )
+    elif key_cache.dtype != query.dtype:
+        raise ValueError(f"cache dtype {key_cache.dtype} != query dtype {query.dtype}")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    context_lens: torch.Tensor,  # int32 [num_seqs], the current token included
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged decode attention; same contract as `paged_decode_attention_ref`.
+
+    `num_splits` forces the number of context splits (None: chosen from the batch size, the
+    block-table width and the GPU's SM count). No host sync: the launch is CUDA-graph safe,
+    with the split count fixed by `block_tables.shape[1]` (the capture's maximum context).
+    A sequence with context length 0 yields zeros.
+    """
+    check_paged_attention_inputs(query, key_cache, value_cache, block_tables, k_scale, v_scale)
+    check_device(query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError("out must match query's shape and dtype, contiguous in head_dim")
+    if num_seqs == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+
+    interp = interpret_mode()
+    tile_n = 16 if interp else 64
+    max_len = block_tables.shape[1] * block_size  # an upper bound, known without a sync
+    if num_splits is None:
+        num_splits = 1 if interp else _choose_splits(
+            num_seqs, num_kv_heads, max_len, tile_n, query.device
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    partition = -(-max(1, -(-max_len // num_splits)) // tile_n) * tile_n
+    num_splits = max(1, -(-max_len // partition))
+    group = num_heads // num_kv_heads
+    is_int8 = key_cache.dtype == torch.int8
+    upcast = query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16)
+    k_s = k_scale if k_scale is not None else context_lens  # dummy pointer when unused
+    v_s = v_scale if v_scale is not None else context_lens
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
+
+    if num_splits == 1:
+        dst, m_buf, l_buf = out, out, out
+        o_strides = (out.stride(0), out.stride(1))
+    else:
+        dst = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                          device=query.device)
+        m_buf = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                            device=query.device)
+        l_buf = torch.empty_like(m_buf)
+        o_strides = (0, 0)
+    _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        dst, m_buf, l_buf, query, key_cache, value_cache, k_s, v_s, block_tables, context_lens,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        *scale_strides,
+        block_tables.stride(0),
+        *o_strides,
+        partition,
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        KV_INT8=is_int8,
+        UPCAST_DOT=upcast,
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](
+            out, dst, m_buf, l_buf, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=next_pow2(head_dim),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "check_paged_attention_inputs",
+]
