@@ -1,0 +1,30 @@
+"""Per-step attention inputs for one flattened batch.
+
+The runner orders sequences with one query token (decodes) first, then the sequences with
+several (prompt chunks, speculative verification). Every layer reuses this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot of each new token
+    num_decodes: int  # the first num_decodes tokens are single-token sequences
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # int32 [num_decodes], the new token included
+    # Multi-token sequences, in order after the decodes (python ints: used for slicing).
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]  # tokens in cache after this step, the chunk included
+    prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
+    # Paged-kernel form of the prefill part (Triton path): offsets into the prefill tokens.
+    prefill_query_start_loc: torch.Tensor | None = None  # int32 [num_prefills + 1]
+    prefill_seq_lens_t: torch.Tensor | None = None  # int32 [num_prefills]
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_query_lens)

@@ -1,0 +1,72 @@
+"""Pure-torch attention backend (the CPU path; also the reference for the Triton backend)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from argosy_kernels.paged_attention import paged_decode_attention_ref
+from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
+
+from argosy_runtime.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        # All new K/V are written before any attention reads, so a sequence may read blocks
+        # another sequence writes in this same step (same-step prefix-cache hits).
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = paged_decode_attention_ref(
+                query[:nd], key_cache, value_cache, meta.decode_block_tables,
+                meta.decode_context_lens, self.scale,
+            )
+        start = nd
+        block_size = key_cache.shape[1]
+        for i, (q_len, seq_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
+            end = start + q_len
+            num_context = seq_len - q_len
+            if num_context == 0:
+                k, v = key[start:end], value[start:end]
+            else:
+                blocks = meta.prefill_block_tables[i, : -(-seq_len // block_size)].long()
+                k = key_cache[blocks].flatten(0, 1)[:seq_len]
+                v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            out[start:end] = self._causal_attention(query[start:end], k, v, num_context)
+            start = end
+        return out
+
+    def _causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+    ) -> torch.Tensor:
+        # q: [q_len, H, D]; k, v: [seq_len, KVH, D]; query i sits at position num_context + i.
+        q_len, seq_len = q.shape[0], k.shape[0]
+        mask = None
+        if num_context:
+            positions = torch.arange(seq_len, device=q.device)
+            mask = positions[None, :] <= (num_context + torch.arange(q_len, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,354 @@
+"""`LLMEngine`: requests in, one scheduled and executed step at a time, outputs out.
+
+    engine = LLMEngine(model="smollm2-135m", dtype="float32")
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+Not thread-safe: one thread calls add_request / step / abort_request (the server's
+AsyncEngine funnels everything through its engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from argosy_runtime.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from argosy_runtime.detokenizer import IncrementalDetokenizer
+from argosy_runtime.engine_args import EngineArgs
+from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
+from argosy_runtime.models import LlamaForCausalLM
+from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
+from argosy_runtime.request import Request, RequestStatus
+from argosy_runtime.sampling_params import SamplingParams
+from argosy_runtime.scheduler import Scheduler
+
+logger = logging.getLogger("argosy.engine")
+
+_CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
+_KV_CACHE_DTYPES = ("auto", "int8")
+
+
+class LLMEngine:
+    def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
+        self.args = EngineArgs.from_kwargs(model=model, **kwargs)
+        args = self.args
+        if args.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {args.kv_cache_dtype!r}")
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype)
+        started = time.monotonic()
+
+        from argosy_runtime.model_loader import load_checkpoint
+
+        checkpoint = load_checkpoint(args.model)
+        self.checkpoint = checkpoint
+        self.spec = checkpoint.spec
+        self.tokenizer = checkpoint.tokenizer
+        self.served_model_name = args.served_model_name or args.model
+        self.max_model_len = min(args.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        if args.max_model_len is not None and args.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({args.max_model_len}) exceeds the model's context length "
+                f"({self.spec.max_position_embeddings})"
+            )
+        self.model = self._load_model(checkpoint)
+        self.quantization = self._quantization_name()
+
+        cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
+        bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
+        num_blocks = self._kv_cache_memory() // bytes_per_block
+        self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
+                                        args.enable_prefix_caching)
+        default_budget = 2048 if self.device.type == "cuda" else 512
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or (
+                default_budget if args.enable_chunked_prefill else max(default_budget, self.max_model_len)
+            ),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
+                                       args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
+                                  self.spec.vocab_size, seed=args.seed)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.proposer = self._build_proposer()
+
+        self._groups: dict[str, list[Request]] = {}  # parent request id -> its n sequences
+        self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
+        self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
+        logger.info(
+            "engine ready in %.1fs: model=%s device=%s dtype=%s quantization=%s kv_cache=%s "
+            "blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
+            time.monotonic() - started, args.model, self.device, self.dtype, self.quantization,
+            cache_dtype, self.cache_config.num_blocks, args.block_size,
+            self.cache_config.num_blocks * bytes_per_block / 2**20, self.max_model_len,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(**args.to_dict())
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _load_model(self, checkpoint: Any) -> LlamaForCausalLM:
+        model = LlamaForCausalLM(self.spec, self.dtype, max_positions=self.max_model_len)
+        quant_config = self._quantization_config(checkpoint)
+        if quant_config is None:
+            loaded = model.load_weights(checkpoint.iter_weights())
+            model.check_all_loaded(loaded)
+        else:
+            from argosy_runtime.quantization import load_quantized_weights
+
+            load_quantized_weights(model, checkpoint, quant_config)
+        return model.to(self.device).eval()
+
+    def _quantization_config(self, checkpoint: Any) -> Any:
+        if self.args.quantization is None:
+            try:
+                from argosy_runtime.quantization import detect_prequantized
+            except ImportError:
+                return None
+            return detect_prequantized(checkpoint)
+        if self.args.quantization not in ("int8", "int4"):
+            raise ValueError(
+                f"quantization must be one of int8, int4 (or unset), got {self.args.quantization!r}"
+            )
+        from argosy_runtime.quantization import QuantizationConfig
+
+        return QuantizationConfig(method=self.args.quantization,
+                                  group_size=self.args.quantization_group_size)
+
+    def _quantization_name(self) -> str:
+        cfg = self._quantization_config(self.checkpoint) if self.args.quantization is None else None
+        if self.args.quantization:
+            return self.args.quantization
+        return getattr(cfg, "method", None) or "none"
+
+    def _kv_cache_memory(self) -> int:
+        if self.args.kv_cache_memory is not None:
+            if self.args.kv_cache_memory <= 0:
+                raise ValueError("kv_cache_memory must be > 0 bytes")
+            return self.args.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.args.kv_cache_memory_fraction)
+        return _CPU_DEFAULT_KV_CACHE_MEMORY
+
+    def _build_proposer(self) -> Any:
+        if self.args.speculative is None:
+            return None
+        from argosy_runtime.spec_decode import build_proposer
+
+        return build_proposer(self, self.args.speculative)
+
+    # ---- public API --------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. Raises ValueError (naming the field) for input that can never run."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise ValueError(
+                    f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
+                    f"within max_model_len ({self.max_model_len})"
+                )
+        elif len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        blocks_needed = -(-(len(prompt_ids) + max_tokens) // self.cache_config.block_size)
+        if blocks_needed > self.cache_config.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks_needed} KV-cache blocks but the whole pool "
+                f"has {self.cache_config.num_blocks}; lower max_tokens or raise kv_cache_memory"
+            )
+        params = params.clone()
+        params.all_stop_token_ids = set() if params.ignore_eos else set(self._stop_ids)
+        children = []
+        for i in range(params.n):
+            child = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=prompt_ids, params=params, max_tokens=max_tokens,
+                prompt=prompt_text, arrival_time=arrival_time, priority=priority,
+                index=i, parent_id=request_id,
+            )
+            if params.seed is not None:
+                child.generator = torch.Generator().manual_seed((params.seed + i) % (1 << 63))
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                       params.skip_special_tokens)
+            children.append(child)
+        self._groups[request_id] = children
+        for child in children:
+            self.scheduler.add_request(child)
+        self.stats.prompt_tokens += len(prompt_ids)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now; their KV blocks return to the pool. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for child in self._groups.pop(rid, []):
+                if not child.is_finished:
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; return every request that produced output."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        result = self.runner.execute(sched)
+        progressed: dict[str, None] = {}
+        for sr in sched.scheduled:
+            req = sr.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if req.request_id in result.prompt_logprobs:
+                req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+            if sr.num_spec_tokens:
+                tokens = self.proposer.verify(sr, result.spec_logits[req.request_id])
+            else:
+                req.num_computed_tokens += sr.num_new_tokens
+                tokens = result.sampled.get(req.request_id, [])
+            if not tokens:
+                continue
+            logprobs = result.logprobs.get(req.request_id)
+            self._append_tokens(req, tokens, logprobs)
+            progressed[req.parent_id] = None
+        return [self._make_output(pid) for pid in progressed]
+
+    def get_stats(self) -> EngineStats:
+        s = self.stats
+        s.num_requests_running = self.scheduler.num_running
+        s.num_requests_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = self.kv_cache.usage()
+        s.prefix_cache_queries = self.kv_cache.prefix_cache_queries
+        s.prefix_cache_hits = self.kv_cache.prefix_cache_hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        return s
+
+    def cache_config_info(self) -> dict[str, str]:
+        c = self.cache_config
+        return {
+            "block_size": str(c.block_size),
+            "num_gpu_blocks": str(c.num_blocks),
+            "cache_dtype": str(c.cache_dtype).replace("torch.", ""),
+            "enable_prefix_caching": str(c.enable_prefix_caching),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "quantization": self.quantization,
+            "device": str(self.device),
+            "max_model_len": str(self.max_model_len),
+        }
+
+    # ---- internals ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt must not be empty (it tokenized to no tokens)")
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.spec.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt[{i}] = {t!r} is not a token id in [0, {vocab})")
+        return None, list(prompt)
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> None:
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        params = req.params
+        for i, token in enumerate(tokens):
+            req.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if req.logprobs is not None and logprobs is not None and i < len(logprobs):
+                entry = logprobs[i]
+                req.logprobs.append(entry)
+                req.cumulative_logprob += entry[token].logprob
+            delta = req.detokenizer.push([token])
+            status = self._check_stop(req, token, delta)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                req.metrics.finished_time = now
+                return
+
+    def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
+        params = req.params
+        text_before = req.text
+        req.text += delta
+        if token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop and delta and req.num_output_tokens >= params.min_tokens:
+            longest = max(len(s) for s in params.stop)
+            search_from = max(0, len(text_before) - longest + 1)
+            for stop in params.stop:
+                idx = req.text.find(stop, search_from)
+                if idx != -1:
+                    end = idx + len(stop) if params.include_stop_str_in_output else idx
+                    req.text = req.text[:end]
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        children = self._groups[parent_id]
+        first = children[0]
+        outputs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=c.output_token_ids,
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=c.logprobs,
+                finish_reason=c.status.value if c.is_finished else None,
+                stop_reason=c.stop_reason,
+            )
+            for c in children
+        ]
+        finished = all(c.is_finished for c in children)
+        if finished:
+            del self._groups[parent_id]
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=first.metrics,
+        )

@@ -1,0 +1,67 @@
+"""`LLM`: offline batch generation on top of `LLMEngine`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from argosy_runtime.engine import LLMEngine
+from argosy_runtime.engine_args import EngineArgs
+from argosy_runtime.outputs import RequestOutput
+from argosy_runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+        llm = LLM(model="smollm2-135m")
+        outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+        print(outs[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
+        self.engine = LLMEngine(model=model, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a str or a list of token ids counts as one)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            self.engine.abort_request(added)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]
+        return self.generate(prompts, params)

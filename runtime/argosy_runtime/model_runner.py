@@ -1,0 +1,209 @@
+"""Runs one step: flattens every scheduled token into one batch, runs the model, samples.
+
+Owns the model, the paged KV cache tensors and the attention backend. Sequences with a single
+query token (decodes) go first in the batch so attention handles them with one batched
+paged-decode call; multi-token sequences (prompt chunks, speculative verification) follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
+from argosy_runtime.config import CacheConfig
+from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
+from argosy_runtime.outputs import Logprob, PositionLogprobs
+from argosy_runtime.request import Request
+from argosy_runtime.sampler import Sampler
+from argosy_runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> sampled token ids this step (empty for a prompt chunk that did not finish)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> logprobs of each sampled token
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> prompt logprobs computed this step (for prompt tokens, in order)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> float32 logits [num_spec + 1, vocab] for speculative verification
+    spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
+    s = model.spec
+    per_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim
+    elem = torch.tensor([], dtype=cache_dtype).element_size()
+    scales = 2 * s.num_hidden_layers * s.num_key_value_heads * 4 if cache_dtype == torch.int8 else 0
+    return block_size * (per_token * elem + scales)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, kv_cache: KVCacheManager,
+                 device: torch.device, vocab_size: int, seed: int = 0) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.cache_config = cache_config
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = cache_config.block_size
+        s = self.spec
+        self.backend = TorchAttentionBackend(
+            s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5
+        )
+        shape = (s.num_hidden_layers, 2, cache_config.num_blocks, self.block_size,
+                 s.num_key_value_heads, s.head_dim)
+        # Zero-filled: padded positions are masked, but 0 * NaN garbage would still be NaN.
+        self.kv = torch.zeros(shape, dtype=cache_config.cache_dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_hidden_layers)]
+        self.kv_scales = None
+        if cache_config.cache_dtype == torch.int8:
+            self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.sampler = Sampler(vocab_size, generator)
+
+    # ---- inputs -------------------------------------------------------------------------
+    def _prepare(self, scheduled: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        decode_tables, decode_lens = [], []
+        prefill_tables, q_lens, seq_lens = [], [], []
+        for sr in scheduled:
+            req = sr.request
+            start = req.num_computed_tokens
+            end = start + sr.num_new_tokens
+            tokens = req.token_ids[start:end]
+            if sr.num_spec_tokens:
+                tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
+            input_ids.extend(tokens)
+            pos = np.arange(start, end)
+            positions.append(pos)
+            block_ids = np.asarray(self.kv_cache.block_ids(req.request_id), dtype=np.int64)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            if sr.num_new_tokens == 1:
+                decode_tables.append(block_ids)
+                decode_lens.append(end)
+            else:
+                prefill_tables.append(block_ids)
+                q_lens.append(sr.num_new_tokens)
+                seq_lens.append(end)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_lens),
+            decode_block_tables=_pad_tables(decode_tables, dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefill_query_lens=q_lens,
+            prefill_seq_lens=seq_lens,
+            prefill_block_tables=_pad_tables(prefill_tables, dev),
+            prefill_query_start_loc=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
+            prefill_seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta,
+        )
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Decodes first (stable: keeps the scheduler's order within each group).
+        scheduled = sorted(sched.scheduled, key=lambda sr: sr.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare(scheduled)
+        ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
+        hidden = self.model(input_ids, positions, ctx)
+
+        # Which rows need logits: the last row of each sequence that samples, every draft row
+        # plus the bonus row of speculative sequences, and prompt rows for prompt_logprobs.
+        rows: list[int] = []
+        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        spec_rows: list[tuple[ScheduledRequest, int, int]] = []
+        prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
+        offset = 0
+        for sr in scheduled:
+            req = sr.request
+            n = sr.num_new_tokens
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+                # Position p predicts prompt token p + 1; the first row of this chunk is at
+                # position num_computed_tokens.
+                first = req.num_computed_tokens
+                last = min(first + n, req.num_prompt_tokens - 1)
+                first = max(first, len(req.prompt_logprobs) - 1)
+                if last > first:
+                    prompt_rows.append((sr, len(rows), last - first, first + 1))
+                    rows.extend(range(offset + first - req.num_computed_tokens,
+                                      offset + last - req.num_computed_tokens))
+            if sr.num_spec_tokens:
+                spec_rows.append((sr, len(rows), sr.num_spec_tokens + 1))
+                rows.extend(range(offset + n - sr.num_spec_tokens - 1, offset + n))
+            elif sr.completes_sequence:
+                sample_rows.append((sr, len(rows)))
+                rows.append(offset + n - 1)
+            offset += n
+        out = ModelRunnerOutput()
+        if not rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = logits.cpu()
+        if sample_rows:
+            reqs = [sr.request for sr, _ in sample_rows]
+            sampled = self.sampler(logits[[r for _, r in sample_rows]], reqs)
+            for i, (sr, _) in enumerate(sample_rows):
+                rid = sr.request.request_id
+                out.sampled[rid] = [sampled.token_ids[i]]
+                if sr.request.logprobs is not None and sampled.sampled_logprobs is not None:
+                    out.logprobs[rid] = [_position_logprobs(
+                        sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.sampled_ranks[i],
+                        sampled.topk_ids[i][: sr.request.params.logprobs],
+                        sampled.topk_logprobs[i][: sr.request.params.logprobs],
+                    )]
+        for sr, start, count in spec_rows:
+            out.spec_logits[sr.request.request_id] = logits[start : start + count]
+        for sr, start, count, first_target in prompt_rows:
+            req = sr.request
+            targets = torch.tensor(req.token_ids[first_target : first_target + count])
+            out.prompt_logprobs[req.request_id] = _prompt_logprobs(
+                logits[start : start + count], targets, req.params.prompt_logprobs or 0
+            )
+        return out
+
+
+def _pad_tables(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    if not tables:
+        return torch.zeros((0, 1), dtype=torch.int32, device=device)
+    width = max(len(t) for t in tables)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return torch.from_numpy(out).to(device)
+
+
+def _position_logprobs(token: int, logprob: float, rank: int, top_ids: list[int],
+                       top_lps: list[float]) -> PositionLogprobs:
+    entry: PositionLogprobs = {token: Logprob(logprob, rank)}
+    for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+        if tid not in entry:
+            entry[tid] = Logprob(lp, r)
+    return entry
+
+
+def _prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[PositionLogprobs]:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+    ranks = (logprobs > target_lp[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    out = []
+    for i in range(len(targets)):
+        ids = top_ids[i].tolist() if k > 0 else []
+        lps = top_lp[i].tolist() if k > 0 else []
+        out.append(_position_logprobs(int(targets[i]), float(target_lp[i]), int(ranks[i]), ids, lps))
+    return out

@@ -1,0 +1,209 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch.
+
+No padding: the batch is every scheduled token of every request, one after another
+([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
+q/k/v and gate/up projections are fused into single matmuls (fewer, larger GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from argosy_runtime.models.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from argosy_runtime.attention import AttentionMetadata
+    from argosy_runtime.model_loader import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm (variance in float32).
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = spec.num_key_value_heads
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = ctx.rotary(positions, q, k)
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, **ctx.cache_kwargs(self.layer_idx))
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ForwardContext:
+    """What every layer needs besides its input: the cache, the backend, step metadata."""
+
+    def __init__(self, rotary: RotaryEmbedding, backend: Any, kv_caches: list, meta: AttentionMetadata,
+                 kv_scales: list | None = None) -> None:
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_caches = kv_caches  # per layer: (key_cache, value_cache)
+        self.meta = meta
+        self.kv_scales = kv_scales  # per layer: (k_scale, v_scale) for the int8 cache, else None
+
+    def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        if self.kv_scales is None:
+            return {}
+        k_scale, v_scale = self.kv_scales[layer_idx]
+        return {"k_scale": k_scale, "v_scale": v_scale}
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+        self.rotary = RotaryEmbedding(
+            spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
+            spec.rope_scaling, dtype,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
+        """Hidden states after the final norm: [num_tokens, hidden]."""
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(positions, h, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [n, vocab] float32 for the sampler
+
+    # ---- weights ------------------------------------------------------------------------
+    # HF name suffix -> (our parameter suffix, shard index within the fused parameter)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def fused_shard_sizes(self, fused_name: str) -> list[int]:
+        s = self.spec
+        if fused_name == "qkv_proj":
+            kv = s.num_key_value_heads * s.head_dim
+            return [s.num_attention_heads * s.head_dim, kv, kv]
+        return [s.intermediate_size, s.intermediate_size]
+
+    def map_weight_name(self, hf_name: str) -> tuple[str, int | None]:
+        """HF parameter name -> (our parameter name, shard index or None if not fused)."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in self._FUSED:
+            fused, shard = self._FUSED[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        return hf_name, None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters. Returns the names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            name, shard = self.map_weight_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to this model")
+            param = params[name]
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"shape mismatch for {hf_name}: checkpoint {tuple(tensor.shape)}, "
+                        f"model {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+            else:
+                fused = name.rsplit(".", 2)[-2]
+                sizes = self.fused_shard_sizes(fused)
+                offset = sum(sizes[:shard])
+                target = param.narrow(0, offset, sizes[shard])
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"shape mismatch for {hf_name}: checkpoint {tuple(tensor.shape)}, "
+                        f"model {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+            loaded.add(f"{name}#{shard}" if shard is not None else name)
+        return loaded
+
+    def check_all_loaded(self, loaded: set[str]) -> None:
+        expected = set()
+        for name, _ in self.named_parameters():
+            fused = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            if fused in ("qkv_proj", "gate_up_proj"):
+                n = 3 if fused == "qkv_proj" else 2
+                expected.update(f"{name}#{i}" for i in range(n))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")

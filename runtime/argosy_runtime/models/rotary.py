@@ -1,0 +1,68 @@
+"""Rotary position embeddings, computed exactly as Hugging Face transformers does.
+
+Matching transformers bit for bit matters: greedy outputs are compared token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the attention scaling factor."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq, 1.0
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(rope_scaling["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling), 1.0
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
+    factor = cfg["factor"]
+    low_freq_factor = cfg["low_freq_factor"]
+    high_freq_factor = cfg["high_freq_factor"]
+    old_context_len = cfg["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables indexed by position; applied to q and k out of place."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 rope_scaling: dict | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, rope_scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

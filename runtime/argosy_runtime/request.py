@@ -1,0 +1,110 @@
+"""One sequence being generated, as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from argosy_runtime.outputs import PositionLogprobs, RequestMetrics
+from argosy_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from argosy_runtime.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """A prompt plus its growing output.
+
+    `token_ids` is prompt + output. `num_computed_tokens` counts tokens whose K/V are in the
+    cache; a running decode has `num_computed_tokens == num_tokens - 1` (the last sampled token
+    is fed in the next step).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        index: int = 0,
+        parent_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index  # position among the parent's n sequences
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 = unset
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.text = ""  # output text (stop strings already applied)
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Scheduling order: lower priority value first, then first come first served."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

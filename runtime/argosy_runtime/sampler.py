@@ -1,0 +1,156 @@
+"""Token sampling for a whole batch at once.
+
+Order per row: penalties (repetition, frequency, presence) and min_tokens masking on the raw
+logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses
+the exponential-race trick (argmax of p / Exp(1) noise), so rows with their own seeded
+generator and rows on the shared generator go through the same code.
+Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
+reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from argosy_runtime.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one sampled token per row
+    # Present when any row asked for logprobs (rows that did not ask are still filled).
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, generator: torch.Generator | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: float32 [num_rows, vocab] (rows may exceed the model's real vocab size)."""
+        logits = logits[:, : self.vocab_size]
+        raw = logits
+        logits = self._apply_penalties(logits, requests)
+        logits = self._mask_min_tokens(logits, requests)
+
+        greedy = [r.params.is_greedy for r in requests]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, greedy)
+        out = SamplerOutput(token_ids=tokens.tolist())
+        max_logprobs = max((r.params.logprobs or 0) for r in requests if r.params.logprobs is not None) \
+            if any(r.params.logprobs is not None for r in requests) else None
+        if max_logprobs is not None:
+            self._fill_logprobs(out, raw, tokens, max_logprobs)
+        return out
+
+    # ---- logits processing ----------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        needs = [
+            r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
+            or r.params.frequency_penalty != 0.0
+            for r in requests
+        ]
+        if not any(needs):
+            return logits
+        logits = logits.clone()
+        rows = [i for i, n in enumerate(needs) if n]
+        vocab = logits.shape[1]
+        for i in rows:  # penalties are rare; a per-row loop keeps this simple and exact
+            p = requests[i].params
+            out_ids = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
+            out_ids = out_ids[out_ids < vocab]
+            counts = torch.zeros(vocab, dtype=logits.dtype)
+            counts.scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                ids = torch.tensor(requests[i].token_ids, dtype=torch.long)
+                seen[ids[ids < vocab]] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = torch.where(seen, penalized, row)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+            logits[i] = row
+        return logits
+
+    def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = requests[i].params
+            stop_ids = [t for t in (set(p.stop_token_ids) | p.all_stop_token_ids) if t < logits.shape[1]]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        n = logits.shape[0]
+        temps = torch.tensor([r.params.temperature if not g else 1.0
+                              for r, g in zip(requests, greedy)], dtype=logits.dtype)
+        scaled = logits / temps[:, None]
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        min_p = [r.params.min_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(m > 0 for m in min_p):
+            min_p_t = torch.tensor(min_p, dtype=probs.dtype)[:, None]
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p_t
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, r in enumerate(requests) if r.generator is None]
+        if shared_rows:
+            noise[shared_rows] = torch.empty(
+                len(shared_rows), probs.shape[1], dtype=probs.dtype
+            ).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy)
+            sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        assert sampled.shape[0] == n
+        return sampled
+
+    def _fill_logprobs(self, out: SamplerOutput, raw: torch.Tensor, tokens: torch.Tensor,
+                       k: int) -> None:
+        logprobs = torch.log_softmax(raw, dim=-1)
+        sampled_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        ranks = (logprobs > sampled_lp[:, None]).sum(dim=-1) + 1
+        out.sampled_logprobs = sampled_lp.tolist()
+        out.sampled_ranks = ranks.tolist()
+        if k > 0:
+            values, ids = logprobs.topk(k, dim=-1)
+            out.topk_ids = ids.tolist()
+            out.topk_logprobs = values.tolist()
+        else:
+            out.topk_ids = [[] for _ in range(len(out.token_ids))]
+            out.topk_logprobs = [[] for _ in range(len(out.token_ids))]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); keeps at least one token."""
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    positions = torch.arange(vocab)[None, :]
+    mask = positions >= k[:, None]  # outside top-k
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    mask = cum_before >= p
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

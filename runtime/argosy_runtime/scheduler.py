@@ -1,0 +1,151 @@
+"""Continuous batching: each step decides which requests run and how many tokens each.
+
+Every step serves running requests first (decodes, and the next chunk of partially prefilled
+prompts), then admits waiting requests while the token budget, `max_num_seqs` and free KV
+blocks allow. A long prompt is split into chunks (chunked prefill) so it never stalls the
+running decodes. When blocks run out, the lowest-priority / newest running request is
+preempted: its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from argosy_runtime.config import SchedulerConfig
+from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens fed this step, draft tokens included
+    num_spec_tokens: int = 0  # trailing draft tokens among them
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step reaches the end of the known tokens, so it samples a token."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length, aborted): its blocks go back to the pool."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, highest priority first. Victims for preemption come from the
+        #    back of the list, which holds requests not yet scheduled this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_spec = len(req.spec_token_ids)
+            num_new = req.num_tokens + num_spec - req.num_computed_tokens
+            if num_new > budget:
+                num_spec = max(0, num_spec - (num_new - budget))
+                num_new = req.num_tokens + num_spec - req.num_computed_tokens
+                num_new = min(num_new, budget)
+            if not self.config.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
+                i += 1
+                continue
+            while not self.kv_cache.allocate_slots(
+                req.request_id, req.token_ids, req.num_computed_tokens + num_new
+            ):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request itself was preempted: nothing after it can run
+
+        # 2. Waiting requests, unless this step had to preempt (memory is tight).
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids)
+            num_computed = len(computed) * self.kv_cache.block_size
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate_slots(
+                req.request_id, req.token_ids, num_computed + num_new, computed
+            ):
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
