@@ -1,0 +1,346 @@
+"""`AsyncEngine`: one background thread drives `LLMEngine` for an asyncio server.
+
+`LLMEngine` is not thread-safe and `step()` blocks for a whole forward pass, so a single
+worker thread owns it. asyncio callers never touch the engine: `add()` and `abort()` post
+commands that the worker applies *between* steps, so a new request joins the running batch
+at the very next step (continuous batching), and an abort frees its KV blocks before the
+next forward pass. torch releases the GIL during the forward pass, so the event loop stays
+responsive while a step runs.
+
+Outputs are cumulative (`token_ids`/`text` since the request began), so each request keeps
+only its newest output: a slow consumer skips intermediate states instead of queueing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from argosy_runtime.outputs import EngineStats, RequestOutput
+from argosy_runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("argosy.async_engine")
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue (`max_waiting`) is full; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed while running this request (the server keeps serving others)."""
+
+
+class RequestObserver(Protocol):
+    """Receives per-request timings (the server's Prometheus histograms implement this)."""
+
+    def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None: ...
+    def on_tokens(self, gap_s: float, num_tokens: int) -> None: ...
+    def on_finished(self, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int,
+                    finish_reason: str | None) -> None: ...
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Per-request bookkeeping kept by the worker thread (monotonic seconds)."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, newest first; iterate with `async for`.
+
+    Closing the iterator early (client gone, timeout) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False
+        self.added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._event.set()
+        if not self.added.done():
+            self.added.set_exception(exc)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                await self._event.wait()
+                self._event.clear()
+                if self._error is not None:
+                    raise self._error
+                output, self._latest = self._latest, None
+                if output is None:
+                    continue
+                if output.finished:
+                    self.finished = True
+                yield output
+                if self.finished:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it finished; safe to call more than once."""
+        if self._engine._streams.pop(self.request_id, None) is not None and not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Drives one `LLMEngine` from a dedicated thread; safe to use from one event loop."""
+
+    def __init__(self, engine: Any, observer: RequestObserver | None = None,
+                 max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (0: unbounded), got {max_waiting}")
+        self.engine = engine
+        self.observer = observer
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._num_pending_adds = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._trackers: dict[str, _Tracker] = {}  # worker thread only
+        self._stats = EngineStats()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead: BaseException | None = None
+        self.num_step_errors = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the worker thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="argosy-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ------------------------------------------------------------------- queries
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the newest step (gauges and counters)."""
+        return self._stats
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the engine's waiting queue plus adds not yet applied."""
+        return self._stats.num_requests_waiting + self._num_pending_adds
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ requests
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  priority: int = 0) -> RequestStream:
+        """Queue a request; returns once the engine accepted it.
+
+        Raises QueueFullError when `max_waiting` requests already wait, ValueError when the
+        engine rejects the request (its message names the field).
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        if self.max_waiting and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        with self._cond:
+            self._num_pending_adds += 1
+            self._commands.append(("add", (request_id, prompt, params, arrival, priority)))
+            self._cond.notify()
+        try:
+            await asyncio.shield(stream.added)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (frees its KV blocks before the next step)."""
+        self._streams.pop(request_id, None)
+        with self._cond:
+            self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    # ------------------------------------------------------------- worker thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self._commands and not self._has_work():
+                        self._cond.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                    commands, self._commands = self._commands, []
+                if commands:
+                    self._apply(commands)
+                if self._has_work():
+                    self._step()
+        except BaseException as exc:  # the thread must never die silently
+            logger.exception("engine loop died")
+            self.dead = exc
+            self._call(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _has_work(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> None:
+        results: list[tuple[str, BaseException | None]] = []
+        num_adds = 0
+        for kind, payload in commands:
+            if kind == "add":
+                num_adds += 1
+                request_id, prompt, params, arrival, priority = payload
+                try:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
+                                            priority=priority)
+                    self._trackers[request_id] = _Tracker(arrival)
+                    results.append((request_id, None))
+                except Exception as exc:  # ValueError: bad request; anything else: engine bug
+                    results.append((request_id, exc))
+            else:
+                if self._trackers.pop(payload, None) is not None:
+                    self.engine.abort_request(payload)
+        stats = self.engine.get_stats()
+        with self._cond:
+            self._num_pending_adds -= num_adds
+            self._stats = stats
+        self._call(self._acknowledge, results)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # One bad step must not take the server down: fail the requests in flight,
+            # free them, and keep serving new ones.
+            logger.exception("engine step failed; aborting the requests in flight")
+            self.num_step_errors += 1
+            ids = list(self._trackers)
+            self._trackers.clear()
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                logger.exception("abort after a failed step failed")
+            self._call(self._fail_ids, ids, EngineDeadError(f"engine step failed: {exc!r}"))
+            return
+        now = time.monotonic()
+        snapshots = [self._observe(out, now) for out in outputs]
+        stats = self.engine.get_stats()
+        with self._cond:
+            self._stats = stats
+        self._call(self._dispatch, snapshots)
+
+    def _observe(self, out: RequestOutput, now: float) -> RequestOutput:
+        """Record timings for metrics and copy the output (the engine keeps mutating it)."""
+        tracker = self._trackers.get(out.request_id)
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tracker is not None and self.observer is not None:
+            new = num_tokens - tracker.num_tokens
+            if new > 0:
+                if tracker.first_token is None:
+                    tracker.first_token = now
+                    queue_time = None
+                    m = out.metrics
+                    if m is not None and m.first_scheduled_time is not None:
+                        queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
+                    self.observer.on_first_token(now - tracker.arrival, queue_time)
+                    new -= len(out.outputs)  # the first token of each sequence is TTFT
+                if new > 0 and tracker.last_token is not None:
+                    # tokens per sequence this step (> 1 only with speculative decoding)
+                    per_seq = max(1, round(new / max(1, len(out.outputs))))
+                    self.observer.on_tokens(now - tracker.last_token, per_seq)
+                tracker.last_token = now
+            tracker.num_tokens = num_tokens
+            if out.finished:
+                reasons = {c.finish_reason for c in out.outputs}
+                self.observer.on_finished(now - tracker.arrival, len(out.prompt_token_ids),
+                                          num_tokens, "stop" if "stop" in reasons
+                                          else next(iter(reasons)))
+        elif tracker is not None:
+            tracker.num_tokens = num_tokens
+        if out.finished:
+            self._trackers.pop(out.request_id, None)
+        return dataclasses.replace(out, outputs=[
+            dataclasses.replace(c, token_ids=list(c.token_ids),
+                                logprobs=None if c.logprobs is None else list(c.logprobs))
+            for c in out.outputs
+        ])
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+    # ------------------------------------------------------- event-loop callbacks
+    def _acknowledge(self, results: list[tuple[str, BaseException | None]]) -> None:
+        for request_id, exc in results:
+            stream = self._streams.get(request_id)
+            if stream is None:  # cancelled while queued: the abort command follows
+                continue
+            if exc is None:
+                if not stream.added.done():
+                    stream.added.set_result(None)
+            else:
+                stream._fail(exc)
+                self._streams.pop(request_id, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+                if out.finished:
+                    stream.finished = True
+
+    def _fail_ids(self, ids: list[str], exc: BaseException) -> None:
+        for request_id in ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.finished = True  # already freed in the engine
+                stream._fail(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fail_ids(list(self._streams), exc)
+

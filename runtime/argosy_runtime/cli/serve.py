@@ -1,0 +1,90 @@
+"""`argosy serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) for one model.
+
+Every engine option is a flag (from `EngineArgs`); the server adds --host, --port, --api-key
+(or ARGOSY_API_KEY), --max-waiting, --request-timeout, --drain-timeout and --log-level.
+SIGTERM drains: /ready turns 503, running requests finish (up to --drain-timeout), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from argosy_runtime.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from argosy_runtime.server.config import ServerConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="Serve a model over an OpenAI-compatible HTTP API.", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="Address to listen on (0.0.0.0 in a container).")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000).")
+    server.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' on /v1/* "
+                             "(default: $ARGOSY_API_KEY; /health, /ready, /metrics stay open).")
+    server.add_argument("--max-waiting", type=int, default=1024,
+                        help="Most requests waiting for the running batch; more get 429 with "
+                             "Retry-After (0: unbounded; default: %(default)s).")
+    server.add_argument("--request-timeout", type=float, default=600.0,
+                        help="Seconds before a request is aborted (0: none; "
+                             "default: %(default)s).")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="On SIGTERM, seconds to let running requests finish before "
+                             "aborting them (default: %(default)s).")
+    server.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"])
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    from argosy_runtime.server.config import ServerConfig  # noqa: F811 (runtime import)
+
+    try:
+        config = ServerConfig(
+            host=args.host, port=args.port, api_key=ServerConfig.api_key_from_env(args.api_key),
+            max_waiting=args.max_waiting, request_timeout=args.request_timeout,
+            drain_timeout=args.drain_timeout, log_level=args.log_level)
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as exc:
+        print(f"argosy serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return serve(engine_args, config)
+
+
+def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
+    """Load the model, then serve until SIGTERM/SIGINT has drained the server."""
+    import uvicorn
+
+    from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.server.app import build_app
+    from argosy_runtime.server.lifecycle import DrainingServer
+
+    log = logging.getLogger("argosy.server")
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:
+        log.error("cannot load the model: %s", exc)
+        return 2
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=False,  # one structured line per request comes from our middleware
+        timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="on")
+    ctx = app.state.ctx
+    server = DrainingServer(uv_config, ctx.lifecycle, ctx.engine.abort_all)
+    server.run()
+    return 0

@@ -1,0 +1,106 @@
+"""The FastAPI application: OpenAI routes, probes and metrics around one `AsyncEngine`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from argosy_runtime.async_engine import AsyncEngine
+from argosy_runtime.server.config import ServerConfig
+from argosy_runtime.server.errors import install_error_handlers
+from argosy_runtime.server.lifecycle import Lifecycle
+from argosy_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from argosy_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+from argosy_runtime.server.request_log import RequestContextMiddleware
+from argosy_runtime.server.serving_chat import create_chat_completion
+from argosy_runtime.server.serving_common import ServingContext
+from argosy_runtime.server.serving_completion import create_completion
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+logger = logging.getLogger("argosy.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 429, 503)}
+
+
+def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`); the engine thread starts with the app."""
+    model_name = engine.served_model_name
+    metrics = ServerMetrics(model_name)
+    async_engine = AsyncEngine(engine, observer=metrics, max_waiting=config.max_waiting)
+    lifecycle = Lifecycle(config.drain_timeout)
+    metrics.attach_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting,
+                          _cache_info(engine))
+    ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
+                         max_model_len=int(engine.max_model_len), config=config,
+                         lifecycle=lifecycle, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        lifecycle.started = True
+        logger.info("serving %s (max_model_len %d)", model_name, ctx.max_model_len)
+        try:
+            yield
+        finally:
+            lifecycle.started = False
+            async_engine.abort_all()
+            async_engine.shutdown()
+
+    app = FastAPI(title="Argosy OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, api_key=config.api_key,
+                       on_response=metrics.on_http)
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await create_completion(request, body, ctx)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await create_chat_completion(request, body, ctx)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": ctx.created, "owned_by": "argosy",
+            "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Liveness: the process and its engine thread are alive."""
+        if not async_engine.is_alive:
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: the model is loaded and the server is not draining."""
+        if lifecycle.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not (lifecycle.ready and async_engine.is_alive):
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _cache_info(engine: Any) -> dict[str, str]:
+    try:
+        info = engine.cache_config_info()
+    except AttributeError:
+        info = {}
+    return {str(k): str(v) for k, v in info.items()}

@@ -1,0 +1,49 @@
+"""`ServerConfig`: the HTTP-side options of `argosy serve` (the engine has `EngineArgs`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the OpenAI server around one engine.
+
+    max_waiting: most requests waiting for a slot in the running batch before new ones get
+        429 + Retry-After (0: unbounded).
+    request_timeout: seconds a request may take end to end before it is aborted (0: none).
+    drain_timeout: seconds SIGTERM waits for running requests before aborting them.
+    api_key: when set, /v1/* requires `Authorization: Bearer <key>`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int = 1024
+    request_timeout: float = 600.0
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (0: unbounded), got {self.max_waiting}")
+        if self.request_timeout < 0:
+            raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+    @staticmethod
+    def api_key_from_env(cli_value: str | None) -> str | None:
+        """--api-key wins; otherwise ARGOSY_API_KEY (empty means no auth)."""
+        return cli_value or os.environ.get("ARGOSY_API_KEY") or None

@@ -1,0 +1,178 @@
+"""POST /v1/chat/completions: the model's chat template, streaming or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from argosy_runtime.outputs import CompletionOutput, RequestOutput
+from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.protocol import ChatCompletionRequest, new_id, now
+from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_common import (
+    SSE_DONE,
+    ClientGone,
+    ServingContext,
+    check_prompt,
+    make_sampling_params,
+    merge_streams,
+    reject_unsupported,
+    run_to_completion,
+    sse,
+    start_streams,
+    token_text,
+    top_entries,
+    with_deadline,
+)
+from argosy_runtime.server.streaming import GuardedStreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+
+def render_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    messages: list[dict[str, Any]] = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    # The template already holds any BOS it wants; adding special tokens would double it.
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(ctx: ServingContext, seq: CompletionOutput, start: int, end: int,
+                  k: int) -> dict[str, Any]:
+    content = []
+    positions = seq.logprobs or []
+    for pos in range(start, min(end, len(positions), len(seq.token_ids))):
+        token_id = seq.token_ids[pos]
+        entry = positions[pos]
+        lp = entry.get(token_id)
+        text = token_text(ctx.tokenizer, token_id, lp)
+        alts = []
+        for t, alt in top_entries(entry, k):
+            alt_text = token_text(ctx.tokenizer, t, alt)
+            alts.append({"token": alt_text, "logprob": alt.logprob,
+                         "bytes": list(alt_text.encode())})
+        content.append({"token": text, "logprob": -9999.0 if lp is None else lp.logprob,
+                        "bytes": list(text.encode()), "top_logprobs": alts})
+    return {"content": content}
+
+
+async def create_chat_completion(request: Request, req: ChatCompletionRequest,
+                                 ctx: ServingContext) -> Response:
+    ctx.check_accepting()
+    ctx.check_model(req.model)
+    reject_unsupported(req)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    prompt = render_messages(ctx, req)
+    check_prompt(ctx, prompt, max_tokens, param="messages")
+    k: int | None = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    params = make_sampling_params(req, max_tokens, k)
+    log = request_log(request.scope)
+    log.update(model=ctx.model_name, prompt_tokens=len(prompt), stream=bool(req.stream))
+    response_id = new_id("chatcmpl")
+    created = now()
+    ctx.lifecycle.enter()
+    try:
+        streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
+                                      [prompt], params)
+    except BaseException:
+        ctx.lifecycle.exit()
+        raise
+    n = params.n
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
+                                    "created": created, "model": ctx.model_name,
+                                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        async def events() -> AsyncIterator[str]:
+            for c in range(n):  # the role first, as OpenAI does
+                yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            sent_chars = [0] * n
+            sent_tokens = [0] * n
+            done = [False] * n
+            final: RequestOutput | None = None
+            async for _, out in merge_streams(streams):
+                final = out
+                for seq in out.outputs:
+                    c = seq.index
+                    if done[c]:
+                        continue
+                    delta = seq.text[sent_chars[c]:]
+                    start, end = sent_tokens[c], len(seq.token_ids)
+                    if not delta and seq.finish_reason is None and (k is None or start == end):
+                        continue
+                    lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
+                    yield chunk([{"index": c, "delta": {"content": delta} if delta else {},
+                                  "logprobs": lp, "finish_reason": seq.finish_reason}])
+                    sent_chars[c], sent_tokens[c] = len(seq.text), end
+                    done[c] = seq.finish_reason is not None
+            usage = _usage(prompt, final)
+            log.update(completion_tokens=usage["completion_tokens"],
+                       finish_reason=_reasons(final))
+            if include_usage:
+                yield chunk([], usage)
+            yield SSE_DONE
+
+        def on_timeout() -> str:
+            log.update(finish_reason="timeout")
+            return sse({"error": {"message": "request timed out", "type": "timeout_error",
+                                  "param": None, "code": "request_timeout"}})
+
+        def on_close() -> None:
+            for s in streams:
+                if not s.finished:
+                    log.setdefault("finish_reason", "client_disconnected")
+                s.close()
+            ctx.lifecycle.exit()
+
+        return GuardedStreamingResponse(with_deadline(ctx, events(), on_timeout), on_close)
+
+    try:
+        final = (await run_to_completion(request, ctx, streams))[0]
+    except ClientGone:
+        log.update(finish_reason="client_disconnected")
+        return Response(status_code=499)
+    finally:
+        ctx.lifecycle.exit()
+    choices = [{"index": seq.index,
+                "message": {"role": "assistant", "content": seq.text},
+                "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
+                if k is not None else None,
+                "finish_reason": seq.finish_reason}
+               for seq in sorted(final.outputs, key=lambda s: s.index)]
+    usage = _usage(prompt, final)
+    log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(final))
+    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
+                         "model": ctx.model_name, "choices": choices, "usage": usage})
+
+
+def _usage(prompt: list[int], final: RequestOutput | None) -> dict[str, int]:
+    completion = 0 if final is None else sum(len(s.token_ids) for s in final.outputs)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion}
+
+
+def _reasons(final: RequestOutput | None) -> str:
+    return "" if final is None else ",".join(sorted({str(s.finish_reason)
+                                                     for s in final.outputs}))

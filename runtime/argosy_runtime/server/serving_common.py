@@ -1,0 +1,266 @@
+"""What completions and chat share: request -> SamplingParams, admission, running requests
+under a deadline with disconnect detection, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from argosy_runtime.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
+from argosy_runtime.outputs import Logprob, RequestOutput
+from argosy_runtime.sampling_params import SamplingParams
+from argosy_runtime.server.config import ServerConfig
+from argosy_runtime.server.errors import APIError, bad_request, param_from_value_error
+from argosy_runtime.server.lifecycle import Lifecycle
+from argosy_runtime.server.metrics import ServerMetrics
+from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from starlette.requests import Request
+
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs; one per app."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    config: ServerConfig
+    lifecycle: Lifecycle
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def check_accepting(self) -> None:
+        if self.lifecycle.draining:
+            self.metrics.reject("draining")
+            raise APIError(503, "server is draining (shutting down); retry on another replica",
+                           code="server_draining", headers={"Retry-After": "1"})
+        if not self.engine.is_alive:
+            raise APIError(503, "engine is not running", code="engine_unavailable")
+
+
+def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """OpenAI fields we parse but cannot honour: a clear 400 rather than a silent ignore."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of different from n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
+    else:
+        if req.tools and req.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported", "tools")
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"response_format type {fmt!r} is not supported",
+                              "response_format")
+
+
+def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
+                         max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n if req.n is not None else 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
+
+
+def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,
+                 param: str = "prompt") -> None:
+    """Reject prompts the engine cannot run with a 400 before they reach it."""
+    if not token_ids:
+        raise bad_request(f"{param} must not be empty", param)
+    vocab = ctx.tokenizer.vocab_size
+    for t in token_ids:
+        if isinstance(t, bool) or not 0 <= t < vocab:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param)
+    need = len(token_ids) + (max_tokens or 1)
+    if need > ctx.max_model_len:
+        what = f" + max_tokens {max_tokens}" if max_tokens else ""
+        raise bad_request(
+            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
+            f"has {len(token_ids)} tokens{what}", param,
+            code="context_length_exceeded")
+
+
+async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
+                        params: SamplingParams) -> list[RequestStream]:
+    """Admit every prompt of a request (all or none)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await ctx.engine.add(rid, prompt, params))
+    except QueueFullError as exc:
+        ctx.metrics.reject("queue_full")
+        raise APIError(429, f"server is at capacity ({exc}); retry later",
+                       code="queue_full",
+                       headers={"Retry-After": str(ctx.config.retry_after_s)}) from exc
+    except ValueError as exc:
+        raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from exc
+    finally:
+        if len(streams) < len(prompts):
+            for s in streams:
+                s.close()
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from several requests as they progress."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def run_to_completion(request: Request, ctx: ServingContext,
+                            streams: list[RequestStream]) -> list[RequestOutput]:
+    """Non-streaming: wait for every request's final output, aborting if the client leaves
+    or the deadline passes."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def collect() -> None:
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    collector = asyncio.create_task(collect())
+    watcher = asyncio.create_task(wait_disconnect())
+    try:
+        timeout = ctx.config.request_timeout or None
+        done, _ = await asyncio.wait({collector, watcher}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if collector in done:
+            collector.result()  # re-raise an engine failure
+            return [f for f in finals if f is not None]
+        if watcher in done:
+            raise ClientGone()
+        raise APIError(408, f"request timed out after {ctx.config.request_timeout:g}s",
+                       code="request_timeout")
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from exc
+    finally:
+        for t in (collector, watcher):
+            t.cancel()
+        for t in (collector, watcher):
+            with contextlib.suppress(BaseException):
+                await t
+        for s in streams:
+            s.close()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
+                        on_timeout: Callable[[], str]) -> AsyncIterator[str]:
+    """Stream `gen`, ending with an error event if the request runs past its deadline."""
+    timeout = ctx.config.request_timeout or None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    it = gen.__aiter__()
+    try:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                chunk = await asyncio.wait_for(_anext(it), timeout=left)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield on_timeout()
+                yield SSE_DONE
+                return
+            yield chunk
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
+
+
+def _anext(it: AsyncIterator[str]) -> Awaitable[str]:
+    return it.__anext__()
+
+
+def token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely alternatives at one position, most likely first."""
+    ranked = sorted(position.items(), key=lambda kv: kv[1].rank)
+    return [(t, lp) for t, lp in ranked if lp.rank <= k][:k]

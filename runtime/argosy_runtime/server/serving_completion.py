@@ -1,0 +1,198 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), streaming or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from argosy_runtime.outputs import CompletionOutput, RequestOutput
+from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.protocol import CompletionRequest, new_id, now
+from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_common import (
+    MAX_PROMPTS_PER_REQUEST,
+    SSE_DONE,
+    ClientGone,
+    ServingContext,
+    check_prompt,
+    make_sampling_params,
+    merge_streams,
+    reject_unsupported,
+    run_to_completion,
+    sse,
+    start_streams,
+    token_text,
+    top_entries,
+    with_deadline,
+)
+from argosy_runtime.server.streaming import GuardedStreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+
+def normalize_prompts(ctx: ServingContext, prompt: Any) -> tuple[list[str | None], list[list[int]]]:
+    """str | list[str] | list[int] | list[list[int]] -> (texts, token id lists)."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(items) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+    texts: list[str | None] = []
+    ids: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            texts.append(item)
+            ids.append(ctx.tokenizer.encode(item, add_special_tokens=True))
+        else:
+            texts.append(None)
+            ids.append(list(item))
+    return texts, ids
+
+
+def logprobs_block(ctx: ServingContext, seq: CompletionOutput, start: int, end: int,
+                   k: int, offset: int) -> tuple[dict[str, Any], int]:
+    """The OpenAI completions `logprobs` object for generated positions [start, end)."""
+    block: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                             "text_offset": []}
+    positions = seq.logprobs or []
+    for pos in range(start, min(end, len(positions), len(seq.token_ids))):
+        token_id = seq.token_ids[pos]
+        entry = positions[pos]
+        lp = entry.get(token_id)
+        text = token_text(ctx.tokenizer, token_id, lp)
+        block["tokens"].append(text)
+        block["token_logprobs"].append(None if lp is None else lp.logprob)
+        block["top_logprobs"].append(
+            {token_text(ctx.tokenizer, t, alt): alt.logprob for t, alt in top_entries(entry, k)})
+        block["text_offset"].append(offset)
+        offset += len(text)
+    return block, offset
+
+
+async def create_completion(request: Request, req: CompletionRequest,
+                            ctx: ServingContext) -> Response:
+    ctx.check_accepting()
+    ctx.check_model(req.model)
+    reject_unsupported(req)
+    texts, prompts = normalize_prompts(ctx, req.prompt)
+    for ids in prompts:
+        check_prompt(ctx, ids, req.max_tokens)
+    params = make_sampling_params(req, req.max_tokens, req.logprobs)
+    log = request_log(request.scope)
+    log.update(model=ctx.model_name, prompt_tokens=sum(len(p) for p in prompts),
+               stream=bool(req.stream))
+    response_id = new_id("cmpl")
+    created = now()
+    ctx.lifecycle.enter()
+    try:
+        streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
+                                      prompts, params)
+    except BaseException:
+        ctx.lifecycle.exit()
+        raise
+    n = params.n
+    k = req.logprobs
+    prefixes = [(t or ctx.tokenizer.decode(ids)) if req.echo else "" for t, ids in
+                zip(texts, prompts, strict=True)]
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+                  with_usage: bool = False) -> str:
+            body: dict[str, Any] = {"id": response_id, "object": "text_completion",
+                                    "created": created, "model": ctx.model_name,
+                                    "choices": choices}
+            if include_usage or with_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        async def events() -> AsyncIterator[str]:
+            sent_chars: dict[int, int] = {}
+            sent_tokens: dict[int, int] = {}
+            offsets: dict[int, int] = {}
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+                for seq in out.outputs:
+                    c = i * n + seq.index
+                    if c in sent_chars and sent_chars[c] < 0:
+                        continue  # already finished
+                    first = c not in sent_chars
+                    delta = seq.text[sent_chars.get(c, 0):]
+                    start, end = sent_tokens.get(c, 0), len(seq.token_ids)
+                    if not delta and seq.finish_reason is None and (k is None or start == end):
+                        continue
+                    lp = None
+                    if k is not None:
+                        lp, offsets[c] = logprobs_block(ctx, seq, start, end, k,
+                                                         offsets.get(c, len(prefixes[i])))
+                    text = (prefixes[i] if first else "") + delta
+                    yield chunk([{"index": c, "text": text, "logprobs": lp,
+                                  "finish_reason": seq.finish_reason}])
+                    sent_chars[c] = len(seq.text) if seq.finish_reason is None else -1
+                    sent_tokens[c] = end
+            usage = _usage(prompts, finals)
+            log.update(completion_tokens=usage["completion_tokens"],
+                       finish_reason=_reasons(finals))
+            if include_usage:
+                yield chunk([], usage)
+            yield SSE_DONE
+
+        def on_timeout() -> str:
+            log.update(finish_reason="timeout")
+            return sse({"error": {"message": "request timed out", "type": "timeout_error",
+                                  "param": None, "code": "request_timeout"}})
+
+        return GuardedStreamingResponse(with_deadline(ctx, events(), on_timeout),
+                                        on_close=lambda: _close(ctx, streams, log))
+
+    try:
+        finals_list = await run_to_completion(request, ctx, streams)
+    except ClientGone:
+        log.update(finish_reason="client_disconnected")
+        return Response(status_code=499)
+    finally:
+        ctx.lifecycle.exit()
+    finals = dict(enumerate(finals_list))
+    choices = []
+    for i, out in finals.items():
+        for seq in out.outputs:
+            lp = logprobs_block(ctx, seq, 0, len(seq.token_ids), k, len(prefixes[i]))[0] \
+                if k is not None else None
+            choices.append({"index": i * n + seq.index, "text": prefixes[i] + seq.text,
+                            "logprobs": lp, "finish_reason": seq.finish_reason})
+    choices.sort(key=lambda c: c["index"])
+    usage = _usage(prompts, finals)
+    log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))
+    return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
+                         "model": ctx.model_name, "choices": choices, "usage": usage})
+
+
+def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(s.token_ids) for out in finals.values() for s in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _reasons(finals: dict[int, RequestOutput]) -> str:
+    return ",".join(sorted({str(s.finish_reason) for o in finals.values() for s in o.outputs}))
+
+
+def _close(ctx: ServingContext, streams: list, log: dict[str, Any]) -> None:
+    """Runs when the streaming response ends for any reason (done, disconnect, error)."""
+    for s in streams:
+        if not s.finished:
+            log.setdefault("finish_reason", "client_disconnected")
+        s.close()
+    ctx.lifecycle.exit()
+
+
+__all__ = ["create_completion", "APIError"]
