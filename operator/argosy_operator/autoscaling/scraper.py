@@ -1,0 +1,129 @@
+"""Scrape runtime replicas' Prometheus `/metrics` concurrently into `ReplicaSample`s.
+
+Where a pod serves: `http://<status.podIP>:<port><path>`, with port and path from the pod's
+`prometheus.io/port` / `prometheus.io/path` annotations (the operator's Deployment sets them;
+defaults 8000 and /metrics). Tests point pods at loopback test servers by giving them podIP
+127.0.0.1 and the test server's port in that annotation; `url_for` is also injectable.
+
+A scrape that times out, errors, returns a non-200 or lacks a gauge becomes a `ReplicaSample`
+with `None` metrics: the decision then treats the replica as fully loaded, never as idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from argosy_operator.autoscaling.samples import ReplicaSample
+
+KV_CACHE_USAGE = "argosy:kv_cache_usage_perc"
+NUM_WAITING = "argosy:num_requests_waiting"
+NUM_RUNNING = "argosy:num_requests_running"
+
+PORT_ANNOTATION = "prometheus.io/port"
+PATH_ANNOTATION = "prometheus.io/path"
+DEFAULT_PORT = 8000
+DEFAULT_PATH = "/metrics"
+DEFAULT_TIMEOUT_SECONDS = 2.0
+
+logger = logging.getLogger(__name__)
+
+
+def parse_metrics(text: str) -> tuple[float, float, float]:
+    """(kv_cache_usage, num_waiting, num_running) from Prometheus text exposition.
+
+    Several series of one gauge (e.g. one per model_name label) are combined: KV usage by
+    mean, request counts by sum. A missing gauge raises ValueError.
+    """
+    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_WAITING: [], NUM_RUNNING: []}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name].append(float(sample.value))
+    missing = [name for name, v in values.items() if not v]
+    if missing:
+        raise ValueError(f"metrics missing: {', '.join(missing)}")
+    kv = values[KV_CACHE_USAGE]
+    return (sum(kv) / len(kv), sum(values[NUM_WAITING]), sum(values[NUM_RUNNING]))
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition is True (and it is not being deleted)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:
+    """`http://podIP:port/path` from status.podIP and the prometheus.io annotations."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    try:
+        port = int(annotations.get(PORT_ANNOTATION, DEFAULT_PORT))
+    except (TypeError, ValueError):
+        port = DEFAULT_PORT
+    path = annotations.get(PATH_ANNOTATION) or DEFAULT_PATH
+    if not path.startswith("/"):
+        path = "/" + path
+    try:
+        host = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return None
+    return f"http://{host}:{port}{path}"
+
+
+async def scrape_url(session: aiohttp.ClientSession, url: str, timeout: float) -> ReplicaSample:
+    """One ready replica: measured on success, `None` metrics (scrape failed) otherwise."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            text = await resp.text()
+        kv, waiting, running = parse_metrics(text)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001  # any failure is a failed scrape, never a crash
+        logger.debug("scrape of %s failed: %r", url, exc)
+        return ReplicaSample(ready=True)
+    return ReplicaSample(ready=True, kv_cache_usage=min(max(kv, 0.0), 1.0),
+                         num_waiting=max(waiting, 0.0), num_running=max(running, 0.0))
+
+
+async def scrape_pods(
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    session: aiohttp.ClientSession | None = None,
+    url_for: Callable[[Mapping[str, Any]], str | None] = pod_metrics_url,
+) -> list[ReplicaSample]:
+    """One sample per pod, in order: unready pods are not scraped; ready ones concurrently.
+
+    The whole round takes at most about `timeout` seconds however many pods there are.
+    """
+    own_session = session is None
+    if session is None:
+        session = aiohttp.ClientSession()
+    try:
+        async def one(pod: Mapping[str, Any]) -> ReplicaSample:
+            if not pod_is_ready(pod):
+                return ReplicaSample(ready=False)
+            url = url_for(pod)
+            if url is None:
+                return ReplicaSample(ready=True)  # ready but unreachable: a failed scrape
+            return await scrape_url(session, url, timeout)
+
+        return list(await asyncio.gather(*(one(p) for p in pods)))
+    finally:
+        if own_session:
+            await session.close()

@@ -1,0 +1,151 @@
+"""The kopf layer: registrations only; the work is in `reconcile` and `status`.
+
+Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy operator`).
+
+- create/update/resume of an LLMDeployment -> `reconcile` (children) + `refresh_status`;
+- events of the Deployments and pods the operator manages -> `refresh_status` of their owner,
+  so conditions follow the pods (image pull failures, unschedulable GPU requests, readiness).
+
+There are no deletion handlers and no finalizers: every child carries an owner reference, and
+Kubernetes' garbage collector deletes the children with their LLMDeployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from argosy_operator.conditions import condition, find_condition, now_rfc3339
+from argosy_operator.constants import (
+    COND_DEGRADED,
+    GROUP,
+    LABEL_LLMD,
+    LABEL_MANAGED_BY,
+    OPERATOR_NAME,
+    PLURAL,
+    VERSION,
+)
+from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
+from argosy_operator.reconcile import ChildConflictError, reconcile
+from argosy_operator.status import patch_status, refresh_status, status_patch
+
+KOPF_PREFIX = "kopf.argosy.dev"
+
+_state: dict[str, Any] = {"info": None, "client": None}
+
+
+def get_client() -> KubeClient:
+    """The operator's API client (built from the credentials of kopf's last login)."""
+    client = _state["client"]
+    if client is None:
+        if _state["info"] is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+        client = _state["client"] = KubeClient.from_connection_info(_state["info"])
+    return client
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # One operator replica (the Deployment uses the Recreate strategy): no peering objects.
+    settings.peering.standalone = True
+    # Watch only what the handlers name; no CRD/namespace scanning (and no RBAC for it).
+    settings.scanning.disabled = True
+    # Events only for what the operator did (posted explicitly), not for every log line.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = OPERATOR_NAME
+    settings.posting.reporting_instance = os.environ.get("POD_NAME", OPERATOR_NAME)
+    # Keep kopf's bookkeeping out of status (which users and the autoscaler read).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_PREFIX, key="last-handled-configuration")
+    settings.watching.server_timeout = int(os.environ.get("ARGOSY_WATCH_TIMEOUT", "300"))
+    settings.watching.client_timeout = settings.watching.server_timeout + 30
+
+
+@kopf.on.login()
+async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account first, else the kubeconfig; also rebuilds our client
+    (kopf logs in again when a token expires, e.g. a rotated service-account token)."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None and info != _state["info"]:
+        _state["info"] = info
+        old, _state["client"] = _state["client"], None  # rebuilt lazily from the new info
+        if old is not None:
+            await old.close()
+    return info
+
+
+@kopf.on.cleanup()
+async def close_client(**_: Any) -> None:
+    client = _state["client"]
+    _state["client"] = None
+    if client is not None:
+        await client.close()
+
+
+def _post_degraded_event(body: Any, patch: dict[str, Any] | None) -> None:
+    """A Warning event when the Degraded condition turns True (or changes its reason)."""
+    cond = find_condition((patch or {}).get("conditions"), COND_DEGRADED)
+    if cond is not None and cond.get("status") == "True":
+        kopf.warn(body, reason=str(cond.get("reason")), message=str(cond.get("message")))
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logging.Logger,
+                                  **_: Any) -> None:
+    """Apply the children, then the status (observedGeneration = this generation)."""
+    client = get_client()
+    llmd = dict(body)
+    generation = meta.get("generation")
+    try:
+        result = await reconcile(client, llmd)
+    except ValueError as exc:
+        # The CRD's schema and CEL rules reject these; reaching here means the CRD is stale.
+        cond = condition(COND_DEGRADED, True, "InvalidSpec", str(exc), generation)
+        await patch_status(client, llmd, lambda cur: status_patch(
+            cur, {"conditions": [cond], "observedGeneration": generation}, now_rfc3339()))
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        raise kopf.PermanentError(str(exc)) from exc
+    except ChildConflictError as exc:
+        kopf.warn(body, reason="ChildConflict", message=str(exc))
+        raise kopf.TemporaryError(str(exc), delay=30) from exc
+    except ApiError as exc:
+        if exc.status in (403, 422):
+            kopf.warn(body, reason="ApplyFailed", message=str(exc))
+        raise kopf.TemporaryError(str(exc), delay=10) from exc
+    for action in result.actions:
+        logger.info(action)
+        kopf.info(body, reason=action.split(" ", 1)[0].capitalize(), message=action)
+    patch = await refresh_status(client, llmd, observed_generation=generation)
+    _post_degraded_event(body, patch)
+
+
+async def _refresh_owner(namespace: str | None, owner: str | None) -> None:
+    if not namespace or not owner:
+        return
+    client = get_client()
+    llmd = await client.get(LLMDEPLOYMENTS, namespace, owner)
+    if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    patch = await refresh_status(client, llmd)
+    _post_degraded_event(llmd, patch)
+
+
+_CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_CHILD_LABELS)
+async def deployment_changed(meta: kopf.Meta, namespace: str | None, **_: Any) -> None:
+    """Rollout progress and replica counts flow into the owner's status."""
+    await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD))
+
+
+@kopf.on.event("", "v1", "pods", labels=_CHILD_LABELS)
+async def pod_changed(meta: kopf.Meta, namespace: str | None, **_: Any) -> None:
+    """Pod-level trouble (image pulls, scheduling, crashes) flows into the owner's status."""
+    await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD))

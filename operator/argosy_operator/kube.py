@@ -1,0 +1,181 @@
+"""A small asyncio Kubernetes API client on aiohttp, with kopf's credentials.
+
+The operator needs a handful of verbs on a handful of resources; a generated client would
+triple the image. Every call goes through `KubeClient.request`, which names the RBAC verb it
+needs (the manifests' ClusterRole is tested against the calls the operator makes).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A resource type: `Resource("apps", "v1", "deployments")`; group "" is the core API."""
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None,
+             subresource: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        parts = [base]
+        if self.namespaced and namespace:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(self.plural)
+        if name:
+            parts.append(name)
+            if subresource:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+DEPLOYMENTS = Resource("apps", "v1", "deployments")
+SERVICES = Resource("", "v1", "services")
+PODS = Resource("", "v1", "pods")
+PDBS = Resource("policy", "v1", "poddisruptionbudgets")
+SERVICEMONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors")
+LLMDEPLOYMENTS = Resource("argosy.dev", "v1alpha1", "llmdeployments")
+
+
+class ApiError(Exception):
+    """A non-2xx answer: `status` (HTTP code), `reason` (Kubernetes reason), `message`."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def _pem(data: str | bytes) -> bytes:
+    """kubeconfig `*-data` fields are base64 of PEM; kopf may hand over PEM itself."""
+    raw = data.encode() if isinstance(data, str) else data
+    return raw if raw.lstrip().startswith(b"-----") else base64.b64decode(raw)
+
+
+def _write_temp(data: str | bytes) -> str:
+    # ssl.load_cert_chain reads only files.
+    with tempfile.NamedTemporaryFile(delete=False, suffix=".pem") as f:
+        f.write(_pem(data))
+        return f.name
+
+
+def ssl_context(info: Any) -> ssl.SSLContext | bool:
+    """An SSL context for a kopf.ConnectionInfo (False: plain HTTP or verification off)."""
+    if not str(info.server).startswith("https") or info.insecure:
+        return False
+    ctx = ssl.create_default_context(
+        cafile=str(info.ca_path) if info.ca_path else None,
+        cadata=_pem(info.ca_data).decode() if info.ca_data else None,
+    )
+    cert = info.certificate_path or (info.certificate_data and _write_temp(info.certificate_data))
+    key = info.private_key_path or (info.private_key_data and _write_temp(info.private_key_data))
+    if cert:
+        ctx.load_cert_chain(certfile=str(cert), keyfile=str(key) if key else None)
+    return ctx
+
+
+class KubeClient:
+    """Async calls to one API server. Create it inside the event loop that will use it."""
+
+    def __init__(self, server: str, *, headers: Mapping[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | bool = False) -> None:
+        self.server = server.rstrip("/")
+        self._headers = dict(headers or {})
+        self._ssl = ssl_context
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_connection_info(cls, info: Any) -> KubeClient:
+        """From the kopf.ConnectionInfo that kopf's login handlers return."""
+        return cls(info.server, headers=info.as_http_headers(), ssl_context=ssl_context(info))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, *, body: Any = None,
+                      params: Mapping[str, str] | None = None,
+                      content_type: str = "application/json") -> Any:
+        """One API call; returns the decoded JSON body; raises ApiError on non-2xx."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=30), headers=self._headers)
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if data is not None else {}
+        async with self._session.request(method, self.server + path, data=data, params=params,
+                                         headers=headers, ssl=self._ssl) as resp:
+            text = await resp.text()
+            payload: Any = json.loads(text) if text else None
+            if resp.status >= 400:
+                p = payload if isinstance(payload, dict) else {}
+                raise ApiError(resp.status, str(p.get("reason", resp.reason)),
+                               str(p.get("message", text[:500])))
+            return payload
+
+    # --- verbs -------------------------------------------------------------------------------
+
+    async def get(self, res: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        """GET one object; None when it does not exist."""
+        try:
+            return await self.request("GET", res.path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, res: Resource, namespace: str, *, label_selector: str | None = None
+                   ) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        payload = await self.request("GET", res.path(namespace), params=params)
+        return list(payload.get("items", []))
+
+    async def create(self, res: Resource, namespace: str, body: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+        return await self.request("POST", res.path(namespace), body=body)
+
+    async def patch(self, res: Resource, namespace: str, name: str, patch: Mapping[str, Any],
+                    *, subresource: str | None = None) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386): nested objects merge, lists replace, null deletes."""
+        return await self.request("PATCH", res.path(namespace, name, subresource), body=patch,
+                                  content_type="application/merge-patch+json")
+
+    async def delete(self, res: Resource, namespace: str, name: str) -> bool:
+        """Delete (dependents in the background); False when it was already gone."""
+        try:
+            await self.request("DELETE", res.path(namespace, name),
+                               body={"propagationPolicy": "Background"})
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def has_resource(self, res: Resource) -> bool:
+        """API discovery (no RBAC needed): is this resource type served, e.g. is the
+        ServiceMonitor CRD installed?"""
+        base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+        try:
+            payload = await self.request("GET", base)
+        except ApiError as exc:
+            if exc.status in (404, 503):
+                return False
+            raise
+        return any(r.get("name") == res.plural for r in payload.get("resources", []))

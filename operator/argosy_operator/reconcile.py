@@ -1,0 +1,163 @@
+"""Bring an LLMDeployment's children in line with its spec: create, patch, or delete them.
+
+Idempotent and quiet: children have deterministic names, an existing child (a restart in the
+middle of a reconcile, a create that raced) is patched rather than duplicated, and a child that
+already holds the desired fields gets no API write at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from argosy_operator.builders import (
+    build_deployment,
+    build_pdb,
+    build_service,
+    build_servicemonitor,
+)
+from argosy_operator.constants import (
+    ANNOTATION_LAST_APPLIED,
+    LABEL_MANAGED_BY,
+    OPERATOR_NAME,
+)
+from argosy_operator.kube import (
+    DEPLOYMENTS,
+    PDBS,
+    SERVICEMONITORS,
+    SERVICES,
+    ApiError,
+    KubeClient,
+    Resource,
+)
+from argosy_operator.merge_patch import three_way_merge_patch
+from argosy_operator.spec import autoscaling_enabled, normalize_spec
+
+
+class ChildConflictError(Exception):
+    """A child's name is taken by an object the operator does not manage (or it is being
+    deleted); retrying later may help, overwriting it would not be ours to do."""
+
+
+@dataclass
+class ReconcileResult:
+    """What a reconcile did, one line per write ("created Deployment a"), for Events."""
+
+    actions: list[str] = field(default_factory=list)
+    deployment: dict[str, Any] | None = None
+
+
+def last_applied_record(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest remembered in the annotation: without the annotation itself, and without
+    spec.replicas, which is compared with the live object directly (the autoscaler may own
+    it, and a record of it would make the operator null it out when autoscaling turns on)."""
+    record = copy.deepcopy(dict(desired))
+    record.get("spec", {}).pop("replicas", None)
+    annotations = record.get("metadata", {}).get("annotations", {})
+    annotations.pop(ANNOTATION_LAST_APPLIED, None)
+    if "annotations" in record.get("metadata", {}) and not annotations:
+        del record["metadata"]["annotations"]
+    return record
+
+
+def with_last_applied(desired: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(desired))
+    record = json.dumps(last_applied_record(desired), sort_keys=True, separators=(",", ":"))
+    out["metadata"].setdefault("annotations", {})[ANNOTATION_LAST_APPLIED] = record
+    return out
+
+
+def _check_ours(res: Resource, live: Mapping[str, Any]) -> None:
+    meta = live.get("metadata") or {}
+    kind = live.get("kind", res.plural)
+    if meta.get("deletionTimestamp"):
+        raise ChildConflictError(f"{kind} {meta.get('name')} is being deleted; retrying")
+    if (meta.get("labels") or {}).get(LABEL_MANAGED_BY) != OPERATOR_NAME:
+        raise ChildConflictError(
+            f"{kind} {meta.get('name')} exists and is not managed by {OPERATOR_NAME}; "
+            "rename the LLMDeployment or delete that object")
+
+
+async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, Any]
+                      ) -> tuple[str | None, dict[str, Any]]:
+    """Create or three-way-patch one child. Returns ("created" | "updated" | None, object)."""
+    ns = desired["metadata"]["namespace"]
+    name = desired["metadata"]["name"]
+    body = with_last_applied(desired)
+    live = await client.get(res, ns, name)
+    if live is None:
+        try:
+            return "created", await client.create(res, ns, body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            live = await client.get(res, ns, name)  # created meanwhile: patch it instead
+            if live is None:
+                raise
+    _check_ours(res, live)
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    raw_last = annotations.get(ANNOTATION_LAST_APPLIED)
+    try:
+        last = json.loads(raw_last) if raw_last else None
+    except json.JSONDecodeError:
+        last = None
+    patch = three_way_merge_patch(last, body, live)
+    if not patch:
+        return None, dict(live)
+    return "updated", await client.patch(res, ns, name, patch)
+
+
+async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str) -> bool:
+    """Delete a child the spec no longer asks for (only if it exists and is ours)."""
+    live = await client.get(res, namespace, name)
+    if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    _check_ours(res, live)
+    return await client.delete(res, namespace, name)
+
+
+async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileResult:
+    """Apply the Deployment, Service, PodDisruptionBudget and ServiceMonitor of `llmd`.
+
+    Raises ValueError for a spec that cannot be built (the CRD normally rejects those),
+    ChildConflictError, or ApiError.
+    """
+    spec = normalize_spec(llmd.get("spec") or {})
+    meta = llmd["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    result = ReconcileResult()
+
+    def note(action: str | None, kind: str) -> None:
+        if action:
+            result.actions.append(f"{action} {kind} {name}")
+
+    if autoscaling_enabled(spec):
+        # The autoscaler owns spec.replicas: set it only when creating the Deployment.
+        exists = await client.get(DEPLOYMENTS, ns, name) is not None
+        replicas = None if exists else int(spec["autoscaling"]["minReplicas"])
+    else:
+        replicas = int(spec["replicas"])
+    action, result.deployment = await apply_child(
+        client, DEPLOYMENTS, build_deployment(llmd, spec, replicas))
+    note(action, "Deployment")
+    action, _ = await apply_child(client, SERVICES, build_service(llmd, spec))
+    note(action, "Service")
+
+    pdb = build_pdb(llmd, spec)
+    if pdb is not None:
+        action, _ = await apply_child(client, PDBS, pdb)
+        note(action, "PodDisruptionBudget")
+    elif await delete_child(client, PDBS, ns, name):
+        note("deleted", "PodDisruptionBudget")
+
+    if await client.has_resource(SERVICEMONITORS):
+        monitor = build_servicemonitor(llmd, spec)
+        if monitor is not None:
+            action, _ = await apply_child(client, SERVICEMONITORS, monitor)
+            note(action, "ServiceMonitor")
+        elif await delete_child(client, SERVICEMONITORS, ns, name):
+            note("deleted", "ServiceMonitor")
+    return result

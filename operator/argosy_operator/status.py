@@ -1,0 +1,166 @@
+"""The LLMDeployment's status: replica counts, selector, endpoint and conditions.
+
+`compute_status` is pure (children in, status out); `status_patch` turns it into the smallest
+patch against the current status (None when nothing changed, so an idle operator writes
+nothing); `refresh_status` reads the children and writes the patch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from argosy_operator.builders.common import endpoint_url, selector_string
+from argosy_operator.conditions import condition, find_condition, merge_conditions, now_rfc3339
+from argosy_operator.constants import COND_DEGRADED, COND_PROGRESSING, COND_READY
+from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
+from argosy_operator.pod_problems import pod_problems
+from argosy_operator.spec import normalize_spec
+from argosy_operator.workload import get_deployment, list_pods
+
+CONFLICT_RETRIES = 3
+
+
+def _ready_condition(desired: int, ready: int, problems: Sequence[Any], gen: int | None
+                     ) -> dict[str, Any]:
+    counts = f"{ready}/{desired} replicas ready"
+    if desired == 0:
+        return condition(COND_READY, False, "ScaledToZero", "scaled to zero replicas", gen)
+    if ready == 0:
+        if problems:
+            return condition(COND_READY, False, problems[0].reason,
+                             f"{counts}: {problems[0].message}", gen)
+        return condition(COND_READY, False, "NoReplicasReady", counts, gen)
+    if ready < desired:
+        return condition(COND_READY, True, "PartiallyReady", counts, gen)
+    return condition(COND_READY, True, "AllReplicasReady", counts, gen)
+
+
+def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None,
+                   pods: Sequence[Mapping[str, Any]], observed_generation: int | None
+                   ) -> dict[str, Any]:
+    """The status the reconciler owns, from the Deployment and pods it sees."""
+    spec = normalize_spec(llmd.get("spec") or {})
+    name = llmd["metadata"]["name"]
+    gen = observed_generation
+    base: dict[str, Any] = {
+        "selector": selector_string(name),
+        "endpoint": endpoint_url(llmd, spec["service"]["port"]),
+        "model": spec["model"]["name"],
+    }
+    if observed_generation is not None:
+        base["observedGeneration"] = int(observed_generation)
+    if deployment is None:
+        base.update(replicas=0, readyReplicas=0, updatedReplicas=0)
+        base["conditions"] = [
+            condition(COND_READY, False, "DeploymentMissing", "the Deployment does not exist", gen),
+            condition(COND_PROGRESSING, True, "Creating", "creating the Deployment", gen),
+            condition(COND_DEGRADED, False, "AsExpected", "no problems seen", gen),
+        ]
+        return base
+    dep_status = deployment.get("status") or {}
+    desired = int((deployment.get("spec") or {}).get("replicas", 1))
+    total = int(dep_status.get("replicas", 0))
+    ready = int(dep_status.get("readyReplicas", 0))
+    updated = int(dep_status.get("updatedReplicas", 0))
+    base.update(replicas=total, readyReplicas=ready, updatedReplicas=updated)
+
+    problems = pod_problems(pods)
+    dep_conditions = dep_status.get("conditions") or []
+    dep_progressing = find_condition(dep_conditions, "Progressing") or {}
+    deadline = (dep_progressing.get("status") == "False"
+                and dep_progressing.get("reason") == "ProgressDeadlineExceeded")
+    replica_failure = find_condition(dep_conditions, "ReplicaFailure") or {}
+    synced = int(dep_status.get("observedGeneration", 0)) >= int(
+        (deployment.get("metadata") or {}).get("generation", 0))
+
+    if deadline:
+        progressing = condition(COND_PROGRESSING, False, "ProgressDeadlineExceeded",
+                                dep_progressing.get("message", "rollout stalled"), gen)
+    elif not synced or updated < desired or total > desired or ready < desired:
+        reason = "RollingUpdate" if (not synced or updated < desired) else "Scaling"
+        progressing = condition(
+            COND_PROGRESSING, True, reason,
+            f"{updated}/{desired} replicas updated, {ready} ready, {total} total", gen)
+    else:
+        progressing = condition(COND_PROGRESSING, False, "RolloutComplete",
+                                f"{desired} replicas updated and ready", gen)
+
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        degraded = condition(COND_DEGRADED, True, problems[0].reason,
+                             problems[0].message + more, gen)
+    elif deadline:
+        degraded = condition(COND_DEGRADED, True, "ProgressDeadlineExceeded",
+                             dep_progressing.get("message", "rollout stalled"), gen)
+    elif replica_failure.get("status") == "True":
+        degraded = condition(COND_DEGRADED, True, "ReplicaFailure",
+                             replica_failure.get("message", "pods cannot be created"), gen)
+    else:
+        degraded = condition(COND_DEGRADED, False, "AsExpected", "no problems seen", gen)
+    base["conditions"] = [_ready_condition(desired, ready, problems, gen), progressing, degraded]
+    return base
+
+
+def status_patch(current: Mapping[str, Any] | None, computed: Mapping[str, Any], now: str
+                 ) -> dict[str, Any] | None:
+    """The fields of `computed` that differ from `current` (conditions merged); None if none."""
+    current = current or {}
+    patch = {k: v for k, v in computed.items() if k != "conditions" and current.get(k) != v}
+    if "conditions" in computed:
+        merged = merge_conditions(current.get("conditions"), computed["conditions"], now)
+        if merged != list(current.get("conditions") or []):
+            patch["conditions"] = merged
+    return patch or None
+
+
+async def patch_status(client: KubeClient, llmd: Mapping[str, Any],
+                       make_patch: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Patch the status subresource with `make_patch(current_status) -> patch | None`, guarded
+    by the object's resourceVersion; on a conflict re-read the object and try again.
+    Returns (the patch written or None, the object it was computed from)."""
+    meta = llmd["metadata"]
+    obj: Mapping[str, Any] = llmd
+    for attempt in range(CONFLICT_RETRIES + 1):
+        patch = make_patch(obj.get("status") or {})
+        if not patch:
+            return None, dict(obj)
+        body: dict[str, Any] = {"status": patch}
+        rv = obj["metadata"].get("resourceVersion")
+        if rv:
+            body["metadata"] = {"resourceVersion": rv}
+        try:
+            await client.patch(LLMDEPLOYMENTS, meta["namespace"], meta["name"], body,
+                               subresource="status")
+            return patch, dict(obj)
+        except ApiError as exc:
+            if exc.status != 409 or attempt == CONFLICT_RETRIES:
+                raise
+        await asyncio.sleep(0.1 * (attempt + 1))
+        fresh = await client.get(LLMDEPLOYMENTS, meta["namespace"], meta["name"])
+        if fresh is None:
+            return None, dict(obj)
+        obj = fresh
+    return None, dict(obj)  # pragma: no cover
+
+
+async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
+                         observed_generation: int | None = None) -> dict[str, Any] | None:
+    """Read the Deployment and pods, write the status if it changed; returns the patch.
+
+    `observed_generation=None` keeps the recorded one (child events do not reconcile the spec).
+    """
+    meta = llmd["metadata"]
+    deployment = await get_deployment(client, meta["namespace"], meta["name"])
+    pods = await list_pods(client, meta["namespace"], meta["name"])
+
+    def make_patch(current: Mapping[str, Any]) -> dict[str, Any] | None:
+        gen = observed_generation
+        if gen is None:
+            gen = current.get("observedGeneration")
+        computed = compute_status(llmd, deployment, pods, gen)
+        return status_patch(current, computed, now_rfc3339())
+
+    patch, _ = await patch_status(client, llmd, make_patch)
+    return patch
