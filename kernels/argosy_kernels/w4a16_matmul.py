@@ -1,0 +1,231 @@
+"""int4 weights (group-wise scales and zeros) x 16-bit activations.
+
+Packing layout (the quantizer produces it with `pack_int4`):
+  w_int   [N, K]        unsigned 4-bit values 0..15 (N = out_features, K = in_features, K % 8 == 0)
+  qweight int32 [N, K // 8]: word (n, j) holds, in bits 4i..4i+3 (i = 0..7), the value
+          w_int[n, i * (K // 8) + j]. The eight nibbles of a word are K // 8 apart, not
+          adjacent: a kernel tile of words j0..j0+BK8 then yields, per nibble i, a contiguous
+          run of K, i.e. eight ordinary [BLOCK_M, BK8] x [BK8, BLOCK_N] products, each word
+          loaded once and no shuffle needed.
+  scales  [N, K // group_size]  float (fp16/bf16/fp32), zeros [N, K // group_size] float, in
+          units of the 4-bit code (asymmetric: an integer 0..15, or fractional for AWQ-style).
+  dequantized weight: w[n, k] = (w_int[n, k] - zeros[n, k // g]) * scales[n, k // g]
+  out = x @ w.T, in x's dtype. group_size in {32, 64, 128} (any multiple of 8 dividing K works).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from argosy_kernels._triton import check_device, interpret_mode, num_sms, triton_jit
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+
+def pack_int4(w_int: torch.Tensor) -> torch.Tensor:
+    """Pack unsigned 4-bit values [N, K] (any int dtype, 0..15) into int32 [N, K // 8]."""
+    if w_int.dim() != 2 or w_int.shape[1] % 8:
+        raise ValueError(f"w_int must be [N, K] with K % 8 == 0, got {tuple(w_int.shape)}")
+    if w_int.numel() and (int(w_int.min()) < 0 or int(w_int.max()) > 15):
+        raise ValueError("w_int values must lie in 0..15")
+    n, k = w_int.shape
+    nib = w_int.to(torch.int64).view(n, 8, k // 8)  # nib[n, i, j] = w_int[n, i * K/8 + j]
+    shifts = (4 * torch.arange(8, device=w_int.device, dtype=torch.int64))[None, :, None]
+    words = (nib << shifts).sum(dim=1)  # [N, K / 8], 0 .. 2^32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
+    return words.to(torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: int32 [N, K // 8] -> uint8 [N, K] values 0..15."""
+    n, k8 = qweight.shape
+    shifts = (4 * torch.arange(8, device=qweight.device, dtype=torch.int32))[None, :, None]
+    nib = (qweight[:, None, :] >> shifts) & 0xF  # [N, 8, K/8]
+    return nib.reshape(n, 8 * k8).to(torch.uint8)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """Asymmetric min/max int4 quantization of w [N, K] -> (qweight, scales, zeros).
+
+    scales/zeros come out in w's dtype; a round-trip helper for tests and benchmarks (the
+    quantization package may pick its parameters differently, in the same layout).
+    """
+    n, k = w.shape
+    if k % group_size or group_size % 8:
+        raise ValueError(f"group_size {group_size} must be a multiple of 8 dividing K={k}")
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(1e-8)
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, 15).view(n, k)
+    return pack_int4(q.to(torch.uint8)), scales.to(w.dtype), zeros.to(w.dtype)
+
+
+def w4a16_dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         group_size: int) -> torch.Tensor:
+    """float32 [N, K] weights from the packed layout."""
+    q = unpack_int4(qweight).float()
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    return (q - z) * s
+
+
+def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Pure torch: x [M, K] @ dequant(qweight).T -> [M, N] in x's dtype (math in float32)."""
+    w = w4a16_dequantize_ref(qweight, scales, zeros, group_size)
+    return (x.float() @ w.T).to(x.dtype)
+
+
+@triton_jit
+def _w4a16_matmul_kernel(
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N]
+    x_ptr,  # [M, K]
+    qweight_ptr,  # int32 [N, K8]
+    scales_ptr,  # [N, K // GROUP_SIZE]
+    zeros_ptr,  # [N, K // GROUP_SIZE]
+    M,
+    N,
+    K8,  # K // 8
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    j_per_split,  # words per K split, a multiple of BLOCK_K8
+    GROUP_SIZE: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,  # each (nibble, word tile) lies in one group
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K8: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    j_lo = pid_k * j_per_split
+    j_hi = tl.minimum(K8, j_lo + j_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_K8):
+        rj = j0 + tl.arange(0, BLOCK_K8)
+        j_mask = rj < j_hi
+        jn_mask = j_mask[:, None] & n_mask[None, :]
+        words = tl.load(qweight_ptr + rn64[None, :] * stride_qn + rj[:, None], mask=jn_mask,
+                        other=0)  # int32 [BLOCK_K8, BLOCK_N]
+        for i in tl.static_range(8):
+            rk = i * K8 + rj  # the K index nibble i of these words stands for
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                        mask=m_mask[:, None] & j_mask[None, :], other=0.0)  # [BM, BK8]
+            q = ((words >> (4 * i)) & 0xF).to(tl.float32)  # [BK8, BN]
+            if UNIFORM_GROUP:
+                grp = (i * K8 + j0) // GROUP_SIZE
+                s = tl.load(scales_ptr + rn64 * stride_sn + grp, mask=n_mask, other=0.0)
+                z = tl.load(zeros_ptr + rn64 * stride_zn + grp, mask=n_mask, other=0.0)
+                w = (q - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            else:
+                grp = rk // GROUP_SIZE
+                s = tl.load(scales_ptr + rn64[None, :] * stride_sn + grp[:, None], mask=jn_mask,
+                            other=0.0)
+                z = tl.load(zeros_ptr + rn64[None, :] * stride_zn + grp[:, None], mask=jn_mask,
+                            other=0.0)
+                w = (q - z.to(tl.float32)) * s.to(tl.float32)
+            if UPCAST_DOT:
+                x = x.to(tl.float32)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+def w4a16_matmul(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    qweight: torch.Tensor,  # int32 [N, K // 8], see the module docstring
+    scales: torch.Tensor,  # [N, K // group_size]
+    zeros: torch.Tensor,  # [N, K // group_size]
+    group_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Triton x @ dequant(qweight).T in x's dtype; contract of `w4a16_matmul_ref`."""
+    if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError("x must be [M, K] and qweight int32 [N, K // 8]")
+    M, K = x.shape
+    N, K8 = qweight.shape
+    if K != 8 * K8:
+        raise ValueError(f"x has K={K} but qweight packs K={8 * K8}")
+    if group_size <= 0 or group_size % 8 or K % group_size:
+        raise ValueError(f"group_size must be a positive multiple of 8 dividing K={K}, "
+                         f"got {group_size}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.shape != (N, K // group_size) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [N, K // group_size] = {(N, K // group_size)}, "
+                             f"contiguous in its last dim, got {tuple(t.shape)}")
+    check_device(x, qweight, scales, zeros)
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError("out must be [M, N] in x's dtype, contiguous in N")
+    if M == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
+    interp = interpret_mode()
+    block_m = 16 if (interp or M <= 16) else (32 if M <= 32 else 64)
+    block_n = 32 if interp else (64 if M <= 64 else 128)
+    # Words per tile; <= group_size so that a tile of one nibble never straddles groups
+    # when K8 is a multiple of group_size.
+    block_k8 = 16 if interp else min(32, group_size)
+    uniform = K8 % group_size == 0 and group_size % block_k8 == 0
+    grid_mn = (-(-M // block_m), -(-N // block_n))
+    k_blocks = -(-K8 // block_k8)
+    if split_k is None:
+        programs = grid_mn[0] * grid_mn[1]
+        target = 2 * num_sms(x.device)
+        split_k = 1 if interp or programs >= target else max(
+            1, min(-(-target // programs), k_blocks // 2, 16))
+    j_per_split = -(-k_blocks // max(1, split_k)) * block_k8
+    split_k = -(-K8 // j_per_split)
+    dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
+                                               device=x.device)
+    _w4a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
+        dst, x, qweight, scales, zeros, M, N, K8,
+        x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        j_per_split,
+        GROUP_SIZE=group_size,
+        UNIFORM_GROUP=uniform,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K8=block_k8,
+        SPLIT_K=split_k,
+        UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    if split_k > 1:
+        out.copy_(dst.sum(0))
+    return out
+
+
+__all__ = [
+    "pack_int4",
+    "unpack_int4",
+    "quantize_int4",
+    "w4a16_dequantize_ref",
+    "w4a16_matmul",
+    "w4a16_matmul_ref",
+]

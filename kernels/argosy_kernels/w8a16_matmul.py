@@ -1,0 +1,146 @@
+"""int8 weights x 16-bit activations: out = x @ (w_int8 * scales[:, None]).T.
+
+Weights are stored like a torch Linear's, [out_features N, in_features K], one float scale per
+output channel (symmetric, per-channel). The kernel reads int8 tiles (half the bytes of bf16),
+converts them to x's dtype in registers, accumulates in float32 and applies the scale per
+output column at the end. For small M (decode) the K loop is split across programs so the GPU
+fills up; partial sums land in a float32 buffer that is summed afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from argosy_kernels._triton import check_device, interpret_mode, num_sms, triton_jit
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+
+def w8a16_matmul_ref(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Pure torch: x [M, K] @ (w_int8 [N, K] * scales [N]).T -> [M, N] in x's dtype.
+
+    Like the kernel: the product in float32, the per-channel scale applied to the result,
+    one rounding to x's dtype at the end.
+    """
+    acc = x.float() @ w_int8.float().T  # [M, N]
+    return (acc * scales.float()[None, :]).to(x.dtype)
+
+
+@triton_jit
+def _w8a16_matmul_kernel(
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N]
+    x_ptr,  # [M, K]
+    w_ptr,  # int8 [N, K]
+    scales_ptr,  # [N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,  # multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < k_hi
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0)  # int8 [BLOCK_K, BLOCK_N]
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+        w = w.to(tl.float32).to(x.dtype)
+        acc += tl.dot(x, w, input_precision=DOT_PREC)
+    scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    acc = acc * scale[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
+    """K splits so that small-M launches still put two programs on every SM."""
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), k_blocks // 4, 16))
+
+
+def w8a16_matmul(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    w_int8: torch.Tensor,  # int8 [N, K]
+    scales: torch.Tensor,  # [N]
+    *,
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Triton x @ (w_int8 * scales[:, None]).T in x's dtype; contract of `w8a16_matmul_ref`."""
+    if x.dim() != 2 or w_int8.dim() != 2 or x.shape[1] != w_int8.shape[1]:
+        raise ValueError(f"x must be [M, K] and w_int8 [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(w_int8.shape)}")
+    if w_int8.dtype != torch.int8:
+        raise ValueError(f"w_int8 must be int8, got {w_int8.dtype}")
+    if scales.shape != (w_int8.shape[0],):
+        raise ValueError(f"scales must be [N = {w_int8.shape[0]}], got {tuple(scales.shape)}")
+    check_device(x, w_int8, scales)
+    M, K = x.shape
+    N = w_int8.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError("out must be [M, N] in x's dtype, contiguous in N")
+    if M == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w_int8 = w_int8 if w_int8.stride(1) == 1 else w_int8.contiguous()
+    interp = interpret_mode()
+    block_m = 16 if (interp or M <= 16) else (32 if M <= 32 else 64)
+    block_n = 32 if interp else (64 if M <= 64 else 128)
+    block_k = 32 if interp else (128 if M <= 64 else 64)
+    grid_mn = (-(-M // block_m), -(-N // block_n))
+    k_blocks = -(-K // block_k)
+    if split_k is None:
+        split_k = 1 if interp else _split_k(grid_mn[0] * grid_mn[1], k_blocks, x.device)
+    k_per_split = -(-k_blocks // max(1, split_k)) * block_k
+    split_k = -(-K // k_per_split)
+    dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
+                                               device=x.device)
+    _w8a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
+        dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    if split_k > 1:
+        out.copy_(dst.sum(0))
+    return out
+
+
+__all__ = ["w8a16_matmul", "w8a16_matmul_ref"]
