@@ -1,0 +1,89 @@
+"""`argosy gateway`: the OpenAI-compatible router in front of runtime replicas.
+
+    argosy gateway --config gateway.yaml
+    argosy gateway --backend smollm2-135m=http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8080
+
+Flags override the file's host, port and default policy; `--backend` adds static routes.
+See docs/gateway.md for the YAML schema. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="Route OpenAI requests across replicas and models.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="Gateway YAML file (docs/gateway.md).")
+    parser.add_argument("--host", help="Listen address (default 127.0.0.1).")
+    parser.add_argument("--port", type=int, help="Listen port (default 8080).")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="MODEL=URL[,URL...]",
+        help="Static replicas of a model (repeatable).",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=["round-robin", "least-load", "prefix-affinity"],
+        help="Default routing policy (default prefix-affinity, falling back to least-load).",
+    )
+    parser.add_argument("--log-level", default="info", help="Python logging level.")
+    return parser
+
+
+def build_config(args: argparse.Namespace):  # -> GatewayConfig (import kept inside)
+    """The GatewayConfig from --config plus flag overrides."""
+    from argosy_runtime.gateway.config import (
+        GatewayConfig,
+        ModelRouteConfig,
+        load_config,
+        parse_backend_flag,
+    )
+
+    config = load_config(args.config) if args.config else GatewayConfig()
+    changes: dict = {}
+    if args.host is not None:
+        changes["host"] = args.host
+    if args.port is not None:
+        changes["port"] = args.port
+    if args.policy is not None:
+        changes["routing"] = dataclasses.replace(config.routing, policy=args.policy)
+    if args.backend:
+        extra = []
+        for flag in args.backend:
+            model, urls = parse_backend_flag(flag)
+            extra.append(ModelRouteConfig(name=model, backends=tuple(urls)))
+        changes["models"] = config.models + tuple(extra)
+    config = dataclasses.replace(config, **changes) if changes else config
+    if not config.models:
+        raise ValueError("models: none configured (give --config or --backend)")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from argosy_runtime.gateway.proxy.app import run_gateway
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        print(f"argosy gateway: {exc}")
+        return 2
+    try:
+        asyncio.run(run_gateway(config))
+    except KeyboardInterrupt:
+        pass
+    return 0

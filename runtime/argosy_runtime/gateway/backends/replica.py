@@ -1,0 +1,51 @@
+"""One runtime replica as the gateway sees it: its URL, load and health."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Replica:
+    """Mutable state of one replica, updated by the proxy (in-flight, passive failures) and
+    the health checker (scraped metrics, probes)."""
+
+    url: str
+    # Requests this gateway has sent and not yet finished (the only load signal that is exact).
+    in_flight: int = 0
+    # Last scraped gauges from the replica's /metrics.
+    kv_cache_usage: float = 0.0
+    num_waiting: float = 0.0
+    num_running: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    # Out of rotation when False; the health checker probes it back.
+    healthy: bool = True
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    # monotonic time before which the replica asked not to be sent anything (Retry-After).
+    cooldown_until: float = 0.0
+
+    def is_available(self, now: float | None = None) -> bool:
+        """In rotation: healthy and not inside a Retry-After window."""
+        now = time.monotonic() if now is None else now
+        return self.healthy and now >= self.cooldown_until
+
+    def set_retry_after(self, seconds: float) -> None:
+        """Honour a `Retry-After`: send nothing to this replica for `seconds`."""
+        self.cooldown_until = max(self.cooldown_until, time.monotonic() + max(0.0, seconds))
+
+    def mark_failure(self, threshold: int) -> None:
+        """Count one failed probe or request; out of rotation after `threshold` in a row."""
+        self.consecutive_successes = 0
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= threshold:
+            self.healthy = False
+
+    def mark_success(self, threshold: int) -> None:
+        """Count one successful probe; back in rotation after `threshold` in a row."""
+        self.consecutive_failures = 0
+        self.consecutive_successes += 1
+        if not self.healthy and self.consecutive_successes >= threshold:
+            self.healthy = True

@@ -1,0 +1,138 @@
+"""Small-to-big model cascade: easy requests to a cheap model, hard ones to a large one.
+
+A cascade is a route name clients put in `model` (say `auto`). `decide` picks the model to ask
+first from what is known before generation (header, model-name suffix, prompt length,
+max_tokens, keywords). For non-streamed requests answered by the small model, `mean_logprob`
+of that answer can send the request on to the large model (the answer is only as good as the
+small model's confidence in it). Every decision carries a reason, counted in the gateway's
+metrics and returned to the client in `x-argosy-cascade` / `x-argosy-cascade-reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from argosy_runtime.gateway.config import CascadeConfig
+from argosy_runtime.gateway.request_text import prompt_text, requested_max_tokens
+
+# Reasons, in the order the rules are tried.
+REASON_HEADER = "header"
+REASON_MODEL_NAME = "model_name"
+REASON_PROMPT_LENGTH = "prompt_length"
+REASON_MAX_TOKENS = "max_tokens"
+REASON_KEYWORD = "keyword"
+REASON_DEFAULT = "default"
+REASON_LOW_CONFIDENCE = "low_confidence"
+REASON_CONFIDENT = "confident"
+REASON_NO_LOGPROBS = "no_logprobs"
+
+
+@dataclass(frozen=True)
+class CascadeDecision:
+    """Which model to ask first, and why."""
+
+    tier: str  # "small" or "large"
+    model: str
+    reason: str
+    # Ask the small model for logprobs and escalate when its answer's mean is too low.
+    check_confidence: bool = False
+
+
+def split_route_name(model: str) -> tuple[str, str | None]:
+    """`auto:large` -> ("auto", "large"); `auto` -> ("auto", None)."""
+    base, sep, tier = model.rpartition(":")
+    if sep and tier in ("small", "large"):
+        return base, tier
+    return model, None
+
+
+def decide(
+    cascade: CascadeConfig,
+    path: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str],
+    forced_tier: str | None = None,
+) -> CascadeDecision:
+    """Apply the up-front rules. `forced_tier` comes from a `<route>:small|large` model name."""
+
+    def large(reason: str) -> CascadeDecision:
+        return CascadeDecision("large", cascade.large, reason)
+
+    def small(reason: str) -> CascadeDecision:
+        check = cascade.min_mean_logprob is not None and not body.get("stream", False)
+        return CascadeDecision("small", cascade.small, reason, check_confidence=check)
+
+    header = str(headers.get(cascade.header, "")).strip().lower()
+    if header in ("large", "small"):
+        return large(REASON_HEADER) if header == "large" else small(REASON_HEADER)
+    if forced_tier is not None:
+        return large(REASON_MODEL_NAME) if forced_tier == "large" else small(REASON_MODEL_NAME)
+    text = prompt_text(path, body)
+    if cascade.prompt_chars_over is not None and len(text) > cascade.prompt_chars_over:
+        return large(REASON_PROMPT_LENGTH)
+    max_tokens = requested_max_tokens(body)
+    if (
+        cascade.max_tokens_over is not None
+        and max_tokens is not None
+        and max_tokens > cascade.max_tokens_over
+    ):
+        return large(REASON_MAX_TOKENS)
+    if cascade.keywords:
+        lowered = text.lower()
+        if any(k in lowered for k in cascade.keywords):
+            return large(REASON_KEYWORD)
+    return small(REASON_DEFAULT)
+
+
+def request_logprobs(path: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A copy of `body` that asks for the sampled tokens' logprobs.
+
+    Returns (body, added): `added` is True when the client had not asked for them, so the
+    gateway should strip them from the answer it returns.
+    """
+    body = dict(body)
+    if path.endswith("/chat/completions"):
+        if body.get("logprobs"):
+            return body, False
+        body["logprobs"] = True
+        return body, True
+    if body.get("logprobs") is not None:
+        return body, False
+    body["logprobs"] = 0  # 0: only the sampled token's logprob, no alternatives
+    return body, True
+
+
+def mean_logprob(response: dict[str, Any]) -> float | None:
+    """Mean logprob of the sampled tokens of the first choice; None when absent or empty.
+
+    Reads both shapes: completions (`logprobs.token_logprobs`) and chat
+    (`logprobs.content[].logprob`).
+    """
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    logprobs = choices[0].get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    values: list[float] = []
+    if isinstance(logprobs.get("token_logprobs"), list):
+        values = [v for v in logprobs["token_logprobs"] if isinstance(v, int | float)]
+    elif isinstance(logprobs.get("content"), list):
+        values = [
+            e["logprob"]
+            for e in logprobs["content"]
+            if isinstance(e, dict) and isinstance(e.get("logprob"), int | float)
+        ]
+    if not values:
+        return None
+    return sum(values) / len(values)
+
+
+def strip_logprobs(response: dict[str, Any]) -> dict[str, Any]:
+    """Remove the logprobs the gateway asked for on the client's behalf."""
+    for choice in response.get("choices") or []:
+        if isinstance(choice, dict) and "logprobs" in choice:
+            choice["logprobs"] = None
+    return response

@@ -1,0 +1,305 @@
+"""Gateway configuration: frozen dataclasses, loaded from YAML (`--config`) or built from flags.
+
+A minimal file::
+
+    port: 8080
+    models:
+      - name: smollm2-135m
+        backends: [http://127.0.0.1:8001, http://127.0.0.1:8002]
+      - name: big
+        kubernetes: {llmdeployment: big, namespace: default}
+    cascades:
+      - name: auto
+        small: smollm2-135m
+        large: big
+        max_tokens_over: 512
+
+Every validation error is a ValueError that names the offending field (``models[1].policy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+POLICIES = ("round-robin", "least-load", "prefix-affinity")
+DISCOVERY_SOURCES = ("pods", "endpointslices")
+# The label the Argosy operator selects an LLMDeployment's runtime pods by (its value is the
+# LLMDeployment's name); equal to argosy_operator.constants.LABEL_LLMD, kept literal here so the
+# gateway does not depend on the operator package.
+DEFAULT_INSTANCE_LABEL = "argosy.dev/llmdeployment"
+
+
+def _check_keys(where: str, data: dict[str, Any], cls: type) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(known))})")
+
+
+def _build(cls: type, where: str, data: Any) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    _check_keys(where, data, cls)
+    try:
+        return cls(**data)
+    except TypeError as exc:  # a wrong type that __post_init__ did not catch
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+def _positive(where: str, value: Any, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Active probing of replicas: `/ready` and `/metrics` every `interval_s`."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    # Consecutive failed probes that take a replica out of rotation, and successful ones that
+    # put it back. A refused connection while proxying takes it out at once (passive check).
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("health.interval_s", self.interval_s)
+        _positive("health.timeout_s", self.timeout_s)
+        _positive("health.unhealthy_after", self.unhealthy_after)
+        _positive("health.healthy_after", self.healthy_after)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Tuning of the routing policies (shared by all models unless a model overrides policy)."""
+
+    policy: str = "prefix-affinity"
+    # prefix-affinity hashes the first `prefix_chars` characters of the prompt (or of the
+    # flattened chat history); prompts shorter than `min_prefix_chars` go to least-load.
+    prefix_chars: int = 256
+    min_prefix_chars: int = 16
+    # Bounded load (Mirrokni et al. 2018): no replica takes more than
+    # ceil(load_factor * (total in-flight + 1) / replicas) requests; the excess spills onward.
+    load_factor: float = 1.25
+    # ...but never below this many: a batching replica runs a few requests at once for about
+    # the cost of one, and spilling a prefix's second request would waste its cached KV.
+    min_capacity: int = 4
+    virtual_nodes: int = 160
+    # A replica whose scraped KV-cache usage is at or above this is treated as over its bound.
+    kv_high_watermark: float = 0.95
+    # least-load score = w_in_flight * in-flight + w_waiting * waiting + w_kv * kv usage (0..1)
+    w_in_flight: float = 1.0
+    w_waiting: float = 1.0
+    w_kv: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing.policy: must be one of {POLICIES}, got {self.policy!r}")
+        _positive("routing.prefix_chars", self.prefix_chars)
+        _positive("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
+        _positive("routing.load_factor", self.load_factor)
+        if self.load_factor < 1.0:
+            raise ValueError(f"routing.load_factor: must be >= 1.0, got {self.load_factor!r}")
+        _positive("routing.min_capacity", self.min_capacity)
+        _positive("routing.virtual_nodes", self.virtual_nodes)
+        _positive("routing.kv_high_watermark", self.kv_high_watermark)
+        for name in ("w_in_flight", "w_waiting", "w_kv"):
+            _positive(f"routing.{name}", getattr(self, name), allow_zero=True)
+
+
+@dataclass(frozen=True)
+class KubernetesBackendConfig:
+    """Replicas discovered from the Pods (or EndpointSlices) of an LLMDeployment."""
+
+    llmdeployment: str = ""
+    namespace: str = "default"
+    # Default selector: `argosy.dev/llmdeployment=<llmdeployment>`.
+    label_selector: str | None = None
+    source: str = "pods"
+    port: int = 8000
+    port_name: str = "http"
+    # API server URL; default: in-cluster service account, else $KUBECONFIG / ~/.kube/config.
+    api_url: str | None = None
+    # Re-list this often even when the watch stream is quiet (a safety net, not the mechanism).
+    resync_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.llmdeployment and not self.label_selector:
+            raise ValueError("kubernetes.llmdeployment: required (or give label_selector)")
+        if self.source not in DISCOVERY_SOURCES:
+            raise ValueError(
+                f"kubernetes.source: must be one of {DISCOVERY_SOURCES}, got {self.source!r}"
+            )
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"kubernetes.port: must be a TCP port, got {self.port!r}")
+        _positive("kubernetes.resync_s", self.resync_s)
+
+    @property
+    def selector(self) -> str:
+        """The label selector sent to the API server."""
+        return self.label_selector or f"{DEFAULT_INSTANCE_LABEL}={self.llmdeployment}"
+
+
+@dataclass(frozen=True)
+class ModelRouteConfig:
+    """One model name that clients may request, and where its replicas are."""
+
+    name: str = ""
+    backends: tuple[str, ...] = ()
+    kubernetes: KubernetesBackendConfig | None = None
+    policy: str | None = None  # default: routing.policy
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("models[].name: required")
+        if isinstance(self.backends, str):
+            raise ValueError(f"models[{self.name}].backends: expected a list of URLs")
+        object.__setattr__(self, "backends", tuple(u.rstrip("/") for u in self.backends))
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"models[{self.name}].backends: not an http(s) URL: {url!r}")
+        if bool(self.backends) == (self.kubernetes is not None):
+            raise ValueError(
+                f"models[{self.name}]: give exactly one of 'backends' or 'kubernetes'"
+            )
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(
+                f"models[{self.name}].policy: must be one of {POLICIES}, got {self.policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """A route name that sends easy requests to `small` and hard ones to `large`.
+
+    The large model is picked up front when any rule fires: the `header` asks for it, the
+    prompt is longer than `prompt_chars_over`, `max_tokens` is above `max_tokens_over`, or the
+    prompt contains one of `keywords` (case-insensitive). Otherwise the small model answers; for
+    non-streamed requests, when `min_mean_logprob` is set and the small answer's mean token
+    logprob is below it, the large model is asked again.
+    """
+
+    name: str = ""
+    small: str = ""
+    large: str = ""
+    header: str = "x-argosy-cascade"
+    prompt_chars_over: int | None = None
+    max_tokens_over: int | None = None
+    keywords: tuple[str, ...] = ()
+    min_mean_logprob: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("name", "small", "large"):
+            if not getattr(self, key) or not isinstance(getattr(self, key), str):
+                raise ValueError(f"cascades[].{key}: required")
+        if self.small == self.large:
+            raise ValueError(f"cascades[{self.name}].large: must differ from small")
+        for key in ("prompt_chars_over", "max_tokens_over"):
+            value = getattr(self, key)
+            if value is not None:
+                _positive(f"cascades[{self.name}].{key}", value, allow_zero=True)
+        if isinstance(self.keywords, str):
+            raise ValueError(f"cascades[{self.name}].keywords: expected a list of strings")
+        object.__setattr__(self, "keywords", tuple(k.lower() for k in self.keywords))
+        if self.min_mean_logprob is not None and (
+            isinstance(self.min_mean_logprob, bool)
+            or not isinstance(self.min_mean_logprob, int | float)
+            or self.min_mean_logprob > 0
+        ):
+            raise ValueError(
+                f"cascades[{self.name}].min_mean_logprob: must be a number <= 0, "
+                f"got {self.min_mean_logprob!r}"
+            )
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything `argosy gateway` needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    models: tuple[ModelRouteConfig, ...] = ()
+    cascades: tuple[CascadeConfig, ...] = ()
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    # Tries per request: the first replica plus retries on other replicas (connection refused,
+    # 5xx or a full queue before the first byte of the answer).
+    max_attempts: int = 2
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be a TCP port, got {self.port!r}")
+        _positive("max_attempts", self.max_attempts)
+        _positive("connect_timeout_s", self.connect_timeout_s)
+        names = [m.name for m in self.models]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"models: duplicate name(s) {sorted(dupes)}")
+        for cascade in self.cascades:
+            if cascade.name in names:
+                raise ValueError(f"cascades[{cascade.name}].name: clashes with a model name")
+            for key in ("small", "large"):
+                if getattr(cascade, key) not in names:
+                    raise ValueError(
+                        f"cascades[{cascade.name}].{key}: {getattr(cascade, key)!r} is not "
+                        "a configured model"
+                    )
+
+    def policy_for(self, model: str) -> str:
+        """The routing policy of `model` (its own, else the default)."""
+        for route in self.models:
+            if route.name == model and route.policy:
+                return route.policy
+        return self.routing.policy
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GatewayConfig:
+        """Build from a parsed YAML/JSON mapping, validating every field."""
+        if not isinstance(data, dict):
+            raise ValueError("config: expected a mapping at the top level")
+        _check_keys("config", data, cls)
+        data = dict(data)
+        models = []
+        for i, raw in enumerate(data.pop("models", None) or []):
+            if not isinstance(raw, dict):
+                raise ValueError(f"models[{i}]: expected a mapping")
+            raw = dict(raw)
+            if raw.get("kubernetes") is not None:
+                raw["kubernetes"] = _build(
+                    KubernetesBackendConfig, f"models[{i}].kubernetes", raw["kubernetes"]
+                )
+            models.append(_build(ModelRouteConfig, f"models[{i}]", raw))
+        cascades = tuple(
+            _build(CascadeConfig, f"cascades[{i}]", raw)
+            for i, raw in enumerate(data.pop("cascades", None) or [])
+        )
+        routing = _build(RoutingConfig, "routing", data.pop("routing", None))
+        health = _build(HealthConfig, "health", data.pop("health", None))
+        return cls(
+            models=tuple(models), cascades=cascades, routing=routing, health=health, **data
+        )
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read a gateway YAML file."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    return GatewayConfig.from_dict(data)
+
+
+def parse_backend_flag(value: str) -> tuple[str, list[str]]:
+    """`--backend MODEL=URL[,URL...]` -> (model, urls)."""
+    model, sep, urls = value.partition("=")
+    if not sep or not model or not urls:
+        raise ValueError(f"--backend: expected MODEL=URL[,URL...], got {value!r}")
+    return model, [u for u in urls.split(",") if u]

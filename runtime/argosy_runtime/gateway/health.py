@@ -1,0 +1,110 @@
+"""Active health checks: probe every replica's /ready and scrape its /metrics.
+
+A replica that fails `unhealthy_after` probes in a row (refused, timed out, not 200 on /ready,
+which includes a draining replica) leaves rotation; the probes go on, and `healthy_after`
+good ones put it back. The proxy adds passive checks: a refused connection takes a replica out
+at once, without waiting for the next probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from argosy_runtime.gateway.backends.pool import ReplicaPool
+from argosy_runtime.gateway.backends.replica import Replica
+from argosy_runtime.gateway.config import HealthConfig
+
+logger = logging.getLogger(__name__)
+
+# Sample name on the replica's /metrics -> Replica field.
+SCRAPED = {
+    "argosy:kv_cache_usage_perc": "kv_cache_usage",
+    "argosy:num_requests_waiting": "num_waiting",
+    "argosy:num_requests_running": "num_running",
+    "argosy:prefix_cache_queries_total": "prefix_cache_queries",
+    "argosy:prefix_cache_hits_total": "prefix_cache_hits",
+}
+
+
+def parse_replica_metrics(text: str) -> dict[str, float]:
+    """The load fields found in a Prometheus text page (summed over label sets)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = SCRAPED.get(sample.name)
+            if field is not None:
+                found[field] = found.get(field, 0.0) + float(sample.value)
+    return found
+
+
+class HealthChecker:
+    """Probes all replicas of all pools every `config.interval_s` (a background task)."""
+
+    def __init__(
+        self,
+        pools: Callable[[], Iterable[ReplicaPool]],
+        config: HealthConfig,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self._pools = pools
+        self.config = config
+        self._session = session
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe(self, replica: Replica) -> bool:
+        """One probe: scrape /metrics (best effort), then /ready decides."""
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        try:
+            async with self._session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
+                if resp.status == 200:
+                    for field, value in parse_replica_metrics(await resp.text()).items():
+                        setattr(replica, field, value)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            logger.debug("scrape of %s failed: %r", replica.url, exc)
+        try:
+            async with self._session.get(f"{replica.url}/ready", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        was_healthy = replica.healthy
+        if ok:
+            replica.mark_success(self.config.healthy_after)
+        else:
+            replica.mark_failure(self.config.unhealthy_after)
+        if replica.healthy != was_healthy:
+            logger.info(
+                "replica %s %s", replica.url, "back in rotation" if ok else "out of rotation"
+            )
+        return ok
+
+    async def probe_all(self) -> None:
+        """Probe every replica once, concurrently."""
+        replicas = [r for pool in self._pools() for r in pool.replicas]
+        if replicas:
+            await asyncio.gather(*(self.probe(r) for r in replicas))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not stop health checking for good
+                logger.exception("health probe round failed")
+            await asyncio.sleep(self.config.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,115 @@
+"""The gateway's own Prometheus metrics (served on its /metrics).
+
+Each gateway owns a CollectorRegistry, so several gateways in one process (tests, the fleet's
+side-by-side benchmark) never share counters. Per-replica state (in-flight, health, the
+scraped KV usage and prefix-cache counters) is read from the pools at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from argosy_runtime.gateway.backends.pool import ReplicaPool
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, pools: Callable[[], Iterable[ReplicaPool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["model", "backend"]
+        families = {
+            "in_flight": GaugeMetricFamily(
+                "argosy:gateway_backend_in_flight", "Requests in flight per replica.", labels=labels
+            ),
+            "healthy": GaugeMetricFamily(
+                "argosy:gateway_backend_healthy", "1 when the replica is in rotation.", labels=labels
+            ),
+            "kv": GaugeMetricFamily(
+                "argosy:gateway_backend_kv_cache_usage_perc",
+                "KV-cache usage last scraped from the replica (0..1).",
+                labels=labels,
+            ),
+            "waiting": GaugeMetricFamily(
+                "argosy:gateway_backend_num_requests_waiting",
+                "Waiting requests last scraped from the replica.",
+                labels=labels,
+            ),
+            "queries": GaugeMetricFamily(
+                "argosy:gateway_backend_prefix_cache_queries",
+                "argosy:prefix_cache_queries_total last scraped from the replica.",
+                labels=labels,
+            ),
+            "hits": GaugeMetricFamily(
+                "argosy:gateway_backend_prefix_cache_hits",
+                "argosy:prefix_cache_hits_total last scraped from the replica.",
+                labels=labels,
+            ),
+        }
+        for pool in self._pools():
+            for r in pool.replicas:
+                key = [pool.model, r.url]
+                families["in_flight"].add_metric(key, r.in_flight)
+                families["healthy"].add_metric(key, 1.0 if r.is_available() else 0.0)
+                families["kv"].add_metric(key, r.kv_cache_usage)
+                families["waiting"].add_metric(key, r.num_waiting)
+                families["queries"].add_metric(key, r.prefix_cache_queries)
+                families["hits"].add_metric(key, r.prefix_cache_hits)
+        yield from families.values()
+
+
+class GatewayMetrics:
+    """Counters and histograms the proxy updates, plus the per-replica gauges."""
+
+    def __init__(self, pools: Callable[[], Iterable[ReplicaPool]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "argosy:gateway_requests",
+            "Requests answered, by model, replica and HTTP status.",
+            ["model", "backend", "code"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "argosy:gateway_retries",
+            "Requests re-sent to another replica, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.cascade_decisions = Counter(
+            "argosy:gateway_cascade_decisions",
+            "Cascade decisions, by route, chosen tier and rule.",
+            ["route", "tier", "reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "argosy:gateway_client_disconnects",
+            "Requests whose client went away before the answer ended.",
+            ["model"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "argosy:gateway_request_latency_seconds",
+            "Time from request to the last byte of the answer.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_byte = Histogram(
+            "argosy:gateway_time_to_first_byte_seconds",
+            "Time from request to the first byte of the answer's body.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_ReplicaCollector(pools))
+
+    def render(self) -> bytes:
+        """Prometheus text exposition."""
+        return generate_latest(self.registry)

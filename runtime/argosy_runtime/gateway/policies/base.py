@@ -1,0 +1,30 @@
+"""The policy interface and what a policy may look at in a request."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from argosy_runtime.gateway.backends.replica import Replica
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing sees of a request: the leading text of its prompt (or flattened chat)."""
+
+    prefix: str = ""
+
+
+class Policy(ABC):
+    """Picks one replica among `candidates` (all in rotation, none tried yet for this request).
+
+    Policies keep their own small state (a counter, a hash ring) and read the replicas' load
+    fields; they never mutate replicas (the proxy counts in-flight requests).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
+        """The replica to try, or None when `candidates` is empty."""

@@ -1,0 +1,337 @@
+"""The gateway app: OpenAI endpoints proxied to replicas, plus /health, /ready, /metrics.
+
+    POST /v1/completions, /v1/chat/completions   routed (cascade, then policy), streamed through
+    GET  /v1/models                              merged across all replicas and cascade routes
+    GET  /health                                 the gateway process is up
+    GET  /ready                                  every model has a replica in rotation
+    GET  /metrics                                the gateway's Prometheus metrics
+
+Answers are relayed chunk by chunk as they arrive (SSE events are never re-parsed or buffered).
+The app runs with handler cancellation on: when a client disconnects, its handler is cancelled,
+the upstream connection is closed, and the replica aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from argosy_runtime.gateway import cascade as cascade_rules
+from argosy_runtime.gateway.backends.discovery import Discovery, make_discovery
+from argosy_runtime.gateway.backends.pool import ReplicaPool
+from argosy_runtime.gateway.config import GatewayConfig
+from argosy_runtime.gateway.health import HealthChecker
+from argosy_runtime.gateway.metrics import GatewayMetrics
+from argosy_runtime.gateway.policies import Policy, RouteRequest, make_policy
+from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
+from argosy_runtime.gateway.proxy.upstream import Upstream, send
+from argosy_runtime.gateway.request_text import prompt_text
+
+logger = logging.getLogger(__name__)
+
+# Request headers passed on to replicas (hop-by-hop ones, Host and encodings are not).
+_FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "traceparent")
+# Response headers passed back to clients.
+_FORWARD_RESPONSE = ("content-type", "retry-after", "x-request-id", "cache-control")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class Gateway:
+    """Pools, policies, health checks and metrics behind one aiohttp application."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.pools: dict[str, ReplicaPool] = {m.name: ReplicaPool(m.name) for m in config.models}
+        self.policies: dict[str, Policy] = {
+            name: make_policy(config.policy_for(name), config.routing) for name in self.pools
+        }
+        self.cascades = {c.name: c for c in config.cascades}
+        self.metrics = GatewayMetrics(lambda: list(self.pools.values()))
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self._discoveries: list[Discovery] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the upstream session, start discovery and health checks."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            auto_decompress=False,  # relay bytes exactly as the replica sent them
+        )
+        for route in self.config.models:
+            discovery = make_discovery(route, self.pools[route.name], self.session)
+            discovery.start()
+            self._discoveries.append(discovery)
+        self.health = HealthChecker(lambda: list(self.pools.values()), self.config.health, self.session)
+        self.health.start()
+
+    async def close(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
+        for discovery in self._discoveries:
+            await discovery.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.handle_generate)
+        app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
+
+        async def on_startup(_: web.Application) -> None:
+            await self.start()
+
+        async def on_cleanup(_: web.Application) -> None:
+            await self.close()
+
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+    # -- small endpoints ---------------------------------------------------------------------
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        per_model = {name: len(pool.available()) for name, pool in self.pools.items()}
+        ready = bool(per_model) and all(per_model.values())
+        return web.json_response(
+            {"ready": ready, "replicas_in_rotation": per_model}, status=200 if ready else 503
+        )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def handle_unknown(self, request: web.Request) -> web.Response:
+        return error_response(404, f"Not found: {request.method} {request.path}", "NotFoundError")
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """Union of every in-rotation replica's /v1/models, plus the cascade routes."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s)
+
+        async def fetch(url: str) -> list[dict[str, Any]]:
+            try:
+                async with self.session.get(f"{url}/v1/models", timeout=timeout) as resp:
+                    if resp.status != 200:
+                        return []
+                    data = await resp.json(content_type=None)
+                    return [m for m in data.get("data") or [] if isinstance(m, dict)]
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                return []
+
+        urls = sorted({r.url for pool in self.pools.values() for r in pool.available()})
+        merged: dict[str, dict[str, Any]] = {}
+        for models in await asyncio.gather(*(fetch(u) for u in urls)):
+            for m in models:
+                merged.setdefault(str(m.get("id")), m)
+        for name in self.cascades:
+            merged.setdefault(
+                name,
+                {"id": name, "object": "model", "created": 0, "owned_by": "argosy-gateway"},
+            )
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return bad_request(f"Invalid JSON body: {exc}")
+        if not isinstance(body, dict):
+            return bad_request("The request body must be a JSON object.")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return bad_request("`model` is required and must be a string.", param="model")
+        path = request.path
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST}
+
+        route_name, forced_tier = cascade_rules.split_route_name(model)
+        cascade = self.cascades.get(route_name)
+        if cascade is None:
+            if model not in self.pools:
+                return model_not_found(model)
+            return await self._relay(request, model, path, body, raw, headers, started, {})
+
+        decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)
+        extra = {"x-argosy-cascade": decision.tier, "x-argosy-cascade-reason": decision.reason}
+        routed = dict(body, model=decision.model)
+        if not decision.check_confidence:
+            self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
+            return await self._relay(
+                request, decision.model, path, routed, json.dumps(routed).encode(), headers,
+                started, extra,
+            )
+
+        # Non-streamed and a confidence threshold is set: ask the small model for logprobs,
+        # read its whole answer, and decide whether the large model must answer instead.
+        asked, added = cascade_rules.request_logprobs(path, routed)
+        upstream = await self._send(decision.model, path, asked, json.dumps(asked).encode(), headers)
+        if isinstance(upstream, web.Response):
+            self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
+            return upstream
+        try:
+            data = upstream.first_chunk + await upstream.response.read()
+            status = upstream.response.status
+        finally:
+            upstream.release()
+        try:
+            answer = json.loads(data) if status == 200 else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            answer = None
+        confidence = cascade_rules.mean_logprob(answer) if isinstance(answer, dict) else None
+        assert cascade.min_mean_logprob is not None
+        if confidence is not None and confidence < cascade.min_mean_logprob:
+            reason = cascade_rules.REASON_LOW_CONFIDENCE
+            self.metrics.cascade_decisions.labels(cascade.name, "large", reason).inc()
+            large = dict(body, model=cascade.large)
+            extra = {
+                "x-argosy-cascade": "large",
+                "x-argosy-cascade-reason": reason,
+                "x-argosy-cascade-confidence": f"{confidence:.4f}",
+            }
+            return await self._relay(
+                request, cascade.large, path, large, json.dumps(large).encode(), headers,
+                started, extra,
+            )
+        reason = (
+            cascade_rules.REASON_NO_LOGPROBS if confidence is None else cascade_rules.REASON_CONFIDENT
+        )
+        self.metrics.cascade_decisions.labels(cascade.name, "small", reason).inc()
+        extra["x-argosy-cascade-reason"] = reason
+        if confidence is not None:
+            extra["x-argosy-cascade-confidence"] = f"{confidence:.4f}"
+        if isinstance(answer, dict) and added:
+            data = json.dumps(cascade_rules.strip_logprobs(answer)).encode()
+        self._count(decision.model, upstream, status, started)
+        out = web.Response(status=status, body=data, headers=extra)
+        out.headers["Content-Type"] = upstream.response.headers.get(
+            "Content-Type", "application/json"
+        )
+        out.headers["x-argosy-backend"] = upstream.replica.url
+        return out
+
+    async def _send(
+        self, model: str, path: str, body: dict[str, Any], raw: bytes, headers: Mapping[str, str]
+    ) -> Upstream | web.Response:
+        assert self.session is not None
+        route = RouteRequest(prefix=prompt_text(path, body)[: self.config.routing.prefix_chars])
+        result = await send(
+            session=self.session,
+            config=self.config,
+            metrics=self.metrics,
+            pool=self.pools[model],
+            policy=self.policies[model],
+            route=route,
+            path=path,
+            body=raw,
+            headers=headers,
+        )
+        if isinstance(result, web.Response):
+            self.metrics.requests.labels(model, "", str(result.status)).inc()
+        return result
+
+    def _count(self, model: str, upstream: Upstream, status: int, started: float) -> None:
+        self.metrics.requests.labels(model, upstream.replica.url, str(status)).inc()
+        self.metrics.latency.labels(model).observe(time.monotonic() - started)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        model: str,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: Mapping[str, str],
+        started: float,
+        extra: dict[str, str],
+    ) -> web.StreamResponse:
+        """Send to a replica and stream its answer to the client as it arrives."""
+        upstream = await self._send(model, path, body, raw, headers)
+        if isinstance(upstream, web.Response):
+            upstream.headers.update(extra)
+            return upstream
+        resp = upstream.response
+        self.metrics.time_to_first_byte.labels(model).observe(time.monotonic() - started)
+        out = web.StreamResponse(status=resp.status)
+        for key, value in resp.headers.items():
+            if key.lower() in _FORWARD_RESPONSE:
+                out.headers[key] = value
+        if resp.headers.get("Content-Encoding"):
+            out.headers["Content-Encoding"] = resp.headers["Content-Encoding"]
+        out.headers.update(extra)
+        out.headers["x-argosy-backend"] = upstream.replica.url
+        finished = False
+        try:
+            await out.prepare(request)
+            if upstream.first_chunk:
+                await out.write(upstream.first_chunk)
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            finished = True
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: closing the upstream connection (in release) tells the
+            # replica to abort the request and free its KV cache.
+            self.metrics.client_disconnects.labels(model).inc()
+            raise
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # The replica died mid-answer; bytes already reached the client, so no retry.
+            logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
+            upstream.replica.mark_failure(self.config.health.unhealthy_after)
+            # End the client's connection without a clean end of stream, so the client sees
+            # the answer was cut short instead of a silently truncated one.
+            if request.transport is not None:
+                request.transport.close()
+        finally:
+            upstream.release()
+            if finished:
+                self._count(model, upstream, resp.status, started)
+        return out
+
+
+async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `gateway` on host:port (0 picks a free port); returns the runner and the port."""
+    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # the bound socket tells the real port when port=0
+    bound = server.sockets[0].getsockname()[1] if server is not None else port
+    return runner, int(bound)
+
+
+async def run_gateway(config: GatewayConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then close upstream connections cleanly."""
+    import signal
+
+    gateway = Gateway(config)
+    runner, port = await start_gateway(gateway, config.host, config.port)
+    logger.info("argosy gateway on http://%s:%d", config.host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

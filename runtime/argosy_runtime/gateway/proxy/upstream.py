@@ -1,0 +1,170 @@
+"""Sending one request to a replica, with one retry on another replica before the first byte.
+
+A request is *committed* to a replica once the replica has sent the first byte of the answer's
+body (or an answer that is the client's own fault, a 4xx). Until then nothing has reached the
+client, so a refused connection, a 5xx, a full queue (429) or a replica that dies while the
+request waits in its queue is retried on another replica. After it, the answer streams through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from argosy_runtime.gateway.backends.pool import ReplicaPool
+from argosy_runtime.gateway.backends.replica import Replica
+from argosy_runtime.gateway.config import GatewayConfig
+from argosy_runtime.gateway.metrics import GatewayMetrics
+from argosy_runtime.gateway.policies.base import Policy, RouteRequest
+from argosy_runtime.gateway.proxy.errors import no_replica
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the replica did not take the request": safe to send it elsewhere.
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError, asyncio.TimeoutError)
+_BROKEN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+@dataclass
+class Upstream:
+    """A committed answer: the replica, its open response, and the body's first chunk."""
+
+    replica: Replica
+    response: aiohttp.ClientResponse
+    first_chunk: bytes
+
+    def release(self) -> None:
+        """Close the upstream connection (frees the replica's KV if the answer is unfinished)
+        and stop counting the request against the replica."""
+        if not self.response.closed:
+            self.response.close()
+        self.replica.in_flight -= 1
+
+
+def parse_retry_after(value: str | None) -> float:
+    """Seconds from a `Retry-After` header (delta-seconds form; dates fall back to 1 s)."""
+    try:
+        return max(0.0, float(value)) if value else DEFAULT_RETRY_AFTER_S
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S
+
+
+async def send(
+    *,
+    session: aiohttp.ClientSession,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    pool: ReplicaPool,
+    policy: Policy,
+    route: RouteRequest,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+) -> Upstream | web.Response:
+    """Try up to `config.max_attempts` distinct replicas; an Upstream, or the error to return."""
+    tried: set[str] = set()
+    last_error: web.Response | None = None
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=config.connect_timeout_s, sock_connect=config.connect_timeout_s
+    )
+    for _ in range(config.max_attempts):
+        candidates = pool.available(exclude=tried)
+        replica = policy.choose(candidates, route)
+        if replica is None:
+            break
+        tried.add(replica.url)
+        replica.in_flight += 1
+        committed = False
+        try:
+            outcome = await _attempt(session, config, metrics, pool, replica, path, body, headers, timeout)
+            if isinstance(outcome, Upstream):
+                committed = True
+                return outcome
+            if outcome is not None:
+                last_error = outcome
+        finally:
+            # Not committed (retry, error, or cancelled by a client disconnect): the replica
+            # no longer holds this request.
+            if not committed:
+                replica.in_flight -= 1
+    if last_error is not None:
+        if last_error.status == 429:
+            # Every replica we tried is full: report when the first one will take work again.
+            wait = pool.earliest_retry_after()
+            if wait is not None:
+                last_error.headers["Retry-After"] = str(max(1, round(wait)))
+        return last_error
+    return no_replica(pool.model, pool.earliest_retry_after() if _all_cooling(pool) else None)
+
+
+async def _attempt(
+    session: aiohttp.ClientSession,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    pool: ReplicaPool,
+    replica: Replica,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    timeout: aiohttp.ClientTimeout,
+) -> Upstream | web.Response | None:
+    """One try: an Upstream when committed, else the upstream's error (or None) to retry."""
+    try:
+        resp = await session.post(replica.url + path, data=body, headers=headers, timeout=timeout)
+    except _CONNECT_ERRORS + _BROKEN_ERRORS as exc:
+        # Refused or reset before any answer: out of rotation now, probes bring it back.
+        replica.healthy = False
+        replica.consecutive_successes = 0
+        metrics.retries.labels(pool.model, "connect_error").inc()
+        logger.warning("replica %s failed before answering: %r", replica.url, exc)
+        return None
+    if resp.status == 429 or resp.status >= 500:
+        data = await _read_quietly(resp)
+        if resp.status == 429:
+            replica.set_retry_after(parse_retry_after(resp.headers.get("Retry-After")))
+            metrics.retries.labels(pool.model, "retry_after").inc()
+        else:
+            replica.mark_failure(config.health.unhealthy_after)
+            metrics.retries.labels(pool.model, "upstream_5xx").inc()
+        return web.Response(
+            status=resp.status,
+            body=data,
+            content_type=resp.content_type or "application/json",
+            headers={k: v for k, v in resp.headers.items() if k.lower() == "retry-after"},
+        )
+    try:
+        first = await resp.content.readany()
+    except _BROKEN_ERRORS as exc:
+        # Headers came, the body did not: the replica died with the request in its queue.
+        resp.close()
+        replica.mark_failure(config.health.unhealthy_after)
+        metrics.retries.labels(pool.model, "broken_before_first_byte").inc()
+        logger.warning("replica %s broke before the first byte: %r", replica.url, exc)
+        return None
+    except BaseException:  # cancelled by a client disconnect
+        resp.close()
+        raise
+    return Upstream(replica=replica, response=resp, first_chunk=first)
+
+
+def _all_cooling(pool: ReplicaPool) -> bool:
+    """True when healthy replicas exist but all are inside a Retry-After window."""
+    now = time.monotonic()
+    healthy = [r for r in pool.replicas if r.healthy]
+    return bool(healthy) and all(now < r.cooldown_until for r in healthy)
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except _BROKEN_ERRORS:
+        return b""
+    finally:
+        resp.release()

@@ -1,0 +1,56 @@
+"""The text of an OpenAI request as the gateway reads it (it has no tokenizer).
+
+Routing hashes the leading part of this text; the cascade measures and searches it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Separators that cannot be confused with message text, so "ab"+"c" != "a"+"bc" across turns.
+_ROLE_SEP = "\x1f"
+_TURN_SEP = "\x1e"
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return ""
+
+
+def prompt_text(path: str, body: dict[str, Any]) -> str:
+    """The prompt of a completion, or the chat history flattened turn by turn.
+
+    A token-id prompt becomes its ids as text (equal id prefixes give equal text prefixes).
+    For a batch of prompts, the first one speaks for the batch.
+    """
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "".join(
+            f"{m.get('role', '')}{_ROLE_SEP}{_content_text(m.get('content'))}{_TURN_SEP}"
+            for m in messages
+            if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return " ".join(map(str, prompt))
+        prompt = prompt[0]
+        if isinstance(prompt, list):
+            return " ".join(map(str, prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """`max_completion_tokens` (newer chat field) or `max_tokens`, when an integer."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

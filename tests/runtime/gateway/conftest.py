@@ -1,0 +1,50 @@
+"""Fixtures for gateway tests: fake replicas and gateways on loopback ports."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from argosy_runtime.gateway.config import GatewayConfig  # noqa: E402
+from argosy_runtime.gateway.proxy.app import Gateway, start_gateway  # noqa: E402
+from fake_replica import FakeReplica  # noqa: E402
+
+
+@pytest.fixture
+async def fake_replicas() -> AsyncIterator[Callable[..., Awaitable[list[FakeReplica]]]]:
+    """`await fake_replicas(n, model="tiny", **knobs)` -> started FakeReplicas."""
+    started: list[FakeReplica] = []
+
+    async def make(n: int, model: str = "tiny", **knobs: object) -> list[FakeReplica]:
+        out = []
+        for i in range(n):
+            r = FakeReplica(model=model, name=f"{model}{len(started)}", **knobs)  # type: ignore[arg-type]
+            await r.start()
+            started.append(r)
+            out.append(r)
+        return out
+
+    yield make
+    for r in started:
+        await r.stop()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[Callable[[GatewayConfig], Awaitable[tuple[Gateway, str]]]]:
+    """`await gateway(config)` -> (Gateway, base URL), served on a free loopback port."""
+    runners = []
+
+    async def make(config: GatewayConfig) -> tuple[Gateway, str]:
+        gw = Gateway(config)
+        runner, port = await start_gateway(gw, "127.0.0.1", 0)
+        runners.append(runner)
+        return gw, f"http://127.0.0.1:{port}"
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()

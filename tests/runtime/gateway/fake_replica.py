@@ -1,0 +1,180 @@
+"""A small real HTTP server speaking the runtime server's contract (OpenAI + /metrics shapes).
+
+It stands in for `argosy serve` in the gateway's unit tests only: it answers in milliseconds,
+and each instance can be told to fail in the ways the gateway must survive (refuse, 5xx, 429
+with Retry-After, stall before the first byte, go unready). End-to-end tests use real servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+KNOWN_FIELDS = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "stream", "stop", "n", "logprobs", "top_logprobs", "seed", "ignore_eos",
+    "stream_options", "presence_penalty", "frequency_penalty", "user",
+}
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
+        status=status,
+    )
+
+
+@dataclass
+class FakeReplica:
+    """One fake replica; knobs change its behaviour between requests."""
+
+    model: str = "tiny"
+    name: str = "r"
+    # Gauges served on /metrics.
+    kv_cache_usage: float = 0.0
+    num_waiting: int = 0
+    # Failure knobs.
+    fail_next: int = 0  # answer this many requests with 500
+    rate_limited: float | None = None  # answer 429 with this Retry-After while set
+    ready: bool = True
+    first_byte_delay: float = 0.0  # after the headers, before the first body byte
+    chunk_delay: float = 0.01
+    num_chunks: int = 4
+    logprob: float = -0.1  # per-token logprob reported when asked
+    # Records.
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers_seen: list[dict[str, str]] = field(default_factory=list)
+    disconnects: int = 0
+    completed: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    _seen_prefixes: set[str] = field(default_factory=set)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def text_of(self, i: int) -> str:
+        return f"{self.name}-tok{i} "
+
+    async def start(self, port: int = 0) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "argosy"}]}
+        )
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE argosy:kv_cache_usage_perc gauge\n"
+            f'argosy:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_cache_usage}\n'
+            "# TYPE argosy:num_requests_waiting gauge\n"
+            f'argosy:num_requests_waiting{{model_name="{self.model}"}} {self.num_waiting}\n'
+            "# TYPE argosy:num_requests_running gauge\n"
+            f'argosy:num_requests_running{{model_name="{self.model}"}} 0\n'
+            "# TYPE argosy:prefix_cache_queries counter\n"
+            f'argosy:prefix_cache_queries_total{{model_name="{self.model}"}} {self.prefix_queries}\n'
+            "# TYPE argosy:prefix_cache_hits counter\n"
+            f'argosy:prefix_cache_hits_total{{model_name="{self.model}"}} {self.prefix_hits}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except json.JSONDecodeError:
+            return _error(400, "Invalid JSON", "BadRequestError")
+        self.requests.append(body)
+        self.headers_seen.append(dict(request.headers))
+        unknown = sorted(set(body) - KNOWN_FIELDS)
+        if unknown:
+            return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
+        if body.get("model") != self.model:
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, int | float) or temperature < 0:
+            return _error(400, "temperature must be >= 0", "BadRequestError", "temperature")
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return _error(500, "injected failure", "InternalServerError")
+        if self.rate_limited is not None:
+            resp = _error(429, "queue full", "RateLimitError")
+            resp.headers["Retry-After"] = str(int(self.rate_limited))
+            return resp
+        # A toy prefix cache: the first 32 characters of the prompt.
+        is_chat = request.path.endswith("/chat/completions")
+        prompt = json.dumps(body.get("messages")) if is_chat else str(body.get("prompt"))
+        self.prefix_queries += 1
+        if prompt[:32] in self._seen_prefixes:
+            self.prefix_hits += 1
+        self._seen_prefixes.add(prompt[:32])
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, is_chat)
+            await asyncio.sleep(self.first_byte_delay + self.chunk_delay * self.num_chunks)
+            text = "".join(self.text_of(i) for i in range(self.num_chunks))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if is_chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {
+                        "content": [{"token": "t", "logprob": self.logprob}] * self.num_chunks
+                    }
+            else:
+                choice["text"] = text
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {"token_logprobs": [self.logprob] * self.num_chunks}
+            self.completed += 1
+            return web.json_response(
+                {"id": "x", "object": "chat.completion" if is_chat else "text_completion",
+                 "created": int(time.time()), "model": self.model, "choices": [choice]}
+            )
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], is_chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # headers go out at once, like a real SSE server
+        try:
+            await asyncio.sleep(self.first_byte_delay)
+            for i in range(self.num_chunks):
+                if is_chat:
+                    delta = {"index": 0, "delta": {"content": self.text_of(i)}, "finish_reason": None}
+                else:
+                    delta = {"index": 0, "text": self.text_of(i), "finish_reason": None}
+                event = {"id": "x", "model": self.model, "choices": [delta]}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+                await asyncio.sleep(self.chunk_delay)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.completed += 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        return resp

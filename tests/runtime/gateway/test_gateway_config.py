@@ -1,0 +1,92 @@
+"""Gateway configuration: YAML loading, flags, and errors that name the field."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from argosy_runtime.cli import gateway as cli
+from argosy_runtime.gateway.config import (
+    DEFAULT_INSTANCE_LABEL,
+    GatewayConfig,
+    KubernetesBackendConfig,
+    load_config,
+)
+
+YAML = """
+port: 9090
+routing: {policy: least-load, prefix_chars: 128}
+health: {interval_s: 0.5}
+models:
+  - name: tiny
+    backends: [http://127.0.0.1:8001/, http://127.0.0.1:8002]
+  - name: big
+    policy: round-robin
+    kubernetes: {llmdeployment: big, namespace: llm, source: endpointslices}
+cascades:
+  - {name: auto, small: tiny, large: big, keywords: [Prove], max_tokens_over: 512}
+"""
+
+
+def test_load_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(YAML)
+    cfg = load_config(path)
+    assert cfg.port == 9090 and cfg.health.interval_s == 0.5
+    assert cfg.models[0].backends == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert cfg.models[1].kubernetes == KubernetesBackendConfig(
+        llmdeployment="big", namespace="llm", source="endpointslices"
+    )
+    assert cfg.policy_for("tiny") == "least-load" and cfg.policy_for("big") == "round-robin"
+    assert cfg.cascades[0].keywords == ("prove",)
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"models": [{"name": "a", "backends": ["http://x"], "polcy": "x"}]}, r"models\[0\]\.polcy"),
+        ({"models": [{"name": "a", "backends": ["http://x"], "policy": "fastest"}]}, r"models\[a\]\.policy"),
+        ({"models": [{"name": "a"}]}, r"models\[a\]"),
+        ({"models": [{"name": "a", "backends": ["ftp://x"]}]}, r"models\[a\]\.backends"),
+        ({"routing": {"load_factor": 0.5}}, r"routing\.load_factor"),
+        ({"health": {"interval_s": 0}}, r"health\.interval_s"),
+        ({"port": 70000}, r"^port"),
+        ({"bogus": 1}, r"config\.bogus"),
+        (
+            {"models": [{"name": "a", "backends": ["http://x"]}],
+             "cascades": [{"name": "auto", "small": "a", "large": "zzz"}]},
+            r"cascades\[auto\]\.large",
+        ),
+        (
+            {"models": [{"name": "a", "kubernetes": {"namespace": "x"}}]},
+            r"kubernetes\.llmdeployment",
+        ),
+    ],
+)
+def test_errors_name_the_field(data: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GatewayConfig.from_dict(data)
+
+
+def test_default_selector_matches_the_operator_label() -> None:
+    from argosy_operator.constants import LABEL_LLMD
+
+    assert DEFAULT_INSTANCE_LABEL == LABEL_LLMD
+    assert KubernetesBackendConfig(llmdeployment="m").selector == f"{LABEL_LLMD}=m"
+
+
+def test_flags_override_and_add(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(YAML)
+    args = argparse.Namespace(
+        config=str(path), host="0.0.0.0", port=1234, policy="prefix-affinity",
+        backend=["other=http://127.0.0.1:9001,http://127.0.0.1:9002"],
+    )
+    cfg = cli.build_config(args)
+    assert (cfg.host, cfg.port, cfg.routing.policy) == ("0.0.0.0", 1234, "prefix-affinity")
+    assert cfg.routing.prefix_chars == 128  # untouched fields survive the override
+    assert cfg.models[-1].name == "other" and len(cfg.models[-1].backends) == 2
+    bad = argparse.Namespace(config=None, host=None, port=None, policy=None, backend=["nourl"])
+    with pytest.raises(ValueError, match="--backend"):
+        cli.build_config(bad)

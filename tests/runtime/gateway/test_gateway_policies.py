@@ -1,0 +1,151 @@
+"""Routing policies: distribution, bounded-load spill, consistent mapping, fallbacks."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+from argosy_runtime.gateway.backends.replica import Replica
+from argosy_runtime.gateway.config import RoutingConfig
+from argosy_runtime.gateway.policies import (
+    LeastLoadPolicy,
+    PrefixAffinityPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    make_policy,
+)
+from argosy_runtime.gateway.policies.prefix_affinity import HashRing
+
+
+def replicas(n: int, start: int = 0) -> list[Replica]:
+    return [Replica(url=f"http://10.0.0.{i}:8000") for i in range(start, start + n)]
+
+
+def keys(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"system prompt {rng.getrandbits(64):x} " * 3 for _ in range(n)]
+
+
+def test_round_robin_cycles_evenly() -> None:
+    policy, rs = RoundRobinPolicy(), replicas(3)
+    picks = Counter(policy.choose(rs, RouteRequest()).url for _ in range(300))
+    assert sorted(picks.values()) == [100, 100, 100]
+    # Consecutive picks never repeat a replica while three are available.
+    seq = [policy.choose(rs, RouteRequest()).url for _ in range(6)]
+    assert all(a != b for a, b in zip(seq, seq[1:], strict=False))
+
+
+def test_round_robin_empty() -> None:
+    assert RoundRobinPolicy().choose([], RouteRequest()) is None
+
+
+def test_least_load_prefers_lowest_score_from_all_signals() -> None:
+    policy = LeastLoadPolicy(RoutingConfig(w_in_flight=1.0, w_waiting=1.0, w_kv=2.0))
+    a, b, c = replicas(3)
+    a.in_flight, b.num_waiting, c.kv_cache_usage = 2, 3, 0.9
+    # scores: a=2, b=3, c=1.8
+    assert policy.choose([a, b, c], RouteRequest()) is c
+    c.kv_cache_usage = 1.0  # c=2.0 ties a -> both get picked, b never
+    picks = Counter(policy.choose([a, b, c], RouteRequest()).url for _ in range(10))
+    assert set(picks) == {a.url, c.url} and picks[a.url] == picks[c.url] == 5
+
+
+def test_prefix_affinity_same_prefix_same_replica() -> None:
+    policy, rs = PrefixAffinityPolicy(RoutingConfig()), replicas(4)
+    for key in keys(50):
+        first = policy.choose(rs, RouteRequest(prefix=key))
+        assert all(policy.choose(rs, RouteRequest(prefix=key)) is first for _ in range(5))
+
+
+def test_prefix_affinity_spreads_distinct_prefixes() -> None:
+    policy, rs = PrefixAffinityPolicy(RoutingConfig()), replicas(4)
+    picks = Counter(policy.choose(rs, RouteRequest(prefix=k)).url for k in keys(4000))
+    assert set(picks) == {r.url for r in rs}
+    # 160 virtual nodes each: every replica within 25% of an even share.
+    for count in picks.values():
+        assert abs(count - 1000) < 250, picks
+
+
+def test_prefix_affinity_bounded_load_spills_and_never_exceeds_cap() -> None:
+    routing = RoutingConfig(load_factor=1.25, min_capacity=1)
+    policy, rs = PrefixAffinityPolicy(routing), replicas(4)
+    hot = "the same long system prompt " * 4
+    owner = policy.choose(rs, RouteRequest(prefix=hot))
+    placed = []
+    for _ in range(40):  # 40 concurrent requests for one prefix, none finishing
+        cap = policy.capacity(rs)
+        r = policy.choose(rs, RouteRequest(prefix=hot))
+        assert r.in_flight < cap
+        r.in_flight += 1
+        placed.append(r.url)
+    loads = {r.url: r.in_flight for r in rs}
+    # The owner got the first ones, then the excess spilled; no replica above the final bound.
+    assert placed[0] == owner.url
+    assert max(loads.values()) <= math.ceil(1.25 * 40 / 4)
+    assert len([v for v in loads.values() if v > 0]) >= 2
+    # Spill follows the ring order of the key: the second replica used is the next clockwise.
+    order = policy.ring([r.url for r in rs]).walk(hot[: routing.prefix_chars])
+    assert [u for u in dict.fromkeys(placed)] == order[: len(set(placed))]
+
+
+def test_prefix_affinity_min_capacity_keeps_a_prefix_together_at_low_load() -> None:
+    policy, rs = PrefixAffinityPolicy(RoutingConfig(min_capacity=4)), replicas(4)
+    hot = "the same long system prompt " * 4
+    placed = []
+    for _ in range(6):
+        r = policy.choose(rs, RouteRequest(prefix=hot))
+        r.in_flight += 1
+        placed.append(r.url)
+    # ceil(1.25 * 5 / 4) = 2 would spill the third; the floor of 4 keeps four together.
+    assert len(set(placed[:4])) == 1 and placed[4] != placed[0]
+
+
+def test_prefix_affinity_mapping_is_consistent_across_backend_changes() -> None:
+    policy = PrefixAffinityPolicy(RoutingConfig())
+    four, five = replicas(4), replicas(5)
+    ks = keys(3000, seed=1)
+    before = {k: policy.choose(four, RouteRequest(prefix=k)).url for k in ks}
+    after = {k: policy.choose(five, RouteRequest(prefix=k)).url for k in ks}
+    moved = [k for k in ks if before[k] != after[k]]
+    # Only keys taken over by the new replica move (about 1/5 of them), none between old ones.
+    assert all(after[k] == five[4].url for k in moved)
+    assert 0.1 < len(moved) / len(ks) < 0.3
+    # Removing a replica moves only the keys it owned.
+    three = [r for r in four if r.url != four[1].url]
+    removed = {k: policy.choose(three, RouteRequest(prefix=k)).url for k in ks}
+    assert all(removed[k] == before[k] for k in ks if before[k] != four[1].url)
+
+
+def test_prefix_affinity_short_prompt_falls_back_to_least_load() -> None:
+    policy = make_policy("prefix-affinity", RoutingConfig(min_prefix_chars=16))
+    a, b = replicas(2)
+    a.in_flight = 3
+    assert policy.choose([a, b], RouteRequest(prefix="hi")) is b
+    b.in_flight = 5
+    assert policy.choose([a, b], RouteRequest(prefix="hi")) is a
+
+
+def test_prefix_affinity_skips_replica_over_kv_watermark() -> None:
+    policy = PrefixAffinityPolicy(RoutingConfig(kv_high_watermark=0.9))
+    rs = replicas(3)
+    key = "a shared prefix that is long enough"
+    owner = policy.choose(rs, RouteRequest(prefix=key))
+    owner.kv_cache_usage = 0.95
+    second = policy.choose(rs, RouteRequest(prefix=key))
+    assert second is not owner
+    assert second.url == policy.ring([r.url for r in rs]).walk(key)[1]
+
+
+def test_hash_ring_walk_lists_each_member_once() -> None:
+    ring = HashRing(["a", "b", "c"], virtual_nodes=50)
+    for k in keys(20):
+        assert sorted(ring.walk(k)) == ["a", "b", "c"]
+    assert HashRing([], 10).walk("x") == []
+
+
+def test_make_policy_rejects_unknown() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="policy"):
+        make_policy("random")
