@@ -37,14 +37,14 @@ LABEL org.opencontainers.image.title="argosy-gateway" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="argosy-project"
-RUN groupadd --system --gid 10001 argosy \
- && useradd --system --uid 10001 --gid argosy --home-dir /home/argosy --create-home argosy
+RUN groupadd --system --gid 1000 argosy \
+ && useradd --system --uid 1000 --gid argosy --home-dir /home/argosy --create-home argosy
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/argosy
-USER 10001:10001
+USER 1000:1000
 WORKDIR /home/argosy
 EXPOSE 8080
 # Mount the routing config (a ConfigMap) at /etc/argosy/gateway.yaml.

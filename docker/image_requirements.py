@@ -31,12 +31,13 @@ _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 class ImageProfile:
     """Which parts of pyproject's dependencies one image installs.
 
-    `core`: names taken from [project].dependencies, or `"*"` for all of them;
-    `extras`: optional-dependency groups taken whole; `exclude`: names dropped from both
-    (torch is installed separately from a chosen index; matplotlib only draws benchmark plots).
+    `pick`: project names taken from wherever pyproject lists them ([project].dependencies or
+    any extra), `"*"` for all of [project].dependencies; `extras`: optional-dependency groups
+    taken whole; `exclude`: names dropped from both (torch is installed separately from a chosen
+    index; matplotlib only draws benchmark plots).
     """
 
-    core: tuple[str, ...] = ()
+    pick: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
     exclude: tuple[str, ...] = field(default=("torch",))
 
@@ -44,12 +45,15 @@ class ImageProfile:
 PROFILES: dict[str, ImageProfile] = {
     # kopf and its HTTP client only.
     "operator": ImageProfile(extras=("operator",)),
-    # The HTTP server stack without torch; pyyaml reads gateway.yaml.
-    "gateway": ImageProfile(core=("pyyaml",), extras=("server",), exclude=("torch", "matplotlib")),
+    # The HTTP server stack without torch; pyyaml reads gateway.yaml, aiohttp talks to the
+    # Kubernetes API for backend discovery.
+    "gateway": ImageProfile(
+        pick=("pyyaml", "aiohttp"), extras=("server",), exclude=("torch", "matplotlib")
+    ),
     # The engine's dependencies except torch, which the Dockerfile installs from its index.
-    "runtime-cpu": ImageProfile(core=("*",), extras=("server",), exclude=("torch", "matplotlib")),
+    "runtime-cpu": ImageProfile(pick=("*",), extras=("server",), exclude=("torch", "matplotlib")),
     "runtime-cuda": ImageProfile(
-        core=("*",), extras=("server", "gpu"), exclude=("torch", "matplotlib")
+        pick=("*",), extras=("server", "gpu"), exclude=("torch", "matplotlib")
     ),
 }
 
@@ -76,11 +80,13 @@ def requirements_for(profile_name: str, pyproject: Path) -> list[str]:
     core: list[str] = project.get("dependencies", [])
     optional: dict[str, list[str]] = project.get("optional-dependencies", {})
 
-    wanted_core = {normalize(n) for n in profile.core}
-    chosen = [r for r in core if "*" in wanted_core or requirement_name(r) in wanted_core]
-    missing = wanted_core - {"*"} - {requirement_name(r) for r in core}
-    if missing:
-        raise ValueError(f"core: {sorted(missing)} not in [project].dependencies")
+    chosen = list(core) if "*" in profile.pick else []
+    everywhere = core + [r for group in optional.values() for r in group]
+    for name in (normalize(n) for n in profile.pick if n != "*"):
+        found = [r for r in everywhere if requirement_name(r) == name]
+        if not found:
+            raise ValueError(f"pick: {name!r} is listed nowhere in pyproject.toml")
+        chosen.append(found[0])
     for extra in profile.extras:
         if extra not in optional:
             raise ValueError(f"extras: {extra!r} is not an optional-dependencies group")
@@ -91,9 +97,9 @@ def requirements_for(profile_name: str, pyproject: Path) -> list[str]:
     seen: set[str] = set()
     for requirement in chosen:
         name = requirement_name(requirement)
-        if name in excluded or requirement in seen:
+        if name in excluded or name in seen:
             continue
-        seen.add(requirement)
+        seen.add(name)
         result.append(requirement)
     return result
 

@@ -39,14 +39,14 @@ LABEL org.opencontainers.image.title="argosy-operator" \
       org.opencontainers.image.vendor="argosy-project"
 # A named user with a home directory (some libraries look the user up); the numeric USER lets
 # the kubelet check runAsNonRoot.
-RUN groupadd --system --gid 10001 argosy \
- && useradd --system --uid 10001 --gid argosy --home-dir /home/argosy --create-home argosy
+RUN groupadd --system --gid 1000 argosy \
+ && useradd --system --uid 1000 --gid argosy --home-dir /home/argosy --create-home argosy
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/argosy
-USER 10001:10001
+USER 1000:1000
 WORKDIR /home/argosy
 # kopf's liveness endpoint (GET /healthz), probed by manifests/operator.
 EXPOSE 8080

@@ -43,8 +43,8 @@ LABEL org.opencontainers.image.title="argosy-runtime-cpu" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="argosy-project"
-RUN groupadd --system --gid 10001 argosy \
- && useradd --system --uid 10001 --gid argosy --home-dir /home/argosy --create-home argosy
+RUN groupadd --system --gid 1000 argosy \
+ && useradd --system --uid 1000 --gid argosy --home-dir /home/argosy --create-home argosy
 COPY --from=builder /opt/venv /opt/venv
 # Caches go to /tmp so the container also runs with a read-only root filesystem (the operator
 # mounts an emptyDir there). PYTHONDONTWRITEBYTECODE: .pyc files were compiled at install time.
@@ -55,7 +55,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/tmp/.cache \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     HF_HOME=/tmp/huggingface
-USER 10001:10001
+USER 1000:1000
 WORKDIR /home/argosy
 EXPOSE 8000
 CMD ["argosy", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0", "--port", "8000"]

@@ -51,8 +51,8 @@ LABEL org.opencontainers.image.title="argosy-runtime-cuda" \
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
-RUN groupadd --system --gid 10001 argosy \
- && useradd --system --uid 10001 --gid argosy --home-dir /home/argosy --create-home argosy
+RUN groupadd --system --gid 1000 argosy \
+ && useradd --system --uid 1000 --gid argosy --home-dir /home/argosy --create-home argosy
 COPY --from=builder /opt/venv /opt/venv
 # Caches go to /tmp so the container also runs with a read-only root filesystem (the operator
 # mounts an emptyDir there); Triton's kernel cache survives restarts only within the pod.
@@ -66,7 +66,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/tmp/huggingface \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-USER 10001:10001
+USER 1000:1000
 WORKDIR /home/argosy
 EXPOSE 8000
 CMD ["argosy", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0", "--port", "8000"]
