@@ -90,7 +90,8 @@ def _post_degraded_event(body: Any, patch: dict[str, Any] | None) -> None:
     """A Warning event when the Degraded condition turns True (or changes its reason)."""
     cond = find_condition((patch or {}).get("conditions"), COND_DEGRADED)
     if cond is not None and cond.get("status") == "True":
-        kopf.warn(body, reason=str(cond.get("reason")), message=str(cond.get("message")))
+        kopf.event(body, type="Warning", reason=str(cond.get("reason")),
+                   message=str(cond.get("message")))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -109,18 +110,20 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         cond = condition(COND_DEGRADED, True, "InvalidSpec", str(exc), generation)
         await patch_status(client, llmd, lambda cur: status_patch(
             cur, {"conditions": [cond], "observedGeneration": generation}, now_rfc3339()))
-        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
-        kopf.warn(body, reason="ChildConflict", message=str(exc))
+        kopf.event(body, type="Warning", reason="ChildConflict", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=30) from exc
     except ApiError as exc:
         if exc.status in (403, 422):
-            kopf.warn(body, reason="ApplyFailed", message=str(exc))
+            kopf.event(body, type="Warning", reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=10) from exc
     for action in result.actions:
         logger.info(action)
-        kopf.info(body, reason=action.split(" ", 1)[0].capitalize(), message=action)
+        # kopf.event, not kopf.info: the latter obeys posting.level (WARNING, see configure).
+        kopf.event(body, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
+                   message=action)
     patch = await refresh_status(client, llmd, observed_generation=generation)
     _post_degraded_event(body, patch)
 

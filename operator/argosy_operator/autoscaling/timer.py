@@ -109,7 +109,11 @@ async def autoscale(
     dep_spec = deployment.get("spec") or {}
     current = int(dep_spec.get("replicas", 1))
     match_labels = (dep_spec.get("selector") or {}).get("matchLabels") or selector_labels(name)
-    pod_list = await kube_api.get(kube_api.pods_path(namespace, match_labels), logger)
+    try:
+        pod_list = await kube_api.get(kube_api.pods_path(namespace, match_labels), logger)
+    except kube_api.ApiError as exc:
+        logger.warning(f"autoscaling: cannot list pods, skipping this tick: {exc}")
+        return
     pods = _pods_of(pod_list, match_labels)
 
     timeout = min(2.0, max(0.2, policy.scrape_interval_seconds / 2))
@@ -154,12 +158,13 @@ def _material(status: Mapping[str, Any] | None) -> Any:
 
 def _write_conditions(status: Mapping[str, Any], patch: kopf.Patch,
                       updates: list[dict[str, str]]) -> None:
-    has_limited = any(c.get("type") == SCALING_LIMITED for c in status.get("conditions") or [])
-    if has_limited:
+    existing = status.get("conditions") or []
+    if any(c.get("type") == SCALING_LIMITED for c in existing):
         updates = updates + [condition(SCALING_LIMITED, False, "ScalingInactive",
                                        "the autoscaler could not compute a decision")]
-    patch.status["conditions"] = merge_conditions(status.get("conditions"), updates,
-                                                  rfc3339(time.time()))
+    merged = merge_conditions(existing, updates, rfc3339(time.time()))
+    if merged != [dict(c) for c in existing]:
+        patch.status["conditions"] = merged
 
 
 def register(registry: kopf.OperatorRegistry) -> None:

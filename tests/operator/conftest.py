@@ -1,0 +1,114 @@
+"""Fixtures for the operator tests: the emulated API server, a kubeconfig pointing at it, a
+small HTTP client for the test's own writes, and the real kopf operator running against it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+from kopf.testing import KopfRunner
+from kube_emulator import RESOURCES, SERVICEMONITORS, ArgosyKubeEmulator
+
+NS = "ml"
+
+
+@pytest.fixture
+async def kube(request: pytest.FixtureRequest) -> AsyncIterator[ArgosyKubeEmulator]:
+    """The emulated API server (with the ServiceMonitor CRD unless marked `no_servicemonitor`)."""
+    emulator = ArgosyKubeEmulator()
+    async with emulator, kmock.Server(emulator):
+        emulator.declare(RESOURCES)
+        if request.node.get_closest_marker("no_servicemonitor") is None:
+            emulator.declare(SERVICEMONITORS)
+        yield emulator
+
+
+@pytest.fixture
+def kubeconfig(kube: ArgosyKubeEmulator, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: emu, cluster: {{server: '{kube.url}'}}}}]\n"
+        "users: [{name: test, user: {token: test-token}}]\n"
+        "contexts: [{name: emu, context: {cluster: emu, user: test}}]\n"
+        "current-context: emu\n")
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.setenv("ARGOSY_WATCH_TIMEOUT", "30")
+    return str(path)
+
+
+class Api:
+    """The test's own API calls (as kubectl or the kube controllers would make them)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str) -> None:
+        self.session = session
+        self.base = base.rstrip("/")
+
+    async def call(self, method: str, path: str, body: Any = None,
+                   content_type: str = "application/merge-patch+json") -> Any:
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with self.session.request(method, self.base + path, json=body,
+                                        headers=headers) as resp:
+            payload = await resp.json() if resp.content_length != 0 else None
+            assert resp.status < 400, (method, path, resp.status, payload)
+            return payload
+
+    async def get_or_none(self, path: str) -> Any:
+        async with self.session.get(self.base + path) as resp:
+            return None if resp.status == 404 else await resp.json()
+
+
+@pytest.fixture
+async def api(kube: ArgosyKubeEmulator) -> AsyncIterator[Api]:
+    async with aiohttp.ClientSession() as session:
+        yield Api(session, str(kube.url))
+
+
+@pytest.fixture
+def run_operator(kubeconfig: str) -> Callable[[], contextlib.AbstractContextManager[KopfRunner]]:
+    """`with run_operator(): ...` runs `kopf run -A --standalone -m argosy_operator.handlers`
+    in a thread (the test's event loop keeps serving the emulated API meanwhile)."""
+
+    @contextlib.contextmanager
+    def runner() -> Iterator[KopfRunner]:
+        with KopfRunner(["run", "-A", "--standalone", "-m", "argosy_operator.handlers"],
+                        timeout=30) as kopf_runner:
+            yield kopf_runner
+        assert kopf_runner.exception is None, kopf_runner.output
+        assert kopf_runner.exit_code == 0, kopf_runner.output
+
+    return runner
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
+                     what: str = "condition") -> Any:
+    """Poll `check` until it returns a truthy value (returned) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+async def settle(kube: ArgosyKubeEmulator, quiet: float = 1.0, timeout: float = 20.0) -> None:
+    """Wait until the API has seen no request for `quiet` seconds (the operator went idle)."""
+    deadline = time.monotonic() + timeout
+    count = len(list(kube))
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        now = len(list(kube))
+        if now != count:
+            count, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+    raise AssertionError("the operator never went idle")

@@ -1,0 +1,200 @@
+"""A stricter in-memory Kubernetes API for the handler tests, on kmock's KubernetesEmulator.
+
+kmock stores objects and streams watch events; this subclass adds what the operator relies
+on in a real API server: uid / resourceVersion / generation / creationTimestamp, generateName,
+no-op patches that change nothing (no resourceVersion bump, no watch event), resourceVersion
+preconditions (409 Conflict), the status subresource (status-only patches on /status, status
+ignored on the main resource), label selectors on list/watch, watches that resume from a
+resourceVersion, and the garbage collector's cascading deletion by owner references.
+The Deployment controller, scheduler and kubelet are not emulated: tests write the children's
+status and the pods themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp.web
+import kmock
+from kmock._internal import dicts, enums, rendering
+
+RESOURCES: dict[str, dict[str, Any]] = {
+    "argosy.dev/v1alpha1/llmdeployments": dict(
+        kind="LLMDeployment", namespaced=True, subresources={"status", "scale"},
+        verbs={"list", "watch", "get", "create", "patch", "delete"}),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status"},
+                                verbs={"list", "watch", "get", "create", "patch", "delete"}),
+    "v1/pods": dict(kind="Pod", namespaced=True, subresources={"status"},
+                    verbs={"list", "watch", "get", "create", "patch", "delete"}),
+    "v1/services": dict(kind="Service", namespaced=True, subresources={"status"},
+                        verbs={"list", "watch", "get", "create", "patch", "delete"}),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,
+                                           subresources={"status"},
+                                           verbs={"list", "watch", "get", "create", "patch",
+                                                  "delete"}),
+    "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list", "watch"}),
+    "v1/namespaces": dict(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"}),
+}
+SERVICEMONITORS = {"monitoring.coreos.com/v1/servicemonitors": dict(
+    kind="ServiceMonitor", namespaced=True,
+    verbs={"list", "watch", "get", "create", "patch", "delete"})}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _selector_matches(selector: str | None, labels: Mapping[str, str]) -> bool:
+    """Equality-based label selectors: `a=b`, `a==b`, `a!=b`, `a`, `!a`, comma-separated."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            if labels.get(k) != v:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+class ArgosyKubeEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the API-server behaviour listed in the module docstring."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._rv_counter = itertools.count(1)
+        self.last_rv = 0
+
+    def declare(self, resources: Mapping[str, Mapping[str, Any]]) -> None:
+        for key, info in resources.items():
+            self.resources[key] = kmock.ResourceInfo(**info)
+
+    def _next_rv(self) -> str:
+        self.last_rv = next(self._rv_counter)
+        return str(self.last_rv)
+
+    def _has_status(self, resource: Any) -> bool:
+        for res in self.resources:
+            if res == resource:
+                return "status" in self.resources[res].subresources
+        return False
+
+    def _live(self, resource: Any, namespace: str | None, name: str) -> Any:
+        for (res, ns, n), obj in self.objects.items():
+            if res == resource and ns == namespace and n == name and not obj.deleted:
+                return obj
+        return None
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.action == enums.action.CREATE:
+            self._prepare_create(request)
+        elif (request.resource is not None and request.action == enums.action.UPDATE
+              and isinstance(request.data, dict)):
+            noop = self._prepare_patch(request)
+            if noop is not None:
+                return aiohttp.web.json_response(noop)
+        response = await super()._handle(request)
+        if request.resource is not None and request.action == enums.action.DELETE:
+            await self._collect_garbage()
+        return response
+
+    def _prepare_create(self, request: rendering.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["resourceVersion"] = self._next_rv()
+        meta["generation"] = 1
+        if self._has_status(request.resource):
+            request.data.pop("status", None)
+
+    def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
+        """Rewrite the merge patch like the API server would; return the object for a no-op."""
+        obj = self._live(request.resource, request.namespace, request.name)
+        if obj is None:
+            return None  # kmock answers 404
+        current = obj.raw
+        patch: dict[str, Any] = request.data
+        want_rv = (patch.get("metadata") or {}).pop("resourceVersion", None)
+        if want_rv is not None and want_rv != current["metadata"].get("resourceVersion"):
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict",
+                message=f"the object has been modified (resourceVersion {want_rv} is stale)")
+        if request.subresource == "status":
+            for key in list(patch):
+                if key != "status":
+                    del patch[key]
+        elif self._has_status(request.resource):
+            patch.pop("status", None)
+        updated = dicts.patch_dict(copy.deepcopy(current), patch)
+        if updated == current:
+            return current
+        meta = patch.setdefault("metadata", {})
+        meta["resourceVersion"] = self._next_rv()
+        if updated.get("spec") != current.get("spec"):
+            meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+        return None
+
+    async def _collect_garbage(self) -> None:
+        """Background cascading deletion: delete objects whose owners are all gone."""
+        while True:
+            async with self._lock:
+                alive = {o.raw["metadata"].get("uid") for o in self.objects.values()
+                         if not o.deleted}
+                orphans = [(res, o) for (res, _, _), o in self.objects.items()
+                           if not o.deleted and o.raw["metadata"].get("ownerReferences")
+                           and not any(ref.get("uid") in alive
+                                       for ref in o.raw["metadata"]["ownerReferences"])]
+                for res, o in orphans:
+                    raw = o.raw
+                    o.delete()
+                    await self._buses[res].put({"type": "DELETED", "object": raw})
+            if not orphans:
+                return
+
+    def _visible(self, request: rendering.Request, raw: Mapping[str, Any]) -> bool:
+        meta = raw.get("metadata") or {}
+        if request.namespace is not None and meta.get("namespace") != request.namespace:
+            return False
+        return _selector_matches(request.params.get("labelSelector"), meta.get("labels") or {})
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        if not any(res == request.resource for res in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = [o.raw for (res, _, _), o in self.objects.items()
+                     if res == request.resource and not o.deleted and self._visible(request, o.raw)]
+        return {"kind": "List", "metadata": {"resourceVersion": str(self.last_rv)},
+                "items": items}
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""
+        since_raw = request.params.get("resourceVersion") or "0"
+        since = int(since_raw) if since_raw.isdigit() else 0
+        async with self._lock:
+            replay = [{"type": "ADDED", "object": o.raw}
+                      for (res, _, _), o in self.objects.items()
+                      if res == request.resource and not o.deleted
+                      and int(o.raw["metadata"].get("resourceVersion", 0)) > since
+                      and self._visible(request, o.raw)]
+        for event in replay:
+            yield event
+        async for event in self._buses[request.resource]:
+            if self._visible(request, event.get("object") or {}):
+                yield event
