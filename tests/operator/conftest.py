@@ -18,6 +18,11 @@ from kube_emulator import RESOURCES, SERVICEMONITORS, ArgosyKubeEmulator
 NS = "ml"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "no_servicemonitor: the emulated cluster lacks the "
+                            "Prometheus Operator's ServiceMonitor CRD")
+
+
 @pytest.fixture
 async def kube(request: pytest.FixtureRequest) -> AsyncIterator[ArgosyKubeEmulator]:
     """The emulated API server (with the ServiceMonitor CRD unless marked `no_servicemonitor`)."""

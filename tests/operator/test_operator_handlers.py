@@ -72,3 +72,215 @@ async def test_create_makes_owned_children_and_status(kube: Any, api: Api, run_o
     assert "Created" in reasons
     messages = [r.data["message"] for r in writes(kube, EVENT_PATH)]
     assert "created Deployment chat" in messages and "created Service chat" in messages
+
+
+async def _status(api: Api, name: str = "chat") -> dict[str, Any]:
+    obj = await api.get_or_none(f"{LLMD_PATH}/{name}")
+    return (obj or {}).get("status", {})
+
+
+def _cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+
+
+async def test_spec_change_patches_deployment_in_place(kube: Any, api: Api, run_operator: Any
+                                                      ) -> None:
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        dep = await eventually(lambda: api.get_or_none(f"{DEP_PATH}/chat"), what="Deployment")
+        await settle(kube)
+        dep_gen = dep["metadata"]["generation"]
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "runtime": {"maxNumSeqs": 64, "env": [{"name": "LOG_LEVEL", "value": "debug"}]},
+            "podTemplate": {"labels": {"team": "search"}}}})
+
+        async def rolled() -> Any:
+            d = await api.get_or_none(f"{DEP_PATH}/chat")
+            return d if d["metadata"]["generation"] > dep_gen else None
+
+        dep2 = await eventually(rolled, what="Deployment patched")
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        await settle(kube)
+        # Removing the label again takes it off the pod template (three-way merge).
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"podTemplate": None}})
+        await eventually(lambda: _observed(api, 3), what="observedGeneration 3")
+        await settle(kube)
+        dep3 = await api.get_or_none(f"{DEP_PATH}/chat")
+
+    args = dep2["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    env = dep2["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "LOG_LEVEL", "value": "debug"} in env
+    assert dep2["spec"]["template"]["metadata"]["labels"]["team"] == "search"
+    assert "team" not in dep3["spec"]["template"]["metadata"]["labels"]
+    assert dep3["metadata"]["uid"] == dep["metadata"]["uid"]  # patched, never re-created
+    assert len([r for r in writes(kube, DEP_PATH) if r.method == "POST"]) == 1
+    assert not [r for r in writes(kube, DEP_PATH) if r.method == "DELETE"]
+    # Each spec change is one Deployment patch, and it never touches replicas it already holds.
+    dep_patches = [r for r in writes(kube, f"{DEP_PATH}/chat") if r.method == "PATCH"]
+    assert len(dep_patches) == 2
+    assert all("replicas" not in p.data.get("spec", {}) for p in dep_patches)
+
+
+async def _observed(api: Api, generation: int) -> bool:
+    return (await _status(api)).get("observedGeneration") == generation
+
+
+async def _make_pod(api: Api, name: str, **status: Any) -> None:
+    """Create a runtime pod (as the ReplicaSet would) and report its status (as the kubelet
+    or scheduler would: through the status subresource)."""
+    await api.call("POST", POD_PATH, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {
+            "argosy.dev/llmdeployment": "chat",
+            "app.kubernetes.io/managed-by": "argosy-operator"}},
+        "spec": {"containers": [{"name": "runtime", "image": "x"}]}}, "application/json")
+    await api.call("PATCH", f"{POD_PATH}/{name}/status", {"status": status})
+
+
+async def test_child_status_flows_into_conditions(kube: Any, api: Api, run_operator: Any
+                                                  ) -> None:
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await eventually(lambda: _observed(api, 1), what="first status")
+        # The kubelet reports an image pull failure on one pod ...
+        await _make_pod(api, "chat-a", phase="Pending", containerStatuses=[{
+            "name": "runtime", "ready": False, "state": {"waiting": {
+                "reason": "ImagePullBackOff",
+                "message": 'Back-off pulling image "ghcr.io/x/typo:1"'}}}])
+
+        async def degraded(reason: str) -> Any:
+            cond = _cond(await _status(api), "Degraded")
+            return cond if cond.get("status") == "True" and cond["reason"] == reason else None
+
+        pull = await eventually(lambda: degraded("ImagePullFailure"), what="ImagePullFailure")
+        # ... the scheduler cannot place another one (no free GPU) ...
+        await api.call("DELETE", f"{POD_PATH}/chat-a")
+        await _make_pod(api, "chat-b", phase="Pending", conditions=[{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}])
+        sched = await eventually(lambda: degraded("Unschedulable"), what="Unschedulable")
+        # ... then the Deployment controller reports both replicas ready.
+        await api.call("DELETE", f"{POD_PATH}/chat-b")
+        await api.call("PATCH", f"{DEP_PATH}/chat/status", {"status": {
+            "observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2,
+            "availableReplicas": 2}})
+
+        async def ready() -> Any:
+            status = await _status(api)
+            return status if _cond(status, "Ready").get("status") == "True" else None
+
+        status = await eventually(ready, what="Ready")
+        await settle(kube)
+        warnings = [r.data for r in writes(kube, EVENT_PATH) if r.data["type"] == "Warning"]
+
+    assert "ghcr.io/x/typo:1" in pull["message"] and "chat-a" in pull["message"]
+    assert "Insufficient nvidia.com/gpu" in sched["message"]
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+    assert _cond(status, "Ready")["reason"] == "AllReplicasReady"
+    assert _cond(status, "Progressing")["status"] == "False"
+    assert _cond(status, "Degraded")["status"] == "False"
+    assert {w["reason"] for w in warnings} >= {"ImagePullFailure", "Unschedulable"}
+
+
+async def test_delete_leaves_nothing_behind(kube: Any, api: Api, run_operator: Any) -> None:
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await eventually(lambda: api.get_or_none(f"{SM_PATH}/chat"), what="children")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await api.call("DELETE", f"{LLMD_PATH}/chat")
+
+        async def gone() -> bool:
+            paths = [f"{p}/chat" for p in (LLMD_PATH, DEP_PATH, SVC_PATH, PDB_PATH, SM_PATH)]
+            return all([await api.get_or_none(p) is None for p in paths])
+
+        await eventually(gone, what="all objects deleted")
+        await settle(kube)
+    # Nothing was re-created after the deletion, and no finalizer held the object.
+    alive = [key for key, obj in kube.objects.items() if not obj.deleted
+             and key[0].plural != "events"]
+    assert alive == []
+    deletes = [r for r in list(kube) if r.method == "DELETE"]
+    assert len(deletes) == 1  # only the user's; the garbage collector did the rest
+
+
+async def test_restart_midway_creates_no_duplicates_and_then_stays_quiet(
+        kube: Any, api: Api, run_operator: Any) -> None:
+    created = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+    # A previous operator run created the Deployment, then died before the Service.
+    with run_operator():
+        await eventually(lambda: api.get_or_none(f"{SVC_PATH}/chat"), what="Service")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await settle(kube)
+    dep = await api.get_or_none(f"{DEP_PATH}/chat")
+    await api.call("DELETE", f"{SVC_PATH}/chat")
+    await api.call("DELETE", f"{PDB_PATH}/chat")
+    await api.call("DELETE", f"{SM_PATH}/chat")
+    before = len(list(kube))
+    with run_operator():  # resumes: re-creates only what is missing
+        await eventually(lambda: api.get_or_none(f"{SVC_PATH}/chat"), what="Service again")
+        await settle(kube)
+    second = list(kube)[before:]
+    before = len(list(kube))
+    with run_operator():  # nothing changed: no writes at all
+        await settle(kube, quiet=1.5)
+    third = list(kube)[before:]
+
+    def posts(reqs: list[Any], path: str) -> int:
+        return len([r for r in reqs if r.method == "POST" and str(r.url).endswith(path)])
+
+    assert posts(second, DEP_PATH) == 0
+    assert (posts(second, SVC_PATH), posts(second, PDB_PATH), posts(second, SM_PATH)) == (1, 1, 1)
+    assert (await api.get_or_none(f"{DEP_PATH}/chat"))["metadata"]["uid"] == dep["metadata"]["uid"]
+    assert [(r.method, str(r.url)) for r in third if r.method != "GET"] == []
+    assert created["metadata"]["uid"] == (await api.get_or_none(f"{LLMD_PATH}/chat"))[
+        "metadata"]["uid"]
+
+
+async def test_autoscaling_owns_replicas(kube: Any, api: Api, run_operator: Any) -> None:
+    spec = {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}}
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(**spec), "application/json")
+        dep = await eventually(lambda: api.get_or_none(f"{DEP_PATH}/chat"), what="Deployment")
+        await eventually(lambda: _observed(api, 1), what="status")
+        # The autoscaler scales the Deployment; then the user changes an unrelated field.
+        await api.call("PATCH", f"{DEP_PATH}/chat", {"spec": {"replicas": 5}})
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"runtime": {"maxNumSeqs": 32}}})
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        # Turning autoscaling off hands spec.replicas back to the LLMDeployment.
+        await settle(kube)
+        dep2 = await api.get_or_none(f"{DEP_PATH}/chat")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "replicas": 3, "autoscaling": {"enabled": False}}})
+        await eventually(lambda: _observed(api, 3), what="observedGeneration 3")
+        await settle(kube)
+        dep3 = await api.get_or_none(f"{DEP_PATH}/chat")
+
+    assert dep["spec"]["replicas"] == 2  # created with minReplicas
+    args = dep2["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert dep2["spec"]["replicas"] == 5  # the autoscaler's count survived the reconcile
+    assert dep3["spec"]["replicas"] == 3
+
+
+def test_handlers_module_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, argosy_operator.handlers, argosy_operator.reconcile; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'argosy_runtime'))))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True,
+                         text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.no_servicemonitor
+async def test_no_servicemonitor_without_its_crd(kube: Any, api: Api, run_operator: Any) -> None:
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(replicas=1), "application/json")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await settle(kube)
+    assert await api.get_or_none(f"{DEP_PATH}/chat") is not None
+    assert await api.get_or_none(f"{PDB_PATH}/chat") is None  # one replica: no budget
+    assert not [r for r in writes(kube) if "servicemonitors" in str(r.url)]
