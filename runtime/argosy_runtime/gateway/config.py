@@ -83,10 +83,16 @@ class RoutingConfig:
     """Tuning of the routing policies (shared by all models unless a model overrides policy)."""
 
     policy: str = "prefix-affinity"
-    # prefix-affinity hashes the first `prefix_chars` characters of the prompt (or of the
-    # flattened chat history); prompts shorter than `min_prefix_chars` go to least-load.
+    # prefix-affinity places a prompt by hashing its first `prefix_chars` characters (of the
+    # prompt, or of the flattened chat history) onto the ring; prompts shorter than
+    # `min_prefix_chars` go to least-load. It also remembers, per `block_chars` boundary of the
+    # first `max_prefix_chars` characters, which replica last took that prefix, and prefers the
+    # replica holding the longest one (what its prefix cache most likely still holds).
     prefix_chars: int = 256
     min_prefix_chars: int = 16
+    block_chars: int = 64
+    max_prefix_chars: int = 8192
+    affinity_entries: int = 65536
     # Bounded load (Mirrokni et al. 2018): no replica takes more than
     # ceil(load_factor * (total in-flight + 1) / replicas) requests; the excess spills onward.
     load_factor: float = 1.25
@@ -106,6 +112,9 @@ class RoutingConfig:
             raise ValueError(f"routing.policy: must be one of {POLICIES}, got {self.policy!r}")
         _positive("routing.prefix_chars", self.prefix_chars)
         _positive("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
+        _positive("routing.block_chars", self.block_chars)
+        _positive("routing.max_prefix_chars", self.max_prefix_chars)
+        _positive("routing.affinity_entries", self.affinity_entries)
         _positive("routing.load_factor", self.load_factor)
         if self.load_factor < 1.0:
             raise ValueError(f"routing.load_factor: must be >= 1.0, got {self.load_factor!r}")

@@ -22,7 +22,7 @@ async def fake_replicas() -> AsyncIterator[Callable[..., Awaitable[list[FakeRepl
 
     async def make(n: int, model: str = "tiny", **knobs: object) -> list[FakeReplica]:
         out = []
-        for i in range(n):
+        for _ in range(n):
             r = FakeReplica(model=model, name=f"{model}{len(started)}", **knobs)  # type: ignore[arg-type]
             await r.start()
             started.append(r)

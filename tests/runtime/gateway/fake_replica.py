@@ -48,7 +48,7 @@ class FakeReplica:
     logprob: float = -0.1  # per-token logprob reported when asked
     # Records.
     requests: list[dict[str, Any]] = field(default_factory=list)
-    headers_seen: list[dict[str, str]] = field(default_factory=list)
+    headers_seen: list[Any] = field(default_factory=list)
     disconnects: int = 0
     completed: int = 0
     prefix_queries: int = 0
@@ -68,13 +68,23 @@ class FakeReplica:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.2
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{bound}"
         return self.url
+
+    async def kill(self) -> None:
+        """Die like a killed process: every open connection is cut, then the port closes."""
+        if self._runner is not None and self._runner.server is not None:
+            for handler in list(self._runner.server.connections):
+                if handler.transport is not None:
+                    handler.transport.abort()
+        await self.stop()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -110,7 +120,7 @@ class FakeReplica:
         except json.JSONDecodeError:
             return _error(400, "Invalid JSON", "BadRequestError")
         self.requests.append(body)
-        self.headers_seen.append(dict(request.headers))
+        self.headers_seen.append(request.headers.copy())
         unknown = sorted(set(body) - KNOWN_FIELDS)
         if unknown:
             return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
@@ -133,9 +143,9 @@ class FakeReplica:
         if prompt[:32] in self._seen_prefixes:
             self.prefix_hits += 1
         self._seen_prefixes.add(prompt[:32])
+        if body.get("stream"):
+            return await self._stream(request, body, is_chat)
         try:
-            if body.get("stream"):
-                return await self._stream(request, body, is_chat)
             await asyncio.sleep(self.first_byte_delay + self.chunk_delay * self.num_chunks)
             text = "".join(self.text_of(i) for i in range(self.num_chunks))
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}

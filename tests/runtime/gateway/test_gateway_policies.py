@@ -102,19 +102,53 @@ def test_prefix_affinity_min_capacity_keeps_a_prefix_together_at_low_load() -> N
 
 
 def test_prefix_affinity_mapping_is_consistent_across_backend_changes() -> None:
-    policy = PrefixAffinityPolicy(RoutingConfig())
     four, five = replicas(4), replicas(5)
     ks = keys(3000, seed=1)
-    before = {k: policy.choose(four, RouteRequest(prefix=k)).url for k in ks}
-    after = {k: policy.choose(five, RouteRequest(prefix=k)).url for k in ks}
+    # One policy per membership, each key asked once: every prefix is cold, the ring decides.
+    p4, p5, p3 = PrefixAffinityPolicy(), PrefixAffinityPolicy(), PrefixAffinityPolicy()
+    before = {k: p4.choose(four, RouteRequest(prefix=k)).url for k in ks}
+    after = {k: p5.choose(five, RouteRequest(prefix=k)).url for k in ks}
     moved = [k for k in ks if before[k] != after[k]]
     # Only keys taken over by the new replica move (about 1/5 of them), none between old ones.
     assert all(after[k] == five[4].url for k in moved)
     assert 0.1 < len(moved) / len(ks) < 0.3
     # Removing a replica moves only the keys it owned.
     three = [r for r in four if r.url != four[1].url]
-    removed = {k: policy.choose(three, RouteRequest(prefix=k)).url for k in ks}
+    removed = {k: p3.choose(three, RouteRequest(prefix=k)).url for k in ks}
     assert all(removed[k] == before[k] for k in ks if before[k] != four[1].url)
+
+
+def test_prefix_affinity_known_prefix_stays_where_it_is_cached() -> None:
+    policy = PrefixAffinityPolicy(RoutingConfig(block_chars=32))
+    four, five = replicas(4), replicas(5)
+    ks = keys(500, seed=2)
+    before = {k: policy.choose(four, RouteRequest(prefix=k)).url for k in ks}
+    # A new replica joins: prefixes already served keep their replica (their KV is there).
+    assert all(policy.choose(five, RouteRequest(prefix=k)).url == before[k] for k in ks)
+
+
+def test_prefix_affinity_follows_shared_prefixes_shorter_than_the_ring_key() -> None:
+    # The ring key is 256 characters, the shared part only 80: the affinity table still keeps
+    # every prompt of one group on the replica the group's first prompt went to.
+    policy, rs = PrefixAffinityPolicy(RoutingConfig(block_chars=32, prefix_chars=256)), replicas(4)
+    groups = [f"group {g:02d} " + "shared context " * 5 for g in range(12)]
+    where: dict[int, set[str]] = {g: set() for g in range(len(groups))}
+    for q in range(6):
+        for g, shared in enumerate(groups):
+            prompt = shared[:80] + f" user question number {q} " * 10
+            where[g].add(policy.choose(rs, RouteRequest(prefix=prompt)).url)
+    assert all(len(v) == 1 for v in where.values())
+    assert len(set().union(*where.values())) >= 3  # groups spread over the replicas
+
+
+def test_block_hashes_are_prefix_digests() -> None:
+    from argosy_runtime.gateway.policies.prefix_affinity import block_hashes
+
+    a = block_hashes("x" * 100 + "abc", 32)
+    b = block_hashes("x" * 100 + "abd", 32)
+    assert len(a) == 3 and a == b  # the differing tail is past the last whole block
+    c = block_hashes("y" + "x" * 99, 32)
+    assert all(p != q for p, q in zip(a, c, strict=True))
 
 
 def test_prefix_affinity_short_prompt_falls_back_to_least_load() -> None:

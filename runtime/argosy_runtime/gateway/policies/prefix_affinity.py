@@ -4,8 +4,16 @@ Requests whose prompts start alike hash to the same point of a ring, so they lan
 replica whose prefix cache already holds that prefix's KV blocks. A plain hash would pile a
 popular prefix onto one replica; bounded loads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
 Hashing with Bounded Loads", 2018) cap each replica at ceil(c * (total + 1) / n) in-flight
-requests and walk the ring clockwise to the next replica with room, so a hot prefix spills onto
-a second replica (which then caches it too) instead of queueing.
+requests (never below `min_capacity`) and walk the ring clockwise to the next replica with
+room, so a hot prefix spills onto a second replica (which then caches it too) instead of
+queueing.
+
+The ring key is a fixed length (`prefix_chars`), but shared prefixes come in every length. So
+the policy also keeps a bounded table: for each `block_chars` boundary of a prompt's leading
+text, which replica last took it. A request goes to the replica holding its longest known
+prefix when that replica is within its bound, and otherwise to the ring. Both parts are
+deterministic given the same request history; the ring alone decides a cold prefix, so several
+gateways agree on where a new prefix goes.
 """
 
 from __future__ import annotations
@@ -25,6 +33,19 @@ def hash64(text: str) -> int:
     """A stable 64-bit hash (Python's hash() is salted per process; rings must agree across
     gateway restarts and replicas of the gateway)."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def block_hashes(text: str, block_chars: int) -> list[bytes]:
+    """Digests of text[:block_chars], text[:2*block_chars], ... (whole blocks only).
+
+    One running hash, copied at each boundary: O(len(text)), not O(len(text)^2 / block).
+    """
+    running = hashlib.blake2b(digest_size=16)
+    out = []
+    for end in range(block_chars, len(text) + 1, block_chars):
+        running.update(text[end - block_chars : end].encode("utf-8"))
+        out.append(running.copy().digest())
+    return out
 
 
 class HashRing:
@@ -66,7 +87,7 @@ class HashRing:
 
 
 class PrefixAffinityPolicy(Policy):
-    """Consistent hashing with bounded load on `RouteRequest.prefix`.
+    """Longest known prefix first, else consistent hashing with bounded load.
 
     Prompts shorter than `routing.min_prefix_chars` carry no useful prefix and go to the
     `fallback` policy (least-load by default); so do requests when every replica is over its
@@ -80,6 +101,8 @@ class PrefixAffinityPolicy(Policy):
         self.fallback = fallback
         # A few rings, keyed by membership, so health flaps do not rebuild every time.
         self._rings: OrderedDict[frozenset[str], HashRing] = OrderedDict()
+        # block-prefix digest -> URL of the replica that last took a prompt with that prefix
+        self._affinity: OrderedDict[bytes, str] = OrderedDict()
 
     def ring(self, members: Sequence[str]) -> HashRing:
         key = frozenset(members)
@@ -99,19 +122,42 @@ class PrefixAffinityPolicy(Policy):
         bound = math.ceil(self.routing.load_factor * total / len(candidates))
         return max(self.routing.min_capacity, bound)
 
+    def _fits(self, replica: Replica, cap: int) -> bool:
+        return replica.in_flight < cap and replica.kv_cache_usage < self.routing.kv_high_watermark
+
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if not candidates:
             return None
-        key = request.prefix[: self.routing.prefix_chars]
-        if len(key) < self.routing.min_prefix_chars:
+        text = request.prefix[: self.routing.max_prefix_chars]
+        if len(text) < self.routing.min_prefix_chars:
             return self._fallback(candidates, request)
         by_url = {c.url: c for c in candidates}
         cap = self.capacity(candidates)
-        for url in self.ring(list(by_url)).walk(key):
-            replica = by_url[url]
-            if replica.in_flight < cap and replica.kv_cache_usage < self.routing.kv_high_watermark:
-                return replica
-        return self._fallback(candidates, request)
+        hashes = block_hashes(text, self.routing.block_chars)
+        chosen: Replica | None = None
+        for digest in reversed(hashes):  # longest known prefix first
+            url = self._affinity.get(digest)
+            if url is not None and url in by_url:
+                if self._fits(by_url[url], cap):
+                    chosen = by_url[url]
+                break  # shorter prefixes of the same prompt live on the same replica or older
+        if chosen is None:
+            for url in self.ring(list(by_url)).walk(text[: self.routing.prefix_chars]):
+                if self._fits(by_url[url], cap):
+                    chosen = by_url[url]
+                    break
+        if chosen is None:
+            return self._fallback(candidates, request)
+        self._remember(hashes, chosen.url)
+        return chosen
+
+    def _remember(self, hashes: list[bytes], url: str) -> None:
+        table = self._affinity
+        for digest in hashes:
+            table[digest] = url
+            table.move_to_end(digest)
+        while len(table) > self.routing.affinity_entries:
+            table.popitem(last=False)
 
     def _fallback(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if self.fallback is not None:

@@ -234,7 +234,7 @@ class Gateway:
         self, model: str, path: str, body: dict[str, Any], raw: bytes, headers: Mapping[str, str]
     ) -> Upstream | web.Response:
         assert self.session is not None
-        route = RouteRequest(prefix=prompt_text(path, body)[: self.config.routing.prefix_chars])
+        route = RouteRequest(prefix=prompt_text(path, body)[: self.config.routing.max_prefix_chars])
         result = await send(
             session=self.session,
             config=self.config,

@@ -1,0 +1,318 @@
+"""The proxy against small real HTTP replicas: streaming, errors, retries, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from argosy_runtime.gateway.config import (
+    CascadeConfig,
+    GatewayConfig,
+    HealthConfig,
+    ModelRouteConfig,
+)
+
+
+def config(*routes: tuple[str, list[str]], policy: str = "round-robin", **kw) -> GatewayConfig:
+    models = tuple(ModelRouteConfig(name=n, backends=tuple(urls), policy=policy) for n, urls in routes)
+    kw.setdefault("health", HealthConfig(interval_s=60))  # probes only where a test wants them
+    return GatewayConfig(models=models, **kw)
+
+
+def sse_payloads(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+
+async def test_stream_relayed_byte_for_byte_and_incrementally(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1, chunk_delay=0.25, num_chunks=4)
+    _, url = await gateway(config(("tiny", [r.url])))
+    body = {"model": "tiny", "prompt": "hello", "stream": True, "max_tokens": 4}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{r.url}/v1/completions", json=body) as resp:
+            direct = await resp.read()
+        t0 = time.monotonic()
+        arrivals, via = [], b""
+        async with s.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["x-argosy-backend"] == r.url
+            async for chunk in resp.content.iter_any():
+                arrivals.append(time.monotonic() - t0)
+                via += chunk
+    assert via == direct
+    assert sse_payloads(via)[-1] == "[DONE]"
+    # Not buffered: the first event arrives long before the last (4 chunks x 0.25 s apart).
+    assert len(arrivals) >= 3 and arrivals[-1] - arrivals[0] > 0.5
+
+
+async def test_non_streamed_and_chat_pass_through(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1)
+    _, url = await gateway(config(("tiny", [r.url])))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": "abc"}) as resp:
+            data = await resp.json()
+    assert data["choices"][0]["message"]["content"] == "".join(r.text_of(i) for i in range(4))
+    assert r.requests[-1] == body and r.headers_seen[-1]["X-Request-Id"] == "abc"
+
+
+async def test_errors_unknown_model_bad_json_and_passthrough(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1)
+    _, url = await gateway(config(("tiny", [r.url])))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
+            assert resp.status == 404
+            err = (await resp.json())["error"]
+            assert err["code"] == 404 and err["param"] == "model" and "nope" in err["message"]
+            assert set(err) == {"message", "type", "param", "code"}
+        async with s.post(f"{url}/v1/completions", data=b"{not json") as resp:
+            assert resp.status == 400 and "error" in await resp.json()
+        async with s.post(f"{url}/v1/completions", json=["a"]) as resp:
+            assert resp.status == 400
+        async with s.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+        # Validation the replica does is passed through unchanged, status and body.
+        bad = {"model": "tiny", "prompt": "x", "temperature": -1}
+        async with s.post(f"{r.url}/v1/completions", json=bad) as resp:
+            direct = (resp.status, await resp.json())
+        async with s.post(f"{url}/v1/completions", json=bad) as resp:
+            assert (resp.status, await resp.json()) == direct
+        async with s.get(f"{url}/v2/nothing") as resp:
+            assert resp.status == 404 and "error" in await resp.json()
+
+
+async def test_models_merged_across_backends_and_cascades(fake_replicas, gateway) -> None:
+    (a,) = await fake_replicas(1, model="tiny")
+    (b,) = await fake_replicas(1, model="big")
+    cfg = config(("tiny", [a.url]), ("big", [b.url]),
+                 cascades=(CascadeConfig(name="auto", small="tiny", large="big"),))
+    _, url = await gateway(cfg)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/models") as resp:
+            data = await resp.json()
+    assert sorted(m["id"] for m in data["data"]) == ["auto", "big", "tiny"]
+
+
+async def test_refused_replica_is_retried_elsewhere_and_taken_out(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    await a.stop()  # now refuses connections
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+    assert len(b.requests) == 4
+    assert not gw.pools["tiny"].get(a.url).healthy
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    assert 'argosy:gateway_retries_total{model="tiny",reason="connect_error"} 1.0' in text
+
+
+async def test_5xx_before_first_byte_is_retried_once(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    a.fail_next = 1
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round-robin: one of the two lands on `a` first
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    # Three upstream requests for two client requests: the failed one was re-sent once.
+    assert a.fail_next == 0 and len(a.requests) + len(b.requests) == 3 and b.completed >= 1
+    assert 'argosy:gateway_retries_total{model="tiny",reason="upstream_5xx"} 1.0' in text
+    # One 5xx is not yet enough to leave rotation (unhealthy_after=2).
+    assert gw.pools["tiny"].get(a.url).healthy
+
+
+async def test_5xx_on_every_try_returns_the_last_error(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2, fail_next=5)
+    _, url = await gateway(config(("tiny", [a.url, b.url])))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 500
+            assert (await resp.json())["error"]["message"] == "injected failure"
+    # Exactly one retry: one request reached each replica.
+    assert len(a.requests) == 1 and len(b.requests) == 1
+
+
+async def test_replica_killed_before_first_byte_loses_no_request(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2, first_byte_delay=0.8, chunk_delay=0.01)
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+
+    async def call(s: aiohttp.ClientSession) -> bytes:
+        async with s.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            return await resp.read()
+
+    async with aiohttp.ClientSession() as s:
+        tasks = [asyncio.create_task(call(s)) for _ in range(4)]  # two on each replica
+        await asyncio.sleep(0.3)
+        assert len(a.requests) == 2 and len(b.requests) == 2
+        await a.kill()  # headers sent, no body byte yet
+        results = await asyncio.gather(*tasks)
+    assert all(sse_payloads(r)[-1] == "[DONE]" for r in results)
+    assert a.completed == 0 and b.completed == 4
+    assert all(r.in_flight == 0 for r in gw.pools["tiny"].replicas)
+
+
+async def test_client_disconnect_reaches_the_replica(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1, chunk_delay=0.2, num_chunks=20)
+    gw, url = await gateway(config(("tiny", [r.url])))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True})
+        await resp.content.readany()
+        resp.close()  # the client goes away mid-stream
+    for _ in range(50):
+        if r.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert r.disconnects == 1 and r.completed == 0
+    assert gw.pools["tiny"].replicas[0].in_flight == 0
+
+
+async def test_client_disconnect_while_waiting_for_first_byte(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1, first_byte_delay=5.0)
+    gw, url = await gateway(config(("tiny", [r.url])))
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}))
+        await asyncio.sleep(0.3)
+        task.cancel()
+    for _ in range(50):
+        if r.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert r.disconnects == 1
+    assert gw.pools["tiny"].replicas[0].in_flight == 0
+
+
+async def test_retry_after_is_honoured(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    a.rate_limited = 30
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200 and resp.headers["x-argosy-backend"] == b.url
+        # `a` was asked once, then left alone for its Retry-After window.
+        assert len(a.requests) == 1
+        b.rate_limited = 10
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429
+            assert 1 <= int(resp.headers["Retry-After"]) <= 30
+            assert (await resp.json())["error"]["code"] == 429
+        # Both cooling down: the gateway answers 429 itself without asking either.
+        before = len(a.requests) + len(b.requests)
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+        assert len(a.requests) + len(b.requests) == before
+
+
+async def test_unready_replica_leaves_rotation_and_is_probed_back(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    cfg = config(("tiny", [a.url, b.url]),
+                 health=HealthConfig(interval_s=0.1, unhealthy_after=2, healthy_after=1))
+    gw, url = await gateway(cfg)
+    a.ready = False  # e.g. draining
+    pool = gw.pools["tiny"]
+    for _ in range(40):
+        if not pool.get(a.url).healthy:
+            break
+        await asyncio.sleep(0.05)
+    assert not pool.get(a.url).healthy
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.headers["x-argosy-backend"] == b.url
+        a.ready = False
+        b.ready = False
+        await asyncio.sleep(0.4)
+        async with s.get(f"{url}/ready") as resp:
+            assert resp.status == 503
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == 503
+        a.ready = True
+        b.ready = True
+        await asyncio.sleep(0.4)
+        async with s.get(f"{url}/ready") as resp:
+            assert resp.status == 200
+    assert pool.get(a.url).healthy
+
+
+async def test_least_load_reads_scraped_metrics(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    a.kv_cache_usage, a.num_waiting = 0.9, 3
+    cfg = config(("tiny", [a.url, b.url]), policy="least-load", health=HealthConfig(interval_s=0.1))
+    gw, url = await gateway(cfg)
+    await asyncio.sleep(0.4)
+    assert gw.pools["tiny"].get(a.url).kv_cache_usage == 0.9
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.headers["x-argosy-backend"] == b.url
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    assert f'argosy:gateway_backend_kv_cache_usage_perc{{backend="{a.url}",model="tiny"}} 0.9' in text
+    assert f'argosy:gateway_backend_num_requests_waiting{{backend="{a.url}",model="tiny"}} 3.0' in text
+
+
+async def test_prefix_affinity_keeps_a_prefix_on_one_replica(fake_replicas, gateway) -> None:
+    rs = await fake_replicas(3)
+    _, url = await gateway(config(("tiny", [r.url for r in rs]), policy="prefix-affinity"))
+    prefixes = [f"You are assistant number {i}. Answer briefly and politely. " for i in range(6)]
+    seen: dict[str, set[str]] = {p: set() for p in prefixes}
+    async with aiohttp.ClientSession() as s:
+        for i in range(4):
+            for p in prefixes:
+                body = {"model": "tiny", "prompt": p + f"question {i}"}
+                async with s.post(f"{url}/v1/completions", json=body) as resp:
+                    seen[p].add(resp.headers["x-argosy-backend"])
+    assert all(len(v) == 1 for v in seen.values())
+    assert len(set().union(*seen.values())) >= 2  # different prefixes spread out
+
+
+async def test_cascade_routes_and_reports(fake_replicas, gateway) -> None:
+    (small,) = await fake_replicas(1, model="tiny", logprob=-0.2)
+    (large,) = await fake_replicas(1, model="big")
+    cascade = CascadeConfig(name="auto", small="tiny", large="big", keywords=("prove",),
+                            min_mean_logprob=-1.0)
+    _, url = await gateway(config(("tiny", [small.url]), ("big", [large.url]), cascades=(cascade,)))
+
+    async def ask(s, prompt, **kw):
+        body = {"model": "auto", "prompt": prompt, **kw}
+        async with s.post(f"{url}/v1/completions", json=body) as resp:
+            return resp.status, resp.headers, await resp.read()
+
+    async with aiohttp.ClientSession() as s:
+        status, h, raw = await ask(s, "prove that 2+2=4")
+        assert (status, h["x-argosy-cascade"], h["x-argosy-cascade-reason"]) == (200, "large", "keyword")
+        assert large.requests[-1]["model"] == "big"
+        # Confident small answer: small answers, and the logprobs the gateway asked for are gone.
+        status, h, raw = await ask(s, "hello")
+        assert (h["x-argosy-cascade"], h["x-argosy-cascade-reason"]) == ("small", "confident")
+        assert float(h["x-argosy-cascade-confidence"]) == -0.2
+        assert small.requests[-1]["logprobs"] == 0 and json.loads(raw)["choices"][0]["logprobs"] is None
+        # Unsure small answer: asked again on the large model.
+        small.logprob = -2.5
+        n_large = len(large.requests)
+        status, h, raw = await ask(s, "hello again")
+        assert (h["x-argosy-cascade"], h["x-argosy-cascade-reason"]) == ("large", "low_confidence")
+        assert len(large.requests) == n_large + 1 and json.loads(raw)["model"] == "big"
+        # Streams skip the check; the header forces a tier.
+        status, h, raw = await ask(s, "hello", stream=True)
+        assert (h["x-argosy-cascade"], h["x-argosy-cascade-reason"]) == ("small", "default")
+        async with s.post(f"{url}/v1/completions", json={"model": "auto", "prompt": "x"},
+                          headers={"x-argosy-cascade": "large"}) as resp:
+            assert resp.headers["x-argosy-cascade-reason"] == "header"
+        async with s.post(f"{url}/v1/completions", json={"model": "auto:large", "prompt": "x"}) as resp:
+            assert resp.headers["x-argosy-cascade-reason"] == "model_name"
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    for tier, reason in [("large", "keyword"), ("small", "confident"), ("large", "low_confidence"),
+                         ("small", "default"), ("large", "header"), ("large", "model_name")]:
+        line = f'argosy:gateway_cascade_decisions_total{{reason="{reason}",route="auto",tier="{tier}"}} 1.0'
+        assert line in text, line
