@@ -129,7 +129,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the worker thread; call from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
-        self._stats = self.engine.get_stats()
+        self._stats = dataclasses.replace(self.engine.get_stats())
         self._thread = threading.Thread(target=self._run, name="argosy-engine", daemon=True)
         self._thread.start()
 
@@ -240,7 +240,7 @@ class AsyncEngine:
             else:
                 if self._trackers.pop(payload, None) is not None:
                     self.engine.abort_request(payload)
-        stats = self.engine.get_stats()
+        stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
             self._num_pending_adds -= num_adds
             self._stats = stats
@@ -264,7 +264,7 @@ class AsyncEngine:
             return
         now = time.monotonic()
         snapshots = [self._observe(out, now) for out in outputs]
-        stats = self.engine.get_stats()
+        stats = dataclasses.replace(self.engine.get_stats())
         with self._cond:
             self._stats = stats
         self._call(self._dispatch, snapshots)

@@ -20,8 +20,10 @@ from argosy_runtime.server.serving_common import (
     run_to_completion,
     sse,
     start_streams,
+    stop_holdback,
     token_text,
     top_entries,
+    visible_text,
     with_deadline,
 )
 from argosy_runtime.server.streaming import GuardedStreamingResponse
@@ -104,6 +106,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                 body["usage"] = usage
             return sse(body)
 
+        hold = stop_holdback(params)
+
         async def events() -> AsyncIterator[str]:
             for c in range(n):  # the role first, as OpenAI does
                 yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""},
@@ -118,14 +122,14 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                     c = seq.index
                     if done[c]:
                         continue
-                    delta = seq.text[sent_chars[c]:]
+                    delta, new_sent = visible_text(seq, sent_chars[c], hold)
                     start, end = sent_tokens[c], len(seq.token_ids)
                     if not delta and seq.finish_reason is None and (k is None or start == end):
                         continue
                     lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
                     yield chunk([{"index": c, "delta": {"content": delta} if delta else {},
                                   "logprobs": lp, "finish_reason": seq.finish_reason}])
-                    sent_chars[c], sent_tokens[c] = len(seq.text), end
+                    sent_chars[c], sent_tokens[c] = new_sent, end
                     done[c] = seq.finish_reason is not None
             usage = _usage(prompt, final)
             log.update(completion_tokens=usage["completion_tokens"],

@@ -17,7 +17,7 @@ from argosy_runtime.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from argosy_runtime.outputs import Logprob, RequestOutput
+from argosy_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import APIError, bad_request, param_from_value_error
@@ -264,3 +264,20 @@ def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob
     """The k most likely alternatives at one position, most likely first."""
     ranked = sorted(position.items(), key=lambda kv: kv[1].rank)
     return [(t, lp) for t, lp in ranked if lp.rank <= k][:k]
+
+
+def visible_text(seq: CompletionOutput, sent: int, hold: int) -> tuple[str, int]:
+    """The text to stream now and the new sent length.
+
+    While a sequence runs, the last `hold` characters (longest stop string - 1) stay back:
+    the engine trims a stop string that spans several tokens from its text, and characters
+    already streamed cannot be taken back.
+    """
+    limit = len(seq.text) if seq.finish_reason is not None else len(seq.text) - hold
+    if limit <= sent:
+        return "", sent
+    return seq.text[sent:limit], limit
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop or []), default=1) - 1

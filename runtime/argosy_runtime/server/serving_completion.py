@@ -21,8 +21,10 @@ from argosy_runtime.server.serving_common import (
     run_to_completion,
     sse,
     start_streams,
+    stop_holdback,
     token_text,
     top_entries,
+    visible_text,
     with_deadline,
 )
 from argosy_runtime.server.streaming import GuardedStreamingResponse
@@ -113,6 +115,8 @@ async def create_completion(request: Request, req: CompletionRequest,
                 body["usage"] = usage
             return sse(body)
 
+        hold = stop_holdback(params)
+
         async def events() -> AsyncIterator[str]:
             sent_chars: dict[int, int] = {}
             sent_tokens: dict[int, int] = {}
@@ -125,7 +129,7 @@ async def create_completion(request: Request, req: CompletionRequest,
                     if c in sent_chars and sent_chars[c] < 0:
                         continue  # already finished
                     first = c not in sent_chars
-                    delta = seq.text[sent_chars.get(c, 0):]
+                    delta, new_sent = visible_text(seq, sent_chars.get(c, 0), hold)
                     start, end = sent_tokens.get(c, 0), len(seq.token_ids)
                     if not delta and seq.finish_reason is None and (k is None or start == end):
                         continue
@@ -136,7 +140,7 @@ async def create_completion(request: Request, req: CompletionRequest,
                     text = (prefixes[i] if first else "") + delta
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
                                   "finish_reason": seq.finish_reason}])
-                    sent_chars[c] = len(seq.text) if seq.finish_reason is None else -1
+                    sent_chars[c] = new_sent if seq.finish_reason is None else -1
                     sent_tokens[c] = end
             usage = _usage(prompts, finals)
             log.update(completion_tokens=usage["completion_tokens"],

@@ -1,0 +1,202 @@
+"""The OpenAI API surface, through the official `openai` client against a real server."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import httpx
+import pytest
+from argosy_runtime import SamplingParams
+from openai import OpenAI
+from serve_harness import MODEL, ServerProcess
+
+PROMPT = "The three primary colors are"
+
+
+def greedy(client: OpenAI, prompt: str | list[int], max_tokens: int = 16, **kw):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, **kw)
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completion_equals_offline_greedy(client: OpenAI, offline_llm) -> None:
+    expected = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16))[0]
+    got = greedy(client, PROMPT)
+    assert got.choices[0].text == expected.outputs[0].text
+    assert got.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert got.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_completion_stream_equals_non_stream(client: OpenAI) -> None:
+    whole = greedy(client, PROMPT, max_tokens=24)
+    chunks = list(greedy(client, PROMPT, max_tokens=24, stream=True,
+                         stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert len([c for c in chunks if c.choices]) > 3  # really incremental
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client: OpenAI, offline_llm) -> None:
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name a fruit."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # the same prompt through the model's chat template offline
+    expected = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert whole.choices[0].message.content == expected.outputs[0].text
+
+
+def test_max_completion_tokens_and_ignore_eos(client: OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=7,
+        extra_body={"ignore_eos": True, "min_tokens": 7})
+    assert r.usage.completion_tokens == 7
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_n_with_seed_is_reproducible(client: OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, temperature=1.0,
+              seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == sum(
+        1 for _ in range(3)) * 8 or a.usage.completion_tokens <= 24
+
+
+def test_stop_string_truncates_in_both_modes(client: OpenAI) -> None:
+    base = greedy(client, PROMPT, max_tokens=24).choices[0].text
+    words = base.split()
+    assert len(words) >= 3, base
+    stop = " " + words[2]
+    cut = base[: base.index(stop)]
+    got = greedy(client, PROMPT, max_tokens=24, stop=[stop])
+    assert got.choices[0].text == cut
+    assert got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in
+                       greedy(client, PROMPT, max_tokens=24, stop=[stop], stream=True))
+    assert streamed == cut
+
+
+def test_completion_logprobs(client: OpenAI) -> None:
+    r = greedy(client, PROMPT, max_tokens=6, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(chosen, max(top.values()), abs_tol=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_stream(client: OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert math.isclose(e.logprob, e.top_logprobs[0].logprob, abs_tol=1e-4)
+
+
+def test_token_id_prompt_and_batch(client: OpenAI, offline_llm) -> None:
+    ids = offline_llm.get_tokenizer().encode(PROMPT)
+    by_text = greedy(client, PROMPT).choices[0].text
+    assert greedy(client, ids).choices[0].text == by_text
+    other = "Water boils at"
+    batch = greedy(client, [PROMPT, other])
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text
+    assert batch.choices[1].text == greedy(client, other).choices[0].text
+    echoed = greedy(client, PROMPT, echo=True)
+    assert echoed.choices[0].text == PROMPT + by_text
+
+
+def test_penalties_and_vllm_extras_accepted(client: OpenAI) -> None:
+    prompt = "one one one one one one one one"
+    plain = greedy(client, prompt, max_tokens=12).choices[0].text
+    penalized = greedy(client, prompt, max_tokens=12, frequency_penalty=2.0,
+                       presence_penalty=2.0).choices[0].text
+    assert penalized != plain
+    r = greedy(client, prompt, max_tokens=4,
+               extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3,
+                           "stop_token_ids": [], "ignore_eos": True, "min_tokens": 4})
+    assert r.usage.completion_tokens == 4
+
+
+def test_request_id_echoed_and_logged(server: ServerProcess, http: httpx.Client) -> None:
+    rid = "test-" + uuid.uuid4().hex
+    r = http.post("/v1/completions", headers={"X-Request-Id": rid},
+                  json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+    generated = http.get("/v1/models").headers["x-request-id"]
+    assert generated and generated != rid
+    lines = [json.loads(line.split(" argosy.access ", 1)[1])
+             for line in server.log_text().splitlines() if " argosy.access " in line]
+    mine = [entry for entry in lines if entry["request_id"] == rid]
+    assert len(mine) == 1
+    assert mine[0]["status"] == 200 and mine[0]["completion_tokens"] == 2
+    assert mine[0]["path"] == "/v1/completions" and mine[0]["duration_ms"] > 0
+
+
+DESIGN_METRICS = [
+    "argosy:kv_cache_usage_perc", "argosy:num_requests_running", "argosy:num_requests_waiting",
+    "argosy:prompt_tokens_total", "argosy:generation_tokens_total",
+    "argosy:prefix_cache_queries_total", "argosy:prefix_cache_hits_total",
+    "argosy:num_preemptions_total", "argosy:spec_decode_num_draft_tokens_total",
+    "argosy:spec_decode_num_accepted_tokens_total", "argosy:cache_config_info",
+]
+HISTOGRAMS = ["argosy:time_to_first_token_seconds", "argosy:inter_token_latency_seconds",
+              "argosy:e2e_request_latency_seconds", "argosy:request_queue_time_seconds"]
+
+
+def test_metrics_expose_design_names(server: ServerProcess, client: OpenAI) -> None:
+    before = server.metrics()
+    r = greedy(client, "Metrics test prompt", max_tokens=5,
+               extra_body={"ignore_eos": True})
+    after = server.metrics()
+    for name in DESIGN_METRICS:
+        assert name in after, name
+    for name in HISTOGRAMS:
+        assert after[name + "_count"] >= before.get(name + "_count", 0) + 1, name
+        assert name + "_bucket" in after
+    assert after["argosy:generation_tokens_total"] - before["argosy:generation_tokens_total"] \
+        >= r.usage.completion_tokens
+    assert after["argosy:inter_token_latency_seconds_count"] - \
+        before["argosy:inter_token_latency_seconds_count"] >= 4
+    assert 0.0 <= after["argosy:kv_cache_usage_perc"] <= 1.0
+
+
+def test_health_ready_open(http: httpx.Client) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/ready").status_code == 200
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_openapi_documents_routes(http: httpx.Client, path: str) -> None:
+    spec = http.get("/openapi.json").json()
+    assert "post" in spec["paths"][path]
