@@ -1,0 +1,193 @@
+"""The CRD's schema and CEL rules: samples pass, a table of invalid specs is rejected with a
+useful message, and the operator's Python defaults match the CRD's defaults."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+from argosy_operator.spec import DEFAULTS, normalize_spec
+from crd_schema import ROOT, apply_defaults, load_crd, openapi_schema, validate
+
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+BASE: dict[str, Any] = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+                        "metadata": {"name": "x", "namespace": "ml"},
+                        "spec": {"model": {"name": "m", "path": "smollm2-135m"}}}
+
+
+def with_spec(**changes: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node = obj["spec"]
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is _DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return obj
+
+
+_DELETE = object()
+
+
+def test_crd_names_and_subresources() -> None:
+    crd = load_crd()
+    assert crd["metadata"]["name"] == "llmdeployments.argosy.dev"
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        "LLMDeployment", "llmdeployments", ["llmd"])
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["storage"] and version["served"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns[:6] == ["Model", "Replicas", "Ready", "KV-cache %", "Queue", "Age"]
+
+
+def test_every_spec_field_has_a_description() -> None:
+    missing = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if "description" not in sub and path + key not in (".metadata",):
+                missing.append(path + "." + key if path else key)
+            walk(sub, f"{path}.{key}" if path else key)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], path + "[]")
+
+    walk(openapi_schema()["properties"]["spec"], "spec")
+    assert missing == []
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_samples_validate(path: pathlib.Path) -> None:
+    obj = yaml.safe_load(path.read_text())
+    defaulted, errors = validate(obj)
+    assert errors == []
+    # The operator can build children from the defaulted spec (no ValueError).
+    normalize_spec(defaulted["spec"])
+
+
+def test_defaults_fill_a_minimal_spec() -> None:
+    defaulted, errors = validate(copy.deepcopy(BASE))
+    assert errors == []
+    spec = defaulted["spec"]
+    assert spec["replicas"] == 1
+    assert spec["runtime"]["maxNumSeqs"] == 256
+    assert spec["autoscaling"]["enabled"] is False
+    assert spec["autoscaling"]["scaleDownStabilizationSeconds"] == 300
+    assert spec["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+    assert spec["rollout"] == {"maxSurge": 1, "maxUnavailable": 0,
+                               "progressDeadlineSeconds": 1200}
+
+
+def test_python_defaults_match_the_crd() -> None:
+    """spec.DEFAULTS (used when the API server has not defaulted an object) == the CRD's."""
+    minimal = {"model": {"name": "m", "path": "p"}}
+    from_crd = apply_defaults(openapi_schema()["properties"]["spec"], minimal)
+    assert normalize_spec(minimal) == from_crd
+    assert set(DEFAULTS) | {"model"} == set(from_crd)
+
+
+def test_autoscaling_contract_fields() -> None:
+    props = openapi_schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    expected = {"enabled": False, "minReplicas": 1, "maxReplicas": 4,
+                "targetKVCacheUtilization": 0.7, "targetQueueDepth": 4, "tolerance": 0.1,
+                "stableWindowSeconds": 60, "panicWindowSeconds": 6, "panicThreshold": 2.0,
+                "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300,
+                "maxScaleUpRate": 2.0, "maxScaleDownRate": 0.5, "scrapeIntervalSeconds": 5,
+                "scaleToZeroIdleSeconds": 600}
+    assert {k: v["default"] for k, v in props.items()} == expected
+    status = openapi_schema()["properties"]["status"]["properties"]
+    for field in ("desiredReplicas", "lastScaleTime", "kvCacheUtilization", "kvCachePercent",
+                  "queueDepth", "autoscaling", "conditions"):
+        assert field in status
+    assert status["autoscaling"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("no model source", with_spec(model__path=_DELETE),
+     "set exactly one of model.source or model.path"),
+    ("two model sources", with_spec(model__source="hf://org/name"),
+     "set exactly one of model.source or model.path"),
+    ("unknown source scheme", with_spec(model__path=_DELETE, model__source="gs://b/k"),
+     "model.source: 'gs://b/k' does not match"),
+    ("revision on a path", with_spec(model__revision="v2"),
+     "model.revision applies only to hf:// sources"),
+    ("credentials on a pvc", with_spec(model__path=_DELETE, model__source="pvc://weights/llama",
+                                       model__credentialsSecret="s3-creds"),
+     "model.credentialsSecret applies only to hf:// and s3:// sources"),
+    ("gguf from hf without a file", with_spec(model__path=_DELETE, model__format="gguf",
+                                              model__source="hf://org/name"),
+     "format gguf with an hf:// source must name the .gguf file"),
+    ("cache limit on a pvc", with_spec(model__path=_DELETE, model__source="pvc://w/m",
+                                       model__cacheSizeLimit="10Gi"),
+     "model.cacheSizeLimit applies only to downloaded"),
+    ("int4 with float32", with_spec(runtime__quantization="int4", runtime__dtype="float32"),
+     "int4 quantization needs dtype auto, float16 or bfloat16"),
+    ("unknown quantization", with_spec(runtime__quantization="fp8"),
+     "runtime.quantization: 'fp8' is not one of ['int8', 'int4']"),
+    ("draft without a model", with_spec(runtime__speculative={"method": "draft"}),
+     "speculative.method draft needs speculative.draftModel"),
+    ("draft model with ngram", with_spec(runtime__speculative={"draftModel": "/m/draft"}),
+     "speculative.draftModel applies only to method draft"),
+    ("min above max", with_spec(autoscaling={"enabled": True, "minReplicas": 5,
+                                             "maxReplicas": 2}),
+     "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    ("kv target above 1", with_spec(autoscaling__targetKVCacheUtilization=1.5),
+     "autoscaling.targetKVCacheUtilization: 1.5 is greater than the maximum of 1"),
+    ("kv target zero", with_spec(autoscaling__targetKVCacheUtilization=0),
+     "autoscaling.targetKVCacheUtilization: 0 is less than or equal to the minimum of 0"),
+    ("tolerance of 1", with_spec(autoscaling__tolerance=1),
+     "autoscaling.tolerance: 1 is greater than or equal to the maximum of 1"),
+    ("scale-down rate zero", with_spec(autoscaling__maxScaleDownRate=0),
+     "autoscaling.maxScaleDownRate: 0 is less than or equal to the minimum of 0"),
+    ("panic threshold below 1", with_spec(autoscaling__panicThreshold=0.5),
+     "autoscaling.panicThreshold: 0.5 is less than the minimum of 1"),
+    ("no rollout progress", with_spec(rollout={"maxSurge": "0%", "maxUnavailable": 0}),
+     "rollout.maxSurge and rollout.maxUnavailable cannot both be 0"),
+    ("negative replicas", with_spec(replicas=-1), "replicas: -1 is less than the minimum of 0"),
+    ("bad memory quantity", with_spec(resources__memory="lots"),
+     "resources.memory: 'lots' is not valid"),
+    ("typo in a field", with_spec(runtime__maxNumSeq=8),
+     "Additional properties are not allowed ('maxNumSeq' was unexpected)"),
+    ("unknown service type", with_spec(service__type="ExternalName"),
+     "service.type: 'ExternalName' is not one of"),
+    ("block size not a power of two", with_spec(runtime__blockSize=12),
+     "runtime.blockSize: 12 is not one of [8, 16, 32, 64]"),
+    ("missing served name", with_spec(model__name=_DELETE), "'name' is a required property"),
+]
+
+
+@pytest.mark.parametrize("obj,message", [(o, m) for _, o, m in INVALID],
+                         ids=[name for name, _, _ in INVALID])
+def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], message: str
+                                                          ) -> None:
+    _, errors = validate(obj)
+    assert errors, "accepted an invalid spec"
+    assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize("changes", [
+    {"model__path": _DELETE, "model__source": "hf://Qwen/Qwen2.5-0.5B-Instruct",
+     "model__revision": "main", "model__credentialsSecret": "hf"},
+    {"model__path": _DELETE, "model__source": "hf://org/repo/model.Q4_K_M.gguf",
+     "model__format": "gguf"},
+    {"model__path": _DELETE, "model__source": "s3://my-bucket/models/llama/"},
+    {"model__path": _DELETE, "model__source": "pvc://weights"},
+    {"runtime__quantization": "int4", "runtime__dtype": "auto"},
+    {"runtime__speculative": {"method": "draft", "draftModel": "/models/draft"}},
+    {"rollout": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+    {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1}},
+    {"resources__memory": "512Mi", "resources__cpu": 2},
+])
+def test_valid_edge_cases_are_accepted(changes: dict[str, Any]) -> None:
+    _, errors = validate(with_spec(**changes))
+    assert errors == []
