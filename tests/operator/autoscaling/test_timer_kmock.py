@@ -1,9 +1,11 @@
-"""The real kopf timer against kmock's emulated Kubernetes API, scraping live test servers.
+"""The real kopf operator (argosy_operator.handlers, which registers the autoscaling timer)
+against the emulated Kubernetes API (kmock-based, tests/operator/kube_emulator.py), scraping
+live loopback HTTP servers that serve Prometheus text.
 
-The emulated API holds an LLMDeployment, its Deployment and pods; each pod's status.podIP is
-127.0.0.1 and its `prometheus.io/port` annotation is the port of a live aiohttp server that
-serves Prometheus text (made with prometheus_client). A small fake ReplicaSet controller in the
-test keeps the pods in step with the Deployment's spec.replicas, as the cluster would.
+Each runtime pod gets status.podIP 127.0.0.1 and a `prometheus.io/port` annotation naming its
+own test server, so the scraper's production path (podIP + annotation) is what runs. A small
+fake ReplicaSet controller in the test keeps the pods in step with the Deployment's
+spec.replicas, as the cluster's controllers would.
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import kmock
-import kopf
 import pytest
 from aiohttp import web
-from argosy_operator.autoscaling import timer as autoscaling_timer
-from kopf.testing import KopfRunner
+from conftest import NS, Api, eventually
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-NS = "default"
-LLMD = kmock.resource("argosy.dev/v1alpha1/llmdeployments")
-DEPLOYMENTS = kmock.resource("apps/v1/deployments")
-PODS = kmock.resource("v1/pods")
-EVENTS = kmock.resource("v1/events")
+LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
+DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
+POD_PATH = f"/api/v1/namespaces/{NS}/pods"
+EVENT_PATH = f"/api/v1/namespaces/{NS}/events"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(150)
+
+# The contract's semantics on a test-sized clock (the timer ticks every second by default).
+FAST = {
+    "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
+    "scrapeIntervalSeconds": 1, "stableWindowSeconds": 3, "panicWindowSeconds": 2,
+    "scaleDownStabilizationSeconds": 4,
+}
 
 
 class MetricsServer:
@@ -43,19 +48,17 @@ class MetricsServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.hits += 1
         registry = CollectorRegistry()
-        Gauge("argosy:kv_cache_usage_perc", "KV cache usage", ["model_name"],
-              registry=registry).labels("m").set(self.values["kv"])
-        Gauge("argosy:num_requests_waiting", "waiting", ["model_name"],
-              registry=registry).labels("m").set(self.values["waiting"])
-        Gauge("argosy:num_requests_running", "running", ["model_name"],
-              registry=registry).labels("m").set(self.values["running"])
-        return web.Response(body=generate_latest(registry),
-                            content_type="text/plain", charset="utf-8")
+        for name, key in (("argosy:kv_cache_usage_perc", "kv"),
+                          ("argosy:num_requests_waiting", "waiting"),
+                          ("argosy:num_requests_running", "running")):
+            Gauge(name, name, ["model_name"], registry=registry).labels("m").set(self.values[key])
+        return web.Response(body=generate_latest(registry), content_type="text/plain",
+                            charset="utf-8")
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -66,204 +69,162 @@ class MetricsServer:
             await self._runner.cleanup()
 
 
-def llmd(name: str, uid: str, autoscaling: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
-        "metadata": {"name": name, "namespace": NS, "uid": uid, "resourceVersion": "1"},
-        "spec": {"model": {"name": "smollm2-135m"}, "replicas": 2, "autoscaling": autoscaling},
-        # The reconciler's condition must survive the autoscaler's status writes.
-        "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "Available",
-                                   "message": "2/2 ready",
-                                   "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
-    }
+def llmd(name: str, autoscaling: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"model": {"name": "smollm2", "path": "smollm2-135m"}, "replicas": 2,
+                     "autoscaling": autoscaling}}
 
 
-def deployment(name: str, uid: str, replicas: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": name, "namespace": NS, "uid": f"dep-{uid}",
-                     "ownerReferences": [{"apiVersion": "argosy.dev/v1alpha1",
-                                          "kind": "LLMDeployment", "name": name, "uid": uid,
-                                          "controller": True}]},
-        "spec": {"replicas": replicas,
-                 "selector": {"matchLabels": {"argosy.dev/llmdeployment": name}}},
-    }
-
-
-def pod(owner: str, index: int, port: int, ready: bool = True) -> dict[str, Any]:
-    return {
+async def make_pod(api: Api, owner: str, index: int, port: int) -> None:
+    """Create a ready runtime pod (as the ReplicaSet + kubelet would)."""
+    name = f"{owner}-{index}"
+    await api.call("POST", POD_PATH, {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"{owner}-{index}", "namespace": NS,
+        "metadata": {"name": name, "namespace": NS,
                      "labels": {"argosy.dev/llmdeployment": owner},
                      "annotations": {"prometheus.io/port": str(port)}},
-        "status": {"podIP": "127.0.0.1", "phase": "Running",
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }
+        "spec": {"containers": [{"name": "runtime", "image": "x"}]}}, "application/json")
+    await api.call("PATCH", f"{POD_PATH}/{name}/status", {"status": {
+        "phase": "Running", "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True"}]}})
 
 
 @contextlib.asynccontextmanager
-async def replica_set_controller(emulator: Any, owner: str,
+async def replica_set_controller(api: Api, owner: str,
                                  servers: list[MetricsServer]) -> AsyncIterator[None]:
-    """Keep pods `owner-0..N-1` in step with the Deployment's spec.replicas (N <= len(servers))."""
+    """Keep pods `owner-0..N-1` in step with the Deployment's spec.replicas."""
     async def loop() -> None:
+        existing: set[int] = set()
         while True:
-            want = int(emulator.objects[DEPLOYMENTS, NS, owner]["spec"]["replicas"])
+            dep = await api.get_or_none(f"{DEP_PATH}/{owner}")
+            want = int(dep["spec"].get("replicas", 1)) if dep else 0
             for i, server in enumerate(servers):
-                key = (PODS, NS, f"{owner}-{i}")
-                exists = key in emulator.objects and not emulator.objects[key].deleted
-                if i < want and not exists:
-                    emulator.objects[key] = pod(owner, i, server.port)
-                elif i >= want and exists:
-                    emulator.objects[key].delete()
+                if i < want and i not in existing:
+                    await make_pod(api, owner, i, server.port)
+                    existing.add(i)
+                elif i >= want and i in existing:
+                    await api.call("DELETE", f"{POD_PATH}/{owner}-{i}")
+                    existing.discard(i)
             await asyncio.sleep(0.1)
 
     task = asyncio.create_task(loop())
     try:
         yield
     finally:
+        if task.done():
+            task.result()  # the fake controller itself failed: surface its error
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
 
-async def wait_for(predicate: Any, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+async def replicas(api: Api, name: str) -> int | None:
+    dep = await api.get_or_none(f"{DEP_PATH}/{name}")
+    return None if dep is None else int(dep["spec"].get("replicas", 1))
 
 
-def replicas_of(emulator: Any, name: str) -> int:
-    return int(emulator.objects[DEPLOYMENTS, NS, name]["spec"]["replicas"])
+async def status(api: Api, name: str) -> dict[str, Any]:
+    obj = await api.get_or_none(f"{LLMD_PATH}/{name}")
+    return (obj or {}).get("status", {})
 
 
-def status_of(emulator: Any, name: str) -> dict[str, Any]:
-    return dict(emulator.objects[LLMD, NS, name].get("status") or {})
+def events(kube: Any, name: str, reason: str) -> list[dict[str, Any]]:
+    return [r.data for r in list(kube)
+            if r.method == "POST" and EVENT_PATH in str(r.url) and isinstance(r.data, dict)
+            and (r.data.get("involvedObject") or {}).get("name") == name
+            and r.data.get("reason") == reason]
 
 
-def events_for(emulator: Any, name: str) -> list[dict[str, Any]]:
-    """Events POSTed for `name`, from the emulator's request log: kopf names events by
-    generateName, which kmock 0.8 does not expand, so only the first would be stored."""
-    out = []
-    for request in list(emulator[EVENTS]):
-        if request.method == kmock.method.POST and isinstance(request.data, dict):
-            if (request.data.get("involvedObject") or {}).get("name") == name:
-                out.append(request.data)
-    return out
+def conditions(st: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in st.get("conditions") or []}
 
 
-FAST = {  # the contract's semantics, on a test-sized clock
-    "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
-    "scrapeIntervalSeconds": 0.5, "stableWindowSeconds": 3, "panicWindowSeconds": 1,
-    "scaleDownStabilizationSeconds": 3,
-}
-
-
-@pytest.fixture(autouse=True)
-def fast_tick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoscaling_timer, "TICK_SECONDS", 0.25)
-
-
-async def test_timer_scales_deployment_from_live_metrics(kmock: Any) -> None:
+async def test_timer_scales_deployment_from_live_metrics(kube: Any, api: Api,
+                                                         run_operator: Any) -> None:
     servers = [MetricsServer() for _ in range(4)]
-    idle_servers = [MetricsServer() for _ in range(2)]
-    for s in servers + idle_servers:
+    manual_servers = [MetricsServer() for _ in range(2)]
+    for s in servers + manual_servers:
         await s.start()
-    # kopf's observers (and its event poster) wait for the CRD, Namespace and Event resources
-    # to be discoverable. kopf would
-    # then list namespaces, which kmock 0.8 cannot parse (GET /api/v1/namespaces -> 500), so
-    # scanning is disabled below and kopf serves the --namespace given, as in a RBAC-restricted
-    # deployment.
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
-    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(
-        kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
-    kmock.resources["v1/events"] = kmock.ResourceInfo(
-        kind="Event", namespaced=True, verbs={"create", "list", "get"})
-    kmock.resources["argosy.dev/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
-        kind="LLMDeployment", namespaced=True, verbs={"list", "watch", "get", "patch"},
-        subresources={"status", "scale"})
-    kmock.objects[LLMD, NS, "llm"] = llmd("llm", "uid-llm", FAST)
-    kmock.objects[DEPLOYMENTS, NS, "llm"] = deployment("llm", "uid-llm", 2)
-    # A second deployment with autoscaling disabled and the same overload: must stay untouched.
-    kmock.objects[LLMD, NS, "manual"] = llmd("manual", "uid-manual", {**FAST, "enabled": False})
-    kmock.objects[DEPLOYMENTS, NS, "manual"] = deployment("manual", "uid-manual", 2)
-    for i, s in enumerate(idle_servers):
-        s.values = {"kv": 0.9, "waiting": 50.0, "running": 8.0}
-        kmock.objects[PODS, NS, f"manual-{i}"] = pod("manual", i, s.port)
-
-    registry = kopf.OperatorRegistry()
-    autoscaling_timer.register(registry)
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))
-
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
-    runner = KopfRunner(["run", "--standalone", f"--namespace={NS}", "--verbose"],
-                        registry=registry, settings=settings, timeout=30)
+    # Autoscaling disabled, same overload: the timer must never touch it.
+    await api.call("POST", LLMD_PATH, llmd("manual", {**FAST, "enabled": False}),
+                   "application/json")
+    for i, s in enumerate(manual_servers):
+        s.values = {"kv": 0.95, "waiting": 50.0, "running": 8.0}
+        await make_pod(api, "manual", i, s.port)
+    await api.call("POST", LLMD_PATH, llmd("llm", FAST), "application/json")
+    for s in servers:  # load exactly at target: 4 waiting per replica, KV under target
+        s.values = {"kv": 0.3, "waiting": 4.0, "running": 4.0}
     try:
-        async with replica_set_controller(kmock, "llm", servers):
-            await asyncio.to_thread(runner.__enter__)
-            # 1) Steady load at target: status is written, replicas stay.
-            for s in servers:
-                s.values = {"kv": 0.3, "waiting": 4.0, "running": 4.0}
-            await wait_for(lambda: "desiredReplicas" in status_of(kmock, "llm"), 20,
-                           "the first status write")
-            st = status_of(kmock, "llm")
-            assert st["desiredReplicas"] == 2 and replicas_of(kmock, "llm") == 2
-            assert st["queueDepth"] == pytest.approx(4.0)
-            assert st["kvCacheUtilization"] == pytest.approx(0.3)
-            assert st["kvCachePercent"] == 30
-            conds = {c["type"]: c for c in st["conditions"]}
-            assert conds["Ready"]["reason"] == "Available"  # the reconciler's, untouched
-            assert conds["Ready"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
-            assert conds["ScalingActive"]["status"] == "True"
-            assert conds["ScalingLimited"]["status"] == "False"
+        async with replica_set_controller(api, "llm", servers):
+            with run_operator():
+                # 1) Steady load at target on minReplicas: status written, replicas stay.
+                async def first_status() -> Any:
+                    st = await status(api, "llm")
+                    return st if "desiredReplicas" in st else None
 
-            # 2) A spike: 4x the target queue on every replica -> panic, x2 at once, then max.
-            for s in servers:
-                s.values = {"kv": 0.6, "waiting": 16.0, "running": 8.0}
-            await wait_for(lambda: replicas_of(kmock, "llm") == 4, 20, "scale-up to 4")
-            await wait_for(lambda: status_of(kmock, "llm").get("desiredReplicas") == 4, 10,
-                           "status.desiredReplicas == 4")
-            st = status_of(kmock, "llm")
-            assert st["autoscaling"]["reason"] in {"PanicScaleUp", "AtMaxReplicas", "PanicHold"}
-            assert st["lastScaleTime"].endswith("Z")
-            await wait_for(lambda: any(e.get("reason") == "ScaledUp"
-                                       for e in events_for(kmock, "llm")), 10, "a ScaledUp event")
-            ups = [e for e in events_for(kmock, "llm") if e.get("reason") == "ScaledUp"]
-            assert "2 -> 4" in ups[0]["message"] and ups[0]["type"] == "Normal"
-            # New pods came up and are scraped too (the fake controller made llm-2, llm-3).
-            await wait_for(lambda: servers[3].hits > 0, 10, "the new replica to be scraped")
-            await wait_for(lambda: status_of(kmock, "llm").get("autoscaling", {})
-                           .get("reason") == "AtMaxReplicas", 10, "AtMaxReplicas")
-            conds = {c["type"]: c for c in status_of(kmock, "llm")["conditions"]}
-            assert conds["ScalingLimited"]["status"] == "True"
-            assert conds["ScalingLimited"]["reason"] == "TooManyReplicas"
+                st = await eventually(first_status, 20, "the autoscaler's first status")
+                assert st["desiredReplicas"] == 1 and await replicas(api, "llm") == 1
+                assert st["queueDepth"] == pytest.approx(4.0)
+                assert st["kvCacheUtilization"] == pytest.approx(0.3)
+                assert st["kvCachePercent"] == 30
+                assert st["autoscaling"]["reason"] == "WithinTolerance"
+                conds = conditions(st)
+                assert conds["ScalingActive"]["status"] == "True"
+                assert conds["ScalingLimited"]["status"] == "False"
+                assert {"Ready", "Progressing", "Degraded"} <= set(conds)  # the reconciler's
 
-            # 3) Load drops: down only after panic and the scale-down stabilization window.
-            for s in servers:
-                s.values = {"kv": 0.05, "waiting": 0.0, "running": 0.0}
-            t_drop = time.monotonic()
-            await wait_for(lambda: replicas_of(kmock, "llm") < 4, 30, "a scale-down")
-            assert time.monotonic() - t_drop >= FAST["scaleDownStabilizationSeconds"]
-            await wait_for(lambda: replicas_of(kmock, "llm") == 1, 30, "scale-down to minReplicas")
-            await wait_for(lambda: len([e for e in events_for(kmock, "llm")
-                                        if e.get("reason") == "ScaledDown"]) >= 2, 10,
-                           "ScaledDown events (4 -> 2 -> 1 at most halving)")
-            await wait_for(lambda: status_of(kmock, "llm").get("desiredReplicas") == 1, 10,
-                           "status.desiredReplicas == 1")
+                # 2) A spike, 4x the target queue: panic, x2 per decision, up to maxReplicas.
+                for s in servers:
+                    s.values = {"kv": 0.6, "waiting": 16.0, "running": 8.0}
+                t_spike = time.monotonic()
 
-            # Autoscaling disabled: never scraped, never patched, no status from the autoscaler.
-            assert all(s.hits == 0 for s in idle_servers)
-            assert replicas_of(kmock, "manual") == 2
-            assert "desiredReplicas" not in status_of(kmock, "manual")
-            assert events_for(kmock, "manual") == []
+                async def at(n: int) -> bool:
+                    return await replicas(api, "llm") == n
+
+                await eventually(lambda: at(2), 10, "panic scale-up 1 -> 2")
+                await eventually(lambda: at(4), 10, "scale-up 2 -> 4")
+                assert time.monotonic() - t_spike < 8  # panic: no stable-window wait
+                await eventually(lambda: asyncio.sleep(0, result=servers[3].hits > 0), 10,
+                                 "the new replica to be scraped")
+
+                async def limited() -> Any:
+                    st = await status(api, "llm")
+                    cond = conditions(st).get("ScalingLimited", {})
+                    return st if cond.get("status") == "True" else None
+
+                st = await eventually(limited, 10, "ScalingLimited at maxReplicas")
+                assert conditions(st)["ScalingLimited"]["reason"] == "TooManyReplicas"
+                assert st["desiredReplicas"] == 4 and st["lastScaleTime"].endswith("Z")
+                ups = events(kube, "llm", "ScaledUp")
+                assert [u["message"].split(":")[0] for u in ups[:2]] == [
+                    "1 -> 2 replicas", "2 -> 4 replicas"]
+                assert all(u["type"] == "Normal" for u in ups)
+
+                # 3) Load drops: down only after the scale-down stabilization window.
+                for s in servers:
+                    s.values = {"kv": 0.02, "waiting": 0.0, "running": 0.0}
+                t_drop = time.monotonic()
+                await eventually(lambda: at(2), 30, "scale-down 4 -> 2 (at most halving)")
+                assert time.monotonic() - t_drop >= FAST["scaleDownStabilizationSeconds"]
+                await eventually(lambda: at(1), 30, "scale-down to minReplicas")
+
+                async def settled_status() -> Any:
+                    st = await status(api, "llm")
+                    return st if st.get("desiredReplicas") == 1 else None
+
+                st = await eventually(settled_status, 10, "status.desiredReplicas == 1")
+                assert st["kvCachePercent"] <= 2
+                downs = events(kube, "llm", "ScaledDown")
+                assert [d["message"].split(":")[0] for d in downs] == [
+                    "4 -> 2 replicas", "2 -> 1 replicas"]
     finally:
-        await asyncio.to_thread(runner.__exit__, None, None, None)
-        for s in servers + idle_servers:
+        for s in servers + manual_servers:
             await s.stop()
+
+    # Autoscaling disabled: never scraped, replicas from spec, no autoscaler status or events.
+    assert all(s.hits == 0 for s in manual_servers)
+    assert await replicas(api, "manual") == 2
+    st = await status(api, "manual")
+    assert "desiredReplicas" not in st and "ScalingActive" not in conditions(st)
+    assert events(kube, "manual", "ScaledUp") == events(kube, "manual", "ScaledDown") == []
