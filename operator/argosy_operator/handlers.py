@@ -152,3 +152,4 @@ async def deployment_changed(meta: kopf.Meta, namespace: str | None, **_: Any) -
 async def pod_changed(meta: kopf.Meta, namespace: str | None, **_: Any) -> None:
     """Pod-level trouble (image pulls, scheduling, crashes) flows into the owner's status."""
     await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD))
+from argosy_operator.autoscaling import timer as _autoscaling_timer  # noqa: E402,F401  (registers the autoscaling timer)
