@@ -29,7 +29,7 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
 # Pre-tokenizer split regexes by llama.cpp `tokenizer.ggml.pre` name. Names not listed use
-# GPT-2's regex (ByteLevel's built-in one), as transformers does for GGUF files.
+# GPT-2's regex (ByteLevel's built-in one).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -47,6 +47,13 @@ _GGUF_PRE_TOKENIZER_SPLITS: dict[str, str] = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+# llama.cpp splits every digit apart ("\p{N}") before GPT-2's regex for these vocabularies, as
+# their original tokenizer.json does (Digits(individual_digits=True) + ByteLevel). transformers'
+# GGUF loader misses this, so it differs from the original on whitespace before a digit
+# ("  1" is "ĠĠ","1" here and in llama.cpp, but "Ġ","Ġ1"-style splits in transformers).
+_GGUF_DIGIT_SPLIT_PRES = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+)
 
 
 class Tokenizer:
@@ -265,7 +272,14 @@ def _byte_level_bpe(
         models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
     )
     split = _GGUF_PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
+    if pre in _GGUF_DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
