@@ -1,0 +1,230 @@
+"""`Int4Linear`: weight-only int4 linear layer, group-wise scales and (float) zero points.
+
+w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n] with g = k // group_size, q in [0, 15].
+
+Storage follows the device:
+- CPU: `qweight` is PyTorch's packed layout for `_weight_int4pack_mm_for_cpu` (made by
+  `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]) and `scales_and_zeros` is
+  [ng, N, 2] in the activation dtype, as that kernel wants;
+- CUDA: `qweight` is argosy_kernels' int32 [N, Kp/8] layout (`pack_int4`) for the Triton
+  `w4a16_matmul`, with float32 `kernel_scales`/`kernel_zeros` [N, ng] in its convention
+  w = (q - zero) * scale (zero = 8 - z / s). Moving the module between devices (`.to()`)
+  repacks.
+Per call on the CPU: the packed kernel for up to `packed_max_tokens` token rows (decode),
+dequantize-then-GEMM above (prefill), where the one-off unpack is amortized over many rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from argosy_runtime.quantization.rtn import Int4Weight, quantize_int4
+
+# Measured crossover on this project's CPUs (docs/benchmarks/quantization.md): unpacking int4
+# costs several passes over the weight, so the packed kernel wins up to ~64 token rows.
+INT4_PACKED_MAX_TOKENS = 64
+_CPU_INNER_K_TILES = 2  # only used by the CUDA variant of the op; any valid value works on CPU
+
+
+class Int4Linear(nn.Module):
+    """Group-wise int4 weight-only linear. Build with `from_weight` or `from_linear`."""
+
+    packed_max_tokens: int = INT4_PACKED_MAX_TOKENS
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, input_perm: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.num_groups = -(-in_features // group_size)
+        self.padded_in_features = self.num_groups * group_size  # Kp
+        # The CPU packing wants N % 16 == 0: extra output rows (all zero weights) are cut off.
+        self.padded_out_features = -(-out_features // 16) * 16  # Np
+        self.layout = "cpu"
+        self.register_buffer("qweight", torch.zeros(self.padded_out_features,
+                                                    self.padded_in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros",
+                             torch.zeros(self.num_groups, self.padded_out_features, 2, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        self.register_buffer("input_perm", torch.arange(in_features) if input_perm else None)
+        # CUDA layout only (see module docstring); derived, so not saved in state dicts.
+        self.register_buffer("kernel_scales", None, persistent=False)
+        self.register_buffer("kernel_zeros", None, persistent=False)
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """Build (on the CPU) from a canonical int4 weight; `.to("cuda")` repacks for CUDA."""
+        n, kp = weight.q.shape
+        layer = cls(weight.in_features, n, weight.group_size, bias=bias is not None, dtype=dtype,
+                    input_perm=weight.input_perm is not None)
+        if kp != layer.padded_in_features:
+            raise ValueError(f"int4 weight has {kp} padded inputs, expected {layer.padded_in_features}")
+        pad_n = layer.padded_out_features - n
+        q, scales, zeros = weight.q.cpu(), weight.scales, weight.zeros
+        if pad_n:
+            q = F.pad(q, (0, 0, 0, pad_n))
+            scales, zeros = F.pad(scales, (0, 0, 0, pad_n)), F.pad(zeros, (0, 0, 0, pad_n))
+        layer.qweight.copy_(pack_cpu(q))
+        layer.scales_and_zeros.copy_(torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype))
+        if bias is not None:
+            layer.bias.copy_(bias)
+        if weight.input_perm is not None:
+            layer.input_perm.copy_(weight.input_perm)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, clip_search: bool = True
+                    ) -> Int4Linear:
+        """Quantize an nn.Linear (round to nearest, optional clip search)."""
+        w = linear.weight.detach()
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_weight(quantize_int4(w.cpu(), group_size, clip_search), bias, w.dtype)
+
+    # ---- reference -------------------------------------------------------------------------
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit values, uint8 [Np, Kp], whatever the storage layout."""
+        if self.layout == "cpu":
+            return unpack_cpu(self.qweight, self.padded_out_features, self.padded_in_features,
+                              self.group_size)
+        from argosy_kernels.w4a16_matmul import unpack_int4
+
+        return unpack_int4(self.qweight)
+
+    def dequantize(self, padded: bool = False) -> torch.Tensor:
+        """The weight [N, K] (in the input order the layer multiplies, i.e. after input_perm)
+        in the scales' dtype; [Np, Kp] with `padded`."""
+        q = self.unpacked()
+        sz = self.scales_and_zeros
+        n, g = self.padded_out_features, self.group_size
+        scale = sz[..., 0].t()[..., None]  # [N, ng, 1]
+        base = (sz[..., 1] - 8 * sz[..., 0]).t()[..., None]
+        w = q.to(sz.dtype).view(n, self.num_groups, g).mul_(scale).add_(base).view(n, -1)
+        return w if padded else w[: self.out_features, : self.in_features]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm)
+        if self.padded_in_features != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # zeros meet the pad
+        if x.device.type == "cuda":
+            out = self._forward_cuda(x2)
+        elif x2.shape[0] <= self.packed_max_tokens or not fast_unpack_supported(self.padded_out_features):
+            sz = self.scales_and_zeros
+            if sz.dtype != x.dtype:
+                sz = sz.to(x.dtype)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.contiguous(), self.qweight, self.group_size, sz)
+        else:
+            out = F.linear(x2, self.dequantize(padded=True).to(x.dtype))
+        if self.padded_out_features != self.out_features:
+            out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.layout != "cuda":
+            self.repack("cuda")
+        kernel = _cuda_kernel()
+        if kernel is None:
+            return F.linear(x2, self.dequantize(padded=True).to(x2.dtype))
+        return kernel(x2, self.qweight, self.kernel_scales, self.kernel_zeros, self.group_size)
+
+    def repack(self, layout: str) -> None:
+        """Switch the storage to "cpu" (PyTorch CPU kernel) or "cuda" (Triton kernel) layout,
+        on the device the buffers are on now."""
+        if layout == self.layout:
+            return
+        if layout not in ("cpu", "cuda"):
+            raise ValueError(f"layout must be 'cpu' or 'cuda', got {layout!r}")
+        device = self.qweight.device
+        q = self.unpacked().cpu()
+        if layout == "cpu":
+            self.qweight = pack_cpu(q).to(device)
+            self.kernel_scales = self.kernel_zeros = None
+        else:
+            from argosy_kernels.w4a16_matmul import pack_int4
+
+            self.qweight = pack_int4(q).to(device)
+            sz = self.scales_and_zeros.float()
+            scale = sz[..., 0].t().contiguous()  # [Np, ng]
+            zero = sz[..., 1].t()
+            safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+            self.kernel_scales = scale
+            self.kernel_zeros = torch.where(scale == 0, torch.zeros_like(zero),
+                                            8 - zero / safe).contiguous()
+        self.layout = layout
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
+        # The CPU kernel's packed layout means nothing to CUDA kernels: repack on device moves.
+        target = fn(torch.zeros(1)).device
+        self.repack("cpu" if target.type == "cpu" else "cuda")
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, "
+                f"act_order={self.input_perm is not None}, layout={self.layout}")
+
+
+# ---- packing ---------------------------------------------------------------------------------
+def pack_cpu(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, Kp] values 0..15 -> PyTorch's CPU int4 layout uint8 [N, Kp/2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _CPU_INNER_K_TILES)
+
+
+_FAST_LAYOUT: list[bool] = []
+
+
+def fast_unpack_supported(n: int) -> bool:
+    """Whether `unpack_cpu` can read this build's CPU layout with plain tensor ops.
+
+    With AVX-512 the layout is blocks of 64 output rows, byte [nb, k, i] holding rows
+    nb*64 + i (low nibble) and nb*64 + 32 + i (high nibble) of input k: checked once by
+    packing a probe, since the layout is private to PyTorch and differs per ISA.
+    """
+    if not _FAST_LAYOUT:
+        probe = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        _FAST_LAYOUT.append(bool(torch.equal(_unpack_cpu_blocked(pack_cpu(probe), 128, 64), probe)))
+    return _FAST_LAYOUT[0] and n % 64 == 0
+
+
+def _unpack_cpu_blocked(packed: torch.Tensor, n: int, kp: int) -> torch.Tensor:
+    v = packed.view(n // 64, kp, 32)
+    return torch.cat([v & 15, v >> 4], dim=2).transpose(1, 2).reshape(n, kp)
+
+
+def unpack_cpu(packed: torch.Tensor, n: int, kp: int, group_size: int) -> torch.Tensor:
+    """PyTorch's CPU int4 layout -> uint8 [N, Kp] values 0..15."""
+    if fast_unpack_supported(n):
+        return _unpack_cpu_blocked(packed, n, kp)
+    # Any layout: multiply the identity with scale 1 and zero 8, which returns q itself.
+    ng = kp // group_size
+    sz = torch.stack([torch.ones(ng, n), torch.full((ng, n), 8.0)], dim=-1)
+    eye = torch.eye(kp, dtype=torch.float32)
+    qt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group_size, sz)  # [Kp, N]
+    return qt.round().t().to(torch.uint8).contiguous()
+
+
+_KERNEL: list = []
+
+
+def _cuda_kernel():  # -> Callable | None
+    """argosy_kernels' Triton w4a16_matmul, or None when unavailable."""
+    if not _KERNEL:
+        try:
+            from argosy_kernels.w4a16_matmul import w4a16_matmul
+        except ImportError:
+            w4a16_matmul = None
+        _KERNEL.append(w4a16_matmul)
+    return _KERNEL[0]

@@ -1,0 +1,103 @@
+"""`Int8Linear`: weight-only int8 linear layer (symmetric, one scale per output channel).
+
+Per call the layer picks its kernel by the number of tokens M:
+- CPU, M <= `packed_max_tokens`: `torch.ops.aten._weight_int8pack_mm` reads the int8 weight
+  directly (half the bytes of bf16: decode is memory-bound, so this is the fast path);
+- CPU, larger M: dequantize-then-GEMM. Per-channel scales factor out of the dot product, so
+  the "dequantization" is only an int8 -> dtype copy and the scale multiplies the output;
+- CUDA: the Triton `w8a16_matmul` from argosy_kernels (imported lazily), or the same
+  dequantize-then-GEMM when that kernel is unavailable.
+The crossover (see docs/benchmarks/quantization.md) was measured on this project's CPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from argosy_runtime.quantization.rtn import Int8Weight, quantize_int8
+
+# Measured crossover: the packed kernel costs ~linear time per token row, the dequantize path
+# a fixed int8->bf16 copy plus a GEMM that grows slowly; they meet around 16 rows here.
+INT8_PACKED_MAX_TOKENS = 16
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale[:, None]).T + bias, with q int8 [N, K] and scale [N]."""
+
+    packed_max_tokens: int = INT8_PACKED_MAX_TOKENS
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
+                 ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8,
+                                                    device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
+                             if bias else None)
+
+    @classmethod
+    def from_weight(cls, weight: Int8Weight, bias: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str | None = None) -> Int8Linear:
+        """Build from a canonical int8 weight (q [N, K], float scale [N])."""
+        n, k = weight.q.shape
+        layer = cls(k, n, bias=bias is not None, dtype=dtype, device=device)
+        layer.qweight.copy_(weight.q)
+        layer.scales.copy_(weight.scale)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        """Quantize an nn.Linear (round to nearest, per output channel)."""
+        w = linear.weight.detach()
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_weight(quantize_int8(w), bias, dtype=w.dtype, device=w.device)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in the scales' dtype (the reference the kernels must match)."""
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
+        if x.device.type == "cuda":
+            out = self._forward_cuda(x2, scales)
+        elif x2.shape[0] <= self.packed_max_tokens:
+            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
+        else:
+            out = F.linear(x2, self.qweight.to(x.dtype)) * scales
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+    def _forward_cuda(self, x2: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        kernel = _cuda_kernel()
+        if kernel is None:
+            return F.linear(x2, self.qweight.to(x2.dtype)) * scales
+        return kernel(x2, self.qweight, scales)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 per-channel")
+
+
+_KERNEL: list = []
+
+
+def _cuda_kernel():  # -> Callable | None
+    """argosy_kernels' Triton w8a16_matmul(x [M, K], qweight int8 [N, K], scales [N]) -> [M, N]."""
+    if not _KERNEL:
+        try:
+            from argosy_kernels.w8a16_matmul import w8a16_matmul
+        except ImportError:
+            w8a16_matmul = None
+        _KERNEL.append(w8a16_matmul)
+    return _KERNEL[0]
