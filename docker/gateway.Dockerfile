@@ -47,5 +47,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 1000:1000
 WORKDIR /home/argosy
 EXPOSE 8080
-# Mount the routing config (a ConfigMap) at /etc/argosy/gateway.yaml.
-CMD ["argosy", "gateway", "--config", "/etc/argosy/gateway.yaml"]
+# Mount the routing config (a ConfigMap) at /etc/argosy/gateway.yaml. --host 0.0.0.0: in a
+# container the gateway must listen beyond loopback whatever the file says (its default is
+# 127.0.0.1); --port / the file's port stay as configured (8080 by default).
+CMD ["argosy", "gateway", "--config", "/etc/argosy/gateway.yaml", "--host", "0.0.0.0"]

@@ -134,14 +134,22 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 # What the suite changes in the CPU sample: the image it just loaded into kind, requests small
 # enough for two replicas on one CI runner, and an autoscaling policy that reacts within a minute
 # to a queue (two sequences per replica, so a handful of concurrent requests queue up).
+# A 256 MiB KV cache (the CPU default is 2 GiB) keeps each pod within its 2 GiB request.
 E2E_SPEC_OVERRIDES: dict[str, Any] = {
-    "runtime": {"image": image_ref("runtime-cpu"), "maxNumSeqs": 2},
-    "resources": {"cpu": "500m", "memory": "1Gi"},
+    "runtime": {
+        "image": image_ref("runtime-cpu"),
+        "maxNumSeqs": 2,
+        "extraArgs": ["--kv-cache-memory", str(256 * 1024 * 1024)],
+    },
+    "resources": {"cpu": "500m", "memory": "2Gi"},
     "autoscaling": {
         "enabled": True,
         "minReplicas": 1,
         "maxReplicas": 2,
         "targetQueueDepth": 1,
+        "stableWindowSeconds": 20,
+        "scrapeIntervalSeconds": 2,
+        "scaleUpStabilizationSeconds": 0,
     },
 }
 

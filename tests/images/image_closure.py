@@ -90,16 +90,21 @@ sys.meta_path[:] = [_ImageOnly(finder) for finder in sys.meta_path]
 """
 
 
-def run_as_image(profile: str, code: str, *, timeout: float = 300,
-                 extra_requirements: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh interpreter that can import only what `profile`'s image holds.
+def sandboxed_source(profile: str, code: str, extra_requirements: tuple[str, ...] = ()) -> str:
+    """`code` prefixed with the import blocker for `profile`'s image.
 
     `extra_requirements`: what the Dockerfile installs besides the profile (the runtimes' torch,
     from its own index); their dependencies are allowed too.
     """
     allowed = closure(image_requirements(profile) + list(extra_requirements))
     allowed.add("argosy")
-    source = _BLOCKER.format(allowed=json.dumps(sorted(allowed))) + "\n" + code
+    return _BLOCKER.format(allowed=json.dumps(sorted(allowed))) + "\n" + code
+
+
+def run_as_image(profile: str, code: str, *, timeout: float = 300,
+                 extra_requirements: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter that can import only what `profile`'s image holds."""
+    source = sandboxed_source(profile, code, extra_requirements)
     return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, check=False)
 

@@ -184,7 +184,7 @@ EXPECTED_CMD = {
                     "--port", "8000"],
     "runtime-cuda": ["argosy", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0",
                      "--port", "8000"],
-    "gateway": ["argosy", "gateway", "--config", "/etc/argosy/gateway.yaml"],
+    "gateway": ["argosy", "gateway", "--config", "/etc/argosy/gateway.yaml", "--host", "0.0.0.0"],
     "operator": ["kopf", "run", "-m", "argosy_operator.handlers", "--all-namespaces",
                  "--liveness=http://0.0.0.0:8080/healthz"],
 }
