@@ -12,6 +12,7 @@ first time any kernel of that module is compiled.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +88,14 @@ def next_pow2(n: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a nominal 8 elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+    """Streaming multiprocessors of a CUDA device (a nominal 8 elsewhere); cached, since the
+    launchers ask on every call."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sms(index)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
