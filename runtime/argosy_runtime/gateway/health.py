@@ -60,13 +60,16 @@ class HealthChecker:
     async def probe(self, replica: Replica) -> bool:
         """One probe: scrape /metrics (best effort), then /ready decides."""
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        scraped = False
         try:
             async with self._session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
                 if resp.status == 200:
                     for field, value in parse_replica_metrics(await resp.text()).items():
                         setattr(replica, field, value)
+                    scraped = True
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             logger.debug("scrape of %s failed: %r", replica.url, exc)
+        replica.scraped = scraped
         try:
             async with self._session.get(f"{replica.url}/ready", timeout=timeout) as resp:
                 await resp.read()

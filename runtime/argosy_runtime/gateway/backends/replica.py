@@ -20,6 +20,8 @@ class Replica:
     num_running: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # Whether the last /metrics scrape succeeded (the gauges above are stale when not).
+    scraped: bool = False
     # Out of rotation when False; the health checker probes it back.
     healthy: bool = True
     consecutive_failures: int = 0

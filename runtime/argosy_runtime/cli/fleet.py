@@ -1,0 +1,98 @@
+"""`argosy fleet`: the whole stack on one machine, without Kubernetes.
+
+    argosy fleet --model smollm2-135m --replicas 2 --port 8080
+    argosy fleet --model smollm2-135m --replicas 1 --min 1 --max 3 --policy least-load
+
+Starts N `argosy serve` processes on free loopback ports and the gateway on --port in front
+of them. With --min and --max, the autoscaler's decision function (the one the operator runs
+in a cluster) starts and drains replicas on KV-cache usage and queue depth; --autoscaling
+takes a YAML/JSON mapping of further policy fields in the LLMDeployment's camelCase
+(e.g. '{scrapeIntervalSeconds: 2, targetQueueDepth: 2}'). Arguments after `--` go to every
+`argosy serve`. Ctrl-C or SIGTERM drains every replica and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "fleet",
+        help="Run N local replicas behind the gateway (optionally autoscaled).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="Model for every replica.")
+    parser.add_argument("--served-model-name", help="Name clients use (default: --model).")
+    parser.add_argument("--replicas", type=int, default=2, help="Replicas to start (default 2).")
+    parser.add_argument("--host", default="127.0.0.1", help="Gateway listen address.")
+    parser.add_argument("--port", type=int, default=8080, help="Gateway port (default 8080).")
+    parser.add_argument(
+        "--policy",
+        default="prefix-affinity",
+        choices=["round-robin", "least-load", "prefix-affinity"],
+        help="Routing policy (default prefix-affinity).",
+    )
+    parser.add_argument("--min", dest="min_replicas", type=int, help="Autoscale: fewest replicas.")
+    parser.add_argument("--max", dest="max_replicas", type=int, help="Autoscale: most replicas.")
+    parser.add_argument("--autoscaling", help="Autoscaling policy overrides (YAML mapping).")
+    parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
+    parser.add_argument("--log-level", default="info", help="Python logging level.")
+    parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    import yaml
+
+    from argosy_runtime.fleet.supervisor import Fleet, fleet_config_from
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        overrides = yaml.safe_load(args.autoscaling) if args.autoscaling else {}
+        if not isinstance(overrides, dict):
+            raise ValueError("--autoscaling: expected a mapping")
+        config = fleet_config_from(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            autoscaling=overrides,
+            serve_args=tuple(args.serve_args),
+            log_dir=args.log_dir,
+        )
+    except ValueError as exc:
+        print(f"argosy fleet: {exc}")
+        return 2
+
+    async def main() -> int:
+        fleet = Fleet(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            url = await fleet.start()
+        except RuntimeError as exc:
+            print(f"argosy fleet: {exc}")
+            return 1
+        print(f"argosy fleet: {len(fleet.processes)} x {config.name} behind {url} "
+              f"(replica logs in {fleet.log_dir})", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await fleet.stop()
+        return 0
+
+    return asyncio.run(main())

@@ -1,0 +1,131 @@
+"""One `argosy serve` process on a loopback port, started and drained by the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ReplicaProcess:
+    """A runtime server subprocess: `start`, `wait_ready`, `drain` (SIGTERM), `kill`.
+
+    Its output goes to `log_path` (a pipe nobody reads would fill and stall the server).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        served_model_name: str,
+        port: int,
+        *,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        log_dir: str | Path | None = None,
+    ) -> None:
+        self.model = model
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_dir or ".") / f"replica-{port}.log"
+        self.process: asyncio.subprocess.Process | None = None
+        self.draining = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "argosy_runtime.cli.main", "serve",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it open)
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            log.close()
+        logger.info("replica %s starting (pid %d, log %s)", self.url, self.process.pid, self.log_path)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def wait_ready(self, timeout: float = 300.0) -> bool:
+        """Poll /ready until 200; False when the process exits or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline and self.alive:
+                try:
+                    async with session.get(
+                        f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)
+                    ) as resp:
+                        if resp.status == 200:
+                            return True
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+                await asyncio.sleep(0.25)
+        return False
+
+    async def drain(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (the server stops taking work, finishes what runs, exits 0); SIGKILL after
+        `timeout`. Returns the exit code."""
+        if self.process is None:
+            return None
+        self.draining = True
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            logger.warning("replica %s did not drain in %.0f s; killing it", self.url, timeout)
+            return await self.kill()
+
+    async def kill(self) -> int | None:
+        """SIGKILL, no draining."""
+        if self.process is None:
+            return None
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        return await self.process.wait()
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""

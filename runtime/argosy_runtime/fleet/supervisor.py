@@ -1,0 +1,268 @@
+"""The local fleet: N `argosy serve` processes on loopback ports with the gateway in front.
+
+The whole serving stack on one machine, no Kubernetes: the embedded default for trying the
+system and for end-to-end tests. With `min_replicas`/`max_replicas` set, the autoscaler's pure
+decision function (argosy_operator.autoscaling.decide, the same one the operator runs in a
+cluster) is fed the replicas' scraped KV usage and queue depth every scrape interval, and the
+fleet starts replica processes or drains them (out of rotation first, then SIGTERM) to match.
+A replica process that dies unexpectedly is taken out of rotation and replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from argosy_runtime.fleet.replica_process import ReplicaProcess, free_port
+from argosy_runtime.gateway.config import (
+    POLICIES,
+    GatewayConfig,
+    HealthConfig,
+    ModelRouteConfig,
+    RoutingConfig,
+)
+from argosy_runtime.gateway.proxy.app import Gateway, start_gateway
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """What `argosy fleet` runs."""
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None  # default: the model value
+    replicas: int = 2
+    host: str = "127.0.0.1"  # the gateway's address; replicas always bind 127.0.0.1
+    port: int = 8080  # the gateway's port (0: any free port)
+    policy: str = "prefix-affinity"
+    # Autoscaling between these bounds when both are set (camelCase overrides of the policy,
+    # as in an LLMDeployment's spec.autoscaling, in `autoscaling`).
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    autoscaling: dict[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
+    log_dir: str | None = None
+    ready_timeout_s: float = 300.0
+    drain_timeout_s: float = 60.0
+    restart: bool = True
+    health_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("min_replicas: give both --min and --max to autoscale")
+        if self.min_replicas is not None and self.max_replicas is not None:
+            if not 1 <= self.min_replicas <= self.replicas <= self.max_replicas:
+                raise ValueError(
+                    f"replicas: need 1 <= min ({self.min_replicas}) <= replicas "
+                    f"({self.replicas}) <= max ({self.max_replicas})"
+                )
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None
+
+
+class Fleet:
+    """Start with `await fleet.start()`, stop with `await fleet.stop()`."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="argosy-fleet-")
+        self.processes: list[ReplicaProcess] = []
+        self.gateway: Gateway | None = None
+        self.gateway_url = ""
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self.decisions: list[Any] = []  # autoscaler decisions, newest last
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    def _new_process(self) -> ReplicaProcess:
+        return ReplicaProcess(
+            self.config.model,
+            self.config.name,
+            free_port(),
+            extra_args=self.config.serve_args,
+            log_dir=self.log_dir,
+        )
+
+    async def _launch(self) -> ReplicaProcess:
+        """Start one replica and wait until it is ready; raise with its log if it is not."""
+        proc = self._new_process()
+        self.processes.append(proc)
+        await proc.start()
+        if not await proc.wait_ready(self.config.ready_timeout_s):
+            self.processes.remove(proc)
+            await proc.kill()
+            raise RuntimeError(f"replica {proc.url} never became ready:\n{proc.log_tail()}")
+        return proc
+
+    async def add_replica(self) -> ReplicaProcess:
+        """Start a replica and put it into rotation once ready."""
+        proc = await self._launch()
+        if self.gateway is not None:
+            self.gateway.pools[self.config.name].add(proc.url)
+        logger.info("replica %s in rotation (%d running)", proc.url, len(self.live))
+        return proc
+
+    async def drain_replica(self, proc: ReplicaProcess) -> int | None:
+        """Out of rotation first (no new requests), then SIGTERM: in-flight ones finish."""
+        proc.draining = True
+        if self.gateway is not None:
+            self.gateway.pools[self.config.name].remove(proc.url)
+        code = await proc.drain(self.config.drain_timeout_s)
+        if proc in self.processes:
+            self.processes.remove(proc)
+        logger.info("replica %s drained (exit %s)", proc.url, code)
+        return code
+
+    @property
+    def live(self) -> list[ReplicaProcess]:
+        """Replicas not being drained (starting ones included)."""
+        return [p for p in self.processes if not p.draining]
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Start the replicas and the gateway; returns the gateway's URL."""
+        try:
+            await asyncio.gather(*(self._launch() for _ in range(self.config.replicas)))
+        except BaseException:
+            await self.stop()
+            raise
+        c = self.config
+        gw_config = GatewayConfig(
+            host=c.host,
+            port=c.port,
+            models=(ModelRouteConfig(name=c.name, backends=tuple(p.url for p in self.processes)),),
+            routing=RoutingConfig(policy=c.policy),
+            health=HealthConfig(interval_s=c.health_interval_s, timeout_s=2.0),
+        )
+        self.gateway = Gateway(gw_config)
+        self._runner, port = await start_gateway(self.gateway, c.host, c.port)
+        self.gateway_url = f"http://{c.host}:{port}"
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
+        if c.autoscaled:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
+        logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
+        return self.gateway_url
+
+    async def stop(self) -> None:
+        """Stop autoscaling, close the gateway, drain every replica."""
+        for task in self._tasks + list(self._background):
+            task.cancel()
+        for task in self._tasks + list(self._background):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await asyncio.gather(
+            *(p.drain(self.config.drain_timeout_s) for p in self.processes),
+            return_exceptions=True,
+        )
+        self.processes.clear()
+
+    async def _watch_processes(self) -> None:
+        """Replace replicas that exit without being drained."""
+        while True:
+            await asyncio.sleep(1.0)
+            for proc in list(self.processes):
+                if proc.process is None or proc.alive or proc.draining:
+                    continue
+                code = proc.process.returncode
+                logger.warning("replica %s exited (code %s):\n%s", proc.url, code, proc.log_tail())
+                self.processes.remove(proc)
+                if self.gateway is not None:
+                    self.gateway.pools[self.config.name].remove(proc.url)
+                if self.config.restart:
+                    self._spawn(self.add_replica())
+
+    # -- autoscaling -------------------------------------------------------------------------
+
+    async def _autoscale(self) -> None:
+        from argosy_operator.autoscaling import (
+            AutoscalingPolicy,
+            DecisionState,
+            MetricsSample,
+            MetricsWindow,
+            ReplicaSample,
+            decide,
+        )
+
+        c = self.config
+        spec = {**c.autoscaling, "enabled": True, "minReplicas": c.min_replicas,
+                "maxReplicas": c.max_replicas}  # fmt: skip
+        policy = AutoscalingPolicy.from_spec(spec)
+        window = MetricsWindow(policy.history_seconds + policy.scrape_interval_seconds)
+        state = DecisionState()
+        while True:
+            await asyncio.sleep(policy.scrape_interval_seconds)
+            assert self.gateway is not None
+            pool = self.gateway.pools[c.name]
+            samples = []
+            for proc in self.live:
+                replica = pool.get(proc.url)
+                if replica is None or not replica.is_available() or not replica.scraped:
+                    samples.append(ReplicaSample(ready=False))  # starting or unhealthy
+                    continue
+                samples.append(
+                    ReplicaSample(
+                        ready=True,
+                        kv_cache_usage=replica.kv_cache_usage,
+                        num_waiting=replica.num_waiting,
+                        num_running=replica.num_running,
+                    )
+                )
+            now = time.monotonic()
+            window.add(MetricsSample(t=now, replicas=tuple(samples)))
+            current = len(self.live)
+            decision = decide(policy, current, window.samples(), state, now)
+            state = decision.state
+            self.decisions.append(decision)
+            del self.decisions[:-100]
+            if not decision.changed:
+                continue
+            logger.info(
+                "autoscaler: %d -> %d (%s: %s)",
+                current, decision.desired_replicas, decision.reason, decision.message,
+            )  # fmt: skip
+            if decision.desired_replicas > current:
+                for _ in range(decision.desired_replicas - current):
+                    self._spawn(self.add_replica())
+            else:
+                # Drain the least busy ready replicas; never one still starting.
+                ready = [p for p in self.live if pool.get(p.url) is not None]
+                ready.sort(key=lambda p: pool.get(p.url).in_flight)  # type: ignore[union-attr]
+                for proc in ready[: current - decision.desired_replicas]:
+                    self._spawn(self.drain_replica(proc))
+
+
+def fleet_config_from(**kwargs: Any) -> FleetConfig:
+    """FleetConfig from keyword arguments, ignoring None values (CLI defaults)."""
+    known = {f.name for f in dataclasses.fields(FleetConfig)}
+    return FleetConfig(**{k: v for k, v in kwargs.items() if k in known and v is not None})
