@@ -79,7 +79,12 @@ def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None
         progressing = condition(COND_PROGRESSING, False, "ProgressDeadlineExceeded",
                                 dep_progressing.get("message", "rollout stalled"), gen)
     elif not synced or updated < desired or total > desired or ready < desired:
-        reason = "RollingUpdate" if (not synced or updated < desired) else "Scaling"
+        if not synced or updated < desired:
+            reason = "RollingUpdate"  # pods of an older template remain
+        elif total > desired:
+            reason = "ScalingDown"  # surplus pods are terminating
+        else:
+            reason = "WaitingForReplicas"  # scaling up, or pods not ready yet
         progressing = condition(
             COND_PROGRESSING, True, reason,
             f"{updated}/{desired} replicas updated, {ready} ready, {total} total", gen)
