@@ -1,0 +1,145 @@
+"""manifests/operator renders with kustomize, validates against Kubernetes' schemas, and its
+ClusterRole grants exactly the calls the operator makes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from argosy_operator.builders import (
+    build_deployment,
+    build_pdb,
+    build_service,
+    build_servicemonitor,
+)
+from argosy_operator.spec import normalize_spec
+from conftest import NS, Api, eventually, settle
+from crd_schema import ROOT, validate
+
+# The oldest Kubernetes the manifests target (the preStop `sleep` action is beta in 1.30).
+K8S_VERSION = "1.30.0"
+KUBECTL = shutil.which("kubectl")
+
+
+def render() -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed (needed for `kubectl kustomize`)")
+    out = subprocess.run([KUBECTL, "kustomize", str(ROOT / "manifests" / "operator")],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_kustomize_renders_the_operator_bundle() -> None:
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in render())
+    assert kinds == [("ClusterRole", "argosy-operator"), ("ClusterRoleBinding", "argosy-operator"),
+                     ("CustomResourceDefinition", "llmdeployments.argosy.dev"),
+                     ("Deployment", "argosy-operator"), ("Namespace", "argosy-system"),
+                     ("ServiceAccount", "argosy-operator")]
+
+
+def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
+    for doc in render():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_operator_deployment_runs_kopf_with_a_liveness_probe() -> None:
+    (dep,) = [d for d in render() if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/argosy-project/argosy-operator:0.1.0"
+    cmd = container["command"]
+    assert cmd[:2] == ["kopf", "run"] and cmd[-2:] == ["-m", "argosy_operator.handlers"]
+    liveness = next(a for a in cmd if a.startswith("--liveness="))
+    port = int(liveness.split(":")[-1].split("/")[0])
+    probe = container["livenessProbe"]["httpGet"]
+    assert liveness.endswith(probe["path"])
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[probe["port"]] == port
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "argosy-operator"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("sample", sorted((ROOT / "manifests" / "samples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_built_children_validate_against_kubernetes_schemas(sample: Any) -> None:
+    obj, errors = validate(yaml.safe_load(sample.read_text()))
+    assert errors == []
+    obj["metadata"].update(namespace="default", uid="0b3c8a4e-0000-4000-8000-000000000001")
+    spec = normalize_spec(obj["spec"])
+    children = [build_deployment(obj, spec, replicas=2), build_service(obj, spec),
+                build_pdb(obj, spec)]
+    for child in filter(None, children):
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+    assert build_servicemonitor(obj, spec) is not None  # a CRD: no schema in the bundle
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
+
+
+def _rbac_grants() -> set[tuple[str, str, str]]:
+    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def _verb(request: Any) -> str:
+    if request.method == "GET":
+        if request.params.get("watch") == "true":
+            return "watch"
+        return "get" if request.name else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[
+        request.method]
+
+
+async def test_cluster_role_grants_exactly_the_calls_made(kube: Any, api: Api,
+                                                          run_operator: Any) -> None:
+    """A full cycle: create (all four children), pod and Deployment events, a spec change that
+    patches the Deployment and Service and deletes the PDB and ServiceMonitor, deletion."""
+    body = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "chat", "namespace": NS},
+            "spec": {"model": {"name": "m", "path": "smollm2-135m"}, "replicas": 2}}
+    with run_operator():
+        await api.call("POST", LLMD_PATH, body, "application/json")
+        await eventually(lambda: api.get_or_none(
+            f"/apis/monitoring.coreos.com/v1/namespaces/{NS}/servicemonitors/chat"))
+        await api.call("POST", f"/api/v1/namespaces/{NS}/pods", {
+            "metadata": {"name": "chat-1", "labels": {
+                "argosy.dev/llmdeployment": "chat",
+                "app.kubernetes.io/managed-by": "argosy-operator"}}}, "application/json")
+        await api.call("PATCH", f"/api/v1/namespaces/{NS}/pods/chat-1/status", {"status": {
+            "containerStatuses": [{"name": "runtime", "state": {"waiting": {
+                "reason": "ErrImagePull"}}}]}})
+        # Someone edits the PDB by hand; the next reconcile (an interval change that patches
+        # the ServiceMonitor) puts the operator's fields back.
+        pdb_path = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/chat"
+        await api.call("PATCH", pdb_path, {"spec": {"maxUnavailable": 0}})
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+
+        async def pdb_restored() -> bool:
+            return (await api.get_or_none(pdb_path))["spec"]["maxUnavailable"] == 1
+
+        await eventually(pdb_restored, what="PDB drift corrected")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "replicas": 1, "service": {"port": 80}, "monitoring": {"serviceMonitor": False}}})
+
+        async def pdb_gone() -> bool:
+            return await api.get_or_none(pdb_path) is None
+
+        await eventually(pdb_gone, what="PDB deleted")
+        await settle(kube)
+        await api.call("DELETE", f"{LLMD_PATH}/chat")
+        await settle(kube)
+    made = set()
+    for request in list(kube):
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None:
+            continue  # discovery: allowed to every authenticated user
+        if agent.startswith(("kopf/", "argosy-operator/")):
+            resource = request.resource.plural + (
+                f"/{request.subresource}" if request.subresource else "")
+            made.add((request.resource.group, resource, _verb(request)))
+    assert made == _rbac_grants()
