@@ -72,6 +72,6 @@ def random_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=8,
         num_key_value_heads=2,
         dtype=torch.bfloat16,
-        max_shard_size="1MB",
+        max_shard_size="50KB",
         eos_token_id=[2, 0],
     )
