@@ -1,0 +1,121 @@
+"""TritonAttentionBackend and CUDAGraphRunner driven through the runtime's Llama model.
+
+On the CPU the Triton kernels run under the interpreter: the model's hidden states with the
+Triton backend must match the torch backend over prefill chunks (with a cached prefix), mixed
+steps and decodes. CUDA-graph capture itself needs a GPU; the runner's padding logic does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from argosy_runtime.attention import TorchAttentionBackend
+from argosy_runtime.attention.triton_backend import TritonAttentionBackend
+from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
+from engine_test_utils import build_step, forward, kv_caches, random_model, tiny_spec
+from kernel_test_utils import DEVICE, HAS_CUDA, generator
+
+SPEC = tiny_spec()
+
+
+def _backends():
+    s = SPEC
+    args = (s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5)
+    return TorchAttentionBackend(*args), TritonAttentionBackend(*args)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, SPEC.vocab_size, (n,), generator=generator(seed)).tolist()
+
+
+def test_triton_backend_matches_torch_backend_through_the_model():
+    model = random_model(SPEC, torch.float32, DEVICE)
+    torch_backend, triton_backend = _backends()
+    kv_t, caches_t = kv_caches(SPEC, 12, torch.float32, DEVICE)
+    kv_k, caches_k = kv_caches(SPEC, 12, torch.float32, DEVICE)
+    a, b = _tokens(40, 1), _tokens(40, 2)
+    blocks_a, blocks_b = [5, 2, 9], [7, 0, 11]
+    steps = [
+        [(a, blocks_a, 0, 20), (b, blocks_b, 0, 7)],  # two prompts (chunk of a)
+        [(a, blocks_a, 20, 1), (b, blocks_b, 7, 9)],  # a decodes; b's chunk after a prefix
+        [(a, blocks_a, 21, 1), (b, blocks_b, 16, 1)],  # both decode; b at a block boundary
+        [(a, blocks_a, 22, 1), (b, blocks_b, 17, 1)],
+    ]
+    for seqs in steps:
+        step = build_step(seqs, DEVICE)
+        want = forward(model, torch_backend, caches_t, step)
+        got = forward(model, triton_backend, caches_k, step)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv_k, kv_t)
+
+
+def test_triton_backend_int8_cache_close_to_full_precision():
+    model = random_model(SPEC, torch.float32, DEVICE)
+    torch_backend, triton_backend = _backends()
+    _, caches_t = kv_caches(SPEC, 8, torch.float32, DEVICE)
+    _, caches_q = kv_caches(SPEC, 8, torch.int8, DEVICE)
+    scales = [(torch.ones(8, 16, SPEC.num_key_value_heads, device=DEVICE),
+               torch.ones(8, 16, SPEC.num_key_value_heads, device=DEVICE))
+              for _ in range(SPEC.num_hidden_layers)]
+    a = _tokens(30, 3)
+    for seqs in ([(a, [3, 1], 0, 18)], [(a, [3, 1], 18, 1)]):
+        step = build_step(seqs, DEVICE)
+        want = forward(model, torch_backend, caches_t, step)
+        got = forward(model, triton_backend, caches_q, step, scales)
+        err = (got - want).abs().max() / want.abs().max()
+        assert err < 0.03, f"int8 KV relative error {err:.4f}"
+
+
+def _graph_runner(model, backend, caches, enable_graphs):
+    return CUDAGraphRunner(model, caches, None, backend, max_blocks_per_seq=4, device=DEVICE,
+                           max_batch_size=8, buckets=(1, 4), enable_graphs=enable_graphs)
+
+
+def _decode_scenario(model, backend, caches):
+    """Prefill three sequences eagerly, return the next (decode) step and a mixed step."""
+    seqs = [(_tokens(40, 10 + i), blocks, 0, n)
+            for i, (blocks, n) in enumerate([([1, 2], 17), ([3, 7], 16), ([4, 5, 6], 33)])]
+    forward(model, backend, caches, build_step(seqs, DEVICE))
+    decode = build_step([(t, bl, n, 1) for t, bl, _, n in seqs], DEVICE)
+    mixed = build_step([(seqs[0][0], seqs[0][1], 17, 1), (seqs[1][0], seqs[1][1], 16, 3)], DEVICE)
+    return decode, mixed
+
+
+def test_graph_runner_padding_matches_eager_on_cpu_or_gpu():
+    """3 decodes padded to the bucket of 4 (eager, no capture): same hidden states and
+    the same cache as the unpadded eager step; the pad row writes nothing."""
+    model = random_model(SPEC, torch.float32, DEVICE, seed=1)
+    _, triton_backend = _backends()
+    kv_a, caches_a = kv_caches(SPEC, 8, torch.float32, DEVICE)
+    kv_b, caches_b = kv_caches(SPEC, 8, torch.float32, DEVICE)
+    decode, mixed = _decode_scenario(model, triton_backend, caches_a)
+    _decode_scenario(model, triton_backend, caches_b)
+    runner = _graph_runner(model, triton_backend, caches_b, enable_graphs=False)
+    assert runner.bucket_for(3) == 4 and runner.bucket_for(9) is None
+    assert runner.can_run(3, decode[2]) and not runner.can_run(4, mixed[2])
+    want = forward(model, triton_backend, caches_a, decode)
+    got = runner.run(*decode)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_b, kv_a)  # slot -1 of the pad row wrote nothing
+    with pytest.raises(ValueError):
+        runner.run(*mixed)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graph capture needs a CUDA GPU")
+def test_graph_replay_matches_eager_on_gpu():
+    model = random_model(SPEC, torch.float32, DEVICE, seed=2)
+    _, triton_backend = _backends()
+    kv_a, caches_a = kv_caches(SPEC, 8, torch.float32, DEVICE)
+    kv_b, caches_b = kv_caches(SPEC, 8, torch.float32, DEVICE)
+    decode, mixed = _decode_scenario(model, triton_backend, caches_a)
+    _decode_scenario(model, triton_backend, caches_b)
+    runner = _graph_runner(model, triton_backend, caches_b, enable_graphs=True)
+    runner.capture()
+    want = forward(model, triton_backend, caches_a, decode)
+    got = runner.forward(*decode).clone()
+    assert runner.num_replays == 1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_b, kv_a)
+    runner.forward(*mixed)  # not a pure decode: eager fallback
+    assert runner.num_eager == 1 and runner.num_replays == 1
