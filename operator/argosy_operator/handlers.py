@@ -128,13 +128,20 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     _post_degraded_event(body, patch)
 
 
-async def _refresh_owner(namespace: str | None, owner: str | None) -> None:
+async def _refresh_owner(namespace: str | None, owner: str | None, *,
+                         reapply: bool = False) -> None:
+    """Recompute the owner's status; with `reapply`, reconcile its children first."""
     if not namespace or not owner:
         return
     client = get_client()
     llmd = await client.get(LLMDEPLOYMENTS, namespace, owner)
     if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
-        return
+        return  # the owner is going away: its children go with it
+    if reapply:
+        result = await reconcile(client, llmd)
+        for action in result.actions:
+            kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
+                       message=action)
     patch = await refresh_status(client, llmd)
     _post_degraded_event(llmd, patch)
 
@@ -143,9 +150,12 @@ _CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_CHILD_LABELS)
-async def deployment_changed(meta: kopf.Meta, namespace: str | None, **_: Any) -> None:
-    """Rollout progress and replica counts flow into the owner's status."""
-    await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD))
+async def deployment_changed(event: kopf.RawEvent, meta: kopf.Meta, namespace: str | None,
+                             **_: Any) -> None:
+    """Rollout progress and replica counts flow into the owner's status; a Deployment deleted
+    by hand (its owner still there) is re-created at once."""
+    await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD),
+                         reapply=event.get("type") == "DELETED")
 
 
 @kopf.on.event("", "v1", "pods", labels=_CHILD_LABELS)

@@ -284,3 +284,20 @@ async def test_no_servicemonitor_without_its_crd(kube: Any, api: Api, run_operat
     assert await api.get_or_none(f"{DEP_PATH}/chat") is not None
     assert await api.get_or_none(f"{PDB_PATH}/chat") is None  # one replica: no budget
     assert not [r for r in writes(kube) if "servicemonitors" in str(r.url)]
+
+
+async def test_deployment_deleted_by_hand_is_recreated(kube: Any, api: Api, run_operator: Any
+                                                       ) -> None:
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        first = await eventually(lambda: api.get_or_none(f"{DEP_PATH}/chat"), what="Deployment")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await api.call("DELETE", f"{DEP_PATH}/chat")
+
+        async def recreated() -> Any:
+            dep = await api.get_or_none(f"{DEP_PATH}/chat")
+            return dep if dep and dep["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+        second = await eventually(recreated, what="Deployment re-created")
+        await settle(kube)
+    assert second["spec"] == first["spec"]
