@@ -1,0 +1,58 @@
+"""`argosy operator`: run the Kubernetes operator (LLMDeployment -> runtime pods).
+
+    argosy operator                          # all namespaces, like the in-cluster Deployment
+    argosy operator -n ml -n staging --liveness http://0.0.0.0:8080/healthz
+
+The same as `kopf run --standalone -m argosy_operator.handlers` (the handlers module is
+imported by name, never by file path). Credentials: the pod's service account in a cluster,
+else $KUBECONFIG or ~/.kube/config. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HANDLERS_MODULE = "argosy_operator.handlers"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "operator",
+        help="Run the Kubernetes operator for LLMDeployment resources (kopf).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-n", "--namespace", action="append", default=[], metavar="NAMESPACE",
+        help="Watch only this namespace (repeatable; globs like 'ml-*' work). "
+             "Default: all namespaces.")
+    parser.add_argument(
+        "--liveness", metavar="URL",
+        help="Serve kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
+    parser.add_argument("--verbose", action="store_true", help="Log more.")
+    parser.add_argument("--debug", action="store_true", help="Log everything.")
+    return parser
+
+
+def kopf_argv(args: argparse.Namespace) -> list[str]:
+    """The `kopf` command line equivalent to these `argosy operator` flags."""
+    argv = ["run", "--standalone"]
+    if args.namespace:
+        for ns in args.namespace:
+            argv += ["--namespace", ns]
+    else:
+        argv.append("--all-namespaces")
+    if args.liveness:
+        argv.append(f"--liveness={args.liveness}")
+    if args.verbose:
+        argv.append("--verbose")
+    if args.debug:
+        argv.append("--debug")
+    return argv + ["-m", HANDLERS_MODULE]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kopf import cli  # kopf only here: `argosy --help` stays light
+
+    cli.main.main(args=kopf_argv(args), prog_name="kopf", standalone_mode=False)
+    return 0

@@ -1,0 +1,54 @@
+"""`argosy operator`: kopf with argosy_operator.handlers, in a separate process, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from argosy_runtime.cli.operator_cmd import add_parser, kopf_argv
+from conftest import NS, Api, eventually
+
+# Block torch in the child: any `import torch` on the operator's path would fail loudly.
+LAUNCH = ("import sys; sys.modules['torch'] = None; "
+          "from argosy_runtime.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["operator", *argv])
+
+
+def test_flags_map_to_kopf_run() -> None:
+    assert kopf_argv(parse()) == ["run", "--standalone", "--all-namespaces", "-m",
+                                  "argosy_operator.handlers"]
+    assert kopf_argv(parse("-n", "ml", "-n", "dev-*", "--liveness",
+                           "http://0.0.0.0:8080/healthz", "--verbose")) == [
+        "run", "--standalone", "--namespace", "ml", "--namespace", "dev-*",
+        "--liveness=http://0.0.0.0:8080/healthz", "--verbose", "-m",
+        "argosy_operator.handlers"]
+
+
+async def test_argosy_operator_reconciles_without_torch(kube: Any, kubeconfig: str, api: Api
+                                                        ) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LAUNCH, "operator", "-n", NS,
+        env={**os.environ, "KUBECONFIG": kubeconfig},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        await api.call("POST", f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments", {
+            "apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "cli", "namespace": NS},
+            "spec": {"model": {"name": "m", "path": "smollm2-135m"}}}, "application/json")
+        dep = await eventually(
+            lambda: api.get_or_none(f"/apis/apps/v1/namespaces/{NS}/deployments/cli"),
+            timeout=60, what="Deployment from `argosy operator`")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == ["argosy"]
+    assert proc.returncode == 0, output.decode()[-3000:]
