@@ -48,6 +48,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/argosy
 USER 1000:1000
 WORKDIR /home/argosy
-# kopf's liveness endpoint (GET /healthz), probed by manifests/operator.
+# kopf's liveness endpoint (GET /healthz), probed by manifests/operator. --standalone: one
+# operator at a time, without kopf's peering resources; the same command as manifests/operator.
 EXPOSE 8080
-CMD ["kopf", "run", "-m", "argosy_operator.handlers", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+CMD ["kopf", "run", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz", "-m", "argosy_operator.handlers"]

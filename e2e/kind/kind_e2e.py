@@ -248,11 +248,13 @@ class KindCluster:
                 timeout=900)
 
     def install_operator(self) -> None:
-        self.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-        self.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+        """The CRD (crds/, which manifests/operator includes) and the operator; waits for both."""
+        rendered = run(["kubectl", "kustomize", str(OPERATOR_KUSTOMIZATION)])
+        if CRD_NAME not in rendered:  # the kustomization stopped including the CRD
+            self.kubectl("apply", "-f", str(CRD_FILE))
         self.kubectl("apply", "-k", str(OPERATOR_KUSTOMIZATION))
-        rendered = yaml.safe_load_all(run(["kubectl", "kustomize", str(OPERATOR_KUSTOMIZATION)]))
-        for obj in rendered:
+        self.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+        for obj in yaml.safe_load_all(rendered):
             if obj and obj.get("kind") == "Deployment":
                 meta = obj["metadata"]
                 self.kubectl("rollout", "status", f"deployment/{meta['name']}",

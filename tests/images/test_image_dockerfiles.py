@@ -185,8 +185,8 @@ EXPECTED_CMD = {
     "runtime-cuda": ["argosy", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0",
                      "--port", "8000"],
     "gateway": ["argosy", "gateway", "--config", "/etc/argosy/gateway.yaml", "--host", "0.0.0.0"],
-    "operator": ["kopf", "run", "-m", "argosy_operator.handlers", "--all-namespaces",
-                 "--liveness=http://0.0.0.0:8080/healthz"],
+    "operator": ["kopf", "run", "--all-namespaces", "--standalone",
+                 "--liveness=http://0.0.0.0:8080/healthz", "-m", "argosy_operator.handlers"],
 }
 
 
@@ -205,7 +205,7 @@ def _listening_port(image: str) -> int:
         config = pytest.importorskip("argosy_runtime.gateway.config")
         return int(config.GatewayConfig().port)  # gateway.yaml may override it
     if image == "operator":
-        liveness = EXPECTED_CMD[image][-1]
+        (liveness,) = [a for a in EXPECTED_CMD[image] if a.startswith("--liveness=")]
         return int(re.search(r":(\d+)/", liveness).group(1))
     from argosy_operator.constants import RUNTIME_PORT
 

@@ -134,11 +134,13 @@ def test_operator_deployment_runs_the_operator_image_as_built() -> None:
     assert container["image"] == OPERATOR_IMAGE
     # A kind-loaded image must not be pulled again.
     assert container.get("imagePullPolicy", "IfNotPresent") != "Always"
-    # Either the image's CMD (kopf run ... --liveness=...:8080/healthz) or an equivalent one.
+    # The image's CMD, or the same command spelled out (so `docker run` behaves like the pod).
     command = container.get("command", []) + container.get("args", [])
     if command:
-        joined = " ".join(command)
-        assert "argosy_operator.handlers" in joined or joined.startswith("argosy operator")
+        from dockerfile_parser import parse
+
+        image_cmd = parse(REPO / "docker" / "operator.Dockerfile").final.last("CMD")
+        assert command == image_cmd.exec_form()
     probe = container.get("livenessProbe", {}).get("httpGet", {})
     assert probe.get("path") == "/healthz"
     port = probe.get("port")
