@@ -37,6 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--min", dest="min_replicas", type=int, help="Autoscale: fewest replicas.")
     parser.add_argument("--max", dest="max_replicas", type=int, help="Autoscale: most replicas.")
     parser.add_argument("--autoscaling", help="Autoscaling policy overrides (YAML mapping).")
+    parser.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="Do not replace a replica process that exits on its own.",
+    )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
     parser.add_argument("--log-level", default="info", help="Python logging level.")
     parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             autoscaling=overrides,
             serve_args=tuple(args.serve_args),
             log_dir=args.log_dir,
+            restart=args.restart,
         )
     except ValueError as exc:
         print(f"argosy fleet: {exc}")
@@ -87,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"argosy fleet: {exc}")
             return 1
+        for proc in fleet.processes:
+            pid = proc.process.pid if proc.process else None
+            print(f"argosy fleet: replica {proc.url} (pid {pid})", flush=True)
         print(f"argosy fleet: {len(fleet.processes)} x {config.name} behind {url} "
               f"(replica logs in {fleet.log_dir})", flush=True)
         try:

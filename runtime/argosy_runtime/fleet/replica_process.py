@@ -18,6 +18,9 @@ import aiohttp
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "argosy_runtime.cli.main", "serve")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -40,12 +43,16 @@ class ReplicaProcess:
         host: str = "127.0.0.1",
         extra_args: Sequence[str] = (),
         log_dir: str | Path | None = None,
+        serve_command: Sequence[str] | None = None,
     ) -> None:
         self.model = model
         self.served_model_name = served_model_name
         self.host = host
         self.port = port
         self.extra_args = list(extra_args)
+        # The program that serves: `argosy serve` in this interpreter unless told otherwise
+        # (tests substitute a light server speaking the same flags and endpoints).
+        self.serve_command = list(serve_command or DEFAULT_SERVE_COMMAND)
         self.log_path = Path(log_dir or ".") / f"replica-{port}.log"
         self.process: asyncio.subprocess.Process | None = None
         self.draining = False
@@ -57,7 +64,7 @@ class ReplicaProcess:
     @property
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "argosy_runtime.cli.main", "serve",
+            *self.serve_command,
             "--model", self.model,
             "--served-model-name", self.served_model_name,
             "--host", self.host,

@@ -55,6 +55,7 @@ class FleetConfig:
     drain_timeout_s: float = 60.0
     restart: bool = True
     health_interval_s: float = 1.0
+    serve_command: tuple[str, ...] | None = None  # default: `argosy serve` (this interpreter)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -102,6 +103,7 @@ class Fleet:
             free_port(),
             extra_args=self.config.serve_args,
             log_dir=self.log_dir,
+            serve_command=self.config.serve_command,
         )
 
     async def _launch(self) -> ReplicaProcess:

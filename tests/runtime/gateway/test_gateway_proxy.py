@@ -65,14 +65,16 @@ async def test_errors_unknown_model_bad_json_and_passthrough(fake_replicas, gate
         async with s.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
             assert resp.status == 404
             err = (await resp.json())["error"]
-            assert err["code"] == 404 and err["param"] == "model" and "nope" in err["message"]
+            assert err["param"] == "model" and "nope" in err["message"]
+            assert (err["type"], err["code"]) == ("not_found_error", "model_not_found")
             assert set(err) == {"message", "type", "param", "code"}
         async with s.post(f"{url}/v1/completions", data=b"{not json") as resp:
             assert resp.status == 400 and "error" in await resp.json()
         async with s.post(f"{url}/v1/completions", json=["a"]) as resp:
             assert resp.status == 400
+        # One model served: `model` may be left out, as with the server itself.
         async with s.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
-            assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+            assert "model" not in r.requests[-1]
         # Validation the replica does is passed through unchanged, status and body.
         bad = {"model": "tiny", "prompt": "x", "temperature": -1}
         async with s.post(f"{r.url}/v1/completions", json=bad) as resp:
@@ -93,6 +95,10 @@ async def test_models_merged_across_backends_and_cascades(fake_replicas, gateway
         async with s.get(f"{url}/v1/models") as resp:
             data = await resp.json()
     assert sorted(m["id"] for m in data["data"]) == ["auto", "big", "tiny"]
+    async with aiohttp.ClientSession() as s:
+        # Several models: `model` is required.
+        async with s.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
 
 
 async def test_refused_replica_is_retried_elsewhere_and_taken_out(fake_replicas, gateway) -> None:
@@ -234,7 +240,8 @@ async def test_unready_replica_leaves_rotation_and_is_probed_back(fake_replicas,
         async with s.get(f"{url}/ready") as resp:
             assert resp.status == 503
         async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
-            assert resp.status == 503 and (await resp.json())["error"]["code"] == 503
+            assert resp.status == 503
+            assert (await resp.json())["error"]["type"] == "service_unavailable_error"
         a.ready = True
         b.ready = True
         await asyncio.sleep(0.4)

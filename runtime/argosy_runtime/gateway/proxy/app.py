@@ -119,7 +119,7 @@ class Gateway:
         )
 
     async def handle_unknown(self, request: web.Request) -> web.Response:
-        return error_response(404, f"Not found: {request.method} {request.path}", "NotFoundError")
+        return error_response(404, f"not found: {request.method} {request.path}")
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """Union of every in-rotation replica's /v1/models, plus the cascade routes."""
@@ -156,12 +156,15 @@ class Gateway:
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return bad_request(f"Invalid JSON body: {exc}")
+            return bad_request(f"malformed JSON body: {exc}")
         if not isinstance(body, dict):
-            return bad_request("The request body must be a JSON object.")
+            return bad_request("body: the request body must be a JSON object")
         model = body.get("model")
+        if model is None and len(self.pools) == 1 and not self.cascades:
+            # Like the server: one model, so `model` may be left out (the replica defaults it).
+            model = next(iter(self.pools))
         if not isinstance(model, str) or not model:
-            return bad_request("`model` is required and must be a string.", param="model")
+            return bad_request("model: a model name is required", param="model")
         path = request.path
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST}
 
@@ -169,7 +172,7 @@ class Gateway:
         cascade = self.cascades.get(route_name)
         if cascade is None:
             if model not in self.pools:
-                return model_not_found(model)
+                return model_not_found(model, [*self.pools, *self.cascades])
             return await self._relay(request, model, path, body, raw, headers, started, {})
 
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)

