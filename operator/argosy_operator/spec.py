@@ -51,7 +51,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "service": {"port": 8000, "type": "ClusterIP"},
     "monitoring": {"serviceMonitor": True, "interval": "15s"},
-    "rollout": {"maxSurge": 1, "maxUnavailable": 0, "progressDeadlineSeconds": 1200},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0, "progressDeadlineSeconds": 2400},
     "podTemplate": {},
 }
 
@@ -91,6 +91,9 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     autoscaling = out["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         raise ValueError("spec.autoscaling.minReplicas: must be <= maxReplicas")
+    if out["rollout"]["progressDeadlineSeconds"] <= out["runtime"]["startupTimeoutSeconds"]:
+        raise ValueError("spec.rollout.progressDeadlineSeconds: must exceed "
+                         "runtime.startupTimeoutSeconds")
     if out["replicas"] < 0:
         raise ValueError("spec.replicas: must be >= 0")
     return out

@@ -52,7 +52,7 @@ def test_cpu_sample_deployment_exact() -> None:
             "selector": {"matchLabels": {"argosy.dev/llmdeployment": "smollm2"}},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "progressDeadlineSeconds": 1200,
+            "progressDeadlineSeconds": 2400,
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {"labels": LABELS, "annotations": {
@@ -310,6 +310,8 @@ def test_bad_sources_raise_naming_the_field(source: str, message: str) -> None:
      "spec.autoscaling.minReplicas"),
     ({"model": {"name": "m", "path": "p"}, "runtime": {"speculative": {"method": "draft"}}},
      "spec.runtime.speculative.draftModel"),
+    ({"model": {"name": "m", "path": "p"}, "rollout": {"progressDeadlineSeconds": 600}},
+     "spec.rollout.progressDeadlineSeconds"),
 ])
 def test_normalize_spec_rejects_unbuildable_specs(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

@@ -85,7 +85,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
     assert spec["autoscaling"]["scaleDownStabilizationSeconds"] == 300
     assert spec["resources"]["gpuResourceName"] == "nvidia.com/gpu"
     assert spec["rollout"] == {"maxSurge": 1, "maxUnavailable": 0,
-                               "progressDeadlineSeconds": 1200}
+                               "progressDeadlineSeconds": 2400}
 
 
 def test_python_defaults_match_the_crd() -> None:
@@ -153,6 +153,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "autoscaling.panicThreshold: 0.5 is less than the minimum of 1"),
     ("no rollout progress", with_spec(rollout={"maxSurge": "0%", "maxUnavailable": 0}),
      "rollout.maxSurge and rollout.maxUnavailable cannot both be 0"),
+    ("deadline shorter than loading", with_spec(runtime__startupTimeoutSeconds=3600),
+     "rollout.progressDeadlineSeconds must exceed runtime.startupTimeoutSeconds"),
     ("negative replicas", with_spec(replicas=-1), "replicas: -1 is less than the minimum of 0"),
     ("bad memory quantity", with_spec(resources__memory="lots"),
      "resources.memory: 'lots' is not valid"),
