@@ -96,8 +96,13 @@ def test_load_makes_the_autoscaler_add_a_replica(cluster: Any, state: dict[str, 
         replicas = _with_diagnostics(cluster, lambda: scenario.autoscale_up(cluster, deployed,
                                                                             base_url))
     assert replicas >= 2
-    live = cluster.get_json("llmd", deployed.name, "-n", deployed.namespace)
-    assert live["status"].get("readyReplicas", 0) >= 2
+
+    def status_ready() -> int:
+        live = cluster.get_json("llmd", deployed.name, "-n", deployed.namespace)
+        return int(live.get("status", {}).get("readyReplicas", 0) or 0)
+
+    # The operator reports the Deployment's ready replicas in the LLMDeployment's status.
+    assert scenario.wait_until(lambda: status_ready() >= 2, timeout_s=120), status_ready()
 
 
 def test_delete_leaves_no_children(cluster: Any, state: dict[str, Any]) -> None:
