@@ -68,6 +68,7 @@ class FakeReplica:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/control", self._control)  # test-only: set knobs from outside
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.2
         )
@@ -90,6 +91,11 @@ class FakeReplica:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _control(self, request: web.Request) -> web.Response:
+        for key, value in (await request.json()).items():
+            setattr(self, key, value)
+        return web.json_response({"ok": True})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -188,3 +194,31 @@ class FakeReplica:
             self.disconnects += 1
             raise
         return resp
+
+
+def main() -> None:
+    """Run as a process with `argosy serve`'s flags (the fleet's tests start it so)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args()
+
+    async def serve() -> None:
+        replica = FakeReplica(model=args.served_model_name or args.model, name=f"p{args.port}")
+        await replica.start(port=args.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)  # drain: nothing long runs here
+        await stop.wait()
+        await replica.stop()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

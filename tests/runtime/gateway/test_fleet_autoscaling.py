@@ -1,0 +1,91 @@
+"""`argosy fleet` autoscaling: the operator's decision function starts and drains replica
+processes. The replicas are light real processes (fake_replica.py run with `argosy serve`'s
+flags) so scaling is fast; the fleet, its gateway and the autoscaler are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
+
+FAKE_SERVE = (sys.executable, str(Path(__file__).with_name("fake_replica.py")))
+
+
+async def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        FleetConfig(min_replicas=1)
+    with pytest.raises(ValueError, match="replicas"):
+        FleetConfig(replicas=5, min_replicas=1, max_replicas=3)
+    with pytest.raises(ValueError, match="policy"):
+        FleetConfig(policy="random")
+
+
+async def test_fleet_scales_up_under_queueing_and_back_down_when_idle(tmp_path: Path) -> None:
+    config = FleetConfig(
+        model="tiny", replicas=1, min_replicas=1, max_replicas=3, port=0,
+        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
+                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5,
+                     "targetQueueDepth": 1},
+        serve_command=FAKE_SERVE, health_interval_s=0.15, log_dir=str(tmp_path),
+        ready_timeout_s=30, drain_timeout_s=10,
+    )  # fmt: skip
+    fleet = Fleet(config)
+    url = await fleet.start()
+    try:
+        pool = fleet.gateway.pools["tiny"]
+        first = fleet.processes[0]
+        async with aiohttp.ClientSession() as s:
+            # Six requests waiting on one replica, target one per replica: scale up to max.
+            await s.post(f"{first.url}/control", json={"num_waiting": 6})
+            await wait_for(lambda: len(pool.available()) == 3, 20, "3 replicas in rotation")
+            assert len(fleet.live) == 3
+            ups = [d for d in fleet.decisions if d.desired_replicas > d.current_replicas]
+            assert ups and all(d.desired_replicas <= 3 for d in ups)
+            # The new replicas take the traffic; the short prompts go least-load, which steers
+            # them away from the replica that reports a queue.
+            seen = set()
+            for _ in range(9):
+                async with s.post(f"{url}/v1/completions",
+                                  json={"model": "tiny", "prompt": "x"}) as resp:
+                    assert resp.status == 200
+                    seen.add(resp.headers["x-argosy-backend"])
+            assert seen == {p.url for p in fleet.processes if p is not first}
+            # Idle again: drained back to the minimum, each drained process exiting cleanly.
+            await s.post(f"{first.url}/control", json={"num_waiting": 0})
+            drained = [p for p in fleet.processes]
+            await wait_for(lambda: len(fleet.processes) == 1 and len(pool) == 1, 30, "scale down to 1")
+            gone = [p for p in drained if p not in fleet.processes]
+            assert len(gone) == 2
+            await wait_for(lambda: all(p.process.returncode is not None for p in gone), 10, "exit")
+            assert all(p.process.returncode == 0 for p in gone)
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+    finally:
+        await fleet.stop()
+    assert all(p.process.returncode is not None for p in drained)
+
+
+async def test_fleet_replaces_a_replica_that_dies(tmp_path: Path) -> None:
+    fleet = Fleet(FleetConfig(model="tiny", replicas=2, port=0, serve_command=FAKE_SERVE,
+                              health_interval_s=0.2, log_dir=str(tmp_path), ready_timeout_s=30))
+    await fleet.start()
+    try:
+        victim = fleet.processes[0]
+        await victim.kill()
+        await wait_for(lambda: victim not in fleet.processes and len(fleet.processes) == 2
+                       and len(fleet.gateway.pools["tiny"].available()) == 2, 20, "replacement")
+        assert victim.url not in {r.url for r in fleet.gateway.pools["tiny"].replicas}
+    finally:
+        await fleet.stop()
