@@ -120,3 +120,53 @@ def test_context_leaves_out_local_state_and_stays_small() -> None:
     assert size < MAX_CONTEXT_BYTES, f"build context is {size} bytes"
     # and pyproject's readme, which setuptools reads while building the wheel, is in it
     assert "README.md" in files and "pyproject.toml" in files
+
+
+def _builder_tree(dockerfile: Path, dest: Path) -> None:
+    """Lay out what the builder stage's COPY instructions put in WORKDIR (context files only)."""
+    builder = parse(dockerfile).stages[0]
+    assert builder.last("WORKDIR") is not None
+    for copy in builder.all("COPY"):
+        *sources, target = [w for w in copy.exec_form() if not w.startswith("--")]
+        for source in sources:
+            src = REPO / source
+            files = [src] if src.is_file() else [p for p in src.rglob("*") if p.is_file()]
+            for file in files:
+                rel = file.relative_to(REPO).as_posix()
+                if excluded(rel):
+                    continue
+                if src.is_file():
+                    out = dest / target / file.name if target.endswith("/") else dest / target
+                else:
+                    out = dest / target / file.relative_to(src)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(file.read_bytes())
+
+
+@pytest.mark.parametrize("image", ["operator", "runtime-cpu"])
+def test_project_wheel_builds_from_what_the_builder_copies(image: str, tmp_path: Path) -> None:
+    """`pip install --no-deps .` in the builder works from the copied files alone (a file
+    pyproject needs but the Dockerfile or .dockerignore leaves out fails here)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    _builder_tree(REPO / "docker" / f"{image}.Dockerfile", src)
+    # The requirements step, as the Dockerfile runs it (from WORKDIR, stdlib only).
+    reqs = subprocess.run([sys.executable, "-I", "docker/image_requirements.py", image],
+                          cwd=src, capture_output=True, text=True, check=True).stdout.split()
+    assert reqs and not [r for r in reqs if r.startswith("torch")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "--quiet", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("argosy-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in ("argosy_runtime", "argosy_kernels", "argosy_operator"):
+        assert f"{package}/__init__.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "docker/", "e2e/"))]
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "argosy = argosy_runtime.cli.main:main" in zipfile.ZipFile(wheel).read(
+        entry_points).decode()
