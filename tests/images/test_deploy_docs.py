@@ -85,3 +85,38 @@ def test_install_commands_name_the_rendered_operator() -> None:
     meta = deployment["metadata"]
     shell = "\n".join(blocks("sh"))
     assert f"-n {meta['namespace']} rollout status deployment/{meta['name']}" in shell
+
+
+def _documented_reasons() -> set[str]:
+    table = DOC.read_text().split("## Troubleshooting", 1)[1]
+    reasons: set[str] = set()
+    for row in table.splitlines():
+        cells = row.split("|")
+        if len(cells) > 3 and cells[1].strip().startswith("`"):
+            reasons |= set(re.findall(r"`([A-Z]\w+)`", cells[2]))
+    return reasons
+
+
+def _emitted_reasons() -> set[str]:
+    """Reasons the operator's code can put in a condition (read from its source)."""
+    root = REPO / "operator" / "argosy_operator"
+    status = (root / "status.py").read_text()
+    reasons = set(re.findall(r'condition\(\s*COND_\w+,\s*(?:True|False),\s*"(\w+)"', status))
+    reasons |= set(re.findall(r'\breason = "(\w+)"', status))
+    from argosy_operator.pod_problems import PRIORITY
+
+    reasons |= set(PRIORITY)
+    scaling = (root / "autoscaling" / "status.py").read_text()
+    reasons |= set(re.findall(r'condition\(\s*SCALING_\w+,\s*(?:True|False),\s*"(\w+)"', scaling))
+    reasons |= set(re.findall(r'"\w+":\s*"(\w+)",', scaling))  # limit reason -> condition reason
+    return reasons - {"AsExpected", "DesiredWithinRange", "ScalingInactive"}  # all-clear states
+
+
+def test_troubleshooting_covers_every_condition_reason_the_operator_reports() -> None:
+    if not (REPO / "operator" / "argosy_operator" / "status.py").exists():
+        pytest.skip("operator status not written yet")
+    emitted = _emitted_reasons()
+    assert {"ImagePullFailure", "Unschedulable", "NoReplicasReady"} <= emitted  # parsing works
+    documented = _documented_reasons()
+    assert emitted - documented == set(), "reasons missing from docs/deploy.md"
+    assert documented - emitted == set(), "docs/deploy.md lists reasons the operator never sets"
