@@ -33,6 +33,7 @@ from argosy_operator.reconcile import ChildConflictError, reconcile
 from argosy_operator.status import patch_status, refresh_status, status_patch
 
 KOPF_PREFIX = "kopf.argosy.dev"
+CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={OPERATOR_NAME},{LABEL_LLMD}"
 
 _state: dict[str, Any] = {"info": None, "client": None}
 
@@ -61,6 +62,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=KOPF_PREFIX, key="last-handled-configuration")
+    # Watch only the operator's own pods and Deployments, filtered by the API server (the
+    # handlers' label filters alone would stream every pod of the cluster to the operator).
+    for key in (("apps", "deployments"), ("v1", "pods")):
+        settings.watching.label_selectors[key] = CHILD_SELECTOR
     settings.watching.server_timeout = int(os.environ.get("ARGOSY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
 

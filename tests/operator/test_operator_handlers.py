@@ -68,6 +68,14 @@ async def test_create_makes_owned_children_and_status(kube: Any, api: Api, run_o
     assert set(status) <= {"observedGeneration", "replicas", "readyReplicas", "updatedReplicas",
                            "selector", "endpoint", "model", "conditions"}
     assert len([r for r in writes(kube, DEP_PATH) if r.method == "POST"]) == 1
+    # Pods and Deployments are listed and watched through a server-side label selector.
+    child_reads = [r for r in list(kube) if r.method == "GET" and r.resource is not None
+                   and r.resource.plural in ("pods", "deployments") and r.name is None]
+    assert child_reads and all(
+        r.params.get("labelSelector", "").startswith("app.kubernetes.io/managed-by="
+                                                      "argosy-operator,")
+        or r.params.get("labelSelector") == "argosy.dev/llmdeployment=chat"
+        for r in child_reads), [str(r.url) for r in child_reads]
     reasons = [r.data["reason"] for r in writes(kube, EVENT_PATH)]
     assert "Created" in reasons
     messages = [r.data["message"] for r in writes(kube, EVENT_PATH)]
