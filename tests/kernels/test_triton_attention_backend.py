@@ -119,3 +119,21 @@ def test_graph_replay_matches_eager_on_gpu():
     torch.testing.assert_close(kv_b, kv_a)
     runner.forward(*mixed)  # not a pure decode: eager fallback
     assert runner.num_eager == 1 and runner.num_replays == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA, reason="the engine's Triton path needs a CUDA GPU")
+def test_engine_greedy_tokens_same_with_triton_attention_on_gpu():
+    """The embedded model in float32 on CUDA: greedy tokens with the torch attention backend
+    and with the Triton one are identical."""
+    from argosy_runtime import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM(model="smollm2-135m", dtype="float32", device="cuda", enforce_eager=True)
+    torch_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    old = llm.engine.runner.backend
+    llm.engine.runner.backend = TritonAttentionBackend(old.num_heads, old.num_kv_heads,
+                                                       old.head_dim, old.scale)
+    triton_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert triton_tokens == torch_tokens

@@ -1,0 +1,565 @@
+"""GPU check for argosy_kernels and the CUDA decode path (one H100/H200, about 8 minutes).
+
+Sections, in order (each is timed and recorded; a failing section is recorded, not fatal):
+  1. device: copy bandwidth (device-to-device, read + write bytes) and the bf16 matmul rate;
+  2. correctness: every Triton kernel against its torch reference at production shapes
+     (Llama-3-8B: 32 query / 8 kv heads, head_dim 128, hidden 4096, intermediate 14336);
+  3. decode attention: achieved GB/s (K/V bytes read) at batch 1/16/64/256, context 512-8192,
+     against the measured copy bandwidth;
+  4. matmul: w4a16 / w8a16 against bf16 torch.matmul at M = 1/16/64/256, 4096x4096,
+     4096->14336 and 14336->4096;
+  5. engine: greedy tokens of the embedded model in float32, torch attention vs Triton;
+  6. end to end: decode tokens/s of a random-weight Llama-3-8B-shaped model (runtime classes,
+     Triton attention, CUDA graphs) in bf16 / int8 / int4 at batch 1 and 64, against the
+     roofline (weight + KV bytes read per step / measured bandwidth).
+Prints one table and writes JSON (--out). Targets (reported, not enforced): decode attention
+>= 70% of copy bandwidth at batch 64 / context 4096; int4 >= 2.5x bf16 at M=1; batch-1
+decode >= 60% of the roofline.
+
+Without a CUDA GPU it exits with status 2 and a message. `--smoke` runs every section at toy
+shapes on the CPU under Triton's interpreter, to check the script itself (its numbers mean
+nothing and are labelled so).
+
+    python bench/gpu_check.py --out docs/benchmarks/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_check.json", help="JSON results path")
+    p.add_argument("--smoke", action="store_true",
+                   help="toy shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip "
+                   "(device,correctness,decode_attention,matmul,engine,e2e)")
+    p.add_argument("--budget-s", type=float, default=460.0,
+                   help="stop starting optional measurements after this many seconds")
+    return p.parse_args()
+
+
+ARGS = _parse()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402  (TRITON_INTERPRET must be set first)
+
+SMOKE = ARGS.smoke
+T0 = time.monotonic()
+RESULTS: dict[str, Any] = {"smoke": SMOKE, "sections": {}}
+ROWS: list[tuple[str, str, str]] = []  # (section, item, value) for the final table
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def over_budget() -> bool:
+    return elapsed() > ARGS.budget_s
+
+
+def row(section: str, item: str, value: str) -> None:
+    ROWS.append((section, item, value))
+    print(f"[{elapsed():6.1f}s] {section:17s} {item:44s} {value}", flush=True)
+
+
+# ---- timing ------------------------------------------------------------------------------
+def time_fn(fn: Callable[[], Any], iters: int = 20, reps: int = 5, capture: bool = True) -> float:
+    """Median seconds per call of fn. On CUDA: `iters` calls captured in one CUDA graph
+    (no launch overhead in the number), replayed `reps` times between events; a plain loop
+    between events when capture=False or capture fails."""
+    if SMOKE:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        if not capture:
+            raise RuntimeError("capture disabled")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+    except Exception:  # noqa: BLE001 - some callables cannot be captured: time them eagerly
+        graph = None
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(iters):
+                fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / iters)
+    return statistics.median(times)
+
+
+def section(name: str) -> Callable[[Callable[[], dict]], Callable[[], None]]:
+    def wrap(fn: Callable[[], dict]) -> Callable[[], None]:
+        def run() -> None:
+            if name in ARGS.skip.split(","):
+                RESULTS["sections"][name] = {"skipped": "--skip"}
+                return
+            start = elapsed()
+            try:
+                out = fn()
+                out["seconds"] = round(elapsed() - start, 1)
+                RESULTS["sections"][name] = out
+            except Exception as e:  # noqa: BLE001 - record and go on with the next section
+                traceback.print_exc()
+                RESULTS["sections"][name] = {"error": f"{type(e).__name__}: {e}",
+                                             "seconds": round(elapsed() - start, 1)}
+                row(name, "ERROR", f"{type(e).__name__}: {e}"[:120])
+        return run
+    return wrap
+
+
+DEV = torch.device("cpu" if SMOKE else "cuda")
+BF16 = torch.bfloat16
+# Production shapes (Llama-3-8B), or toys in smoke mode.
+if SMOKE:
+    H, KVH, D, HIDDEN, INTER, BS = 4, 2, 32, 64, 128, 16
+else:
+    H, KVH, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
+
+
+# ---- 1. device -----------------------------------------------------------------------------
+@section("device")
+def device_section() -> dict:
+    if SMOKE:
+        RESULTS["copy_gbps"] = 1.0
+        return {"device": "cpu (smoke)", "copy_gbps": 1.0, "bf16_tflops": None}
+    props = torch.cuda.get_device_properties(0)
+    nbytes = 1 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t = time_fn(partial(dst.copy_, src), iters=10)
+    copy_gbps = 2 * nbytes / t / 1e9  # each byte read once and written once
+    src = dst = torch.empty(0)
+    n = 8192
+    a = torch.randn(n, n, dtype=BF16, device=DEV)
+    b = torch.randn(n, n, dtype=BF16, device=DEV)
+    t_mm = time_fn(partial(torch.matmul, a, b), iters=10)
+    tflops = 2 * n**3 / t_mm / 1e12
+    RESULTS["copy_gbps"] = copy_gbps
+    row("device", props.name, f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs")
+    row("device", "copy bandwidth (read+write)", f"{copy_gbps:.0f} GB/s")
+    row("device", "bf16 matmul 8192^3", f"{tflops:.0f} TFLOP/s")
+    return {"device": props.name, "sms": props.multi_processor_count,
+            "copy_gbps": round(copy_gbps, 1), "bf16_tflops": round(tflops, 1),
+            "torch": torch.__version__}
+
+
+# ---- 2. correctness --------------------------------------------------------------------------
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+
+@section("correctness")
+def correctness_section() -> dict:
+    from argosy_kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from argosy_kernels.paged_prefill_attention import (
+        paged_prefill_attention,
+        paged_prefill_attention_ref,
+    )
+    from argosy_kernels.reshape_and_cache import (
+        quantize_per_head_ref,
+        reshape_and_cache,
+        reshape_and_cache_ref,
+    )
+    from argosy_kernels.rms_norm import rms_norm, rms_norm_ref
+    from argosy_kernels.rotary_embedding import (
+        build_cos_sin_cache,
+        rotary_embedding,
+        rotary_embedding_ref,
+    )
+    from argosy_kernels.w4a16_matmul import quantize_int4, w4a16_matmul, w4a16_matmul_ref
+    from argosy_kernels.w8a16_matmul import w8a16_matmul, w8a16_matmul_ref
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    out: dict[str, Any] = {}
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, BF16: 3e-2}
+
+    def check(name: str, err: float, limit: float) -> None:
+        ok = err <= limit and math.isfinite(err)
+        out[name] = {"max_rel_err": err, "limit": limit, "ok": ok}
+        row("correctness", name, f"{'ok  ' if ok else 'FAIL'} max rel err {err:.2e} (<= {limit:.0e})")
+
+    def rnd(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+    max_ctx = 64 if SMOKE else 4096
+    batch = 3 if SMOKE else 16
+    for dtype, block_size, int8 in ((BF16, 16, False), (torch.float16, 32, False),
+                                    (BF16, 16, True), (torch.float32, 16, False)):
+        lens = torch.randint(1, max_ctx + 1, (batch,), generator=g, device=DEV).to(torch.int32)
+        lens[0] = 1
+        lens[-1] = max_ctx
+        nblk = -(-max_ctx // block_size)
+        num_blocks = batch * nblk + 1
+        kc = rnd(num_blocks, block_size, KVH, D, dtype=dtype)
+        vc = rnd(num_blocks, block_size, KVH, D, dtype=dtype)
+        scales: dict[str, torch.Tensor] = {}
+        if int8:
+            kc, ks = quantize_per_head_ref(kc)
+            vc, vs = quantize_per_head_ref(vc)
+            scales = {"k_scale": ks, "v_scale": vs}
+        tables = torch.randperm(num_blocks - 1, generator=g, device=DEV)[: batch * nblk]
+        tables = (tables + 1).view(batch, nblk).to(torch.int32)
+        q = rnd(batch, H, D, dtype=dtype)
+        name = f"decode {str(dtype)[6:]} bs{block_size}{' int8kv' if int8 else ''}"
+        want = paged_decode_attention_ref(q, kc, vc, tables, lens, D**-0.5, **scales)
+        for splits in (1, None):
+            got = paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, num_splits=splits,
+                                         **scales)
+            check(f"{name} splits={'auto' if splits is None else 1}", _max_rel(got, want),
+                  tol[dtype])
+
+    q_lens, seq_lens = ([5, 1, 9], [5, 30, 40]) if SMOKE else ([512, 1, 300, 77],
+                                                               [512, 1000, 1324, 77])
+    nblk = max(-(-s // BS) for s in seq_lens)
+    num_blocks = len(seq_lens) * nblk + 1
+    kc, vc = rnd(num_blocks, BS, KVH, D), rnd(num_blocks, BS, KVH, D)
+    tables = (torch.randperm(num_blocks - 1, generator=g, device=DEV)[: len(seq_lens) * nblk]
+              + 1).view(len(seq_lens), nblk).to(torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    q = rnd(sum(q_lens), H, D)
+    check("prefill bf16", _max_rel(paged_prefill_attention(q, kc, vc, tables, qsl, sl, D**-0.5),
+                                   paged_prefill_attention_ref(q, kc, vc, tables, qsl, sl, D**-0.5)),
+          tol[BF16])
+
+    ntok = 20 if SMOKE else 512
+    k, v = rnd(ntok, KVH, D), rnd(ntok, KVH, D)
+    slots = torch.randperm(num_blocks * BS, generator=g, device=DEV)[:ntok]
+    caches = [torch.zeros(num_blocks, BS, KVH, D, dtype=BF16, device=DEV) for _ in range(4)]
+    reshape_and_cache(k, v, caches[0], caches[1], slots)
+    reshape_and_cache_ref(k, v, caches[2], caches[3], slots)
+    check("reshape_and_cache bf16", _max_rel(caches[0], caches[2]), 0.0)
+    qc = [torch.zeros(num_blocks, BS, KVH, D, dtype=torch.int8, device=DEV) for _ in range(4)]
+    sc = [torch.zeros(num_blocks, BS, KVH, device=DEV) for _ in range(4)]
+    reshape_and_cache(k, v, qc[0], qc[1], slots, k_scale=sc[0], v_scale=sc[1])
+    reshape_and_cache_ref(k, v, qc[2], qc[3], slots, k_scale=sc[2], v_scale=sc[3])
+    code_diff = int((qc[0].int() - qc[2].int()).abs().max())
+    check("reshape_and_cache int8 (codes, scales)", max(code_diff / 127, _max_rel(sc[0], sc[2])),
+          1 / 127)
+
+    x, w, r = rnd(ntok, HIDDEN), rnd(HIDDEN), rnd(ntok, HIDDEN)
+    r1, r2 = r.clone(), r.clone()
+    o1, _ = rms_norm(x, w, 1e-5, r1)
+    o2, _ = rms_norm_ref(x, w, 1e-5, r2)
+    check("rms_norm + residual bf16", max(_max_rel(o1, o2), _max_rel(r1, r2)), tol[BF16])
+
+    cs = build_cos_sin_cache(D, 8192, 500000.0, device=DEV)
+    pos = torch.randint(0, 8192, (ntok,), generator=g, device=DEV)
+    qr, kr = rnd(ntok, H, D), rnd(ntok, KVH, D)
+    q2, k2 = qr.clone(), kr.clone()
+    rotary_embedding(pos, qr, kr, cs)
+    rotary_embedding_ref(pos, q2, k2, cs)
+    check("rotary bf16", max(_max_rel(qr, q2), _max_rel(kr, k2)), tol[BF16])
+
+    m = 16
+    x = rnd(m, HIDDEN)
+    w8 = torch.randint(-127, 128, (HIDDEN, HIDDEN), generator=g, device=DEV, dtype=torch.int8)
+    s8 = (torch.rand(HIDDEN, generator=g, device=DEV) * 1e-3).to(BF16)
+    check(f"w8a16 M=16 {HIDDEN}x{HIDDEN}", _max_rel(w8a16_matmul(x, w8, s8), w8a16_matmul_ref(x, w8, s8)),
+          tol[BF16])
+    qw, s4, z4 = quantize_int4(rnd(INTER, HIDDEN), 128 if not SMOKE else 32)
+    gs = 128 if not SMOKE else 32
+    check(f"w4a16 M=16 {HIDDEN}->{INTER} g{128 if not SMOKE else 32}", _max_rel(w4a16_matmul(x, qw, s4, z4, gs),
+                                                   w4a16_matmul_ref(x, qw, s4, z4, gs)), tol[BF16])
+    out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+# ---- 3. decode attention bandwidth --------------------------------------------------------
+@section("decode_attention")
+def decode_attention_section() -> dict:
+    from argosy_kernels.paged_attention import paged_decode_attention
+
+    batches, contexts = ((1, 4), (32, 64)) if SMOKE else ((1, 16, 64, 256),
+                                                          (512, 1024, 2048, 4096, 8192))
+    max_tokens = max(batches) * max(contexts)
+    num_blocks = max_tokens // BS + 1
+    # Values do not change the timing: uninitialized caches (no NaN risk in the timing).
+    kc = torch.zeros(num_blocks, BS, KVH, D, dtype=BF16, device=DEV)
+    vc = torch.zeros_like(kc)
+    copy_gbps = RESULTS.get("copy_gbps") or float("nan")
+    g = torch.Generator(device=DEV).manual_seed(1)
+    out = []
+    for b in batches:
+        for ctx in contexts:
+            if over_budget():
+                row("decode_attention", f"b={b} ctx={ctx}", "skipped (time budget)")
+                continue
+            nblk = ctx // BS
+            tables = torch.randperm(num_blocks - 1, generator=g, device=DEV)[: b * nblk]
+            tables = (tables + 1).view(b, nblk).to(torch.int32)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+            q = torch.randn(b, H, D, dtype=BF16, device=DEV)
+            o = torch.empty_like(q)
+            t = time_fn(partial(paged_decode_attention, q, kc, vc, tables, lens, D**-0.5, out=o))
+            nbytes = b * ctx * KVH * D * 2 * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+            gbps = nbytes / t / 1e9
+            frac = gbps / copy_gbps
+            out.append({"batch": b, "context": ctx, "us": round(t * 1e6, 1),
+                        "gbps": round(gbps, 1), "frac_of_copy": round(frac, 3)})
+            row("decode_attention", f"b={b:<3d} ctx={ctx:<5d}",
+                f"{t * 1e6:8.1f} us {gbps:7.0f} GB/s {100 * frac:5.1f}% of copy")
+    target = [r for r in out if r["batch"] == 64 and r["context"] == 4096]
+    return {"runs": out,
+            "target_b64_ctx4096_ge_70pct": (target[0]["frac_of_copy"] >= 0.7) if target else None}
+
+
+# ---- 4. quantized matmul ---------------------------------------------------------------------
+@section("matmul")
+def matmul_section() -> dict:
+    from argosy_kernels.w4a16_matmul import pack_int4, w4a16_matmul
+    from argosy_kernels.w8a16_matmul import w8a16_matmul
+
+    ms = (1, 16) if SMOKE else (1, 16, 64, 256)
+    shapes = ((HIDDEN, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))  # (N, K)
+    gs = 32 if SMOKE else 128
+    g = torch.Generator(device=DEV).manual_seed(2)
+    out = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g, device=DEV).to(BF16)
+        w8 = torch.randint(-127, 128, (n, k), generator=g, device=DEV, dtype=torch.int8)
+        s8 = torch.full((n,), 1e-3, dtype=BF16, device=DEV)
+        qw = pack_int4(torch.randint(0, 16, (n, k), generator=g, device=DEV))
+        s4 = torch.full((n, k // gs), 1e-2, dtype=BF16, device=DEV)
+        z4 = torch.full((n, k // gs), 8.0, dtype=BF16, device=DEV)
+        for m in ms:
+            if over_budget():
+                row("matmul", f"M={m} {k}->{n}", "skipped (time budget)")
+                continue
+            x = torch.randn(m, k, generator=g, device=DEV).to(BF16)
+            t_bf16 = time_fn(partial(torch.matmul, x, w.T))
+            t_w8 = time_fn(partial(w8a16_matmul, x, w8, s8))
+            t_w4 = time_fn(partial(w4a16_matmul, x, qw, s4, z4, gs))
+            out.append({"m": m, "k": k, "n": n, "bf16_us": round(t_bf16 * 1e6, 1),
+                        "w8a16_us": round(t_w8 * 1e6, 1), "w4a16_us": round(t_w4 * 1e6, 1),
+                        "w8_speedup": round(t_bf16 / t_w8, 2),
+                        "w4_speedup": round(t_bf16 / t_w4, 2)})
+            row("matmul", f"M={m:<3d} {k}->{n}",
+                f"bf16 {t_bf16 * 1e6:7.1f} us | w8a16 {t_w8 * 1e6:7.1f} us ({t_bf16 / t_w8:4.2f}x)"
+                f" | w4a16 {t_w4 * 1e6:7.1f} us ({t_bf16 / t_w4:4.2f}x)")
+    m1 = [r["w4_speedup"] for r in out if r["m"] == 1]
+    return {"runs": out, "target_int4_m1_ge_2.5x": (min(m1) >= 2.5) if m1 else None}
+
+
+# ---- 5. engine: Triton vs torch attention, greedy, float32 --------------------------------
+@section("engine")
+def engine_section() -> dict:
+    if SMOKE:
+        return {"skipped": "smoke mode (the embedded model under the interpreter is too slow)"}
+    from argosy_runtime import LLM, SamplingParams
+    from argosy_runtime.attention.triton_backend import TritonAttentionBackend
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+               "List three colors:"]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm = LLM(model="smollm2-135m", dtype="float32", device="cuda", enforce_eager=True)
+    torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    old = llm.engine.runner.backend
+    llm.engine.runner.backend = TritonAttentionBackend(old.num_heads, old.num_kv_heads,
+                                                       old.head_dim, old.scale)
+    triton_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    same = [a == b for a, b in zip(torch_out, triton_out, strict=True)]
+    row("engine", "greedy tokens, torch vs Triton (fp32)", f"{sum(same)}/{len(same)} identical")
+    del llm
+    torch.cuda.empty_cache()
+    return {"identical": all(same), "per_prompt": same}
+
+
+# ---- 6. end-to-end decode --------------------------------------------------------------------
+def _llama3_8b_spec(smoke: bool) -> Any:
+    from argosy_runtime.model_loader.model_spec import ModelSpec
+
+    if smoke:
+        dims = {"vocab_size": 256, "hidden_size": HIDDEN, "intermediate_size": INTER,
+                "num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": KVH,
+                "head_dim": D}
+    else:
+        dims = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128}
+    return ModelSpec(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                     rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
+                     attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
+                     checkpoint_dtype="bfloat16", **dims)
+
+
+def _quantize_linears(model: Any, kind: str) -> None:
+    """Swap every decoder Linear for a random Int8Linear / Int4Linear (runtime classes), built
+    straight on the device in the CUDA kernels' layout."""
+    from argosy_kernels.w4a16_matmul import pack_int4
+    from argosy_runtime.quantization.int4_linear import Int4Linear
+    from argosy_runtime.quantization.int8_linear import Int8Linear
+
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            old = getattr(parent, name)
+            n, k = old.out_features, old.in_features
+            if kind == "int8":
+                new = Int8Linear(k, n, dtype=BF16, device=DEV)
+                new.qweight.copy_(torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8))
+                new.scales.fill_(0.02 / 127)
+            else:
+                gs = 32 if SMOKE else 128
+                new = Int4Linear(k, n, gs, dtype=BF16)
+                np_, ng = new.padded_out_features, new.num_groups
+                new.qweight = pack_int4(torch.randint(0, 16, (np_, new.padded_in_features),
+                                                      device=DEV))
+                new.kernel_scales = torch.full((np_, ng), 0.02 / 8, device=DEV)
+                new.kernel_zeros = torch.full((np_, ng), 8.0, device=DEV)
+                new.scales_and_zeros = new.scales_and_zeros.to(DEV)
+                new.layout = "cuda"
+            setattr(parent, name, new)
+            del old
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _weight_bytes(model: Any) -> int:
+    """Bytes a decode step reads: every parameter/buffer but the embedding table and rotary
+    tables (the embedding is read by row, a few KB)."""
+    seen: set[int] = set()
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is None or "embed_tokens" in name or "rotary" in name or name.endswith(
+                ("scales_and_zeros", "input_perm")) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+@section("e2e")
+def e2e_section() -> dict:
+    from argosy_runtime.attention import AttentionMetadata
+    from argosy_runtime.attention.triton_backend import TritonAttentionBackend
+    from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
+    from argosy_runtime.models.llama import LlamaForCausalLM
+
+    spec = _llama3_8b_spec(SMOKE)
+    context = 64 if SMOKE else 1024
+    batches = (1, 4) if SMOKE else (1, 64)
+    model = LlamaForCausalLM(spec, dtype=BF16, max_positions=context + 64)
+    model = model.to(DEV).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.02) if "norm" not in name else p.fill_(1.0)
+    max_blocks = context // BS + 1
+    num_blocks = max(batches) * max_blocks + 1
+    shape = (spec.num_hidden_layers, 2, num_blocks, BS, spec.num_key_value_heads, spec.head_dim)
+    kv = torch.zeros(shape, dtype=BF16, device=DEV)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(spec.num_hidden_layers)]
+    backend = TritonAttentionBackend(spec.num_attention_heads, spec.num_key_value_heads,
+                                     spec.head_dim, spec.head_dim**-0.5)
+    copy_gbps = RESULTS.get("copy_gbps") or float("nan")
+    out = []
+    for kind in ("bf16", "int8", "int4"):
+        if SMOKE and kind == "int4":
+            row("e2e", kind, "skipped in smoke mode (CPU Int4Linear wants its own layout)")
+            continue
+        if over_budget():
+            row("e2e", kind, "skipped (time budget)")
+            continue
+        if kind != "bf16":
+            _quantize_linears(model, kind)
+        weights = _weight_bytes(model)
+        runner = CUDAGraphRunner(model, caches, None, backend, max_blocks_per_seq=max_blocks,
+                                 device=DEV, max_batch_size=max(batches), buckets=batches)
+        runner.capture()
+        for b in batches:
+            tables = torch.arange(1, 1 + b * max_blocks, dtype=torch.int32,
+                                  device=DEV).view(b, max_blocks)
+            pos = torch.full((b,), context - 1, dtype=torch.long, device=DEV)
+            slots = tables[:, (context - 1) // BS].long() * BS + (context - 1) % BS
+            meta = AttentionMetadata(
+                slot_mapping=slots, num_decodes=b, decode_block_tables=tables,
+                decode_context_lens=torch.full((b,), context, dtype=torch.int32, device=DEV),
+                prefill_query_lens=[], prefill_seq_lens=[], prefill_block_tables=tables[:0])
+            ids = torch.zeros(b, dtype=torch.long, device=DEV)
+
+            def step(runner: CUDAGraphRunner = runner, ids: torch.Tensor = ids,
+                     pos: torch.Tensor = pos, meta: AttentionMetadata = meta) -> torch.Tensor:
+                hidden = runner.forward(ids, pos, meta)
+                return model.compute_logits(hidden).argmax(-1)
+
+            with torch.inference_mode():
+                # step() replays the runner's own graphs: time it as is, no outer capture.
+                t = time_fn(step, iters=5 if not SMOKE else 1, reps=5, capture=False)
+            kv_bytes = (b * context * spec.num_hidden_layers * spec.num_key_value_heads
+                        * spec.head_dim * 2 * 2)
+            roofline_s = (weights + kv_bytes) / (copy_gbps * 1e9)
+            frac = roofline_s / t
+            out.append({"weights": kind, "batch": b, "context": context,
+                        "step_ms": round(t * 1e3, 3), "tokens_per_s": round(b / t, 1),
+                        "weight_gb": round(weights / 1e9, 2), "kv_gb": round(kv_bytes / 1e9, 3),
+                        "roofline_ms": round(roofline_s * 1e3, 3), "frac_of_roofline": round(frac, 3)})
+            row("e2e", f"{kind} batch={b:<3d} ctx={context}",
+                f"{t * 1e3:7.2f} ms/step {b / t:8.0f} tok/s  roofline {roofline_s * 1e3:6.2f} ms"
+                f" ({100 * frac:4.1f}%)")
+        runner = None  # free its graphs before the next variant
+    target = [r for r in out if r["batch"] == 1]
+    return {"runs": out,
+            "target_batch1_ge_60pct_roofline": all(r["frac_of_roofline"] >= 0.6 for r in target)
+            if target else None}
+
+
+def main() -> int:
+    if not SMOKE and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False), so "
+              "nothing was measured. Run this on a machine with an NVIDIA GPU, e.g. one "
+              "H100/H200: python bench/gpu_check.py --out docs/benchmarks/gpu_check.json",
+              file=sys.stderr)
+        return 2
+    if SMOKE:
+        print("gpu_check --smoke: toy shapes on the CPU under the Triton interpreter; the "
+              "numbers below check the script, they are not measurements.")
+    RESULTS["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    for run in (device_section, correctness_section, decode_attention_section, matmul_section,
+                engine_section, e2e_section):
+        run()
+    RESULTS["total_seconds"] = round(elapsed(), 1)
+    print("\n== gpu_check summary" + (" (SMOKE: not measurements)" if SMOKE else "") + " ==")
+    width = max((len(i) for _, i, _ in ROWS), default=10)
+    for sec, item, value in ROWS:
+        print(f"{sec:17s} {item:{width}s} {value}")
+    with open(ARGS.out, "w") as f:
+        json.dump(RESULTS, f, indent=2, default=str)
+    print(f"wrote {ARGS.out} ({RESULTS['total_seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
