@@ -63,7 +63,9 @@ class Gateway:
     async def start(self) -> None:
         """Open the upstream session, start discovery and health checks."""
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            # Idle keep-alive connections are dropped before uvicorn's own 5 s timeout would
+            # close them under us (a send on a just-closed connection fails).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0),
             auto_decompress=False,  # relay bytes exactly as the replica sent them
         )
         for route in self.config.models:

@@ -118,12 +118,19 @@ async def _attempt(
     """One try: an Upstream when committed, else the upstream's error (or None) to retry."""
     try:
         resp = await session.post(replica.url + path, data=body, headers=headers, timeout=timeout)
-    except _CONNECT_ERRORS + _BROKEN_ERRORS as exc:
-        # Refused or reset before any answer: out of rotation now, probes bring it back.
+    except _CONNECT_ERRORS as exc:
+        # Refused (or no connection in time): out of rotation now, probes bring it back.
         replica.healthy = False
         replica.consecutive_successes = 0
         metrics.retries.labels(pool.model, "connect_error").inc()
-        logger.warning("replica %s failed before answering: %r", replica.url, exc)
+        logger.warning("replica %s refused the request: %r", replica.url, exc)
+        return None
+    except _BROKEN_ERRORS as exc:
+        # Reset before any answer. Also what a pooled keep-alive connection the replica had
+        # just closed looks like, so this only counts toward `unhealthy_after`.
+        replica.mark_failure(config.health.unhealthy_after)
+        metrics.retries.labels(pool.model, "connection_reset").inc()
+        logger.warning("replica %s dropped the request before answering: %r", replica.url, exc)
         return None
     if resp.status == 429 or resp.status >= 500:
         data = await _read_quietly(resp)
