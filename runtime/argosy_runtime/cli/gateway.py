@@ -10,7 +10,6 @@ See docs/gateway.md for the YAML schema. Never imports torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,29 +39,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def build_config(args: argparse.Namespace):  # -> GatewayConfig (import kept inside)
-    """The GatewayConfig from --config plus flag overrides."""
-    from argosy_runtime.gateway.config import (
-        GatewayConfig,
-        ModelRouteConfig,
-        load_config,
-        parse_backend_flag,
-    )
+    """The GatewayConfig from --config plus flag overrides, validated once as a whole (a
+    cascade in the file may name a model that only a --backend flag adds)."""
+    import yaml
 
-    config = load_config(args.config) if args.config else GatewayConfig()
-    changes: dict = {}
+    from argosy_runtime.gateway.config import GatewayConfig, parse_backend_flag
+
+    data: dict = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError("config: expected a mapping at the top level")
     if args.host is not None:
-        changes["host"] = args.host
+        data["host"] = args.host
     if args.port is not None:
-        changes["port"] = args.port
+        data["port"] = args.port
     if args.policy is not None:
-        changes["routing"] = dataclasses.replace(config.routing, policy=args.policy)
-    if args.backend:
-        extra = []
-        for flag in args.backend:
-            model, urls = parse_backend_flag(flag)
-            extra.append(ModelRouteConfig(name=model, backends=tuple(urls)))
-        changes["models"] = config.models + tuple(extra)
-    config = dataclasses.replace(config, **changes) if changes else config
+        data["routing"] = {**(data.get("routing") or {}), "policy": args.policy}
+    for flag in args.backend:
+        model, urls = parse_backend_flag(flag)
+        data["models"] = [*(data.get("models") or []), {"name": model, "backends": urls}]
+    config = GatewayConfig.from_dict(data)
     if not config.models:
         raise ValueError("models: none configured (give --config or --backend)")
     return config
