@@ -246,7 +246,10 @@ async def test_restart_midway_creates_no_duplicates_and_then_stays_quiet(
 
 
 async def test_autoscaling_owns_replicas(kube: Any, api: Api, run_operator: Any) -> None:
-    spec = {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}}
+    # A long scrape interval: the autoscaler's timer decides once, at the start, and cannot
+    # race the replica count this test sets in its place.
+    spec = {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                            "scrapeIntervalSeconds": 3600}}
     with run_operator():
         await api.call("POST", LLMD_PATH, llmd(**spec), "application/json")
         dep = await eventually(lambda: api.get_or_none(f"{DEP_PATH}/chat"), what="Deployment")
