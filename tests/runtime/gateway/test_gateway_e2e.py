@@ -162,6 +162,30 @@ def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
         assert "argosy:gateway_backend_healthy" in metrics
 
 
+async def test_client_disconnect_frees_the_replica(fleet: FleetHandle) -> None:
+    """A client that goes away mid-stream: the replica aborts the request (running -> 0)
+    long before the 400 tokens it was asked for could have been generated."""
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+
+    async def running(s: aiohttp.ClientSession, url: str) -> float:
+        async with s.get(url + "/metrics") as resp:
+            text = await resp.text()
+        m = re.search(r"^argosy:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else -1.0
+
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(fleet.url + "/v1/completions", json=body)
+        backend = resp.headers["x-argosy-backend"]
+        await resp.content.readany()
+        assert await running(s, backend) >= 1
+        t0 = time.monotonic()
+        resp.close()
+        while await running(s, backend) > 0:
+            assert time.monotonic() - t0 < 10, "the replica kept generating for a gone client"
+            await asyncio.sleep(0.1)
+
+
 async def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(
     fleet: FleetHandle,
 ) -> None:

@@ -1,0 +1,188 @@
+"""Routing benchmark: round-robin vs prefix-affinity side by side on one pair of replicas.
+
+    python -m argosy_runtime.fleet.routing_bench --replicas 2 --rate 2 --num-prompts 48
+
+Starts the replicas once, puts two gateways in front of the same replicas (one per policy),
+and alternates load runs between them (`--rounds` pairs, the order flipped every round, so
+neither policy always runs on a warmer machine). The load is `argosy bench serve --dataset
+shared-prefix` (a fresh --seed per run, so no run finds its prefixes cached by an earlier one).
+Each run's aggregate prefix-cache hit rate comes from the replicas' own counters
+(`argosy:prefix_cache_hits_total / argosy:prefix_cache_queries_total`, difference over the run,
+summed over replicas); TTFT comes from the load generator. Prints a Markdown table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from argosy_runtime.fleet.replica_process import ReplicaProcess, free_port
+from argosy_runtime.gateway.config import (
+    GatewayConfig,
+    HealthConfig,
+    ModelRouteConfig,
+    RoutingConfig,
+)
+from argosy_runtime.gateway.health import parse_replica_metrics
+from argosy_runtime.gateway.proxy.app import Gateway, start_gateway
+
+POLICIES = ("round-robin", "prefix-affinity")
+
+
+async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """(queries, hits) summed over replicas."""
+    queries = hits = 0.0
+    for url in urls:
+        async with session.get(f"{url}/metrics") as resp:
+            found = parse_replica_metrics(await resp.text())
+        queries += found.get("prefix_cache_queries", 0.0)
+        hits += found.get("prefix_cache_hits", 0.0)
+    return queries, hits
+
+
+async def run_load(base_url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One `argosy bench serve` run; returns its parsed JSON result."""
+    cmd = [
+        sys.executable, "-m", "argosy_runtime.cli.main", "bench", "serve",
+        "--base-url", base_url, "--model", args.model,
+        "--rate", str(args.rate), "--num-prompts", str(args.num_prompts),
+        "--dataset", "shared-prefix", "--seed", str(seed), *args.bench_args,
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
+    return {"result": parse_bench_output(text), "command": " ".join(cmd[2:])}
+
+
+def parse_bench_output(text: str) -> dict[str, Any]:
+    """The last JSON object the load generator printed (its result summary)."""
+    for match in reversed(list(re.finditer(r"^\{.*\}\s*$", text, re.M | re.S))):
+        try:
+            return json.loads(match.group(0))
+        except json.JSONDecodeError:
+            continue
+    start = text.rfind("\n{")
+    if start >= 0:
+        return json.loads(text[start:])
+    raise ValueError(f"no JSON result in the bench output:\n{text[-2000:]}")
+
+
+def pick(result: dict[str, Any], *names: str) -> float | None:
+    """First present metric among `names` (search nested dicts too)."""
+    for name in names:
+        if name in result and isinstance(result[name], int | float):
+            return float(result[name])
+    for value in result.values():
+        if isinstance(value, dict):
+            found = pick(value, *names)
+            if found is not None:
+                return found
+    return None
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    replicas = [
+        ReplicaProcess(args.model, args.model, free_port(), extra_args=args.serve_args,
+                       log_dir=args.log_dir)
+        for _ in range(args.replicas)
+    ]  # fmt: skip
+    await asyncio.gather(*(r.start() for r in replicas))
+    runners = []
+    try:
+        ready = await asyncio.gather(*(r.wait_ready(600) for r in replicas))
+        if not all(ready):
+            raise RuntimeError("replicas not ready:\n" + "\n".join(r.log_tail() for r in replicas))
+        urls = [r.url for r in replicas]
+        gateways: dict[str, str] = {}
+        for policy in POLICIES:
+            cfg = GatewayConfig(
+                models=(ModelRouteConfig(name=args.model, backends=tuple(urls)),),
+                routing=RoutingConfig(policy=policy),
+                health=HealthConfig(interval_s=1.0),
+            )
+            runner, port = await start_gateway(Gateway(cfg), "127.0.0.1", 0)
+            runners.append(runner)
+            gateways[policy] = f"http://127.0.0.1:{port}"
+        runs: list[dict[str, Any]] = []
+        async with aiohttp.ClientSession() as session:
+            seed = args.seed
+            for rnd in range(args.rounds):
+                order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
+                for policy in order:
+                    seed += 1
+                    q0, h0 = await prefix_counters(session, urls)
+                    t0 = time.monotonic()
+                    load = await run_load(gateways[policy], args, seed)
+                    q1, h1 = await prefix_counters(session, urls)
+                    res = load["result"]
+                    runs.append({
+                        "round": rnd, "policy": policy, "seed": seed,
+                        "wall_s": round(time.monotonic() - t0, 1),
+                        "prefix_cache_hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+                        "ttft_p50_s": pick(res, "ttft_p50_s", "p50_ttft_s", "median_ttft_s",
+                                           "ttft_p50", "p50_ttft"),
+                        "command": load["command"],
+                        "bench": res,
+                    })  # fmt: skip
+                    print(json.dumps({k: v for k, v in runs[-1].items() if k != "bench"}),
+                          flush=True)
+        return {"runs": runs, "summary": summarize(runs)}
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await asyncio.gather(*(r.drain(30) for r in replicas), return_exceptions=True)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for policy in POLICIES:
+        mine = [r for r in runs if r["policy"] == policy]
+        hit = [r["prefix_cache_hit_rate"] for r in mine if r["prefix_cache_hit_rate"] is not None]
+        ttft = [r["ttft_p50_s"] for r in mine if r["ttft_p50_s"] is not None]
+        out[policy] = {
+            "prefix_cache_hit_rate_mean": statistics.fmean(hit) if hit else None,
+            "ttft_p50_s_median": statistics.median(ttft) if ttft else None,
+        }
+    rr, pa = out["round-robin"], out["prefix-affinity"]
+    if rr["ttft_p50_s_median"] and pa["ttft_p50_s_median"]:
+        out["ttft_p50_ratio_pa_over_rr"] = pa["ttft_p50_s_median"] / rr["ttft_p50_s_median"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                        help="Argument for argosy serve (repeatable).")
+    parser.add_argument("--bench-arg", dest="bench_args", action="append", default=[],
+                        help="Argument for argosy bench serve (repeatable).")
+    args = parser.parse_args(argv)
+    result = asyncio.run(main_async(args))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
