@@ -146,3 +146,15 @@ async def test_scrapes_run_concurrently(serve: Any) -> None:
     elapsed = time.monotonic() - started
     assert all(s.is_measured for s in samples)
     assert elapsed < 8 * 0.3 / 2  # sequential would take 2.4 s
+
+
+def test_parses_what_the_runtime_server_exports() -> None:
+    # The runtime's own metrics registry (argosy serve's /metrics), without loading a model.
+    from argosy_runtime.outputs import EngineStats
+    from argosy_runtime.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("smollm2-135m")
+    metrics.attach_engine(lambda: EngineStats(num_requests_running=5, kv_cache_usage=0.42),
+                          lambda: 3, {"block_size": "16"})
+    metrics.on_first_token(0.05, 0.01)
+    assert parse_metrics(metrics.render().decode()) == (0.42, 3.0, 5.0)
