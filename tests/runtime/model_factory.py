@@ -132,3 +132,126 @@ def make_random_model_dir(
     for file_name, content in embedded_tokenizer_files().items():
         (folder / file_name).write_bytes(content)
     return folder
+
+
+# ---- GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them ------------------
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+@lru_cache(maxsize=1)
+def _embedded_tokenizer_metadata() -> dict:
+    """{key: (GGUFValueType, python value)} of the embedded GGUF's tokenizer.* fields."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out: dict = {}
+    for key, field in GGUFReader(str(embedded_gguf_path())).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            if field.types[-1] == GGUFValueType.STRING:
+                value = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            else:
+                value = [field.parts[i].tolist()[0] for i in field.data]
+        elif kind == GGUFValueType.STRING:
+            value = bytes(field.parts[field.data[0]]).decode("utf-8")
+        elif kind == GGUFValueType.BOOL:
+            value = bool(field.parts[field.data[0]][0])
+        else:
+            value = int(field.parts[field.data[0]][0])
+        out[key] = (kind, value)
+    return out
+
+
+def _llamacpp_permute(weights, n_head: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleave each head's two rotary halves."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def write_gguf_from_hf_dir(
+    hf_dir: Path, out_path: Path, *, float16: bool = False, pre: str | None = None
+) -> Path:
+    """Convert a (random) HF folder to a GGUF file as llama.cpp does: llama.* or qwen2.*
+    metadata, q/k rows permuted for Llama (not Qwen2), output.weight omitted when tied,
+    tokenizer metadata copied from the embedded SmolLM2 GGUF (same vocabulary).
+    Tensors are F32, or F16 for matrices with `float16` (norms and biases stay F32, as in
+    llama.cpp). `pre` overrides `tokenizer.ggml.pre` (the pre-tokenizer name). Returns `out_path`."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFValueType, GGUFWriter
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+
+    writer = GGUFWriter(str(out_path), arch)
+    writer.add_name(f"random {arch}")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(config["hidden_size"] // n_head)
+    # Tokenizer: the embedded model's, field by field.
+    for key, (kind, value) in _embedded_tokenizer_metadata().items():
+        if kind == GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif kind == GGUFValueType.STRING:
+            writer.add_string(key, pre if key == "tokenizer.ggml.pre" and pre else value)
+        elif kind == GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if config.get("tie_word_embeddings"):
+                continue
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = _llamacpp_permute(array, n_head)
+        elif arch == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = _llamacpp_permute(array, n_kv)
+        if float16 and array.ndim == 2:
+            array = array.astype(np.float16)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_path)
