@@ -99,6 +99,16 @@ def _post_degraded_event(body: Any, patch: dict[str, Any] | None) -> None:
                    message=str(cond.get("message")))
 
 
+async def _report_degraded(client: KubeClient, llmd: dict[str, Any], reason: str,
+                           message: str, generation: int | None) -> None:
+    """Degraded=True with `reason` (and a Warning event the first time it is set)."""
+    cond = condition(COND_DEGRADED, True, reason, message, generation)
+    patch, _ = await patch_status(client, llmd, lambda cur: status_patch(
+        cur, {"conditions": [cond]}, now_rfc3339()))
+    if patch is not None:
+        kopf.event(llmd, type="Warning", reason=reason, message=message)
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
@@ -112,13 +122,10 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         result = await reconcile(client, llmd)
     except ValueError as exc:
         # The CRD's schema and CEL rules reject these; reaching here means the CRD is stale.
-        cond = condition(COND_DEGRADED, True, "InvalidSpec", str(exc), generation)
-        await patch_status(client, llmd, lambda cur: status_patch(
-            cur, {"conditions": [cond], "observedGeneration": generation}, now_rfc3339()))
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
+        await _report_degraded(client, llmd, "InvalidSpec", str(exc), generation)
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
-        kopf.event(body, type="Warning", reason="ChildConflict", message=str(exc))
+        await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
         raise kopf.TemporaryError(str(exc), delay=30) from exc
     except ApiError as exc:
         if exc.status in (403, 422):

@@ -20,6 +20,8 @@ from argosy_operator.spec import normalize_spec
 from argosy_operator.workload import get_deployment, list_pods
 
 CONFLICT_RETRIES = 3
+# Degraded reasons set by the reconciler itself (see handlers), not derived from the children.
+RECONCILE_FAILURES = frozenset({"InvalidSpec", "ChildConflict"})
 
 
 def _ready_condition(desired: int, ready: int, problems: Sequence[Any], gen: int | None
@@ -162,9 +164,13 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
 
     def make_patch(current: Mapping[str, Any]) -> dict[str, Any] | None:
         gen = observed_generation
-        if gen is None:
-            gen = current.get("observedGeneration")
-        computed = compute_status(llmd, deployment, pods, gen)
+        computed = compute_status(llmd, deployment, pods,
+                                  current.get("observedGeneration") if gen is None else gen)
+        degraded = find_condition(current.get("conditions"), COND_DEGRADED) or {}
+        if gen is None and degraded.get("reason") in RECONCILE_FAILURES:
+            # Only a successful reconcile clears a reconcile failure, not a pod event.
+            computed["conditions"] = [c for c in computed["conditions"]
+                                      if c["type"] != COND_DEGRADED]
         return status_patch(current, computed, now_rfc3339())
 
     patch, _ = await patch_status(client, llmd, make_patch)

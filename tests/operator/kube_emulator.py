@@ -70,13 +70,53 @@ def _selector_matches(selector: str | None, labels: Mapping[str, str]) -> bool:
     return True
 
 
+def _diff(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
+    """The exact JSON merge patch from `current` to `target`."""
+    out: dict[str, Any] = {}
+    for key, value in target.items():
+        if isinstance(value, dict) and isinstance(current.get(key), dict):
+            sub = _diff(current[key], value)
+            if sub:
+                out[key] = sub
+        elif key not in current or current[key] != value:
+            out[key] = value
+    for key in current:
+        if key not in target:
+            out[key] = None
+    return out
+
+
 class ArgosyKubeEmulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus the API-server behaviour listed in the module docstring."""
+    """kmock's emulator plus the API-server behaviour listed in the module docstring.
+
+    With `crd_validation` (the default), LLMDeployments are defaulted and validated against
+    the CRD's schema and CEL rules on create and patch (422 Invalid otherwise), as the API
+    server does with the CRD installed.
+    """
+
+    crd_validation = True
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._rv_counter = itertools.count(1)
         self.last_rv = 0
+
+    def _admit(self, request: rendering.Request, obj: dict[str, Any]) -> dict[str, Any]:
+        """Default + validate an LLMDeployment; returns the defaulted object."""
+        if not self.crd_validation or request.resource.plural != "llmdeployments" \
+                or request.subresource:
+            return obj
+        from crd_schema import validate
+
+        # Status is written through its subresource; validate what users write.
+        without_status = {k: v for k, v in obj.items() if k != "status"}
+        defaulted, errors = validate(without_status)
+        if errors:
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message="; ".join(errors))
+        if "status" in obj:
+            defaulted["status"] = obj["status"]
+        return defaulted
 
     def declare(self, resources: Mapping[str, Mapping[str, Any]]) -> None:
         for key, info in resources.items():
@@ -123,6 +163,7 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
         meta["generation"] = 1
         if self._has_status(request.resource):
             request.data.pop("status", None)
+        request.data.update(self._admit(request, request.data))
 
     def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
         """Rewrite the merge patch like the API server would; return the object for a no-op."""
@@ -142,9 +183,14 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
                     del patch[key]
         elif self._has_status(request.resource):
             patch.pop("status", None)
-        updated = dicts.patch_dict(copy.deepcopy(current), patch)
+        updated = self._admit(request, dict(dicts.patch_dict(copy.deepcopy(current), patch)))
         if updated == current:
             return current
+        # Store exactly the admitted object: rewrite the request as the merge patch from the
+        # current object to it (defaults filled in, removed keys nulled).
+        exact = _diff(current, updated)
+        patch.clear()
+        patch.update(exact)
         meta = patch.setdefault("metadata", {})
         meta["resourceVersion"] = self._next_rv()
         if updated.get("spec") != current.get("spec"):

@@ -312,3 +312,48 @@ async def test_deployment_deleted_by_hand_is_recreated(kube: Any, api: Api, run_
         second = await eventually(recreated, what="Deployment re-created")
         await settle(kube)
     assert second["spec"] == first["spec"]
+
+
+async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api: Api,
+                                                                 run_operator: Any) -> None:
+    """An object admitted under a stale CRD (no CEL rules): Degraded/InvalidSpec, no children."""
+    kube.crd_validation = False
+    bad = llmd()
+    bad["spec"]["model"]["source"] = "hf://org/name"  # and path: two sources
+    with run_operator():
+        await api.call("POST", LLMD_PATH, bad, "application/json")
+
+        async def invalid() -> Any:
+            cond = _cond(await _status(api), "Degraded")
+            return cond if cond.get("reason") == "InvalidSpec" else None
+
+        cond = await eventually(invalid, what="InvalidSpec")
+        await settle(kube)
+    assert cond["status"] == "True"
+    assert "spec.model: set exactly one of source or path" in cond["message"]
+    assert await api.get_or_none(f"{DEP_PATH}/chat") is None
+    warnings = [r.data for r in writes(kube, EVENT_PATH) if r.data["type"] == "Warning"]
+    assert [w["reason"] for w in warnings] == ["InvalidSpec"]  # once: a permanent error
+
+
+async def test_foreign_object_with_a_childs_name_is_left_alone(kube: Any, api: Api,
+                                                              run_operator: Any) -> None:
+    foreign = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
+               "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
+    await api.call("POST", SVC_PATH, foreign, "application/json")
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+
+        async def conflict() -> Any:
+            events = [r.data for r in writes(kube, EVENT_PATH)]
+            return [e for e in events if e["reason"] == "ChildConflict"]
+
+        (event,) = await eventually(conflict, what="ChildConflict event")
+        await settle(kube)
+    assert "Service chat exists and is not managed by argosy-operator" in event["message"]
+    degraded = _cond(await _status(api), "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
+    svc = await api.get_or_none(f"{SVC_PATH}/chat")
+    assert svc["spec"]["selector"] == {"app": "web"} and "ownerReferences" not in svc["metadata"]
+    assert not [r for r in writes(kube, f"{SVC_PATH}/chat") if r.method == "PATCH"]
