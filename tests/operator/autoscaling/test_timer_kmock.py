@@ -40,13 +40,15 @@ class MetricsServer:
     """One replica's /metrics on 127.0.0.1:<ephemeral port>; `values` is mutable."""
 
     def __init__(self) -> None:
-        self.values = {"kv": 0.1, "waiting": 0.0, "running": 1.0}
+        self.values: dict[str, float] | None = {"kv": 0.1, "waiting": 0.0, "running": 1.0}
         self.hits = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.hits += 1
+        if self.values is None:  # a broken replica: the scrape fails
+            return web.Response(status=500, text="engine dead")
         registry = CollectorRegistry()
         for name, key in (("argosy:kv_cache_usage_perc", "kv"),
                           ("argosy:num_requests_waiting", "waiting"),
@@ -230,3 +232,50 @@ async def test_timer_scales_deployment_from_live_metrics(kube: Any, api: Api,
     st = await status(api, "manual")
     assert "desiredReplicas" not in st and "ScalingActive" not in conditions(st)
     assert events(kube, "manual", "ScaledUp") == events(kube, "manual", "ScaledDown") == []
+
+
+async def test_failed_scrapes_never_scale_down(kube: Any, api: Api, run_operator: Any) -> None:
+    servers = [MetricsServer() for _ in range(2)]
+    for s in servers:
+        await s.start()
+    servers[0].values = {"kv": 0.3, "waiting": 4.0, "running": 4.0}  # exactly at target
+    servers[1].values = None  # HTTP 500 on every scrape
+    try:
+        async with replica_set_controller(api, "llm", servers):
+            with run_operator():
+                await api.call("POST", LLMD_PATH, llmd("llm", FAST), "application/json")
+                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
+                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 2}})
+
+                async def measured_one() -> Any:
+                    st = await status(api, "llm")
+                    auto = st.get("autoscaling") or {}
+                    return st if (auto.get("currentReplicas"), auto.get("measuredReplicas"),
+                                  auto.get("readyReplicas")) == (2, 1, 2) else None
+
+                await eventually(measured_one, 20, "a decision on 1 measured of 2 ready")
+                assert servers[1].hits > 0
+                # Longer than the stabilization window: the failing replica counts as busy.
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < FAST["scaleDownStabilizationSeconds"] + 3:
+                    assert await replicas(api, "llm") == 2
+                    await asyncio.sleep(0.2)
+                assert conditions(await status(api, "llm"))["ScalingActive"]["status"] == "True"
+
+                # Every scrape failing: no metrics, ScalingActive False, still no scale-down.
+                servers[0].values = None
+
+                async def blind() -> Any:
+                    st = await status(api, "llm")
+                    cond = conditions(st).get("ScalingActive", {})
+                    return st if cond.get("reason") == "FailedGetMetrics" else None
+
+                st = await eventually(blind, 20, "ScalingActive False / FailedGetMetrics")
+                assert conditions(st)["ScalingActive"]["status"] == "False"
+                assert st["autoscaling"]["reason"] == "NoMetrics"
+                await asyncio.sleep(2)
+                assert await replicas(api, "llm") == 2
+                assert events(kube, "llm", "ScaledDown") == []
+    finally:
+        for s in servers:
+            await s.stop()
