@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from gguf import GGUFReader
-
 from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint
 from argosy_runtime.model_loader.checkpoint import Checkpoint
+from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.model_loader.resolve import resolve_model_path
 from argosy_runtime.tokenizer import Tokenizer
 
@@ -24,7 +23,7 @@ def load_checkpoint(model: str) -> Checkpoint:
         tokenizer.add_eos_token_ids(spec.eos_token_ids)
         return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="hf", _files=files)
     try:
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
     spec = gguf_checkpoint.spec_from_gguf(reader)
