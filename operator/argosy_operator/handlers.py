@@ -92,11 +92,16 @@ async def close_client(**_: Any) -> None:
 
 
 def _post_degraded_event(body: Any, patch: dict[str, Any] | None) -> None:
-    """A Warning event when the Degraded condition turns True (or changes its reason)."""
+    """A Warning event when the Degraded condition turns True or changes its reason (not on
+    every status write while it stays degraded for the same reason)."""
     cond = find_condition((patch or {}).get("conditions"), COND_DEGRADED)
-    if cond is not None and cond.get("status") == "True":
-        kopf.event(body, type="Warning", reason=str(cond.get("reason")),
-                   message=str(cond.get("message")))
+    if cond is None or cond.get("status") != "True":
+        return
+    before = find_condition((body.get("status") or {}).get("conditions"), COND_DEGRADED) or {}
+    if before.get("status") == "True" and before.get("reason") == cond.get("reason"):
+        return
+    kopf.event(body, type="Warning", reason=str(cond.get("reason")),
+               message=str(cond.get("message")))
 
 
 async def _report_degraded(client: KubeClient, llmd: dict[str, Any], reason: str,
