@@ -277,6 +277,14 @@ def test_pdb_follows_the_replica_ceiling() -> None:
         is not None
 
 
+def test_servicemonitor_extra_labels() -> None:
+    llmd, spec = _llmd(monitoring={"labels": {"release": "prometheus",
+                                              "app.kubernetes.io/managed-by": "helm"}})
+    labels = build_servicemonitor(llmd, spec)["metadata"]["labels"]
+    assert labels["release"] == "prometheus"
+    assert labels["app.kubernetes.io/managed-by"] == "argosy-operator"
+
+
 def test_servicemonitor_can_be_switched_off_and_service_options() -> None:
     llmd, spec = _llmd(monitoring={"serviceMonitor": False},
                        service={"port": 80, "type": "LoadBalancer",

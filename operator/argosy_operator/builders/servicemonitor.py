@@ -16,10 +16,13 @@ def build_servicemonitor(llmd: Mapping[str, Any], spec: Mapping[str, Any]
     monitoring = spec["monitoring"]
     if not monitoring["serviceMonitor"]:
         return None
+    metadata = child_metadata(llmd)
+    # The operator's labels win: the Service selector and ownership checks rely on them.
+    metadata["labels"] = {**monitoring.get("labels", {}), **metadata["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": child_metadata(llmd),
+        "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(llmd["metadata"]["name"])},
             "endpoints": [{"port": RUNTIME_PORT_NAME, "path": "/metrics",
