@@ -84,16 +84,17 @@ class AutoscalingPolicy:
             raise bad("stable_window_seconds", "must be > 0")
         if not 0 < self.panic_window_seconds <= self.stable_window_seconds:
             raise bad("panic_window_seconds", "must be > 0 and <= stableWindowSeconds")
-        if self.panic_threshold <= 1.0:
-            raise bad("panic_threshold", "must be > 1 (a load/target ratio)")
+        if self.panic_threshold < 1.0:
+            raise bad("panic_threshold", "must be >= 1 (a load/target ratio)")
         for name in ("scale_up_stabilization_seconds", "scale_down_stabilization_seconds",
                      "scale_to_zero_idle_seconds"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
-        if self.max_scale_up_rate <= 1.0:
-            raise bad("max_scale_up_rate", "must be > 1")
-        if not 0.0 <= self.max_scale_down_rate < 1.0:
-            raise bad("max_scale_down_rate", "must be in [0, 1)")
+        # Bounds as in the CRD; a rate of 1 still allows one replica per decision.
+        if self.max_scale_up_rate < 1.0:
+            raise bad("max_scale_up_rate", "must be >= 1")
+        if not 0.0 <= self.max_scale_down_rate <= 1.0:
+            raise bad("max_scale_down_rate", "must be in [0, 1]")
         if self.scrape_interval_seconds <= 0:
             raise bad("scrape_interval_seconds", "must be > 0")
 

@@ -59,9 +59,9 @@ def test_defaults_match_the_crd() -> None:
     ({"targetQueueDepth": 0}, "targetQueueDepth"),
     ({"tolerance": 1}, "tolerance"),
     ({"panicWindowSeconds": 120}, "panicWindowSeconds"),
-    ({"panicThreshold": 1.0}, "panicThreshold"),
-    ({"maxScaleUpRate": 1.0}, "maxScaleUpRate"),
-    ({"maxScaleDownRate": 1.0}, "maxScaleDownRate"),
+    ({"panicThreshold": 0.9}, "panicThreshold"),
+    ({"maxScaleUpRate": 0.5}, "maxScaleUpRate"),
+    ({"maxScaleDownRate": 1.5}, "maxScaleDownRate"),
     ({"scrapeIntervalSeconds": 0}, "scrapeIntervalSeconds"),
     ({"scaleDownStabilizationSeconds": -5}, "scaleDownStabilizationSeconds"),
     ({"enabled": "yes"}, "enabled"),
@@ -71,6 +71,13 @@ def test_defaults_match_the_crd() -> None:
 def test_invalid_policies_name_the_field(spec: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"spec.autoscaling.{field}"):
         AutoscalingPolicy.from_spec(spec)
+
+
+def test_rates_of_one_still_move_one_replica() -> None:
+    policy = AutoscalingPolicy(enabled=True, max_replicas=10, max_scale_up_rate=1.0,
+                               panic_threshold=1.0)
+    d = decide(policy, 2, [_sample(0.0, 40.0)], DecisionState(), now=0.0)
+    assert d.desired_replicas == 3 and d.limit_reason == "ScaleUpRate"
 
 
 def test_metrics_window_is_bounded_and_ordered() -> None:
@@ -132,3 +139,38 @@ def test_status_validates_against_the_crd_schema() -> None:
         st = autoscaling_status(d, last_scale_time=1_767_225_600.0)
         st["conditions"] = merge_conditions([], st["conditions"], "2026-01-01T00:00:00Z")
         jsonschema.validate(st, schema)
+
+
+@pytest.mark.skipif(not CRD.exists(), reason="the CRD (issue 7) is not written yet")
+def test_every_crd_valid_policy_is_accepted() -> None:
+    import jsonschema
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    crd = yaml.safe_load(CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "autoscaling"]
+    schema = {k: v for k, v in schema.items() if not k.startswith("x-kubernetes")}
+    ints = st.integers(-2, 700)
+    nums = st.floats(-0.5, 3.0, allow_nan=False)
+    kinds = {k: (ints if p["type"] == "integer" else st.booleans() if p["type"] == "boolean"
+                 else nums) for k, p in schema["properties"].items()}
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.fixed_dictionaries({}, optional=kinds))
+    def check(spec: dict) -> None:
+        merged = {**CONTRACT, **spec}
+        try:
+            jsonschema.validate(merged, schema, cls=jsonschema.Draft4Validator)
+        except jsonschema.ValidationError:
+            return
+        if merged["minReplicas"] > merged["maxReplicas"]:
+            return  # the CRD's CEL rule rejects it
+        if merged["panicWindowSeconds"] > merged["stableWindowSeconds"]:
+            with pytest.raises(ValueError, match="panicWindowSeconds"):
+                AutoscalingPolicy.from_spec(spec)
+            return
+        AutoscalingPolicy.from_spec(spec)
+
+    check()
