@@ -1,0 +1,93 @@
+"""Bad input gets a 4xx with an OpenAI-style error body, never a 500; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serve_harness import MODEL
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (path, json body or raw bytes, expected status, expected param or None)
+CASES = [
+    (C, b'{"model": "smollm2-135m", "prompt": ', 400, None),  # malformed JSON
+    (C, b"", 400, None),  # empty body
+    (C, b"[1, 2, 3]", 400, None),  # not an object
+    (C, b'{"prompt": "x", "max_tokens": NaN}', 400, "max_tokens"),
+    (C, {"model": MODEL}, 400, "prompt"),  # missing prompt
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    (C, {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    (C, {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    (C, {"model": MODEL, "prompt": "word " * 3000}, 400, "prompt"),  # > max_model_len
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    (C, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    (C, {"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
+    (C, {"model": MODEL, "prompt": "x", "logprobs": 1000}, 400, "logprobs"),
+    (C, {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    (C, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, None),
+    (C, {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    (C, {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": []}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": [-1]}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    (C, {"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}],
+            "tool_choice": "auto"}, 400, "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 7}, 400, "presence_penalty"),
+    (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "model"),
+]
+
+
+def _check_error_body(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    return err
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), CASES)
+def test_bad_request_is_4xx_with_openai_body(http: httpx.Client, path: str, body, status: int,
+                                              param: str | None) -> None:
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    err = _check_error_body(r, status)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_context_length_code(http: httpx.Client) -> None:
+    r = http.post(C, json={"model": MODEL, "prompt": "word " * 3000})
+    assert _check_error_body(r, 400)["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    _check_error_body(http.get("/v1/nope"), 404)
+    _check_error_body(http.get(C), 405)
+
+
+def test_server_keeps_serving_after_errors(http: httpx.Client) -> None:
+    for _ in range(3):
+        http.post(C, content=b"{{{{", headers={"content-type": "application/json"})
+    r = http.post(C, json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -1,0 +1,93 @@
+"""Continuous batching under concurrent streams, and aborting on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from argosy_runtime import SamplingParams
+from openai import AsyncOpenAI
+from serve_harness import MODEL, ServerProcess
+
+NUM_STREAMS = 64
+MAX_TOKENS = 6
+PROMPTS = [f"Fact number {i} about {topic}:" for i, topic in enumerate(
+    ["the sea", "mountains", "bread", "music", "trains", "winter", "cats", "stars"] * 8)]
+
+
+async def test_64_concurrent_streams_equal_offline_greedy(server: ServerProcess,
+                                                          offline_llm) -> None:
+    assert len(PROMPTS) == NUM_STREAMS
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=600)
+
+    async def one(prompt: str) -> tuple[str, str | None, int]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                                 max_tokens=MAX_TOKENS, temperature=0)
+        parts, finish, chunks = [], None, 0
+        async for chunk in stream:
+            chunks += 1
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish, chunks
+
+    peak_running = 0
+
+    async def watch() -> None:
+        nonlocal peak_running
+        async with httpx.AsyncClient() as h:
+            while True:
+                text = (await h.get(server.url + "/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith("argosy:num_requests_running"):
+                        peak_running = max(peak_running, int(float(line.split()[-1])))
+                await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        results = await asyncio.gather(*(one(p) for p in PROMPTS))
+    finally:
+        watcher.cancel()
+        await client.close()
+    expected = offline_llm.generate(PROMPTS, SamplingParams(temperature=0,
+                                                            max_tokens=MAX_TOKENS))
+    for (text, finish, chunks), exp in zip(results, expected, strict=True):
+        assert text == exp.outputs[0].text
+        assert finish == exp.outputs[0].finish_reason
+        assert chunks >= 2
+    # the requests really ran as one batch, not one after another
+    assert peak_running >= NUM_STREAMS // 2
+
+
+def _running_and_kv(server: ServerProcess) -> tuple[float, float]:
+    m = server.metrics()
+    return m["argosy:num_requests_running"], m["argosy:kv_cache_usage_perc"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess, path: str) -> None:
+    idle_running, idle_kv = _running_and_kv(server)
+    assert idle_running == 0
+    body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    body.update({"prompt": "Tell me a long story."} if "chat" not in path else
+                {"messages": [{"role": "user", "content": "Tell me a long story."}]})
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        with h.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
+            data = 0
+            while data < 4:
+                data += next(lines).startswith("data: ")
+            running, kv = _running_and_kv(server)
+            assert running == 1 and kv > idle_kv
+        # leaving both blocks closes the connection mid-stream
+    closed = time.monotonic()
+    while time.monotonic() - closed < 1.0:
+        running, kv = _running_and_kv(server)
+        if running == 0 and kv == idle_kv:
+            break
+        time.sleep(0.05)
+    assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
+    assert "client_disconnected" in server.log_text()
