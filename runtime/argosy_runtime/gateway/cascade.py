@@ -27,6 +27,7 @@ REASON_DEFAULT = "default"
 REASON_LOW_CONFIDENCE = "low_confidence"
 REASON_CONFIDENT = "confident"
 REASON_NO_LOGPROBS = "no_logprobs"
+REASON_SMALL_FAILED = "small_failed"
 
 
 @dataclass(frozen=True)

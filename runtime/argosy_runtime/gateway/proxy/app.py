@@ -14,6 +14,7 @@ the upstream connection is closed, and the replica aborts the request and frees 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -194,33 +195,38 @@ class Gateway:
         if isinstance(upstream, web.Response):
             self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
             return upstream
+        status = upstream.response.status
         try:
-            data = upstream.first_chunk + await upstream.response.read()
-            status = upstream.response.status
+            data: bytes | None = upstream.first_chunk + await upstream.response.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            logger.warning("small model's replica broke mid-answer: %r", exc)
+            data = None  # nothing reached the client yet: the large model answers instead
         finally:
             upstream.release()
-        try:
-            answer = json.loads(data) if status == 200 else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            answer = None
+        answer: Any = None
+        if data is not None and status == 200:
+            with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+                answer = json.loads(data)
         confidence = cascade_rules.mean_logprob(answer) if isinstance(answer, dict) else None
         assert cascade.min_mean_logprob is not None
-        if confidence is not None and confidence < cascade.min_mean_logprob:
-            reason = cascade_rules.REASON_LOW_CONFIDENCE
+        low = confidence is not None and confidence < cascade.min_mean_logprob
+        if data is None or low:
+            reason = cascade_rules.REASON_LOW_CONFIDENCE if low else cascade_rules.REASON_SMALL_FAILED
             self.metrics.cascade_decisions.labels(cascade.name, "large", reason).inc()
             large = dict(body, model=cascade.large)
-            extra = {
-                "x-argosy-cascade": "large",
-                "x-argosy-cascade-reason": reason,
-                "x-argosy-cascade-confidence": f"{confidence:.4f}",
-            }
+            extra = {"x-argosy-cascade": "large", "x-argosy-cascade-reason": reason}
+            if confidence is not None:
+                extra["x-argosy-cascade-confidence"] = f"{confidence:.4f}"
             return await self._relay(
                 request, cascade.large, path, large, json.dumps(large).encode(), headers,
                 started, extra,
             )
-        reason = (
-            cascade_rules.REASON_NO_LOGPROBS if confidence is None else cascade_rules.REASON_CONFIDENT
-        )
+        if status != 200:  # the client's own error (4xx): pass it through as the server said it
+            reason = decision.reason
+        elif confidence is None:
+            reason = cascade_rules.REASON_NO_LOGPROBS
+        else:
+            reason = cascade_rules.REASON_CONFIDENT
         self.metrics.cascade_decisions.labels(cascade.name, "small", reason).inc()
         extra["x-argosy-cascade-reason"] = reason
         if confidence is not None:
