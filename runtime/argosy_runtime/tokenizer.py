@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gguf import GGUFReader
 
 # llama.cpp token types (tokenizer.ggml.token_type).
+_TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -114,23 +115,31 @@ class Tokenizer:
         from argosy_runtime.model_loader.gguf_metadata import read_field
 
         model_type = read_field(reader, "tokenizer.ggml.model", None)
-        if model_type != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: 'gpt2' "
-                "(byte-level BPE: Llama 3, Qwen2, SmolLM)"
-            )
         tokens: list[str] = read_field(reader, "tokenizer.ggml.tokens")
         token_types: list[int] = read_field(reader, "tokenizer.ggml.token_type", [])
-        merges: list[str] = read_field(reader, "tokenizer.ggml.merges")
-        backend = _byte_level_bpe(tokens, token_types, merges, read_field(reader, "tokenizer.ggml.pre", None))
+        if model_type == "gpt2":
+            merges: list[str] = read_field(reader, "tokenizer.ggml.merges")
+            pre = read_field(reader, "tokenizer.ggml.pre", None)
+            backend = _byte_level_bpe(tokens, token_types, merges, pre)
+            # llama.cpp's default for BPE vocabularies is no BOS unless the file says otherwise.
+            add_bos_default = False
+        elif model_type == "llama":
+            scores: list[float] = read_field(reader, "tokenizer.ggml.scores")
+            add_space_prefix = bool(read_field(reader, "tokenizer.ggml.add_space_prefix", True))
+            backend = _sentencepiece_bpe(tokens, scores, token_types, add_space_prefix)
+            add_bos_default = True  # sentencepiece Llama/Mistral vocabularies start with <s>
+        else:
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: 'gpt2' "
+                "(byte-level BPE: Llama 3, Qwen2, SmolLM), 'llama' (sentencepiece: Llama 2, Mistral)"
+            )
 
         def token_of(key: str) -> str | None:
             token_id = read_field(reader, f"tokenizer.ggml.{key}", None)
             return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
         bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
-        # llama.cpp's default for BPE vocabularies is no BOS unless the file says otherwise.
-        add_bos = bool(read_field(reader, "tokenizer.ggml.add_bos_token", False))
+        add_bos = bool(read_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default))
         add_eos = bool(read_field(reader, "tokenizer.ggml.add_eos_token", False))
         _set_bos_eos_post_processor(backend, bos if add_bos else None, eos if add_eos else None)
         # End-of-turn / end-of-message tokens also end generation (Llama 3 instruct: <|eot_id|>).
@@ -289,14 +298,66 @@ def _byte_level_bpe(
             ]
         )
     backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|eot_id|>) are matched whole and are "special" (skipped
-    # by decode(skip_special_tokens=True)); user-defined ones are matched whole but kept.
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: skip it.
+    _add_gguf_added_tokens(backend, tokens, token_types, vocab, alphabet)
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float], token_types: list[int], add_space_prefix: bool
+) -> BackendTokenizer:
+    """A sentencepiece-style BPE (byte fallback, "▁" for spaces) from llama.cpp's vocabulary.
+
+    The file has token scores but no merges: a merge (a, b) exists when a, b and a+b are all
+    tokens, ranked by the score of a+b (sentencepiece merges the best-scoring pair first).
+    """
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    candidates: list[tuple[float, str, str]] = []
+    for merged, score in zip(tokens, scores, strict=False):
+        local = [
+            (score, merged[:cut], merged[cut:])
+            for cut in range(1, len(merged))
+            if merged[:cut] in vocab and merged[cut:] in vocab
+        ]
+        local.sort(key=lambda c: (vocab[c[1]], vocab[c[2]]))
+        candidates.extend(local)
+    # The order transformers' generate_merges uses: score, then longer left and right pieces
+    # first; ties keep the order above (merged token id, then piece ids) as the sort is stable.
+    candidates.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))
+    merges = [(left, right) for _, left, right in candidates]
+    unk = next((t for t, k in zip(tokens, token_types, strict=False) if k == _TOKEN_TYPE_UNKNOWN), None)
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    _add_gguf_added_tokens(backend, tokens, token_types, vocab, None)
+    return backend
+
+
+def _add_gguf_added_tokens(
+    backend: BackendTokenizer,
+    tokens: list[str],
+    token_types: list[int],
+    vocab: dict[str, int],
+    alphabet: set[str] | None,
+) -> None:
+    """Register control tokens as special and user-defined tokens as added (matched whole).
+
+    Control tokens (<|im_start|>, <|eot_id|>, <s>) are "special": decode(skip_special_tokens)
+    drops them. User-defined ones are matched whole but kept. In a byte-level vocabulary a
+    control token spelled outside the byte alphabet is a llama.cpp mislabel and is skipped.
+    """
     types = token_types or [0] * len(tokens)
     control = [
         AddedToken(tok, normalized=False, special=True)
         for tok, kind in zip(tokens, types, strict=False)
-        if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
+        if kind == _TOKEN_TYPE_CONTROL and (alphabet is None or set(tok) <= alphabet)
     ]
     user_defined = [
         AddedToken(tok, normalized=False, special=False)
@@ -307,7 +368,6 @@ def _byte_level_bpe(
         backend.add_special_tokens(control)
     if user_defined:
         backend.add_tokens(user_defined)
-    return backend
 
 
 def _set_bos_eos_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> None:

@@ -37,8 +37,8 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_tokenizer_model(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama'"):
-        load_checkpoint(str(_write(tmp_path / "spm.gguf", "llama", tokenizer_model="llama")))
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 't5'"):
+        load_checkpoint(str(_write(tmp_path / "t5.gguf", "llama", tokenizer_model="t5")))
 
 
 def test_minimal_gguf_loads(tmp_path: Path) -> None:
