@@ -22,9 +22,12 @@ class IncrementalDetokenizer:
     """Turn a growing list of output token ids into text deltas.
 
     `push(new_ids)` returns the text that became final with these ids; `text` is all output text
-    so far. For byte-level BPE tokenizers the concatenated deltas equal
-    `tokenizer.decode(output_ids)` once generation ends cleanly; call `flush()` at the end to
-    also get a trailing incomplete character (rendered as U+FFFD, as `decode` does).
+    so far. For byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen2) the concatenated deltas
+    equal `tokenizer.decode(output_ids)` once generation ends cleanly; call `flush()` at the end
+    to also get a trailing incomplete character (rendered as U+FFFD, as `decode` does).
+    For sentencepiece tokenizers (Llama 2, Mistral) the last prompt tokens give context, so the
+    stream is the text the output adds after the prompt: a first token "▁Hello" streams as
+    " Hello", where `decode(output_ids)` alone would strip that leading space (as vLLM does).
     """
 
     def __init__(

@@ -94,3 +94,20 @@ def test_spm_behaviour(spm_gguf: Path) -> None:
     assert "<0xF0>" in tok.convert_ids_to_tokens(ids)
     pieces = tok.convert_ids_to_tokens(tok.encode("the world", add_special_tokens=False))
     assert pieces[0].startswith("\u2581")  # a space is prepended and spelled "▁"
+
+
+def test_spm_streaming_continues_the_prompt(spm_gguf: Path) -> None:
+    """With a sentencepiece decoder the first output token's "▁" is a real space after the
+    prompt (decode() of the output alone strips it): the stream is the text the output adds."""
+    from argosy_runtime.detokenizer import IncrementalDetokenizer
+
+    tok = Tokenizer.from_gguf(open_gguf(spm_gguf))
+    prompt = tok.encode("Say")
+    output = tok.encode("hello world 🎉 done", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    streamed = "".join(detok.push([i]) for i in output) + detok.flush()
+    assert streamed == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
+    assert streamed == " " + tok.decode(output)
+    # Without a prompt the stream equals decode() of the output.
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(detok.push([i]) for i in output) + detok.flush() == tok.decode(output)
