@@ -48,8 +48,60 @@ async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tu
     return queries, hits
 
 
+async def builtin_load(base_url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """A small shared-prefix load (used only with --load builtin, when `argosy bench serve` is
+    not available): `--groups` long prefixes, prompts = prefix + a short question, Poisson
+    arrivals at --rate, streamed; TTFT = time to the first text chunk."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["river", "signal", "copper", "lantern", "harvest", "orbit", "meadow", "cipher",
+             "granite", "velvet", "thunder", "archive", "compass", "ember", "quartz", "tide"]
+    prefixes = [
+        f"Document {seed}-{g}. " + " ".join(rng.choice(words) for _ in range(args.prefix_words))
+        for g in range(args.groups)
+    ]
+    ttfts: list[float] = []
+    failures = 0
+
+    async def one(session: aiohttp.ClientSession, prompt: str) -> None:
+        nonlocal failures
+        body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        t0 = time.monotonic()
+        try:
+            async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+                first = None
+                async for line in resp.content:
+                    if first is None and line.startswith(b"data: {"):
+                        first = time.monotonic() - t0
+                if resp.status != 200 or first is None:
+                    failures += 1
+                else:
+                    ttfts.append(first)
+        except aiohttp.ClientError:
+            failures += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        tasks = []
+        for i in range(args.num_prompts):
+            prompt = f"{rng.choice(prefixes)}\nQuestion {i}: what is {rng.choice(words)}?"
+            tasks.append(asyncio.create_task(one(session, prompt)))
+            await asyncio.sleep(rng.expovariate(args.rate))
+        await asyncio.gather(*tasks)
+    ttfts.sort()
+    return {
+        "command": f"builtin shared-prefix load, seed {seed}",
+        "result": {"completed": len(ttfts), "failed": failures,
+                   "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+                   "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None},
+    }  # fmt: skip
+
+
 async def run_load(base_url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One `argosy bench serve` run; returns its parsed JSON result."""
+    if args.load == "builtin":
+        return await builtin_load(base_url, args, seed)
     cmd = [
         sys.executable, "-m", "argosy_runtime.cli.main", "bench", "serve",
         "--base-url", base_url, "--model", args.model,
@@ -169,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--load", choices=["bench", "builtin"], default="bench",
+                        help="Load generator: argosy bench serve (default) or a built-in one.")
+    parser.add_argument("--groups", type=int, default=16, help="builtin: prefix groups.")
+    parser.add_argument("--prefix-words", type=int, default=300, help="builtin: prefix length.")
+    parser.add_argument("--max-tokens", type=int, default=16, help="builtin: tokens per answer.")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
