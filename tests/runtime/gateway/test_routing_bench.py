@@ -4,7 +4,6 @@ docs/benchmarks/routing.md)."""
 from __future__ import annotations
 
 import pytest
-
 from argosy_runtime.fleet.routing_bench import parse_bench_output, pick, summarize
 
 
