@@ -186,7 +186,9 @@ def w4a16_matmul(
     qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
     interp = interpret_mode()
     block_m = 16 if (interp or M <= 16) else (32 if M <= 32 else 64)
-    block_n = 32 if interp else (64 if M <= 64 else 128)
+    # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
+    # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
+    block_n = 32 if interp else (64 if M <= 64 or x.dtype == torch.float32 else 128)
     # Words per tile; <= group_size so that a tile of one nibble never straddles groups
     # when K8 is a multiple of group_size.
     block_k8 = 16 if interp else min(32, group_size)
@@ -214,7 +216,10 @@ def w4a16_matmul(
         SPLIT_K=split_k,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=4 if block_m * block_n <= 16 * 64 else 8,
+        # The gathered scale/zero tiles of the non-uniform path and float32 tiles are large:
+        # two pipeline stages keep shared memory under the sm_90 limit.
+        num_stages=3 if uniform and x.dtype != torch.float32 else 2,
     )
     if split_k > 1:
         out.copy_(dst.sum(0))
