@@ -307,31 +307,33 @@ def decode_attention_section() -> dict:
                                                           (512, 1024, 2048, 4096, 8192))
     max_tokens = max(batches) * max(contexts)
     num_blocks = max_tokens // BS + 1
-    # Values do not change the timing: uninitialized caches (no NaN risk in the timing).
+    # Cache values do not change the timing: zeros (no NaN in the softmax either).
     kc = torch.zeros(num_blocks, BS, KVH, D, dtype=BF16, device=DEV)
     vc = torch.zeros_like(kc)
     copy_gbps = RESULTS.get("copy_gbps") or float("nan")
     g = torch.Generator(device=DEV).manual_seed(1)
     out = []
-    for b in batches:
-        for ctx in contexts:
-            if over_budget():
-                row("decode_attention", f"b={b} ctx={ctx}", "skipped (time budget)")
-                continue
-            nblk = ctx // BS
-            tables = torch.randperm(num_blocks - 1, generator=g, device=DEV)[: b * nblk]
-            tables = (tables + 1).view(b, nblk).to(torch.int32)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
-            q = torch.randn(b, H, D, dtype=BF16, device=DEV)
-            o = torch.empty_like(q)
-            t = time_fn(partial(paged_decode_attention, q, kc, vc, tables, lens, D**-0.5, out=o))
-            nbytes = b * ctx * KVH * D * 2 * 2 + 2 * q.numel() * 2 + tables.numel() * 4
-            gbps = nbytes / t / 1e9
-            frac = gbps / copy_gbps
-            out.append({"batch": b, "context": ctx, "us": round(t * 1e6, 1),
-                        "gbps": round(gbps, 1), "frac_of_copy": round(frac, 3)})
-            row("decode_attention", f"b={b:<3d} ctx={ctx:<5d}",
-                f"{t * 1e6:8.1f} us {gbps:7.0f} GB/s {100 * frac:5.1f}% of copy")
+    configs = [(b, ctx) for b in batches for ctx in contexts]
+    # The target configuration first, so a tight time budget never skips it.
+    configs.sort(key=lambda c: c != (64, 4096))
+    for b, ctx in configs:
+        if over_budget():
+            row("decode_attention", f"b={b} ctx={ctx}", "skipped (time budget)")
+            continue
+        nblk = ctx // BS
+        tables = torch.randperm(num_blocks - 1, generator=g, device=DEV)[: b * nblk]
+        tables = (tables + 1).view(b, nblk).to(torch.int32)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        q = torch.randn(b, H, D, dtype=BF16, device=DEV)
+        o = torch.empty_like(q)
+        t = time_fn(partial(paged_decode_attention, q, kc, vc, tables, lens, D**-0.5, out=o))
+        nbytes = b * ctx * KVH * D * 2 * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+        gbps = nbytes / t / 1e9
+        frac = gbps / copy_gbps
+        out.append({"batch": b, "context": ctx, "us": round(t * 1e6, 1),
+                    "gbps": round(gbps, 1), "frac_of_copy": round(frac, 3)})
+        row("decode_attention", f"b={b:<3d} ctx={ctx:<5d}",
+            f"{t * 1e6:8.1f} us {gbps:7.0f} GB/s {100 * frac:5.1f}% of copy")
     target = [r for r in out if r["batch"] == 64 and r["context"] == 4096]
     return {"runs": out,
             "target_b64_ctx4096_ge_70pct": (target[0]["frac_of_copy"] >= 0.7) if target else None}
