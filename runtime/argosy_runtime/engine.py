@@ -230,13 +230,13 @@ class LLMEngine:
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
             if sr.num_spec_tokens:
-                tokens = self.proposer.verify(sr, result.spec_logits[req.request_id])
+                tokens, logprobs = self.proposer.verify(sr, result.spec_logits[req.request_id])
             else:
                 req.num_computed_tokens += sr.num_new_tokens
                 tokens = result.sampled.get(req.request_id, [])
+                logprobs = result.logprobs.get(req.request_id)
             if not tokens:
                 continue
-            logprobs = result.logprobs.get(req.request_id)
             self._append_tokens(req, tokens, logprobs)
             progressed[req.parent_id] = None
         return [self._make_output(pid) for pid in progressed]
@@ -286,7 +286,6 @@ class LLMEngine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
-        params = req.params
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
             self.stats.generation_tokens += 1

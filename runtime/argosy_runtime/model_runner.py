@@ -16,9 +16,8 @@ from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
-from argosy_runtime.outputs import Logprob, PositionLogprobs
-from argosy_runtime.request import Request
-from argosy_runtime.sampler import Sampler
+from argosy_runtime.outputs import PositionLogprobs
+from argosy_runtime.sampler import Sampler, compute_logprobs
 from argosy_runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -156,23 +155,24 @@ class ModelRunner:
         logits = logits.cpu()
         if sample_rows:
             reqs = [sr.request for sr, _ in sample_rows]
-            sampled = self.sampler(logits[[r for _, r in sample_rows]], reqs)
+            sample_logits = logits[[r for _, r in sample_rows]]
+            tokens = self.sampler(sample_logits, reqs)
             for i, (sr, _) in enumerate(sample_rows):
-                rid = sr.request.request_id
-                out.sampled[rid] = [sampled.token_ids[i]]
-                if sr.request.logprobs is not None and sampled.sampled_logprobs is not None:
-                    out.logprobs[rid] = [_position_logprobs(
-                        sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.sampled_ranks[i],
-                        sampled.topk_ids[i][: sr.request.params.logprobs],
-                        sampled.topk_logprobs[i][: sr.request.params.logprobs],
-                    )]
+                req = sr.request
+                out.sampled[req.request_id] = [tokens[i]]
+                if req.logprobs is not None:
+                    out.logprobs[req.request_id] = compute_logprobs(
+                        sample_logits[i : i + 1, : self.sampler.vocab_size], [tokens[i]],
+                        req.params.logprobs or 0,
+                    )
         for sr, start, count in spec_rows:
             out.spec_logits[sr.request.request_id] = logits[start : start + count]
         for sr, start, count, first_target in prompt_rows:
             req = sr.request
-            targets = torch.tensor(req.token_ids[first_target : first_target + count])
-            out.prompt_logprobs[req.request_id] = _prompt_logprobs(
-                logits[start : start + count], targets, req.params.prompt_logprobs or 0
+            out.prompt_logprobs[req.request_id] = compute_logprobs(
+                logits[start : start + count, : self.sampler.vocab_size],
+                req.token_ids[first_target : first_target + count],
+                req.params.prompt_logprobs or 0,
             )
         return out
 
@@ -186,24 +186,3 @@ def _pad_tables(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
         out[i, : len(t)] = t
     return torch.from_numpy(out).to(device)
 
-
-def _position_logprobs(token: int, logprob: float, rank: int, top_ids: list[int],
-                       top_lps: list[float]) -> PositionLogprobs:
-    entry: PositionLogprobs = {token: Logprob(logprob, rank)}
-    for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
-        if tid not in entry:
-            entry[tid] = Logprob(lp, r)
-    return entry
-
-
-def _prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[PositionLogprobs]:
-    logprobs = torch.log_softmax(logits, dim=-1)
-    target_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
-    ranks = (logprobs > target_lp[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-    out = []
-    for i in range(len(targets)):
-        ids = top_ids[i].tolist() if k > 0 else []
-        lps = top_lp[i].tolist() if k > 0 else []
-        out.append(_position_logprobs(int(targets[i]), float(target_lp[i]), int(ranks[i]), ids, lps))
-    return out

@@ -10,21 +10,10 @@ reports them by default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from argosy_runtime.outputs import Logprob, PositionLogprobs
 from argosy_runtime.request import Request
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one sampled token per row
-    # Present when any row asked for logprobs (rows that did not ask are still filled).
-    sampled_logprobs: list[float] | None = None
-    sampled_ranks: list[int] | None = None
-    topk_ids: list[list[int]] | None = None
-    topk_logprobs: list[list[float]] | None = None
 
 
 class Sampler:
@@ -32,24 +21,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: float32 [num_rows, vocab] (rows may exceed the model's real vocab size)."""
-        logits = logits[:, : self.vocab_size]
-        raw = logits
-        logits = self._apply_penalties(logits, requests)
-        logits = self._mask_min_tokens(logits, requests)
-
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One token per row. logits: float32 [num_rows, vocab] (may exceed the vocab)."""
+        logits = self.process(logits, requests)
         greedy = [r.params.is_greedy for r in requests]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests, greedy)
-        out = SamplerOutput(token_ids=tokens.tolist())
-        max_logprobs = max((r.params.logprobs or 0) for r in requests if r.params.logprobs is not None) \
-            if any(r.params.logprobs is not None for r in requests) else None
-        if max_logprobs is not None:
-            self._fill_logprobs(out, raw, tokens, max_logprobs)
-        return out
+            return logits.argmax(dim=-1).tolist()
+        return self._sample(logits, requests, greedy).tolist()
 
     # ---- logits processing ----------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -93,9 +71,23 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
-        n = logits.shape[0]
-        temps = torch.tensor([r.params.temperature if not g else 1.0
-                              for r, g in zip(requests, greedy)], dtype=logits.dtype)
+        probs = self.probs(logits, requests)
+        sampled = self.sample_from(probs, requests)
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy)
+            sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties and min_tokens masking: the logits greedy decoding takes the argmax of."""
+        return self._mask_min_tokens(self._apply_penalties(logits[:, : self.vocab_size], requests),
+                                     requests)
+
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each (non-greedy) row samples from: temperature, top-k, top-p,
+        min-p applied to processed logits. Greedy rows get temperature 1 (unused)."""
+        temps = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0
+                              for r in requests], dtype=logits.dtype)
         scaled = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
@@ -107,6 +99,11 @@ class Sampler:
             min_p_t = torch.tensor(min_p, dtype=probs.dtype)[:, None]
             threshold = probs.max(dim=-1, keepdim=True).values * min_p_t
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        return probs
+
+    def sample_from(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row from (unnormalized) probs, each row on its request's generator
+        when it has one (seeded requests are reproducible whatever else is in the batch)."""
         noise = torch.empty_like(probs)
         shared_rows = [i for i, r in enumerate(requests) if r.generator is None]
         if shared_rows:
@@ -116,27 +113,30 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            greedy_mask = torch.tensor(greedy)
-            sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
-        assert sampled.shape[0] == n
-        return sampled
+        return (probs / noise).argmax(dim=-1)
 
-    def _fill_logprobs(self, out: SamplerOutput, raw: torch.Tensor, tokens: torch.Tensor,
-                       k: int) -> None:
-        logprobs = torch.log_softmax(raw, dim=-1)
-        sampled_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        ranks = (logprobs > sampled_lp[:, None]).sum(dim=-1) + 1
-        out.sampled_logprobs = sampled_lp.tolist()
-        out.sampled_ranks = ranks.tolist()
+    def uniform(self, request: Request) -> float:
+        """A U(0, 1) draw on the request's generator (or the shared one)."""
+        gen = request.generator if request.generator is not None else self.generator
+        return float(torch.rand((), generator=gen))
+
+
+def compute_logprobs(raw_logits: torch.Tensor, token_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Per row: the logprob and rank of `token_ids[row]` plus the top-k alternatives, from the
+    raw model distribution (log_softmax of unprocessed logits)."""
+    logprobs = torch.log_softmax(raw_logits, dim=-1)
+    tokens = torch.tensor(token_ids, dtype=torch.long)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    out: list[PositionLogprobs] = []
+    for i, token in enumerate(token_ids):
+        entry: PositionLogprobs = {token: Logprob(float(chosen[i]), ranks[i])}
         if k > 0:
-            values, ids = logprobs.topk(k, dim=-1)
-            out.topk_ids = ids.tolist()
-            out.topk_logprobs = values.tolist()
-        else:
-            out.topk_ids = [[] for _ in range(len(out.token_ids))]
-            out.topk_logprobs = [[] for _ in range(len(out.token_ids))]
+            for rank, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_values[i].tolist()), 1):
+                entry.setdefault(tid, Logprob(lp, rank))
+        out.append(entry)
+    return out
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -117,8 +117,12 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Build on the meta device and allocate uninitialized storage afterwards: random
+        # initialization of every weight would only be overwritten by the checkpoint.
+        with torch.device("meta"):
+            self.model = LlamaModel(spec)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.to_empty(device="cpu")
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)

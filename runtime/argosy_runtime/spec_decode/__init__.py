@@ -1,0 +1,31 @@
+"""Speculative decoding: cheap proposals, checked by the target model in one forward pass.
+
+The output is exactly what the target model alone would produce: greedy requests accept a
+draft token only if it equals the target's argmax; sampled requests use rejection sampling,
+which preserves the target distribution.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from argosy_runtime.spec_decode.config import SpeculativeConfig
+from argosy_runtime.spec_decode.decoder import SpeculativeDecoder
+
+if TYPE_CHECKING:
+    from argosy_runtime.engine import LLMEngine
+
+__all__ = ["SpeculativeConfig", "SpeculativeDecoder", "build_proposer"]
+
+
+def build_proposer(engine: LLMEngine, spec: dict[str, Any] | str) -> SpeculativeDecoder:
+    config = SpeculativeConfig.from_user(spec)
+    if config.method == "ngram":
+        from argosy_runtime.spec_decode.ngram_proposer import NgramProposer
+
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        from argosy_runtime.spec_decode.draft_proposer import DraftProposer
+
+        proposer = DraftProposer(engine, config)
+    return SpeculativeDecoder(engine, config, proposer)

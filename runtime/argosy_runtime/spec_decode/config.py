@@ -1,0 +1,57 @@
+"""`SpeculativeConfig`: what `speculative=` on LLM/LLMEngine and `--speculative` accept."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a smaller model)
+    num_speculative_tokens: int = 4
+    # n-gram prompt lookup: match the last n tokens, longest n first.
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # draft: a model path with the same tokenizer, or None for a self-draft made of the
+    # target's first `draft_layers` layers plus its final norm and head.
+    model: str | None = None
+    draft_layers: int | None = None
+    # Adaptive k: a request whose recent acceptance rate falls below this stops speculating
+    # for a while (doubling back-off), so free generation pays almost nothing.
+    min_acceptance_rate: float = 0.3
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
+        """'ngram', 'draft', a JSON object string, or a dict of the fields above."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("{") else {"method": text}
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a method name or a dict, got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative option(s): {', '.join(unknown)}")
+        return cls(**value)

@@ -1,0 +1,154 @@
+"""`SpeculativeDecoder`: proposes draft tokens before a step and verifies them after it.
+
+Inside continuous batching: a request with drafts is scheduled with 1 + k query tokens (its
+last sampled token plus the drafts), the runner returns the target logits at those k + 1
+positions, and `verify` keeps the longest valid prefix plus one target token. KV slots
+written for rejected drafts are rolled back (blocks past the accepted length are released;
+slots inside kept blocks are simply overwritten later). Requests without drafts, or still in
+prefill, run in the same batch as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from argosy_runtime.outputs import PositionLogprobs
+from argosy_runtime.request import Request
+from argosy_runtime.sampler import compute_logprobs
+from argosy_runtime.spec_decode.config import SpeculativeConfig
+from argosy_runtime.spec_decode.rejection import verify_sampled
+
+if TYPE_CHECKING:
+    from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.scheduler import ScheduledRequest
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] proposal distribution; None = one-hot
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+
+
+@dataclass
+class _Adaptive:
+    """Per-request acceptance tracking for adaptive k."""
+
+    rate: float = 1.0  # exponential moving average of accepted / proposed
+    cooldown: int = 0  # steps left without speculation
+    backoff: int = 8
+
+
+class SpeculativeDecoder:
+    def __init__(self, engine: LLMEngine, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.engine = engine
+        self.config = config
+        self.proposer = proposer
+        self._adaptive: dict[str, _Adaptive] = {}
+        self._proposals: dict[str, Proposal] = {}
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on every running decode that should speculate this step."""
+        live = {r.request_id for r in running}
+        for rid in list(self._adaptive):
+            if rid not in live:
+                del self._adaptive[rid]
+        self._proposals.clear()
+        batch: list[tuple[Request, int]] = []
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue  # still prefilling
+            # Never propose past max_tokens / max_model_len: the step yields up to k + 1 tokens.
+            k = min(self.config.num_speculative_tokens,
+                    req.max_tokens - req.num_output_tokens - 1,
+                    self.engine.max_model_len - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            state = self._adaptive.setdefault(req.request_id, _Adaptive())
+            if state.cooldown > 0:
+                state.cooldown -= 1
+                continue
+            batch.append((req, k))
+        if not batch:
+            return
+        if hasattr(self.proposer, "propose_batch"):
+            proposals = self.proposer.propose_batch(batch)
+        else:
+            proposals = [Proposal(self.proposer.propose(r.token_ids, k)) for r, k in batch]
+        for (req, _), proposal in zip(batch, proposals):
+            if proposal.tokens:
+                req.spec_token_ids = proposal.tokens
+                self._proposals[req.request_id] = proposal
+
+    def verify(self, sr: ScheduledRequest, logits: torch.Tensor
+               ) -> tuple[list[int], list[PositionLogprobs] | None]:
+        """Accept a prefix of the drafts; advance the request's computed tokens; roll back KV.
+
+        logits: float32 [num_spec + 1, vocab], the target's logits at the last token and at each
+        draft. Returns the new tokens (accepted drafts + one target token) and their logprobs.
+        """
+        req = sr.request
+        drafts = req.spec_token_ids[: sr.num_spec_tokens]
+        proposal = self._proposals.get(req.request_id)
+        sampler = self.engine.runner.sampler
+        base_len = len(req.token_ids)
+
+        def processed(i: int, accepted: list[int]) -> torch.Tensor:
+            # Penalties and min_tokens see the tokens accepted before position i.
+            del req.token_ids[base_len:]
+            req.token_ids.extend(accepted)
+            return sampler.process(logits[i : i + 1], [req])
+
+        try:
+            if req.params.is_greedy:
+                accepted: list[int] = []
+                for i in range(len(drafts) + 1):
+                    token = int(processed(i, accepted).argmax(dim=-1))
+                    accepted.append(token)
+                    if i == len(drafts) or token != drafts[i]:
+                        break
+            else:
+                draft_probs = None
+                if proposal is not None and proposal.probs is not None:
+                    draft_probs = proposal.probs[: len(drafts)]
+                accepted = verify_sampled(
+                    lambda i, acc: sampler.probs(processed(i, acc), [req])[0],
+                    drafts, draft_probs,
+                    uniform=lambda: sampler.uniform(req),
+                    sample=lambda row: int(sampler.sample_from(row[None, :], [req])[0]),
+                )
+        finally:
+            del req.token_ids[base_len:]
+
+        num_accepted = len(accepted) - 1
+        req.num_computed_tokens += 1 + num_accepted
+        req.spec_token_ids = []
+        self.engine.kv_cache.truncate(req.request_id, req.num_computed_tokens)
+        stats = self.engine.stats
+        stats.spec_decode_num_draft_tokens += len(drafts)
+        stats.spec_decode_num_accepted_tokens += num_accepted
+        self._update_adaptive(req.request_id, num_accepted / max(1, len(drafts)))
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = compute_logprobs(logits[: len(accepted), : sampler.vocab_size], accepted,
+                                        req.params.logprobs or 0)
+        return accepted, logprobs
+
+    def _update_adaptive(self, request_id: str, rate: float) -> None:
+        if not self.config.adaptive:
+            return
+        state = self._adaptive.setdefault(request_id, _Adaptive())
+        state.rate = 0.6 * state.rate + 0.4 * rate
+        if state.rate < self.config.min_acceptance_rate:
+            state.cooldown = state.backoff
+            state.backoff = min(state.backoff * 2, 256)
+            state.rate = 1.0  # probe again after the cooldown
+        elif rate > 0:
+            state.backoff = 8

@@ -1,0 +1,106 @@
+"""Block pool and KV cache manager: allocation, reference counts, prefix caching, LRU."""
+
+from __future__ import annotations
+
+import pytest
+from argosy_runtime.kv_cache import BlockPool, KVCacheManager
+
+
+def test_allocate_and_free_returns_every_block() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    assert kv.allocate_slots("a", tokens, 10)
+    assert len(kv.block_ids("a")) == 3  # ceil(10 / 4)
+    assert kv.num_free_blocks == 5
+    assert kv.usage() == pytest.approx(3 / 8)
+    kv.free("a")
+    assert kv.num_free_blocks == 8
+    assert kv.usage() == 0.0
+
+
+def test_allocation_fails_without_side_effects_when_pool_is_short() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    assert not kv.allocate_slots("a", list(range(9)), 9)  # needs 3 blocks
+    assert kv.num_free_blocks == 2
+    assert kv.block_ids("a") == []
+
+
+def test_growing_request_gets_blocks_only_at_block_boundaries() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(4))
+    assert kv.allocate_slots("a", tokens, 4)
+    first = kv.block_ids("a")
+    tokens.append(99)
+    assert kv.allocate_slots("a", tokens, 5)
+    assert kv.block_ids("a")[:1] == first and len(kv.block_ids("a")) == 2
+    tokens.extend([100, 101])
+    assert kv.allocate_slots("a", tokens, 7)
+    assert len(kv.block_ids("a")) == 2
+
+
+def test_prefix_hits_share_blocks_and_count_hits() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    assert kv.get_computed_blocks("a", prompt) == []
+    assert kv.allocate_slots("a", prompt, 13)
+    other = prompt[:8] + [500, 501, 502, 503, 504]  # shares the first two blocks only
+    hits = kv.get_computed_blocks("b", other)
+    assert [b.block_id for b in hits] == kv.block_ids("a")[:2]
+    assert kv.prefix_cache_hits == 8
+    assert kv.prefix_cache_queries == 26
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots("b", other, 13, hits)
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert kv.num_free_blocks == free_before - 2  # only the two private blocks are new
+    assert all(b.ref_cnt == 2 for b in hits)
+
+
+def test_last_token_is_never_served_from_cache() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))  # exactly two full blocks
+    assert kv.allocate_slots("a", prompt, 8)
+    kv.free("a")
+    hits = kv.get_computed_blocks("b", prompt)
+    assert len(hits) == 1  # the final token must be computed to produce logits
+
+
+def test_cached_free_blocks_count_as_free_and_are_reused_after_release() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    prompt = list(range(9))
+    assert kv.allocate_slots("a", prompt, 9)
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and kv.usage() == 0.0
+    hits = kv.get_computed_blocks("b", prompt)
+    assert len(hits) == 2  # still cached after release
+    assert kv.allocate_slots("b", prompt, 9, hits)
+    assert kv.num_free_blocks == 1
+
+
+def test_lru_evicts_least_recently_freed_first() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a, b = [1, 2, 3], [7, 8, 9]
+    assert kv.allocate_slots("a", a, 3)
+    assert kv.allocate_slots("b", b, 3)
+    kv.free("a")
+    kv.free("b")
+    # Two fresh blocks: the uncached partial blocks go first, then a's (freed earlier) cached block.
+    assert kv.allocate_slots("c", [20, 21, 22, 23, 24, 25], 6)
+    assert kv.get_computed_blocks("b2", b) != []
+    assert kv.get_computed_blocks("a2", a) == []
+
+
+def test_double_free_is_detected() -> None:
+    pool = BlockPool(2)
+    [block] = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks([block])
+
+
+def test_truncate_releases_tail_blocks() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate_slots("a", list(range(5)), 12)
+    assert len(kv.block_ids("a")) == 3
+    kv.truncate("a", 5)
+    assert len(kv.block_ids("a")) == 2
+    assert kv.num_free_blocks == 6

@@ -1,0 +1,106 @@
+"""Scheduler policy on the pure-Python side: budgets, chunked prefill, preemption, priority."""
+
+from __future__ import annotations
+
+from argosy_runtime.config import SchedulerConfig
+from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.request import Request, RequestStatus
+from argosy_runtime.sampling_params import SamplingParams
+from argosy_runtime.scheduler import Scheduler
+
+
+def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
+         chunked: bool = True, max_model_len: int = 256) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          max_model_len=max_model_len, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+
+
+def req(rid: str, n_prompt: int, t: float, priority: int = 0, base: int = 0) -> Request:
+    return Request(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=50),
+                   max_tokens=50, arrival_time=t, priority=priority)
+
+
+def run_step(s: Scheduler, sampled_token: int = 7) -> dict[str, int]:
+    """Schedule, then advance like the engine: computed tokens, one sampled token per completion."""
+    out = s.schedule()
+    counts = {}
+    for sr in out.scheduled:
+        r = sr.request
+        done = sr.completes_sequence
+        r.num_computed_tokens += sr.num_new_tokens
+        if done:
+            r.token_ids.append(sampled_token)
+        counts[r.request_id] = sr.num_new_tokens
+    return counts
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running() -> None:
+    s = make(budget=8)
+    a = req("a", 3, 0.0)
+    s.add_request(a)
+    assert run_step(s) == {"a": 3}
+    s.add_request(req("long", 20, 1.0, base=100))
+    steps = [run_step(s) for _ in range(3)]
+    # Every step decodes "a" (1 token) and gives the rest of the budget to the long prompt.
+    assert steps == [{"a": 1, "long": 7}, {"a": 1, "long": 7}, {"a": 1, "long": 6}]
+    assert s.requests["long"].num_output_tokens == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
+    s = make(budget=32, chunked=False, max_model_len=32)
+    s.add_request(req("a", 10, 0.0))
+    s.add_request(req("b", 30, 1.0, base=50))
+    assert run_step(s) == {"a": 10}  # b (30) does not fit beside a in 32 tokens
+    assert run_step(s) == {"a": 1, "b": 30}
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    s = make(max_seqs=2, budget=64)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 2, float(i), base=10 * i))
+    assert set(run_step(s)) == {"r0", "r1"}
+    assert s.num_waiting == 2
+
+
+def test_preemption_takes_the_newest_request_and_it_resumes_later() -> None:
+    # 6 blocks of 4 tokens; two requests of 8 prompt tokens fill 4 blocks, then decodes grow.
+    s = make(num_blocks=6, block_size=4, budget=64)
+    old, new = req("old", 8, 0.0), req("new", 8, 1.0, base=100)
+    s.add_request(old)
+    s.add_request(new)
+    run_step(s)
+    for _ in range(12):
+        run_step(s)
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions >= 1
+    assert new.status in (RequestStatus.PREEMPTED, RequestStatus.WAITING)
+    assert new.num_computed_tokens == 0
+    assert old.status == RequestStatus.RUNNING
+    s.finish_request(old, RequestStatus.FINISHED_STOPPED)
+    run_step(s)
+    assert new.status == RequestStatus.RUNNING
+    # Recompute prefills everything it had (prompt + generated tokens) again.
+    assert new.num_computed_tokens + 1 == new.num_tokens
+    s.finish_request(new, RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.num_free_blocks == 6
+
+
+def test_lower_priority_value_is_admitted_first() -> None:
+    s = make(max_seqs=1, budget=64)
+    s.add_request(req("late-but-urgent", 2, 5.0, priority=-1))
+    s.add_request(req("early", 2, 0.0, priority=0, base=50))
+    assert set(run_step(s)) == {"late-but-urgent"}
+
+
+def test_prefix_hit_skips_cached_tokens() -> None:
+    s = make(budget=64)
+    first = req("first", 13, 0.0)
+    s.add_request(first)
+    run_step(s)
+    second = req("second", 13, 1.0)  # same tokens
+    s.add_request(second)
+    counts = run_step(s)
+    assert counts["second"] == 1  # 12 tokens (3 blocks) came from the cache
+    assert second.num_cached_tokens == 12
