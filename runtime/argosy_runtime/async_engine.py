@@ -107,12 +107,15 @@ class AsyncEngine:
     """Drives one `LLMEngine` from a dedicated thread; safe to use from one event loop."""
 
     def __init__(self, engine: Any, observer: RequestObserver | None = None,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, max_num_seqs: int | None = None) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (0: unbounded), got {max_waiting}")
         self.engine = engine
         self.observer = observer
         self.max_waiting = max_waiting
+        # Batch capacity: requests that fit in it are about to run, not waiting. Unknown
+        # (None) counts every queued request as waiting, which errs towards 429.
+        self.max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._num_pending_adds = 0
@@ -152,8 +155,13 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: the engine's waiting queue plus adds not yet applied."""
-        return self._stats.num_requests_waiting + self._num_pending_adds
+        """Requests that cannot join the running batch at the next step: the engine's waiting
+        queue plus adds not yet applied, less the batch's free slots."""
+        stats = self._stats
+        queued = stats.num_requests_waiting + self._num_pending_adds
+        if self.max_num_seqs is None:
+            return queued
+        return max(0, queued - max(0, self.max_num_seqs - stats.num_requests_running))
 
     @property
     def num_active(self) -> int:

@@ -35,7 +35,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`); the engine thread starts with the app."""
     model_name = engine.served_model_name
     metrics = ServerMetrics(model_name)
-    async_engine = AsyncEngine(engine, observer=metrics, max_waiting=config.max_waiting)
+    async_engine = AsyncEngine(engine, observer=metrics, max_waiting=config.max_waiting,
+                               max_num_seqs=_max_num_seqs(engine))
     lifecycle = Lifecycle(config.drain_timeout)
     metrics.attach_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting,
                           _cache_info(engine))
@@ -104,3 +105,12 @@ def _cache_info(engine: Any) -> dict[str, str]:
     except AttributeError:
         info = {}
     return {str(k): str(v) for k, v in info.items()}
+
+
+def _max_num_seqs(engine: Any) -> int | None:
+    """The running-batch size, if the engine exposes it (LLMEngine keeps its EngineArgs)."""
+    for owner in (getattr(engine, "scheduler_config", None), getattr(engine, "args", None)):
+        value = getattr(owner, "max_num_seqs", None)
+        if isinstance(value, int):
+            return value
+    return None
