@@ -1,0 +1,122 @@
+"""Speculative decoding inside the engine: greedy outputs equal plain decoding, no KV leaks."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
+from conftest import assert_no_leaks  # noqa: E402
+from model_factory import make_random_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model_dir(tmp_path_factory.mktemp("spec"), "llama", num_hidden_layers=2)
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so n-gram lookup finds matches and some drafts pass."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 49152) for _ in range(rng.randint(3, 8))]
+        out.append(phrase * rng.randint(2, 5) + [rng.randrange(3, 49152)])
+    return out
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+        abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort_request(rid)
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, list[int]]:
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4)
+    return run(engine, repetitive_prompts(8, 0), SamplingParams(max_tokens=24, temperature=0,
+                                                                ignore_eos=True))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_greedy_ngram_speculation_is_exact(k: int, model_dir: Path, reference) -> None:  # noqa: ANN001
+    # A pool small enough to preempt, a long shared prompt prefix for cache hits, small chunks.
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                       kv_cache_memory=40 * 4 * 512, max_num_batched_tokens=16,
+                       speculative={"method": "ngram", "num_speculative_tokens": k,
+                                    "adaptive": False})
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = run(engine, repetitive_prompts(8, 0), params)
+    assert out == reference
+    stats = engine.get_stats()
+    # Random weights rarely repeat the prompt, so this mostly exercises rejection and rollback;
+    # the embedded-model test below exercises long accepted runs.
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert stats.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_aborts_during_speculation_leave_no_blocks_behind(model_dir: Path) -> None:
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                       speculative={"method": "ngram", "num_speculative_tokens": 4})
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+    done = run(engine, repetitive_prompts(6, 1), params, abort_after={"r1": 2, "r4": 5})
+    assert "r1" not in done and "r4" not in done and len(done) == 4
+    assert all(len(t) == 40 for t in done.values())
+    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_no_leaks(engine)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(model_dir: Path) -> None:
+    def sample() -> dict[str, list[int]]:
+        engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                           speculative={"method": "ngram", "num_speculative_tokens": 3})
+        return run(engine, repetitive_prompts(3, 2),
+                   SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11,
+                                  ignore_eos=True))
+
+    assert sample() == sample()
+
+
+PASSAGE = (
+    "The Apollo program was the third United States human spaceflight program carried out by "
+    "NASA, which succeeded in preparing and landing the first humans on the Moon from 1968 to "
+    "1972. It was first conceived during Dwight D. Eisenhower's administration as a three-person "
+    "spacecraft to follow the one-person Project Mercury."
+)
+
+
+def test_embedded_model_copy_task_accepts_drafts_and_matches_plain_decoding() -> None:
+    from argosy_runtime import LLM
+
+    messages = [[{"role": "user", "content": f"Copy this text exactly:\n\n{PASSAGE}"}],
+                [{"role": "user", "content": f"Repeat the first sentence of:\n\n{PASSAGE}"}]]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    plain = LLM(model="smollm2-135m", dtype="float32", max_num_batched_tokens=64)
+    expected = [o.outputs[0].token_ids for o in plain.chat(messages, params)]
+    del plain
+    spec = LLM(model="smollm2-135m", dtype="float32", max_num_batched_tokens=64,
+               speculative={"method": "ngram", "num_speculative_tokens": 5})
+    got = [o.outputs[0].token_ids for o in spec.chat(messages, params)]
+    assert got == expected
+    stats = spec.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.5 * stats.spec_decode_num_draft_tokens > 0
+    assert_no_leaks(spec.engine)
