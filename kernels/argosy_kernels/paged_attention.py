@@ -333,7 +333,9 @@ def paged_decode_attention(
         query = query.contiguous()
 
     interp = interpret_mode()
-    tile_n = 16 if interp else GPU_TILE_N
+    # float32 (the exactness path, not a fast one): FMA dots need small tiles not to spill.
+    fp32 = query.dtype == torch.float32
+    tile_n = 16 if interp or fp32 else GPU_TILE_N
     max_len = block_tables.shape[1] * block_size  # an upper bound, known without a sync
     if num_splits is None:
         num_splits = 1 if interp else _choose_splits(
@@ -380,7 +382,7 @@ def paged_decode_attention(
         KV_INT8=is_int8,
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=GPU_NUM_WARPS,
+        num_warps=4 if fp32 else GPU_NUM_WARPS,
     )
     if num_splits > 1:
         _paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](

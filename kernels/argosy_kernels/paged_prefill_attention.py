@@ -240,6 +240,10 @@ def paged_prefill_attention(
     is_int8 = key_cache.dtype == torch.int8
     # int8 tiles add the dequantize and per-key scales: half-size key tiles avoid a spill.
     tile_n = 16 if interp else (GPU_TILE_N // 2 if is_int8 else GPU_TILE_N)
+    num_warps = GPU_NUM_WARPS
+    if query.dtype == torch.float32 and not interp:
+        # The exactness path, not a fast one: FMA dots need small tiles not to spill.
+        block_m, tile_n, num_warps = 32, 16, 4
     upcast = query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16)
     k_s = k_scale if k_scale is not None else seq_lens
     v_s = v_scale if v_scale is not None else seq_lens
@@ -262,7 +266,7 @@ def paged_prefill_attention(
         KV_INT8=is_int8,
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=GPU_NUM_WARPS,
+        num_warps=num_warps,
     )
     return out
 

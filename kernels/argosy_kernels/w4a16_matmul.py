@@ -216,7 +216,7 @@ def w4a16_matmul(
         SPLIT_K=split_k,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * block_n <= 16 * 64 else 8,
+        num_warps=4 if block_m * block_n <= 16 * 64 and x.dtype != torch.float32 else 8,
         # The gathered scale/zero tiles of the non-uniform path and float32 tiles are large:
         # two pipeline stages keep shared memory under the sm_90 limit.
         num_stages=3 if uniform and x.dtype != torch.float32 else 2,

@@ -138,7 +138,7 @@ def w8a16_matmul(
         SPLIT_K=split_k,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * block_n <= 16 * 64 else 8,
+        num_warps=4 if block_m * block_n <= 16 * 64 and x.dtype != torch.float32 else 8,
     )
     if split_k > 1:
         out.copy_(dst.sum(0))
