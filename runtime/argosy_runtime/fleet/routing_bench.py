@@ -4,8 +4,10 @@
 
 Starts the replicas once, puts two gateways in front of the same replicas (one per policy),
 and alternates load runs between them (`--rounds` pairs, the order flipped every round, so
-neither policy always runs on a warmer machine). The load is `argosy bench serve --dataset
-shared-prefix` (a fresh --seed per run, so no run finds its prefixes cached by an earlier one).
+neither policy always runs on a warmer machine). The load is `--tenants` concurrent
+`argosy bench serve --dataset shared-prefix` clients, each with its own seed and so its own
+shared prefix (one system prompt per tenant); seeds are fresh for every run, so no run finds
+its prefixes cached by an earlier one.
 Each run's aggregate prefix-cache hit rate comes from the replicas' own counters
 (`argosy:prefix_cache_hits_total / argosy:prefix_cache_queries_total`, difference over the run,
 summed over replicas); TTFT comes from the load generator. Prints a Markdown table and JSON.
@@ -99,23 +101,58 @@ async def builtin_load(base_url: str, args: argparse.Namespace, seed: int) -> di
 
 
 async def run_load(base_url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """One `argosy bench serve` run; returns its parsed JSON result."""
+    """One load run: `--tenants` concurrent `argosy bench serve --dataset shared-prefix`
+    clients, each with its own seed (so its own shared prefix: one tenant's system prompt),
+    their results merged (TTFT percentiles over every request of every tenant)."""
     if args.load == "builtin":
         return await builtin_load(base_url, args, seed)
-    cmd = [
-        sys.executable, "-m", "argosy_runtime.cli.main", "bench", "serve",
-        "--base-url", base_url, "--model", args.model,
-        "--rate", str(args.rate), "--num-prompts", str(args.num_prompts),
-        "--dataset", "shared-prefix", "--seed", str(seed), *args.bench_args,
-    ]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    out, _ = await proc.communicate()
-    text = out.decode(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
-    return {"result": parse_bench_output(text), "command": " ".join(cmd[2:])}
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="argosy-routing-bench-")
+    cmds = []
+    for tenant in range(args.tenants):
+        cmds.append([
+            sys.executable, "-m", "argosy_runtime.cli.main", "bench", "serve",
+            "--base-url", base_url, "--model", args.model,
+            "--rate", str(args.rate / args.tenants), "--num-prompts", str(args.num_prompts),
+            "--dataset", "shared-prefix", "--seed", str(seed * 100 + tenant),
+            "--json", f"{tmp}/tenant{tenant}.json", *args.bench_args,
+        ])  # fmt: skip
+    procs = [
+        await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        for cmd in cmds
+    ]
+    outs = await asyncio.gather(*(p.communicate() for p in procs))
+    ttfts: list[float] = []
+    completed = failed = 0
+    for cmd, proc, (out, _) in zip(cmds, procs, outs, strict=True):
+        path = cmd[cmd.index("--json") + 1]
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            text = out.decode(errors="replace")[-3000:]
+            raise RuntimeError(f"bench failed ({proc.returncode}): {' '.join(cmd)}\n{text}") from exc
+        for rows in data["runs"].values():
+            for row in rows:
+                ttfts.extend(row["samples"]["ttft"])
+                completed += row["completed"]
+                failed += row["failed"]
+    ttfts.sort()
+    shown = " ".join(cmds[0][2:]).replace(f"--seed {seed * 100}", "--seed <tenant seed>")
+    shown = shown.replace(f"{tmp}/tenant0.json", "<tenant>.json")
+    return {
+        "command": f"{args.tenants} concurrent x: argosy {shown.split(' ', 1)[1]}",
+        "result": {
+            "completed": completed,
+            "failed": failed,
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        },
+    }
 
 
 def parse_bench_output(text: str) -> dict[str, Any]:
@@ -185,6 +222,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         "prefix_cache_hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
                         "ttft_p50_s": pick(res, "ttft_p50_s", "p50_ttft_s", "median_ttft_s",
                                            "ttft_p50", "p50_ttft"),
+                        "ttft_p90_s": pick(res, "ttft_p90_s", "p90_ttft_s"),
+                        "completed": pick(res, "completed"),
+                        "failed": pick(res, "failed"),
                         "command": load["command"],
                         "bench": res,
                     })  # fmt: skip
@@ -217,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--rate", type=float, default=2.0)
-    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--rate", type=float, default=2.0, help="Total requests/s.")
+    parser.add_argument("--num-prompts", type=int, default=8, help="Per tenant.")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--load", choices=["bench", "builtin"], default="bench",
                         help="Load generator: argosy bench serve (default) or a built-in one.")
+    parser.add_argument("--tenants", type=int, default=8,
+                        help="Concurrent bench clients, each with its own shared prefix.")
     parser.add_argument("--groups", type=int, default=16, help="builtin: prefix groups.")
     parser.add_argument("--prefix-words", type=int, default=300, help="builtin: prefix length.")
     parser.add_argument("--max-tokens", type=int, default=16, help="builtin: tokens per answer.")
