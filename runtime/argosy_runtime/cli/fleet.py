@@ -25,7 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--model", default="smollm2-135m", help="Model for every replica.")
     parser.add_argument("--served-model-name", help="Name clients use (default: --model).")
-    parser.add_argument("--replicas", type=int, default=2, help="Replicas to start (default 2).")
+    parser.add_argument(
+        "--replicas", type=int, default=None, help="Replicas to start (default 2, or --min)."
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Gateway listen address.")
     parser.add_argument("--port", type=int, default=8080, help="Gateway port (default 8080).")
     parser.add_argument(
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         config = fleet_config_from(
             model=args.model,
             served_model_name=args.served_model_name,
-            replicas=args.replicas,
+            replicas=args.replicas if args.replicas is not None else (args.min_replicas or 2),
             host=args.host,
             port=args.port,
             policy=args.policy,
