@@ -52,6 +52,11 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
                          "that is not pre-quantized")
     dtype = model.model.embed_tokens.weight.dtype
     before = weight_bytes(model)
+    if config.algorithm == "gptq" and config.source == "rtn":
+        _load_with_gptq(model, checkpoint, config, dtype)
+        logger.info("quantized decoder linears to %s with GPTQ: weights %.1f MiB -> %.1f MiB",
+                    config.describe(), before / 2**20, weight_bytes(model) / 2**20)
+        return
     pending: dict[str, dict[int, Int8Weight | Int4Weight]] = {}
 
     def unquantized() -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,6 +92,22 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
                 config.describe(), before / 2**20, weight_bytes(model) / 2**20)
 
 
+def _load_with_gptq(model: nn.Module, checkpoint: Any, config: QuantizationConfig,
+                    dtype: torch.dtype) -> None:
+    """Load in float, then quantize layer by layer on calibration activations."""
+    from argosy_runtime.quantization.calibration import calibrate_and_quantize, calibration_batch
+    from argosy_runtime.quantization.gptq_quantizer import gptq_quantize_int4
+
+    model.check_all_loaded(model.load_weights(checkpoint.iter_weights()))
+
+    def quantize(name: str, linear: nn.Linear, hessian: torch.Tensor) -> nn.Module:
+        weight = gptq_quantize_int4(linear.weight.detach(), hessian, config.group_size)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return Int4Linear.from_weight(weight, bias, dtype=dtype)
+
+    calibrate_and_quantize(model, calibration_batch(checkpoint.tokenizer), quantize)
+
+
 def _is_quantized_module(module_name: str) -> bool:
     return module_name.startswith("model.layers.") and module_name.rsplit(".", 1)[-1] in QUANTIZED_MODULES
 
@@ -101,11 +122,15 @@ def _iter_source(checkpoint: Any, config: QuantizationConfig) -> Iterator[tuple[
 
 
 def _iter_gguf(checkpoint: Any, config: QuantizationConfig) -> Iterator[tuple[str, QuantItem]]:
-    """Raw GGUF tensors: Q4_0/Q4_1 projections kept as int4-g32 when that is the target,
-    everything else dequantized (rope row permutation undone either way)."""
+    """Raw GGUF tensors: Q4_0/Q4_1 projections kept as int4-g32 when the target is int4 (see
+    QuantizationConfig.keep_gguf_blocks), everything else dequantized (rope row permutation
+    undone either way)."""
     from argosy_runtime.model_loader.gguf_checkpoint import dequantize_tensor, undo_rope_permutation
 
-    keep = config.method == "int4" and config.group_size == 32
+    keep = config.method == "int4" and (config.keep_gguf_blocks or config.group_size == 32)
+    if keep and config.group_size != 32:
+        logger.info("keeping the GGUF file's 4-bit blocks as int4 group 32 (asked: group %d); "
+                    "keep_gguf_blocks=False re-quantizes them", config.group_size)
     for hf_name, tensor in checkpoint.iter_raw_gguf_tensors():
         heads = checkpoint.gguf_rope_heads(hf_name)
         if keep and tensor.tensor_type in INT4_GGUF_TYPES and hf_name.endswith("_proj.weight"):

@@ -61,7 +61,7 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 # Fractions of the full [min, max] range tried by the clip search (1.0 = plain min/max).
-_CLIP_GRID = torch.linspace(1.0, 0.75, 11).tolist()
+_CLIP_GRID = torch.linspace(1.0, 0.75, 6).tolist()
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, clip_search: bool = True) -> Int4Weight:
