@@ -91,3 +91,19 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess, path: 
         time.sleep(0.05)
     assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
     assert "client_disconnected" in server.log_text()
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProcess) -> None:
+    idle_running, idle_kv = _running_and_kv(server)
+    body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 1500,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.url) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        running, kv = _running_and_kv(server)
+        if running == 0 and kv == idle_kv:
+            break
+        time.sleep(0.05)
+    assert (running, kv) == (0, idle_kv)
