@@ -25,6 +25,7 @@ VLLM=${VLLM:-vllm}
 VLLM_MODEL=${VLLM_MODEL:-}
 VLLM_ARGS=${VLLM_ARGS:-}
 PORT=${PORT:-18080}
+LOG_DIR=${LOG_DIR:-$(mktemp -d)}  # server logs (kept out of the results folder)
 
 mkdir -p "$OUT"
 BENCH=("$PY" -m argosy_runtime.cli.main bench serve --rate "$RATES" --num-prompts "$NUM_PROMPTS"
@@ -57,9 +58,9 @@ results=()
 echo "== argosy serve ($MODEL, $DTYPE) ==" >&2
 # shellcheck disable=SC2086
 "$PY" -m argosy_runtime.cli.main serve --model "$MODEL" --dtype "$DTYPE" --port "$PORT" \
-  --log-level warning $ARGOSY_ARGS >"$OUT/argosy-server.log" 2>&1 &
+  --log-level warning $ARGOSY_ARGS >"$LOG_DIR/argosy-server.log" 2>&1 &
 SERVER_PID=$!
-wait_ready "http://127.0.0.1:$PORT/ready" "$OUT/argosy-server.log"
+wait_ready "http://127.0.0.1:$PORT/ready" "$LOG_DIR/argosy-server.log"
 "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label argosy --json "$OUT/argosy.json" \
   --markdown "$OUT/argosy.md"
 results+=("$OUT/argosy.json")
@@ -72,9 +73,9 @@ if command -v "$VLLM" >/dev/null 2>&1; then
   echo "== vllm serve ($VLLM_MODEL, $DTYPE) ==" >&2
   # shellcheck disable=SC2086
   "$VLLM" serve "$VLLM_MODEL" --served-model-name "$MODEL" --dtype "$DTYPE" --port "$PORT" \
-    $VLLM_ARGS >"$OUT/vllm-server.log" 2>&1 &
+    $VLLM_ARGS >"$LOG_DIR/vllm-server.log" 2>&1 &
   SERVER_PID=$!
-  wait_ready "http://127.0.0.1:$PORT/v1/models" "$OUT/vllm-server.log"
+  wait_ready "http://127.0.0.1:$PORT/v1/models" "$LOG_DIR/vllm-server.log"
   "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label vllm --json "$OUT/vllm.json" \
     --markdown "$OUT/vllm.md"
   results+=("$OUT/vllm.json")
