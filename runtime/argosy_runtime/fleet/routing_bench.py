@@ -39,6 +39,16 @@ from argosy_runtime.gateway.proxy.app import Gateway, start_gateway
 POLICIES = ("round-robin", "prefix-affinity")
 
 
+def parse_variant(spec: str) -> RoutingConfig:
+    """`prefix-affinity` or `prefix-affinity@min_capacity=1,load_factor=1.1` -> RoutingConfig."""
+    name, _, overrides = spec.partition("@")
+    kwargs: dict[str, Any] = {"policy": name}
+    for item in filter(None, overrides.split(",")):
+        key, _, value = item.partition("=")
+        kwargs[key] = float(value) if "." in value else int(value)
+    return RoutingConfig(**kwargs)
+
+
 async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
     """(queries, hits) summed over replicas."""
     queries = hits = 0.0
@@ -195,10 +205,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("replicas not ready:\n" + "\n".join(r.log_tail() for r in replicas))
         urls = [r.url for r in replicas]
         gateways: dict[str, str] = {}
-        for policy in POLICIES:
+        for policy in args.policies:
             cfg = GatewayConfig(
                 models=(ModelRouteConfig(name=args.model, backends=tuple(urls)),),
-                routing=RoutingConfig(policy=policy),
+                routing=parse_variant(policy),
                 health=HealthConfig(interval_s=1.0),
             )
             runner, port = await start_gateway(Gateway(cfg), "127.0.0.1", 0)
@@ -208,7 +218,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:
             seed = args.seed
             for rnd in range(args.rounds):
-                order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
+                order = args.policies if rnd % 2 == 0 else args.policies[::-1]
                 for policy in order:
                     seed += 1
                     q0, h0 = await prefix_counters(session, urls)
@@ -230,25 +240,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     })  # fmt: skip
                     print(json.dumps({k: v for k, v in runs[-1].items() if k != "bench"}),
                           flush=True)
-        return {"runs": runs, "summary": summarize(runs)}
+        return {"runs": runs, "summary": summarize(runs, args.policies)}
     finally:
         for runner in runners:
             await runner.cleanup()
         await asyncio.gather(*(r.drain(30) for r in replicas), return_exceptions=True)
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], policies: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for policy in POLICIES:
+    for policy in policies or POLICIES:
         mine = [r for r in runs if r["policy"] == policy]
         hit = [r["prefix_cache_hit_rate"] for r in mine if r["prefix_cache_hit_rate"] is not None]
         ttft = [r["ttft_p50_s"] for r in mine if r["ttft_p50_s"] is not None]
+        p90 = [r["ttft_p90_s"] for r in mine if r.get("ttft_p90_s") is not None]
         out[policy] = {
             "prefix_cache_hit_rate_mean": statistics.fmean(hit) if hit else None,
             "ttft_p50_s_median": statistics.median(ttft) if ttft else None,
+            "ttft_p90_s_median": statistics.median(p90) if p90 else None,
         }
-    rr, pa = out["round-robin"], out["prefix-affinity"]
-    if rr["ttft_p50_s_median"] and pa["ttft_p50_s_median"]:
+    rr, pa = out.get("round-robin", {}), out.get("prefix-affinity", {})
+    if rr.get("ttft_p50_s_median") and pa.get("ttft_p50_s_median"):
         out["ttft_p50_ratio_pa_over_rr"] = pa["ttft_p50_s_median"] / rr["ttft_p50_s_median"]
     return out
 
@@ -261,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=8, help="Per tenant.")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--policies", type=lambda v: v.split(";"), default=list(POLICIES),
+                        help="';'-separated gateway variants, e.g. "
+                             "'round-robin;prefix-affinity;prefix-affinity@min_capacity=1'.")
     parser.add_argument("--load", choices=["bench", "builtin"], default="bench",
                         help="Load generator: argosy bench serve (default) or a built-in one.")
     parser.add_argument("--tenants", type=int, default=8,

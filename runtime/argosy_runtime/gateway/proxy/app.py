@@ -300,11 +300,15 @@ class Gateway:
                 await out.write(chunk)
             await out.write_eof()
             finished = True
-        except (asyncio.CancelledError, ConnectionResetError):
-            # The client went away: closing the upstream connection (in release) tells the
-            # replica to abort the request and free its KV cache.
+        except asyncio.CancelledError:
+            # The client went away (handler cancelled): closing the upstream connection (in
+            # release) tells the replica to abort the request and free its KV cache.
             self.metrics.client_disconnects.labels(model).inc()
             raise
+        except ConnectionResetError:
+            # A write found the client gone (also a client that closes right after the last
+            # event, before the end of the chunked body): same as above, nothing to answer.
+            self.metrics.client_disconnects.labels(model).inc()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             # The replica died mid-answer; bytes already reached the client, so no retry.
             logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
