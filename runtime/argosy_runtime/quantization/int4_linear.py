@@ -25,8 +25,8 @@ from torch import nn
 from argosy_runtime.quantization.rtn import Int4Weight, quantize_int4
 
 # Measured crossover on this project's CPUs (docs/benchmarks/quantization.md): unpacking int4
-# costs several passes over the weight, so the packed kernel wins up to ~64 token rows.
-INT4_PACKED_MAX_TOKENS = 64
+# costs several passes over the weight, so the packed kernel wins up to ~128-256 token rows.
+INT4_PACKED_MAX_TOKENS = 128
 _CPU_INNER_K_TILES = 2  # only used by the CUDA variant of the op; any valid value works on CPU
 
 
