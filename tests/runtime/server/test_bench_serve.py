@@ -66,6 +66,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
                            *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     p = _bench("--base-url", server.url, "--rate", "20,inf", "--num-prompts", "6",

@@ -6,6 +6,8 @@ import httpx
 import pytest
 from serve_harness import MODEL
 
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 

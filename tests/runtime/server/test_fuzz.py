@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_harness import MODEL
 
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
 STATUSES: list[int] = []
 
 JUNK = st.recursive(
@@ -110,7 +112,7 @@ def _body_schema(spec: dict[str, Any], path: str) -> dict[str, Any]:
     return content["application/json"]["schema"]
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=st.data())

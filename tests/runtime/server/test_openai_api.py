@@ -12,6 +12,8 @@ from argosy_runtime import SamplingParams
 from openai import OpenAI
 from serve_harness import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
 PROMPT = "The three primary colors are"
 
 
@@ -51,16 +53,16 @@ def test_completion_stream_equals_non_stream(client: OpenAI) -> None:
 def test_chat_stream_equals_non_stream(client: OpenAI, offline_llm) -> None:
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a fruit."}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                            temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                                  temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     # the same prompt through the model's chat template offline
-    expected = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
+    expected = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
     assert whole.choices[0].message.content == expected.outputs[0].text
 
 

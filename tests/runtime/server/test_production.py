@@ -18,11 +18,13 @@ import pytest
 from argosy_runtime.server.config import ServerConfig
 from serve_harness import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NUM_SEQS = 8
 MAX_WAITING = 2
-REQUEST_TIMEOUT_S = 15
+REQUEST_TIMEOUT_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,7 @@ def test_request_timeout_aborts(prod: ServerProcess) -> None:
 
 
 async def test_sigterm_drains_running_streams_then_exits_0(prod: ServerProcess) -> None:
-    num_streams, max_tokens = 8, 8
+    num_streams, max_tokens = 8, 6
     body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     started = asyncio.Event()

@@ -11,6 +11,8 @@ from argosy_runtime import SamplingParams
 from openai import AsyncOpenAI
 from serve_harness import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
 NUM_STREAMS = 64
 MAX_TOKENS = 6
 PROMPTS = [f"Fact number {i} about {topic}:" for i, topic in enumerate(
