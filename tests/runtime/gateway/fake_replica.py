@@ -39,7 +39,9 @@ class FakeReplica:
     kv_cache_usage: float = 0.0
     num_waiting: int = 0
     # Failure knobs.
-    fail_next: int = 0  # answer this many requests with 500
+    fail_next: int = 0  # answer this many requests with `fail_status`
+    fail_status: int = 500
+    fail_retry_after: int | None = None
     rate_limited: float | None = None  # answer 429 with this Retry-After while set
     ready: bool = True
     first_byte_delay: float = 0.0  # after the headers, before the first body byte
@@ -137,7 +139,10 @@ class FakeReplica:
             return _error(400, "temperature must be >= 0", "BadRequestError", "temperature")
         if self.fail_next > 0:
             self.fail_next -= 1
-            return _error(500, "injected failure", "InternalServerError")
+            resp = _error(self.fail_status, "injected failure", "InternalServerError")
+            if self.fail_retry_after is not None:
+                resp.headers["Retry-After"] = str(self.fail_retry_after)
+            return resp
         if self.rate_limited is not None:
             resp = _error(429, "queue full", "RateLimitError")
             resp.headers["Retry-After"] = str(int(self.rate_limited))

@@ -134,6 +134,18 @@ async def test_5xx_before_first_byte_is_retried_once(fake_replicas, gateway) -> 
     assert gw.pools["tiny"].get(a.url).healthy
 
 
+async def test_503_with_retry_after_keeps_the_replica_out_for_that_long(fake_replicas, gateway) -> None:
+    a, b = await fake_replicas(2)
+    a.fail_next, a.fail_status, a.fail_retry_after = 1, 503, 30  # e.g. draining
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(5):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+    # `a` was tried at most once; afterwards it sat out its Retry-After window.
+    assert len(a.requests) == 1 and a.completed == 0 and b.completed == 5
+
+
 async def test_5xx_on_every_try_returns_the_last_error(fake_replicas, gateway) -> None:
     a, b = await fake_replicas(2, fail_next=5)
     _, url = await gateway(config(("tiny", [a.url, b.url])))

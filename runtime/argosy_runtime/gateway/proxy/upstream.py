@@ -139,6 +139,8 @@ async def _attempt(
             metrics.retries.labels(pool.model, "retry_after").inc()
         else:
             replica.mark_failure(config.health.unhealthy_after)
+            if resp.headers.get("Retry-After"):  # e.g. a draining replica's 503
+                replica.set_retry_after(parse_retry_after(resp.headers["Retry-After"]))
             metrics.retries.labels(pool.model, "upstream_5xx").inc()
         return web.Response(
             status=resp.status,
