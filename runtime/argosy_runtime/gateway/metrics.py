@@ -78,7 +78,8 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "argosy:gateway_retries",
-            "Requests re-sent to another replica, by reason.",
+            "Tries that failed before the first byte, by reason (each is re-sent to another "
+            "replica while tries remain).",
             ["model", "reason"],
             registry=r,
         )
