@@ -79,7 +79,9 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
                                        args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
-                                  self.spec.vocab_size, seed=args.seed)
+                                  self.spec.vocab_size, seed=args.seed,
+                                  max_model_len=self.max_model_len,
+                                  enable_cuda_graphs=not args.enforce_eager)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.proposer = self._build_proposer()
 

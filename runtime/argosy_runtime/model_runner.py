@@ -43,7 +43,8 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dty
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, kv_cache: KVCacheManager,
-                 device: torch.device, vocab_size: int, seed: int = 0) -> None:
+                 device: torch.device, vocab_size: int, seed: int = 0,
+                 max_model_len: int = 0, enable_cuda_graphs: bool = False) -> None:
         self.model = model
         self.spec = model.spec
         self.cache_config = cache_config
@@ -51,7 +52,12 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         s = self.spec
-        self.backend = TorchAttentionBackend(
+        backend_cls = TorchAttentionBackend
+        if device.type == "cuda":  # Triton kernels on GPUs; the torch reference on CPUs
+            from argosy_runtime.attention.triton_backend import TritonAttentionBackend
+
+            backend_cls = TritonAttentionBackend
+        self.backend = backend_cls(
             s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5
         )
         shape = (s.num_hidden_layers, 2, cache_config.num_blocks, self.block_size,
@@ -63,6 +69,15 @@ class ModelRunner:
         if cache_config.cache_dtype == torch.int8:
             self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
             self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
+        self.graph_runner = None
+        if device.type == "cuda" and enable_cuda_graphs:
+            from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
+
+            self.graph_runner = CUDAGraphRunner(
+                model, self.kv_caches, self.kv_scales, self.backend,
+                max_blocks_per_seq=-(-max_model_len // self.block_size), device=device,
+            )
+            self.graph_runner.capture()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
 
@@ -118,8 +133,12 @@ class ModelRunner:
         # Decodes first (stable: keeps the scheduler's order within each group).
         scheduled = sorted(sched.scheduled, key=lambda sr: sr.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(scheduled)
-        ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.graph_runner is not None:  # replays captured decode graphs when it can
+            hidden = self.graph_runner.forward(input_ids, positions, meta)
+        else:
+            ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta,
+                                 self.kv_scales)
+            hidden = self.model(input_ids, positions, ctx)
 
         # Which rows need logits: the last row of each sequence that samples, every draft row
         # plus the bonus row of speculative sequences, and prompt rows for prompt_logprobs.

@@ -25,16 +25,19 @@ class TorchAttentionBackend:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+        v_scale: torch.Tensor | None = None,  # (int8 cache only)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
-        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
+                              k_scale=k_scale, v_scale=v_scale)
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd:
             out[:nd] = paged_decode_attention_ref(
                 query[:nd], key_cache, value_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale,
+                meta.decode_context_lens, self.scale, k_scale=k_scale, v_scale=v_scale,
             )
         start = nd
         block_size = key_cache.shape[1]
@@ -47,6 +50,9 @@ class TorchAttentionBackend:
                 blocks = meta.prefill_block_tables[i, : -(-seq_len // block_size)].long()
                 k = key_cache[blocks].flatten(0, 1)[:seq_len]
                 v = value_cache[blocks].flatten(0, 1)[:seq_len]
+                if k_scale is not None and v_scale is not None:  # dequantize the int8 cache
+                    k = k.float() * k_scale[blocks].flatten(0, 1)[:seq_len, :, None]
+                    v = v.float() * v_scale[blocks].flatten(0, 1)[:seq_len, :, None]
             out[start:end] = self._causal_attention(query[start:end], k, v, num_context)
             start = end
         return out
