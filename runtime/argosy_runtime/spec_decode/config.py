@@ -19,6 +19,9 @@ class SpeculativeConfig:
     # target's first `draft_layers` layers plus its final norm and head.
     model: str | None = None
     draft_layers: int | None = None
+    # draft: "int4" or "int8" makes the draft a quantized copy of `model` (of the target itself
+    # when `model` is unset), with its own KV cache.
+    quantization: str | None = None
     # Adaptive k: a request whose recent acceptance rate falls below this stops speculating
     # for a while (doubling back-off), so free generation pays almost nothing.
     min_acceptance_rate: float = 0.3
@@ -37,6 +40,11 @@ class SpeculativeConfig:
             )
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        if self.quantization not in (None, "int4", "int8"):
+            raise ValueError(f"speculative quantization must be 'int4', 'int8' or unset, "
+                             f"got {self.quantization!r}")
+        if self.method == "ngram" and (self.model or self.draft_layers or self.quantization):
+            raise ValueError("speculative model/draft_layers/quantization need method 'draft'")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
 

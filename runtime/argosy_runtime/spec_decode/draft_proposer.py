@@ -1,0 +1,261 @@
+"""Draft-model proposer: a small model guesses k tokens autoregressively, the target checks them.
+
+Two kinds of draft:
+
+- **self-draft** (`model` unset): the target's first `draft_layers` layers (default a quarter)
+  plus its final norm and head. Those layers have the same weights and see the same inputs as
+  in the target, so their K/V *are* the target's: the draft reads and writes the target's own
+  paged cache for layers < draft_layers and needs no cache or catch-up of its own. The slots it
+  writes for draft positions are rewritten by the target's verification pass of the same step
+  (every layer writes all new K/V before attention reads), so they never leak into results.
+- **separate draft** (`model` = a path with the same vocabulary, or `quantization` = "int4"/
+  "int8" for a quantized copy of the target): its own K/V tensor, indexed by the *same* block
+  tables and slot mapping as the target (same num_blocks and block_size), so it needs no block
+  manager of its own. It is brought up to date lazily: before proposing, the draft runs over
+  every token of the request it has not seen (the whole prompt the first time, then usually
+  one or two tokens per step), so requests that pause speculating (adaptive k) or get
+  preempted simply catch up later.
+
+Exactness never depends on the draft: greedy verification keeps only tokens equal to the
+target's argmax, and sampled drafts are drawn from the distribution q returned with them, so
+rejection sampling stays exact whatever q is (a stale draft cache only lowers acceptance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
+from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
+from argosy_runtime.spec_decode.config import SpeculativeConfig
+from argosy_runtime.spec_decode.decoder import Proposal
+
+if TYPE_CHECKING:
+    from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.request import Request
+
+
+@dataclass
+class _DraftState:
+    """What a separate draft's cache holds for one request."""
+
+    blocks: list  # the KV manager's block list object: a new object means new blocks
+    valid: int = 0  # positions [0, valid) hold this request's draft K/V
+    pending: list[int] = field(default_factory=list)  # drafts written at valid, valid + 1, ...
+
+
+class DraftProposer:
+    """Proposes with a draft model; `SpeculativeDecoder` calls `propose_batch` each step."""
+
+    def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        runner = engine.runner
+        target = engine.model
+        self.vocab_size = engine.spec.vocab_size
+        self._state: dict[str, _DraftState] = {}
+        if config.model is None and config.quantization is None:
+            total = target.spec.num_hidden_layers
+            n = config.draft_layers or max(1, total // 4)
+            if n > total:
+                raise ValueError(f"draft_layers ({n}) exceeds the target's {total} layers")
+            self.shares_target_cache = True
+            self.model = target
+            self.num_layers = n
+            self.max_positions = engine.max_model_len
+            self.backend = runner.backend
+            self.kv_caches = runner.kv_caches  # layers < n are read and written
+            self.kv_scales = runner.kv_scales
+            return
+        self.shares_target_cache = False
+        self.model = self._load_draft(config)
+        spec = self.model.spec
+        n = config.draft_layers or spec.num_hidden_layers
+        if n > spec.num_hidden_layers:
+            raise ValueError(f"draft_layers ({n}) exceeds the draft's {spec.num_hidden_layers} layers")
+        self.num_layers = n
+        self.max_positions = min(engine.max_model_len, spec.max_position_embeddings)
+        self.backend = TorchAttentionBackend(spec.num_attention_heads, spec.num_key_value_heads,
+                                             spec.head_dim, spec.head_dim**-0.5)
+        cc = engine.cache_config
+        # [layers, k/v, num_blocks, block_size, kv_heads, head_dim]: same blocks as the target.
+        shape = (n, 2, cc.num_blocks, cc.block_size, spec.num_key_value_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(n)]
+        self.kv_scales = None
+
+    def _load_draft(self, config: SpeculativeConfig) -> LlamaForCausalLM:
+        from argosy_runtime.model_loader import load_checkpoint
+
+        engine = self.engine
+        checkpoint = engine.checkpoint if config.model is None else load_checkpoint(config.model)
+        spec = checkpoint.spec
+        if spec.vocab_size != engine.spec.vocab_size:
+            raise ValueError(
+                f"speculative model {config.model!r} has vocab_size {spec.vocab_size}, but the "
+                f"target has {engine.spec.vocab_size}: the draft must share the target's tokenizer"
+            )
+        model = LlamaForCausalLM(spec, engine.dtype,
+                                 max_positions=min(engine.max_model_len, spec.max_position_embeddings))
+        if config.quantization is None:
+            model.check_all_loaded(model.load_weights(checkpoint.iter_weights()))
+        else:
+            from argosy_runtime.quantization import QuantizationConfig, load_quantized_weights
+
+            load_quantized_weights(model, checkpoint, QuantizationConfig(method=config.quantization))
+        return model.to(engine.device).eval()
+
+    # ---- proposing ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_batch(self, batch: list[tuple[Request, int]]) -> list[Proposal]:
+        """Up to k draft tokens per request (with their distribution q for sampled requests)."""
+        kv = self.engine.kv_cache
+        for rid in [r for r in self._state if r not in kv.req_to_blocks]:
+            del self._state[rid]  # finished or preempted
+        proposals = [Proposal([]) for _ in batch]
+        live: list[tuple[int, Request, int, np.ndarray]] = []  # (batch index, req, k, blocks)
+        entries: list[tuple[np.ndarray, int, list[int]]] = []  # (block ids, first position, tokens)
+        for i, (req, k) in enumerate(batch):
+            n = req.num_tokens
+            # Draft positions go up to n + k - 2 (the target verifies up to n + k - 1).
+            k = min(k, self.max_positions - n + 1)
+            if k <= 0:
+                continue
+            # Blocks for every position this step may write, before the scheduler runs. Only
+            # the computed prefix is offered for prefix-cache hashing: the block holding the
+            # last token must not become a cache entry before the target has written it.
+            if not kv.allocate_slots(req.request_id, req.token_ids[: req.num_computed_tokens], n + k):
+                continue
+            start = self._catch_up_start(req)
+            blocks = np.asarray(kv.block_ids(req.request_id), dtype=np.int64)
+            live.append((i, req, k, blocks))
+            entries.append((blocks, start, req.token_ids[start:n]))
+        if not live:
+            return proposals
+
+        drafts: list[list[int]] = [[] for _ in live]
+        qs: list[list[torch.Tensor]] = [[] for _ in live]
+        for step in range(max(k for _, _, k, _ in live)):
+            active = [j for j, (_, _, k, _) in enumerate(live) if k > step]
+            if step > 0:
+                entries = [(live[j][3], live[j][1].num_tokens - 1 + step, [drafts[j][-1]])
+                           for j in active]
+            logits = self._forward(entries)  # [len(active), vocab]
+            tokens, probs = self._choose([live[j][1] for j in active], logits)
+            for row, j in enumerate(active):
+                drafts[j].append(tokens[row])
+                if probs is not None and probs[row] is not None:
+                    qs[j].append(probs[row])
+
+        for j, (i, req, k, _) in enumerate(live):
+            if not self.shares_target_cache:
+                state = self._state[req.request_id]
+                state.valid = req.num_tokens
+                state.pending = drafts[j][:-1]  # the last draft was never fed to the draft
+            probs = torch.stack(qs[j]) if len(qs[j]) == k else None
+            proposals[i] = Proposal(drafts[j], probs)
+        return proposals
+
+    def _catch_up_start(self, req: Request) -> int:
+        """First position the draft must (re)compute for this request."""
+        if self.shares_target_cache:
+            return req.num_computed_tokens  # the target's cache holds everything before
+        blocks = self.engine.kv_cache.req_to_blocks[req.request_id]
+        state = self._state.get(req.request_id)
+        if state is None or state.blocks is not blocks:
+            # New request, or preempted and re-admitted with new blocks: recompute from 0
+            # (prefix-cache hits may hold another request's draft K/V of the same tokens, but
+            # recomputing is cheap for a small draft and always right).
+            state = _DraftState(blocks)
+            self._state[req.request_id] = state
+            return 0
+        for token in state.pending:  # drafts the target accepted keep their draft K/V
+            if state.valid < req.num_tokens and req.token_ids[state.valid] == token:
+                state.valid += 1
+            else:
+                break
+        state.pending = []
+        # Rolled-back blocks (past num_computed_tokens) were released and may be reused.
+        state.valid = min(state.valid, req.num_computed_tokens)
+        return state.valid
+
+    def _choose(self, reqs: list[Request], logits: torch.Tensor
+                ) -> tuple[list[int], list[torch.Tensor | None] | None]:
+        """Greedy requests take the draft's argmax; sampled ones draw from q and keep q."""
+        logits = logits[:, : self.vocab_size]
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [r for r, req in enumerate(reqs) if not req.params.is_greedy]
+        if not sampled:
+            return tokens, None
+        sampler = self.engine.runner.sampler
+        sub = [reqs[r] for r in sampled]
+        q = sampler.probs(logits[sampled], sub)
+        q = q / q.sum(dim=-1, keepdim=True)  # min-p zeroes entries: renormalize
+        draws = sampler.sample_from(q, sub).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(reqs)
+        for row, r in enumerate(sampled):
+            tokens[r] = draws[row]
+            probs[r] = q[row]
+        return tokens, probs
+
+    # ---- the draft forward ----------------------------------------------------------------
+    def _forward(self, entries: list[tuple[np.ndarray, int, list[int]]]) -> torch.Tensor:
+        """Run the draft over each entry's tokens; float32 logits [len(entries), vocab] at
+        each entry's last token."""
+        dev = self.engine.device
+        bs = self.engine.cache_config.block_size
+        # Single-token sequences first: attention handles them with one paged-decode call.
+        order = sorted(range(len(entries)), key=lambda e: len(entries[e][2]) != 1)
+        ids: list[int] = []
+        positions, slots = [], []
+        decode_tables, decode_lens = [], []
+        prefill_tables, q_lens, seq_lens = [], [], []
+        last_rows = [0] * len(entries)
+        for e in order:
+            blocks, start, tokens = entries[e]
+            pos = np.arange(start, start + len(tokens))
+            ids.extend(tokens)
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            last_rows[e] = len(ids) - 1
+            if len(tokens) == 1:
+                decode_tables.append(blocks)
+                decode_lens.append(start + 1)
+            else:
+                prefill_tables.append(blocks)
+                q_lens.append(len(tokens))
+                seq_lens.append(start + len(tokens))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_lens),
+            decode_block_tables=_pad(decode_tables, dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefill_query_lens=q_lens,
+            prefill_seq_lens=seq_lens,
+            prefill_block_tables=_pad(prefill_tables, dev),
+            prefill_query_start_loc=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
+            prefill_seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        model = self.model
+        ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        h = model.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
+        layers: nn.ModuleList = model.model.layers
+        for layer in layers[: self.num_layers]:
+            h = layer(pos_t, h, ctx)
+        h = model.model.norm(h[torch.tensor(last_rows, device=dev)])
+        return model.compute_logits(h).cpu()
+
+
+def _pad(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    if not tables:
+        return torch.zeros((0, 1), dtype=torch.int32, device=device)
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return torch.from_numpy(out).to(device)
