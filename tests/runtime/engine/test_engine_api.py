@@ -1,0 +1,140 @@
+"""LLMEngine behaviour beyond greedy exactness: bad input, aborts, sampling options, n > 1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from argosy_runtime import LLM, LLMEngine, SamplingParams
+from conftest import assert_no_leaks
+
+
+@pytest.fixture(scope="module")
+def engine(random_llama_dir) -> LLMEngine:  # noqa: ANN001
+    return LLMEngine(model=str(random_llama_dir), dtype="float32", block_size=4,
+                     max_model_len=256, kv_cache_memory=256 * 4 * 512)
+
+
+def drain(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize("prompt,field", [
+    ("", "prompt"), ([], "prompt"), ([1, 2, 10**6], "prompt[2]"), ([1, -1], "prompt[1]"),
+    ([1, "x"], "prompt[1]"), ([5] * 300, "max_model_len"),
+])
+def test_bad_prompts_raise_value_errors_and_others_keep_running(engine, prompt, field) -> None:  # noqa: ANN001
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+    engine.step()
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=8))
+    done = drain(engine)
+    assert len(done["good"].outputs[0].token_ids) == 6
+    assert "bad" not in done
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"n": 1000}, "n"),
+    ({"logprobs": 10**6}, "logprobs"), ({"temperature": float("nan")}, "temperature"),
+    ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"stop": [""]}, "stop"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"top_k": -5}, "top_k"), ({"presence_penalty": 9.0}, "presence_penalty"),
+])
+def test_absurd_sampling_values_name_the_field(kwargs, field) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_request_larger_than_the_pool_is_rejected_up_front(random_llama_dir) -> None:  # noqa: ANN001
+    tiny = LLMEngine(model=str(random_llama_dir), dtype="float32", block_size=4,
+                     kv_cache_memory=4 * 4 * 512)  # 4 blocks = 16 tokens
+    with pytest.raises(ValueError, match="whole pool"):
+        tiny.add_request("big", [5] * 10, SamplingParams(max_tokens=10))
+    tiny.add_request("fits", [5] * 4, SamplingParams(max_tokens=8, temperature=0))
+    assert len(drain(tiny)["fits"].outputs[0].token_ids) == 8
+
+
+def test_duplicate_request_id_is_rejected(engine) -> None:  # noqa: ANN001
+    engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    drain(engine)
+
+
+def test_abort_mid_generation_frees_blocks_at_once(engine) -> None:  # noqa: ANN001
+    for i in range(4):
+        engine.add_request(f"a{i}", [9 + i] * 30, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache.usage() > 0
+    engine.abort_request(["a0", "a1", "a2", "a3", "unknown-id"])
+    assert not engine.has_unfinished_requests()
+    assert_no_leaks(engine)
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens(engine, random_llama_hf) -> None:  # noqa: ANN001
+    prompt = [11, 22, 33, 44]
+    ref = random_llama_hf.greedy(prompt, 12)
+    engine.add_request("stop-id", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                         stop_token_ids=[ref[3]], ignore_eos=True))
+    out = drain(engine)["stop-id"].outputs[0]
+    first = ref.index(ref[3])
+    assert out.token_ids == ref[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == ref[3]
+
+    full_text = engine.tokenizer.decode(ref)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    engine.add_request("stop-str", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                          stop=[stop], ignore_eos=True))
+    out = drain(engine)["stop-str"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and full_text.startswith(out.text)
+
+    engine.add_request("min", prompt, SamplingParams(max_tokens=6, min_tokens=6, temperature=0,
+                                                     stop_token_ids=[ref[0]]))
+    out = drain(engine)["min"].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(engine) -> None:  # noqa: ANN001
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=7, n=3)
+    engine.add_request("s1", [3, 4, 5], params)
+    first = drain(engine)["s1"]
+    engine.add_request("noise", [8, 9], SamplingParams(max_tokens=5, temperature=1.0))
+    engine.add_request("s2", [3, 4, 5], params)
+    second = drain(engine)["s2"]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len(first.outputs) == 3 and [o.index for o in first.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    assert_no_leaks(engine)
+
+
+def test_top_k_one_equals_greedy_and_penalties_change_output(engine, random_llama_hf) -> None:  # noqa: ANN001
+    prompt = [101, 202, 303]
+    engine.add_request("k1", prompt, SamplingParams(max_tokens=10, temperature=0.9, top_k=1,
+                                                    ignore_eos=True))
+    assert drain(engine)["k1"].outputs[0].token_ids == random_llama_hf.greedy(prompt, 10)
+    engine.add_request("rep", prompt, SamplingParams(max_tokens=30, temperature=0,
+                                                     repetition_penalty=5.0, ignore_eos=True))
+    tokens = drain(engine)["rep"].outputs[0].token_ids
+    greedy = random_llama_hf.greedy(prompt, 30)
+    # A strong repetition penalty repeats fewer tokens than plain greedy does.
+    assert len(set(tokens)) >= len(set(greedy)) and tokens != greedy or len(set(greedy)) == 30
+
+
+def test_llm_generate_keeps_prompt_order(random_llama_dir, random_llama_hf) -> None:  # noqa: ANN001
+    llm = LLM(model=str(random_llama_dir), dtype="float32", block_size=4)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == prompts
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=3))
+    assert_no_leaks(llm.engine)
