@@ -120,26 +120,29 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                         params: SamplingParams) -> list[RequestStream]:
-    """Admit every prompt of a request (all or none)."""
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await ctx.engine.add(rid, prompt, params))
-    except QueueFullError as exc:
+    """Admit every prompt of a request (all or none), in the same engine step."""
+    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    # gather posts every add before awaiting any, so the prompts join the batch together
+    results = await asyncio.gather(*(ctx.engine.add(rid, p, params)
+                                     for rid, p in zip(ids, prompts, strict=True)),
+                                   return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return streams
+    for s in streams:
+        s.close()
+    exc = errors[0]
+    if isinstance(exc, QueueFullError):
         ctx.metrics.reject("queue_full")
         raise APIError(429, f"server is at capacity ({exc}); retry later",
                        code="queue_full",
                        headers={"Retry-After": str(ctx.config.retry_after_s)}) from exc
-    except ValueError as exc:
+    if isinstance(exc, ValueError):
         raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
-    except EngineDeadError as exc:
+    if isinstance(exc, EngineDeadError):
         raise APIError(503, str(exc), code="engine_unavailable") from exc
-    finally:
-        if len(streams) < len(prompts):
-            for s in streams:
-                s.close()
-    return streams
+    raise exc
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
