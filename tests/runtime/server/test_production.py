@@ -98,18 +98,24 @@ async def test_full_waiting_queue_answers_429_with_retry_after(prod: ServerProce
         assert r.status_code == 200
 
 
-def test_request_timeout_aborts(prod: ServerProcess) -> None:
+async def test_request_timeout_aborts_plain_and_streamed(prod: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 1800, "ignore_eos": True}
     start = time.monotonic()
-    with httpx.Client(base_url=prod.url, headers=AUTH, timeout=120) as h:
-        r = h.post("/v1/completions", json=body)
+    async with httpx.AsyncClient(base_url=prod.url, headers=AUTH, timeout=120) as h:
+
+        async def streamed() -> list[str]:
+            async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+        plain, lines = await asyncio.gather(h.post("/v1/completions", json=body), streamed())
     took = time.monotonic() - start
-    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    assert plain.status_code == 408 and plain.json()["error"]["code"] == "request_timeout"
+    # the stream got tokens, then an error event, then [DONE]
+    assert len(lines) > 3 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"
     assert REQUEST_TIMEOUT_S - 1 <= took < REQUEST_TIMEOUT_S + 10
-    deadline = time.monotonic() + 5
-    while _gauges(prod) != (0, 0):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    await _until(lambda: _gauges(prod) == (0, 0), timeout=5)
 
 
 async def test_sigterm_drains_running_streams_then_exits_0(prod: ServerProcess) -> None:
