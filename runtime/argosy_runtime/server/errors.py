@@ -87,11 +87,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "request body is required", None
     where = ".".join(str(p) for p in loc if p != "body") or "body"
     message = f"{where}: {first.get('msg', 'invalid value')}"
+    tags = _union_tags(errors, param)
+    if len(tags) > 1:  # a union field: name the accepted forms, not the first one's failure
+        message = f"{param}: expected one of {' | '.join(tags)}"
+        errors = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) != param] + [first]
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {where!r}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return message, param
+
+
+def _union_tags(errors: list[Any], param: str | None) -> list[str]:
+    """pydantic reports a failed union member by member: loc = (body, field, 'str', ...)."""
+    tags: list[str] = []
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if len(loc) >= 2 and loc[0] == param and not loc[1].isdigit() and (
+                loc[1] in ("str", "int", "float", "bool", "none") or "[" in loc[1]
+                or loc[1][:1].isupper()):
+            if loc[1] not in tags:
+                tags.append(loc[1])
+    return tags
 
 
 def install_error_handlers(app: FastAPI) -> None:
