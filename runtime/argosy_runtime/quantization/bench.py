@@ -188,7 +188,12 @@ def main() -> None:
     requant.add_argument("--model", default="smollm2-135m")
     requant.add_argument("--text", required=True)
     requant.add_argument("--ppl-tokens", type=int, default=1024)
+    for p in (modes, kernels, requant):
+        p.add_argument("--threads", type=int, default=1,
+                       help="torch intra-op threads (default 1: on a shared, oversubscribed "
+                            "CPU, spinning OpenMP barriers make 2 threads ~10x slower than 1)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     {"modes": bench_modes, "kernels": bench_kernels, "requant": bench_requant}[args.kind](args)
 
 
