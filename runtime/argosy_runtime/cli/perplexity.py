@@ -4,7 +4,9 @@ The file's tokens are scored in sliding windows of `--window` tokens advancing b
 `--stride`: each window is one prompt run with `prompt_logprobs=0` (the engine returns the
 log-probability of every prompt token after the first), and only tokens that no earlier
 window scored are counted, so every token after the first is scored exactly once, with up
-to `window - stride` tokens of context ahead of it. Prints one JSON line:
+to `window - stride` tokens of context ahead of it. Prompts are prefilled in small chunks
+(`--chunk-tokens`) so attention reads earlier tokens from the KV cache, as in decoding: that
+is what makes `--kv-cache-dtype int8` measurable. Prints one JSON line:
 {"perplexity", "tokens", "weight_bytes", "kv_bytes_per_token", ...}.
 """
 
@@ -34,6 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="Tokens the window advances by (default: %(default)s).")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="Score only the first N tokens of the file.")
+    parser.add_argument("--chunk-tokens", type=int, default=32,
+                        help="Prefill chunk (engine token budget per step). Small chunks make "
+                             "most positions read K/V back from the KV cache, as decoding "
+                             "does, so an int8 cache's rounding is measured; a window "
+                             "prefilled in one chunk attends only to fresh K/V "
+                             "(default: %(default)s).")
     return parser
 
 
@@ -92,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size,
               kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=max(512, args.window), enable_prefix_caching=False)
+              max_num_batched_tokens=args.chunk_tokens, enable_prefix_caching=False)
     loaded = time.monotonic()
     engine = llm.engine
     token_ids = llm.get_tokenizer().encode(text)

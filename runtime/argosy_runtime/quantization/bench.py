@@ -59,8 +59,10 @@ def bench_modes(args: argparse.Namespace) -> list[dict]:
     for mode in args.modes:
         started = time.perf_counter()
         try:
+            # budget 64: decode of 32 fits in a step, and prefill chunks read K/V back from the
+            # cache (see argosy perplexity --chunk-tokens)
             llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory=args.kv_memory,
-                      enable_prefix_caching=False, **MODES[mode])
+                      enable_prefix_caching=False, max_num_batched_tokens=64, **MODES[mode])
             llm.generate("warm up", None)
         except Exception as exc:  # a mode the engine cannot run yet: say so, go on
             print(json.dumps({"mode": mode, "error": f"{type(exc).__name__}: {exc}"}), flush=True)

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.slow
 EVAL_MODULES = ("json", "argparse", "collections", "textwrap", "string", "functools",
                 "itertools", "heapq", "random", "logging")
 NUM_TOKENS = 1024
+# Prefill in chunks of this many tokens: later chunks then read the earlier tokens' K/V back
+# from the KV cache, so the int8 cache's rounding shows in the scores (a window prefilled in
+# one chunk would attend only to its fresh, unquantized K/V).
+CHUNK_TOKENS = 32
 MODES = {
     "bf16": {},
     "int8": {"quantization": "int8"},
@@ -56,7 +60,8 @@ def results() -> dict:
             from argosy_runtime import LLM
 
             llm = LLM(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=64 << 20,
-                      enable_prefix_caching=False, **MODES[mode])
+                      enable_prefix_caching=False, max_num_batched_tokens=CHUNK_TOKENS,
+                      **MODES[mode])
             ids = llm.get_tokenizer().encode(eval_text())[:NUM_TOKENS]
             cache[mode] = (llm, perplexity(llm, ids, window=512, stride=256))
             if mode != "int8":  # the coherence test still needs the int8 engine
