@@ -46,6 +46,7 @@ CONFIGS: dict[str, Any] = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
     "draft": {"method": "draft", "num_speculative_tokens": 3},  # self-draft, 1/4 of the layers
+    "draft-int4": {"method": "draft", "quantization": "int4", "num_speculative_tokens": 3},
 }
 
 

@@ -14,11 +14,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
-from conftest import assert_no_leaks  # noqa: E402
 from model_factory import make_random_model_dir  # noqa: E402
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every block is back in the pool (cached-free counts as free), no block table left."""
+    assert not engine.has_unfinished_requests()
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
+    assert kv.req_to_blocks == {}
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Tight pool (20 blocks of 4 tokens, 2 KiB each, for 6 requests of up to ~56 tokens) and small
@@ -96,13 +102,15 @@ def draft_spec(kind: str, k: int, models: dict[str, Path]) -> dict:
     spec: dict = {"method": "draft", "num_speculative_tokens": k, "adaptive": False}
     if kind == "self":
         spec["draft_layers"] = 1  # half of the 2-layer target
+    elif kind == "int4":
+        spec["quantization"] = "int4"  # an int4 copy of the target, with its own cache
     else:
         spec["model"] = str(models[kind])
     return spec
 
 
 @pytest.mark.parametrize("kind,k", [("self", k) for k in range(1, 9)]
-                         + [("near", k) for k in (1, 4, 8)] + [("copy", 3), ("small", 3)])
+                         + [("near", k) for k in (1, 4, 8)] + [("copy", 3), ("small", 3), ("int4", 2)])
 def test_greedy_draft_speculation_is_exact(kind: str, k: int, models: dict[str, Path],
                                            reference: dict[str, list[int]]) -> None:
     engine = LLMEngine(model=str(models["target"]), **TIGHT,

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
-from conftest import assert_no_leaks  # noqa: E402
 from model_factory import make_random_model_dir  # noqa: E402
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every block is back in the pool (cached-free counts as free), no block table left."""
+    assert not engine.has_unfinished_requests()
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
+    assert kv.req_to_blocks == {}
 
 
 @pytest.fixture(scope="module")
