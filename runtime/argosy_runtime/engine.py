@@ -11,6 +11,7 @@ AsyncEngine funnels everything through its engine thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -244,6 +245,7 @@ class LLMEngine:
         return [self._make_output(pid) for pid in progressed]
 
     def get_stats(self) -> EngineStats:
+        """A snapshot (a copy: the engine keeps updating its own counters)."""
         s = self.stats
         s.num_requests_running = self.scheduler.num_running
         s.num_requests_waiting = self.scheduler.num_waiting
@@ -251,7 +253,7 @@ class LLMEngine:
         s.prefix_cache_queries = self.kv_cache.prefix_cache_queries
         s.prefix_cache_hits = self.kv_cache.prefix_cache_hits
         s.num_preemptions = self.scheduler.num_preemptions
-        return s
+        return dataclasses.replace(s, extra=dict(s.extra))
 
     def cache_config_info(self) -> dict[str, str]:
         c = self.cache_config
@@ -298,6 +300,8 @@ class LLMEngine:
             delta = req.detokenizer.push([token])
             status = self._check_stop(req, token, delta)
             if status is not None:
+                if not isinstance(req.stop_reason, str):  # (a stop string already cut the text)
+                    req.text += req.detokenizer.flush()  # a trailing partial character
                 self.scheduler.finish_request(req, status)
                 req.metrics.finished_time = now
                 return

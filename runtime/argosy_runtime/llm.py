@@ -62,6 +62,8 @@ class LLM:
              params: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]
+        tokenizer = self.engine.tokenizer
+        # The template already holds any BOS it wants: encode without adding special tokens.
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                                    add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params)
