@@ -16,12 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("bench", help="Run a benchmark.", description=__doc__)
     kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
     for kind, (module_name, help_text) in KINDS.items():
-        try:
-            module = importlib.import_module(f"argosy_runtime.benchmarks.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"argosy_runtime.benchmarks.{module_name}":
-                raise
-            continue
+        module = importlib.import_module(f"argosy_runtime.benchmarks.{module_name}")
         sub = kinds.add_parser(kind, help=help_text, description=help_text)
         module.add_arguments(sub)
         sub.set_defaults(_bench_run=module.run)

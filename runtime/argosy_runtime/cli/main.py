@@ -18,16 +18,10 @@ import sys
 # other (a decode step measured 15-30x slower). Set before any subcommand imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# subcommand name -> module under argosy_runtime.cli
-SUBCOMMANDS: dict[str, str] = {
-    "serve": "serve",
-    "bench": "bench",
-    "perplexity": "perplexity",
-    "gateway": "gateway",
-    "fleet": "fleet",
-    "operator": "operator_cmd",
-    "autoscale-sim": "autoscale_sim",
-}
+# One module per subcommand, in --help order (each registers its own name).
+SUBCOMMAND_MODULES = (
+    "serve", "bench", "perplexity", "gateway", "fleet", "operator_cmd", "autoscale_sim",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,13 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Argosy: serve large language models fast and cheaply.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(f"argosy_runtime.cli.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"argosy_runtime.cli.{module_name}":
-                raise
-            continue  # subcommand not built yet
+    for module_name in SUBCOMMAND_MODULES:
+        module = importlib.import_module(f"argosy_runtime.cli.{module_name}")
         sub = module.add_parser(subparsers)
         sub.set_defaults(_run=module.run)
     return parser

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_kernels.paged_attention import paged_decode_attention_ref
-
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
 
 
