@@ -71,7 +71,6 @@ class EngineArgs:
         default=None,
     )
     seed: int = _opt("Seed for requests that give none.", default=0)
-    compile: bool = _opt("Use torch.compile for the model forward where it pays.", default=False)
     enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
 
     def to_dict(self) -> dict[str, Any]:
