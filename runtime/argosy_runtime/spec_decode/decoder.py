@@ -40,6 +40,7 @@ class Proposer(Protocol):
 class _Adaptive:
     """Per-request acceptance tracking for adaptive k."""
 
+    k: int  # drafts to ask for next step (1 .. num_speculative_tokens)
     rate: float = 1.0  # exponential moving average of accepted / proposed
     cooldown: int = 0  # steps left without speculation
     backoff: int = 8
@@ -71,10 +72,12 @@ class SpeculativeDecoder:
                     self.engine.max_model_len - req.num_tokens - 1)
             if k <= 0:
                 continue
-            state = self._adaptive.setdefault(req.request_id, _Adaptive())
+            state = self._state(req.request_id)
             if state.cooldown > 0:
                 state.cooldown -= 1
                 continue
+            if self.config.adaptive:
+                k = min(k, state.k)
             batch.append((req, k))
         if not batch:
             return
@@ -134,21 +137,43 @@ class SpeculativeDecoder:
         stats = self.engine.stats
         stats.spec_decode_num_draft_tokens += len(drafts)
         stats.spec_decode_num_accepted_tokens += num_accepted
-        self._update_adaptive(req.request_id, num_accepted / max(1, len(drafts)))
+        self._update_adaptive(req.request_id, len(drafts), num_accepted)
         logprobs = None
         if req.logprobs is not None:
             logprobs = compute_logprobs(logits[: len(accepted), : sampler.vocab_size], accepted,
                                         req.params.logprobs or 0)
         return accepted, logprobs
 
-    def _update_adaptive(self, request_id: str, rate: float) -> None:
+    def _state(self, request_id: str) -> _Adaptive:
+        state = self._adaptive.get(request_id)
+        if state is None:
+            state = self._adaptive[request_id] = _Adaptive(k=self.config.num_speculative_tokens)
+        return state
+
+    def _update_adaptive(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Adaptive k. Two mechanisms, because a rejected draft costs a wider verification:
+
+        - k follows the acceptance: all drafts accepted -> double k (up to the configured k);
+          a rejection -> next k is the accepted length + 1. A request in a copied span ramps
+          back to full k in a few steps, one in free text drafts one token at a time, whose
+          verification (2 query rows) costs about as much as a plain decode step.
+        - a request whose moving acceptance rate falls below `min_acceptance_rate` stops
+          speculating for `backoff` steps (doubling while it keeps failing, up to 256), then
+          probes again with k = 1.
+        """
         if not self.config.adaptive:
             return
-        state = self._adaptive.setdefault(request_id, _Adaptive())
+        state = self._state(request_id)
+        rate = num_accepted / max(1, num_drafts)
+        if num_accepted == num_drafts:
+            state.k = min(self.config.num_speculative_tokens, 2 * state.k)
+        else:
+            state.k = max(1, num_accepted + 1)
         state.rate = 0.6 * state.rate + 0.4 * rate
         if state.rate < self.config.min_acceptance_rate:
             state.cooldown = state.backoff
             state.backoff = min(state.backoff * 2, 256)
             state.rate = 1.0  # probe again after the cooldown
-        elif rate > 0:
+            state.k = 1
+        elif rate >= 0.5:
             state.backoff = 8

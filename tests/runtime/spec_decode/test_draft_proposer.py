@@ -209,3 +209,22 @@ def test_embedded_model_self_draft_matches_plain_decoding() -> None:
     stats = spec.engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert_no_leaks(spec.engine)
+
+
+def test_adaptive_k_shrinks_for_a_bad_draft_and_stays_full_for_a_good_one(
+        models: dict[str, Path], reference: dict[str, list[int]]) -> None:
+    def stats_for(kind: str, adaptive: bool):  # noqa: ANN202
+        engine = LLMEngine(model=str(models["target"]), dtype="float32", block_size=4,
+                           speculative={**draft_spec(kind, 4, models), "adaptive": adaptive})
+        assert run(engine, prompts(6, 0), GREEDY) == reference
+        return engine.get_stats()
+
+    bad_fixed, bad = stats_for("small", False), stats_for("small", True)
+    assert bad.spec_decode_num_accepted_tokens < 0.1 * bad.spec_decode_num_draft_tokens
+    # The unrelated draft is nearly always wrong: adaptive k drafts a fraction of what fixed
+    # k = 4 does (one probe token at a time, then cooldowns).
+    assert bad.spec_decode_num_draft_tokens < 0.25 * bad_fixed.spec_decode_num_draft_tokens
+    good = stats_for("copy", True)
+    # A draft that is always right keeps k = 4: 6 requests x 20 tokens in steps of up to 5.
+    assert good.spec_decode_num_accepted_tokens == good.spec_decode_num_draft_tokens
+    assert good.spec_decode_num_draft_tokens >= 0.7 * good.generation_tokens
