@@ -112,7 +112,12 @@ class LLMEngine:
             from argosy_runtime.quantization import load_quantized_weights
 
             load_quantized_weights(model, checkpoint, quant_config)
-        return model.to(self.device).eval()
+        model = model.to(self.device).eval()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
+
+            pack_linears_for_cpu(model)
+        return model
 
     def _quantization_config(self, checkpoint: Any) -> Any:
         if self.args.quantization is None:

@@ -11,6 +11,7 @@ def weight_bytes(model: nn.Module) -> int:
     (qweight, scales, zeros, bias, input permutation). Other buffers (rotary tables) are not
     weights and are left out."""
     from argosy_runtime.quantization.int4_linear import Int4Linear
+    from argosy_runtime.models.cpu_linear import PackedLinear
     from argosy_runtime.quantization.int8_linear import Int8Linear
 
     seen: set[int] = set()
@@ -29,4 +30,7 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(module, Int8Linear | Int4Linear):
             for b in module.buffers(recurse=False):
                 add(b)
+        elif isinstance(module, PackedLinear):  # oneDNN-packed bf16 weights are not parameters
+            total += module.weight_nbytes
+            add(module.bias)
     return total
