@@ -10,8 +10,8 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter (tied ones once) plus the quantized layers' buffers
     (qweight, scales, zeros, bias, input permutation). Other buffers (rotary tables) are not
     weights and are left out."""
-    from argosy_runtime.quantization.int4_linear import Int4Linear
     from argosy_runtime.models.cpu_linear import PackedLinear
+    from argosy_runtime.quantization.int4_linear import Int4Linear
     from argosy_runtime.quantization.int8_linear import Int8Linear
 
     seen: set[int] = set()
