@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
+from argosy_runtime.attention.batch import build_batch
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
@@ -84,48 +85,15 @@ class ModelRunner:
     # ---- inputs -------------------------------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_tables, decode_lens = [], []
-        prefill_tables, q_lens, seq_lens = [], [], []
+        entries = []
         for sr in scheduled:
             req = sr.request
             start = req.num_computed_tokens
-            end = start + sr.num_new_tokens
-            tokens = req.token_ids[start:end]
-            if sr.num_spec_tokens:
-                tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
-            input_ids.extend(tokens)
-            pos = np.arange(start, end)
-            positions.append(pos)
+            tokens = req.token_ids[start : start + sr.num_new_tokens - sr.num_spec_tokens]
+            tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
             block_ids = np.asarray(self.kv_cache.block_ids(req.request_id), dtype=np.int64)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            if sr.num_new_tokens == 1:
-                decode_tables.append(block_ids)
-                decode_lens.append(end)
-            else:
-                prefill_tables.append(block_ids)
-                q_lens.append(sr.num_new_tokens)
-                seq_lens.append(end)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_lens),
-            decode_block_tables=_pad_tables(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            prefill_query_lens=q_lens,
-            prefill_seq_lens=seq_lens,
-            prefill_block_tables=_pad_tables(prefill_tables, dev),
-            prefill_query_start_loc=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
-            prefill_seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta,
-        )
+            entries.append((block_ids, start, tokens))
+        return build_batch(entries, self.block_size, self.device)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,14 +162,4 @@ class ModelRunner:
                 req.params.prompt_logprobs or 0,
             )
         return out
-
-
-def _pad_tables(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    if not tables:
-        return torch.zeros((0, 1), dtype=torch.int32, device=device)
-    width = max(len(t) for t in tables)
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return torch.from_numpy(out).to(device)
 

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
+from argosy_runtime.attention import TorchAttentionBackend
+from argosy_runtime.attention.batch import build_batch
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
@@ -211,51 +212,17 @@ class DraftProposer:
         bs = self.engine.cache_config.block_size
         # Single-token sequences first: attention handles them with one paged-decode call.
         order = sorted(range(len(entries)), key=lambda e: len(entries[e][2]) != 1)
-        ids: list[int] = []
-        positions, slots = [], []
-        decode_tables, decode_lens = [], []
-        prefill_tables, q_lens, seq_lens = [], [], []
+        input_ids, pos_t, meta = build_batch([entries[e] for e in order], bs, dev)
+        ends = np.cumsum([len(entries[e][2]) for e in order]) - 1
         last_rows = [0] * len(entries)
-        for e in order:
-            blocks, start, tokens = entries[e]
-            pos = np.arange(start, start + len(tokens))
-            ids.extend(tokens)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            last_rows[e] = len(ids) - 1
-            if len(tokens) == 1:
-                decode_tables.append(blocks)
-                decode_lens.append(start + 1)
-            else:
-                prefill_tables.append(blocks)
-                q_lens.append(len(tokens))
-                seq_lens.append(start + len(tokens))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_lens),
-            decode_block_tables=_pad(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            prefill_query_lens=q_lens,
-            prefill_seq_lens=seq_lens,
-            prefill_block_tables=_pad(prefill_tables, dev),
-            prefill_query_start_loc=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
-            prefill_seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )
+        for row, e in zip(ends.tolist(), order):
+            last_rows[e] = row
         model = self.model
         ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        h = model.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
+        h = model.model.embed_tokens(input_ids)
         layers: nn.ModuleList = model.model.layers
         for layer in layers[: self.num_layers]:
             h = layer(pos_t, h, ctx)
         h = model.model.norm(h[torch.tensor(last_rows, device=dev)])
         return model.compute_logits(h).cpu()
 
-
-def _pad(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    if not tables:
-        return torch.zeros((0, 1), dtype=torch.int32, device=device)
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return torch.from_numpy(out).to(device)
