@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -91,13 +92,15 @@ async def close_client(**_: Any) -> None:
         await client.close()
 
 
-def _post_degraded_event(body: Any, patch: dict[str, Any] | None) -> None:
+def _post_degraded_event(body: Any, patch: dict[str, Any] | None, base: Mapping[str, Any]) -> None:
     """A Warning event when the Degraded condition turns True or changes its reason (not on
-    every status write while it stays degraded for the same reason)."""
+    every status write while it stays degraded for the same reason). `base` is the object the
+    patch was computed against: comparing with a stale body would announce a reason that a
+    concurrent handler already wrote (and announced)."""
     cond = find_condition((patch or {}).get("conditions"), COND_DEGRADED)
     if cond is None or cond.get("status") != "True":
         return
-    before = find_condition((body.get("status") or {}).get("conditions"), COND_DEGRADED) or {}
+    before = find_condition((base.get("status") or {}).get("conditions"), COND_DEGRADED) or {}
     if before.get("status") == "True" and before.get("reason") == cond.get("reason"):
         return
     kopf.event(body, type="Warning", reason=str(cond.get("reason")),
@@ -141,8 +144,8 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         # kopf.event, not kopf.info: the latter obeys posting.level (WARNING, see configure).
         kopf.event(body, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                    message=action)
-    patch = await refresh_status(client, llmd, observed_generation=generation)
-    _post_degraded_event(body, patch)
+    patch, base = await refresh_status(client, llmd, observed_generation=generation)
+    _post_degraded_event(body, patch, base)
 
 
 async def _refresh_owner(namespace: str | None, owner: str | None, *,
@@ -159,8 +162,8 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
         for action in result.actions:
             kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                        message=action)
-    patch = await refresh_status(client, llmd)
-    _post_degraded_event(llmd, patch)
+    patch, base = await refresh_status(client, llmd)
+    _post_degraded_event(llmd, patch, base)
 
 
 _CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}

@@ -153,8 +153,10 @@ async def patch_status(client: KubeClient, llmd: Mapping[str, Any],
 
 
 async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
-                         observed_generation: int | None = None) -> dict[str, Any] | None:
-    """Read the Deployment and pods, write the status if it changed; returns the patch.
+                         observed_generation: int | None = None
+                         ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Read the Deployment and pods, write the status if it changed; returns the patch (None
+    when nothing changed) and the object it was computed against (after conflict retries).
 
     `observed_generation=None` keeps the recorded one (child events do not reconcile the spec).
     """
@@ -173,5 +175,4 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
                                       if c["type"] != COND_DEGRADED]
         return status_patch(current, computed, now_rfc3339())
 
-    patch, _ = await patch_status(client, llmd, make_patch)
-    return patch
+    return await patch_status(client, llmd, make_patch)
