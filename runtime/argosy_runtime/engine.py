@@ -60,8 +60,9 @@ class LLMEngine:
                 f"max_model_len ({args.max_model_len}) exceeds the model's context length "
                 f"({self.spec.max_position_embeddings})"
             )
-        self.model = self._load_model(checkpoint)
-        self.quantization = self._quantization_name()
+        quant_config = self._quantization_config(checkpoint)
+        self.quantization = quant_config.method if quant_config is not None else "none"
+        self.model = self._load_model(checkpoint, quant_config)
 
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
@@ -102,9 +103,8 @@ class LLMEngine:
         return cls(**args.to_dict())
 
     # ---- construction helpers -------------------------------------------------------------
-    def _load_model(self, checkpoint: Any) -> LlamaForCausalLM:
+    def _load_model(self, checkpoint: Any, quant_config: Any) -> LlamaForCausalLM:
         model = LlamaForCausalLM(self.spec, self.dtype, max_positions=self.max_model_len)
-        quant_config = self._quantization_config(checkpoint)
         if quant_config is None:
             loaded = model.load_weights(checkpoint.iter_weights())
             model.check_all_loaded(loaded)
@@ -120,11 +120,10 @@ class LLMEngine:
         return model
 
     def _quantization_config(self, checkpoint: Any) -> Any:
+        """The requested quantization, or the checkpoint's own (GPTQ/AWQ), or None."""
         if self.args.quantization is None:
-            try:
-                from argosy_runtime.quantization import detect_prequantized
-            except ImportError:
-                return None
+            from argosy_runtime.quantization import detect_prequantized
+
             return detect_prequantized(checkpoint)
         if self.args.quantization not in ("int8", "int4"):
             raise ValueError(
@@ -134,12 +133,6 @@ class LLMEngine:
 
         return QuantizationConfig(method=self.args.quantization,
                                   group_size=self.args.quantization_group_size)
-
-    def _quantization_name(self) -> str:
-        cfg = self._quantization_config(self.checkpoint) if self.args.quantization is None else None
-        if self.args.quantization:
-            return self.args.quantization
-        return getattr(cfg, "method", None) or "none"
 
     def _kv_cache_memory(self) -> int:
         if self.args.kv_cache_memory is not None:
