@@ -99,10 +99,3 @@ def random_llama_hf(random_llama_dir: Path) -> HFReference:
 def random_qwen2_hf(random_qwen2_dir: Path) -> HFReference:
     return HFReference(_load_hf(random_qwen2_dir))
 
-
-def assert_no_leaks(engine) -> None:  # noqa: ANN001
-    """Every block is back in the pool (cached-free counts as free)."""
-    assert not engine.has_unfinished_requests()
-    kv = engine.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
-    assert kv.req_to_blocks == {}

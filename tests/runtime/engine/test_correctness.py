@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
-from conftest import assert_no_leaks
+from engine_helpers import assert_no_leaks
 
 TEXTS = [
     "The capital of France is",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from argosy_runtime import LLM, LLMEngine, SamplingParams
-from conftest import assert_no_leaks
+from engine_helpers import assert_no_leaks
 
 
 @pytest.fixture(scope="module")

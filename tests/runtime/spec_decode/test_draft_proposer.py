@@ -16,15 +16,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
 
 from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
+from engine_helpers import assert_no_leaks  # noqa: E402
+from engine_helpers import run_to_completion as run  # noqa: E402
 from model_factory import make_random_model_dir  # noqa: E402
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every block is back in the pool (cached-free counts as free), no block table left."""
-    assert not engine.has_unfinished_requests()
-    kv = engine.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
-    assert kv.req_to_blocks == {}
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Tight pool (20 blocks of 4 tokens, 2 KiB each, for 6 requests of up to ~56 tokens) and small
@@ -54,21 +48,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def run(engine: LLMEngine, batch: list[list[int]], params: SamplingParams,
-        abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}", p, params)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        for rid, at in (abort_after or {}).items():
-            if steps == at:
-                engine.abort_request(rid)
-    return done
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,32 @@
+"""Helpers shared by engine-level tests (import with tests/runtime on sys.path)."""
+
+from __future__ import annotations
+
+from argosy_runtime import LLMEngine, SamplingParams
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every block is back in the pool (cached-free counts as free), no block table left."""
+    assert not engine.has_unfinished_requests()
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
+    assert kv.req_to_blocks == {}
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                      abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Add prompts as r0, r1, ...; step until done, aborting `{request_id: at_step}`.
+    Returns the output token ids of every request that finished."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort_request(rid)
+    return done
