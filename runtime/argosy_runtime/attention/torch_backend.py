@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from argosy_kernels.paged_attention import paged_decode_attention_ref
 from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
 
 from argosy_runtime.attention.metadata import AttentionMetadata
@@ -34,13 +33,9 @@ class TorchAttentionBackend:
                               k_scale=k_scale, v_scale=v_scale)
         out = torch.empty_like(query)
         nd = meta.num_decodes
-        if nd and k_scale is None:
-            out[:nd] = self._decode_attention(query[:nd], key_cache, value_cache, meta)
-        elif nd:
-            out[:nd] = paged_decode_attention_ref(
-                query[:nd], key_cache, value_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, k_scale=k_scale, v_scale=v_scale,
-            )
+        if nd:
+            out[:nd] = self._decode_attention(query[:nd], key_cache, value_cache, meta,
+                                              k_scale, v_scale)
         start = nd
         block_size = key_cache.shape[1]
         for i, (q_len, seq_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
@@ -60,25 +55,31 @@ class TorchAttentionBackend:
         return out
 
     def _decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                          value_cache: torch.Tensor, meta: AttentionMetadata,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The CPU fast path of `paged_decode_attention_ref` (same result, tested against it).
 
-        One index_select gathers whole blocks (much faster than advanced indexing), the mask
-        and block list are built once per step and shared by all layers, and K/V are made
-        contiguous per kv head so both products are plain batched GEMMs.
+        One index_select gathers whole blocks (much faster than advanced indexing); the mask
+        and block list are built once per step and shared by all layers. The G query heads
+        that share a kv head become G query rows of one SDPA call over strided K/V views:
+        PyTorch's fused CPU attention kernel reads the strides, so nothing is transposed or
+        repeated per kv head (2-3.5x faster than two batched GEMMs on contiguous copies here).
         """
-        flat_blocks, padded_len, additive_mask = _decode_gather_plan(meta, key_cache.shape[1])
+        flat_blocks, padded_len, valid = _decode_gather_plan(meta, key_cache.shape[1])
         num_seqs = query.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
-        # [num_seqs, kv_heads, padded_len, head_dim]
-        keys = key_cache.index_select(0, flat_blocks).view(num_seqs, padded_len, kvh, hd)
-        values = value_cache.index_select(0, flat_blocks).view(num_seqs, padded_len, kvh, hd)
-        keys = keys.transpose(1, 2).contiguous()
-        values = values.transpose(1, 2).contiguous()
+        keys = key_cache.index_select(0, flat_blocks)  # [num_seqs * blocks, block_size, kvh, hd]
+        values = value_cache.index_select(0, flat_blocks)
+        if k_scale is not None and v_scale is not None:  # dequantize the int8 cache
+            keys = (keys.float() * k_scale.index_select(0, flat_blocks)[..., None]).to(query.dtype)
+            values = (values.float() * v_scale.index_select(0, flat_blocks)[..., None]).to(query.dtype)
+        # [num_seqs, kv_heads, padded_len, head_dim], strided
+        keys = keys.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
+        values = values.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
         q = query.view(num_seqs, kvh, self.num_heads // kvh, hd)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale + additive_mask
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(num_seqs, self.num_heads, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid, scale=self.scale)
+        return out.reshape(num_seqs, self.num_heads, hd)
 
     def _causal_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
@@ -104,7 +105,7 @@ class TorchAttentionBackend:
 def _decode_gather_plan(meta: AttentionMetadata, block_size: int
                         ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Per step (cached on the metadata): the blocks to gather, the padded context length and
-    an additive mask [num_decodes, 1, 1, padded_len] (0 inside the context, -inf past it)."""
+    a boolean mask [num_decodes, 1, 1, padded_len] (True inside each context)."""
     plan = getattr(meta, "_cpu_decode_plan", None)
     if plan is None:
         lens = meta.decode_context_lens.long()
@@ -112,8 +113,7 @@ def _decode_gather_plan(meta: AttentionMetadata, block_size: int
         padded_len = num_blocks * block_size
         flat_blocks = meta.decode_block_tables[:, :num_blocks].long().flatten()
         positions = torch.arange(padded_len, device=lens.device)
-        mask = torch.zeros(lens.shape[0], 1, 1, padded_len, device=lens.device)
-        mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        plan = (flat_blocks, padded_len, mask)
+        valid = (positions[None, :] < lens[:, None])[:, None, None, :]
+        plan = (flat_blocks, padded_len, valid)
         meta._cpu_decode_plan = plan  # type: ignore[attr-defined]
     return plan

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-
-# OpenMP threads spin between parallel regions by default; when replicas, a gateway or other
-# processes share the cores (the usual case for CPU serving), spinning threads starve each
-# other (a decode step measured 15-30x slower). Set before any subcommand imports torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # One module per subcommand, in --help order (each registers its own name).
 SUBCOMMAND_MODULES = (

@@ -8,8 +8,9 @@ from torch import nn
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter (tied ones once) plus the quantized layers' buffers
-    (qweight, scales, zeros, bias, input permutation). Other buffers (rotary tables) are not
-    weights and are left out."""
+    (qweight, scales, zeros, bias, input permutation) and oneDNN-packed weights: the bytes the
+    weights occupy in memory, so a tied lm_head packed as its own copy counts twice. Other
+    buffers (rotary tables) are not weights and are left out."""
     from argosy_runtime.models.cpu_linear import PackedLinear
     from argosy_runtime.quantization.int4_linear import Int4Linear
     from argosy_runtime.quantization.int8_linear import Int8Linear

@@ -33,10 +33,18 @@ def test_only_plain_bf16_linears_are_packed() -> None:
         assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
 
 
-def test_tied_weights_are_not_packed() -> None:
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+def test_tied_weight_is_packed_as_a_copy_and_the_embedding_keeps_its_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
     embed = nn.Embedding(10, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(10, 8, generator=gen))
     head = nn.Linear(8, 10, bias=False).to(torch.bfloat16)
     head.weight = embed.weight
     model = nn.ModuleDict({"embed": embed, "head": head})
-    assert pack_linears_for_cpu(model) == 0
-    assert type(model["head"]) is nn.Linear
+    x = torch.randn(3, 8, generator=gen).to(torch.bfloat16)
+    expected = head(x)
+    assert pack_linears_for_cpu(model) == 1
+    assert isinstance(model["head"], PackedLinear)
+    assert model["embed"].weight is embed.weight  # lookups still read the plain rows
+    torch.testing.assert_close(model["head"](x), expected, rtol=1.6e-2, atol=1e-2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_kernels.paged_attention import paged_decode_attention_ref
+from argosy_kernels.reshape_and_cache import quantize_per_head_ref
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
 
 
@@ -29,12 +30,30 @@ def test_decode_fast_path_equals_reference(dtype: torch.dtype, tol: float, num_h
                                            num_kv_heads: int) -> None:
     query, kc, vc, tables, lens = _random_case(7, num_heads, num_kv_heads, dtype)
     backend = TorchAttentionBackend(num_heads, num_kv_heads, 64, 0.125)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=7,
+    got = backend._decode_attention(query, kc, vc, _decode_meta(tables, lens))
+    want = paged_decode_attention_ref(query, kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _decode_meta(tables: torch.Tensor, lens: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(lens),
         decode_block_tables=tables, decode_context_lens=lens,
         prefill_query_lens=[], prefill_seq_lens=[],
         prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
     )
-    got = backend._decode_attention(query, kc, vc, meta)
-    want = paged_decode_attention_ref(query, kc, vc, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+def test_decode_fast_path_on_an_int8_cache_equals_reference(dtype: torch.dtype, tol: float,
+                                                            num_heads: int, num_kv_heads: int) -> None:
+    query, kc, vc, tables, lens = _random_case(5, num_heads, num_kv_heads, torch.float32, seed=3)
+    qk, k_scale = quantize_per_head_ref(kc)
+    qv, v_scale = quantize_per_head_ref(vc)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, 64, 0.125)
+    got = backend._decode_attention(query.to(dtype), qk, qv, _decode_meta(tables, lens),
+                                    k_scale, v_scale)
+    want = paged_decode_attention_ref(query.to(dtype), qk, qv, tables, lens, 0.125,
+                                      k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
