@@ -43,7 +43,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables indexed by position; applied to q and k out of place."""
+    """Precomputed cos/sin tables indexed by position; applied to q and k out of place.
+
+    transformers computes `x * cos + rotate_half(x) * sin` with rotate_half(x) = cat(-x2, x1).
+    Here the sign lives in the table instead: roll(x) = cat(x2, x1) times a sin whose first
+    half is negated. Negation is exact, so every product and sum is bit for bit the same, with
+    one roll instead of a slice, a negation and a cat.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  rope_scaling: dict | None, dtype: torch.dtype) -> None:
@@ -52,17 +58,24 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin() * attention_scaling
+        signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
+        self.half = head_dim // 2
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [num_tokens, 1, head_dim]: index once per step, use in
+        every layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] (q and k may be rotated together)."""
+        cos, signed_sin = tables
+        return x * cos + x.roll(self.half, dims=-1) * signed_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        tables = self.tables(positions)
+        return self.rotate(q, tables), self.rotate(k, tables)

@@ -219,10 +219,11 @@ class DraftProposer:
             last_rows[e] = row
         model = self.model
         ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
+        ctx.rope_tables = model.rotary.tables(pos_t)
         h = model.model.embed_tokens(input_ids)
         layers: nn.ModuleList = model.model.layers
         for layer in layers[: self.num_layers]:
-            h = layer(pos_t, h, ctx)
+            h = layer(h, ctx)
         h = model.model.norm(h[torch.tensor(last_rows, device=dev)])
         return model.compute_logits(h).cpu()
 
