@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from argosy_runtime.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
@@ -44,6 +45,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {args.kv_cache_dtype!r}")
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
+        self.cpu_threads = configure_cpu_threads(args.cpu_threads)
         started = time.monotonic()
 
         from argosy_runtime.model_loader import load_checkpoint
@@ -91,9 +93,10 @@ class LLMEngine:
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
-            "engine ready in %.1fs: model=%s device=%s dtype=%s quantization=%s kv_cache=%s "
-            "blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
-            time.monotonic() - started, args.model, self.device, self.dtype, self.quantization,
+            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d dtype=%s quantization=%s "
+            "kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
+            time.monotonic() - started, args.model, self.device, self.cpu_threads, self.dtype,
+            self.quantization,
             cache_dtype, self.cache_config.num_blocks, args.block_size,
             self.cache_config.num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )

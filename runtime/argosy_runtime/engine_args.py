@@ -71,6 +71,11 @@ class EngineArgs:
         default=None,
     )
     seed: int = _opt("Seed for requests that give none.", default=0)
+    cpu_threads: int | None = _opt(
+        "Threads for CPU math (default: the CPUs this process may use: the smallest of the "
+        "core count, the affinity mask and the cgroup CPU limit, e.g. a Kubernetes CPU limit).",
+        default=None,
+    )
     enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
 
     def to_dict(self) -> dict[str, Any]:
