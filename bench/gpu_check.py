@@ -263,7 +263,7 @@ def correctness_section() -> dict:
     reshape_and_cache_ref(k, v, caches[2], caches[3], slots)
     check("reshape_and_cache bf16", _max_rel(caches[0], caches[2]), 0.0)
     qc = [torch.zeros(num_blocks, BS, KVH, D, dtype=torch.int8, device=DEV) for _ in range(4)]
-    sc = [torch.zeros(num_blocks, BS, KVH, device=DEV) for _ in range(4)]
+    sc = [torch.zeros(num_blocks, BS, KVH, dtype=torch.float16, device=DEV) for _ in range(4)]
     reshape_and_cache(k, v, qc[0], qc[1], slots, k_scale=sc[0], v_scale=sc[1])
     reshape_and_cache_ref(k, v, qc[2], qc[3], slots, k_scale=sc[2], v_scale=sc[3])
     code_diff = int((qc[0].int() - qc[2].int()).abs().max())

@@ -4,9 +4,9 @@ Cache layout (shared by the torch and Triton paths, fixed in DESIGN.md):
   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 A sequence's token t lives in block block_tables[s, t // block_size] at row t % block_size.
 
-int8 KV cache: the caches hold int8 and `k_scale`/`v_scale` (float32
-[num_blocks, block_size, num_kv_heads], one scale per token per head) dequantize them:
-key = key_cache.float() * k_scale[..., None]. `reshape_and_cache` writes both.
+int8 KV cache: the caches hold int8 and `k_scale`/`v_scale` (float16
+[num_blocks, block_size, num_kv_heads], one scale per token per head) dequantize them in float32:
+key = key_cache.float() * k_scale.float()[..., None]. `reshape_and_cache` writes both.
 
 The Triton kernel runs one program per (sequence, kv head, context split). A program loads the
 query rows of every query head that shares the kv head (GQA: padded to 16 rows so `tl.dot`
@@ -31,6 +31,7 @@ from argosy_kernels._triton import (
     num_sms,
     triton_jit,
 )
+from argosy_kernels.reshape_and_cache import KV_SCALE_DTYPE
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -55,7 +56,7 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # int32 [num_seqs], the current token included
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence against all of its cached tokens (pure torch).
@@ -97,7 +98,7 @@ def _paged_decode_attention_kernel(
     q_ptr,  # [S, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
     v_cache_ptr,
-    k_scale_ptr,  # float32 [NB, BS, KVH] (int8 cache only)
+    k_scale_ptr,  # float16 [NB, BS, KVH] (int8 cache only)
     v_scale_ptr,
     block_tables_ptr,  # int32 [S, MAX_BLOCKS]
     context_lens_ptr,  # int32 [S]
@@ -176,7 +177,8 @@ def _paged_decode_attention_kernel(
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2e  # [GROUP_PAD, TILE_N]
         if KV_INT8:
-            ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask, other=0.0)
+            ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
+                         other=0.0).to(tl.float32)
             s = s * ks[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -184,7 +186,8 @@ def _paged_decode_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_INT8:
-            vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask, other=0.0)
+            vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
+                         other=0.0).to(tl.float32)
             p = p * vs[None, :]
             v = v.to(tl.float32).to(q.dtype)
         elif UPCAST_DOT:
@@ -290,9 +293,9 @@ def check_paged_attention_inputs(
         raise ValueError("k_scale and v_scale are required exactly when the cache dtype is int8")
     if is_int8:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is None or s.shape != key_cache.shape[:3] or s.dtype != torch.float32 or not s.is_contiguous():
+            if s is None or s.shape != key_cache.shape[:3] or s.dtype != KV_SCALE_DTYPE or not s.is_contiguous():
                 raise ValueError(
-                    f"{name} must be a contiguous float32 [num_blocks, block_size, num_kv_heads] "
+                    f"{name} must be a contiguous float16 [num_blocks, block_size, num_kv_heads] "
                     f"tensor, got {s.dtype} {tuple(s.shape)}"
                 )
     elif key_cache.dtype != query.dtype:
@@ -307,7 +310,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # int32 [num_seqs], the current token included
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,

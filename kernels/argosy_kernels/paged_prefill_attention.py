@@ -46,7 +46,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # int32 [num_seqs], this chunk included
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Pure-torch reference: per sequence, gather its cached K/V and run causal SDPA in float32."""
@@ -66,9 +66,9 @@ def paged_prefill_attention_ref(
         k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, kvh, d]
         v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
         if k_scale is not None:
-            k = k * k_scale[blocks].flatten(0, 1)[:seq_len, :, None]
+            k = k * k_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
         if v_scale is not None:
-            v = v * v_scale[blocks].flatten(0, 1)[:seq_len, :, None]
+            v = v * v_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
         q = query[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]
         # Row i (position seq_len - q_len + i) may see keys 0..seq_len - q_len + i.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
@@ -87,7 +87,7 @@ def _paged_prefill_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
     v_cache_ptr,
-    k_scale_ptr,  # float32 [NB, BS, KVH] (int8 cache only)
+    k_scale_ptr,  # float16 [NB, BS, KVH] (int8 cache only)
     v_scale_ptr,
     block_tables_ptr,  # int32 [S, MAX_BLOCKS]
     query_start_loc_ptr,  # int32 [S + 1]
@@ -169,7 +169,7 @@ def _paged_prefill_attention_kernel(
         s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2e  # [BLOCK_M, TILE_N]
         if KV_INT8:
             ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
-                         other=0.0)
+                         other=0.0).to(tl.float32)
             s = s * ks[None, :]
         causal = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
         s = tl.where(causal, s, float("-inf"))
@@ -180,7 +180,7 @@ def _paged_prefill_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_INT8:
             vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
-                         other=0.0)
+                         other=0.0).to(tl.float32)
             p = p * vs[None, :]
             v = v.to(tl.float32).to(q.dtype)
         elif UPCAST_DOT:

@@ -4,10 +4,15 @@
 `key_cache`/`value_cache` ([num_blocks, block_size, num_kv_heads, head_dim]); a negative slot
 (a padded token, e.g. in a CUDA-graph batch) is skipped.
 
-int8 cache: when the caches are int8 and `k_scale`/`v_scale` (float32
+int8 cache: when the caches are int8 and `k_scale`/`v_scale` (float16
 [num_blocks, block_size, num_kv_heads]) are given, each token's K and V are quantized per head,
-symmetrically: scale = max|x| / 127, q = round_half_away(x / scale) clamped to [-127, 127]
-(computed as x * (127 / max|x|)); the scale lands at the same slot in k_scale/v_scale.
+symmetrically, in float32: s = float16(min(max|x| / 127, 65504)) (round to nearest even;
+the clamp keeps it finite), q = round_half_away(x / s) clamped to [-127, 127], computed as
+x * (1 / s) with s upcast to float32 (0 when s == 0). Quantizing against the float16-rounded
+scale, not the float32 one, makes q * s the closest int8 grid point the stored scale allows.
+The scale lands at the same slot in k_scale/v_scale; readers dequantize as
+q.float() * s.float(). Per token per head that is head_dim + 2 bytes (66 for head_dim 64, vs
+128 in bf16: 1.94x the tokens).
 """
 
 from __future__ import annotations
@@ -22,15 +27,25 @@ if TYPE_CHECKING:
     import triton.language as tl
 
 
+# dtype of the int8 cache's k_scale/v_scale (what the runner allocates and every kernel checks).
+KV_SCALE_DTYPE = torch.float16
+# Largest finite float16: a scale above it (max|x| > ~8.3e6) is clamped rather than stored as inf.
+_FP16_MAX = 65504.0
+
+
 def quantize_per_head_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization over the last dim: x [..., head_dim] -> (int8, scale [...])."""
+    """Symmetric int8 quantization over the last dim: x [..., D] -> (int8, float16 scale [...])."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [...]
-    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    scale = (amax / 127.0).clamp_max(_FP16_MAX).to(torch.float16)
+    sf = scale.float()
+    # Quantize against the stored (float16-rounded) scale; an all-zero or underflowed head
+    # stores zeros.
+    inv = torch.where(sf > 0, 1.0 / sf.clamp_min(1e-30), torch.zeros_like(sf))
     y = xf * inv[..., None]
     # Round half away from zero (the kernel does the same; torch.round is half-to-even).
     y = torch.where(y >= 0, torch.floor(y + 0.5), torch.ceil(y - 0.5)).clamp_(-127, 127)
-    return y.to(torch.int8), amax / 127.0
+    return y.to(torch.int8), scale
 
 
 def reshape_and_cache_ref(
@@ -40,7 +55,7 @@ def reshape_and_cache_ref(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int [num_tokens]: block * block_size + offset
     *,
-    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter each token's K/V into its slot (pure torch); quantizes into an int8 cache."""
@@ -67,7 +82,7 @@ def _reshape_and_cache_kernel(
     value_ptr,
     key_cache_ptr,  # [NB, BS, KVH, D], addressed as [NB * BS] slots
     value_cache_ptr,
-    k_scale_ptr,  # float32 [NB * BS, KVH] (QUANT only)
+    k_scale_ptr,  # float16 [NB * BS, KVH] (QUANT only)
     v_scale_ptr,
     slot_mapping_ptr,  # [T]
     stride_kt,
@@ -100,20 +115,28 @@ def _reshape_and_cache_kernel(
     if QUANT:
         # Keys then values; written out twice because the lazily jitted kernels cannot share
         # a helper.
+        # The scale is stored as float16 and the values quantized against that rounded
+        # scale, exactly as `quantize_per_head_ref`.
         kf = k.to(tl.float32)
         k_amax = tl.max(tl.abs(kf), axis=1)  # [HEADS_PAD]
-        ky = kf * tl.where(k_amax > 0, 127.0 / tl.maximum(k_amax, 1e-30), 0.0)[:, None]
+        ks = k_amax / 127.0
+        ks = tl.where(ks > 65504.0, 65504.0, ks).to(tl.float16)  # NaN stays NaN
+        ksf = ks.to(tl.float32)
+        ky = kf * tl.where(ksf > 0, 1.0 / tl.maximum(ksf, 1e-30), 0.0)[:, None]
         ky = tl.where(ky >= 0, tl.floor(ky + 0.5), tl.ceil(ky - 0.5))
         ky = tl.minimum(tl.maximum(ky, -127.0), 127.0)
         tl.store(key_cache_ptr + kc_off, ky.to(tl.int8), mask=mask)
-        tl.store(k_scale_ptr + slot * NUM_KV_HEADS + h, k_amax / 127.0, mask=h_mask)
+        tl.store(k_scale_ptr + slot * NUM_KV_HEADS + h, ks, mask=h_mask)
         vf = v.to(tl.float32)
         v_amax = tl.max(tl.abs(vf), axis=1)
-        vy = vf * tl.where(v_amax > 0, 127.0 / tl.maximum(v_amax, 1e-30), 0.0)[:, None]
+        vs = v_amax / 127.0
+        vs = tl.where(vs > 65504.0, 65504.0, vs).to(tl.float16)  # NaN stays NaN
+        vsf = vs.to(tl.float32)
+        vy = vf * tl.where(vsf > 0, 1.0 / tl.maximum(vsf, 1e-30), 0.0)[:, None]
         vy = tl.where(vy >= 0, tl.floor(vy + 0.5), tl.ceil(vy - 0.5))
         vy = tl.minimum(tl.maximum(vy, -127.0), 127.0)
         tl.store(value_cache_ptr + vc_off, vy.to(tl.int8), mask=mask)
-        tl.store(v_scale_ptr + slot * NUM_KV_HEADS + h, v_amax / 127.0, mask=h_mask)
+        tl.store(v_scale_ptr + slot * NUM_KV_HEADS + h, vs, mask=h_mask)
     else:
         tl.store(key_cache_ptr + kc_off, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(value_cache_ptr + vc_off, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -126,7 +149,7 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int [num_tokens]: block * block_size + offset, < 0 skips
     *,
-    k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton version of `reshape_and_cache_ref` (one program per token, all heads)."""
@@ -150,9 +173,9 @@ def reshape_and_cache(
     quant = key_cache.dtype == torch.int8
     if quant:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is None or s.shape != key_cache.shape[:3] or s.dtype != torch.float32 \
+            if s is None or s.shape != key_cache.shape[:3] or s.dtype != KV_SCALE_DTYPE \
                     or not s.is_contiguous():
-                raise ValueError(f"an int8 cache needs {name}: contiguous float32 "
+                raise ValueError(f"an int8 cache needs {name}: contiguous float16 "
                                  "[num_blocks, block_size, num_kv_heads]")
     check_device(key, value, key_cache, value_cache, slot_mapping)
     if num_tokens == 0:
@@ -176,4 +199,4 @@ def reshape_and_cache(
     )
 
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_ref", "quantize_per_head_ref"]
+__all__ = ["KV_SCALE_DTYPE", "reshape_and_cache", "reshape_and_cache_ref", "quantize_per_head_ref"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from argosy_kernels.reshape_and_cache import KV_SCALE_DTYPE
 
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
 from argosy_runtime.attention.batch import build_batch
@@ -35,10 +36,15 @@ class ModelRunnerOutput:
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one cache block takes over all layers: K and V, plus an int8 cache's scales
+    (one KV_SCALE_DTYPE per token per kv head, for K and for V)."""
     s = model.spec
     per_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim
     elem = torch.tensor([], dtype=cache_dtype).element_size()
-    scales = 2 * s.num_hidden_layers * s.num_key_value_heads * 4 if cache_dtype == torch.int8 else 0
+    scales = 0
+    if cache_dtype == torch.int8:
+        scale_elem = torch.tensor([], dtype=KV_SCALE_DTYPE).element_size()
+        scales = 2 * s.num_hidden_layers * s.num_key_value_heads * scale_elem
     return block_size * (per_token * elem + scales)
 
 
@@ -68,7 +74,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_hidden_layers)]
         self.kv_scales = None
         if cache_config.cache_dtype == torch.int8:
-            self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.scales = torch.ones(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
             self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
         self.graph_runner = None
         if device.type == "cuda" and enable_cuda_graphs:

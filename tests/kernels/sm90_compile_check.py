@@ -107,7 +107,7 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         q = torch.randn(4, h, d, dtype=dt)
         kc = torch.randn(nb, bs, kvh, d, dtype=dt)
         kq = torch.zeros(nb, bs, kvh, d, dtype=torch.int8)
-        ks = torch.zeros(nb, bs, kvh)
+        ks = torch.zeros(nb, bs, kvh, dtype=torch.float16)
         bt = torch.zeros(4, 40, dtype=torch.int32)
         cl = torch.ones(4, dtype=torch.int32)
         pa = m["paged_attention"].paged_decode_attention

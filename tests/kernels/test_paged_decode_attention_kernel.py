@@ -74,6 +74,7 @@ def test_int8_cache(dtype, num_splits):
     query, kc, vc, tables, lens, scale = _inputs(case, dtype, seed=3)
     kq, ks = quantize_per_head_ref(kc)
     vq, vs = quantize_per_head_ref(vc)
+    assert ks.dtype == vs.dtype == torch.float16
     out = torch.full_like(query, float("nan"))
     got = paged_decode_attention(query, kq, vq, tables, lens, scale, k_scale=ks, v_scale=vs,
                                  out=out, num_splits=num_splits)
@@ -123,6 +124,9 @@ def test_rejects_bad_inputs():
     kq, ks = quantize_per_head_ref(kc)
     with pytest.raises(ValueError, match="k_scale"):
         paged_decode_attention(query, kq, kq, tables, lens, scale)
+    with pytest.raises(ValueError, match="float16"):  # float32 scales: the old layout
+        paged_decode_attention(query, kq, kq, tables, lens, scale, k_scale=ks.float(),
+                               v_scale=ks.float())
     with pytest.raises(ValueError, match="head_dim"):
         paged_decode_attention(query[..., :32], kc, vc, tables, lens, scale)
     with pytest.raises(ValueError, match="num_kv_heads"):

@@ -115,3 +115,7 @@ def test_rejects_bad_inputs():
         paged_prefill_attention(query, kc, vc, tables, qsl[:-1], seq_lens, scale)
     with pytest.raises(ValueError, match="cache dtype"):
         paged_prefill_attention(query.half(), kc, vc, tables, qsl, seq_lens, scale)
+    kq, ks = quantize_per_head_ref(kc)
+    with pytest.raises(ValueError, match="float16"):  # float32 scales: the old layout
+        paged_prefill_attention(query, kq, kq, tables, qsl, seq_lens, scale, k_scale=ks.float(),
+                                v_scale=ks.float())

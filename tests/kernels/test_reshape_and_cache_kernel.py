@@ -6,6 +6,7 @@ import pytest
 import torch
 from argosy_kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from argosy_kernels.reshape_and_cache import (
+    KV_SCALE_DTYPE,
     quantize_per_head_ref,
     reshape_and_cache,
     reshape_and_cache_ref,
@@ -15,6 +16,11 @@ from kernel_test_utils import DEVICE, DTYPES, HAS_CUDA, generator, randn
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 16, 2, 64
 # Slots out of order, across blocks, the last row of a block, and a padded token (-1).
 SLOTS = [3, 17, -1, 95, 16, 40, 0]
+
+
+def test_scale_dtype_is_float16():
+    # 2 bytes per token per head: 66 bytes vs bf16's 128 at head_dim 64 (1.94x the tokens).
+    assert KV_SCALE_DTYPE == torch.float16
 
 
 def _inputs(dtype, seed=0):
@@ -57,8 +63,8 @@ def test_int8_quantization_matches_reference(dtype):
     key, value, slots = _inputs(dtype, seed=1)
     key[1, 0] = 0  # an all-zero head: scale 0, codes 0
     caches = [_poisoned(torch.int8) for _ in range(4)]
-    scales = [torch.full((NUM_BLOCKS, BLOCK_SIZE, KV_HEADS), float("nan"), device=DEVICE)
-              for _ in range(4)]
+    scales = [torch.full((NUM_BLOCKS, BLOCK_SIZE, KV_HEADS), float("nan"), dtype=torch.float16,
+                         device=DEVICE) for _ in range(4)]
     reshape_and_cache(key, value, caches[0], caches[1], slots, k_scale=scales[0],
                       v_scale=scales[1])
     reshape_and_cache_ref(key, value, caches[2], caches[3], slots, k_scale=scales[2],
@@ -69,6 +75,9 @@ def test_int8_quantization_matches_reference(dtype):
     assert (caches[1].int() - caches[3].int()).abs().max() <= tol
     torch.testing.assert_close(scales[0].nan_to_num(-1), scales[2].nan_to_num(-1))
     torch.testing.assert_close(scales[1].nan_to_num(-1), scales[3].nan_to_num(-1))
+    if not HAS_CUDA:  # the interpreter computes exactly what the reference does
+        for got, want in ((scales[0], scales[2]), (scales[1], scales[3])):
+            assert torch.equal(got.nan_to_num(-1), want.nan_to_num(-1))
     # Padded token and untouched slots: cache and scales keep their poison.
     written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     written[[s for s in SLOTS if s >= 0]] = True
@@ -79,18 +88,57 @@ def test_int8_quantization_matches_reference(dtype):
 
 
 def test_quantize_per_head_semantics():
-    x = torch.tensor([[[1.0, -2.0, 0.5, 0.0]], [[0.0, 0.0, 0.0, 0.0]]])  # [2 tokens, 1 head, 4]
+    # max|x| = 127 / 16: the scale 1/16 is exact in float16, so x / scale lands on the ties
+    # 0.5 and -2.5, which round away from zero (torch.round would give 0 and -2).
+    x = torch.tensor([[[7.9375, 0.03125, -0.15625, 0.0]],
+                      [[0.0, 0.0, 0.0, 0.0]]])  # [2 tokens, 1 head, 4]
     q, s = quantize_per_head_ref(x)
-    assert torch.equal(s, torch.tensor([[2.0 / 127], [0.0]]))
-    # 1 / (2/127) = 63.5 rounds away from zero to 64; 0.5 -> 31.75 -> 32.
-    assert q[0, 0].tolist() == [64, -127, 32, 0]
+    assert s.dtype == torch.float16
+    assert torch.equal(s, torch.tensor([[1 / 16], [0.0]], dtype=torch.float16))
+    assert q[0, 0].tolist() == [127, 1, -3, 0]
     assert q[1, 0].tolist() == [0, 0, 0, 0]
-    # Dequantization error is at most half a step per element.
+    # A scale float16 cannot hold exactly: stored rounded to nearest, codes against it.
+    q, s = quantize_per_head_ref(torch.tensor([[1.0, -2.0, 0.5, 0.0]]))
+    assert s.item() == torch.tensor(2.0 / 127).half().item() != 2.0 / 127
+    assert q[0].tolist() == [64, -127, 32, 0]  # 1 / s = 63.504 -> 64; 0.5 / s = 31.75 -> 32
+
+
+@pytest.mark.parametrize("magnitude", [1e-2, 1.0, 300.0])
+def test_quantize_round_trip_error_bound(magnitude):
+    """Dequantized q * s (both upcast to float32) is within half a step of x, and a step
+    is at most max|x| / 127 rounded to float16 (relative error <= 2**-11)."""
     g = generator(5)
-    y = torch.randn(50, 4, 64, generator=g)
+    y = torch.randn(50, 4, 64, generator=g) * magnitude
     qy, sy = quantize_per_head_ref(y)
-    err = (qy.float() * sy[..., None] - y).abs()
-    assert (err <= sy[..., None] / 2 + 1e-6).all()
+    assert qy.dtype == torch.int8 and sy.dtype == torch.float16
+    step = sy.float()[..., None]
+    err = (qy.float() * step - y).abs()
+    assert (err <= step / 2 * (1 + 1e-6)).all()
+    amax = y.abs().amax(-1)
+    assert ((sy.float() - amax / 127).abs() <= amax / 127 * 2**-11).all()
+    # Quantizing against the float32 scale and dequantizing with the float16 one would break
+    # the half-step bound on some elements: the codes must be rounded against the stored scale.
+    naive = torch.round(y * (127 / amax)[..., None]).clamp(-127, 127)
+    assert ((naive * step - y).abs() > step / 2 * (1 + 1e-6)).any()
+
+
+def test_quantize_extremes_stay_finite():
+    # Scales beyond float16's range clamp to 65504 (codes saturate); scales below its
+    # subnormals flush to 0 and the codes to 0: no inf, no NaN.
+    x = torch.tensor([[1e7, -5e6, 0.0], [1e-9, -1e-9, 0.0]])
+    q, s = quantize_per_head_ref(x)
+    assert s.tolist() == [65504.0, 0.0]
+    assert q[0].tolist() == [127, -76, 0] and q[1].tolist() == [0, 0, 0]
+    # The kernel agrees.
+    key = x.view(2, 1, 3).to(DEVICE)
+    kc = torch.zeros(1, 2, 1, 3, dtype=torch.int8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ks = torch.full((1, 2, 1), float("nan"), dtype=torch.float16, device=DEVICE)
+    vs = ks.clone()
+    reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1], device=DEVICE), k_scale=ks,
+                      v_scale=vs)
+    assert ks.view(-1).tolist() == [65504.0, 0.0] and torch.equal(ks, vs)
+    assert torch.equal(kc.view(2, 3).cpu(), q) and torch.equal(vc, kc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -104,7 +152,7 @@ def test_int8_cache_end_to_end_with_decode_attention(dtype):
     slots = (table[0, torch.arange(seq_len, device=DEVICE) // BLOCK_SIZE].long() * BLOCK_SIZE
              + torch.arange(seq_len, device=DEVICE) % BLOCK_SIZE)
     kq, vq = _poisoned(torch.int8), _poisoned(torch.int8)
-    ks = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, device=DEVICE)
+    ks = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, dtype=torch.float16, device=DEVICE)
     vs = torch.zeros_like(ks)
     reshape_and_cache(key, value, kq, vq, slots, k_scale=ks, v_scale=vs)
     kf, vf = _poisoned(dtype), _poisoned(dtype)
@@ -126,3 +174,8 @@ def test_empty_and_bad_inputs():
         reshape_and_cache(key, value, kc, vc, slots[:3])
     with pytest.raises(ValueError, match="k_scale"):
         reshape_and_cache(key, value, _poisoned(torch.int8), _poisoned(torch.int8), slots)
+    # float32 scales (the old layout) are refused, not silently written as float16 bits.
+    fp32 = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, device=DEVICE)
+    with pytest.raises(ValueError, match="float16"):
+        reshape_and_cache(key, value, _poisoned(torch.int8), _poisoned(torch.int8), slots,
+                          k_scale=fp32, v_scale=fp32.clone())

@@ -54,8 +54,8 @@ def test_triton_backend_int8_cache_close_to_full_precision():
     torch_backend, triton_backend = _backends()
     _, caches_t = kv_caches(SPEC, 8, torch.float32, DEVICE)
     _, caches_q = kv_caches(SPEC, 8, torch.int8, DEVICE)
-    scales = [(torch.ones(8, 16, SPEC.num_key_value_heads, device=DEVICE),
-               torch.ones(8, 16, SPEC.num_key_value_heads, device=DEVICE))
+    scales = [(torch.ones(8, 16, SPEC.num_key_value_heads, dtype=torch.float16, device=DEVICE),
+               torch.ones(8, 16, SPEC.num_key_value_heads, dtype=torch.float16, device=DEVICE))
               for _ in range(SPEC.num_hidden_layers)]
     a = _tokens(30, 3)
     for seqs in ([(a, [3, 1], 0, 18)], [(a, [3, 1], 18, 1)]):

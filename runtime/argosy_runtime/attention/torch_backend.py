@@ -24,7 +24,7 @@ class TorchAttentionBackend:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-        k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+        k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,  # (int8 cache only)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
@@ -48,8 +48,8 @@ class TorchAttentionBackend:
                 k = key_cache[blocks].flatten(0, 1)[:seq_len]
                 v = value_cache[blocks].flatten(0, 1)[:seq_len]
                 if k_scale is not None and v_scale is not None:  # dequantize the int8 cache
-                    k = k.float() * k_scale[blocks].flatten(0, 1)[:seq_len, :, None]
-                    v = v.float() * v_scale[blocks].flatten(0, 1)[:seq_len, :, None]
+                    k = k.float() * k_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
+                    v = v.float() * v_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
             out[start:end] = self._causal_attention(query[start:end], k, v, num_context)
             start = end
         return out
@@ -71,9 +71,9 @@ class TorchAttentionBackend:
         kvh, hd = self.num_kv_heads, self.head_dim
         keys = key_cache.index_select(0, flat_blocks)  # [num_seqs * blocks, block_size, kvh, hd]
         values = value_cache.index_select(0, flat_blocks)
-        if k_scale is not None and v_scale is not None:  # dequantize the int8 cache
-            keys = (keys.float() * k_scale.index_select(0, flat_blocks)[..., None]).to(query.dtype)
-            values = (values.float() * v_scale.index_select(0, flat_blocks)[..., None]).to(query.dtype)
+        if k_scale is not None and v_scale is not None:  # dequantize the int8 cache (fp16 scales)
+            keys = (keys.float() * k_scale.index_select(0, flat_blocks).float()[..., None]).to(query.dtype)
+            values = (values.float() * v_scale.index_select(0, flat_blocks).float()[..., None]).to(query.dtype)
         # [num_seqs, kv_heads, padded_len, head_dim], strided
         keys = keys.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
         values = values.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)

@@ -37,7 +37,7 @@ class TritonAttentionBackend:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-        k_scale: torch.Tensor | None = None,  # float32 [num_blocks, block_size, num_kv_heads]
+        k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         scales = {"k_scale": k_scale, "v_scale": v_scale}

@@ -57,3 +57,83 @@ def test_decode_fast_path_on_an_int8_cache_equals_reference(dtype: torch.dtype, 
     want = paged_decode_attention_ref(query.to(dtype), qk, qv, tables, lens, 0.125,
                                       k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_forward_on_an_int8_cache_reads_float16_scales() -> None:
+    """One decode and one prefill chunk with cached context, through `forward` on an int8
+    cache: both dequantize with the float16 scales exactly like the paged references."""
+    from argosy_kernels.paged_prefill_attention import paged_prefill_attention_ref
+    from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
+
+    gen = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 64, 16, 12
+    kq = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.int8)
+    vq = torch.zeros_like(kq)
+    ks = torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float16)
+    vs = torch.zeros_like(ks)
+    # Sequence 0 decodes its token 21; sequence 1 prefills tokens 35..43 after 35 cached ones.
+    tables = torch.tensor([[3, 7, 0], [5, 1, 9]], dtype=torch.int32)
+    ctx = (21, 35)
+
+    def slots(s: int, positions: range) -> torch.Tensor:
+        return torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
+                             for p in positions])
+
+    for s, n in enumerate(ctx):  # the earlier tokens, already cached
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+        reshape_and_cache_ref(k, v, kq, vq, slots(s, range(n)), k_scale=ks, v_scale=vs)
+    new = 1 + 9
+    query = torch.randn(new, num_heads, head_dim, generator=gen)
+    key, value = (torch.randn(new, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([slots(0, range(21, 22)), slots(1, range(35, 44))]),
+        num_decodes=1, decode_block_tables=tables[:1],
+        decode_context_lens=torch.tensor([22], dtype=torch.int32),
+        prefill_query_lens=[9], prefill_seq_lens=[44], prefill_block_tables=tables[1:],
+    )
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, 0.125)
+    got = backend.forward(query, key, value, kq, vq, meta, k_scale=ks, v_scale=vs)
+    assert ks.dtype == vs.dtype == torch.float16 and bool((ks[5, 0] > 0).all())
+    want_decode = paged_decode_attention_ref(query[:1], kq, vq, tables[:1], meta.decode_context_lens,
+                                             0.125, k_scale=ks, v_scale=vs)
+    want_prefill = paged_prefill_attention_ref(
+        query[1:], kq, vq, tables[1:], torch.tensor([0, 9], dtype=torch.int32),
+        torch.tensor([44], dtype=torch.int32), 0.125, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got[:1], want_decode, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1:], want_prefill, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_cache_runner_allocates_float16_scales_and_counts_them() -> None:
+    """The runner's int8 cache keeps one float16 scale per token per kv head for K and for V,
+    and `kv_cache_bytes_per_block` (what sizes the cache) counts exactly what it allocates."""
+    from argosy_runtime.config import CacheConfig
+    from argosy_runtime.kv_cache import KVCacheManager
+    from argosy_runtime.model_loader import ModelSpec
+    from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
+    from argosy_runtime.models.llama import LlamaForCausalLM
+
+    layers, kv_heads, head_dim, block_size, num_blocks = 2, 3, 64, 16, 5
+    spec = ModelSpec(
+        architecture="llama", vocab_size=64, hidden_size=192, intermediate_size=64,
+        num_hidden_layers=layers, num_attention_heads=3, num_key_value_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=None, eos_token_ids=(0,), checkpoint_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(spec, dtype=torch.bfloat16)
+    per_token = {}
+    for dtype in (torch.bfloat16, torch.int8):
+        runner = ModelRunner(model, CacheConfig(block_size, num_blocks, dtype, False),
+                             KVCacheManager(num_blocks, block_size, False), torch.device("cpu"),
+                             spec.vocab_size)
+        allocated = runner.kv.nbytes
+        if dtype == torch.int8:
+            assert runner.scales.dtype == torch.float16
+            assert runner.scales.shape == (layers, 2, num_blocks, block_size, kv_heads)
+            assert all(k.dtype == v.dtype == torch.float16 for k, v in runner.kv_scales)
+            allocated += runner.scales.nbytes
+        assert kv_cache_bytes_per_block(model, block_size, dtype) * num_blocks == allocated
+        per_token[dtype] = allocated / (num_blocks * block_size)
+    assert per_token[torch.bfloat16] == 2 * layers * kv_heads * head_dim * 2
+    assert per_token[torch.int8] == 2 * layers * kv_heads * (head_dim + 2)
+    assert per_token[torch.bfloat16] / per_token[torch.int8] >= 1.9

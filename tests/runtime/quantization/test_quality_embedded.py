@@ -12,6 +12,7 @@ import inspect
 import re
 
 import pytest
+import torch
 from argosy_runtime.cli.perplexity import perplexity
 
 pytestmark = pytest.mark.slow
@@ -50,26 +51,60 @@ def _int8_kv_supported() -> bool:
     return "k_scale" in inspect.signature(TorchAttentionBackend.forward).parameters
 
 
+KV_CACHE_MEMORY = 64 << 20
+
+
+def _cache_capacity(llm) -> dict:  # noqa: ANN001
+    """What the engine really allocated for its KV cache in KV_CACHE_MEMORY bytes."""
+    engine = llm.engine
+    cc, runner = engine.cache_config, engine.runner
+    allocated = runner.kv.nbytes
+    scale_dtype = None
+    if runner.kv_scales is not None:
+        allocated += runner.scales.nbytes
+        scale_dtype = runner.scales.dtype
+    tokens = cc.num_blocks * cc.block_size
+    return {"tokens": tokens, "bytes_per_token": allocated / tokens, "allocated": allocated,
+            "scale_dtype": scale_dtype}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """mode -> (LLM or None, perplexity result), computed on first use."""
+    """mode -> (LLM or None, perplexity result, KV-cache capacity), computed on first use."""
     cache: dict = {}
 
     def get(mode: str) -> dict:
         if mode not in cache:
             from argosy_runtime import LLM
 
-            llm = LLM(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=64 << 20,
+            llm = LLM(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=KV_CACHE_MEMORY,
                       enable_prefix_caching=False, max_num_batched_tokens=CHUNK_TOKENS,
                       **MODES[mode])
+            capacity = _cache_capacity(llm)
             ids = llm.get_tokenizer().encode(eval_text())[:NUM_TOKENS]
-            cache[mode] = (llm, perplexity(llm, ids, window=512, stride=256))
+            cache[mode] = (llm, perplexity(llm, ids, window=512, stride=256), capacity)
             if mode != "int8":  # the coherence test still needs the int8 engine
                 llm.engine = None
-                cache[mode] = (None, cache[mode][1])
+                cache[mode] = (None, *cache[mode][1:])
         return cache[mode]
 
     return get
+
+
+def test_int8_kv_cache_fits_at_least_1_9x_the_tokens(results) -> None:
+    """Issue #5: in the same memory the int8 cache holds >= 1.9x the tokens of the bf16 one.
+    SmolLM2's head_dim 64 gives 64 int8 bytes + a 2-byte float16 scale per token per head
+    (66 vs 128 bytes: 1.94x); float32 scales (68 bytes, 1.88x) would fail this."""
+    if not _int8_kv_supported():
+        pytest.skip("kv_cache_dtype='int8' is not wired into the torch attention backend yet")
+    bf16, int8 = results("bf16")[2], results("int8-kv")[2]
+    print(f"KV cache in {KV_CACHE_MEMORY >> 20} MiB: bf16 {bf16['tokens']} tokens "
+          f"({bf16['bytes_per_token']:.0f} B/token), int8 {int8['tokens']} tokens "
+          f"({int8['bytes_per_token']:.0f} B/token)")
+    assert int8["scale_dtype"] == torch.float16
+    assert bf16["allocated"] <= KV_CACHE_MEMORY and int8["allocated"] <= KV_CACHE_MEMORY
+    assert bf16["bytes_per_token"] / int8["bytes_per_token"] >= 1.9
+    assert int8["tokens"] / bf16["tokens"] >= 1.9
 
 
 @pytest.mark.parametrize("mode", sorted(LIMITS))
