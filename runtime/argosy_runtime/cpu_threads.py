@@ -10,7 +10,6 @@ limit rounded up.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -47,23 +46,16 @@ def default_cpu_threads(torch_default: int, root: Path = Path("/sys/fs/cgroup"))
 
 
 def configure_cpu_threads(requested: int | None) -> int:
-    """Set PyTorch's intra-op thread count (`requested`, or the default above); returns it."""
+    """Set PyTorch's intra-op thread count (process-wide) to `requested`, or lower it to the
+    default above; returns the count."""
     import torch
 
     if requested is not None and requested < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {requested}")
-    torch_default = _torch_default_threads()  # read before the first change below
-    threads = requested or default_cpu_threads(torch_default)
+    # The default never raises the current count: a caller's torch.set_num_threads stands.
+    threads = requested or default_cpu_threads(torch.get_num_threads())
     if threads != torch.get_num_threads():
         logger.info("CPU math threads: %d (was %d)", threads, torch.get_num_threads())
         torch.set_num_threads(threads)
     return threads
 
-
-@functools.cache
-def _torch_default_threads() -> int:
-    """PyTorch's own choice, read before this module first changes it (so an engine built
-    with cpu_threads=1 does not lower the default of the next engine in the process)."""
-    import torch
-
-    return torch.get_num_threads()
