@@ -8,6 +8,7 @@ nothing); `refresh_status` reads the children and writes the patch.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -126,11 +127,14 @@ async def patch_status(client: KubeClient, llmd: Mapping[str, Any],
                        make_patch: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Patch the status subresource with `make_patch(current_status) -> patch | None`, guarded
     by the object's resourceVersion; on a conflict re-read the object and try again.
+    `make_patch` may be a coroutine function (to read more state on every attempt).
     Returns (the patch written or None, the object it was computed from)."""
     meta = llmd["metadata"]
     obj: Mapping[str, Any] = llmd
     for attempt in range(CONFLICT_RETRIES + 1):
         patch = make_patch(obj.get("status") or {})
+        if inspect.isawaitable(patch):
+            patch = await patch
         if not patch:
             return None, dict(obj)
         body: dict[str, Any] = {"status": patch}
@@ -161,10 +165,13 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
     `observed_generation=None` keeps the recorded one (child events do not reconcile the spec).
     """
     meta = llmd["metadata"]
-    deployment = await get_deployment(client, meta["namespace"], meta["name"])
-    pods = await list_pods(client, meta["namespace"], meta["name"])
 
-    def make_patch(current: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def make_patch(current: Mapping[str, Any]) -> dict[str, Any] | None:
+        # The children are read on every attempt, after the owner was: a retry after a
+        # conflict must not reuse pods listed before the write that caused the conflict (a
+        # stale pod list turned Degraded back on and posted a second Warning).
+        deployment = await get_deployment(client, meta["namespace"], meta["name"])
+        pods = await list_pods(client, meta["namespace"], meta["name"])
         gen = observed_generation
         computed = compute_status(llmd, deployment, pods,
                                   current.get("observedGeneration") if gen is None else gen)

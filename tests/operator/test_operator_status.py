@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 from argosy_operator.conditions import condition, merge_conditions
+from argosy_operator.kube import LLMDEPLOYMENTS, ApiError
 from argosy_operator.merge_patch import holds, three_way_merge_patch
 from argosy_operator.pod_problems import pod_problems
-from argosy_operator.status import compute_status, status_patch
+from argosy_operator.status import compute_status, refresh_status, status_patch
 
 # --- merge patches ---------------------------------------------------------------------------
 
@@ -189,3 +190,46 @@ def test_status_patch_is_none_when_nothing_changed() -> None:
     patch = status_patch(current, fewer, "T4")
     assert patch is not None and patch["readyReplicas"] == 1
     assert set(patch) == {"readyReplicas", "conditions"}
+
+
+# --- writing the status under concurrency ----------------------------------------------------
+
+
+class _RacingClient:
+    """A client whose first status write loses a race: another writer bumped the object and
+    the unschedulable pod went away in between (what a real API server answers with 409)."""
+
+    def __init__(self) -> None:
+        self.pod_lists: list[list[dict[str, Any]]] = [
+            [_pod("chat-b", phase="Pending", conditions=[{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/3 nodes: 3 Insufficient nvidia.com/gpu"}])],
+            [],
+        ]
+        self.writes: list[dict[str, Any]] = []
+
+    async def get(self, resource: Any, namespace: str, name: str) -> dict[str, Any] | None:
+        if resource == LLMDEPLOYMENTS:  # the re-read after the conflict
+            return {**LLMD, "metadata": {**LLMD["metadata"], "resourceVersion": "8"},
+                    "status": {"observedGeneration": 4}}
+        return _dep(ready=2, updated=2, total=2)
+
+    async def list(self, resource: Any, namespace: str, label_selector: str = "") -> list:
+        return self.pod_lists.pop(0)
+
+    async def patch(self, resource: Any, namespace: str, name: str, body: dict[str, Any],
+                    subresource: str | None = None) -> dict[str, Any]:
+        if body["metadata"]["resourceVersion"] == "7":
+            raise ApiError(409, "Conflict", "the object has been modified")
+        self.writes.append(body["status"])
+        return body
+
+
+async def test_a_retry_after_a_conflict_reads_the_pods_again() -> None:
+    client = _RacingClient()
+    llmd = {**LLMD, "metadata": {**LLMD["metadata"], "resourceVersion": "7"}, "status": {}}
+    patch, base = await refresh_status(client, llmd)  # type: ignore[arg-type]
+    assert base["metadata"]["resourceVersion"] == "8"
+    assert client.writes == [patch]
+    degraded = next(c for c in patch["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"  # not Unschedulable from the pod list read before
