@@ -53,18 +53,23 @@ wait_ready() {  # $1 = URL to poll, $2 = log file
   echo "server not ready after 600s" >&2; return 1
 }
 
+# Drive the server just started in the background, then stop it.
+bench_server() {  # $1 = its pid, $2 = label (also names its log), $3 = path that answers once ready
+  SERVER_PID=$1
+  wait_ready "http://127.0.0.1:$PORT$3" "$LOG_DIR/$2-server.log"
+  "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label "$2" --json "$OUT/$2.json" \
+    --markdown "$OUT/$2.md"
+  results+=("$OUT/$2.json")
+  stop_server
+}
+
 results=()
 
 echo "== argosy serve ($MODEL, $DTYPE) ==" >&2
 # shellcheck disable=SC2086
 "$PY" -m argosy_runtime.cli.main serve --model "$MODEL" --dtype "$DTYPE" --port "$PORT" \
   --log-level warning $ARGOSY_ARGS >"$LOG_DIR/argosy-server.log" 2>&1 &
-SERVER_PID=$!
-wait_ready "http://127.0.0.1:$PORT/ready" "$LOG_DIR/argosy-server.log"
-"${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label argosy --json "$OUT/argosy.json" \
-  --markdown "$OUT/argosy.md"
-results+=("$OUT/argosy.json")
-stop_server
+bench_server $! argosy /ready
 
 if command -v "$VLLM" >/dev/null 2>&1; then
   if [[ -z "$VLLM_MODEL" ]]; then
@@ -74,12 +79,7 @@ if command -v "$VLLM" >/dev/null 2>&1; then
   # shellcheck disable=SC2086
   "$VLLM" serve "$VLLM_MODEL" --served-model-name "$MODEL" --dtype "$DTYPE" --port "$PORT" \
     $VLLM_ARGS >"$LOG_DIR/vllm-server.log" 2>&1 &
-  SERVER_PID=$!
-  wait_ready "http://127.0.0.1:$PORT/v1/models" "$LOG_DIR/vllm-server.log"
-  "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --label vllm --json "$OUT/vllm.json" \
-    --markdown "$OUT/vllm.md"
-  results+=("$OUT/vllm.json")
-  stop_server
+  bench_server $! vllm /v1/models
 else
   echo "== vllm not installed: reporting argosy alone ==" >&2
 fi
