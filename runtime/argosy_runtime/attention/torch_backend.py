@@ -29,14 +29,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
-        if k_scale is None:  # the plain cache: two copies (the reference also filters
-            # padded slots, which the CPU path never has)
-            kvh, hd = self.num_kv_heads, self.head_dim
-            key_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, key)
-            value_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, value)
-        else:
-            reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
-                                  k_scale=k_scale, v_scale=v_scale)
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
+                              k_scale=k_scale, v_scale=v_scale)
         nd = meta.num_decodes
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
             return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale)
