@@ -120,6 +120,7 @@ class LLMEngine:
             from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
 
             pack_linears_for_cpu(model)
+            model.use_fused_cpu_ops()
         return model
 
     def _quantization_config(self, checkpoint: Any) -> Any:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from argosy_kernels import cpu_ops
 from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
 
 from argosy_runtime.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 fused_cpu_ops: bool | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Decode attention through the fused C++ kernel where it builds (None: when available).
+        self.fused_cpu_ops = cpu_ops.available() if fused_cpu_ops is None else fused_cpu_ops
 
     def forward(
         self,
@@ -29,8 +33,11 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
-        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
-                              k_scale=k_scale, v_scale=v_scale)
+        if self.fused_cpu_ops and k_scale is None and key.device.type == "cpu":
+            cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        else:
+            reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
+                                  k_scale=k_scale, v_scale=v_scale)
         nd = meta.num_decodes
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
             return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale)
@@ -62,12 +69,18 @@ class TorchAttentionBackend:
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The CPU fast path of `paged_decode_attention_ref` (same result, tested against it).
 
-        One index_select gathers whole blocks (much faster than advanced indexing); the mask
+        With the fused C++ kernels (argosy_kernels.cpu_ops): one pass per (sequence, kv head)
+        straight over the cache blocks, 2.5-6x faster than the PyTorch path below.
+        Without them: one index_select gathers whole blocks (much faster than advanced indexing); the mask
         and block list are built once per step and shared by all layers. The G query heads
         that share a kv head become G query rows of one SDPA call over strided K/V views:
         PyTorch's fused CPU attention kernel reads the strides, so nothing is transposed or
         repeated per kv head (2-3.5x faster than two batched GEMMs on contiguous copies here).
         """
+        if self.fused_cpu_ops and query.device.type == "cpu":
+            return cpu_ops.decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.scale,
+                                            k_scale=k_scale, v_scale=v_scale)
         flat_blocks, padded_len, valid = _decode_gather_plan(meta, key_cache.shape[1])
         num_seqs = query.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim

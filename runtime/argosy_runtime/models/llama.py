@@ -3,6 +3,11 @@
 No padding: the batch is every scheduled token of every request, one after another
 ([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
 q/k/v and gate/up projections are fused into single matmuls (fewer, larger GEMMs).
+
+`use_fused_cpu_ops(True)` routes the small per-layer ops (norms, residual adds, rotary, SiLU)
+through the fused C++ kernels of argosy_kernels.cpu_ops: one call each instead of 3-10
+PyTorch ops. The engine turns it on for bfloat16 on the CPU; float32 keeps the eager ops,
+which equal transformers' bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from argosy_kernels import cpu_ops
 from torch import nn
 
 from argosy_runtime.models.rotary import RotaryEmbedding
@@ -22,17 +28,29 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
+    fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm (variance in float32).
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)); the fused op updates `residual` in place."""
+        if self.fused:
+            return residual, cpu_ops.add_rms_norm(residual, x, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
 
 
 class Attention(nn.Module):
@@ -48,13 +66,17 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(h)
         # q and k are adjacent in qkv: rotate both heads at once (one pass, half the ops).
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = ctx.rotary.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-                               ctx.rope_tables)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.fused:  # in place, inside qkv
+            cpu_ops.rotary_embedding(qk, *ctx.rope_tables)
+        else:
+            qk = ctx.rotary.rotate(qk, ctx.rope_tables)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
@@ -68,9 +90,13 @@ class MLP(nn.Module):
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -83,8 +109,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_and_norm(
+            h, self.self_attn(self.input_layernorm(h), ctx))
+        return h + self.mlp(x)
 
 
 class ForwardContext:
@@ -132,6 +159,15 @@ class LlamaForCausalLM(nn.Module):
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
             spec.rope_scaling, dtype,
         )
+
+    def use_fused_cpu_ops(self, enabled: bool = True) -> bool:
+        """Route norms, rotary and SiLU through argosy_kernels.cpu_ops (CPU, float32 or
+        bfloat16). Turned on only if the kernels build here; returns whether they are on."""
+        enabled = enabled and cpu_ops.available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = enabled
+        return enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""Fused C++ kernels for the CPU decode path, built on first use (csrc/cpu_ops.cpp).
+
+A decode step of a small model on the CPU is dominated by per-op overhead and by attention
+shapes PyTorch's kernels are not built for (one query row per sequence). The C++ file holds
+plain loops that gcc vectorizes for the machine it runs on; it is compiled once per machine
+(about 10 s) with `torch.utils.cpp_extension` and cached under `~/.cache/argosy/cpu_ops`
+(`ARGOSY_CPU_OPS_CACHE` moves it). Where there is no C++ compiler, or the build fails, or
+`ARGOSY_CPU_OPS=0`, `available()` is False and the callers keep their PyTorch paths: every op
+here has a pure-torch reference it is tested against (tests/kernels/test_cpu_ops.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("argosy.kernels")
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# -march=native: the build is per machine (the cache key includes the CPU's flags).
+# -ffast-math: lets gcc vectorize float reductions and call glibc's vector expf; the kernels
+# never rely on inf/NaN arithmetic (they loop over valid tokens only).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LDFLAGS = ["-lmvec"]
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("ARGOSY_CPU_OPS", "1").lower() not in ("0", "false", "off", "no")
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels; False, logged once, if that fails."""
+    if not enabled_by_env():
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.info("no C++ compiler found: fused CPU kernels off, using PyTorch ops")
+        return False
+    if shutil.which("ninja") is None:  # torch builds with ninja; the `ninja` wheel puts it
+        venv_bin = str(Path(sys.executable).parent)  # beside the interpreter
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(name=f"argosy_cpu_ops_{build_dir.name}", sources=[str(_SOURCE)],
+             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
+             is_python_module=False, verbose=False)
+    except Exception as exc:  # a compiler or linker error: fall back, loudly
+        logger.warning("building the fused CPU kernels failed, using PyTorch ops: %s", exc)
+        return False
+    return True
+
+
+def _build_dir() -> Path:
+    """One folder per (source, flags, torch version, CPU), so a cache shared between
+    machines or upgrades never loads a library built for another."""
+    cpu_flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                cpu_flags += line
+    except OSError:
+        cpu_flags = platform.processor()
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+                 torch.__version__.encode(), cpu_flags.encode()):
+        key.update(part)
+    root = Path(os.environ.get("ARGOSY_CPU_OPS_CACHE",
+                               Path.home() / ".cache" / "argosy" / "cpu_ops"))
+    return root / key.hexdigest()[:16]
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], float32 or bfloat16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    context_lens: torch.Tensor,  # int32 [num_seqs], the current token included
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention_ref` in one fused pass: no gathered copy of the blocks, one
+    task per (sequence, kv head) over torch's threads. The query may be a row-strided view
+    (q inside the fused qkv output)."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.argosy_cpu.decode_attention(out, query, key_cache, value_cache, block_tables,
+                                          context_lens, scale, k_scale, v_scale)
+    return out
+
+
+# The ops below are called once or twice per layer per step: thin aliases keep the call cost
+# at one dispatcher hop. Each op's reference is named in its line.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rows, dim] -> weight * dtype(x * rsqrt(mean(x^2) + eps)) (models.llama.RMSNorm)."""
+    return torch.ops.argosy_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> torch.Tensor:
+    """residual += x in place (rounded to its dtype); returns rms_norm(residual)."""
+    return torch.ops.argosy_cpu.add_rms_norm(residual, x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * dim] -> silu(gate) * up, each rounded as eager PyTorch rounds."""
+    return torch.ops.argosy_cpu.silu_and_mul(gate_up)
+
+
+def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """In place: qk = qk * cos + roll(qk, head_dim / 2) * signed_sin
+    (models.rotary.RotaryEmbedding.rotate). qk: [tokens, heads, head_dim], rows may be strided."""
+    torch.ops.argosy_cpu.rotary_embedding(qk, cos, signed_sin)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`reshape_and_cache_ref` for a float32/bfloat16 cache (negative slots are skipped)."""
+    torch.ops.argosy_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

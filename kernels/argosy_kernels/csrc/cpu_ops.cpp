@@ -1,0 +1,350 @@
+// Fused CPU kernels for the decode path. argosy_kernels/cpu_ops.py builds this file on first
+// use and falls back to PyTorch where no compiler is available; each op has a pure-torch
+// reference it is tested against (tests/kernels/test_cpu_ops.py).
+//
+// Why C++: a decode step of a small model is hundreds of tiny tensor ops, each paying a few
+// microseconds of dispatch, and PyTorch's SDPA is built for long query blocks, not one query
+// row per sequence. These are plain loops that gcc vectorizes (-O3 -march=native) and that
+// at::parallel_for spreads over torch's own OpenMP threads.
+//
+// Rounding: for bfloat16 the elementwise ops round to bfloat16 after every step PyTorch's
+// eager ops would round at, so they reproduce the eager results up to the order of float
+// summation (and glibc's vector expf). Arithmetic is float32 throughout.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// Round a float to the storage type and back: where eager PyTorch stores an intermediate.
+template <typename T>
+inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+void check_cpu_float(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// Calls body.template operator()<scalar_t>() for float32 or bfloat16.
+template <typename Body>
+void dispatch_float(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kBFloat16) {
+    body.template operator()<c10::BFloat16>();
+  } else {
+    body.template operator()<float>();
+  }
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+// out = weight * dtype(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm. With a
+// residual: residual = dtype(residual + x) first, and the norm is taken of the new residual.
+template <typename T>
+void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t dim,
+                   int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      if (residual) {
+        T* res = residual + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          h[i] = round_to<T>(static_cast<float>(res[i]) + static_cast<float>(xr[i]));
+          res[i] = static_cast<T>(h[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) h[i] = static_cast<float>(xr[i]);
+      }
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < dim; ++i) sum_sq += h[i] * h[i];
+      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(h[i] * inv_rms));
+    }
+  });
+}
+
+void check_norm_args(const Tensor& x, const Tensor& weight) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with unit stride in dim");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+              weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [dim] of x's dtype");
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  dispatch_float(x.scalar_type(), [&]<typename T>() {
+    rms_norm_rows<T>(out.data_ptr<T>(), nullptr, x.data_ptr<T>(), weight.data_ptr<T>(),
+                     x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (in place), returns rms_norm(residual).
+Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type(), "residual must be contiguous, shaped and typed like x");
+  Tensor out = at::empty_like(residual);
+  dispatch_float(x.scalar_type(), [&]<typename T>() {
+    rms_norm_rows<T>(out.data_ptr<T>(), residual.data_ptr<T>(), x.data_ptr<T>(),
+                     weight.data_ptr<T>(), x.size(0), x.size(1), x.stride(0),
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
+// ---- SiLU(gate) * up -------------------------------------------------------------------------
+Tensor silu_and_mul(const Tensor& gate_up) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [rows, 2 * dim]");
+  const int64_t rows = gate_up.size(0), dim = gate_up.size(1) / 2;
+  Tensor out = at::empty({rows, dim}, gate_up.options());
+  dispatch_float(gate_up.scalar_type(), [&]<typename T>() {
+    const T* in = gate_up.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = in + r * 2 * dim;
+        const T* up = gate + dim;
+        T* dst = o + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const float silu = round_to<T>(g / (1.f + std::exp(-g)));
+          dst[i] = static_cast<T>(silu * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- Rotary embedding, in place ----------------------------------------------------------------
+// x = x * cos + roll(x, D/2) * signed_sin (the sign of rotate_half lives in the table).
+void rotary_embedding(Tensor qk, const Tensor& cos, const Tensor& signed_sin) {
+  check_cpu_float(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be [tokens, heads, head_dim] with contiguous heads");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * dim &&
+              signed_sin.numel() == tokens * dim && cos.scalar_type() == qk.scalar_type() &&
+              signed_sin.scalar_type() == qk.scalar_type(),
+              "cos/signed_sin must be contiguous [tokens, head_dim] of qk's dtype");
+  const int64_t row_stride = qk.stride(0);
+  dispatch_float(qk.scalar_type(), [&]<typename T>() {
+    T* x = qk.data_ptr<T>();
+    const T* c = cos.data_ptr<T>();
+    const T* s = signed_sin.data_ptr<T>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> head(dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const T* ct = c + t * dim;
+        const T* st = s + t * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* xh = x + t * row_stride + h * dim;
+          for (int64_t d = 0; d < dim; ++d) head[d] = static_cast<float>(xh[d]);
+          for (int64_t d = 0; d < dim; ++d) {
+            const float rolled = head[d < half ? d + half : d - half];
+            xh[d] = static_cast<T>(round_to<T>(head[d] * static_cast<float>(ct[d])) +
+                                   round_to<T>(rolled * static_cast<float>(st[d])));
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---- Write new K/V into their cache slots --------------------------------------------------------
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor key_cache, Tensor value_cache,
+                       const Tensor& slot_mapping) {
+  check_cpu_float(key, "key");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 &&
+              value.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+              "key/value must be [tokens, kv_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_cache.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key.scalar_type(),
+              "caches must be contiguous and of the key's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 tensor");
+  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t num_slots = key_cache.numel() / row;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache (", num_slots, " slots)");
+  dispatch_float(key.scalar_type(), [&]<typename T>() {
+    const T* k = key.data_ptr<T>();
+    const T* v = value.data_ptr<T>();
+    T* kc = key_cache.data_ptr<T>();
+    T* vc = value_cache.data_ptr<T>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (slots[t] < 0) continue;  // padding: no slot
+      std::copy_n(k + t * key.stride(0), row, kc + slots[t] * row);
+      std::copy_n(v + t * value.stride(0), row, vc + slots[t] * row);
+    }
+  });
+}
+
+// ---- Paged decode attention -------------------------------------------------------------------
+// One query token per sequence against its cached tokens, for the `group` query heads that
+// share each kv head: scores in float32, exact softmax (max-subtracted), weighted sum of V.
+// One task per (sequence, kv head); nothing is gathered or padded.
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                           const Tensor& value_cache, const Tensor& block_tables,
+                           const Tensor& context_lens, double scale,
+                           const c10::optional<Tensor>& k_scale,
+                           const c10::optional<Tensor>& v_scale) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  // A compile-time head_dim (64, 128) lets gcc unroll and vectorize the inner loops fully.
+  const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t q_stride = query.stride(0);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
+  const c10::Half* ks_ptr = k_scale ? k_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs_ptr = v_scale ? v_scale->data_ptr<c10::Half>() : nullptr;
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = context_lens.data_ptr<int32_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
+  const int64_t block_stride = block_size * token_stride;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;
+      const int64_t ctx = len_ptr[seq];
+      const int32_t* blocks = bt_ptr + seq * max_blocks;
+      const scalar_t* q_in = q_ptr + seq * q_stride + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]) * fscale;
+      scores.resize(group * ctx);
+      for (int64_t t = 0; t < ctx; ++t) {  // scores[g, t] = q_g . k_t
+        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+        const cache_t* k = k_ptr + slot * token_stride + kvh * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
+        if (ks_ptr) {
+          const float s = static_cast<float>(ks_ptr[slot * num_kv_heads + kvh]);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] *= s;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+          scores[g * ctx + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax over t
+        float* s = scores.data() + g * ctx;
+        float mx = s[0];
+        for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {  // acc_g += p[g, t] * v_t
+        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+        const cache_t* v = v_ptr + slot * token_stride + kvh * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
+        if (vs_ptr) {
+          const float s = static_cast<float>(vs_ptr[slot * num_kv_heads + kvh]);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] *= s;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        }
+      }
+      scalar_t* o = out_ptr + (seq * num_heads + kvh * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+template <typename scalar_t, typename cache_t, typename... Args>
+void dispatch_head_dim(Tensor& out, const Tensor& query, Args&&... args) {
+  switch (query.size(2)) {
+    case 64: return decode_attention_impl<scalar_t, cache_t, 64>(out, query, args...);
+    case 128: return decode_attention_impl<scalar_t, cache_t, 128>(out, query, args...);
+    default: return decode_attention_impl<scalar_t, cache_t, 0>(out, query, args...);
+  }
+}
+
+void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& block_tables,
+                      const Tensor& context_lens, double scale,
+                      const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+  check_cpu_float(query, "query");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [num_seqs, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
+              out.scalar_type() == query.scalar_type(), "out must be contiguous and like query");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == query.size(2),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+              block_tables.is_contiguous() && context_lens.is_contiguous() &&
+              block_tables.size(0) >= query.size(0) && context_lens.size(0) >= query.size(0),
+              "block_tables and context_lens must be contiguous int32 with a row per sequence");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8_cache || (k_scale && v_scale), "an int8 cache needs k_scale and v_scale");
+  TORCH_CHECK(!k_scale || (k_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
+                           v_scale && v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous()),
+              "k_scale/v_scale must be contiguous float16");
+  TORCH_CHECK(int8_cache || key_cache.scalar_type() == query.scalar_type(),
+              "cache dtype must equal the query dtype (or be int8)");
+  // Every context must be non-empty and lie inside its block-table row.
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < query.size(0); ++s)
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= block_tables.size(1) * key_cache.size(1),
+                "context length ", lens[s], " of sequence ", s, " is empty or exceeds its block table");
+  dispatch_float(query.scalar_type(), [&]<typename T>() {
+    if (int8_cache)
+      dispatch_head_dim<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale);
+    else
+      dispatch_head_dim<T, T>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(argosy_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("decode_attention", &decode_attention);
+}

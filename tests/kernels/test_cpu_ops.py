@@ -1,0 +1,194 @@
+"""The fused C++ CPU kernels (argosy_kernels.cpu_ops) against their PyTorch references, on
+fresh random inputs each run (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from argosy_kernels import cpu_ops
+from argosy_kernels.paged_attention import paged_decode_attention_ref
+from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
+from argosy_runtime.models.llama import RMSNorm
+from argosy_runtime.models.rotary import RotaryEmbedding
+from kernel_test_utils import random_block_tables
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the kernels are off")
+
+DTYPES = [torch.float32, torch.bfloat16]
+SEED = int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def _gen(offset: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED + offset)
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0
+           ) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # bfloat16: the kernels round where eager ops round, so results differ by at most one ulp
+    # (2^-7 relative at the bottom of a binade), where a float32 sum ordered differently or
+    # a vector expf lands across a rounding boundary.
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"seed {SEED}: {m}")
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    # A broken build must fail here, not silently fall back to the slower PyTorch path.
+    assert cpu_ops.available(), "cpu_ops did not build; see the argosy.kernels warning"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_rms_norm_matches_the_model_norm(dtype: torch.dtype, rows: int) -> None:
+    g = _gen(rows)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = _randn(576, dtype=dtype, gen=g)
+    x = _randn(rows, 576, dtype=dtype, gen=g, scale=3.0)
+    _assert_close(cpu_ops.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_in_place(dtype: torch.dtype) -> None:
+    g = _gen(1)
+    norm = RMSNorm(320, 1e-6).to(dtype)
+    norm.weight.data = _randn(320, dtype=dtype, gen=g)
+    residual = _randn(9, 320, dtype=dtype, gen=g)
+    x = _randn(9, 320, dtype=dtype, gen=g)
+    expected_residual = residual + x
+    out = cpu_ops.add_rms_norm(residual, x, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_residual)  # one rounding, exactly as eager
+    _assert_close(out, norm(expected_residual), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_row_strided_input(dtype: torch.dtype) -> None:
+    g = _gen(2)
+    wide = _randn(5, 300, dtype=dtype, gen=g)
+    x = wide[:, :256]  # rows 300 apart
+    w = _randn(256, dtype=dtype, gen=g)
+    norm = RMSNorm(256, 1e-5).to(dtype)
+    norm.weight.data = w
+    _assert_close(cpu_ops.rms_norm(x, w, 1e-5), norm(x.contiguous()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+    gate_up = _randn(rows, 2 * 1536, dtype=dtype, gen=_gen(rows), scale=4.0)
+    gate, up = gate_up.split(1536, dim=-1)
+    _assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_inside_the_fused_qkv_rows(dtype: torch.dtype, head_dim: int) -> None:
+    g = _gen(head_dim)
+    num_q, num_kv, tokens = 6, 2, 11
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    qkv = _randn(tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype, gen=g)
+    qk = qkv[:, : (num_q + num_kv) * head_dim].view(tokens, num_q + num_kv, head_dim)
+    v_before = qkv[:, (num_q + num_kv) * head_dim :].clone()
+    tables = rotary.tables(positions)
+    expected = rotary.rotate(qk.clone(), tables)
+    cpu_ops.rotary_embedding(qk, *tables)
+    _assert_close(qk, expected, dtype)
+    assert torch.equal(qkv[:, (num_q + num_kv) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    g = _gen(3)
+    key_cache = torch.zeros(6, 16, 3, 64, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    kv = _randn(5, 2 * 3 * 64, dtype=dtype, gen=g)  # strided views, as inside qkv
+    key, value = (t.view(5, 3, 64) for t in kv.split(3 * 64, dim=-1))
+    slots = torch.tensor([17, 3, -1, 95, 40])
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reshape_and_cache_ref(key, value, ref_k, ref_v, slots)
+    cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 96]))
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, context_lens): GQA 1/3/8, head dims 64/128
+# and one without a compile-time specialization (96), context 1, block-boundary and partial.
+ATTENTION_CASES = [
+    (9, 3, 64, 16, [1, 16, 37, 200]),
+    (8, 8, 128, 32, [64, 5, 33]),
+    (8, 1, 96, 16, [100, 1, 17]),
+]
+
+
+def _attention_inputs(case, dtype, offset):
+    num_heads, num_kv_heads, head_dim, block_size, lens = case
+    g = _gen(offset)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    key_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=g)
+    value_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=g)
+    # The query as the model hands it over: q heads inside wider qkv rows.
+    qkv = _randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=g)
+    query = qkv[:, : num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    tables = random_block_tables(lens, block_size, num_blocks, g)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_matches_reference(dtype: torch.dtype, case) -> None:
+    query, key_cache, value_cache, tables, lens = _attention_inputs(case, dtype, 10)
+    scale = case[2] ** -0.5
+    out = cpu_ops.decode_attention(query, key_cache, value_cache, tables, lens, scale)
+    ref = paged_decode_attention_ref(query, key_cache, value_cache, tables, lens, scale)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_int8_cache(dtype: torch.dtype) -> None:
+    case = ATTENTION_CASES[0]
+    query, key_cache, value_cache, tables, lens = _attention_inputs(case, dtype, 11)
+    g = _gen(12)
+    k8 = torch.randint(-127, 128, key_cache.shape, generator=g, dtype=torch.int8)
+    v8 = torch.randint(-127, 128, value_cache.shape, generator=g, dtype=torch.int8)
+    k_scale = (torch.rand(key_cache.shape[:-1], generator=g) / 100).half()
+    v_scale = (torch.rand(value_cache.shape[:-1], generator=g) / 100).half()
+    out = cpu_ops.decode_attention(query, k8, v8, tables, lens, 0.125, k_scale=k_scale,
+                                   v_scale=v_scale)
+    ref = paged_decode_attention_ref(query, k8, v8, tables, lens, 0.125, k_scale=k_scale,
+                                     v_scale=v_scale)
+    _assert_close(out, ref, dtype)
+
+
+def test_decode_attention_rejects_bad_inputs() -> None:
+    query, key_cache, value_cache, tables, lens = _attention_inputs(ATTENTION_CASES[0],
+                                                                    torch.float32, 13)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_ops.decode_attention(query, key_cache, value_cache, tables,
+                                 torch.tensor([1, 1, 1, 10_000], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_ops.decode_attention(query, key_cache, value_cache, tables.long(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="needs k_scale"):
+        cpu_ops.decode_attention(query, key_cache.to(torch.int8), value_cache.to(torch.int8),
+                                 tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_ops.rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.float16), 1e-5)
+
+
+def test_switched_off_by_environment() -> None:
+    code = "from argosy_kernels import cpu_ops; print(cpu_ops.available())"
+    env = {**os.environ, "ARGOSY_CPU_OPS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
