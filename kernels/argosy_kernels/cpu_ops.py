@@ -126,6 +126,9 @@ def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tens
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`reshape_and_cache_ref` for a float32/bfloat16 cache (negative slots are skipped)."""
-    torch.ops.argosy_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                      ) -> None:
+    """`reshape_and_cache_ref`, bit for bit, int8 cache included (negative slots skipped)."""
+    torch.ops.argosy_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                           k_scale, v_scale)

@@ -123,6 +123,26 @@ def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtyp
         cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 96]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_int8_equals_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    g = _gen(4)
+    key_cache = torch.zeros(6, 16, 3, 64, dtype=torch.int8)
+    value_cache = torch.zeros_like(key_cache)
+    k_scale = torch.zeros(6, 16, 3, dtype=torch.float16)
+    v_scale = torch.zeros_like(k_scale)
+    kv = _randn(7, 2 * 3 * 64, dtype=dtype, gen=g, scale=5.0)
+    kv[1] = 0  # an all-zero head stores a zero scale and zeros
+    kv[2, :64] *= 1e-6  # an underflowing scale
+    key, value = (t.view(7, 3, 64) for t in kv.split(3 * 64, dim=-1))
+    slots = torch.tensor([17, 3, 5, -1, 95, 40, 0])
+    ref = [t.clone() for t in (key_cache, value_cache, k_scale, v_scale)]
+    reshape_and_cache_ref(key, value, ref[0], ref[1], slots, k_scale=ref[2], v_scale=ref[3])
+    cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale=k_scale,
+                              v_scale=v_scale)
+    for got, want in zip((key_cache, value_cache, k_scale, v_scale), ref, strict=True):
+        assert torch.equal(got, want), f"seed {SEED}"
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, context_lens): GQA 1/3/8, head dims 64/128
 # and one without a compile-time specialization (96), context 1, block-boundary and partial.
 ATTENTION_CASES = [

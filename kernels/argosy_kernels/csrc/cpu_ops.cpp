@@ -168,18 +168,47 @@ void rotary_embedding(Tensor qk, const Tensor& cos, const Tensor& signed_sin) {
 }
 
 // ---- Write new K/V into their cache slots --------------------------------------------------------
+// Plain caches take a copy; an int8 cache takes quantize_per_head_ref's result exactly:
+// scale = float16(min(amax / 127, 65504)), q = round-half-away(x / scale) clamped to +-127.
+// Compiled without fast-math so the division and rounding are IEEE, as in the reference.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+template <typename T>
+__attribute__((optimize("no-fast-math")))
+void quantize_head(int8_t* q, c10::Half* scale, const T* x, int64_t dim) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const c10::Half s = static_cast<c10::Half>(std::min(amax / 127.0f, 65504.0f));
+  const float sf = static_cast<float>(s);
+  const float inv = sf > 0.f ? 1.0f / std::max(sf, 1e-30f) : 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float y = static_cast<float>(x[d]) * inv;
+    const float r = y >= 0.f ? std::floor(y + 0.5f) : std::ceil(y - 0.5f);
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  *scale = s;
+}
+#pragma GCC pop_options
+
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor key_cache, Tensor value_cache,
-                       const Tensor& slot_mapping) {
+                       const Tensor& slot_mapping, const c10::optional<Tensor>& k_scale,
+                       const c10::optional<Tensor>& v_scale) {
   check_cpu_float(key, "key");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 &&
               value.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
               "key/value must be [tokens, kv_heads, head_dim] with contiguous heads");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              key_cache.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key.scalar_type(),
-              "caches must be contiguous and of the key's dtype");
+              value_cache.scalar_type() == key_cache.scalar_type() &&
+              (int8_cache || key_cache.scalar_type() == key.scalar_type()),
+              "caches must be contiguous and of the key's dtype (or int8)");
+  TORCH_CHECK(!int8_cache || (k_scale && v_scale && k_scale->scalar_type() == at::kHalf &&
+                              v_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
+                              v_scale->is_contiguous()),
+              "an int8 cache needs contiguous float16 k_scale and v_scale");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 tensor");
-  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2), row = heads * dim;
   const int64_t num_slots = key_cache.numel() / row;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
@@ -187,12 +216,22 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor key_cache,
   dispatch_float(key.scalar_type(), [&]<typename T>() {
     const T* k = key.data_ptr<T>();
     const T* v = value.data_ptr<T>();
-    T* kc = key_cache.data_ptr<T>();
-    T* vc = value_cache.data_ptr<T>();
     for (int64_t t = 0; t < tokens; ++t) {
-      if (slots[t] < 0) continue;  // padding: no slot
-      std::copy_n(k + t * key.stride(0), row, kc + slots[t] * row);
-      std::copy_n(v + t * value.stride(0), row, vc + slots[t] * row);
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding: no slot
+      const T* kt = k + t * key.stride(0);
+      const T* vt = v + t * value.stride(0);
+      if (int8_cache) {
+        for (int64_t h = 0; h < heads; ++h) {
+          quantize_head<T>(key_cache.data_ptr<int8_t>() + slot * row + h * dim,
+                           k_scale->data_ptr<c10::Half>() + slot * heads + h, kt + h * dim, dim);
+          quantize_head<T>(value_cache.data_ptr<int8_t>() + slot * row + h * dim,
+                           v_scale->data_ptr<c10::Half>() + slot * heads + h, vt + h * dim, dim);
+        }
+      } else {
+        std::copy_n(kt, row, key_cache.data_ptr<T>() + slot * row);
+        std::copy_n(vt, row, value_cache.data_ptr<T>() + slot * row);
+      }
     }
   });
 }
@@ -334,7 +373,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> ()");

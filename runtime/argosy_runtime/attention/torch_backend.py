@@ -33,8 +33,9 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
-        if self.fused_cpu_ops and k_scale is None and key.device.type == "cpu":
-            cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if self.fused_cpu_ops and key.device.type == "cpu":
+            cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                                      k_scale=k_scale, v_scale=v_scale)
         else:
             reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
                                   k_scale=k_scale, v_scale=v_scale)
