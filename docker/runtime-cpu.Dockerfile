@@ -43,6 +43,15 @@ LABEL org.opencontainers.image.title="argosy-runtime-cpu" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="argosy-project"
+# The fused CPU kernels (kernels/argosy_kernels/csrc) are compiled at first start on the node
+# itself, with -march=native for the node's CPU (building them into the image would target
+# the build machine's CPU): g++ is a run-time dependency here. Without it the server still
+# runs, on the slower PyTorch ops. Not pinned to exact versions (DL3008): the Debian release
+# is fixed by the base digest, and Debian drops superseded versions from its mirrors.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 1000 argosy \
  && useradd --system --uid 1000 --gid argosy --home-dir /home/argosy --create-home argosy
 COPY --from=builder /opt/venv /opt/venv

@@ -3,10 +3,11 @@
 A decode step of a small model on the CPU is dominated by per-op overhead and by attention
 shapes PyTorch's kernels are not built for (one query row per sequence). The C++ file holds
 plain loops that gcc vectorizes for the machine it runs on; it is compiled once per machine
-(about 10 s) with `torch.utils.cpp_extension` and cached under `~/.cache/argosy/cpu_ops`
-(`ARGOSY_CPU_OPS_CACHE` moves it). Where there is no C++ compiler, or the build fails, or
-`ARGOSY_CPU_OPS=0`, `available()` is False and the callers keep their PyTorch paths: every op
-here has a pure-torch reference it is tested against (tests/kernels/test_cpu_ops.py).
+(about 10 s) with `torch.utils.cpp_extension` and cached under `$XDG_CACHE_HOME/argosy/cpu_ops`
+(default `~/.cache`; `ARGOSY_CPU_OPS_CACHE` moves it). Where there is no C++ compiler, or the
+build fails, or `ARGOSY_CPU_OPS=0`, `available()` is False and the callers keep their PyTorch
+paths: every op here has a pure-torch reference it is tested against
+(tests/kernels/test_cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ def available() -> bool:
 
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_dir / "lock")
         load(name=f"argosy_cpu_ops_{build_dir.name}", sources=[str(_SOURCE)],
              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=str(build_dir),
              is_python_module=False, verbose=False)
@@ -59,6 +62,19 @@ def available() -> bool:
         logger.warning("building the fused CPU kernels failed, using PyTorch ops: %s", exc)
         return False
     return True
+
+
+def _remove_stale_lock(lock: Path, max_age_s: float = 300.0) -> None:
+    """torch holds a lock file while one process builds and makes the others wait for it
+    to go away, forever: a builder killed mid-build (a pod evicted at start-up) would hang
+    every later start. A build takes seconds, so a lock older than `max_age_s` is stale."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _build_dir() -> Path:
@@ -75,8 +91,8 @@ def _build_dir() -> Path:
     for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(),
                  torch.__version__.encode(), cpu_flags.encode()):
         key.update(part)
-    root = Path(os.environ.get("ARGOSY_CPU_OPS_CACHE",
-                               Path.home() / ".cache" / "argosy" / "cpu_ops"))
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = Path(os.environ.get("ARGOSY_CPU_OPS_CACHE", cache_home / "argosy" / "cpu_ops"))
     return root / key.hexdigest()[:16]
 
 

@@ -212,3 +212,16 @@ def test_switched_off_by_environment() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_stale_build_lock_is_removed(tmp_path) -> None:
+    # torch waits for a build lock to disappear, forever; a killed builder must not hang
+    # every later start.
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch()
+    stale.touch()
+    os.utime(stale, (0, 0))
+    cpu_ops._remove_stale_lock(fresh)
+    cpu_ops._remove_stale_lock(stale)
+    cpu_ops._remove_stale_lock(tmp_path / "missing")
+    assert fresh.exists() and not stale.exists()
