@@ -120,7 +120,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids)
+            computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
+                                                         _prefix_lookup_limit(req))
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = req.num_tokens - num_computed
             if num_new > budget:
@@ -149,3 +150,17 @@ class Scheduler:
         req.spec_token_ids = []
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+
+def _prefix_lookup_limit(req: Request) -> int | None:
+    """How many tokens a request may take from the prefix cache (None: all but the last).
+
+    A cached block has no logits: prompt tokens still to be scored for `prompt_logprobs`
+    must be recomputed. Scoring prompt token p needs the hidden state of token p - 1, so a
+    request holding scores up to position L - 1 may reuse at most L - 1 tokens (none at
+    first; after a preemption, the part it already scored).
+    """
+    scored = req.prompt_logprobs
+    if scored is None or len(scored) >= req.num_prompt_tokens:
+        return None
+    return min(req.num_tokens - 1, len(scored) - 1)

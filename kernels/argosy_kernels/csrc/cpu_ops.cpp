@@ -109,16 +109,16 @@ Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, doub
 // ---- SiLU(gate) * up -------------------------------------------------------------------------
 Tensor silu_and_mul(const Tensor& gate_up) {
   check_cpu_float(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gate_up must be a contiguous [rows, 2 * dim]");
-  const int64_t rows = gate_up.size(0), dim = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * dim] with unit stride in dim");
+  const int64_t rows = gate_up.size(0), dim = gate_up.size(1) / 2, row_stride = gate_up.stride(0);
   Tensor out = at::empty({rows, dim}, gate_up.options());
   dispatch_float(gate_up.scalar_type(), [&]<typename T>() {
     const T* in = gate_up.data_ptr<T>();
     T* o = out.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const T* gate = in + r * 2 * dim;
+        const T* gate = in + r * row_stride;
         const T* up = gate + dim;
         T* dst = o + r * dim;
         for (int64_t i = 0; i < dim; ++i) {

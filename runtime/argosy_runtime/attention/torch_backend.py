@@ -71,9 +71,9 @@ class TorchAttentionBackend:
         """The CPU fast path of `paged_decode_attention_ref` (same result, tested against it).
 
         With the fused C++ kernels (argosy_kernels.cpu_ops): one pass per (sequence, kv head)
-        straight over the cache blocks, 2.5-6x faster than the PyTorch path below.
-        Without them: one index_select gathers whole blocks (much faster than advanced indexing); the mask
-        and block list are built once per step and shared by all layers. The G query heads
+        straight over the cache blocks, 2.5-6x faster than the PyTorch path below. Without
+        them: one index_select gathers whole blocks (much faster than advanced indexing); the
+        mask and block list are built once per step and shared by all layers. The G query heads
         that share a kv head become G query rows of one SDPA call over strided K/V views:
         PyTorch's fused CPU attention kernel reads the strides, so nothing is transposed or
         repeated per kv head (2-3.5x faster than two batched GEMMs on contiguous copies here).

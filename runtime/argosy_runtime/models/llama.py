@@ -28,12 +28,11 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
-
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -161,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def use_fused_cpu_ops(self, enabled: bool = True) -> bool:
-        """Route norms, rotary and SiLU through argosy_kernels.cpu_ops (CPU, float32 or
-        bfloat16). Turned on only if the kernels build here; returns whether they are on."""
+        """Route norms, residual adds, rotary and SiLU through argosy_kernels.cpu_ops (CPU,
+        float32 or bfloat16). On only if the kernels build here; returns whether they are."""
         enabled = enabled and cpu_ops.available()
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):

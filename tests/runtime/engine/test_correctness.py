@@ -82,6 +82,25 @@ def test_logprobs_match_transformers(embedded_llm: LLM, embedded_hf) -> None:  #
     )
 
 
+def test_prompt_logprobs_are_complete_after_a_prefix_cache_hit(embedded_llm: LLM, embedded_hf
+                                                                ) -> None:  # noqa: ANN001
+    # A cached block has no logits: a request that scores its prompt must recompute what it
+    # scores, even when an earlier identical prompt left every block in the cache.
+    prompt = " ".join(TEXTS[8:])  # several blocks long
+    ids = embedded_llm.generate([prompt], greedy(1))[0].prompt_token_ids  # caches its blocks
+    assert len(ids) > 2 * embedded_llm.engine.cache_config.block_size
+    hits_before = embedded_llm.engine.get_stats().prefix_cache_hits
+    [out] = embedded_llm.generate([prompt], greedy(1, prompt_logprobs=0))
+    assert len(out.prompt_logprobs) == len(ids)
+    prompt_ref = embedded_hf.prompt_logprobs(ids)
+    for i in range(1, len(ids)):
+        assert abs(out.prompt_logprobs[i][ids[i]].logprob - prompt_ref[i - 1][ids[i]].item()) < 1e-4
+    assert embedded_llm.engine.get_stats().prefix_cache_hits == hits_before
+    embedded_llm.generate([prompt], greedy(1))  # a plain request still reuses the blocks
+    assert embedded_llm.engine.get_stats().prefix_cache_hits > hits_before
+    assert_no_leaks(embedded_llm.engine)
+
+
 def test_chunked_prefill_prefix_hits_and_preemption_together(embedded_hf) -> None:  # noqa: ANN001
     # 8-token chunks, a pool of 14 blocks of 16 tokens: 8 requests of ~30-60 tokens cannot all
     # fit, so the newest are preempted and recomputed; shared prefixes hit the cache.
