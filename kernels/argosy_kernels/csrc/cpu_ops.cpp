@@ -273,15 +273,16 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
       const int32_t* blocks = bt_ptr + seq * max_blocks;
       const scalar_t* q_in = q_ptr + seq * q_stride + kvh * group * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]) * fscale;
+      // Token t's K or V row of this kv head into `row`, as float32 (dequantized if int8).
+      auto load_row = [&](const cache_t* cache, const c10::Half* scales, int64_t t) {
+        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+        const cache_t* src = cache + slot * token_stride + kvh * head_dim;
+        const float s = scales ? static_cast<float>(scales[slot * num_kv_heads + kvh]) : 1.f;
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(src[d]) * s;
+      };
       scores.resize(group * ctx);
       for (int64_t t = 0; t < ctx; ++t) {  // scores[g, t] = q_g . k_t
-        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-        const cache_t* k = k_ptr + slot * token_stride + kvh * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
-        if (ks_ptr) {
-          const float s = static_cast<float>(ks_ptr[slot * num_kv_heads + kvh]);
-          for (int64_t d = 0; d < head_dim; ++d) row[d] *= s;
-        }
+        load_row(k_ptr, ks_ptr, t);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float dot = 0.f;
@@ -300,13 +301,7 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; ++t) {  // acc_g += p[g, t] * v_t
-        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-        const cache_t* v = v_ptr + slot * token_stride + kvh * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
-        if (vs_ptr) {
-          const float s = static_cast<float>(vs_ptr[slot * num_kv_heads + kvh]);
-          for (int64_t d = 0; d < head_dim; ++d) row[d] *= s;
-        }
+        load_row(v_ptr, vs_ptr, t);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * ctx + t];
           float* a = acc.data() + g * head_dim;
