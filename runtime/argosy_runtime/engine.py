@@ -93,10 +93,10 @@ class LLMEngine:
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
-            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d dtype=%s quantization=%s "
-            "kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
-            time.monotonic() - started, args.model, self.device, self.cpu_threads, self.dtype,
-            self.quantization,
+            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s dtype=%s "
+            "quantization=%s kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
+            time.monotonic() - started, args.model, self.device, self.cpu_threads,
+            getattr(self.runner.backend, "fused_cpu_ops", False), self.dtype, self.quantization,
             cache_dtype, self.cache_config.num_blocks, args.block_size,
             self.cache_config.num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
