@@ -135,6 +135,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.argosy_cpu.silu_and_mul(gate_up)
 
 
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [1, K] -> [1, N] = (x @ qweight.T) * scales, qweight int8 [N, K] (Int8Linear's
+    weight-only product; reference: `Int8Linear.dequantize`). Streams the weight at the
+    memory bandwidth: the batch-1 decode kernel."""
+    return torch.ops.argosy_cpu.int8_gemv(x, qweight, scales)
+
+
 def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """In place: qk = qk * cos + roll(qk, head_dim / 2) * signed_sin
     (models.rotary.RotaryEmbedding.rotate). qk: [tokens, heads, head_dim], rows may be strided."""

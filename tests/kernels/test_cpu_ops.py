@@ -144,6 +144,19 @@ def test_reshape_and_cache_int8_equals_reference_bit_for_bit(dtype: torch.dtype)
         assert torch.equal(got, want), f"seed {SEED}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(960, 576), (13, 100), (72, 1536)])  # row and k tails too
+def test_int8_gemv_matches_the_dequantized_product(dtype: torch.dtype, n: int, k: int) -> None:
+    g = _gen(n + k)
+    qweight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) / 50).to(dtype)
+    x = _randn(1, k, dtype=dtype, gen=g)
+    expected = (x.double() @ qweight.double().t()) * scales.double()  # the exact product
+    _assert_close(cpu_ops.int8_gemv(x, qweight, scales), expected, dtype)
+    with pytest.raises(RuntimeError, match="1, in_features"):
+        cpu_ops.int8_gemv(torch.cat([x, x]), qweight, scales)
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, context_lens): GQA 1/3/8, head dims 64/128
 # and one without a compile-time specialization (96), context 1, block-boundary and partial.
 ATTENTION_CASES = [

@@ -19,6 +19,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <vector>
 
@@ -236,6 +239,77 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor key_cache,
   });
 }
 
+// ---- Weight-only int8 GEMV (one token row) ----------------------------------------------------
+// y[n] = dtype(scale[n] * sum_k x[k] * q[n, k]): batch-1 decode, where reading the weight is
+// the whole cost. Eight output rows at a time share each x load; the rows two blocks ahead are
+// prefetched into L2 (_MM_HINT_T1). Without that prefetch this loop streamed at a third of
+// the memory bandwidth here (11 vs 34 GB/s on 2 threads; a T0 prefetch: 15 GB/s).
+#ifdef __AVX512F__
+constexpr int64_t kGemvRows = 8;
+
+inline __m512 int8x16_to_float(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+void int8_gemv_rows(float* out, const float* x, const int8_t* rows, int64_t K) {
+  __m512 acc[kGemvRows];
+  for (int64_t r = 0; r < kGemvRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t ahead = 2 * kGemvRows * K;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    for (int64_t r = 0; r < kGemvRows; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k + ahead), _MM_HINT_T1);
+    for (int64_t u = 0; u < 64; u += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + k + u);
+      for (int64_t r = 0; r < kGemvRows; ++r)
+        acc[r] = _mm512_fmadd_ps(xv, int8x16_to_float(rows + r * K + k + u), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < kGemvRows; ++r) {
+    float sum = _mm512_reduce_add_ps(acc[r]);
+    for (int64_t t = k; t < K; ++t) sum += x[t] * static_cast<float>(rows[r * K + t]);
+    out[r] = sum;
+  }
+}
+#endif
+
+Tensor int8_gemv(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be a contiguous [1, in_features]");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous() &&
+              qweight.size(1) == x.size(1), "qweight must be a contiguous int8 [out_features, in_features]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == qweight.size(0) && scales.is_contiguous() &&
+              scales.scalar_type() == x.scalar_type(), "scales must be a contiguous [out_features] of x's dtype");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  Tensor out = at::empty({1, N}, x.options());
+  dispatch_float(x.scalar_type(), [&]<typename T>() {
+    std::vector<float> xf(K);
+    const T* xp = x.data_ptr<T>();
+    for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xp[k]);
+    const int8_t* q = qweight.data_ptr<int8_t>();
+    const T* sc = scales.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    auto row_dot = [&](int64_t n) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += xf[k] * static_cast<float>(q[n * K + k]);
+      return sum;
+    };
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      int64_t n = begin;
+#ifdef __AVX512F__
+      float acc[kGemvRows];
+      for (; n + kGemvRows <= end; n += kGemvRows) {
+        int8_gemv_rows(acc, xf.data(), q + n * K, K);
+        for (int64_t r = 0; r < kGemvRows; ++r)
+          o[n + r] = static_cast<T>(acc[r] * static_cast<float>(sc[n + r]));
+      }
+#endif
+      for (; n < end; ++n) o[n] = static_cast<T>(row_dot(n) * static_cast<float>(sc[n]));
+    });
+  });
+  return out;
+}
+
 // ---- Paged decode attention -------------------------------------------------------------------
 // One query token per sequence against its cached tokens, for the `group` query heads that
 // share each kv head: scores in float32, exact softmax (max-subtracted), weighted sum of V.
@@ -366,6 +440,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
@@ -378,6 +453,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("int8_gemv", &int8_gemv);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("decode_attention", &decode_attention);
