@@ -127,7 +127,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> torch.Tensor:
     """residual += x in place (rounded to its dtype); returns rms_norm(residual)."""
-    return torch.ops.argosy_cpu.add_rms_norm(residual, x, weight, eps)
+    return torch.ops.argosy_cpu.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -78,32 +77,20 @@ void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t row
   });
 }
 
-void check_norm_args(const Tensor& x, const Tensor& weight) {
+// out = rms_norm(x); with a residual: residual += x in place first, out = rms_norm(residual).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps,
+                const c10::optional<Tensor>& residual) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with unit stride in dim");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [dim] of x's dtype");
-}
-
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  check_norm_args(x, weight);
+  TORCH_CHECK(!residual || (residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                            residual->scalar_type() == x.scalar_type()),
+              "residual must be contiguous, shaped and typed like x");
   Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   dispatch_float(x.scalar_type(), [&]<typename T>() {
-    rms_norm_rows<T>(out.data_ptr<T>(), nullptr, x.data_ptr<T>(), weight.data_ptr<T>(),
-                     x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
-  });
-  return out;
-}
-
-// residual += x (in place), returns rms_norm(residual).
-Tensor add_rms_norm(Tensor residual, const Tensor& x, const Tensor& weight, double eps) {
-  check_norm_args(x, weight);
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
-              residual.scalar_type() == x.scalar_type(), "residual must be contiguous, shaped and typed like x");
-  Tensor out = at::empty_like(residual);
-  dispatch_float(x.scalar_type(), [&]<typename T>() {
-    rms_norm_rows<T>(out.data_ptr<T>(), residual.data_ptr<T>(), x.data_ptr<T>(),
-                     weight.data_ptr<T>(), x.size(0), x.size(1), x.stride(0),
+    rms_norm_rows<T>(out.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr,
+                     x.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1), x.stride(0),
                      static_cast<float>(eps));
   });
   return out;
@@ -177,7 +164,6 @@ void rotary_embedding(Tensor qk, const Tensor& cos, const Tensor& signed_sin) {
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 template <typename T>
-__attribute__((optimize("no-fast-math")))
 void quantize_head(int8_t* q, c10::Half* scale, const T* x, int64_t dim) {
   float amax = 0.f;
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
@@ -437,8 +423,7 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 }  // namespace
 
 TORCH_LIBRARY(argosy_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
@@ -451,7 +436,6 @@ TORCH_LIBRARY(argosy_cpu, m) {
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("rotary_embedding", &rotary_embedding);
