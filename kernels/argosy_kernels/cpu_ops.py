@@ -142,6 +142,38 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     return torch.ops.argosy_cpu.int8_gemv(x, qweight, scales)
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, Kp] values 0..15 (N % 16 == 0, Kp % 8 == 0) -> the int4 kernels' layout,
+    uint8 [N, Kp/2]: tiles of 16 rows, each a run of 64-byte blocks of 8 inputs in which the
+    16-bit word 2r + j holds row r's inputs 2f + j (f = 0..3) in bits 4f..4f+3."""
+    n, kp = q.shape
+    if n % 16 or kp % 8:
+        raise ValueError(f"pack_int4 needs rows padded to a multiple of 16 and inputs to 8, got {n}x{kp}")
+    fields = q.to(torch.uint8).view(n // 16, 16, kp // 8, 4, 2)  # tile, r, block, f, j
+    fields = fields.permute(0, 2, 1, 4, 3)  # tile, block, r, j, f
+    words = torch.stack([fields[..., 0] | (fields[..., 1] << 4),  # little endian: low byte
+                         fields[..., 2] | (fields[..., 3] << 4)], dim=-1)
+    return words.reshape(n, kp // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: uint8 [N, Kp/2] -> values 0..15 uint8 [N, Kp]."""
+    n, half = packed.shape
+    words = packed.view(n // 16, half * 2 // 8, 16, 2, 2)  # tile, block, r, j, byte
+    fields = torch.stack([words[..., 0] & 15, words[..., 0] >> 4,
+                          words[..., 1] & 15, words[..., 1] >> 4], dim=-1)  # tile, block, r, j, f
+    return fields.permute(0, 2, 1, 4, 3).reshape(n, half * 2).contiguous()
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x [M, Kp] -> [M, N] with w = (q - 8) * scale + zero per group (Int4Linear's weight;
+    qweight in `pack_int4` layout, scales_and_zeros [Kp / group, N, 2] of x's dtype). For the
+    few token rows of decode: the weight is read once per call, and bfloat16 x uses
+    AVX512-BF16 dot products where the CPU has them."""
+    return torch.ops.argosy_cpu.int4_matmul(x, qweight, scales_and_zeros, group_size)
+
+
 def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """In place: qk = qk * cos + roll(qk, head_dim / 2) * signed_sin
     (models.rotary.RotaryEmbedding.rotate). qk: [tokens, heads, head_dim], rows may be strided."""

@@ -167,6 +167,59 @@ def test_int8_gemv_matches_the_dequantized_product(dtype: torch.dtype, n: int, k
         cpu_ops.int8_gemv(torch.cat([x, x]), qweight, scales)
 
 
+def _int4_weight(n: int, kp: int, group: int, dtype: torch.dtype, g: torch.Generator):
+    q = torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
+    scales = torch.rand(kp // group, n, generator=g) / 50 + 1e-3
+    zeros = torch.randn(kp // group, n, generator=g) / 50
+    sz = torch.stack([scales, zeros], dim=-1).to(dtype)
+    s, z = (sz[..., i].double().t().repeat_interleave(group, dim=1) for i in (0, 1))
+    return q, sz, (q.double() - 8) * s + z  # Int4Linear's w = (q - 8) * scale + zero
+
+
+def test_int4_pack_round_trip() -> None:
+    q = torch.randint(0, 16, (48, 96), generator=_gen(), dtype=torch.uint8)
+    packed = cpu_ops.pack_int4(q)
+    assert packed.shape == (48, 48) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_ops.unpack_int4(packed), q)
+    # the documented layout: row 1, input 2 (f = 1, j = 0) is the high nibble of the low byte
+    # of word 2 * 1 + 0 in the first 64-byte block of the first tile
+    assert packed.flatten()[(2 * 1 + 0) * 2] >> 4 == q[1, 2]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_ops.pack_int4(q[:40])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])  # one unpack serves up to 4 rows: tails too
+def test_int4_matmul_matches_the_dequantized_product(dtype: torch.dtype, group: int, m: int) -> None:
+    g = _gen(group + m)
+    n, kp = 208, 2 * 384 if group == 128 else 576  # 13 tiles of 16 rows: uneven thread split
+    q, sz, w = _int4_weight(n, kp, group, dtype, g)
+    x = _randn(m, kp, dtype=dtype, gen=g)
+    out = cpu_ops.int4_matmul(x, cpu_ops.pack_int4(q), sz, group)
+    assert out.shape == (m, n) and out.dtype == dtype
+    expected = x.double() @ w.t()
+    if dtype == torch.float32:  # a float32 sum of kp terms, against the exact one
+        bound = 4 * kp**0.5 * 2**-24 * (x.double().abs() @ w.abs().t()) + 1e-6
+        assert ((out.double() - expected).abs() <= bound).all(), f"seed {SEED}"
+    else:
+        _assert_close(out, expected, dtype)
+
+
+def test_int4_matmul_rejects_bad_inputs() -> None:
+    q, sz, _ = _int4_weight(32, 128, 32, torch.bfloat16, _gen())
+    packed = cpu_ops.pack_int4(q)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
+        cpu_ops.int4_matmul(x, packed, sz, 64)  # group size of another layout
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \[M, 128\]"):
+        cpu_ops.int4_matmul(torch.randn(1, 64, dtype=torch.bfloat16), packed, sz, 32)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        cpu_ops.int4_matmul(x.float(), packed, sz, 32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.int4_matmul(x, packed[:8], sz[:, :8], 32)
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, context_lens): GQA 1/3/8, head dims 64/128
 # and one without a compile-time specialization (96), context 1, block-boundary and partial.
 ATTENTION_CASES = [

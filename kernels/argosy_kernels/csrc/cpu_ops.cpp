@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -296,6 +297,145 @@ Tensor int8_gemv(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
   return out;
 }
 
+// ---- Weight-only int4 (group-wise scales and zeros) ---------------------------------------------
+// w[n, k] = (q - 8) * s[g, n] + z[g, n], g = k / group, q in 0..15 (Int4Linear's convention).
+// scales_and_zeros: [Kp / group, N, 2] in x's dtype (PyTorch's CPU int4 convention, kept).
+// qweight (cpu_ops.pack_int4), uint8 [N, Kp / 2]: tiles of 16 output rows; each tile is a run of
+// 64-byte blocks, one per 8 inputs. In a block, 16-bit word 2r + j holds the weights of row r
+// for inputs 2f + j (f = 0..3) in its bits 4f..4f+3. So one load and a shift give a vector
+// of (row, input pair) products for 16 rows, and a tile's 16 sums live in one register's
+// lanes: no horizontal sums, and a group's 16 scales are one vector.
+constexpr int64_t kInt4Tile = 16;
+
+inline int64_t int4_groups(const Tensor& qweight, const Tensor& sz, int64_t group, const char* op) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              op, ": qweight must be a contiguous uint8 [out_features, in_features / 2]");
+  TORCH_CHECK(qweight.size(0) % kInt4Tile == 0, op, ": out_features must be a multiple of 16");
+  TORCH_CHECK(group > 0 && group % 8 == 0, op, ": group size must be a multiple of 8, got ", group);
+  const int64_t Kp = qweight.size(1) * 2;
+  TORCH_CHECK(Kp % group == 0, op, ": padded in_features ", Kp, " must be a multiple of the group size");
+  TORCH_CHECK(sz.dim() == 3 && sz.size(0) == Kp / group && sz.size(1) == qweight.size(0) && sz.size(2) == 2 &&
+              sz.is_contiguous(), op, ": scales_and_zeros must be a contiguous [in_features / group, out_features, 2]");
+  return Kp / group;
+}
+
+// The 4-bit value of tile row r, input k (k relative to the tile's first input).
+inline int int4_at(const uint8_t* tile, int64_t r, int64_t k) {
+  const int64_t f = (k % 8) / 2, j = k % 2;
+  const uint8_t byte = tile[(k / 8) * 64 + (2 * r + j) * 2 + f / 2];
+  return f % 2 ? byte >> 4 : byte & 15;
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 x, one tile, MR token rows: 0x4300 | q is the bfloat16 number 128 + q, so a shift
+// and one vpternlog turn a field of 32 nibbles into bf16 weights that vdpbf16ps multiplies
+// with a broadcast input pair, 32 products per instruction, exactly, into float32 lane sums.
+// Per group, sum_k w x = s * sum_k (128 + q) x + (z - 136 s) * sum_k x, with sum_k x computed
+// once per call. The tile's weights are unpacked once per block for all MR rows.
+template <int MR>
+void int4_tile_bf16(float* out, const c10::BFloat16* x, const float* xsum, const uint8_t* tile,
+                    const c10::BFloat16* sz, int64_t N, int64_t K, int64_t group) {
+  const __m512i mask = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const int64_t blocks_per_group = group / 8, ng = K / group, tile_bytes = K / 2 * kInt4Tile;
+  auto field = [&](__m512i v) { return (__m512bh)_mm512_ternarylogic_epi32(v, mask, one28, 0xEA); };  // (v & mask) | one28
+  __m512 acc[MR], bias[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = bias[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 t[MR][2];
+    for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile + b * 64 + 2 * tile_bytes), _MM_HINT_T1);
+      const __m512i w = _mm512_loadu_si512(tile + b * 64);
+      const __m512bh f0 = field(w), f1 = field(_mm512_srli_epi16(w, 4)), f2 = field(_mm512_srli_epi16(w, 8));
+      const __m512bh f3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), one28);
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(x + m * K) + b * 4;  // input pairs
+        t[m][0] = _mm512_dpbf16_ps(t[m][0], f0, (__m512bh)_mm512_set1_epi32(xp[0]));
+        t[m][1] = _mm512_dpbf16_ps(t[m][1], f1, (__m512bh)_mm512_set1_epi32(xp[1]));
+        t[m][0] = _mm512_dpbf16_ps(t[m][0], f2, (__m512bh)_mm512_set1_epi32(xp[2]));
+        t[m][1] = _mm512_dpbf16_ps(t[m][1], f3, (__m512bh)_mm512_set1_epi32(xp[3]));
+      }
+    }
+    // The group's (scale, zero) pairs of the 16 rows: bf16 s in the low half of each 32-bit
+    // lane, z in the high half; a bf16 is the high half of its float32.
+    _mm_prefetch(reinterpret_cast<const char*>(sz + g * N * 2 + 2 * kInt4Tile * 2), _MM_HINT_T1);
+    const __m512i sz_pairs = _mm512_loadu_si512(sz + g * N * 2);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz_pairs, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz_pairs, high_half));
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(t[m][0], t[m][1]), s, acc[m]);
+      bias[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * ng + g]), bias[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * kInt4Tile, _mm512_add_ps(acc[m], bias[m]));
+}
+#endif
+
+// One tile, one token row, any dtype: the portable loop (float32, or no AVX512-BF16).
+template <typename T>
+void int4_tile(float* out, const T* x, const float* xsum, const uint8_t* tile, const T* sz,
+               int64_t N, int64_t K, int64_t group) {
+  for (int64_t r = 0; r < kInt4Tile; ++r) {
+    float sum = 0.f;
+    for (int64_t g = 0; g < K / group; ++g) {
+      float dot = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k)
+        dot += static_cast<float>(int4_at(tile, r, k)) * static_cast<float>(x[k]);
+      const float s = static_cast<float>(sz[(g * N + r) * 2]), z = static_cast<float>(sz[(g * N + r) * 2 + 1]);
+      sum += s * dot + (z - 8.f * s) * xsum[g];
+    }
+    out[r] = sum;
+  }
+}
+
+// y [M, N] = x [M, Kp] @ w.T for a few token rows (decode): the weight is read once per call
+// (a quarter of bf16's bytes) and each 64-byte block is unpacked once for up to 4 rows.
+Tensor int4_matmul(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group) {
+  const int64_t ng = int4_groups(qweight, sz, group, "int4_matmul");
+  check_cpu_float(x, "x");
+  const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous(), "int4_matmul: x must be a contiguous [M, ", K, "]");
+  TORCH_CHECK(sz.scalar_type() == x.scalar_type(), "int4_matmul: scales_and_zeros must have x's dtype");
+  Tensor out = at::empty({M, N}, x.options());
+  dispatch_float(x.scalar_type(), [&]<typename T>() {
+    const T* xp = x.data_ptr<T>();
+    std::vector<float> xsum(M * ng, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * ng + k / group] += static_cast<float>(xp[m * K + k]);
+    const uint8_t* q = qweight.data_ptr<uint8_t>();
+    const T* s = sz.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, N / kInt4Tile, 4, [&](int64_t begin, int64_t end) {
+      float tile_out[4 * kInt4Tile];
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n = tile * kInt4Tile;
+        const uint8_t* qt = q + n * (K / 2);
+        for (int64_t m = 0; m < M;) {
+          int64_t rows = 1;
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            rows = std::min<int64_t>(4, M - m);
+            const T* xm = xp + m * K;
+            const float* sm = xsum.data() + m * ng;
+            if (rows == 4) int4_tile_bf16<4>(tile_out, xm, sm, qt, s + n * 2, N, K, group);
+            else if (rows == 3) int4_tile_bf16<3>(tile_out, xm, sm, qt, s + n * 2, N, K, group);
+            else if (rows == 2) int4_tile_bf16<2>(tile_out, xm, sm, qt, s + n * 2, N, K, group);
+            else int4_tile_bf16<1>(tile_out, xm, sm, qt, s + n * 2, N, K, group);
+          } else
+#endif
+            int4_tile(tile_out, xp + m * K, xsum.data() + m * ng, qt, s + n * 2, N, K, group);
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t r = 0; r < kInt4Tile; ++r) o[(m + i) * N + n + r] = static_cast<T>(tile_out[i * kInt4Tile + r]);
+          m += rows;
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // ---- Paged decode attention -------------------------------------------------------------------
 // One query token per sequence against its cached tokens, for the `group` query heads that
 // share each kv head: scores in float32, exact softmax (max-subtracted), weighted sum of V.
@@ -426,6 +566,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales_and_zeros, int group_size) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
@@ -438,6 +579,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("int4_matmul", &int4_matmul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("decode_attention", &decode_attention);

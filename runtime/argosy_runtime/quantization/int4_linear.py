@@ -2,16 +2,19 @@
 
 w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n] with g = k // group_size, q in [0, 15].
 
-Storage follows the device:
-- CPU: `qweight` is PyTorch's packed layout for `_weight_int4pack_mm_for_cpu` (made by
-  `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]) and `scales_and_zeros` is
-  [ng, N, 2] in the activation dtype, as that kernel wants;
-- CUDA: `qweight` is argosy_kernels' int32 [N, Kp/8] layout (`pack_int4`) for the Triton
+`scales_and_zeros` is [ng, N, 2] in the activation dtype everywhere; `qweight`'s layout
+follows the device and the kernels available there (`layout`):
+- "cpu_ops" (the CPU, where argosy_kernels' fused CPU kernels build): uint8 [N, Kp/2] in
+  `cpu_ops.pack_int4`'s order. Up to `packed_max_tokens` token rows run
+  `cpu_ops.int4_matmul` (AVX512-BF16 dot products on bfloat16: 1.3-1.5x PyTorch's int4
+  kernel at 1 and 32 rows here), more rows dequantize-then-GEMM;
+- "cpu" (the CPU otherwise): PyTorch's packed layout for `_weight_int4pack_mm_for_cpu` (made by
+  `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]), used up to `packed_max_tokens`
+  token rows (decode), dequantize-then-GEMM above (prefill);
+- "cuda": argosy_kernels' int32 [N, Kp/8] layout (`pack_int4`) for the Triton
   `w4a16_matmul`, with float32 `kernel_scales`/`kernel_zeros` [N, ng] in its convention
-  w = (q - zero) * scale (zero = 8 - z / s). Moving the module between devices (`.to()`)
-  repacks.
-Per call on the CPU: the packed kernel for up to `packed_max_tokens` token rows (decode),
-dequantize-then-GEMM above (prefill), where the one-off unpack is amortized over many rows.
+  w = (q - zero) * scale (zero = 8 - z / s).
+Moving the module between devices (`.to()`) repacks.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from argosy_kernels import cpu_ops
 from torch import nn
 
 from argosy_runtime.quantization.rtn import Int4Weight, quantize_int4
@@ -45,7 +49,7 @@ class Int4Linear(nn.Module):
         self.padded_in_features = self.num_groups * group_size  # Kp
         # The CPU packing wants N % 16 == 0: extra output rows (all zero weights) are cut off.
         self.padded_out_features = -(-out_features // 16) * 16  # Np
-        self.layout = "cpu"
+        self.layout = preferred_cpu_layout()
         self.register_buffer("qweight", torch.zeros(self.padded_out_features,
                                                     self.padded_in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros",
@@ -71,7 +75,7 @@ class Int4Linear(nn.Module):
         if pad_n:
             q = F.pad(q, (0, 0, 0, pad_n))
             scales, zeros = F.pad(scales, (0, 0, 0, pad_n)), F.pad(zeros, (0, 0, 0, pad_n))
-        layer.qweight.copy_(pack_cpu(q))
+        layer.qweight.copy_(_pack(q, layer.layout))
         layer.scales_and_zeros.copy_(torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype))
         if bias is not None:
             layer.bias.copy_(bias)
@@ -90,6 +94,8 @@ class Int4Linear(nn.Module):
     # ---- reference -------------------------------------------------------------------------
     def unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 [Np, Kp], whatever the storage layout."""
+        if self.layout == "cpu_ops":
+            return cpu_ops.unpack_int4(self.qweight)
         if self.layout == "cpu":
             return unpack_cpu(self.qweight, self.padded_out_features, self.padded_in_features,
                               self.group_size)
@@ -118,12 +124,12 @@ class Int4Linear(nn.Module):
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))  # zeros meet the pad
         if x.device.type == "cuda":
             out = self._forward_cuda(x2)
-        elif x2.shape[0] <= self.packed_max_tokens or not fast_unpack_supported(self.padded_out_features):
-            sz = self.scales_and_zeros
-            if sz.dtype != x.dtype:
-                sz = sz.to(x.dtype)
+        elif self.layout == "cpu_ops" and x.dtype in (torch.float32, torch.bfloat16):
+            out = self._forward_cpu_ops(x2)
+        elif self.layout == "cpu" and (x2.shape[0] <= self.packed_max_tokens
+                                       or not fast_unpack_supported(self.padded_out_features)):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.contiguous(), self.qweight, self.group_size, sz)
+                x2.contiguous(), self.qweight, self.group_size, self._scales_and_zeros(x.dtype))
         else:
             out = F.linear(x2, self.dequantize(padded=True).to(x.dtype))
         if self.padded_out_features != self.out_features:
@@ -131,6 +137,16 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self.scales_and_zeros
+        return sz if sz.dtype == dtype else sz.to(dtype)
+
+    def _forward_cpu_ops(self, x2: torch.Tensor) -> torch.Tensor:
+        sz = self._scales_and_zeros(x2.dtype)
+        if x2.shape[0] <= self.packed_max_tokens:
+            return cpu_ops.int4_matmul(x2.contiguous(), self.qweight, sz, self.group_size)
+        return F.linear(x2, self.dequantize(padded=True).to(x2.dtype))
 
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
         if self.layout != "cuda":
@@ -141,21 +157,16 @@ class Int4Linear(nn.Module):
         return kernel(x2, self.qweight, self.kernel_scales, self.kernel_zeros, self.group_size)
 
     def repack(self, layout: str) -> None:
-        """Switch the storage to "cpu" (PyTorch CPU kernel) or "cuda" (Triton kernel) layout,
+        """Switch the storage to "cpu_ops", "cpu" or "cuda" layout (see the module docstring),
         on the device the buffers are on now."""
         if layout == self.layout:
             return
-        if layout not in ("cpu", "cuda"):
-            raise ValueError(f"layout must be 'cpu' or 'cuda', got {layout!r}")
+        if layout not in ("cpu_ops", "cpu", "cuda"):
+            raise ValueError(f"layout must be 'cpu_ops', 'cpu' or 'cuda', got {layout!r}")
         device = self.qweight.device
-        q = self.unpacked().cpu()
-        if layout == "cpu":
-            self.qweight = pack_cpu(q).to(device)
-            self.kernel_scales = self.kernel_zeros = None
-        else:
-            from argosy_kernels.w4a16_matmul import pack_int4
-
-            self.qweight = pack_int4(q).to(device)
+        self.qweight = _pack(self.unpacked().cpu(), layout).to(device)
+        self.kernel_scales = self.kernel_zeros = None
+        if layout == "cuda":
             sz = self.scales_and_zeros.float()
             scale = sz[..., 0].t().contiguous()  # [Np, ng]
             zero = sz[..., 1].t()
@@ -166,9 +177,10 @@ class Int4Linear(nn.Module):
         self.layout = layout
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
-        # The CPU kernel's packed layout means nothing to CUDA kernels: repack on device moves.
+        # A packed layout means nothing to another device's kernels: repack on device moves.
         target = fn(torch.zeros(1)).device
-        self.repack("cpu" if target.type == "cpu" else "cuda")
+        self.repack(preferred_cpu_layout() if target.type == "cpu"
+                    else "cuda")
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -178,6 +190,22 @@ class Int4Linear(nn.Module):
 
 
 # ---- packing ---------------------------------------------------------------------------------
+def preferred_cpu_layout() -> str:
+    """"cpu_ops" where argosy's fused CPU kernels build, else PyTorch's "cpu"."""
+    return "cpu_ops" if cpu_ops.available() else "cpu"
+
+
+def _pack(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """uint8 [N, Kp] values 0..15 -> `layout`'s qweight."""
+    if layout == "cpu_ops":
+        return cpu_ops.pack_int4(q)
+    if layout == "cpu":
+        return pack_cpu(q)
+    from argosy_kernels.w4a16_matmul import pack_int4
+
+    return pack_int4(q)
+
+
 def pack_cpu(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, Kp] values 0..15 -> PyTorch's CPU int4 layout uint8 [N, Kp/2]."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _CPU_INNER_K_TILES)

@@ -84,6 +84,23 @@ def test_cpu_layout_unpack_both_ways() -> None:
     assert torch.equal(unpack_cpu(pack_cpu(q48), 48, 96, 32), q48)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cpu_layouts_agree(dtype: torch.dtype) -> None:
+    """argosy's cpu_ops layout (the default where the kernels build) and PyTorch's packed
+    layout hold the same weight and compute the same products."""
+    from argosy_kernels import cpu_ops
+
+    layer = Int4Linear.from_linear(_linear(576, 192, True, dtype, seed=7), 32)
+    assert layer.layout == ("cpu_ops" if cpu_ops.available() else "cpu")
+    q = layer.unpacked()
+    x = torch.randn(3, 576).to(dtype)
+    out = layer(x)
+    for layout in ("cpu", "cpu_ops") if cpu_ops.available() else ("cpu",):
+        layer.repack(layout)
+        assert layer.layout == layout and torch.equal(layer.unpacked(), q)
+        _check(layer(x), out.float(), dtype)
+
+
 def test_int4_input_permutation() -> None:
     # An act-order weight: inputs stored in group order, the layer permutes x to match.
     torch.manual_seed(3)
