@@ -142,6 +142,13 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     return torch.ops.argosy_cpu.int8_gemv(x, qweight, scales)
 
 
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M, N] = (x @ qweight.T) * scales for several token rows: the int8 weight
+    is widened to x's dtype a cache-sized slice at a time and multiplied there (Int8Linear's
+    multi-row path; reference: `Int8Linear.dequantize`)."""
+    return torch.ops.argosy_cpu.int8_matmul(x, qweight, scales)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, Kp] values 0..15 (N % 16 == 0, Kp % 8 == 0) -> the int4 kernels' layout,
     uint8 [N, Kp/2]: tiles of 16 rows, each a run of 64-byte blocks of 8 inputs in which the

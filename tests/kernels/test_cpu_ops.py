@@ -167,6 +167,25 @@ def test_int8_gemv_matches_the_dequantized_product(dtype: torch.dtype, n: int, k
         cpu_ops.int8_gemv(torch.cat([x, x]), qweight, scales)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(17, 960, 576), (32, 1000, 1536), (2, 13, 100)])  # several slices, tails
+def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    g = _gen(m + n + k)
+    qweight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) / 50).to(dtype)
+    x = _randn(m, k, dtype=dtype, gen=g)
+    out = cpu_ops.int8_matmul(x, qweight, scales)
+    assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
+    expected = (x.double() @ qweight.double().t()) * scales.double()
+    if dtype == torch.float32:  # BLAS sums in float32, in its own order
+        terms = (x.double().abs() @ qweight.double().abs().t()) * scales.double()
+        assert ((out.double() - expected).abs() <= 4 * k**0.5 * 2**-24 * terms + 1e-6).all(), f"seed {SEED}"
+    else:  # the products are exact; the GEMM rounds its output to bfloat16, then the scale
+        _assert_close(out, expected, dtype)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_ops.int8_matmul(x, qweight, scales[:-1])
+
+
 def _int4_weight(n: int, kp: int, group: int, dtype: torch.dtype, g: torch.Generator):
     q = torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
     scales = torch.rand(kp // group, n, generator=g) / 50 + 1e-3

@@ -12,6 +12,8 @@ from argosy_runtime.model_loader import load_checkpoint
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.quantization import (
     Int4Linear,
+    Int8Embedding,
+    Int8Linear,
     QuantizationConfig,
     detect_prequantized,
     load_quantized_weights,
@@ -84,10 +86,33 @@ def test_prequantized_matches_dequantized_reference(float_dir: Path, tmp_path: P
                 assert torch.equal(module.bias, ref[f"{full}.bias"])
                 expected = expected + ref[f"{full}.bias"]
             assert torch.allclose(module(x), expected, atol=1e-4), full
-    # everything else loaded unquantized
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                 "model.layers.1.input_layernorm.weight"):
+    # the lm_head is int8 per output channel; everything else loaded unquantized
+    _assert_int8_head(model, ref)
+    for name in ("model.norm.weight", "model.layers.1.input_layernorm.weight"):
         assert torch.equal(params[name], ref[name])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_load_time_quantization_makes_the_lm_head_int8(tmp_path: Path, method: str, tied: bool) -> None:
+    folder = make_random_model_dir(tmp_path, tie_word_embeddings=tied, init_std=0.1)
+    model = _load(folder, QuantizationConfig(method, GROUP))
+    _assert_int8_head(model, _reference_weights(folder))
+
+
+def _assert_int8_head(model: LlamaForCausalLM, ref: dict[str, torch.Tensor]) -> None:
+    head = model.lm_head
+    assert isinstance(head, Int8Linear)
+    w_ref = ref.get("lm_head.weight", ref["model.embed_tokens.weight"])
+    w = head.dequantize().float()
+    assert ((w - w_ref).norm() / w_ref.norm()) < 0.01
+    embed = model.model.embed_tokens
+    ids = torch.tensor([0, 3, 7])
+    if "lm_head.weight" in ref:  # untied: the embedding keeps its own float table
+        assert torch.equal(embed.weight, ref["model.embed_tokens.weight"])
+    else:  # tied: its rows are the int8 head's rows
+        assert isinstance(embed, Int8Embedding)
+        assert torch.equal(embed(ids), head.dequantize()[ids])
 
 
 @pytest.mark.slow
