@@ -49,7 +49,6 @@ class Int4Linear(nn.Module):
         self.padded_in_features = self.num_groups * group_size  # Kp
         # The CPU packing wants N % 16 == 0: extra output rows (all zero weights) are cut off.
         self.padded_out_features = -(-out_features // 16) * 16  # Np
-        self.layout = preferred_cpu_layout()
         self.register_buffer("qweight", torch.zeros(self.padded_out_features,
                                                     self.padded_in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros",
@@ -59,6 +58,7 @@ class Int4Linear(nn.Module):
         # CUDA layout only (see module docstring); derived, so not saved in state dicts.
         self.register_buffer("kernel_scales", None, persistent=False)
         self.register_buffer("kernel_zeros", None, persistent=False)
+        self._set_layout(preferred_cpu_layout())
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -116,6 +116,12 @@ class Int4Linear(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._plain_cpu_ops and x.dim() == 2 and x.shape[0] <= self.packed_max_tokens
+                and x.dtype == self.scales_and_zeros.dtype and x.is_contiguous()):
+            # Decode's case, checked first: each layer calls this 4 times per step, and the
+            # general path's checks cost as much Python time as the kernel's own dispatch.
+            return torch.ops.argosy_cpu.int4_matmul(x, self.qweight, self.scales_and_zeros,
+                                                    self.group_size)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.input_perm is not None:
@@ -174,7 +180,15 @@ class Int4Linear(nn.Module):
             self.kernel_scales = scale
             self.kernel_zeros = torch.where(scale == 0, torch.zeros_like(zero),
                                             8 - zero / safe).contiguous()
+        self._set_layout(layout)
+
+    def _set_layout(self, layout: str) -> None:
         self.layout = layout
+        # Whether forward may hand x straight to cpu_ops.int4_matmul: nothing to permute, pad,
+        # cut off or add (all fixed at construction, except the layout).
+        self._plain_cpu_ops = (layout == "cpu_ops" and self.input_perm is None and self.bias is None
+                               and self.padded_in_features == self.in_features
+                               and self.padded_out_features == self.out_features)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
         # A packed layout means nothing to another device's kernels: repack on device moves.
