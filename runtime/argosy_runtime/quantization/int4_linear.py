@@ -5,11 +5,11 @@ w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n] with g = k // group_size, q in [0, 1
 `scales_and_zeros` is [ng, N, 2] in the activation dtype everywhere; `qweight`'s layout
 follows the device and the kernels available there (`layout`):
 - "cpu_ops" (the CPU, where argosy_kernels' fused CPU kernels build): uint8 [N, Kp/2] in
-  `cpu_ops.pack_int4`'s order. Up to `packed_max_tokens` token rows run
+  `cpu_ops.pack_int4`'s order. Up to `packed_max_tokens` (1024) token rows run
   `cpu_ops.int4_matmul` (AVX512-BF16 dot products on bfloat16: 1.3-1.5x PyTorch's int4
   kernel at 1 and 32 rows here), more rows dequantize-then-GEMM;
 - "cpu" (the CPU otherwise): PyTorch's packed layout for `_weight_int4pack_mm_for_cpu` (made by
-  `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]), used up to `packed_max_tokens`
+  `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]), used up to `packed_max_tokens` (128)
   token rows (decode), dequantize-then-GEMM above (prefill);
 - "cuda": argosy_kernels' int32 [N, Kp/8] layout (`pack_int4`) for the Triton
   `w4a16_matmul`, with float32 `kernel_scales`/`kernel_zeros` [N, ng] in its convention
@@ -28,16 +28,16 @@ from torch import nn
 
 from argosy_runtime.quantization.rtn import Int4Weight, quantize_int4
 
-# Measured crossover on this project's CPUs (docs/benchmarks/quantization.md): unpacking int4
-# costs several passes over the weight, so the packed kernel wins up to ~128-256 token rows.
-INT4_PACKED_MAX_TOKENS = 128
+# Most token rows a call hands to the packed kernel before dequantize-then-GEMM wins, per CPU
+# layout, measured here (docs/benchmarks/quantization.md, kernel crossover): PyTorch's kernel
+# up to ~128-256 rows; cpu_ops.int4_matmul still 1.3-2.7x faster at 256 rows and linear in
+# rows (9-14 us per row for SmolLM2's shapes against a 3-9 ms unpack).
+INT4_PACKED_MAX_TOKENS = {"cpu": 128, "cpu_ops": 1024}
 _CPU_INNER_K_TILES = 2  # only used by the CUDA variant of the op; any valid value works on CPU
 
 
 class Int4Linear(nn.Module):
     """Group-wise int4 weight-only linear. Build with `from_weight` or `from_linear`."""
-
-    packed_max_tokens: int = INT4_PACKED_MAX_TOKENS
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, input_perm: bool = False) -> None:
@@ -184,6 +184,7 @@ class Int4Linear(nn.Module):
 
     def _set_layout(self, layout: str) -> None:
         self.layout = layout
+        self.packed_max_tokens = INT4_PACKED_MAX_TOKENS.get(layout, 0)
         # Whether forward may hand x straight to cpu_ops.int4_matmul: nothing to permute, pad,
         # cut off or add (all fixed at construction, except the layout).
         self._plain_cpu_ops = (layout == "cpu_ops" and self.input_perm is None and self.bias is None
