@@ -11,6 +11,9 @@
 // eager ops would round at, so they reproduce the eager results up to the order of float
 // summation (and glibc's vector expf). Arithmetic is float32 throughout.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -609,6 +612,58 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
   });
 }
 
+// ---- One decoder layer of a decode step ----------------------------------------------------------
+// models/llama.py's DecoderLayer on its fused bfloat16 CPU path, for a batch of single-token
+// sequences, in one call: at batch 1 a small model's step spent as long in Python between the
+// ~17 op calls of each layer as in the ops. The same kernels run in the same order on the same
+// tensors (models/cpu_decode.py; tests/runtime/engine/test_cpu_decode_layers.py compares the
+// two paths token for token). A linear is (kind, tensors, param):
+//   0: oneDNN-prepacked bf16 (PackedLinear): {packed_weight[, bias]}, param = has bias;
+//   1: int4 in cpu_ops layout (Int4Linear): {qweight, scales_and_zeros}, param = group size;
+//   2: int8 per channel (Int8Linear): {qweight, scales}, param = most rows for PyTorch's
+//      packed kernel, as Int8Linear.forward picks.
+Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param) {
+  if (kind == 0) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, w[0], param ? c10::IValue(w[1]) : c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  if (kind == 1) return int4_matmul(x, w[0], w[1], param);
+  TORCH_CHECK(kind == 2, "decode_layer: unknown linear kind ", kind);
+  if (x.size(0) == 1) return int8_gemv(x, w[0], w[1]);
+  if (x.size(0) <= param) return at::_weight_int8pack_mm(x, w[0], w[1]);
+  return int8_matmul(x, w[0], w[1]);
+}
+
+// hidden [tokens, hidden] is updated in place to the layer's output.
+void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_norm, double eps,
+                  at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
+                  at::IntArrayRef kinds, at::IntArrayRef params, Tensor key_cache, Tensor value_cache,
+                  const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                  const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& context_lens,
+                  const Tensor& cos, const Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads,
+                  double scale) {
+  TORCH_CHECK(kinds.size() == 4 && params.size() == 4, "decode_layer: one kind and param per linear");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be a contiguous [tokens, hidden]");
+  const int64_t tokens = hidden.size(0), head_dim = key_cache.size(3);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
+  const Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0]);
+  Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
+  rotary_embedding(qk, cos, signed_sin);
+  const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  reshape_and_cache(qk.narrow(1, num_heads, num_kv_heads), v, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
+  decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
+                   scale, k_scale, v_scale);
+  const Tensor o = apply_linear(attn.view({tokens, q_size}), o_w, kinds[1], params[1]);
+  x = rms_norm(o, post_norm, eps, hidden);  // hidden += o first
+  const Tensor act = silu_and_mul(apply_linear(x, gate_up_w, kinds[2], params[2]));
+  hidden.add_(apply_linear(act, down_w, kinds[3], params[3]));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(argosy_cpu, m) {
@@ -623,6 +678,11 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> ()");
+  m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
+        "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
+        "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor signed_sin, int num_heads, "
+        "int num_kv_heads, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
@@ -634,4 +694,10 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layer", &decode_layer);
+}
+
+// decode_layer's tensor lists hold oneDNN-prepacked weights, whose dispatch key is MkldnnCPU.
+TORCH_LIBRARY_IMPL(argosy_cpu, MkldnnCPU, m) {
+  m.impl("decode_layer", &decode_layer);
 }

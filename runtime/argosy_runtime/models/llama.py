@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from argosy_kernels import cpu_ops
 from torch import nn
 
+from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from argosy_runtime.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
+        self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
         self.rotary = RotaryEmbedding(
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
             spec.rope_scaling, dtype,
@@ -166,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = enabled
+        # Decode steps then run each layer as one C++ call where every linear has one.
+        self.cpu_decode = CpuDecodeLayers.build(self.model) if enabled else None
         return enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -173,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm: [num_tokens, hidden]."""
         h = self.model.embed_tokens(input_ids)
         ctx.rope_tables = self.rotary.tables(positions)  # shared by every layer
+        if self.cpu_decode is not None and self.cpu_decode.applies(h, ctx):
+            return self.model.norm(self.cpu_decode(h, ctx))
         for layer in self.model.layers:
             h = layer(h, ctx)
         return self.model.norm(h)

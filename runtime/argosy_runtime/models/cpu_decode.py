@@ -1,0 +1,91 @@
+"""`CpuDecodeLayers`: a decode step's decoder layers as one C++ call each (CPU, bfloat16).
+
+At batch 1 a small model's decode step on the CPU spends about as long in Python, between the
+~17 op calls and 8 module calls of every layer, as in the ops themselves (SmolLM2-135M int4:
+~3 of ~10 ms). `cpu_ops.decode_layer` runs the same fused kernels in the same order from C++
+(argosy_kernels/csrc/cpu_ops.cpp), so the outputs are the Python path's, token for token
+(tests/runtime/engine/test_cpu_decode_layers.py). It is used for steps whose tokens are all
+decodes, when every layer runs the fused CPU ops and every linear has a C++ path; any other
+step, layer or model takes the module path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from argosy_runtime.models.cpu_linear import PackedLinear
+from argosy_runtime.quantization.int4_linear import Int4Linear
+from argosy_runtime.quantization.int8_linear import Int8Linear
+
+if TYPE_CHECKING:
+    from argosy_runtime.models.llama import ForwardContext, LlamaModel
+
+# Linear kinds, as cpu_ops.cpp's apply_linear numbers them.
+_PACKED_BF16, _INT4, _INT8 = 0, 1, 2
+
+
+def _linear_args(module: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
+    """(tensors, kind, param) of a linear with a C++ path, else None."""
+    if isinstance(module, PackedLinear):
+        bias = [] if module.bias is None else [module.bias]
+        return [module.packed_weight, *bias], _PACKED_BF16, len(bias)
+    if isinstance(module, Int4Linear) and module._plain_cpu_ops:
+        return [module.qweight, module.scales_and_zeros], _INT4, module.group_size
+    if isinstance(module, Int8Linear) and module.bias is None and module.qweight.device.type == "cpu":
+        return [module.qweight, module.scales], _INT8, module.packed_max_tokens
+    return None
+
+
+class CpuDecodeLayers:
+    # Int4Linear's kernel serves at most 1024 rows; decode batches stay far below this.
+    MAX_TOKENS = 256
+
+    def __init__(self, layer_args: list[tuple], eps: float, num_heads: int, num_kv_heads: int
+                 ) -> None:
+        self.layer_args = layer_args
+        self.eps = eps
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> CpuDecodeLayers | None:
+        """For a model whose fused CPU ops are on; None if any layer lacks a C++ path."""
+        layer_args = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (attn.fused and mlp.fused and layer.input_layernorm.fused):
+                return None
+            linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            layer_args.append((*norms, [lin[0] for lin in linears], [lin[1] for lin in linears],
+                               [lin[2] for lin in linears]))
+        first = model.layers[0]
+        return cls(layer_args, first.input_layernorm.eps, first.self_attn.num_heads,
+                   first.self_attn.num_kv_heads)
+
+    def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether this step can take the C++ path: decodes only, on the fused CPU backend."""
+        n = hidden.shape[0]
+        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n
+                and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False))
+
+    def __call__(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The hidden states after every layer (before the final norm); `hidden` is updated
+        in place, as the module path's residual adds do."""
+        meta, (cos, signed_sin), scale = ctx.meta, ctx.rope_tables, ctx.backend.scale
+        decode_layer = torch.ops.argosy_cpu.decode_layer
+        for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args):
+            key_cache, value_cache = ctx.kv_caches[i]
+            k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
+            decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,
+                         key_cache, value_cache, k_scale, v_scale, meta.slot_mapping,
+                         meta.decode_block_tables, meta.decode_context_lens, cos, signed_sin,
+                         self.num_heads, self.num_kv_heads, scale)
+        return hidden
