@@ -194,9 +194,18 @@ class Int4Linear(nn.Module):
     def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
         # A packed layout means nothing to another device's kernels: repack on device moves.
         target = fn(torch.zeros(1)).device
-        self.repack(preferred_cpu_layout() if target.type == "cpu"
-                    else "cuda")
+        self.repack(preferred_cpu_layout() if target.type == "cpu" else "cuda")
         return super()._apply(fn, recurse)
+
+    # Both CPU layouts store uint8 [Np, Kp/2]: a state dict names its layout, so loading one
+    # into a module of the other layout repacks instead of silently misreading the nibbles.
+    def get_extra_state(self) -> dict:
+        return {"layout": self.layout}
+
+    def set_extra_state(self, state: dict) -> None:
+        current = self.layout
+        self._set_layout(state["layout"])  # what the loaded qweight holds
+        self.repack(current)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -101,6 +101,21 @@ def test_int4_cpu_layouts_agree(dtype: torch.dtype) -> None:
         _check(layer(x), out.float(), dtype)
 
 
+def test_int4_state_dict_loads_into_either_cpu_layout() -> None:
+    from argosy_kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("one CPU layout only without the C++ kernels")
+    source = Int4Linear.from_linear(_linear(256, 64, False, torch.bfloat16, seed=9), 32)
+    source.repack("cpu")
+    target = Int4Linear(256, 64, 32)
+    assert target.layout == "cpu_ops"
+    target.load_state_dict(source.state_dict())
+    assert target.layout == "cpu_ops" and torch.equal(target.unpacked(), source.unpacked())
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    _check(target(x), source(x).float(), torch.bfloat16)
+
+
 def test_int4_input_permutation() -> None:
     # An act-order weight: inputs stored in group order, the layer permutes x to match.
     torch.manual_seed(3)
