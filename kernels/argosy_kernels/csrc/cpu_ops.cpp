@@ -371,13 +371,6 @@ inline int64_t int4_groups(const Tensor& qweight, const Tensor& sz, int64_t grou
   return Kp / group;
 }
 
-// The 4-bit value of tile row r, input k (k relative to the tile's first input).
-inline int int4_at(const uint8_t* tile, int64_t r, int64_t k) {
-  const int64_t f = (k % 8) / 2, j = k % 2;
-  const uint8_t byte = tile[(k / 8) * 64 + (2 * r + j) * 2 + f / 2];
-  return f % 2 ? byte >> 4 : byte & 15;
-}
-
 #if defined(__AVX512BF16__)
 // bfloat16 x, one tile, MR token rows: 0x4300 | q is the bfloat16 number 128 + q, so a shift
 // and one vpternlog turn a field of 32 nibbles into bf16 weights that vdpbf16ps multiplies
@@ -425,20 +418,28 @@ void int4_tile_bf16(float* out, const c10::BFloat16* x, const float* xsum, const
 }
 #endif
 
-// One tile, one token row, any dtype: the portable loop (float32, or no AVX512-BF16).
+// One tile, one token row, any dtype: the portable loop (float32, or no AVX512-BF16). The
+// 16 rows are the inner loop, so gcc can vectorize it the way the intrinsics path works.
 template <typename T>
 void int4_tile(float* out, const T* x, const float* xsum, const uint8_t* tile, const T* sz,
                int64_t N, int64_t K, int64_t group) {
-  for (int64_t r = 0; r < kInt4Tile; ++r) {
-    float sum = 0.f;
-    for (int64_t g = 0; g < K / group; ++g) {
-      float dot = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k)
-        dot += static_cast<float>(int4_at(tile, r, k)) * static_cast<float>(x[k]);
-      const float s = static_cast<float>(sz[(g * N + r) * 2]), z = static_cast<float>(sz[(g * N + r) * 2 + 1]);
-      sum += s * dot + (z - 8.f * s) * xsum[g];
+  for (int64_t r = 0; r < kInt4Tile; ++r) out[r] = 0.f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    float dot[kInt4Tile] = {};
+    for (int64_t b = g * group / 8; b < (g + 1) * group / 8; ++b) {
+      const uint8_t* block = tile + b * 64;
+      for (int64_t k = 0; k < 8; ++k) {  // input 8b + k = 2f + j: byte 2 (2r + j) + f / 2
+        const int64_t f = k / 2, shift = 4 * (f % 2);
+        const uint8_t* bytes = block + 2 * (k % 2) + f / 2;
+        const float xk = static_cast<float>(x[b * 8 + k]);
+        for (int64_t r = 0; r < kInt4Tile; ++r)
+          dot[r] += static_cast<float>((bytes[4 * r] >> shift) & 15) * xk;
+      }
     }
-    out[r] = sum;
+    for (int64_t r = 0; r < kInt4Tile; ++r) {
+      const float s = static_cast<float>(sz[(g * N + r) * 2]), z = static_cast<float>(sz[(g * N + r) * 2 + 1]);
+      out[r] += s * dot[r] + (z - 8.f * s) * xsum[g];
+    }
   }
 }
 
