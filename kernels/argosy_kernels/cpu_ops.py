@@ -149,6 +149,14 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return torch.ops.argosy_cpu.int8_matmul(x, qweight, scales)
 
 
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                packed_max_tokens: int) -> torch.Tensor:
+    """Int8Linear's product, the kernel picked by the number of token rows M: `int8_gemv` for
+    one, `_weight_int8pack_mm` up to `packed_max_tokens`, `int8_matmul` above (the same rule
+    `decode_layer` follows)."""
+    return torch.ops.argosy_cpu.int8_linear(x, qweight, scales, packed_max_tokens)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, Kp] values 0..15 (N % 16 == 0, Kp % 8 == 0) -> the int4 kernels' layout,
     uint8 [N, Kp/2]: tiles of 16 rows, each a run of 64-byte blocks of 8 inputs in which the

@@ -349,6 +349,15 @@ Tensor int8_matmul(const Tensor& x, const Tensor& qweight, const Tensor& scales)
   return out_t.t().contiguous();
 }
 
+// Int8Linear's product on the CPU, the kernel picked by the number of token rows: int8_gemv
+// for one, PyTorch's packed kernel up to packed_max_tokens, int8_matmul above. The one rule
+// both Int8Linear.forward and decode_layer follow.
+Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, int64_t packed_max_tokens) {
+  if (x.size(0) == 1) return int8_gemv(x, qweight, scales);
+  if (x.size(0) <= packed_max_tokens) return at::_weight_int8pack_mm(x, qweight, scales);
+  return int8_matmul(x, qweight, scales);
+}
+
 // ---- Weight-only int4 (group-wise scales and zeros) ---------------------------------------------
 // w[n, k] = (q - 8) * s[g, n] + z[g, n], g = k / group, q in 0..15 (Int4Linear's convention).
 // scales_and_zeros: [Kp / group, N, 2] in x's dtype (PyTorch's CPU int4 convention, kept).
@@ -621,8 +630,8 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 // two paths token for token). A linear is (kind, tensors, param):
 //   0: oneDNN-prepacked bf16 (PackedLinear): {packed_weight[, bias]}, param = has bias;
 //   1: int4 in cpu_ops layout (Int4Linear): {qweight, scales_and_zeros}, param = group size;
-//   2: int8 per channel (Int8Linear): {qweight, scales}, param = most rows for PyTorch's
-//      packed kernel, as Int8Linear.forward picks.
+//   2: int8 per channel (Int8Linear): {qweight, scales}, param = its packed_max_tokens
+//      (int8_linear picks the kernel, as for Int8Linear.forward).
 Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param) {
   if (kind == 0) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -633,9 +642,7 @@ Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t par
   }
   if (kind == 1) return int4_matmul(x, w[0], w[1], param);
   TORCH_CHECK(kind == 2, "decode_layer: unknown linear kind ", kind);
-  if (x.size(0) == 1) return int8_gemv(x, w[0], w[1]);
-  if (x.size(0) <= param) return at::_weight_int8pack_mm(x, w[0], w[1]);
-  return int8_matmul(x, w[0], w[1]);
+  return int8_linear(x, w[0], w[1], param);
 }
 
 // hidden [tokens, hidden] is updated in place to the layer's output.
@@ -672,6 +679,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int packed_max_tokens) -> Tensor");
   m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales_and_zeros, int group_size) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -691,6 +699,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_linear", &int8_linear);
   m.impl("int4_matmul", &int4_matmul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);

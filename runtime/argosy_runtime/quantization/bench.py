@@ -10,34 +10,36 @@ All modes run side by side in one process so that ratios are comparable on a sha
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
 
 import torch
 
+_RUN_IDS = itertools.count()  # request ids stay unique across timings of one engine
 
-def _decode_tok_s(engine, batch: int, steps: int, repeats: int) -> float:
-    """Tokens/s of `steps` decode steps with `batch` running requests (best of `repeats`)."""
+
+def _decode_tok_s(engine, batch: int, steps: int) -> float:
+    """Tokens/s of `steps` decode steps with `batch` running requests."""
     from argosy_runtime import SamplingParams
 
-    best = math.inf
-    for r in range(repeats):
-        params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-        ids = [f"b{batch}-{r}-{i}" for i in range(batch)]
-        for i, rid in enumerate(ids):
-            engine.add_request(rid, f"Request {i}: the history of the number {i * 7} is", params)
-        produced = {rid: 0 for rid in ids}
-        while min(produced.values()) < 1:  # prefill (and first token) for every request
-            for out in engine.step():
-                produced[out.request_id] = len(out.outputs[0].token_ids)
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        best = min(best, time.perf_counter() - start)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return batch * steps / best
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    run = next(_RUN_IDS)
+    ids = [f"b{batch}-{run}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, f"Request {i}: the history of the number {i * 7} is", params)
+    produced = {rid: 0 for rid in ids}
+    while min(produced.values()) < 1:  # prefill (and first token) for every request
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * steps / elapsed
 
 
 MODES = {
@@ -90,7 +92,7 @@ def bench_modes(args: argparse.Namespace) -> list[dict]:
         key = f"decode_tok_s_b{batch}"
         for _ in range(args.repeats):
             for row, engine in zip(rows, engines, strict=True):
-                row[key] = max(row.get(key, 0.0), round(_decode_tok_s(engine, batch, args.steps, 1), 1))
+                row[key] = max(row.get(key, 0.0), round(_decode_tok_s(engine, batch, args.steps), 1))
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows

@@ -12,7 +12,10 @@ Per call the layer picks its kernel by the number of tokens M:
   for the 49152 x 576 lm_head at 32 rows here: a fresh 56 MB tensor per call page-faults);
 - CUDA: the Triton `w8a16_matmul` from argosy_kernels (imported lazily), or the same
   dequantize-then-GEMM when that kernel is unavailable.
-The crossover (see docs/benchmarks/quantization.md) was measured on this project's CPUs.
+On the CPU with the fused kernels built, one op makes the three-way choice
+(`cpu_ops.int8_linear`, also used by `cpu_ops.decode_layer`); without them the layer takes
+the packed kernel or `.to(dtype)`-then-GEMM by the same threshold. The crossover (see
+docs/benchmarks/quantization.md) was measured on this project's CPUs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from argosy_runtime.quantization.rtn import Int8Weight, quantize_int8
 # Measured crossover: the packed kernel costs ~linear time per token row, the dequantize path
 # a fixed int8->bf16 copy plus a GEMM that grows slowly; they meet around 16 rows here.
 INT8_PACKED_MAX_TOKENS = 16
-_GEMV_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_ops.int8_gemv takes
+_CPU_OPS_DTYPES = (torch.float32, torch.bfloat16)  # what the cpu_ops int8 kernels take
 
 
 class Int8Linear(nn.Module):
@@ -77,12 +80,10 @@ class Int8Linear(nn.Module):
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         if x.device.type == "cuda":
             out = self._forward_cuda(x2, scales)
-        elif x2.shape[0] == 1 and x.dtype in _GEMV_DTYPES and cpu_ops.available():
-            out = cpu_ops.int8_gemv(x2.contiguous(), self.qweight, scales)
+        elif x.dtype in _CPU_OPS_DTYPES and cpu_ops.available():
+            out = cpu_ops.int8_linear(x2.contiguous(), self.qweight, scales, self.packed_max_tokens)
         elif x2.shape[0] <= self.packed_max_tokens:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, scales)
-        elif x.dtype in _GEMV_DTYPES and cpu_ops.available():
-            out = cpu_ops.int8_matmul(x2.contiguous(), self.qweight, scales)
         else:
             out = F.linear(x2, self.qweight.to(x.dtype)) * scales
         if self.bias is not None:
