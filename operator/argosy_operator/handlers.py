@@ -126,6 +126,11 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     client = get_client()
     llmd = dict(body)
     generation = meta.get("generation")
+    if not await _still_exists(client, meta):
+        # kopf may hand over an event queued before the user's delete: applying that stale
+        # body would re-create the children of an object that no longer exists.
+        logger.info("deleted meanwhile; nothing to reconcile")
+        return
     try:
         result = await reconcile(client, llmd)
     except ValueError as exc:
@@ -146,6 +151,14 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
                    message=action)
     patch, base = await refresh_status(client, llmd, observed_generation=generation)
     _post_degraded_event(body, patch, base)
+
+
+async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
+    """Whether this very object (same uid) is still there and not being deleted."""
+    live = await client.get(LLMDEPLOYMENTS, meta.get("namespace"), meta.get("name"))
+    live_meta = (live or {}).get("metadata") or {}
+    return (live is not None and live_meta.get("uid") == meta.get("uid")
+            and not live_meta.get("deletionTimestamp"))
 
 
 async def _refresh_owner(namespace: str | None, owner: str | None, *,

@@ -147,7 +147,9 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
             if noop is not None:
                 return aiohttp.web.json_response(noop)
         response = await super()._handle(request)
-        if request.resource is not None and request.action == enums.action.DELETE:
+        if request.resource is not None and request.action in (enums.action.DELETE,
+                                                               enums.action.CREATE):
+            # Like the real collector, also for an object created with an owner already gone.
             await self._collect_garbage()
         return response
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -218,6 +219,29 @@ async def test_delete_leaves_nothing_behind(kube: Any, api: Api, run_operator: A
     assert alive == []
     deletes = [r for r in list(kube) if r.method == "DELETE"]
     assert len(deletes) == 1  # only the user's; the garbage collector did the rest
+
+
+async def test_event_queued_before_delete_recreates_nothing(kube: Any, api: Api,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """kopf can hand the handler an event it queued before the user's delete (seen under load:
+    the children came back after `kubectl delete`). The stale body must apply nothing, also
+    when an object of the same name but a new uid exists by then."""
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    stale = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+    await api.call("DELETE", f"{LLMD_PATH}/chat")
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    try:
+        log = logging.getLogger("test")
+        await handlers.reconcile_llmdeployment(body=stale, meta=stale["metadata"], logger=log)
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")  # same name, new uid
+        await handlers.reconcile_llmdeployment(body=stale, meta=stale["metadata"], logger=log)
+    finally:
+        await client.close()
+    assert [r for r in writes(kube) if LLMD_PATH not in str(r.url)] == []
 
 
 async def test_restart_midway_creates_no_duplicates_and_then_stays_quiet(
