@@ -143,9 +143,11 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> [M, N] = (x @ qweight.T) * scales for several token rows: the int8 weight
-    is widened to x's dtype a cache-sized slice at a time and multiplied there (Int8Linear's
-    multi-row path; reference: `Int8Linear.dequantize`)."""
+    """x [M, K] -> [M, N] = (x @ qweight.T) * scales for many token rows (Int8Linear's path
+    above `packed_max_tokens`; reference: `Int8Linear.dequantize`). bfloat16 on AVX512-BF16:
+    16 weight rows at a time are widened into a small buffer that all tokens then stream
+    through, 16 tokens per register; otherwise the weight is widened a cache-sized slice at a
+    time and multiplied there with a GEMM."""
     return torch.ops.argosy_cpu.int8_matmul(x, qweight, scales)
 
 

@@ -168,7 +168,8 @@ def test_int8_gemv_matches_the_dequantized_product(dtype: torch.dtype, n: int, k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(17, 960, 576), (32, 1000, 1536), (2, 13, 100)])  # several slices, tails
+@pytest.mark.parametrize("m,n,k", [(17, 960, 576), (32, 1000, 1536), (2, 13, 100), (33, 1003, 576),
+                                   (20, 24, 101)])  # several slices; row, token and odd-k tails
 def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int, n: int, k: int) -> None:
     g = _gen(m + n + k)
     qweight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -180,7 +181,7 @@ def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int,
     if dtype == torch.float32:  # BLAS sums in float32, in its own order
         terms = (x.double().abs() @ qweight.double().abs().t()) * scales.double()
         assert ((out.double() - expected).abs() <= 4 * k**0.5 * 2**-24 * terms + 1e-6).all(), f"seed {SEED}"
-    else:  # the products are exact; the GEMM rounds its output to bfloat16, then the scale
+    else:  # the products are exact; float32 sums, rounded to bfloat16 (once or twice)
         _assert_close(out, expected, dtype)
     with pytest.raises(RuntimeError, match="scales must be"):
         cpu_ops.int8_matmul(x, qweight, scales[:-1])
