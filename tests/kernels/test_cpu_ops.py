@@ -187,6 +187,28 @@ def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int,
         cpu_ops.int8_matmul(x, qweight, scales[:-1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (1, 24)])  # row and k tails, a lone row
+def test_int8_linear_few_rows_match_the_dequantized_product(dtype: torch.dtype, m: int, n: int,
+                                                             k: int) -> None:
+    """2-16 token rows: argosy's few-row kernel (bfloat16) or PyTorch's packed one (float32)."""
+    g = _gen(m + n + k)
+    qweight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) / 50).to(dtype)
+    x = _randn(m, k, dtype=dtype, gen=g)
+    out = cpu_ops.int8_linear(x, qweight, scales, 16)
+    assert out.shape == (m, n) and out.dtype == dtype
+    expected = (x.double() @ qweight.double().t()) * scales.double()
+    if dtype == torch.float32:
+        terms = (x.double().abs() @ qweight.double().abs().t()) * scales.double()
+        assert ((out.double() - expected).abs() <= 4 * k**0.5 * 2**-24 * terms + 1e-6).all(), f"seed {SEED}"
+    else:
+        _assert_close(out, expected, dtype)
+        with pytest.raises(RuntimeError, match="scales must be"):
+            cpu_ops.int8_linear(x, qweight, scales[:-1], 16)
+
+
 def _int4_weight(n: int, kp: int, group: int, dtype: torch.dtype, g: torch.Generator):
     q = torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
     scales = torch.rand(kp // group, n, generator=g) / 50 + 1e-3

@@ -302,6 +302,16 @@ Tensor int8_gemv(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
   return out;
 }
 
+// x [M, K] float, qweight int8 [N, K], scales [N] of x's dtype.
+void check_int8_operands(const Tensor& x, const Tensor& qweight, const Tensor& scales, const char* op) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, in_features]");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous() &&
+              qweight.size(1) == x.size(1), op, ": qweight must be a contiguous int8 [out_features, in_features]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == qweight.size(0) && scales.scalar_type() == x.scalar_type(),
+              op, ": scales must be [out_features] of x's dtype");
+}
+
 // int8 -> T, exactly (|q| <= 128 fits either significand).
 template <typename T>
 void widen_int8_rows(T* dst, const int8_t* src, int64_t n) {
@@ -400,12 +410,7 @@ Tensor int8_matmul_bf16(const Tensor& x, const Tensor& qweight, const Tensor& sc
 // tensor per call, whose page faults alone cost more than the GEMM (16 ms for the 49152 x 576
 // lm_head here).
 Tensor int8_matmul(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
-  check_cpu_float(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_matmul: x must be a contiguous [M, in_features]");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous() &&
-              qweight.size(1) == x.size(1), "int8_matmul: qweight must be a contiguous int8 [out_features, in_features]");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == qweight.size(0) && scales.scalar_type() == x.scalar_type(),
-              "int8_matmul: scales must be [out_features] of x's dtype");
+  check_int8_operands(x, qweight, scales, "int8_matmul");
   const int64_t N = qweight.size(0), K = qweight.size(1);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && K % 2 == 0) return int8_matmul_bf16(x, qweight, scales.contiguous());
@@ -432,13 +437,99 @@ Tensor int8_matmul(const Tensor& x, const Tensor& qweight, const Tensor& scales)
   return out_t.t().contiguous();
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16, 2-16 token rows: the int8 weight is widened straight from its rows, 16 inputs of
+// two rows per register (row a in the low half), and multiplied with 8 input pairs of a token
+// broadcast to both halves; each lane sums one (row, pair slot), reduced per half at the end.
+// RP such row pairs x M tokens of accumulators: every widened register feeds M dot products.
+inline __m512bh widen_two_rows(const int8_t* a, const int8_t* b) {
+  const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+  const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+  return _mm512_cvtne2ps_pbh(fb, fa);
+}
+
+// out[r * M + m] = sum_k q[r, k] x[m, k] for the 2 RP rows at q, k < K16 (a multiple of 16).
+template <int RP, int M>
+void int8_few_rows_block(float* out, const c10::BFloat16* x, const int8_t* q, int64_t K, int64_t K16) {
+  __m512 acc[RP][M];
+  for (int r = 0; r < RP; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t ahead = 2 * 2 * RP * K;  // two blocks on, into L2, as int8_gemv does
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (k % 64 == 0)
+      for (int r = 0; r < 2 * RP; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + ahead), _MM_HINT_T1);
+    __m512bh w[RP];
+    for (int r = 0; r < RP; ++r) w[r] = widen_two_rows(q + 2 * r * K + k, q + (2 * r + 1) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k)));
+      for (int r = 0; r < RP; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xb);
+    }
+  }
+  for (int r = 0; r < RP; ++r)
+    for (int m = 0; m < M; ++m) {
+      out[2 * r * M + m] = _mm512_mask_reduce_add_ps(0x00FF, acc[r][m]);
+      out[(2 * r + 1) * M + m] = _mm512_mask_reduce_add_ps(0xFF00, acc[r][m]);
+    }
+}
+
+template <int M>
+void int8_few_rows(c10::BFloat16* o, const c10::BFloat16* x, const int8_t* q, const c10::BFloat16* sc,
+                   int64_t N, int64_t K) {
+  constexpr int RP = M <= 4 ? 4 : (M <= 8 ? 2 : 1);  // RP * M <= 16 accumulators
+  const int64_t K16 = K / 16 * 16;
+  auto finish = [&](const float* acc, int64_t n0, int64_t rows) {  // k tail, scale, store
+    for (int64_t r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) {
+        float sum = acc[r * M + m];
+        for (int64_t k = K16; k < K; ++k)
+          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(q[(n0 + r) * K + k]);
+        o[m * N + n0 + r] = static_cast<c10::BFloat16>(sum * static_cast<float>(sc[n0 + r]));
+      }
+  };
+  const int64_t blocks = N / (2 * RP);
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    float acc[2 * RP * M];
+    for (int64_t b = begin; b < end; ++b) {
+      int8_few_rows_block<RP, M>(acc, x, q + b * 2 * RP * K, K, K16);
+      finish(acc, b * 2 * RP, 2 * RP);
+    }
+  });
+  for (int64_t n0 = blocks * 2 * RP; n0 < N; n0 += 2) {  // row tail: pairs, then a lone row
+    float acc[2 * M] = {};
+    if (n0 + 1 < N) int8_few_rows_block<1, M>(acc, x, q + n0 * K, K, K16);
+    else for (int m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K16; ++k) acc[m] += static_cast<float>(x[m * K + k]) * static_cast<float>(q[n0 * K + k]);
+    finish(acc, n0, std::min<int64_t>(2, N - n0));
+  }
+}
+
+template <int M = 2>
+Tensor int8_few_rows_dispatch(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
+  if constexpr (M < 16) {
+    if (x.size(0) != M) return int8_few_rows_dispatch<M + 1>(x, qweight, scales);
+  }
+  Tensor out = at::empty({M, qweight.size(0)}, x.options());
+  int8_few_rows<M>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), qweight.data_ptr<int8_t>(),
+                   scales.data_ptr<c10::BFloat16>(), qweight.size(0), qweight.size(1));
+  return out;
+}
+#endif
+
 // Int8Linear's product on the CPU, the kernel picked by the number of token rows: int8_gemv
-// for one, PyTorch's packed kernel up to packed_max_tokens, int8_matmul above. The one rule
-// both Int8Linear.forward and decode_layer follow.
+// for one; up to packed_max_tokens the few-row kernel above (bfloat16 on AVX512-BF16) or else
+// PyTorch's packed kernel; int8_matmul above. The one rule both Int8Linear.forward and
+// decode_layer follow.
 Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, int64_t packed_max_tokens) {
-  if (x.size(0) == 1) return int8_gemv(x, qweight, scales);
-  if (x.size(0) <= packed_max_tokens) return at::_weight_int8pack_mm(x, qweight, scales);
-  return int8_matmul(x, qweight, scales);
+  const int64_t M = x.size(0);
+  if (M == 1) return int8_gemv(x, qweight, scales);
+  if (M > packed_max_tokens) return int8_matmul(x, qweight, scales);
+#if defined(__AVX512BF16__)
+  if (M <= 16 && x.scalar_type() == at::kBFloat16) {
+    check_int8_operands(x, qweight, scales, "int8_linear");
+    return int8_few_rows_dispatch(x, qweight, scales.contiguous());
+  }
+#endif
+  return at::_weight_int8pack_mm(x, qweight, scales);
 }
 
 // ---- Weight-only int4 (group-wise scales and zeros) ---------------------------------------------

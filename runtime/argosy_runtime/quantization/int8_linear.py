@@ -4,12 +4,14 @@ Per call the layer picks its kernel by the number of tokens M:
 - CPU, M = 1 (batch-1 decode): argosy_kernels.cpu_ops.int8_gemv where the fused CPU kernels
   build, which streams the weight at the memory bandwidth (22 vs 8.7 GB/s for
   `_weight_int8pack_mm` on a 53 MB weight here);
-- CPU, M <= `packed_max_tokens`: `torch.ops.aten._weight_int8pack_mm` reads the int8 weight
-  directly (half the bytes of bf16: decode is memory-bound, so this is the fast path);
-- CPU, larger M: dequantize-then-GEMM. Per-channel scales factor out of the dot product, so
-  the "dequantization" is only an int8 -> dtype copy and the scale multiplies the output;
-  `cpu_ops.int8_matmul` does it a cache-sized slice at a time (3x faster than one whole copy
-  for the 49152 x 576 lm_head at 32 rows here: a fresh 56 MB tensor per call page-faults);
+- CPU, M <= `packed_max_tokens`: a kernel that reads the int8 weight directly (half the bytes
+  of bf16: decode is memory-bound, so this is the fast path): in bfloat16 argosy's few-row
+  kernel (`cpu_ops.int8_linear`, 1.2-2.6x `_weight_int8pack_mm` here), else
+  `torch.ops.aten._weight_int8pack_mm`;
+- CPU, larger M: per-channel scales factor out of the dot product, so the "dequantization" is
+  only an int8 -> dtype widening and the scale multiplies the output; `cpu_ops.int8_matmul`
+  widens 16 rows at a time (bfloat16) or a cache-sized slice at a time (float32), never the
+  whole weight (a fresh 56 MB tensor per call page-faults: 3x slower for the lm_head);
 - CUDA: the Triton `w8a16_matmul` from argosy_kernels (imported lazily), or the same
   dequantize-then-GEMM when that kernel is unavailable.
 On the CPU with the fused kernels built, one op makes the three-way choice
@@ -27,8 +29,8 @@ from torch import nn
 
 from argosy_runtime.quantization.rtn import Int8Weight, quantize_int8
 
-# Measured crossover: the packed kernel costs ~linear time per token row, the dequantize path
-# a fixed int8->bf16 copy plus a GEMM that grows slowly; they meet around 16 rows here.
+# Measured crossover: the few-row kernels cost ~linear time per token row, the many-row path
+# a fixed int8->bf16 widening plus a product that grows slowly; they meet around 16 rows here.
 INT8_PACKED_MAX_TOKENS = 16
 _CPU_OPS_DTYPES = (torch.float32, torch.bfloat16)  # what the cpu_ops int8 kernels take
 
