@@ -188,7 +188,7 @@ def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 9, 13, 16])  # passes of up to 8 tokens
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (1, 24)])  # row and k tails, a lone row
 def test_int8_linear_few_rows_match_the_dequantized_product(dtype: torch.dtype, m: int, n: int,
                                                              k: int) -> None:

@@ -475,7 +475,7 @@ void int8_few_rows_block(float* out, const c10::BFloat16* x, const int8_t* q, in
 template <int M>
 void int8_few_rows(c10::BFloat16* o, const c10::BFloat16* x, const int8_t* q, const c10::BFloat16* sc,
                    int64_t N, int64_t K) {
-  constexpr int RP = M <= 4 ? 4 : (M <= 8 ? 2 : 1);  // RP * M <= 16 accumulators
+  constexpr int RP = M <= 4 ? 4 : 2;  // RP * M <= 16 accumulators
   const int64_t K16 = K / 16 * 16;
   auto finish = [&](const float* acc, int64_t n0, int64_t rows) {  // k tail, scale, store
     for (int64_t r = 0; r < rows; ++r)
@@ -503,14 +503,24 @@ void int8_few_rows(c10::BFloat16* o, const c10::BFloat16* x, const int8_t* q, co
   }
 }
 
-template <int M = 2>
-Tensor int8_few_rows_dispatch(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
-  if constexpr (M < 16) {
-    if (x.size(0) != M) return int8_few_rows_dispatch<M + 1>(x, qweight, scales);
+// Up to 8 tokens per pass (RP * M <= 16 accumulators); more tokens take more passes, which
+// re-widen the weight but stay cheaper than one pass with 16 token broadcasts per widening.
+template <int M = 1>
+void int8_few_rows_pass(int64_t tokens, c10::BFloat16* o, const c10::BFloat16* x, const int8_t* q,
+                        const c10::BFloat16* sc, int64_t N, int64_t K) {
+  if constexpr (M < 8) {
+    if (tokens != M) return int8_few_rows_pass<M + 1>(tokens, o, x, q, sc, N, K);
   }
-  Tensor out = at::empty({M, qweight.size(0)}, x.options());
-  int8_few_rows<M>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), qweight.data_ptr<int8_t>(),
-                   scales.data_ptr<c10::BFloat16>(), qweight.size(0), qweight.size(1));
+  int8_few_rows<M>(o, x, q, sc, N, K);
+}
+
+Tensor int8_few_rows_matmul(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
+  const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1);
+  Tensor out = at::empty({M, N}, x.options());
+  for (int64_t m0 = 0; m0 < M; m0 += 8)
+    int8_few_rows_pass(std::min<int64_t>(8, M - m0), out.data_ptr<c10::BFloat16>() + m0 * N,
+                       x.data_ptr<c10::BFloat16>() + m0 * K, qweight.data_ptr<int8_t>(),
+                       scales.data_ptr<c10::BFloat16>(), N, K);
   return out;
 }
 #endif
@@ -526,7 +536,7 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
 #if defined(__AVX512BF16__)
   if (M <= 16 && x.scalar_type() == at::kBFloat16) {
     check_int8_operands(x, qweight, scales, "int8_linear");
-    return int8_few_rows_dispatch(x, qweight, scales.contiguous());
+    return int8_few_rows_matmul(x, qweight, scales.contiguous());
   }
 #endif
   return at::_weight_int8pack_mm(x, qweight, scales);
