@@ -5,9 +5,10 @@ w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n] with g = k // group_size, q in [0, 1
 `scales_and_zeros` is [ng, N, 2] in the activation dtype everywhere; `qweight`'s layout
 follows the device and the kernels available there (`layout`):
 - "cpu_ops" (the CPU, where argosy_kernels' fused CPU kernels build): uint8 [N, Kp/2] in
-  `cpu_ops.pack_int4`'s order. Up to `packed_max_tokens` (1024) token rows run
+  `cpu_ops.pack_int4`'s order. Up to `packed_max_tokens` (2048) token rows run
   `cpu_ops.int4_matmul` (AVX512-BF16 dot products on bfloat16: 1.3-1.5x PyTorch's int4
-  kernel at 1 and 32 rows here), more rows dequantize-then-GEMM;
+  kernel at 1 row here; from 16 rows it dequantizes 16 weight rows at a time to bfloat16 and
+  streams every token through them), more rows dequantize-then-GEMM;
 - "cpu" (the CPU otherwise): PyTorch's packed layout for `_weight_int4pack_mm_for_cpu` (made by
   `_convert_weight_to_int4pack_for_cpu`, uint8 [N, Kp/2]), used up to `packed_max_tokens` (128)
   token rows (decode), dequantize-then-GEMM above (prefill);
@@ -30,9 +31,9 @@ from argosy_runtime.quantization.rtn import Int4Weight, quantize_int4
 
 # Most token rows a call hands to the packed kernel before dequantize-then-GEMM wins, per CPU
 # layout, measured here (docs/benchmarks/quantization.md, kernel crossover): PyTorch's kernel
-# up to ~128-256 rows; cpu_ops.int4_matmul still 1.3-2.7x faster at 256 rows and linear in
-# rows (9-14 us per row for SmolLM2's shapes against a 3-9 ms unpack).
-INT4_PACKED_MAX_TOKENS = {"cpu": 128, "cpu_ops": 1024}
+# up to ~128-256 rows; cpu_ops.int4_matmul (its many-row path from 16 rows) faster than the
+# torch unpack + oneDNN GEMM up to 2048 rows on every SmolLM2 shape, level or slower at 4096.
+INT4_PACKED_MAX_TOKENS = {"cpu": 128, "cpu_ops": 2048}
 _CPU_INNER_K_TILES = 2  # only used by the CUDA variant of the op; any valid value works on CPU
 
 
