@@ -185,9 +185,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
                 group_size: int) -> torch.Tensor:
     """x [M, Kp] -> [M, N] with w = (q - 8) * scale + zero per group (Int4Linear's weight;
-    qweight in `pack_int4` layout, scales_and_zeros [Kp / group, N, 2] of x's dtype). For the
-    few token rows of decode: the weight is read once per call, and bfloat16 x uses
-    AVX512-BF16 dot products where the CPU has them."""
+    qweight in `pack_int4` layout, scales_and_zeros [Kp / group, N, 2] of x's dtype). The
+    weight is read once per call; bfloat16 x uses AVX512-BF16 dot products where the CPU has
+    them, and from 16 rows dequantizes 16 weight rows at a time to bfloat16 (w rounded to
+    bfloat16, as `Int4Linear.dequantize`) for all tokens to stream through."""
     return torch.ops.argosy_cpu.int4_matmul(x, qweight, scales_and_zeros, group_size)
 
 

@@ -544,7 +544,7 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
   if (M == 1) return int8_gemv(x, qweight, scales);
   if (M > packed_max_tokens) return int8_matmul(x, qweight, scales);
 #if defined(__AVX512BF16__)
-  if (M <= 16 && x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16) {
     check_int8_operands(x, qweight, scales, "int8_linear");
     return int8_few_rows_matmul(x, qweight, scales.contiguous());
   }
@@ -702,8 +702,9 @@ Tensor int4_matmul_many_rows(const Tensor& x, const Tensor& qweight, const Tenso
 }
 #endif
 
-// y [M, N] = x [M, Kp] @ w.T for a few token rows (decode): the weight is read once per call
-// (a quarter of bf16's bytes) and each 64-byte block is unpacked once for up to 4 rows.
+// y [M, N] = x [M, Kp] @ w.T: the weight is read once per call (a quarter of bf16's bytes);
+// below 16 rows (decode) each 64-byte block is unpacked once for up to 4 rows, from 16
+// bfloat16 rows int4_matmul_many_rows takes over.
 Tensor int4_matmul(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group) {
   const int64_t ng = int4_groups(qweight, sz, group, "int4_matmul");
   check_cpu_float(x, "x");
