@@ -16,7 +16,6 @@
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -331,14 +330,22 @@ void widen_int8_rows(T* dst, const int8_t* src, int64_t n) {
 // register, so each widened weight pair feeds TB vdpbf16ps of 16 tokens from one broadcast.
 // (The other way round, 16 weight rows per register, needs the row-major int8 weight
 // transposed on every call.) tokens[(v * pairs + p) * 16 + t] is input pair p of token 16v + t.
-Tensor token_pairs(const Tensor& x) {
+// The buffer is thread-local and reused: a fresh one per call page-faulted (for a 4096-token
+// prefill chunk the faults cost more than the copy).
+const int32_t* token_pairs(const Tensor& x) {
+  static thread_local std::vector<int32_t> buffer;
   const int64_t M = x.size(0), pairs = x.size(1) / 2, vecs = (M + 15) / 16;
-  Tensor tokens = at::zeros({vecs * pairs * 16}, x.options().dtype(at::kInt));
+  if (buffer.size() < static_cast<size_t>(vecs * pairs * 16)) buffer.resize(vecs * pairs * 16);
   const int32_t* x32 = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
-  int32_t* out = tokens.data_ptr<int32_t>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = 0; p < pairs; ++p) out[((m / 16) * pairs + p) * 16 + m % 16] = x32[m * pairs + p];
-  return tokens;
+  int32_t* out = buffer.data();
+  for (int64_t v = 0; v < vecs; ++v)
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16)  // 16 x 16 tiles: both sides stay in L1
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t m = v * 16 + t;
+        for (int64_t p = p0; p < std::min(p0 + 16, pairs); ++p)
+          out[(v * pairs + p) * 16 + t] = m < M ? x32[m * pairs + p] : 0;
+      }
+  return out;
 }
 
 // out[(r * TB + b) * 16 + t] = sum_p (weight row r, pair p) . (token 16b + t, pair p), for
@@ -397,7 +404,7 @@ Tensor int8_matmul_bf16(const Tensor& x, const Tensor& qweight, const Tensor& sc
   using BF16 = c10::BFloat16;
   constexpr int64_t kRowBlock = 16;
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), pairs = K / 2;
-  const Tensor tokens = token_pairs(x);
+  const int32_t* tokens = token_pairs(x);
   Tensor out = at::empty({M, N}, x.options());
   const int8_t* q = qweight.data_ptr<int8_t>();
   at::parallel_for(0, (N + kRowBlock - 1) / kRowBlock, 4, [&](int64_t begin, int64_t end) {
@@ -405,7 +412,7 @@ Tensor int8_matmul_bf16(const Tensor& x, const Tensor& qweight, const Tensor& sc
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * kRowBlock, rows = std::min(kRowBlock, N - n0);
       widen_int8_rows(widened.data(), q + n0 * K, rows * K);
-      multiply_row_block(out.data_ptr<BF16>(), tokens.data_ptr<int32_t>(),
+      multiply_row_block(out.data_ptr<BF16>(), tokens,
                          reinterpret_cast<const int32_t*>(widened.data()), pairs, 1, rows, n0, N, M,
                          pairs, scales.data_ptr<BF16>());
     }
@@ -685,7 +692,7 @@ void dequantize_int4_tile(c10::BFloat16* buf, const uint8_t* tile, const c10::BF
 Tensor int4_matmul_many_rows(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group) {
   using BF16 = c10::BFloat16;
   const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1) * 2;
-  const Tensor tokens = token_pairs(x);
+  const int32_t* tokens = token_pairs(x);
   Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / kInt4Tile, 1, [&](int64_t begin, int64_t end) {
     std::vector<BF16> dequantized(kInt4Tile * K);
@@ -693,7 +700,7 @@ Tensor int4_matmul_many_rows(const Tensor& x, const Tensor& qweight, const Tenso
       const int64_t n0 = tile * kInt4Tile;
       dequantize_int4_tile(dequantized.data(), qweight.data_ptr<uint8_t>() + n0 * (K / 2),
                            sz.data_ptr<BF16>() + n0 * 2, N, K, group);
-      multiply_row_block(out.data_ptr<BF16>(), tokens.data_ptr<int32_t>(),
+      multiply_row_block(out.data_ptr<BF16>(), tokens,
                          reinterpret_cast<const int32_t*>(dequantized.data()), 1, kInt4Tile, kInt4Tile,
                          n0, N, M, K / 2, nullptr);
     }
