@@ -35,4 +35,6 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert not [name for name, s in sections.items() if "error" in s], sections
     assert sections["correctness"]["all_ok"] is True
     assert sections["decode_attention"]["runs"] and sections["matmul"]["runs"]
-    assert sections["e2e"]["runs"]
+    # Every weight kind through the end-to-end section (int4 was once skipped here, which hid
+    # a bug that would have failed it on the GPU: the layer's CPU fast path left on).
+    assert {r["weights"] for r in sections["e2e"]["runs"]} == {"bf16", "int8", "int4"}
