@@ -382,16 +382,20 @@ def engine_section() -> dict:
     if SMOKE:
         return {"skipped": "smoke mode (the embedded model under the interpreter is too slow)"}
     from argosy_runtime import LLM, SamplingParams
+    from argosy_runtime.attention.torch_backend import TorchAttentionBackend
     from argosy_runtime.attention.triton_backend import TritonAttentionBackend
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
                "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     llm = LLM(model="smollm2-135m", dtype="float32", device="cuda", enforce_eager=True)
+    runner = llm.engine.runner
+    dims = (runner.backend.num_heads, runner.backend.num_kv_heads, runner.backend.head_dim,
+            runner.backend.scale)
+    # The engine picks Triton on CUDA by itself: set each backend explicitly, torch first.
+    runner.backend = TorchAttentionBackend(*dims)
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    old = llm.engine.runner.backend
-    llm.engine.runner.backend = TritonAttentionBackend(old.num_heads, old.num_kv_heads,
-                                                       old.head_dim, old.scale)
+    runner.backend = TritonAttentionBackend(*dims)
     triton_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     same = [a == b for a, b in zip(torch_out, triton_out, strict=True)]
     row("engine", "greedy tokens, torch vs Triton (fp32)", f"{sum(same)}/{len(same)} identical")
