@@ -154,8 +154,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 packed_max_tokens: int) -> torch.Tensor:
     """Int8Linear's product, the kernel picked by the number of token rows M: `int8_gemv` for
-    one, `_weight_int8pack_mm` up to `packed_max_tokens`, `int8_matmul` above (the same rule
-    `decode_layer` follows)."""
+    one; up to `packed_max_tokens` argosy's few-row kernel in bfloat16, `_weight_int8pack_mm`
+    in float32; `int8_matmul` above (the same rule `decode_layer` follows)."""
     return torch.ops.argosy_cpu.int8_linear(x, qweight, scales, packed_max_tokens)
 
 

@@ -318,8 +318,7 @@ void widen_int8_rows(T* dst, const int8_t* src, int64_t n) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     for (; i + 16 <= n; i += 16) {
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(f));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(int8x16_to_float(src + i)));
     }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<T>(static_cast<float>(src[i]));
@@ -460,9 +459,7 @@ Tensor int8_matmul(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 // broadcast to both halves; each lane sums one (row, pair slot), reduced per half at the end.
 // RP such row pairs x M tokens of accumulators: every widened register feeds M dot products.
 inline __m512bh widen_two_rows(const int8_t* a, const int8_t* b) {
-  const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
-  const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
-  return _mm512_cvtne2ps_pbh(fb, fa);
+  return _mm512_cvtne2ps_pbh(int8x16_to_float(b), int8x16_to_float(a));
 }
 
 // out[r * M + m] = sum_k q[r, k] x[m, k] for the 2 RP rows at q, k < K16 (a multiple of 16).
@@ -582,6 +579,14 @@ inline int64_t int4_groups(const Tensor& qweight, const Tensor& sz, int64_t grou
 }
 
 #if defined(__AVX512BF16__)
+// A group's (scale, zero) pairs of a tile's 16 rows as two float32 vectors: in memory bf16 s is
+// the low half of each 32-bit lane and z the high half, and a bf16 is the high half of its float32.
+inline void int4_tile_scales_zeros(const c10::BFloat16* sz, __m512& s, __m512& z) {
+  const __m512i pairs = _mm512_loadu_si512(sz);
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 // bfloat16 x, one tile, MR token rows: 0x4300 | q is the bfloat16 number 128 + q, so a shift
 // and one vpternlog turn a field of 32 nibbles into bf16 weights that vdpbf16ps multiplies
 // with a broadcast input pair, 32 products per instruction, exactly, into float32 lane sums.
@@ -591,7 +596,6 @@ template <int MR>
 void int4_tile_bf16(float* out, const c10::BFloat16* x, const float* xsum, const uint8_t* tile,
                     const c10::BFloat16* sz, int64_t N, int64_t K, int64_t group) {
   const __m512i mask = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const int64_t blocks_per_group = group / 8, ng = K / group, tile_bytes = K / 2 * kInt4Tile;
   auto field = [&](__m512i v) { return (__m512bh)_mm512_ternarylogic_epi32(v, mask, one28, 0xEA); };  // (v & mask) | one28
   __m512 acc[MR], bias[MR];
@@ -612,12 +616,9 @@ void int4_tile_bf16(float* out, const c10::BFloat16* x, const float* xsum, const
         t[m][1] = _mm512_dpbf16_ps(t[m][1], f3, (__m512bh)_mm512_set1_epi32(xp[3]));
       }
     }
-    // The group's (scale, zero) pairs of the 16 rows: bf16 s in the low half of each 32-bit
-    // lane, z in the high half; a bf16 is the high half of its float32.
     _mm_prefetch(reinterpret_cast<const char*>(sz + g * N * 2 + 2 * kInt4Tile * 2), _MM_HINT_T1);
-    const __m512i sz_pairs = _mm512_loadu_si512(sz + g * N * 2);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz_pairs, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz_pairs, high_half));
+    __m512 s, z;
+    int4_tile_scales_zeros(sz + g * N * 2, s, z);
     const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);
     for (int m = 0; m < MR; ++m) {
       acc[m] = _mm512_fmadd_ps(_mm512_add_ps(t[m][0], t[m][1]), s, acc[m]);
@@ -662,14 +663,13 @@ constexpr int64_t kInt4ManyRows = 16;
 void dequantize_int4_tile(c10::BFloat16* buf, const uint8_t* tile, const c10::BFloat16* sz, int64_t N,
                           int64_t K, int64_t group) {
   const __m512i mask = _mm512_set1_epi16(0x000F);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // lane 2r + j -> r
   const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
   const int64_t blocks_per_group = group / 8;
   for (int64_t g = 0; g < K / group; ++g) {
-    const __m512i sz_pairs = _mm512_loadu_si512(sz + g * N * 2);  // as in int4_tile_bf16
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz_pairs, 16));
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, _mm512_castsi512_ps(_mm512_and_si512(sz_pairs, high_half)));
+    __m512 s, z;
+    int4_tile_scales_zeros(sz + g * N * 2, s, z);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z - 8 s
     const __m512 s_lo = _mm512_permutexvar_ps(lo_rows, s), s_hi = _mm512_permutexvar_ps(hi_rows, s);
     const __m512 o_lo = _mm512_permutexvar_ps(lo_rows, offset), o_hi = _mm512_permutexvar_ps(hi_rows, offset);
     // Field f of block b: 16-bit lane 2r + j is q(r, 8b + 2f + j), i.e. pair 4b + f of row r.

@@ -40,7 +40,8 @@ def _linear_args(module: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
 
 
 class CpuDecodeLayers:
-    # Int4Linear's kernel serves at most 1024 rows; decode batches stay far below this.
+    # decode_layer calls the int4 kernel for every row count, where Int4Linear stops at its
+    # packed_max_tokens (2048) and dequantizes; decode batches stay far below both.
     MAX_TOKENS = 256
 
     def __init__(self, layer_args: list[tuple], eps: float, num_heads: int, num_kv_heads: int
