@@ -392,19 +392,25 @@ def engine_section() -> dict:
     runner = llm.engine.runner
     dims = (runner.backend.num_heads, runner.backend.num_kv_heads, runner.backend.head_dim,
             runner.backend.scale)
-    # The engine picks Triton on CUDA by itself: set each backend explicitly, torch first.
+    # The engine picks the Triton path on CUDA by itself: set each path explicitly (attention
+    # backend, and the model's norms and rotary), torch first.
+    model = llm.engine.model
     runner.backend = TorchAttentionBackend(*dims)
+    model.use_triton_ops(False)
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    backends = [type(runner.backend).__name__]
+    backends, layer_ops = [type(runner.backend).__name__], [model.ops]
     runner.backend = TritonAttentionBackend(*dims)
+    model.use_triton_ops()
     triton_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     backends.append(type(runner.backend).__name__)
+    layer_ops.append(model.ops)
     same = [a == b for a, b in zip(torch_out, triton_out, strict=True)]
     row("engine", "greedy tokens, torch vs Triton (fp32)", f"{sum(same)}/{len(same)} identical")
-    del llm
+    del llm, model
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
-    return {"identical": all(same), "per_prompt": same, "backends": backends}
+    return {"identical": all(same), "per_prompt": same, "backends": backends,
+            "layer_ops": layer_ops}
 
 
 # ---- 6. end-to-end decode --------------------------------------------------------------------
@@ -485,6 +491,7 @@ def e2e_section() -> dict:
     batches = (1, 4) if SMOKE else (1, 64)
     model = LlamaForCausalLM(spec, dtype=BF16, max_positions=context + 64)
     model = model.to(DEV).eval()
+    model.use_triton_ops()  # as the engine does on CUDA
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.02) if "norm" not in name else p.fill_(1.0)

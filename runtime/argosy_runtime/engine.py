@@ -93,10 +93,12 @@ class LLMEngine:
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
-            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s dtype=%s "
+            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
+            "layer_ops=%s attention=%s dtype=%s "
             "quantization=%s kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
             time.monotonic() - started, args.model, self.device, self.cpu_threads,
-            getattr(self.runner.backend, "fused_cpu_ops", False), self.dtype, self.quantization,
+            getattr(self.runner.backend, "fused_cpu_ops", False), self.model.ops,
+            type(self.runner.backend).__name__, self.dtype, self.quantization,
             cache_dtype, self.cache_config.num_blocks, args.block_size,
             self.cache_config.num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
@@ -121,6 +123,8 @@ class LLMEngine:
 
             pack_linears_for_cpu(model)
             model.use_fused_cpu_ops()
+        elif self.device.type == "cuda":  # Triton norms and rotary, like the attention backend
+            model.use_triton_ops()
         return model
 
     def _quantization_config(self, checkpoint: Any) -> Any:

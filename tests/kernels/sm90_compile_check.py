@@ -129,6 +129,10 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         ro = m["rotary_embedding"]
         ro.rotary_embedding(torch.arange(3), torch.randn(3, h, d, dtype=dt),
                             torch.randn(3, kvh, d, dtype=dt), ro.build_cos_sin_cache(d, 16))
+        # The model's call: q and k heads together, a strided view of the fused qkv rows.
+        qkv = torch.randn(3, (h + 2 * kvh) * d, dtype=dt)
+        ro.rotary_embedding(torch.arange(3), qkv[:, : (h + kvh) * d].view(3, h + kvh, d), None,
+                            ro.build_cos_sin_cache(d, 16))
         for rows in (1, 100):
             xm = torch.randn(rows, 4096, dtype=dt)
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),

@@ -37,6 +37,7 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert sections["decode_attention"]["runs"] and sections["matmul"]["runs"]
     # The reference run really is the torch backend (on CUDA the engine defaults to Triton).
     assert sections["engine"]["backends"] == ["TorchAttentionBackend", "TritonAttentionBackend"]
+    assert sections["engine"]["layer_ops"] == ["torch", "triton"]
     assert sections["engine"]["identical"] is True
     # Every weight kind through the end-to-end section (int4 was once skipped here, which hid
     # a bug that would have failed it on the GPU: the layer's CPU fast path left on).

@@ -124,16 +124,20 @@ def test_graph_replay_matches_eager_on_gpu():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_CUDA, reason="the engine's Triton path needs a CUDA GPU")
 def test_engine_greedy_tokens_same_with_triton_attention_on_gpu():
-    """The embedded model in float32 on CUDA: greedy tokens with the torch attention backend
-    and with the Triton one are identical."""
+    """The embedded model in float32 on CUDA: greedy tokens with the torch path (attention
+    backend, norms, rotary) and with the Triton one, the engine's default there, are
+    identical."""
     from argosy_runtime import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm = LLM(model="smollm2-135m", dtype="float32", device="cuda", enforce_eager=True)
-    torch_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    old = llm.engine.runner.backend
-    llm.engine.runner.backend = TritonAttentionBackend(old.num_heads, old.num_kv_heads,
-                                                       old.head_dim, old.scale)
+    runner, model = llm.engine.runner, llm.engine.model
+    assert isinstance(runner.backend, TritonAttentionBackend) and model.ops == "triton"
     triton_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    old = runner.backend
+    runner.backend = TorchAttentionBackend(old.num_heads, old.num_kv_heads, old.head_dim,
+                                           old.scale)
+    model.use_triton_ops(False)
+    torch_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert triton_tokens == torch_tokens

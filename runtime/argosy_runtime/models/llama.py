@@ -8,6 +8,11 @@ q/k/v and gate/up projections are fused into single matmuls (fewer, larger GEMMs
 through the fused C++ kernels of argosy_kernels.cpu_ops: one call each instead of 3-10
 PyTorch ops. The engine turns it on for bfloat16 on the CPU; float32 keeps the eager ops,
 which equal transformers' bit for bit.
+
+`use_triton_ops(True)` does the same for norms, residual adds and rotary with the Triton
+kernels (`argosy_kernels.rms_norm`, `.rotary_embedding`); the engine turns it on on CUDA.
+They compute in float32 and round once, so in float32 they agree with the eager ops to an ulp
+and in half precision they are at least as exact (eager rounds after every multiply).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from argosy_kernels import cpu_ops
+from argosy_kernels.rms_norm import rms_norm as triton_rms_norm
+from argosy_kernels.rotary_embedding import rotary_embedding as triton_rotary_embedding
 from torch import nn
 
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
@@ -33,11 +40,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
+        self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.ops == "cpu_ops":
             return cpu_ops.rms_norm(x, self.weight, self.eps)
+        if self.ops == "triton":
+            return triton_rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm (variance in float32).
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -46,9 +55,12 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, norm(residual + x)); the fused op updates `residual` in place."""
-        if self.fused:
+        """(residual + x, norm(residual + x)); the fused ops update `residual` in place."""
+        if self.ops == "cpu_ops":
             return residual, cpu_ops.add_rms_norm(residual, x, self.weight, self.eps)
+        if self.ops == "triton":
+            out, residual = triton_rms_norm(x, self.weight, self.eps, residual)
+            return residual, out
         residual = residual + x
         return residual, self(residual)
 
@@ -66,15 +78,17 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
+        self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(h)
         # q and k are adjacent in qkv: rotate both heads at once (one pass, half the ops).
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.fused:  # in place, inside qkv
+        if self.ops == "cpu_ops":  # in place, inside qkv
             cpu_ops.rotary_embedding(qk, *ctx.rope_tables)
+        elif self.ops == "triton":  # in place, inside qkv
+            triton_rotary_embedding(ctx.positions, qk, None, ctx.rotary.cos_sin_cache)
         else:
             qk = ctx.rotary.rotate(qk, ctx.rope_tables)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -90,7 +104,7 @@ class MLP(nn.Module):
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.fused = False  # set by LlamaForCausalLM.use_fused_cpu_ops
+        self.fused = False  # SiLU x up in one C++ call: set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -124,7 +138,9 @@ class ForwardContext:
         self.kv_caches = kv_caches  # per layer: (key_cache, value_cache)
         self.meta = meta
         self.kv_scales = kv_scales  # per layer: (k_scale, v_scale) for the int8 cache, else None
-        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model
+        # Set once per step by LlamaForCausalLM.set_positions:
+        self.positions: torch.Tensor | None = None  # [num_tokens], for the Triton rotary
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # for the others
 
     def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
         if self.kv_scales is None:
@@ -156,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
+        self.ops = "torch"  # the small ops' kernels: "torch", "cpu_ops" or "triton"
         self.rotary = RotaryEmbedding(
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
             spec.rope_scaling, dtype,
@@ -165,18 +182,42 @@ class LlamaForCausalLM(nn.Module):
         """Route norms, residual adds, rotary and SiLU through argosy_kernels.cpu_ops (CPU,
         float32 or bfloat16). On only if the kernels build here; returns whether they are."""
         enabled = enabled and cpu_ops.available()
+        self._set_ops("cpu_ops" if enabled else "torch")
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, MLP):
                 module.fused = enabled
         # Decode steps then run each layer as one C++ call where every linear has one.
         self.cpu_decode = CpuDecodeLayers.build(self.model) if enabled else None
         return enabled
 
+    def use_triton_ops(self, enabled: bool = True) -> None:
+        """Route norms, residual adds and rotary through the Triton kernels (CUDA, or the CPU
+        under TRITON_INTERPRET=1). Graph safe: no host reads of device values. Call it after
+        moving the model to its device."""
+        if enabled and self.cpu_decode is not None:
+            raise ValueError("use_fused_cpu_ops is on: turn it off before use_triton_ops")
+        if enabled:
+            self.rotary.build_cos_sin_cache()
+        self._set_ops("triton" if enabled else "torch")
+
+    def _set_ops(self, ops: str) -> None:
+        self.ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.ops = ops
+
+    def set_positions(self, ctx: ForwardContext, positions: torch.Tensor) -> None:
+        """Give ctx the step's positions in the form this model's rotary reads (once per
+        step, shared by every layer)."""
+        ctx.positions = positions
+        if self.ops != "triton":
+            ctx.rope_tables = self.rotary.tables(positions)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:
         """Hidden states after the final norm: [num_tokens, hidden]."""
         h = self.model.embed_tokens(input_ids)
-        ctx.rope_tables = self.rotary.tables(positions)  # shared by every layer
+        self.set_positions(ctx, positions)
         if self.cpu_decode is not None and self.cpu_decode.applies(h, ctx):
             return self.model.norm(self.cpu_decode(h, ctx))
         for layer in self.model.layers:

@@ -42,6 +42,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _cos_sin(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [max_positions, head_dim // 2], times the attention scaling."""
+    inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, rope_scaling)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by position; applied to q and k out of place.
 
@@ -49,20 +58,28 @@ class RotaryEmbedding(torch.nn.Module):
     Here the sign lives in the table instead: roll(x) = cat(x2, x1) times a sin whose first
     half is negated. Negation is exact, so every product and sum is bit for bit the same, with
     one roll instead of a slice, a negation and a cat.
+
+    The Triton rotary kernel reads another layout, `cos_sin_cache` (float32 [max_positions,
+    head_dim]: cos, then sin, of the head_dim / 2 frequencies, with the same scaling), built
+    by `build_cos_sin_cache()` when the model switches to the Triton ops.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  rope_scaling: dict | None, dtype: torch.dtype) -> None:
         super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, rope_scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin() * attention_scaling
-        signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.half = head_dim // 2
-        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self._table_args = (head_dim, max_positions, theta, rope_scaling)
+        cos, sin = _cos_sin(*self._table_args)  # [max_positions, head_dim // 2] each
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    def build_cos_sin_cache(self) -> None:
+        """On the device of the other tables: call it after moving the model. (A plain
+        attribute, not a buffer, so that the model's .to(dtype) keeps it float32.)"""
+        cos, sin = _cos_sin(*self._table_args)
+        self.cos_sin_cache = torch.cat((cos, sin), dim=-1).to(self.cos.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each [num_tokens, 1, head_dim]: index once per step, use in

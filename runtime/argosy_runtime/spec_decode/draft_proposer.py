@@ -219,7 +219,7 @@ class DraftProposer:
             last_rows[e] = row
         model = self.model
         ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
-        ctx.rope_tables = model.rotary.tables(pos_t)
+        model.set_positions(ctx, pos_t)
         h = model.model.embed_tokens(input_ids)
         layers: nn.ModuleList = model.model.layers
         for layer in layers[: self.num_layers]:

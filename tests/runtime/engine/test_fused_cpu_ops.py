@@ -43,7 +43,7 @@ def reference() -> torch.Tensor:
 def test_bfloat16_engine_uses_the_fused_kernels_and_stays_accurate(reference) -> None:
     llm = LLM(model="smollm2-135m", dtype="bfloat16")
     norm = llm.engine.model.model.layers[0].input_layernorm
-    assert norm.fused and llm.engine.runner.backend.fused_cpu_ops  # on by default
+    assert norm.ops == "cpu_ops" and llm.engine.runner.backend.fused_cpu_ops  # on by default
     fused = _prompt_logprobs(llm)
     _set_fused(llm, False)
     eager = _prompt_logprobs(llm)
@@ -66,4 +66,4 @@ def test_bfloat16_greedy_decode_through_fused_attention(reference) -> None:
 
 def test_float32_keeps_the_eager_elementwise_ops() -> None:
     llm = LLM(model="smollm2-135m", dtype="float32")
-    assert not llm.engine.model.model.layers[0].input_layernorm.fused
+    assert llm.engine.model.model.layers[0].input_layernorm.ops == "torch"
