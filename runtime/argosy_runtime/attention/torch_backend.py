@@ -102,20 +102,53 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         # q: [q_len, H, D]; k, v: [seq_len, KVH, D]; query i sits at position num_context + i.
         q_len, seq_len = q.shape[0], k.shape[0]
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if num_context and q.device.type == "cpu":
+            return self._chunk_after_prefix_cpu(q, k, v, num_context)
         mask = None
         if num_context:
             positions = torch.arange(seq_len, device=q.device)
             mask = positions[None, :] <= (num_context + torch.arange(q_len, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _chunk_after_prefix_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+    ) -> torch.Tensor:
+        """A prompt chunk after `num_context` cached tokens, as two unmasked flash-attention
+        calls merged by their log-sum-exp: the whole chunk against the prefix, then the chunk
+        against itself (causal, square). With a boolean mask PyTorch's CPU kernel scores every
+        (query, key) pair and reads the mask; this skips the masked half and the mask, 1.3-1.4x
+        faster at 3.5k cached tokens (bf16, SmolLM2 shapes)."""
+        q_len, num_heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        group = num_heads // kv_heads
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # Against the prefix no query is masked, so the `group` query heads of a kv head can
+        # be stacked as rows of one head: bigger tiles, no K/V repeated per query head.
+        grouped = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        grouped = grouped.reshape(1, kv_heads, group * q_len, head_dim)
+        prefix_k = k[:num_context].transpose(0, 1).unsqueeze(0)
+        prefix_v = v[:num_context].transpose(0, 1).unsqueeze(0)
+        out_p, lse_p = flash(grouped, prefix_k, prefix_v, 0.0, False, scale=self.scale)
+        out_p = out_p.reshape(num_heads, q_len, head_dim)  # head kvh * group + g
+        lse_p = lse_p.reshape(num_heads, q_len, 1)
+        chunk_k = k[num_context:].transpose(0, 1).unsqueeze(0)
+        chunk_v = v[num_context:].transpose(0, 1).unsqueeze(0)
+        out_c, lse_c = flash(q.transpose(0, 1).unsqueeze(0), chunk_k, chunk_v, 0.0, True,
+                             scale=self.scale)
+        out_c, lse_c = out_c.squeeze(0), lse_c.reshape(num_heads, q_len, 1)
+        lse = torch.logaddexp(lse_p, lse_c)
+        out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c - lse).exp()
+        return out.to(q.dtype).transpose(0, 1)
 
 
 def _decode_gather_plan(meta: AttentionMetadata, block_size: int

@@ -137,3 +137,39 @@ def test_int8_cache_runner_allocates_float16_scales_and_counts_them() -> None:
     assert per_token[torch.bfloat16] == 2 * layers * kv_heads * head_dim * 2
     assert per_token[torch.int8] == 2 * layers * kv_heads * (head_dim + 2)
     assert per_token[torch.bfloat16] / per_token[torch.int8] >= 1.9
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_prefill_chunks_after_cached_prefixes_equal_reference(dtype: torch.dtype, tol: float,
+                                                              num_heads: int,
+                                                              num_kv_heads: int) -> None:
+    """Chunks of 1, 16 and 23 new tokens after 1, 16 (a block boundary) and 50 cached ones,
+    plus a fresh prompt, in one step: the CPU path (two flash-attention calls merged by
+    log-sum-exp) against the paged reference's masked float32 attention."""
+    from argosy_kernels.paged_prefill_attention import paged_prefill_attention_ref
+
+    gen = torch.Generator().manual_seed(5)
+    head_dim, block_size, num_blocks = 64, 16, 24
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q_lens, seq_lens = [1, 16, 23, 12], [2, 32, 73, 12]
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:5] for _ in q_lens]).int()
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(starts[-1])
+    query = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
+                          for s, (q, l) in enumerate(zip(q_lens, seq_lens))
+                          for p in range(l - q, l)])
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_query_lens=q_lens, prefill_seq_lens=seq_lens, prefill_block_tables=tables,
+    )
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, 0.125)
+    got = backend.forward(query, key, value, kc, vc, meta)  # writes the chunks' K/V first
+    want = paged_prefill_attention_ref(query, kc, vc, tables, starts,
+                                       torch.tensor(seq_lens, dtype=torch.int32), 0.125)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
