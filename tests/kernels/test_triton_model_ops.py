@@ -41,15 +41,20 @@ def _steps():
     ]
 
 
-def _compare(spec, backend_cls):
-    """Run the same steps in float32 with the eager ops and with the Triton ops (separate
-    caches): the largest difference within 1e-6 of the largest value."""
-    eager = random_model(spec, torch.float32, DEVICE, seed=3)
-    fused = random_model(spec, torch.float32, DEVICE, seed=3)
+def _eager_and_triton(spec, seed: int, num_blocks: int):
+    """Two float32 copies of one random model, eager ops and Triton ops, each with its cache:
+    (eager, triton), ((kv, caches) of eager, (kv, caches) of triton)."""
+    eager = random_model(spec, torch.float32, DEVICE, seed=seed)
+    fused = random_model(spec, torch.float32, DEVICE, seed=seed)
     fused.use_triton_ops()
+    return (eager, fused), [kv_caches(spec, num_blocks, torch.float32, DEVICE) for _ in "ef"]
+
+
+def _compare(spec, backend_cls):
+    """Run the same steps with the eager ops and with the Triton ops: the largest difference
+    within 1e-6 of the largest value."""
+    (eager, fused), ((kv_e, caches_e), (kv_f, caches_f)) = _eager_and_triton(spec, 3, 12)
     backend = _backend(backend_cls)
-    kv_e, caches_e = kv_caches(spec, 12, torch.float32, DEVICE)
-    kv_f, caches_f = kv_caches(spec, 12, torch.float32, DEVICE)
     for seqs in _steps():
         step = build_step(seqs, DEVICE)
         want = forward(eager, backend, caches_e, step)
@@ -119,12 +124,8 @@ def test_switching_back_to_eager_ops_restores_them():
 def test_graph_runner_padded_decode_with_triton_ops():
     """The CUDA engine's decode step: Triton ops and backend, 3 decodes padded to a bucket
     of 4 (eager here; captured on a GPU). Same hidden states as the unpadded eager-op step."""
-    eager = random_model(SPEC, torch.float32, DEVICE, seed=4)
-    fused = random_model(SPEC, torch.float32, DEVICE, seed=4)
-    fused.use_triton_ops()
+    (eager, fused), ((kv_e, caches_e), (kv_f, caches_f)) = _eager_and_triton(SPEC, 4, 8)
     backend = _backend(TritonAttentionBackend)
-    kv_e, caches_e = kv_caches(SPEC, 8, torch.float32, DEVICE)
-    kv_f, caches_f = kv_caches(SPEC, 8, torch.float32, DEVICE)
     seqs = [(_tokens(40, 10 + i), blocks, 0, n)
             for i, (blocks, n) in enumerate([([1, 2], 17), ([3, 7], 16), ([4, 5, 6], 33)])]
     prefill = build_step(seqs, DEVICE)

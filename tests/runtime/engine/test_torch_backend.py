@@ -161,8 +161,8 @@ def test_prefill_chunks_after_cached_prefixes_equal_reference(dtype: torch.dtype
     key = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
-                          for s, (q, l) in enumerate(zip(q_lens, seq_lens))
-                          for p in range(l - q, l)])
+                          for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens))
+                          for p in range(seq_len - q_len, seq_len)])
     meta = AttentionMetadata(
         slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
         decode_context_lens=torch.zeros(0, dtype=torch.int32),
