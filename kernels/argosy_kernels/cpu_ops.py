@@ -116,6 +116,32 @@ def decode_attention(
     return out
 
 
+def has_avx512_bf16() -> bool:
+    """Whether the kernels were built with AVX512-BF16 (the bfloat16-only kernels need it)."""
+    return available() and torch.ops.argosy_cpu.has_avx512_bf16()
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim] bfloat16, rows may be strided
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16 or int8
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # int32 [max_blocks]: this sequence's row
+    seq_len: int,  # tokens in the cache after this chunk, the chunk included
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # contiguous, like query
+) -> torch.Tensor:
+    """`paged_prefill_attention_ref` for one sequence's chunk, flash-style straight over the
+    cache blocks (bfloat16, needs `has_avx512_bf16()`); write the chunk's K/V first."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.argosy_cpu.prefill_attention(out, query, key_cache, value_cache, block_table,
+                                           seq_len, scale, k_scale, v_scale)
+    return out
+
+
 # The ops below are called once or twice per layer per step: thin aliases keep the call cost
 # at one dispatcher hop. Each op's reference is named in its line.
 

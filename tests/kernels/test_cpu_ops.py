@@ -327,6 +327,91 @@ def test_decode_attention_rejects_bad_inputs() -> None:
         cpu_ops.rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.float16), 1e-5)
 
 
+# (num_heads, num_kv_heads, head_dim, block_size, q_len, seq_len): GQA 1/3/8, head dims 64
+# and 128, block sizes 16/32; fresh prompts and chunks after 1, 31, 32 (a key-tile boundary)
+# and 150 cached tokens; chunks of 1, 15, 16, 17 (query-block edges) and 50 tokens.
+PREFILL_CASES = [
+    (9, 3, 64, 16, 37, 37),
+    (9, 3, 64, 16, 16, 47),
+    (9, 3, 64, 16, 50, 200),
+    (8, 8, 128, 32, 17, 18),
+    (8, 8, 128, 32, 1, 33),
+    (4, 1, 64, 32, 15, 47),
+    (8, 1, 128, 16, 33, 64),
+]
+needs_bf16_kernels = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
+                                        reason="the bf16 prefill kernel needs AVX512-BF16")
+
+
+def _prefill_inputs(case, offset, int8=False):
+    num_heads, num_kv_heads, head_dim, block_size, q_len, seq_len = case
+    g = _gen(offset)
+    num_blocks = -(-seq_len // block_size) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    scales = {}
+    if int8:
+        key_cache, value_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+                                  for _ in range(2))
+        scales = {name: (torch.rand(shape[:-1], generator=g) / 50).half()
+                  for name in ("k_scale", "v_scale")}
+    else:
+        key_cache, value_cache = (_randn(*shape, dtype=torch.bfloat16, gen=g) for _ in range(2))
+    # The query as the model hands it over: q heads inside wider qkv rows.
+    qkv = _randn(q_len, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.bfloat16, gen=g)
+    query = qkv[:, : num_heads * head_dim].view(q_len, num_heads, head_dim)
+    table = torch.randperm(num_blocks, generator=g)[: -(-seq_len // block_size)].int()
+    return query, key_cache, value_cache, table, scales
+
+
+def _prefill_reference(query, key_cache, value_cache, table, seq_len, scale, scales):
+    from argosy_kernels.paged_prefill_attention import paged_prefill_attention_ref
+
+    starts = torch.tensor([0, query.shape[0]], dtype=torch.int32)
+    return paged_prefill_attention_ref(query, key_cache, value_cache, table[None], starts,
+                                       torch.tensor([seq_len], dtype=torch.int32), scale,
+                                       **scales)
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_attention_matches_reference(case, int8: bool) -> None:
+    query, key_cache, value_cache, table, scales = _prefill_inputs(case, 20, int8)
+    seq_len, scale = case[5], case[2] ** -0.5
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)  # unwritten: NaN
+    cpu_ops.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, out=out,
+                              **scales)
+    ref = _prefill_reference(query, key_cache, value_cache, table, seq_len, scale, scales)
+    # The probabilities are rounded to bf16 before the product with V, as PyTorch's CPU flash
+    # kernel does: a few bf16 ulps of the output.
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16_kernels
+def test_prefill_attention_is_causal_with_peaked_scores() -> None:
+    """Large scores make each query attend almost only to its best key: a key the query
+    may not see yet (a later position) would show at once."""
+    case = (9, 3, 64, 16, 40, 90)
+    query, key_cache, value_cache, table, _ = _prefill_inputs(case, 21)
+    out = cpu_ops.prefill_attention(query, key_cache, value_cache, table, 90, 2.0)
+    ref = _prefill_reference(query, key_cache, value_cache, table, 90, 2.0, {})
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_bf16_kernels
+def test_prefill_attention_rejects_bad_inputs() -> None:
+    query, key_cache, value_cache, table, _ = _prefill_inputs(PREFILL_CASES[1], 22)
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        cpu_ops.prefill_attention(query, key_cache, value_cache, table, 10_000, 0.1)
+    with pytest.raises(RuntimeError, match="shorter than the chunk"):
+        cpu_ops.prefill_attention(query, key_cache, value_cache, table, 3, 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_ops.prefill_attention(query.float(), key_cache, value_cache, table, 47, 0.1)
+    with pytest.raises(RuntimeError, match="int8 with"):
+        cpu_ops.prefill_attention(query, key_cache.to(torch.int8), value_cache.to(torch.int8),
+                                  table, 47, 0.1)
+
+
 def test_switched_off_by_environment() -> None:
     code = "from argosy_kernels import cpu_ops; print(cpu_ops.available())"
     env = {**os.environ, "ARGOSY_CPU_OPS": "0"}

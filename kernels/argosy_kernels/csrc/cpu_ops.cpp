@@ -883,6 +883,246 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
   });
 }
 
+// ---- Paged prefill attention (bfloat16, AVX512-BF16) -----------------------------------------
+// A prompt chunk of one sequence: queries [q_len, H, D] at positions seq_len - q_len ..
+// seq_len - 1 against the sequence's cached tokens 0 .. seq_len - 1 (the chunk's own K/V are
+// written first), causal. Flash attention: one task per (kv head, block of 16 query
+// positions), key tiles of 32 tokens read straight from the cache blocks, online softmax in
+// float32, nothing gathered.
+//
+// Registers hold 16 query rows in their lanes, so a score tile is 32 registers (one per key)
+// and the softmax max and sum run down the registers, never across lanes:
+//   scores: lane i += q_i pair p . k_j pair p: q's pairs transposed once per task, each key
+//           pair broadcast from the tile (vdpbf16ps, 32 products of bf16 each);
+//   output: out[d] lane i += p_i pair j . v pair j [d]: probabilities rounded to bf16 and
+//           paired by key, V's tile re-laid as (key 2j, key 2j + 1) pairs per dim.
+// PyTorch's CPU flash kernel rounds the probabilities to bf16 the same way; its two GEMMs
+// with K = head_dim run at ~100 GFLOP/s here.
+#if defined(__AVX512BF16__)
+constexpr int64_t kPrefillRows = 16;  // query positions per task: one register's lanes
+constexpr int64_t kPrefillKeys = 32;  // keys per tile
+constexpr float kMaskedScore = -1e30f;  // finite: the file is built with -ffast-math
+
+alignas(64) constexpr uint16_t kZeroRow[128] = {};  // stands in for keys past the end
+
+// A key tile's K rows as pointers (into a bf16 cache, or into k_buf where an int8 cache is
+// dequantized and rounded to bf16 as the torch path does), and its V rows re-laid as
+// (key 2j, key 2j + 1) pairs per dim (int32 [kPrefillKeys / 2, D]). Keys past `count` are zero.
+template <typename cache_t, int64_t D>
+void load_kv_tile(const int32_t** k_rows, uint32_t* v_pairs, c10::BFloat16* k_buf, c10::BFloat16* v_buf,
+                  const cache_t* k_cache, const cache_t* v_cache, const c10::Half* k_scale,
+                  const c10::Half* v_scale, const int32_t* blocks, int64_t block_size, int64_t num_kv_heads,
+                  int64_t kvh, int64_t first, int64_t count) {
+  const int64_t token_stride = num_kv_heads * D;
+  const uint16_t* v_rows[kPrefillKeys];
+  for (int64_t j = 0; j < kPrefillKeys; ++j) {
+    if (j >= count) {
+      k_rows[j] = reinterpret_cast<const int32_t*>(kZeroRow);
+      v_rows[j] = kZeroRow;
+      continue;
+    }
+    const int64_t t = first + j, slot = blocks[t / block_size] * block_size + t % block_size;
+    const cache_t* k_src = k_cache + slot * token_stride + kvh * D;
+    const cache_t* v_src = v_cache + slot * token_stride + kvh * D;
+    if constexpr (std::is_same_v<cache_t, int8_t>) {
+      const float ks = static_cast<float>(k_scale[slot * num_kv_heads + kvh]);
+      const float vs = static_cast<float>(v_scale[slot * num_kv_heads + kvh]);
+      c10::BFloat16* k_dst = k_buf + j * D;
+      c10::BFloat16* v_dst = v_buf + j * D;
+      for (int64_t d = 0; d < D; ++d) {
+        k_dst[d] = c10::BFloat16(static_cast<float>(k_src[d]) * ks);
+        v_dst[d] = c10::BFloat16(static_cast<float>(v_src[d]) * vs);
+      }
+      k_rows[j] = reinterpret_cast<const int32_t*>(k_dst);
+      v_rows[j] = reinterpret_cast<const uint16_t*>(v_dst);
+    } else {
+      k_rows[j] = reinterpret_cast<const int32_t*>(k_src);
+      v_rows[j] = reinterpret_cast<const uint16_t*>(v_src);
+    }
+  }
+  for (int64_t j = 0; j < kPrefillKeys / 2; ++j)
+    for (int64_t d = 0; d < D; d += 16) {  // 16 dims of two keys -> 16 (even, odd) pairs
+      const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v_rows[2 * j] + d)));
+      const __m512i odd = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v_rows[2 * j + 1] + d)));
+      _mm512_store_si512(v_pairs + j * D + d, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+}
+
+// One query head's 16 rows against one key tile: update the running max m, sum l and the
+// unnormalized output o ([D] registers of 16 rows, in memory) with keys [0, valid_keys) of the
+// tile; key j of the tile is masked for row i when key_pos + j > query_pos + i (causal).
+template <int64_t D>
+void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const int32_t* const* k_rows,
+                  const uint32_t* v_pairs, int64_t valid_keys, int64_t key_pos, int64_t query_pos, float scale) {
+  alignas(64) float s[kPrefillKeys][kPrefillRows];
+  for (int64_t j0 = 0; j0 < valid_keys; j0 += 8) {  // 8 keys' scores at a time
+    __m512 acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; ++p) {
+      const __m512bh q = (__m512bh)q_pairs[p];
+      for (int k = 0; k < 8; ++k)
+        acc[k] = _mm512_dpbf16_ps(acc[k], q, (__m512bh)_mm512_set1_epi32(k_rows[j0 + k][p]));
+    }
+    for (int k = 0; k < 8; ++k) _mm512_store_ps(s[j0 + k], _mm512_mul_ps(acc[k], _mm512_set1_ps(scale)));
+  }
+  const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(query_pos)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512 mx = _mm512_loadu_ps(m);
+  for (int64_t j = 0; j < kPrefillKeys; ++j) {
+    __m512 sj = _mm512_load_ps(s[j]);
+    if (j >= valid_keys) {
+      sj = _mm512_set1_ps(kMaskedScore);
+    } else if (key_pos + j > query_pos) {  // past some row's position: mask those rows
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j)));
+      sj = _mm512_mask_mov_ps(_mm512_set1_ps(kMaskedScore), seen, sj);
+    }
+    _mm512_store_ps(s[j], sj);
+    mx = _mm512_max_ps(mx, sj);
+  }
+  // Every row sees key 0 in the first tile, so from then on its max is a real score and its
+  // masked keys get exp(-1e30 - max) = 0; so does the first tile's alpha (m starts masked).
+  alignas(64) float mxa[kPrefillRows], alpha[kPrefillRows];
+  _mm512_store_ps(mxa, mx);
+  for (int64_t j = 0; j < kPrefillKeys; ++j)
+    for (int64_t i = 0; i < kPrefillRows; ++i) s[j][i] = std::exp(s[j][i] - mxa[i]);
+  for (int64_t i = 0; i < kPrefillRows; ++i) alpha[i] = std::exp(m[i] - mxa[i]);
+  __m512 sum = _mm512_setzero_ps();
+  __m512i p_pairs[kPrefillKeys / 2];
+  for (int64_t j = 0; j < kPrefillKeys / 2; ++j) {
+    const __m512 a = _mm512_load_ps(s[2 * j]), b = _mm512_load_ps(s[2 * j + 1]);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+    p_pairs[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+  const __m512 alpha_v = _mm512_load_ps(alpha);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha_v, sum));
+  _mm512_storeu_ps(m, mx);
+  const int64_t pairs = (valid_keys + 1) / 2;
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 dims' accumulators at a time
+    __m512 acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * kPrefillRows), alpha_v);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint32_t* vp = v_pairs + j * D + d0;
+      for (int k = 0; k < 8; ++k)
+        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)p_pairs[j], (__m512bh)_mm512_set1_epi32(vp[k]));
+    }
+    for (int k = 0; k < 8; ++k) _mm512_storeu_ps(o + (d0 + k) * kPrefillRows, acc[k]);
+  }
+}
+
+template <typename cache_t, int64_t D>
+void prefill_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& block_table, int64_t seq_len, double scale,
+                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+  const int64_t q_len = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, first_pos = seq_len - q_len;
+  const int64_t q_blocks = (q_len + kPrefillRows - 1) / kPrefillRows;
+  const int64_t q_stride = query.stride(0);
+  const auto* q_ptr = query.data_ptr<c10::BFloat16>();
+  auto* out_ptr = out.data_ptr<c10::BFloat16>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
+  const c10::Half* ks_ptr = k_scale ? k_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs_ptr = v_scale ? v_scale->data_ptr<c10::Half>() : nullptr;
+  const int32_t* blocks = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  // Later query blocks see more keys: tasks alternate from both ends, so every thread's
+  // contiguous range of tasks gets a similar amount of work.
+  at::parallel_for(0, num_kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> q_pairs(group * D / 2);
+    const int32_t* k_rows[kPrefillKeys];
+    alignas(64) c10::BFloat16 k_buf[kPrefillKeys * D], v_buf[kPrefillKeys * D];  // int8 caches
+    alignas(64) uint32_t v_pairs[kPrefillKeys / 2 * D];
+    std::vector<float> o(group * D * kPrefillRows), m(group * kPrefillRows), l(group * kPrefillRows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kvh = task % num_kv_heads, zigzag = task / num_kv_heads;
+      const int64_t qb = zigzag % 2 ? q_blocks - 1 - zigzag / 2 : zigzag / 2;
+      const int64_t row0 = qb * kPrefillRows, rows = std::min(kPrefillRows, q_len - row0);
+      const int64_t query_pos = first_pos + row0;
+      for (int64_t g = 0; g < group; ++g) {  // q pairs of head g, transposed: lanes = rows
+        const int64_t h = kvh * group + g;
+        for (int64_t p = 0; p < D / 2; ++p) {
+          alignas(64) int32_t lanes[kPrefillRows] = {0};
+          for (int64_t i = 0; i < rows; ++i)
+            lanes[i] = reinterpret_cast<const int32_t*>(q_ptr + (row0 + i) * q_stride + h * D)[p];
+          q_pairs[g * D / 2 + p] = _mm512_load_si512(lanes);
+        }
+      }
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(m.begin(), m.end(), kMaskedScore);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t keys = query_pos + rows;  // causal: the last row sees keys < keys
+      for (int64_t key_pos = 0; key_pos < keys; key_pos += kPrefillKeys) {
+        const int64_t valid = std::min(kPrefillKeys, keys - key_pos);
+        load_kv_tile<cache_t, D>(k_rows, v_pairs, k_buf, v_buf, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks,
+                                 block_size, num_kv_heads, kvh, key_pos, valid);
+        for (int64_t g = 0; g < group; ++g)
+          prefill_tile<D>(o.data() + g * D * kPrefillRows, m.data() + g * kPrefillRows,
+                          l.data() + g * kPrefillRows, q_pairs.data() + g * D / 2, k_rows, v_pairs, valid,
+                          key_pos, query_pos, fscale);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float* og = o.data() + g * D * kPrefillRows;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float inv = 1.f / l[g * kPrefillRows + i];
+          c10::BFloat16* dst = out_ptr + ((row0 + i) * num_heads + kvh * group + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(og[d * kPrefillRows + i] * inv);
+        }
+      }
+    }
+  });
+}
+#endif
+
+bool has_avx512_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out [q_len, H, D] (contiguous) = attention of query [q_len, H, D] (rows may be strided) at
+// positions seq_len - q_len .. seq_len - 1 over keys 0 .. seq_len - 1 of block_table's blocks.
+void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_table, int64_t seq_len, double scale,
+                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+  TORCH_CHECK(has_avx512_bf16(), "prefill_attention needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kBFloat16, "query must be bfloat16 on the CPU");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [q_len, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16,
+              "out must be contiguous and like query");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == query.size(2),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
+              "block_table must be one contiguous int32 row");
+  TORCH_CHECK(seq_len >= query.size(0) && seq_len <= block_table.size(0) * key_cache.size(1),
+              "seq_len ", seq_len, " is shorter than the chunk or exceeds the block table");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8_cache ? (k_scale && v_scale && k_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
+                            v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous())
+                         : key_cache.scalar_type() == at::kBFloat16,
+              "the cache must be bfloat16, or int8 with contiguous float16 k_scale and v_scale");
+#if defined(__AVX512BF16__)
+  if (query.size(0) == 0) return;
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill_attention supports head_dim 64 and 128");
+  auto run = [&]<typename cache_t>() {
+    if (head_dim == 64)
+      prefill_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_len, scale, k_scale, v_scale);
+    else
+      prefill_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, block_table, seq_len, scale, k_scale, v_scale);
+  };
+  if (int8_cache) run.template operator()<int8_t>();
+  else run.template operator()<c10::BFloat16>();
+#endif
+}
+
 // ---- One decoder layer of a decode step ----------------------------------------------------------
 // models/llama.py's DecoderLayer on its fused bfloat16 CPU path, for a batch of single-token
 // sequences, in one call: at batch 1 a small model's step spent as long in Python between the
@@ -948,6 +1188,9 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> ()");
+  m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);  // no tensor: a catch-all kernel
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
@@ -965,6 +1208,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("decode_layer", &decode_layer);
 }
 

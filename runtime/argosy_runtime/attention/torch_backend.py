@@ -1,4 +1,9 @@
-"""Pure-torch attention backend (the CPU path; also the reference for the Triton backend)."""
+"""The CPU attention backend (also the torch reference for the Triton backend on CUDA).
+
+Where the fused C++ kernels build (argosy_kernels.cpu_ops): cache writes and decode attention
+through them, and bfloat16 prompt chunks through `cpu_ops.prefill_attention` where the CPU has
+AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per prompt chunk.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ class TorchAttentionBackend:
         self.scale = scale
         # Decode attention through the fused C++ kernel where it builds (None: when available).
         self.fused_cpu_ops = cpu_ops.available() if fused_cpu_ops is None else fused_cpu_ops
+        # bfloat16 prompt chunks through the C++ flash kernel where the CPU has AVX512-BF16.
+        self.bf16_prefill_kernel = (self.fused_cpu_ops and cpu_ops.has_avx512_bf16()
+                                    and head_dim in (64, 128))
 
     def forward(
         self,
@@ -48,9 +56,18 @@ class TorchAttentionBackend:
                                               k_scale, v_scale)
         start = nd
         block_size = key_cache.shape[1]
+        prefill_kernel = (self.bf16_prefill_kernel and query.dtype == torch.bfloat16
+                          and query.device.type == "cpu"
+                          and key_cache.dtype in (torch.bfloat16, torch.int8))
         for i, (q_len, seq_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
             end = start + q_len
             num_context = seq_len - q_len
+            if prefill_kernel:  # straight over the cache blocks, this chunk's K/V included
+                cpu_ops.prefill_attention(query[start:end], key_cache, value_cache,
+                                          meta.prefill_block_tables[i], seq_len, self.scale,
+                                          k_scale=k_scale, v_scale=v_scale, out=out[start:end])
+                start = end
+                continue
             if num_context == 0:
                 k, v = key[start:end], value[start:end]
             else:

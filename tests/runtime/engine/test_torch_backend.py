@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from argosy_kernels import cpu_ops
 from argosy_kernels.paged_attention import paged_decode_attention_ref
 from argosy_kernels.reshape_and_cache import quantize_per_head_ref
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
@@ -169,6 +170,8 @@ def test_prefill_chunks_after_cached_prefixes_equal_reference(dtype: torch.dtype
         prefill_query_lens=q_lens, prefill_seq_lens=seq_lens, prefill_block_tables=tables,
     )
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, 0.125)
+    # bfloat16 runs the C++ flash kernel where the CPU has AVX512-BF16, float32 PyTorch's.
+    assert backend.bf16_prefill_kernel == cpu_ops.has_avx512_bf16()
     got = backend.forward(query, key, value, kc, vc, meta)  # writes the chunks' K/V first
     want = paged_prefill_attention_ref(query, kc, vc, tables, starts,
                                        torch.tensor(seq_lens, dtype=torch.int32), 0.125)
