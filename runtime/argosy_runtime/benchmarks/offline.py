@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
     print(" | ".join(header))
     rows = []
     for b in batches:
-        row = {"batch": b, **{n: round(columns[n][b], 1) for n in names}}
+        row = {"batch": b, **{n: float(f"{columns[n][b]:.4g}") for n in names}}
         ratios = [columns["argosy"][b] / columns[n][b] for n in names[1:]]
-        print(" | ".join([str(b)] + [f"{columns[n][b]:.1f}" for n in names] + [f"{r:.2f}x" for r in ratios]))
+        print(" | ".join([str(b)] + [f"{columns[n][b]:.4g}" for n in names] + [f"{r:.2f}x" for r in ratios]))
         rows.append(row)
     if args.json_path:
         meta = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json_path"}
