@@ -896,8 +896,8 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 //           pair broadcast from the tile (vdpbf16ps, 32 products of bf16 each);
 //   output: out[d] lane i += p_i pair j . v pair j [d]: probabilities rounded to bf16 and
 //           paired by key, V's tile re-laid as (key 2j, key 2j + 1) pairs per dim.
-// PyTorch's CPU flash kernel rounds the probabilities to bf16 the same way; its two GEMMs
-// with K = head_dim run at ~100 GFLOP/s here.
+// PyTorch's CPU flash kernel rounds the probabilities to bf16 the same way; it ran at ~100
+// GFLOP/s here on SmolLM2's heads, this kernel at ~190 (docs/benchmarks/offline.md).
 #if defined(__AVX512BF16__)
 constexpr int64_t kPrefillRows = 16;  // query positions per task: one register's lanes
 constexpr int64_t kPrefillKeys = 32;  // keys per tile

@@ -109,7 +109,10 @@ class DraftProposer:
             from argosy_runtime.quantization import QuantizationConfig, load_quantized_weights
 
             load_quantized_weights(model, checkpoint, QuantizationConfig(method=config.quantization))
-        return model.to(engine.device).eval()
+        model = model.to(engine.device).eval()
+        if engine.device.type == "cuda":  # the target's small-op kernels there
+            model.use_triton_ops()
+        return model
 
     # ---- proposing ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -103,15 +103,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
         assert code == 0, (log_dir / "fleet.stderr").read_text()[-3000:]
 
 
-def _deltas(raw: str, chat: bool) -> list[str]:
-    out = []
+def _deltas(raw: str, chat: bool) -> tuple[list[str], list[str]]:
+    """(text deltas, finish reasons) of an SSE stream."""
+    texts, reasons = [], []
     for line in raw.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         choice = json.loads(line[6:])["choices"][0]
-        out.append(choice["delta"].get("content", "") if chat else choice["text"])
-        out.append(str(choice.get("finish_reason")))
-    return out
+        texts.append(choice["delta"].get("content", "") if chat else choice["text"])
+        if choice.get("finish_reason"):
+            reasons.append(choice["finish_reason"])
+    return texts, reasons
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -131,8 +133,12 @@ def test_stream_through_gateway_equals_stream_from_replica(fleet: FleetHandle, c
         with client.stream("POST", backend + path, json=body) as resp:
             direct = resp.read().decode()
     assert via.rstrip().endswith("data: [DONE]")
-    assert _deltas(via, chat) == _deltas(direct, chat)
-    assert len(_deltas(via, chat)) >= 2
+    # Same text and end; the chunking may differ: a server hands a consumer that fell behind
+    # the tokens of several steps as one delta (async_engine.py), and these are two requests.
+    (via_texts, via_reasons), (direct_texts, direct_reasons) = _deltas(via, chat), _deltas(direct, chat)
+    assert "".join(via_texts) == "".join(direct_texts)
+    assert via_reasons == direct_reasons and len(via_reasons) == 1
+    assert len([t for t in via_texts if t]) >= 2  # streamed, not one final chunk
 
 
 def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
