@@ -93,6 +93,11 @@ def make_requests(dataset: str, num: int, input_len: int, output_len: int, seed:
     return specs
 
 
+def rate_seed(seed: int, rate_index: int) -> int:
+    """The workload seed of the rate_index-th rate of a run (the first keeps `seed`)."""
+    return seed + 7919 * rate_index
+
+
 def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent (Poisson process)."""
     if rate <= 0:
@@ -380,8 +385,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         rates = _parse_rates(args.rate)
-        specs = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
-                              args.seed, args.prefix_len)
+        # Each rate its own prompts: with one set for all, every rate after the first would
+        # find its prompts in the server's prefix cache and measure cache hits, not prefill.
+        workloads = [make_requests(args.dataset, args.num_prompts, args.input_len,
+                                   args.output_len, rate_seed(args.seed, i), args.prefix_len)
+                     for i in range(len(rates))]
     except ValueError as exc:
         print(f"argosy bench serve: error: {exc}", file=sys.stderr)
         return 2
@@ -392,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     label = args.label or model
     rows = []
-    for rate in rates:
+    for rate, specs in zip(rates, workloads):
         results, duration = asyncio.run(run_rate(args.base_url, model, specs, rate, args))
         row = summarize(results, duration, rate)
         rows.append(row)
@@ -405,5 +413,5 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-__all__ = ["add_arguments", "run", "make_requests", "arrival_times", "summarize",
+__all__ = ["add_arguments", "run", "make_requests", "rate_seed", "arrival_times", "summarize",
            "RequestResult"]

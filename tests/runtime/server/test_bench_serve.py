@@ -14,6 +14,7 @@ from argosy_runtime.benchmarks.serve import (
     arrival_times,
     make_requests,
     percentile,
+    rate_seed,
     summarize,
 )
 from serve_harness import ServerProcess, free_port
@@ -36,6 +37,8 @@ def test_datasets() -> None:
     fixed = make_requests("synthetic", 5, 20, 7, seed=1)
     assert all(len(r.prompt.split()) == 20 and r.output_len == 7 for r in fixed)
     assert make_requests("synthetic", 5, 20, 7, seed=1) == fixed
+    assert rate_seed(1, 0) == 1  # the first rate keeps the seed, later ones get new prompts
+    assert make_requests("synthetic", 5, 20, 7, seed=rate_seed(1, 1)) != fixed
     mixed = make_requests("synthetic-mixed", 200, 40, 40, seed=1)
     lens = [len(r.prompt.split()) for r in mixed]
     assert min(lens) >= 10 and max(lens) <= 70 and len(set(lens)) > 20
@@ -76,8 +79,9 @@ def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -
     data = json.loads(out.read_text())
     rows = data["runs"]["argosy"]
     assert [r["rate"] for r in rows] == [20.0, "inf"]
-    expected_tokens = sum(s.output_len for s in make_requests("synthetic-mixed", 6, 12, 4, 0))
-    for r in rows:
+    for i, r in enumerate(rows):  # each rate its own prompts (no prefix-cache hits across rates)
+        expected_tokens = sum(s.output_len for s in make_requests("synthetic-mixed", 6, 12, 4,
+                                                                  rate_seed(0, i)))
         assert (r["completed"], r["failed"]) == (6, 0)
         assert r["output_tokens"] == expected_tokens  # ignore_eos: exact lengths
         assert 0 < r["p50_ttft_s"] <= r["p99_ttft_s"] < r["p50_e2e_s"] * 2
