@@ -759,6 +759,32 @@ Tensor int4_matmul(const Tensor& x, const Tensor& qweight, const Tensor& sz, int
   return out;
 }
 
+// ---- Operands of the paged attention ops ----------------------------------------------------------
+// query [tokens, num_heads, head_dim] (rows may be strided), out contiguous like it, caches
+// [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype or int8 with float16
+// scales. Returns whether the cache is int8.
+bool check_paged_attention_operands(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                    const Tensor& value_cache, const c10::optional<Tensor>& k_scale,
+                                    const c10::optional<Tensor>& v_scale) {
+  check_cpu_float(query, "query");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
+              out.scalar_type() == query.scalar_type(), "out must be contiguous and like query");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == query.size(2),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8_cache || (k_scale && v_scale), "an int8 cache needs k_scale and v_scale");
+  TORCH_CHECK(!k_scale || (k_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
+                           v_scale && v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous()),
+              "k_scale/v_scale must be contiguous float16");
+  TORCH_CHECK(int8_cache || key_cache.scalar_type() == query.scalar_type(),
+              "cache dtype must equal the query dtype (or be int8)");
+  return int8_cache;
+}
+
 // ---- Paged decode attention -------------------------------------------------------------------
 // One query token per sequence against its cached tokens, for the `group` query heads that
 // share each kv head: scores in float32, exact softmax (max-subtracted), weighted sum of V.
@@ -850,26 +876,11 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& value_cache, const Tensor& block_tables,
                       const Tensor& context_lens, double scale,
                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
-  check_cpu_float(query, "query");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be [num_seqs, num_heads, head_dim] with contiguous heads");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
-              out.scalar_type() == query.scalar_type(), "out must be contiguous and like query");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == query.size(2),
-              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && context_lens.is_contiguous() &&
               block_tables.size(0) >= query.size(0) && context_lens.size(0) >= query.size(0),
               "block_tables and context_lens must be contiguous int32 with a row per sequence");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  const bool int8_cache = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(!int8_cache || (k_scale && v_scale), "an int8 cache needs k_scale and v_scale");
-  TORCH_CHECK(!k_scale || (k_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
-                           v_scale && v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous()),
-              "k_scale/v_scale must be contiguous float16");
-  TORCH_CHECK(int8_cache || key_cache.scalar_type() == query.scalar_type(),
-              "cache dtype must equal the query dtype (or be int8)");
   // Every context must be non-empty and lie inside its block-table row.
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   for (int64_t s = 0; s < query.size(0); ++s)
@@ -1090,24 +1101,12 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
                        const Tensor& block_table, int64_t seq_len, double scale,
                        const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
   TORCH_CHECK(has_avx512_bf16(), "prefill_attention needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kBFloat16, "query must be bfloat16 on the CPU");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be [q_len, num_heads, head_dim] with contiguous heads");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16,
-              "out must be contiguous and like query");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-              value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == query.size(2),
-              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be bfloat16");
+  const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be one contiguous int32 row");
   TORCH_CHECK(seq_len >= query.size(0) && seq_len <= block_table.size(0) * key_cache.size(1),
               "seq_len ", seq_len, " is shorter than the chunk or exceeds the block table");
-  const bool int8_cache = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(int8_cache ? (k_scale && v_scale && k_scale->scalar_type() == at::kHalf && k_scale->is_contiguous() &&
-                            v_scale->scalar_type() == at::kHalf && v_scale->is_contiguous())
-                         : key_cache.scalar_type() == at::kBFloat16,
-              "the cache must be bfloat16, or int8 with contiguous float16 k_scale and v_scale");
 #if defined(__AVX512BF16__)
   if (query.size(0) == 0) return;
   const int64_t head_dim = query.size(2);
