@@ -57,7 +57,7 @@ class CpuDecodeLayers:
         layer_args = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not (attn.ops == "cpu_ops" and mlp.fused and layer.input_layernorm.ops == "cpu_ops"):
+            if not all(m.ops == "cpu_ops" for m in (attn, mlp, layer.input_layernorm)):
                 return None
             linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(lin is None for lin in linears):

@@ -104,11 +104,11 @@ class MLP(nn.Module):
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.fused = False  # SiLU x up in one C++ call: set by LlamaForCausalLM.use_fused_cpu_ops
+        self.ops = "torch"  # "cpu_ops": SiLU x up in one C++ call (no Triton kernel for it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused:
+        if self.ops == "cpu_ops":
             return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -183,9 +183,6 @@ class LlamaForCausalLM(nn.Module):
         float32 or bfloat16). On only if the kernels build here; returns whether they are."""
         enabled = enabled and cpu_ops.available()
         self._set_ops("cpu_ops" if enabled else "torch")
-        for module in self.modules():
-            if isinstance(module, MLP):
-                module.fused = enabled
         # Decode steps then run each layer as one C++ call where every linear has one.
         self.cpu_decode = CpuDecodeLayers.build(self.model) if enabled else None
         return enabled
@@ -203,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     def _set_ops(self, ops: str) -> None:
         self.ops = ops
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
 
     def set_positions(self, ctx: ForwardContext, positions: torch.Tensor) -> None:
