@@ -118,13 +118,7 @@ class LLMEngine:
 
             load_quantized_weights(model, checkpoint, quant_config)
         model = model.to(self.device).eval()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
-
-            pack_linears_for_cpu(model)
-            model.use_fused_cpu_ops()
-        elif self.device.type == "cuda":  # Triton norms and rotary, like the attention backend
-            model.use_triton_ops()
+        model.use_device_kernels()
         return model
 
     def _quantization_config(self, checkpoint: Any) -> Any:

@@ -99,13 +99,14 @@ class ModelRunner:
             tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
             block_ids = np.asarray(self.kv_cache.block_ids(req.request_id), dtype=np.int64)
             entries.append((block_ids, start, tokens))
-        return build_batch(entries, self.block_size, self.device)
+        return build_batch(entries, self.block_size, self.device, self.model.decode_rows_up_to)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Decodes first (stable: keeps the scheduler's order within each group).
-        scheduled = sorted(sched.scheduled, key=lambda sr: sr.num_new_tokens != 1)
+        # Decode rows first (stable: keeps the scheduler's order within each group).
+        rows_up_to = self.model.decode_rows_up_to
+        scheduled = sorted(sched.scheduled, key=lambda sr: sr.num_new_tokens > rows_up_to)
         input_ids, positions, meta = self._prepare(scheduled)
         if self.graph_runner is not None:  # replays captured decode graphs when it can
             hidden = self.graph_runner.forward(input_ids, positions, meta)

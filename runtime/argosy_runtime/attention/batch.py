@@ -17,12 +17,15 @@ from argosy_runtime.attention.metadata import AttentionMetadata
 BatchEntry = tuple[np.ndarray, int, Sequence[int]]
 
 
-def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.device,
+                decode_rows_up_to: int = 1) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids [num_tokens], positions [num_tokens], metadata), entries in the given order.
 
-    Entries with a single token must come first: attention treats the first `num_decodes`
-    tokens as one-token sequences.
+    Entries of up to `decode_rows_up_to` tokens become decode rows, one per token, each
+    attending to its own prefix (a verification chunk of 1 + k tokens is then k + 1 decode
+    queries on the same block table): every layer writes all new K/V before attention reads,
+    so row i sees rows < i of its chunk. They must come first: attention treats the first
+    `num_decodes` tokens as decode rows. The rows of the batch are the same either way.
     """
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
@@ -35,11 +38,12 @@ def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.de
         pos = np.arange(start, end)
         positions.append(pos)
         slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
-        if len(tokens) == 1:
+        if len(tokens) <= decode_rows_up_to:
             if prefill_tables:
-                raise ValueError("single-token entries must come before multi-token ones")
-            decode_tables.append(block_ids)
-            decode_lens.append(end)
+                raise ValueError(f"entries of up to {decode_rows_up_to} tokens (decode rows) "
+                                 "must come before longer ones")
+            decode_tables.extend([block_ids] * len(tokens))
+            decode_lens.extend(range(start + 1, end + 1))
         else:
             prefill_tables.append(block_ids)
             q_lens.append(len(tokens))

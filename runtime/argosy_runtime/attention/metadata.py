@@ -1,7 +1,8 @@
 """Per-step attention inputs for one flattened batch.
 
 The runner orders sequences with one query token (decodes) first, then the sequences with
-several (prompt chunks, speculative verification). Every layer reuses this object.
+several (prompt chunks, speculative verification). Where the C++ decode layers run, short
+chunks are decode rows too (one per token, see build_batch). Every layer reuses this object.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot of each new token
-    num_decodes: int  # the first num_decodes tokens are single-token sequences
+    num_decodes: int  # the first num_decodes tokens are decode rows: one query each
     decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor  # int32 [num_decodes], the new token included
     # Multi-token sequences, in order after the decodes (python ints: used for slicing).

@@ -43,6 +43,11 @@ class CpuDecodeLayers:
     # decode_layer calls the int4 kernel for every row count, where Int4Linear stops at its
     # packed_max_tokens (2048) and dequantizes; decode batches stay far below both.
     MAX_TOKENS = 256
+    # Chunks of up to this many tokens (a speculative step's 1 + k tokens, a draft catching
+    # up on one or two) run as decode rows (attention/batch.py), so their steps take this
+    # path too. Each row reads its own context, so long chunks stay on the prefill kernel,
+    # which reads a chunk's context once.
+    CHUNK_AS_DECODE_ROWS = 8
 
     def __init__(self, layer_args: list[tuple], eps: float, num_heads: int, num_kv_heads: int
                  ) -> None:
@@ -77,12 +82,13 @@ class CpuDecodeLayers:
         return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n
                 and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False))
 
-    def __call__(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The hidden states after every layer (before the final norm); `hidden` is updated
-        in place, as the module path's residual adds do."""
+    def __call__(self, hidden: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+                 ) -> torch.Tensor:
+        """The hidden states after every layer, or the first `num_layers` (before the final
+        norm); `hidden` is updated in place, as the module path's residual adds do."""
         meta, (cos, signed_sin), scale = ctx.meta, ctx.rope_tables, ctx.backend.scale
         decode_layer = torch.ops.argosy_cpu.decode_layer
-        for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args):
+        for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args[:num_layers]):
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
             decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,

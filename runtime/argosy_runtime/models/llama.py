@@ -172,11 +172,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
+        # Chunks up to this long are decode rows (attention/batch.py build_batch): set by
+        # use_fused_cpu_ops, for which they are cheaper; 1 (decodes only) elsewhere.
+        self.decode_rows_up_to = 1
         self.ops = "torch"  # the small ops' kernels: "torch", "cpu_ops" or "triton"
         self.rotary = RotaryEmbedding(
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
             spec.rope_scaling, dtype,
         )
+
+    def use_device_kernels(self) -> None:
+        """The fastest kernels for where the weights now are (call after moving the model):
+        on the CPU in bfloat16, oneDNN-prepacked linears and the fused C++ ops (float32 keeps
+        the eager ops, which equal transformers' bit for bit); on CUDA, the Triton norms and
+        rotary. The engine does this for its model and the draft proposer for a draft model."""
+        weight = self.model.norm.weight  # plain in every mode (embeddings may be int8)
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+            from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
+
+            pack_linears_for_cpu(self)
+            self.use_fused_cpu_ops()
+        elif weight.device.type == "cuda":
+            self.use_triton_ops()
 
     def use_fused_cpu_ops(self, enabled: bool = True) -> bool:
         """Route norms, residual adds, rotary and SiLU through argosy_kernels.cpu_ops (CPU,
@@ -185,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self._set_ops("cpu_ops" if enabled else "torch")
         # Decode steps then run each layer as one C++ call where every linear has one.
         self.cpu_decode = CpuDecodeLayers.build(self.model) if enabled else None
+        self.decode_rows_up_to = CpuDecodeLayers.CHUNK_AS_DECODE_ROWS if self.cpu_decode else 1
         return enabled
 
     def use_triton_ops(self, enabled: bool = True) -> None:
@@ -210,14 +228,15 @@ class LlamaForCausalLM(nn.Module):
         if self.ops != "triton":
             ctx.rope_tables = self.rotary.tables(positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-                ) -> torch.Tensor:
-        """Hidden states after the final norm: [num_tokens, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm: [num_tokens, hidden]. `num_layers` runs only
+        the first layers (a self-draft: the target's early layers + its norm and head)."""
         h = self.model.embed_tokens(input_ids)
         self.set_positions(ctx, positions)
         if self.cpu_decode is not None and self.cpu_decode.applies(h, ctx):
-            return self.model.norm(self.cpu_decode(h, ctx))
-        for layer in self.model.layers:
+            return self.model.norm(self.cpu_decode(h, ctx, num_layers))
+        for layer in self.model.layers[:num_layers]:
             h = layer(h, ctx)
         return self.model.norm(h)
 

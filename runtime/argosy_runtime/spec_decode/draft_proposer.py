@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
-from argosy_runtime.attention import TorchAttentionBackend
 from argosy_runtime.attention.batch import build_batch
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
@@ -81,8 +79,9 @@ class DraftProposer:
             raise ValueError(f"draft_layers ({n}) exceeds the draft's {spec.num_hidden_layers} layers")
         self.num_layers = n
         self.max_positions = min(engine.max_model_len, spec.max_position_embeddings)
-        self.backend = TorchAttentionBackend(spec.num_attention_heads, spec.num_key_value_heads,
-                                             spec.head_dim, spec.head_dim**-0.5)
+        # The target's kind of backend (Triton on CUDA, the fused CPU kernels on the CPU).
+        self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
+                                            spec.head_dim, spec.head_dim**-0.5)
         cc = engine.cache_config
         # [layers, k/v, num_blocks, block_size, kv_heads, head_dim]: same blocks as the target.
         shape = (n, 2, cc.num_blocks, cc.block_size, spec.num_key_value_heads, spec.head_dim)
@@ -110,8 +109,7 @@ class DraftProposer:
 
             load_quantized_weights(model, checkpoint, QuantizationConfig(method=config.quantization))
         model = model.to(engine.device).eval()
-        if engine.device.type == "cuda":  # the target's small-op kernels there
-            model.use_triton_ops()
+        model.use_device_kernels()  # the target's kernels: a draft is only worth it if cheap
         return model
 
     # ---- proposing ------------------------------------------------------------------------
@@ -213,20 +211,16 @@ class DraftProposer:
         each entry's last token."""
         dev = self.engine.device
         bs = self.engine.cache_config.block_size
-        # Single-token sequences first: attention handles them with one paged-decode call.
-        order = sorted(range(len(entries)), key=lambda e: len(entries[e][2]) != 1)
-        input_ids, pos_t, meta = build_batch([entries[e] for e in order], bs, dev)
+        # Decode rows first: attention handles them with one paged-decode call.
+        model = self.model
+        rows_up_to = model.decode_rows_up_to
+        order = sorted(range(len(entries)), key=lambda e: len(entries[e][2]) > rows_up_to)
+        input_ids, pos_t, meta = build_batch([entries[e] for e in order], bs, dev, rows_up_to)
         ends = np.cumsum([len(entries[e][2]) for e in order]) - 1
         last_rows = [0] * len(entries)
         for row, e in zip(ends.tolist(), order):
             last_rows[e] = row
-        model = self.model
         ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
-        model.set_positions(ctx, pos_t)
-        h = model.model.embed_tokens(input_ids)
-        layers: nn.ModuleList = model.model.layers
-        for layer in layers[: self.num_layers]:
-            h = layer(h, ctx)
-        h = model.model.norm(h[torch.tensor(last_rows, device=dev)])
-        return model.compute_logits(h).cpu()
+        h = model(input_ids, pos_t, ctx, num_layers=self.num_layers)
+        return model.compute_logits(h[torch.tensor(last_rows, device=dev)]).cpu()
 

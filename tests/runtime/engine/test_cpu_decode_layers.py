@@ -37,7 +37,7 @@ def test_cpu_decode_layers_equal_the_module_path(options: dict, monkeypatch: pyt
     calls = []
     original = CpuDecodeLayers.__call__
     monkeypatch.setattr(CpuDecodeLayers, "__call__",
-                        lambda self, h, ctx: calls.append(h.shape[0]) or original(self, h, ctx))
+                        lambda self, h, *args: calls.append(h.shape[0]) or original(self, h, *args))
     fast = _generate(llm)
     assert sorted(set(calls)) == [1, 2, 3], "decode steps of 3, 2 and 1 sequences took the C++ path"
     model.cpu_decode = None
@@ -47,3 +47,31 @@ def test_cpu_decode_layers_equal_the_module_path(options: dict, monkeypatch: pyt
 def test_float32_keeps_the_module_path() -> None:
     # float32 keeps transformers' exact op order: no fused elementwise ops, so no C++ layers
     assert LLM(model="smollm2-135m", dtype="float32", kv_cache_memory=16 << 20).engine.model.cpu_decode is None
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "draft", "quantization": "int4", "num_speculative_tokens": 3},
+], ids=["ngram", "int4-draft"])
+def test_speculative_steps_take_the_cpp_path(speculative: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Verification chunks (1 + k tokens) and a draft's catch-up run as decode rows, so those
+    # steps take the C++ layers too, for the target and for a quantized draft model; the
+    # module path over the same rows must give the same tokens.
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=32 << 20,
+              enable_prefix_caching=False, speculative=speculative)
+    target = llm.engine.model
+    draft = getattr(llm.engine.proposer.proposer, "model", target)  # ngram: no draft model
+    assert target.cpu_decode is not None and draft.cpu_decode is not None
+    calls = []
+    original = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__",
+                        lambda self, h, *args: calls.append((self, h.shape[0])) or original(self, h, *args))
+    prompt = ["Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fast = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert any(layers is target.cpu_decode and n > 1 for layers, n in calls), "verification rows"
+    if draft is not target:
+        assert any(layers is draft.cpu_decode for layers, _ in calls), "the draft's own steps"
+    target.cpu_decode = draft.cpu_decode = None
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == fast

@@ -59,6 +59,28 @@ def test_greedy_ngram_speculation_is_exact(k: int, model_dir: Path, reference) -
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("ngram", 8), ("draft", 4)])
+def test_short_chunks_as_decode_rows_are_exact(method: str, k: int, model_dir: Path,
+                                               reference) -> None:  # noqa: ANN001
+    # Where the C++ decode layers run, chunks of up to 8 tokens (verification steps, a draft
+    # catching up, short prompts) are decode rows, each attending to its own prefix. The
+    # float32 module path reads the same metadata: every row must see exactly its prefix
+    # (k = 8 makes 9-token chunks, which stay prefill chunks next to the rows).
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                       kv_cache_memory=40 * 4 * 512, max_num_batched_tokens=16,
+                       speculative={"method": method, "num_speculative_tokens": k,
+                                    "adaptive": False, **({"draft_layers": 1} if method == "draft" else {})})
+    engine.model.decode_rows_up_to = 8
+    rows_per_step = []
+    backend = engine.runner.backend
+    original = backend._decode_attention
+    backend._decode_attention = lambda q, *a: rows_per_step.append(q.shape[0]) or original(q, *a)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert run(engine, repetitive_prompts(8, 0), params) == reference
+    assert max(rows_per_step) > 8, "steps with several rows per sequence ran"
+    assert_no_leaks(engine)
+
+
 def test_aborts_during_speculation_leave_no_blocks_behind(model_dir: Path) -> None:
     engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
                        speculative={"method": "ngram", "num_speculative_tokens": 4})
