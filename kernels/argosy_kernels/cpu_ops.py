@@ -108,8 +108,9 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention_ref` in one fused pass: no gathered copy of the blocks, one
-    task per (sequence, kv head) over torch's threads. The query may be a row-strided view
-    (q inside the fused qkv output)."""
+    task per (sequence, kv head) over torch's threads, each context split into parts merged
+    afterwards where there are too few of those to keep the threads busy. The query may be a
+    row-strided view (q inside the fused qkv output)."""
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.decode_attention(out, query, key_cache, value_cache, block_tables,
                                           context_lens, scale, k_scale, v_scale)

@@ -266,10 +266,15 @@ def test_int4_matmul_rejects_bad_inputs() -> None:
 
 # (num_heads, num_kv_heads, head_dim, block_size, context_lens): GQA 1/3/8, head dims 64/128
 # and one without a compile-time specialization (96), context 1, block-boundary and partial.
+# The last two have fewer (sequence, kv head) pairs than 4 per thread and long contexts, so
+# the kernel splits each context and merges the parts (uneven tails; the 3-token context
+# leaves three of its splits empty).
 ATTENTION_CASES = [
     (9, 3, 64, 16, [1, 16, 37, 200]),
     (8, 8, 128, 32, [64, 5, 33]),
     (8, 1, 96, 16, [100, 1, 17]),
+    (9, 3, 64, 16, [1001]),
+    (8, 1, 128, 32, [777, 3]),
 ]
 
 
@@ -297,8 +302,8 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_int8_cache(dtype: torch.dtype) -> None:
-    case = ATTENTION_CASES[0]
+@pytest.mark.parametrize("case", [ATTENTION_CASES[0], ATTENTION_CASES[3]], ids=["batch", "split"])
+def test_decode_attention_int8_cache(dtype: torch.dtype, case) -> None:
     query, key_cache, value_cache, tables, lens = _attention_inputs(case, dtype, 11)
     g = _gen(12)
     k8 = torch.randint(-127, 128, key_cache.shape, generator=g, dtype=torch.int8)

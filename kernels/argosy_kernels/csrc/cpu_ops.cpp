@@ -788,7 +788,117 @@ bool check_paged_attention_operands(const Tensor& out, const Tensor& query, cons
 // ---- Paged decode attention -------------------------------------------------------------------
 // One query token per sequence against its cached tokens, for the `group` query heads that
 // share each kv head: scores in float32, exact softmax (max-subtracted), weighted sum of V.
-// One task per (sequence, kv head); nothing is gathered or padded.
+// A task is (sequence, kv head, context split): where the batch has too few (sequence, kv
+// head) pairs to keep every thread busy (batch 1: as many tasks as kv heads), each context is
+// split into ranges of >= kDecodeSplitKeys keys whose partial results (max, sum, unnormalized
+// output) are merged afterwards (flash-decoding). Nothing is gathered or padded.
+constexpr int64_t kDecodeSplitKeys = 256;
+
+int64_t decode_splits(int64_t pairs, int64_t max_context) {
+  const int64_t wanted = (4 * at::get_num_threads() + pairs - 1) / pairs;  // ~4 tasks per thread
+  const int64_t most = (max_context + kDecodeSplitKeys - 1) / kDecodeSplitKeys;
+  return std::max<int64_t>(1, std::min(wanted, most));
+}
+
+#if defined(__AVX512BF16__)
+alignas(64) constexpr uint16_t kZeroRow[128] = {};  // stands in for keys past the end
+constexpr int64_t kDecodePrefetchKeys = 64;
+
+template <int64_t D>
+inline void prefetch_row(const c10::BFloat16* row) {
+  for (int64_t i = 0; i < D * 2; i += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + i, _MM_HINT_T0);
+}
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: 15 adds over shuffled pairs (halving the
+// width each stage) instead of 16 horizontal reductions. The stages leave key j in lane
+// kHsumLane[j]; one permute puts it back in place.
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes 0-7 for v[i], 8-15 for v[i + 8]
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: v[i], v[i + 8], v[i + 4], v[i + 12]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[i], t[i + 4], 0x88), _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[i], u[i + 2]), _mm512_unpackhi_ps(u[i], u[i + 2]));
+  const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // After the stages lane 4k + p holds v[{0, 2, 1, 3}[p] + {0, 8, 4, 12}[k]]; lane[j] is where v[j] is.
+  const __m512i lane = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(lane, sum);
+}
+
+// scores[g * stride + t - first] = scale * q_g . k_t for keys [first, first + count) of kv head
+// kvh, bf16 query and cache: 16 keys at a time, each key's dot product as D / 32 vdpbf16ps
+// over dim pairs (exact products, float32 sums), the 16 sums reduced together by hsum16.
+template <int64_t D>
+void decode_scores_bf16(float* scores, int64_t stride, const c10::BFloat16* q, int64_t group,
+                        const c10::BFloat16* k_cache, const int32_t* blocks, int64_t block_size,
+                        int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count, float scale) {
+  constexpr int64_t P = D / 32;  // registers of dim pairs per row
+  const __m512 vscale = _mm512_set1_ps(scale);
+  auto row_of = [&](int64_t t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    return k_cache + (slot * num_kv_heads + kvh) * D;
+  };
+  for (int64_t t0 = 0; t0 < count; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, count - t0);
+    // The rows are strided (other kv heads between them) and a single core keeps too few
+    // misses in flight to stream them at DRAM speed: ask for the rows 32 keys ahead.
+    for (int64_t t = t0 + kDecodePrefetchKeys; t < std::min(count, t0 + kDecodePrefetchKeys + 16); ++t)
+      prefetch_row<D>(row_of(first + t));
+    const __m512i* rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) { rows[j] = reinterpret_cast<const __m512i*>(kZeroRow); continue; }
+      rows[j] = reinterpret_cast<const __m512i*>(row_of(first + t0 + j));
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512bh qv[P];
+      for (int64_t i = 0; i < P; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
+      __m512 acc[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(rows[j]));
+        for (int64_t i = 1; i < P; ++i)
+          acc[j] = _mm512_dpbf16_ps(acc[j], qv[i], (__m512bh)_mm512_loadu_si512(rows[j] + i));
+      }
+      _mm512_mask_storeu_ps(scores + g * stride + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(hsum16(acc), vscale));
+    }
+  }
+}
+
+// acc[g * D + d] += sum over keys t of probs[g * stride + t - first] * v_t[d], bf16 cache:
+// up to 16 / (D / 16) heads' accumulators stay in registers while the keys stream past.
+template <int64_t D>
+void decode_values_bf16(float* acc, const float* probs, int64_t stride, int64_t group,
+                        const c10::BFloat16* v_cache, const int32_t* blocks, int64_t block_size,
+                        int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count) {
+  constexpr int64_t R = D / 16, kHeads = 16 / R;  // registers per row, heads per pass
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    __m512 a[kHeads][R];
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t i = 0; i < R; ++i) a[h][i] = _mm512_setzero_ps();
+    auto row_of = [&](int64_t t) {
+      const int64_t pos = first + t, slot = blocks[pos / block_size] * block_size + pos % block_size;
+      return v_cache + (slot * num_kv_heads + kvh) * D;
+    };
+    for (int64_t t = 0; t < count; ++t) {
+      if (g0 == 0 && t + kDecodePrefetchKeys < count) prefetch_row<D>(row_of(t + kDecodePrefetchKeys));
+      const auto* src = reinterpret_cast<const __m256i*>(row_of(t));
+      __m512 v[R];
+      for (int64_t i = 0; i < R; ++i)  // bf16 -> float32: the bits shifted into the top half
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + i)), 16));
+      for (int64_t h = 0; h < heads; ++h) {
+        const __m512 p = _mm512_set1_ps(probs[(g0 + h) * stride + t]);
+        for (int64_t i = 0; i < R; ++i) a[h][i] = _mm512_fmadd_ps(p, v[i], a[h][i]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < R; ++i) _mm512_storeu_ps(acc + (g0 + h) * D + 16 * i, a[h][i]);
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache,
                            const Tensor& value_cache, const Tensor& block_tables,
@@ -811,17 +921,40 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
   const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
   const int32_t* len_ptr = context_lens.data_ptr<int32_t>();
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
-  const int64_t block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
+  constexpr bool kBf16Scores =
+#if defined(__AVX512BF16__)
+      std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+      (kHeadDim == 64 || kHeadDim == 128);
+#else
+      false;
+#endif
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+  if (num_seqs == 0) return;
+  const int64_t max_context = *std::max_element(len_ptr, len_ptr + num_seqs);
+  const int64_t splits = decode_splits(num_seqs * num_kv_heads, max_context);
+  // Split s of a context of ctx keys: keys [s * span, min(ctx, (s + 1) * span)).
+  auto split_span = [&](int64_t ctx) { return ((ctx + splits - 1) / splits + 15) / 16 * 16; };
+  // Partial results of split tasks: per task and head, the max score, the sum of exp(score -
+  // max) and the output before dividing by that sum (only used when splits > 1).
+  std::vector<float> part_max, part_sum, part_out;
+  if (splits > 1) {
+    const int64_t heads = num_seqs * num_kv_heads * splits * group;
+    part_max.resize(heads);
+    part_sum.resize(heads);
+    part_out.resize(heads * head_dim);
+  }
+
+  at::parallel_for(0, num_seqs * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), inv(group), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t ctx = len_ptr[seq];
+      // kv heads vary fastest: a thread's consecutive tasks read the same blocks' lines.
+      const int64_t kvh = task % num_kv_heads, split = task / num_kv_heads % splits;
+      const int64_t seq = task / num_kv_heads / splits;
+      const int64_t ctx = len_ptr[seq], span = split_span(ctx);
+      const int64_t first = std::min(ctx, split * span), count = std::min(ctx, first + span) - first;
       const int32_t* blocks = bt_ptr + seq * max_blocks;
       const scalar_t* q_in = q_ptr + seq * q_stride + kvh * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]) * fscale;
       // Token t's K or V row of this kv head into `row`, as float32 (dequantized if int8).
       auto load_row = [&](const cache_t* cache, const c10::Half* scales, int64_t t) {
         const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
@@ -829,36 +962,88 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
         const float s = scales ? static_cast<float>(scales[slot * num_kv_heads + kvh]) : 1.f;
         for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(src[d]) * s;
       };
-      scores.resize(group * ctx);
-      for (int64_t t = 0; t < ctx; ++t) {  // scores[g, t] = q_g . k_t
-        load_row(k_ptr, ks_ptr, t);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * ctx + t] = dot;
+      scores.resize(group * count);
+      if constexpr (kBf16Scores) {
+#if defined(__AVX512BF16__)
+        decode_scores_bf16<kHeadDim>(scores.data(), count, reinterpret_cast<const c10::BFloat16*>(q_in), group,
+                                     reinterpret_cast<const c10::BFloat16*>(k_ptr), blocks, block_size,
+                                     num_kv_heads, kvh, first, count, fscale);
+#endif
+      } else {
+        for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]) * fscale;
+        for (int64_t t = 0; t < count; ++t) {  // scores[g, t] = q_g . k_t
+          load_row(k_ptr, ks_ptr, first + t);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+            scores[g * count + t] = dot;
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax over t
-        float* s = scores.data() + g * ctx;
-        float mx = s[0];
-        for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, s[t]);
+      float* task_max = splits > 1 ? part_max.data() + task * group : nullptr;
+      float* task_sum = splits > 1 ? part_sum.data() + task * group : nullptr;
+      for (int64_t g = 0; g < group; ++g) {  // softmax over t (not normalized across splits)
+        float* s = scores.data() + g * count;
+        float mx = count ? s[0] : 0.f;
+        for (int64_t t = 1; t < count; ++t) mx = std::max(mx, s[t]);
         float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < count; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+        if (task_max) { task_max[g] = mx; task_sum[g] = sum; }
+        inv[g] = task_max ? 1.f : 1.f / sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {  // acc_g += p[g, t] * v_t
-        load_row(v_ptr, vs_ptr, t);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * ctx + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+      if constexpr (kBf16Scores) {
+#if defined(__AVX512BF16__)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t t = 0; t < count; ++t) scores[g * count + t] *= inv[g];
+        decode_values_bf16<kHeadDim>(acc.data(), scores.data(), count, group,
+                                     reinterpret_cast<const c10::BFloat16*>(v_ptr), blocks, block_size,
+                                     num_kv_heads, kvh, first, count);
+#endif
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < count; ++t) {  // acc_g += p[g, t] * v_t
+          load_row(v_ptr, vs_ptr, first + t);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * count + t] * inv[g];
+            float* a = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+          }
         }
+      }
+      if (splits > 1) {
+        std::copy(acc.begin(), acc.end(), part_out.begin() + task * group * head_dim);
+        continue;
       }
       scalar_t* o = out_ptr + (seq * num_heads + kvh * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+  if (splits == 1) return;
+
+  // Merge each head's splits: rescale every split to the largest max, then divide by the sum.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(head_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = pair / num_kv_heads, kvh = pair % num_kv_heads;
+      const int64_t used = (len_ptr[seq] + split_span(len_ptr[seq]) - 1) / split_span(len_ptr[seq]);
+      for (int64_t g = 0; g < group; ++g) {
+        // Task (seq, split s, kvh) = (seq * splits + s) * num_kv_heads + kvh; heads g within.
+        auto head = [&](int64_t s) { return ((seq * splits + s) * num_kv_heads + kvh) * group + g; };
+        float mx = part_max[head(0)];
+        for (int64_t s = 1; s < used; ++s) mx = std::max(mx, part_max[head(s)]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < used; ++s) {
+          const int64_t h = head(s);
+          const float w = std::exp(part_max[h] - mx);
+          sum += part_sum[h] * w;
+          const float* po = part_out.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += po[d] * w;
+        }
+        scalar_t* o = out_ptr + (seq * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[d] / sum);
+      }
     }
   });
 }
@@ -913,8 +1098,6 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 constexpr int64_t kPrefillRows = 16;  // query positions per task: one register's lanes
 constexpr int64_t kPrefillKeys = 32;  // keys per tile
 constexpr float kMaskedScore = -1e30f;  // finite: the file is built with -ffast-math
-
-alignas(64) constexpr uint16_t kZeroRow[128] = {};  // stands in for keys past the end
 
 // A key tile's K rows as pointers (into a bf16 cache, or into k_buf where an int8 cache is
 // dequantized and rounded to bf16 as the torch path does), and its V rows re-laid as
