@@ -804,14 +804,21 @@ int64_t decode_splits(int64_t pairs, int64_t max_context) {
 alignas(64) constexpr uint16_t kZeroRow[128] = {};  // stands in for keys past the end
 constexpr int64_t kDecodePrefetchKeys = 64;
 
-template <int64_t D>
-inline void prefetch_row(const c10::BFloat16* row) {
-  for (int64_t i = 0; i < D * 2; i += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + i, _MM_HINT_T0);
+template <typename cache_t, int64_t D>
+inline void prefetch_row(const cache_t* row) {
+  for (int64_t i = 0; i < D * int64_t(sizeof(cache_t)); i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + i, _MM_HINT_T0);
+}
+
+// 16 values of an int8 cache row times its scale, as float32.
+inline __m512 dequantize16(const int8_t* src, float scale) {
+  const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale));
 }
 
 // Lane j of the result = the sum of v[j]'s 16 lanes: 15 adds over shuffled pairs (halving the
-// width each stage) instead of 16 horizontal reductions. The stages leave key j in lane
-// kHsumLane[j]; one permute puts it back in place.
+// width each stage) instead of 16 horizontal reductions. The stages leave v[j] in lane
+// lane[j]; one permute puts it back in place.
 inline __m512 hsum16(const __m512* v) {
   __m512 t[8], u[4], w[2];
   for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes 0-7 for v[i], 8-15 for v[i + 8]
@@ -828,28 +835,39 @@ inline __m512 hsum16(const __m512* v) {
 }
 
 // scores[g * stride + t - first] = scale * q_g . k_t for keys [first, first + count) of kv head
-// kvh, bf16 query and cache: 16 keys at a time, each key's dot product as D / 32 vdpbf16ps
-// over dim pairs (exact products, float32 sums), the 16 sums reduced together by hsum16.
-template <int64_t D>
+// kvh, bf16 query, bf16 or int8 cache: 16 keys at a time, each key's dot product as D / 32
+// vdpbf16ps over dim pairs (exact products, float32 sums), the 16 sums reduced together by
+// hsum16. int8 rows are dequantized to bf16 first (16 at a time, in L1), as the torch path
+// rounds them.
+template <typename cache_t, int64_t D>
 void decode_scores_bf16(float* scores, int64_t stride, const c10::BFloat16* q, int64_t group,
-                        const c10::BFloat16* k_cache, const int32_t* blocks, int64_t block_size,
-                        int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count, float scale) {
+                        const cache_t* k_cache, const c10::Half* k_scale, const int32_t* blocks,
+                        int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count,
+                        float scale) {
   constexpr int64_t P = D / 32;  // registers of dim pairs per row
   const __m512 vscale = _mm512_set1_ps(scale);
-  auto row_of = [&](int64_t t) {
-    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    return k_cache + (slot * num_kv_heads + kvh) * D;
-  };
+  auto slot_of = [&](int64_t t) { return blocks[t / block_size] * block_size + t % block_size; };
+  alignas(64) c10::BFloat16 k_buf[16 * D];  // int8 caches
   for (int64_t t0 = 0; t0 < count; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, count - t0);
     // The rows are strided (other kv heads between them) and a single core keeps too few
-    // misses in flight to stream them at DRAM speed: ask for the rows 32 keys ahead.
+    // misses in flight to stream them at DRAM speed: ask for rows kDecodePrefetchKeys ahead.
     for (int64_t t = t0 + kDecodePrefetchKeys; t < std::min(count, t0 + kDecodePrefetchKeys + 16); ++t)
-      prefetch_row<D>(row_of(first + t));
+      prefetch_row<cache_t, D>(k_cache + (slot_of(first + t) * num_kv_heads + kvh) * D);
     const __m512i* rows[16];
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= n) { rows[j] = reinterpret_cast<const __m512i*>(kZeroRow); continue; }
-      rows[j] = reinterpret_cast<const __m512i*>(row_of(first + t0 + j));
+      const int64_t slot = slot_of(first + t0 + j);
+      const cache_t* src = k_cache + (slot * num_kv_heads + kvh) * D;
+      if constexpr (std::is_same_v<cache_t, int8_t>) {
+        const float s = static_cast<float>(k_scale[slot * num_kv_heads + kvh]);
+        for (int64_t i = 0; i < D / 16; ++i)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(k_buf + j * D + 16 * i),
+                             (__m256i)_mm512_cvtneps_pbh(dequantize16(src + 16 * i, s)));
+        rows[j] = reinterpret_cast<const __m512i*>(k_buf + j * D);
+      } else {
+        rows[j] = reinterpret_cast<const __m512i*>(src);
+      }
     }
     for (int64_t g = 0; g < group; ++g) {
       __m512bh qv[P];
@@ -866,28 +884,36 @@ void decode_scores_bf16(float* scores, int64_t stride, const c10::BFloat16* q, i
   }
 }
 
-// acc[g * D + d] += sum over keys t of probs[g * stride + t - first] * v_t[d], bf16 cache:
-// up to 16 / (D / 16) heads' accumulators stay in registers while the keys stream past.
-template <int64_t D>
+// acc[g * D + d] = sum over keys t of probs[g * stride + t - first] * v_t[d], bf16 or int8
+// cache: up to 16 / (D / 16) heads' accumulators stay in registers while the keys stream past.
+template <typename cache_t, int64_t D>
 void decode_values_bf16(float* acc, const float* probs, int64_t stride, int64_t group,
-                        const c10::BFloat16* v_cache, const int32_t* blocks, int64_t block_size,
-                        int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count) {
+                        const cache_t* v_cache, const c10::Half* v_scale, const int32_t* blocks,
+                        int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t first, int64_t count) {
   constexpr int64_t R = D / 16, kHeads = 16 / R;  // registers per row, heads per pass
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
     __m512 a[kHeads][R];
     for (int64_t h = 0; h < kHeads; ++h)
       for (int64_t i = 0; i < R; ++i) a[h][i] = _mm512_setzero_ps();
-    auto row_of = [&](int64_t t) {
-      const int64_t pos = first + t, slot = blocks[pos / block_size] * block_size + pos % block_size;
-      return v_cache + (slot * num_kv_heads + kvh) * D;
+    auto slot_of = [&](int64_t t) {
+      const int64_t pos = first + t;
+      return blocks[pos / block_size] * block_size + pos % block_size;
     };
     for (int64_t t = 0; t < count; ++t) {
-      if (g0 == 0 && t + kDecodePrefetchKeys < count) prefetch_row<D>(row_of(t + kDecodePrefetchKeys));
-      const auto* src = reinterpret_cast<const __m256i*>(row_of(t));
+      if (g0 == 0 && t + kDecodePrefetchKeys < count)
+        prefetch_row<cache_t, D>(v_cache + (slot_of(t + kDecodePrefetchKeys) * num_kv_heads + kvh) * D);
+      const int64_t slot = slot_of(t);
+      const cache_t* src = v_cache + (slot * num_kv_heads + kvh) * D;
       __m512 v[R];
-      for (int64_t i = 0; i < R; ++i)  // bf16 -> float32: the bits shifted into the top half
-        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + i)), 16));
+      if constexpr (std::is_same_v<cache_t, int8_t>) {
+        const float s = static_cast<float>(v_scale[slot * num_kv_heads + kvh]);
+        for (int64_t i = 0; i < R; ++i) v[i] = dequantize16(src + 16 * i, s);
+      } else {  // bf16 -> float32: the bits shifted into the top half
+        const auto* row = reinterpret_cast<const __m256i*>(src);
+        for (int64_t i = 0; i < R; ++i)
+          v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(row + i)), 16));
+      }
       for (int64_t h = 0; h < heads; ++h) {
         const __m512 p = _mm512_set1_ps(probs[(g0 + h) * stride + t]);
         for (int64_t i = 0; i < R; ++i) a[h][i] = _mm512_fmadd_ps(p, v[i], a[h][i]);
@@ -922,10 +948,9 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
   const int32_t* len_ptr = context_lens.data_ptr<int32_t>();
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
   const float fscale = static_cast<float>(scale);
-  constexpr bool kBf16Scores =
+  constexpr bool kVectorized =  // the AVX512-BF16 loops above
 #if defined(__AVX512BF16__)
-      std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
-      (kHeadDim == 64 || kHeadDim == 128);
+      std::is_same_v<scalar_t, c10::BFloat16> && (kHeadDim == 64 || kHeadDim == 128);
 #else
       false;
 #endif
@@ -963,11 +988,11 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
         for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(src[d]) * s;
       };
       scores.resize(group * count);
-      if constexpr (kBf16Scores) {
+      if constexpr (kVectorized) {
 #if defined(__AVX512BF16__)
-        decode_scores_bf16<kHeadDim>(scores.data(), count, reinterpret_cast<const c10::BFloat16*>(q_in), group,
-                                     reinterpret_cast<const c10::BFloat16*>(k_ptr), blocks, block_size,
-                                     num_kv_heads, kvh, first, count, fscale);
+        decode_scores_bf16<cache_t, kHeadDim>(scores.data(), count, reinterpret_cast<const c10::BFloat16*>(q_in),
+                                              group, k_ptr, ks_ptr, blocks, block_size, num_kv_heads, kvh,
+                                              first, count, fscale);
 #endif
       } else {
         for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]) * fscale;
@@ -992,13 +1017,12 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
         if (task_max) { task_max[g] = mx; task_sum[g] = sum; }
         inv[g] = task_max ? 1.f : 1.f / sum;
       }
-      if constexpr (kBf16Scores) {
+      if constexpr (kVectorized) {
 #if defined(__AVX512BF16__)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t t = 0; t < count; ++t) scores[g * count + t] *= inv[g];
-        decode_values_bf16<kHeadDim>(acc.data(), scores.data(), count, group,
-                                     reinterpret_cast<const c10::BFloat16*>(v_ptr), blocks, block_size,
-                                     num_kv_heads, kvh, first, count);
+        decode_values_bf16<cache_t, kHeadDim>(acc.data(), scores.data(), count, group, v_ptr, vs_ptr, blocks,
+                                              block_size, num_kv_heads, kvh, first, count);
 #endif
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
