@@ -1,0 +1,38 @@
+"""build_batch: the flattened inputs and attention metadata of one step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from argosy_runtime.attention.batch import build_batch
+
+CPU = torch.device("cpu")
+BLOCK = 4
+
+
+def test_decodes_then_chunks() -> None:
+    a, b = np.array([7, 2]), np.array([5, 1, 9])
+    ids, pos, meta = build_batch([(a, 5, [11]), (b, 2, [12, 13, 14, 15, 16, 17])], BLOCK, CPU)
+    assert ids.tolist() == [11, 12, 13, 14, 15, 16, 17]
+    assert pos.tolist() == [5, 2, 3, 4, 5, 6, 7]
+    # position p lives in block p // 4 of the sequence's table, slot p % 4 of that block
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 1 * 4, 1 * 4 + 1, 1 * 4 + 2,
+                                          1 * 4 + 3]
+    assert meta.num_decodes == 1 and meta.decode_context_lens.tolist() == [6]
+    assert meta.prefill_query_lens == [6] and meta.prefill_seq_lens == [8]
+
+
+def test_short_chunks_as_decode_rows() -> None:
+    # A 3-token chunk at positions 5..7 becomes three decode rows on the same block table,
+    # seeing 6, 7 and 8 tokens; the 6-token chunk stays a prefill chunk.
+    a, b = np.array([7, 2]), np.array([5, 1, 9])
+    entries = [(a, 5, [11, 12, 13]), (b, 2, [14, 15, 16, 17, 18, 19])]
+    _, pos, meta = build_batch(entries, BLOCK, CPU, decode_rows_up_to=3)
+    assert pos.tolist()[:3] == [5, 6, 7]
+    assert meta.num_decodes == 3
+    assert meta.decode_context_lens.tolist() == [6, 7, 8]
+    assert meta.decode_block_tables.tolist() == [[7, 2]] * 3
+    assert meta.prefill_query_lens == [6]
+    with pytest.raises(ValueError, match="decode rows"):
+        build_batch(entries[::-1], BLOCK, CPU, decode_rows_up_to=3)
