@@ -26,6 +26,11 @@ class SpeculativeConfig:
     # for a while (doubling back-off), so free generation pays almost nothing.
     min_acceptance_rate: float = 0.3
     adaptive: bool = True
+    # Speculate only while at most this many requests run (None: always). A verification
+    # pass costs k + 1 query rows per request: cheap while the step is bound by reading the
+    # weights, not once the batch makes it compute-bound. On 2 CPU cores an int4 draft gave
+    # 1.7x at batch 1, ~1.0x at 4 and 0.6x at 16 (docs/benchmarks/speculative.md).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
@@ -45,6 +50,8 @@ class SpeculativeConfig:
                              f"got {self.quantization!r}")
         if self.method == "ngram" and (self.model or self.draft_layers or self.quantization):
             raise ValueError("speculative model/draft_layers/quantization need method 'draft'")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1 or unset, got {self.disable_by_batch_size}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
 

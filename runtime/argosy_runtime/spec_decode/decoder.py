@@ -62,9 +62,13 @@ class SpeculativeDecoder:
             if rid not in live:
                 del self._adaptive[rid]
         self._proposals.clear()
-        batch: list[tuple[Request, int]] = []
         for req in running:
             req.spec_token_ids = []
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return  # a large batch makes the step compute-bound: extra rows are not free
+        batch: list[tuple[Request, int]] = []
+        for req in running:
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # still prefilling
             # Never propose past max_tokens / max_model_len: the step yields up to k + 1 tokens.

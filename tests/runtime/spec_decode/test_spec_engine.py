@@ -81,6 +81,28 @@ def test_short_chunks_as_decode_rows_are_exact(method: str, k: int, model_dir: P
     assert_no_leaks(engine)
 
 
+def test_speculation_pauses_while_the_batch_is_large(model_dir: Path, reference) -> None:  # noqa: ANN001
+    # disable_by_batch_size=2: no drafts while more than 2 requests run; once only two are
+    # left they speculate, and outputs stay exact either way.
+    def engine() -> LLMEngine:
+        return LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                         speculative={"method": "draft", "draft_layers": 1, "adaptive": False,
+                                      "num_speculative_tokens": 2, "disable_by_batch_size": 2})
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    busy = engine()  # 8 equal requests run together to the end
+    assert run(busy, repetitive_prompts(8, 0), greedy) == reference
+    assert busy.get_stats().spec_decode_num_draft_tokens == 0
+    shrinking = engine()  # 6 of them aborted at step 4
+    done = run(shrinking, repetitive_prompts(8, 0), greedy,
+               abort_after={f"r{i}": 4 for i in range(2, 8)})
+    assert done == {rid: reference[rid] for rid in ("r0", "r1")}
+    assert shrinking.get_stats().spec_decode_num_draft_tokens > 0
+    assert_no_leaks(shrinking)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        LLMEngine(model=str(model_dir), dtype="float32",
+                  speculative={"method": "ngram", "disable_by_batch_size": 0})
+
+
 def test_aborts_during_speculation_leave_no_blocks_behind(model_dir: Path) -> None:
     engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
                        speculative={"method": "ngram", "num_speculative_tokens": 4})
