@@ -67,7 +67,9 @@ class EngineArgs:
     speculative: dict[str, Any] | str | None = _opt(
         "Speculative decoding: 'ngram', or JSON such as "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-        '\'{"method": "draft", "model": "...", "num_speculative_tokens": 4}\'.',
+        '\'{"method": "draft", "quantization": "int4", "disable_by_batch_size": 3}\' '
+        "(an int4 copy of the model as the draft, off in steps with more than 3 requests). "
+        "Fields: docs/speculative.md.",
         default=None,
     )
     seed: int = _opt("Seed for requests that give none.", default=0)
