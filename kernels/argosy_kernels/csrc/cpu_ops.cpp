@@ -971,7 +971,7 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
   }
 
   at::parallel_for(0, num_seqs * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), inv(group), scores;
+    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       // kv heads vary fastest: a thread's consecutive tasks read the same blocks' lines.
       const int64_t kvh = task % num_kv_heads, split = task / num_kv_heads % splits;
@@ -1008,19 +1008,22 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
       }
       float* task_max = splits > 1 ? part_max.data() + task * group : nullptr;
       float* task_sum = splits > 1 ? part_sum.data() + task * group : nullptr;
-      for (int64_t g = 0; g < group; ++g) {  // softmax over t (not normalized across splits)
+      for (int64_t g = 0; g < group; ++g) {  // softmax over t (a split's: normalized at the merge)
         float* s = scores.data() + g * count;
         float mx = count ? s[0] : 0.f;
         for (int64_t t = 1; t < count; ++t) mx = std::max(mx, s[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < count; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-        if (task_max) { task_max[g] = mx; task_sum[g] = sum; }
-        inv[g] = task_max ? 1.f : 1.f / sum;
+        if (task_max) {
+          task_max[g] = mx;
+          task_sum[g] = sum;
+        } else {
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < count; ++t) s[t] *= inv;
+        }
       }
       if constexpr (kVectorized) {
 #if defined(__AVX512BF16__)
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t t = 0; t < count; ++t) scores[g * count + t] *= inv[g];
         decode_values_bf16<cache_t, kHeadDim>(acc.data(), scores.data(), count, group, v_ptr, vs_ptr, blocks,
                                               block_size, num_kv_heads, kvh, first, count);
 #endif
@@ -1029,7 +1032,7 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
         for (int64_t t = 0; t < count; ++t) {  // acc_g += p[g, t] * v_t
           load_row(v_ptr, vs_ptr, first + t);
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * count + t] * inv[g];
+            const float p = scores[g * count + t];
             float* a = acc.data() + g * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
           }
@@ -1050,7 +1053,8 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
     std::vector<float> acc(head_dim);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t seq = pair / num_kv_heads, kvh = pair % num_kv_heads;
-      const int64_t used = (len_ptr[seq] + split_span(len_ptr[seq]) - 1) / split_span(len_ptr[seq]);
+      const int64_t ctx = len_ptr[seq], span = split_span(ctx);
+      const int64_t used = (ctx + span - 1) / span;  // splits past the context hold no keys
       for (int64_t g = 0; g < group; ++g) {
         // Task (seq, split s, kvh) = (seq * splits + s) * num_kv_heads + kvh; heads g within.
         auto head = [&](int64_t s) { return ((seq * splits + s) * num_kv_heads + kvh) * group + g; };
