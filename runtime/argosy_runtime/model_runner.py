@@ -14,7 +14,7 @@ import torch
 from argosy_kernels.reshape_and_cache import KV_SCALE_DTYPE
 
 from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
-from argosy_runtime.attention.batch import build_batch
+from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
@@ -104,9 +104,10 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Decode rows first (stable: keeps the scheduler's order within each group).
-        rows_up_to = self.model.decode_rows_up_to
-        scheduled = sorted(sched.scheduled, key=lambda sr: sr.num_new_tokens > rows_up_to)
+        # Decode rows first (keeps the scheduler's order within each group).
+        order = decode_rows_first([sr.num_new_tokens for sr in sched.scheduled],
+                                  self.model.decode_rows_up_to)
+        scheduled = [sched.scheduled[i] for i in order]
         input_ids, positions, meta = self._prepare(scheduled)
         if self.graph_runner is not None:  # replays captured decode graphs when it can
             hidden = self.graph_runner.forward(input_ids, positions, meta)

@@ -17,6 +17,12 @@ from argosy_runtime.attention.metadata import AttentionMetadata
 BatchEntry = tuple[np.ndarray, int, Sequence[int]]
 
 
+def decode_rows_first(lengths: Sequence[int], decode_rows_up_to: int = 1) -> list[int]:
+    """Indices of entries with these token counts in the order build_batch needs: those that
+    become decode rows first, each group in its given order."""
+    return sorted(range(len(lengths)), key=lambda i: lengths[i] > decode_rows_up_to)
+
+
 def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.device,
                 decode_rows_up_to: int = 1) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids [num_tokens], positions [num_tokens], metadata), entries in the given order.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from argosy_runtime.attention.batch import build_batch
+from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
@@ -214,7 +214,7 @@ class DraftProposer:
         # Decode rows first: attention handles them with one paged-decode call.
         model = self.model
         rows_up_to = model.decode_rows_up_to
-        order = sorted(range(len(entries)), key=lambda e: len(entries[e][2]) > rows_up_to)
+        order = decode_rows_first([len(tokens) for _, _, tokens in entries], rows_up_to)
         input_ids, pos_t, meta = build_batch([entries[e] for e in order], bs, dev, rows_up_to)
         ends = np.cumsum([len(entries[e][2]) for e in order]) - 1
         last_rows = [0] * len(entries)

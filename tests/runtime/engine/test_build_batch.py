@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from argosy_runtime.attention.batch import build_batch
+from argosy_runtime.attention.batch import build_batch, decode_rows_first
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -36,3 +36,6 @@ def test_short_chunks_as_decode_rows() -> None:
     assert meta.prefill_query_lens == [6]
     with pytest.raises(ValueError, match="decode rows"):
         build_batch(entries[::-1], BLOCK, CPU, decode_rows_up_to=3)
+    # decode_rows_first gives the order build_batch needs, stable within each group
+    assert decode_rows_first([6, 3, 1, 9, 3], 3) == [1, 2, 4, 0, 3]
+    assert decode_rows_first([6, 3, 1, 9, 3]) == [2, 0, 1, 3, 4]
