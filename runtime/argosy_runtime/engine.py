@@ -30,6 +30,7 @@ from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.scheduler import Scheduler
+from argosy_runtime.structured_output.grammar import GrammarCompiler
 
 logger = logging.getLogger("argosy.engine")
 
@@ -91,6 +92,8 @@ class LLMEngine:
 
         self._groups: dict[str, list[Request]] = {}  # parent request id -> its n sequences
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                                self._stop_ids)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
             "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
@@ -184,8 +187,16 @@ class LLMEngine:
                 f"prompt + max_tokens needs {blocks_needed} KV-cache blocks but the whole pool "
                 f"has {self.cache_config.num_blocks}; lower max_tokens or raise kv_cache_memory"
             )
+        for t in params.logit_bias or ():
+            if t >= self.spec.vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary "
+                                 f"[0, {self.spec.vocab_size})")
         params = params.clone()
         params.all_stop_token_ids = set() if params.ignore_eos else set(self._stop_ids)
+        grammars = None
+        if params.structured_outputs is not None:
+            grammars = [self.grammar_compiler.compile(params.structured_outputs)
+                        for _ in range(params.n)]
         children = []
         for i in range(params.n):
             child = Request(
@@ -198,6 +209,8 @@ class LLMEngine:
                 child.generator = torch.Generator().manual_seed((params.seed + i) % (1 << 63))
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                        params.skip_special_tokens)
+            if grammars is not None:
+                child.grammar = grammars[i]
             children.append(child)
         self._groups[request_id] = children
         for child in children:
@@ -325,6 +338,8 @@ class LLMEngine:
                     req.text = req.text[:end]
                     req.stop_reason = stop
                     return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_done(req.output_token_ids):
+            return RequestStatus.FINISHED_STOPPED  # the structured output is complete
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

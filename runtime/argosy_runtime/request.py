@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from argosy_runtime.detokenizer import IncrementalDetokenizer
+    from argosy_runtime.structured_output.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -77,6 +78,7 @@ class Request:
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""  # output text (stop strings already applied)
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
+        self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """Token sampling for a whole batch at once.
 
-Order per row: penalties (repetition, frequency, presence) and min_tokens masking on the raw
-logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses
+Order per row: penalties (repetition, frequency, presence), min_tokens masking, logit_bias and
+the structured-output grammar's mask on the raw logits, then greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> sample. Sampling uses
 the exponential-race trick (argmax of p / Exp(1) noise), so rows with their own seeded
 generator and rows on the shared generator go through the same code.
 Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
@@ -70,6 +71,29 @@ class Sampler:
                 logits[i, stop_ids] = float("-inf")
         return logits
 
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            bias = requests[i].params.logit_bias
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+        return logits
+
+    def _mask_grammar(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """-inf for every token the request's structured-output grammar forbids next."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            req = requests[i]
+            allowed = req.grammar.allowed_tokens(req.output_token_ids)
+            logits[i].masked_fill_(~allowed, float("-inf"))
+        return logits
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         probs = self.probs(logits, requests)
         sampled = self.sample_from(probs, requests)
@@ -79,9 +103,11 @@ class Sampler:
         return sampled
 
     def process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Penalties and min_tokens masking: the logits greedy decoding takes the argmax of."""
-        return self._mask_min_tokens(self._apply_penalties(logits[:, : self.vocab_size], requests),
-                                     requests)
+        """Penalties, min_tokens masking, logit_bias and the grammar mask: the logits greedy
+        decoding takes the argmax of."""
+        logits = self._apply_penalties(logits[:, : self.vocab_size], requests)
+        logits = self._apply_logit_bias(self._mask_min_tokens(logits, requests), requests)
+        return self._mask_grammar(logits, requests)
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each (non-greedy) row samples from: temperature, top-k, top-p,

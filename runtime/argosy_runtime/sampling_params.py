@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from argosy_runtime.structured_output.params import StructuredOutputsParams
+
 # Bounds that keep one request from hurting the others (a 10^9 top_logprobs would allocate
 # a vocabulary-sized list per token); values past them are client mistakes.
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -38,6 +41,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (greedy decoding sees it too)
+    logit_bias: dict[int, float] | None = None
+    # constrain the output to a JSON schema, regex, choice or grammar (see structured_output)
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: tokens that end generation unless ignore_eos (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -76,6 +83,15 @@ class SamplingParams:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
         for i, t in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", t, 0, 1 << 31)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token, 0, 1 << 31)
+                _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -63,9 +63,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def param_from_value_error(message: str) -> str | None:
-    """`SamplingParams` messages start with the field name: 'top_p must be ...'."""
-    first = message.split(" ", 1)[0].strip("'\"")
-    return first if first.replace("_", "").replace("[", "").replace("]", "").isalnum() else None
+    """`SamplingParams` messages start with the field name: 'top_p must be ...',
+    'structured_outputs.regex: ...'."""
+    first = message.split(" ", 1)[0].strip("'\"").rstrip(":")
+    name = first.replace("_", "").replace("[", "").replace("]", "").replace(".", "")
+    return first if name.isalnum() else None
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:

@@ -5,7 +5,8 @@ ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top
 `repetition_penalty`, `stop_token_ids` (see DESIGN.md), so clients written for vLLM work
 unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`, ...) are
 listed explicitly; OpenAI fields we cannot honour (`tools`, `suffix`, ...) are rejected with a
-400 naming them (see `serving.unsupported_fields`).
+400 naming them (see `serving_common.reject_unsupported`). `structured_outputs` is vLLM's
+constrained-decoding extra; OpenAI's `response_format` does the same for JSON.
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
 """
@@ -26,6 +27,37 @@ class StreamOptions(BaseModel):
     model_config = _FORBID
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema the reply must match."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = _FORBID
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint (json, regex, choice, grammar,
+    json_object)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -53,6 +85,8 @@ class _SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -91,7 +125,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -14,6 +14,7 @@ from argosy_runtime.server.serving_common import (
     ClientGone,
     ServingContext,
     check_prompt,
+    compile_grammar,
     make_sampling_params,
     merge_streams,
     reject_unsupported,
@@ -82,6 +83,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     params = make_sampling_params(req, max_tokens, k)
+    await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
     log.update(model=ctx.model_name, prompt_tokens=len(prompt), stream=bool(req.stream))
     response_id = new_id("chatcmpl")

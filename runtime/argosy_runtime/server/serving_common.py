@@ -24,6 +24,7 @@ from argosy_runtime.server.errors import APIError, bad_request, param_from_value
 from argosy_runtime.server.lifecycle import Lifecycle
 from argosy_runtime.server.metrics import ServerMetrics
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from argosy_runtime.structured_output import StructuredOutputsParams
 from starlette.requests import Request
 
 MAX_PROMPTS_PER_REQUEST = 64
@@ -58,8 +59,6 @@ class ServingContext:
 
 def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """OpenAI fields we parse but cannot honour: a clear 400 rather than a silent ignore."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -70,10 +69,6 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     else:
         if req.tools and req.tool_choice not in (None, "none"):
             raise bad_request("tool calling is not supported", "tools")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format type {fmt!r} is not supported",
-                              "response_format")
 
 
 def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
@@ -95,9 +90,77 @@ def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logit_bias=logit_bias_of(req),
+            structured_outputs=structured_outputs_of(req),
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
+
+
+def logit_bias_of(req: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+    return bias
+
+
+def structured_outputs_of(req: CompletionRequest | ChatCompletionRequest
+                          ) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` or OpenAI's `response_format`, checked to compile."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "text":
+        fmt = None
+    so = req.structured_outputs
+    if so is None and fmt is None:
+        return None
+    if so is not None and fmt is not None:
+        raise bad_request("use either response_format or structured_outputs, not both",
+                          "structured_outputs")
+    try:
+        if so is not None:
+            params = StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+        elif fmt.type == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif fmt.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        else:  # no schema: any JSON value
+            params = StructuredOutputsParams(json=fmt.json_schema.schema_ or {})
+    except ValueError as exc:
+        if so is not None:
+            raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
+        raise _response_format_error(exc) from exc
+    return params
+
+
+def _response_format_error(exc: ValueError) -> APIError:
+    """StructuredOutputsParams names its own fields; a response_format user wrote others."""
+    message = str(exc).removeprefix("structured_outputs: ")
+    message = message.replace("structured_outputs.json", "json_schema.schema")
+    return bad_request(f"response_format: {message}", "response_format")
+
+
+async def compile_grammar(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest,
+                          params: SamplingParams) -> None:
+    """Compile a request's grammar in a worker thread before admitting it: a bad spec is a 400
+    naming its field, and a slow one never stalls the engine thread (it finds it cached)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(ctx.engine.engine.grammar_compiler.check,
+                                params.structured_outputs)
+    except ValueError as exc:
+        if req.structured_outputs is not None:
+            raise bad_request(str(exc), "structured_outputs") from exc
+        raise _response_format_error(exc) from exc
 
 
 def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,

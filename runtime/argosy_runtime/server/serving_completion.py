@@ -15,6 +15,7 @@ from argosy_runtime.server.serving_common import (
     ClientGone,
     ServingContext,
     check_prompt,
+    compile_grammar,
     make_sampling_params,
     merge_streams,
     reject_unsupported,
@@ -86,6 +87,7 @@ async def create_completion(request: Request, req: CompletionRequest,
     for ids in prompts:
         check_prompt(ctx, ids, req.max_tokens)
     params = make_sampling_params(req, req.max_tokens, req.logprobs)
+    await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
     log.update(model=ctx.model_name, prompt_tokens=sum(len(p) for p in prompts),
                stream=bool(req.stream))

@@ -91,6 +91,8 @@ class SpeculativeDecoder:
         else:
             proposals = [Proposal(self.proposer.propose(r.token_ids, k)) for r, k in batch]
         for (req, _), proposal in zip(batch, proposals):
+            if req.grammar is not None:  # drafts the grammar rejects would be rejected anyway
+                proposal.tokens = req.grammar.valid_prefix(req.output_token_ids, proposal.tokens)
             if proposal.tokens:
                 req.spec_token_ids = proposal.tokens
                 self._proposals[req.request_id] = proposal

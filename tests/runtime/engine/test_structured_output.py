@@ -1,0 +1,208 @@
+"""Structured outputs and logit_bias in the engine, against transformers (float32, greedy).
+
+The reference decodes with transformers' own forward pass and masks each step's logits with
+the grammar's token mask (whose exactness test_grammar.py checks against brute force), or adds
+the logit bias: the engine must pick the same tokens while batching constrained and free
+requests together, under preemption, and with speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from argosy_runtime import LLMEngine, SamplingParams, StructuredOutputsParams
+from engine_helpers import assert_no_leaks
+
+pytestmark = pytest.mark.slow  # loads the embedded model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = [
+    StructuredOutputsParams(json=PERSON),
+    StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"),
+    StructuredOutputsParams(choice=["yes", "no", "maybe later"]),
+    StructuredOutputsParams(grammar='start: "(" expr ")"\nexpr: /[a-z]+/ (" + " /[a-z]+/)*'),
+]
+PROMPTS = [
+    "Describe a person as JSON:",
+    "Give the capital of France as a JSON object.",
+    "My phone number is",
+    "Is the sky blue? Answer:",
+    "An expression in parentheses:",
+]
+
+
+def chat(engine: LLMEngine, text: str) -> list[int]:
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True)
+    return engine.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@torch.no_grad()
+def reference(hf_model, engine: LLMEngine, prompt: list[int], max_tokens: int,
+              constraint: StructuredOutputsParams | None = None,
+              logit_bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding with transformers, masked by a fresh grammar and/or biased; stops at
+    EOS or when the grammar is done, as the engine does."""
+    grammar = engine.grammar_compiler.compile(constraint) if constraint else None
+    eos = set(engine.tokenizer.eos_token_ids)
+    out: list[int] = []
+    past = None
+    step_input = torch.tensor([prompt])
+    while len(out) < max_tokens:
+        result = hf_model(step_input, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        logits = result.logits[0, -1].float().clone()
+        for token, bias in (logit_bias or {}).items():
+            logits[token] += bias
+        if grammar is not None:
+            logits[~grammar.allowed_tokens(out)] = float("-inf")
+        token = int(logits.argmax())
+        out.append(token)
+        if token in eos or (grammar is not None and grammar.is_done(out)):
+            break
+        step_input = torch.tensor([[token]])
+    return out
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    return [done[f"r{i}"] for i in range(len(requests))]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(model="smollm2-135m", dtype="float32")
+
+
+def test_constrained_and_free_requests_in_one_batch_equal_transformers(engine, embedded_hf
+                                                                        ) -> None:
+    # 5 constrained requests, 2 free ones, all in the same steps, in a KV pool so small that
+    # requests get preempted and recomputed (the grammar must follow the output, not the steps).
+    tight = LLMEngine(model="smollm2-135m", dtype="float32", block_size=16,
+                      kv_cache_memory=9 * 30 * 2 * 3 * 64 * 4 * 16)
+    prompts = [chat(engine, p) for p in PROMPTS]
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0, structured_outputs=c))
+                for p, c in zip(prompts, CONSTRAINTS, strict=True)]
+    requests += [(prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                 (prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    outputs = run(tight, requests)
+    assert tight.get_stats().num_preemptions > 0
+    for (prompt, params), out in zip(requests, outputs, strict=True):
+        want = reference(embedded_hf.model, engine, prompt, params.max_tokens,
+                         params.structured_outputs)
+        assert out.token_ids == want, (params.structured_outputs, out.text)
+    person = json.loads(outputs[0].text)
+    jsonschema.validate(person, PERSON)
+    assert outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outputs[1].text), dict)
+    assert outputs[2].text[:3].isdigit() and outputs[2].text[3] == "-"
+    assert outputs[3].text in ("yes", "no", "maybe later")
+    assert outputs[4].text.startswith("(")
+    assert_no_leaks(tight)
+
+
+def test_speculative_decoding_keeps_constrained_outputs_exact(engine, embedded_hf) -> None:
+    spec = LLMEngine(model="smollm2-135m", dtype="float32",
+                     speculative={"method": "ngram", "num_speculative_tokens": 4,
+                                  "adaptive": False})
+    prompt = chat(engine, "List three people as JSON objects with name, age and city, "
+                  'like {"name": "Ann", "age": 30, "city": "Paris"}.')
+    schema = {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}
+    params = SamplingParams(max_tokens=120, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    [out] = run(spec, [(prompt, params)])
+    assert spec.get_stats().spec_decode_num_accepted_tokens > 0  # the keys repeat: drafts pass
+    assert out.token_ids == reference(embedded_hf.model, engine, prompt, 120,
+                                      params.structured_outputs)
+    jsonschema.validate(json.loads(out.text), schema)
+    assert_no_leaks(spec)
+
+
+def test_sampled_outputs_match_the_schema(engine) -> None:
+    params = SamplingParams(n=4, seed=7, temperature=1.0, max_tokens=80, structured_outputs=(
+        StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)))
+    engine.add_request("s", chat(engine, "Invent a person, as JSON."), params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert len({o.text for o in final.outputs}) > 1  # really sampled
+    for o in final.outputs:
+        assert o.finish_reason == "stop", o.text
+        value = json.loads(o.text)
+        jsonschema.validate(value, PERSON)
+        assert o.text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)  # compact
+    assert_no_leaks(engine)
+
+
+def test_the_grammar_ending_ends_the_request_even_with_ignore_eos(engine) -> None:
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    for extra in ({"ignore_eos": True}, {"min_tokens": 10}):
+        params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=choice, **extra)
+        [out] = run(engine, [(chat(engine, "Is water wet?"), params)])
+        assert out.text in ("yes", "no") and out.finish_reason == "stop", extra
+    assert_no_leaks(engine)
+
+
+def test_logit_bias_equals_transformers_with_the_bias_added(engine, embedded_hf) -> None:
+    prompt = engine.tokenizer.encode("The capital of France is")
+    free = reference(embedded_hf.model, engine, prompt, 6)
+    banned = {free[0]: -100.0, free[1]: -100.0}
+    forced = {engine.tokenizer.encode(" banana", add_special_tokens=False)[0]: 100.0}
+    for bias in (banned, forced):
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias=bias)
+        [out] = run(engine, [(prompt, params)])
+        assert out.token_ids == reference(embedded_hf.model, engine, prompt, 6,
+                                          logit_bias=bias)
+        assert out.token_ids != free
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True,
+                             logit_bias=forced)
+    [out] = run(engine, [(prompt, sampled)])
+    assert out.token_ids == [next(iter(forced))] * 6  # +100 beats any logit
+
+
+def test_bad_specs_are_rejected_at_add_request_and_disturb_nobody(engine) -> None:
+    good = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("ok", "Hello", good)
+    for rid, params in [
+        ("regex", SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))),
+        ("schema", SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "integer", "minimum": 3, "maximum": 1}))),
+        ("bias", SamplingParams(logit_bias={10**6: 1.0})),
+    ]:
+        with pytest.raises(ValueError, match="structured_outputs|logit_bias"):
+            engine.add_request(rid, "Hello", params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert done == ["ok"]
+    assert_no_leaks(engine)
+
+
+def test_abort_mid_generation_frees_everything(engine) -> None:
+    params = SamplingParams(max_tokens=64, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    engine.add_request("a", chat(engine, "A person as JSON:"), params)
+    for _ in range(5):
+        engine.step()
+    engine.abort_request("a")
+    assert_no_leaks(engine)

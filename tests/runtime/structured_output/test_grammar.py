@@ -1,0 +1,151 @@
+"""GrammarCompiler / RequestGrammar on the embedded model's real tokenizer: the token masks
+equal a brute-force check over the whole vocabulary, the matcher follows outputs forwards and
+back, and specs that cannot compile are ValueErrors."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from argosy_runtime import StructuredOutputsParams
+from argosy_runtime.model_loader import load_checkpoint
+from argosy_runtime.structured_output.grammar import GrammarCompiler
+
+CHOICES = ["The capital is Paris.", "The capital is Lyon!", "Paris", "I do not know."]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def compiler(checkpoint) -> GrammarCompiler:
+    return GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size,
+                           checkpoint.tokenizer.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def token_texts(checkpoint) -> list[str]:
+    tok = checkpoint.tokenizer
+    special = set(tok.all_special_ids)
+    return ["" if t in special else tok.decode([t], skip_special_tokens=False)
+            for t in range(checkpoint.spec.vocab_size)]
+
+
+def brute_force_allowed(output: str, token_texts: list[str], eos: int) -> set[int]:
+    """Tokens after which the text is still a prefix of some choice (+ EOS once complete).
+    Tokens with an empty text (special tokens) never advance the output, so they are out."""
+    allowed = {t for t, text in enumerate(token_texts)
+               if text and any(c.startswith(output + text) for c in CHOICES)}
+    if output in CHOICES:
+        allowed.add(eos)
+    return allowed
+
+
+def test_choice_masks_agree_with_a_brute_force_check(compiler, checkpoint, token_texts) -> None:
+    """Where the choices branch (the first token) the mask is exactly the brute-force set; once
+    the grammar forces the next bytes, llguidance allows only their canonical tokenization, a
+    subset. Every allowed token keeps the text a prefix of a choice, the canonical next token is
+    always allowed, and EOS exactly when a choice is complete."""
+    tok = checkpoint.tokenizer
+    eos = tok.eos_token_ids[0]
+    grammar = compiler.compile(StructuredOutputsParams(choice=CHOICES))
+    first = set(torch.nonzero(grammar.allowed_tokens([])).flatten().tolist())
+    assert first == brute_force_allowed("", token_texts, eos)
+    assert len(first) >= 5  # "T", "The", "P", "Paris", "I", ...
+    for choice in CHOICES:
+        ids = tok.encode(choice, add_special_tokens=False)
+        for n in range(len(ids) + 1):
+            mask = grammar.allowed_tokens(ids[:n])
+            assert mask.dtype == torch.bool and mask.shape == (checkpoint.spec.vocab_size,)
+            got = set(torch.nonzero(mask).flatten().tolist())
+            want = brute_force_allowed(tok.decode(ids[:n]), token_texts, eos)
+            assert got and got <= want, (choice, n, sorted(got - want)[:10])
+            assert (ids[n] if n < len(ids) else eos) in got
+            assert (eos in got) == (n == len(ids))
+
+
+def test_regex_mask_equals_a_brute_force_check(compiler, checkpoint, token_texts) -> None:
+    """Thousands of allowed tokens spread over the whole vocabulary: any slip in unpacking the
+    bitmask (bit order, word order, vocabulary end) shows here."""
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(regex="[a-z ]+"))
+    letters = set("abcdefghijklmnopqrstuvwxyz ")
+    for output in ["", " hello"]:
+        ids = tok.encode(output, add_special_tokens=False)
+        got = set(torch.nonzero(grammar.allowed_tokens(ids)).flatten().tolist())
+        want = {t for t, text in enumerate(token_texts) if text and set(text) <= letters}
+        if output:
+            want.add(tok.eos_token_ids[0])
+        assert got == want, sorted(got ^ want)[:10]
+        assert len(got) > 10_000
+
+
+def test_follows_outputs_forwards_and_back(compiler, checkpoint) -> None:
+    tok = checkpoint.tokenizer
+    ids = tok.encode(CHOICES[0], add_special_tokens=False)
+    params = StructuredOutputsParams(choice=CHOICES)
+    grammar = compiler.compile(params)
+    masks = [grammar.allowed_tokens(ids[:n]) for n in range(len(ids) + 1)]
+    # Back to the start, then a jump of several tokens, then a branch that replaces a token.
+    assert torch.equal(grammar.allowed_tokens([]), masks[0])
+    assert torch.equal(grammar.allowed_tokens(ids[:3]), masks[3])
+    lyon = tok.encode(CHOICES[1], add_special_tokens=False)
+    assert lyon[:3] == ids[:3] and lyon[3] != ids[3]
+    fresh = compiler.compile(params)
+    assert torch.equal(grammar.allowed_tokens(lyon[:4]), fresh.allowed_tokens(lyon[:4]))
+    assert torch.equal(grammar.allowed_tokens(ids[:2]), masks[2])
+    assert grammar.is_done(ids) and grammar.is_accepting(ids)
+    assert not grammar.is_done(ids[:-1])
+
+
+def test_done_only_when_nothing_but_eos_may_follow(compiler, checkpoint) -> None:
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(choice=CHOICES))
+    paris = tok.encode("Paris", add_special_tokens=False)
+    # "Paris" is complete but "Paris" is no prefix of another choice... "The capital is Paris."
+    # starts differently, so after "Paris" only EOS remains.
+    assert grammar.is_accepting(paris) and grammar.is_done(paris)
+    regex = compiler.compile(StructuredOutputsParams(regex="a+"))
+    a = tok.encode("a", add_special_tokens=False)
+    assert regex.is_accepting(a) and not regex.is_done(a)  # more "a"s may follow
+
+
+def test_valid_prefix_cuts_drafts_at_the_first_invalid_token(compiler, checkpoint) -> None:
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(choice=CHOICES))
+    ids = tok.encode(CHOICES[0], add_special_tokens=False)
+    bad = tok.encode(" Berlin", add_special_tokens=False)
+    assert grammar.valid_prefix(ids[:2], ids[2:]) == ids[2:]
+    assert grammar.valid_prefix(ids[:2], ids[2:4] + bad) == ids[2:4]
+    assert grammar.valid_prefix(ids[:2], []) == []
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"regex": "("}, "unclosed group"),
+    ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, "Unsatisfiable schema"),
+    ({"json": {"type": "foo"}}, "Invalid type: foo"),
+    ({"json": {"properties": {"a": {"$ref": "#/nope"}}}}, "/nope"),
+    ({"grammar": "start: x\nx: x"}, "no output can match this grammar"),
+    ({"grammar": "value ::= \"a\""}, "structured_outputs.grammar"),  # GBNF without root
+])
+def test_specs_that_cannot_compile_are_value_errors(compiler, kwargs: dict, message: str) -> None:
+    params = StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match=message) as info:
+        compiler.check(params)
+    assert "\n" not in str(info.value) and str(info.value).startswith("structured_outputs")
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(params)
+
+
+def test_compiles_concurrently_from_several_threads(checkpoint) -> None:
+    compiler = GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size, [2],
+                               cache_size=3)
+    specs = [StructuredOutputsParams(regex=f"[0-9]{{{n}}}") for n in range(1, 13)]
+    with ThreadPoolExecutor(4) as pool:
+        grammars = list(pool.map(compiler.compile, specs))
+    digit = checkpoint.tokenizer.encode("7", add_special_tokens=False)
+    for n, grammar in enumerate(grammars, 1):
+        assert grammar.is_done(digit * n) and not grammar.is_done(digit * (n - 1))
