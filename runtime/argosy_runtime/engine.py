@@ -254,6 +254,7 @@ class LLMEngine:
             if not tokens:
                 continue
             self._append_tokens(req, tokens, logprobs)
+            self._jump_forward(req)
             progressed[req.parent_id] = None
         return [self._make_output(pid) for pid in progressed]
 
@@ -318,6 +319,18 @@ class LLMEngine:
                 self.scheduler.finish_request(req, status)
                 req.metrics.finished_time = now
                 return
+
+    def _jump_forward(self, req: Request) -> None:
+        """Append the tokens a structured output's grammar forces next. They are output tokens
+        like sampled ones; the next step feeds them all at once (like a prompt chunk) and
+        samples after the last, so a JSON key costs one step instead of one per token. Greedy
+        outputs are unchanged: where bytes are forced the grammar allows only these tokens."""
+        if (req.grammar is None or req.is_finished or req.logprobs is not None
+                or not self.args.enable_jump_forward):
+            return
+        forced = req.grammar.forced_tokens(req.output_token_ids)
+        if forced:  # _append_tokens stops at max_tokens / max_model_len / a stop string
+            self._append_tokens(req, forced, None)
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
         params = req.params

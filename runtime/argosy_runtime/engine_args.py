@@ -72,6 +72,12 @@ class EngineArgs:
         "Fields: docs/speculative.md.",
         default=None,
     )
+    enable_jump_forward: bool = _opt(
+        "Structured outputs: append the tokens a grammar forces next (JSON keys, punctuation) "
+        "in one step instead of sampling them one step each. Requests that ask for logprobs "
+        "never jump.",
+        default=True,
+    )
     seed: int = _opt("Seed for requests that give none.", default=0)
     cpu_threads: int | None = _opt(
         "Threads for CPU math (default: the CPUs this process may use: the smallest of the "

@@ -4,9 +4,10 @@ Requests forbid unknown fields (`extra="forbid"`): a misspelled option is a 400,
 ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids` (see DESIGN.md), so clients written for vLLM work
 unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`, ...) are
-listed explicitly; OpenAI fields we cannot honour (`tools`, `suffix`, ...) are rejected with a
-400 naming them (see `serving_common.reject_unsupported`). `structured_outputs` is vLLM's
-constrained-decoding extra; OpenAI's `response_format` does the same for JSON.
+listed explicitly; OpenAI fields we cannot honour (`suffix`, `tool_choice: "auto"`, ...) are
+rejected with a 400 naming them (see `serving_common.reject_unsupported`). `structured_outputs`
+is vLLM's constrained-decoding extra; OpenAI's `response_format` does the same for JSON, and
+`tools` with `tool_choice` "required" or a named function use it too (`tool_calls.py`).
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
 """
@@ -118,6 +119,35 @@ class ChatMessage(BaseModel):
     refusal: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _FORBID
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools` (only function tools exist in the chat API)."""
+
+    model_config = _FORBID
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _FORBID
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` forcing one function: {"type": "function", "function": {"name": ...}}."""
+
+    model_config = _FORBID
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -125,8 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     store: StrictBool | None = None
     metadata: dict[str, str] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from argosy_runtime.server.serving_common import (
     with_deadline,
 )
 from argosy_runtime.server.streaming import GuardedStreamingResponse
+from argosy_runtime.server.tool_calls import ToolCallStream, calls_tools, reply_message
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -43,13 +45,32 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
                                "content": content or ""}
         if m.name:
             msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
         messages.append(msg)
+    # Templates that know tools (Llama 3.1, Qwen2.5, ...) show them to the model.
+    tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools)
     except ValueError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
     # The template already holds any BOS it wants; adding special tokens would double it.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends arguments as a JSON string; chat templates expect an object (as in
+    transformers' tool-use convention)."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 def chat_logprobs(ctx: ServingContext, seq: CompletionOutput, start: int, end: int,
@@ -109,10 +130,18 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             return sse(body)
 
         hold = stop_holdback(params)
+        tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
+
+        def delta_of(c: int, text: str, seq: CompletionOutput
+                     ) -> tuple[dict[str, Any], str | None]:
+            if tool_stream is not None:
+                return tool_stream.delta(c, text, seq.finish_reason, seq.text)
+            return ({"content": text} if text else {}), seq.finish_reason
 
         async def events() -> AsyncIterator[str]:
             for c in range(n):  # the role first, as OpenAI does
-                yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""},
+                content = None if tool_stream is not None else ""
+                yield chunk([{"index": c, "delta": {"role": "assistant", "content": content},
                               "logprobs": None, "finish_reason": None}])
             sent_chars = [0] * n
             sent_tokens = [0] * n
@@ -124,13 +153,14 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                     c = seq.index
                     if done[c]:
                         continue
-                    delta, new_sent = visible_text(seq, sent_chars[c], hold)
+                    text, new_sent = visible_text(seq, sent_chars[c], hold)
                     start, end = sent_tokens[c], len(seq.token_ids)
-                    if not delta and seq.finish_reason is None and (k is None or start == end):
+                    delta, finish = delta_of(c, text, seq)
+                    if not delta and finish is None and (k is None or start == end):
                         continue
                     lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
-                    yield chunk([{"index": c, "delta": {"content": delta} if delta else {},
-                                  "logprobs": lp, "finish_reason": seq.finish_reason}])
+                    yield chunk([{"index": c, "delta": delta, "logprobs": lp,
+                                  "finish_reason": finish}])
                     sent_chars[c], sent_tokens[c] = new_sent, end
                     done[c] = seq.finish_reason is not None
             usage = _usage(prompt, final)
@@ -161,12 +191,15 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         return Response(status_code=499)
     finally:
         ctx.lifecycle.exit()
-    choices = [{"index": seq.index,
-                "message": {"role": "assistant", "content": seq.text},
-                "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
-                if k is not None else None,
-                "finish_reason": seq.finish_reason}
-               for seq in sorted(final.outputs, key=lambda s: s.index)]
+    choices = []
+    for seq in sorted(final.outputs, key=lambda s: s.index):
+        message, finish = {"role": "assistant", "content": seq.text}, seq.finish_reason
+        if calls_tools(req):
+            message, finish = reply_message(req, seq.text, seq.finish_reason)
+        choices.append({"index": seq.index, "message": message,
+                        "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
+                        if k is not None else None,
+                        "finish_reason": finish})
     usage = _usage(prompt, final)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(final))
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,

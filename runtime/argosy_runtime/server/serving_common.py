@@ -24,6 +24,7 @@ from argosy_runtime.server.errors import APIError, bad_request, param_from_value
 from argosy_runtime.server.lifecycle import Lifecycle
 from argosy_runtime.server.metrics import ServerMetrics
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from argosy_runtime.server.tool_calls import calls_tools, check_tool_choice, tool_call_constraint
 from argosy_runtime.structured_output import StructuredOutputsParams
 from starlette.requests import Request
 
@@ -67,8 +68,7 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
     else:
-        if req.tools and req.tool_choice not in (None, "none"):
-            raise bad_request("tool calling is not supported", "tools")
+        check_tool_choice(req)
 
 
 def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
@@ -111,41 +111,55 @@ def logit_bias_of(req: CompletionRequest | ChatCompletionRequest) -> dict[int, f
     return bias
 
 
+def constraint_source(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field that constrains the output, if any: one at most."""
+    sources = []
+    if req.structured_outputs is not None:
+        sources.append("structured_outputs")
+    if req.response_format is not None and req.response_format.type != "text":
+        sources.append("response_format")
+    if isinstance(req, ChatCompletionRequest) and calls_tools(req):
+        sources.append("tool_choice")
+    if len(sources) > 1:
+        raise bad_request(f"{' and '.join(sources)} cannot be used together", sources[-1])
+    return sources[0] if sources else None
+
+
 def structured_outputs_of(req: CompletionRequest | ChatCompletionRequest
                           ) -> StructuredOutputsParams | None:
-    """vLLM's `structured_outputs` or OpenAI's `response_format`, checked to compile."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "text":
-        fmt = None
-    so = req.structured_outputs
-    if so is None and fmt is None:
-        return None
-    if so is not None and fmt is not None:
-        raise bad_request("use either response_format or structured_outputs, not both",
-                          "structured_outputs")
+    """vLLM's `structured_outputs`, OpenAI's `response_format`, or the tool-call format."""
+    source = constraint_source(req)
     try:
-        if so is not None:
-            params = StructuredOutputsParams(
+        if source == "structured_outputs":
+            so = req.structured_outputs
+            return StructuredOutputsParams(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                 json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
-        elif fmt.type == "json_object":
-            params = StructuredOutputsParams(json_object=True)
-        elif fmt.json_schema is None:
-            raise ValueError("json_schema is required when type is 'json_schema'")
-        else:  # no schema: any JSON value
-            params = StructuredOutputsParams(json=fmt.json_schema.schema_ or {})
+        if source == "response_format":
+            fmt = req.response_format
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None:
+                raise ValueError("json_schema is required when type is 'json_schema'")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_ or {})  # none: any JSON
+        if source == "tool_choice":
+            return tool_call_constraint(req)
     except ValueError as exc:
-        if so is not None:
-            raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
-        raise _response_format_error(exc) from exc
-    return params
+        raise constraint_error(source, exc) from exc
+    return None
 
 
-def _response_format_error(exc: ValueError) -> APIError:
-    """StructuredOutputsParams names its own fields; a response_format user wrote others."""
-    message = str(exc).removeprefix("structured_outputs: ")
-    message = message.replace("structured_outputs.json", "json_schema.schema")
-    return bad_request(f"response_format: {message}", "response_format")
+def constraint_error(source: str, exc: ValueError) -> APIError:
+    """A 400 for a spec that cannot compile, worded in the fields the client wrote."""
+    message = str(exc)
+    if source == "structured_outputs":
+        return bad_request(message, param_from_value_error(message))
+    message = message.removeprefix("structured_outputs: ")
+    if source == "response_format":
+        message = message.replace("structured_outputs.json", "json_schema.schema")
+        return bad_request(f"response_format: {message}", "response_format")
+    message = message.replace("structured_outputs.json", "parameters")
+    return bad_request(f"tools: {message}", "tools")
 
 
 async def compile_grammar(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest,
@@ -158,9 +172,7 @@ async def compile_grammar(ctx: ServingContext, req: CompletionRequest | ChatComp
         await asyncio.to_thread(ctx.engine.engine.grammar_compiler.check,
                                 params.structured_outputs)
     except ValueError as exc:
-        if req.structured_outputs is not None:
-            raise bad_request(str(exc), "structured_outputs") from exc
-        raise _response_format_error(exc) from exc
+        raise constraint_error(constraint_source(req), exc) from exc
 
 
 def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,

@@ -124,6 +124,13 @@ class RequestGrammar:
         self.sync(output_token_ids)
         return self._matcher.is_accepting()
 
+    def forced_tokens(self, output_token_ids: Sequence[int]) -> list[int]:
+        """Tokens the grammar forces next, in their canonical tokenization (llguidance stops
+        before a token that could merge with what follows, so forcing never splits a word
+        in a way the model was not trained on)."""
+        self.sync(output_token_ids)
+        return self._matcher.compute_ff_tokens()
+
     def valid_prefix(self, output_token_ids: Sequence[int], tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` the grammar would accept after the output."""
         self.sync(output_token_ids)

@@ -206,3 +206,33 @@ def test_abort_mid_generation_frees_everything(engine) -> None:
         engine.step()
     engine.abort_request("a")
     assert_no_leaks(engine)
+
+
+def count_steps(engine: LLMEngine, prompt: list[int], params: SamplingParams):
+    engine.add_request("jf", prompt, params)
+    steps, final = 0, None
+    while engine.has_unfinished_requests():
+        final = next(iter(engine.step()), final)
+        steps += 1
+    return final.outputs[0], steps
+
+
+def test_jump_forward_saves_steps_and_changes_no_token(engine, embedded_hf) -> None:
+    compact = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    prompt = chat(engine, "A person as JSON:")
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=compact)
+    jumping, jump_steps = count_steps(engine, prompt, params)
+    stepping = LLMEngine(model="smollm2-135m", dtype="float32", enable_jump_forward=False)
+    plain, plain_steps = count_steps(stepping, prompt, params)
+    assert jumping.token_ids == plain.token_ids == reference(
+        embedded_hf.model, engine, prompt, 60, compact)
+    assert plain_steps == len(plain.token_ids)  # one token per step without jumps
+    # '{"name":"', '","age":', ',"city":"' are forced: a third of the tokens or more.
+    assert jump_steps <= 2 * len(plain.token_ids) // 3, (jump_steps, len(plain.token_ids))
+    # Logprobs need a forward pass per token: such requests never jump.
+    with_logprobs = SamplingParams(max_tokens=60, temperature=0, structured_outputs=compact,
+                                   logprobs=1)
+    out, steps = count_steps(engine, prompt, with_logprobs)
+    assert out.token_ids == plain.token_ids and len(out.logprobs) == len(out.token_ids)
+    assert steps == len(out.token_ids)
+    assert_no_leaks(engine)

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 # (path, json body or raw bytes, expected status, expected param or None)
 CASES = [
@@ -70,6 +71,18 @@ CASES = [
             "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}],
             "tool_choice": "auto"}, 400, "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "auto"}, 400,
+     "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, 400,
+     "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "has space"}}]}, 400, "tools"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 7}, 400, "presence_penalty"),
     (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "model"),
 ]

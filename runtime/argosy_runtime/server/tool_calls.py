@@ -1,0 +1,147 @@
+"""Tool calling for `tool_choice` "required" or a named function, by structured outputs.
+
+The model's output is constrained to JSON that describes the call, then returned as OpenAI
+`tool_calls`:
+
+- a named function (`{"type": "function", "function": {"name": "f"}}`): the output is f's
+  arguments, matching its `parameters` schema; one call, `finish_reason` "stop" (as OpenAI);
+- "required": the output is a JSON array of `{"name": ..., "parameters": {...}}`, each item
+  matching one of the tools (at most one item when `parallel_tool_calls` is false);
+  `finish_reason` "tool_calls".
+
+This works with any model, since the grammar (not the model's training) fixes the format.
+"auto", where the model decides whether to call, needs each model family's own tool-call
+syntax and a parser for it; it is a 400 (vLLM also needs a per-model parser for it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from typing import Any
+
+from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.protocol import ChatCompletionRequest, ChatTool
+from argosy_runtime.structured_output import StructuredOutputsParams
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def forced_tool(req: ChatCompletionRequest) -> ChatTool | None:
+    """The tool a named tool_choice forces, or None when tool_choice is not a name."""
+    choice = req.tool_choice
+    if choice is None or isinstance(choice, str):
+        return None
+    for tool in req.tools or []:
+        if tool.function.name == choice.function.name:
+            return tool
+    raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                      "tool_choice")
+
+
+def calls_tools(req: ChatCompletionRequest) -> bool:
+    """True when the reply must be tool calls ("required" or a named function)."""
+    choice = req.tool_choice
+    return choice is not None and choice != "none"
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    choice = req.tool_choice
+    if choice == "auto":
+        raise bad_request("tool_choice 'auto' is not supported (it needs the model's own "
+                          "tool-call format); use 'required' or name a function", "tool_choice")
+    if calls_tools(req) and not req.tools:
+        raise bad_request("tool_choice requires tools", "tool_choice")
+    forced_tool(req)  # a name that is not in tools is a 400
+
+
+def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """What the output must match when the reply is tool calls."""
+    if not calls_tools(req):
+        return None
+    tool = forced_tool(req)
+    if tool is not None:
+        return StructuredOutputsParams(json=tool.function.parameters or _NO_ARGUMENTS)
+    items, defs = [], {}
+    for tool in req.tools:
+        params = copy.deepcopy(tool.function.parameters or _NO_ARGUMENTS)
+        # "#/$defs/..." references resolve against the root schema: lift every tool's $defs.
+        for name, schema in params.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise bad_request(f"tools define $defs/{name} differently", "tools")
+        items.append({"type": "object",
+                      "properties": {"name": {"enum": [tool.function.name]},
+                                     "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return StructuredOutputsParams(json=schema)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls_of(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI tool_calls for a finished output; None when it is not complete JSON (cut by
+    a stop string), in which case the caller returns the text as content."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    tool = forced_tool(req)
+    if tool is not None:  # the output is the arguments, exactly as streamed
+        calls = [(tool.function.name, text)]
+    else:
+        calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                 for item in value]
+    return [{"id": new_call_id(), "type": "function",
+             "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls]
+
+
+def reply_message(req: ChatCompletionRequest, text: str,
+                  finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish_reason of a finished choice that must call tools."""
+    calls = tool_calls_of(req, text) if finish_reason == "stop" else None
+    if calls is None:  # cut short (max_tokens, a stop string): give the text back as it is
+        return {"role": "assistant", "content": text}, finish_reason
+    finish = "stop" if forced_tool(req) is not None else "tool_calls"
+    return {"role": "assistant", "content": None, "tool_calls": calls}, finish
+
+
+class ToolCallStream:
+    """Turns each choice's streamed text into `tool_calls` deltas.
+
+    A named function's output is its arguments, so it streams as argument fragments (the first
+    carries the call's id and name). A "required" output is an array of calls whose names are
+    known only as it completes, so its calls are sent whole when the choice finishes.
+    """
+
+    def __init__(self, req: ChatCompletionRequest, n: int) -> None:
+        self.req = req
+        self.tool = forced_tool(req)
+        self.started = [False] * n
+
+    def delta(self, index: int, text: str, finish_reason: str | None,
+              full_text: str) -> tuple[dict[str, Any], str | None]:
+        if self.tool is not None:
+            if not text:
+                return {}, finish_reason
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self.started[index]:
+                self.started[index] = True
+                call = {"index": 0, "id": new_call_id(), "type": "function",
+                        "function": {"name": self.tool.function.name, "arguments": text}}
+            return {"tool_calls": [call]}, finish_reason
+        if finish_reason is None:
+            return {}, None
+        message, finish = reply_message(self.req, full_text, finish_reason)
+        if "tool_calls" in message:
+            return {"tool_calls": [{"index": i, **call}
+                                   for i, call in enumerate(message["tool_calls"])]}, finish
+        return ({"content": full_text} if full_text else {}), finish

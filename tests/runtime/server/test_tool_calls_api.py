@@ -1,0 +1,112 @@
+"""Tool calling (tool_choice "required" or a named function) through the official `openai`
+client: the calls' arguments match the tools' schemas, streaming reassembles to the same
+calls, and the client's pydantic helpers parse them."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from openai import OpenAI
+from serve_harness import MODEL
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+    "required": ["timezone"], "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS,
+                                      "description": "The current weather in a city"}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS,
+                                      "description": "The local time in a time zone"}},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def streamed_calls(chunks: list) -> dict[int, dict]:
+    """Reassemble tool_calls deltas the way OpenAI clients do: by index, arguments appended."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            call["name"] = call["name"] or (delta.function.name if delta.function else None)
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    return calls
+
+
+def test_named_function_is_called_with_valid_arguments(client: OpenAI) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=GET_WEATHER, temperature=0,
+              max_tokens=60)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # OpenAI's reason for a forced function
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    calls = streamed_calls(chunks)
+    assert list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["arguments"] == call.function.arguments
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
+
+
+def test_required_calls_one_or_more_tools(client: OpenAI) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+              max_tokens=120)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    calls = streamed_calls(list(client.chat.completions.create(**kw, stream=True)))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+    single = client.chat.completions.create(**kw, parallel_tool_calls=False)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_pydantic_function_tool_parses(client: OpenAI) -> None:
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+    r = client.chat.completions.parse(
+        model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}}, temperature=0,
+        max_tokens=60)
+    parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, GetWeather) and parsed.unit in ("celsius", "fahrenheit")
+
+
+def test_a_tool_call_conversation_renders(client: OpenAI) -> None:
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather",
+                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                       tool_choice="none", temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
