@@ -113,11 +113,11 @@ def logit_bias_of(req: CompletionRequest | ChatCompletionRequest) -> dict[int, f
 
 def constraint_source(req: CompletionRequest | ChatCompletionRequest) -> str | None:
     """The request field that constrains the output, if any: one at most."""
-    sources = []
-    if req.structured_outputs is not None:
-        sources.append("structured_outputs")
+    sources = []  # the 400 names the last one: an extra or tools added to a plain request
     if req.response_format is not None and req.response_format.type != "text":
         sources.append("response_format")
+    if req.structured_outputs is not None:
+        sources.append("structured_outputs")
     if isinstance(req, ChatCompletionRequest) and calls_tools(req):
         sources.append("tool_choice")
     if len(sources) > 1:
