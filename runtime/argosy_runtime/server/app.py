@@ -15,13 +15,18 @@ from argosy_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from argosy_runtime.server.request_log import RequestContextMiddleware
 from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
+from argosy_runtime.server.serving_tokenize import detokenize, tokenize
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -69,6 +74,14 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await create_chat_completion(request, body, ctx)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(body, ctx)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(body, ctx)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:

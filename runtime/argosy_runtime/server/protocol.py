@@ -165,6 +165,26 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model_config = _FORBID
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: StrictBool = True  # messages only
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = _FORBID
+    model: str | None = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -244,6 +264,16 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "argosy"
     max_model_len: int | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -8,7 +8,13 @@ from typing import Any
 
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
 from argosy_runtime.server.errors import bad_request
-from argosy_runtime.server.protocol import ChatCompletionRequest, new_id, now
+from argosy_runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    new_id,
+    now,
+)
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
     SSE_DONE,
@@ -35,9 +41,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
-def render_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
+                    tools: list[ChatTool] | None = None) -> list[int]:
+    """The prompt token ids of a conversation, through the model's chat template."""
+    text = render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True)
+    # The template already holds any BOS it wants; adding special tokens would double it.
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
+                     tools: list[ChatTool] | None, add_generation_prompt: bool) -> str:
     messages: list[dict[str, Any]] = []
-    for m in req.messages:
+    for m in chat_messages:
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -51,13 +66,11 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
             msg["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
         messages.append(msg)
     # Templates that know tools (Llama 3.1, Qwen2.5, ...) show them to the model.
-    tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools)
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
     except ValueError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
-    # The template already holds any BOS it wants; adding special tokens would double it.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +111,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     reject_unsupported(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    prompt = render_messages(ctx, req)
+    prompt = render_messages(ctx, req.messages, req.tools)
     check_prompt(ctx, prompt, max_tokens, param="messages")
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:

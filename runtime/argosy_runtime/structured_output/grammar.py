@@ -1,8 +1,9 @@
 """Compiling `StructuredOutputsParams` with llguidance, and one matcher per sequence.
 
 llguidance (the Rust library vLLM and SGLang also use) parses incrementally with an Earley
-parser over a lexer, so a grammar compiles in about a millisecond and each step's token mask
-takes well under one on 49k-token vocabularies: there is no per-schema automaton to precompute.
+parser over a lexer, so a grammar compiles in about a millisecond and a step's token mask over
+a 49k-token vocabulary takes 0.02-1.5 ms (0.25 ms on average for JSON): there is no
+per-schema automaton to precompute.
 """
 
 from __future__ import annotations
@@ -118,11 +119,6 @@ class RequestGrammar:
         """True once nothing but EOS may follow (or the matcher failed): the request ends."""
         self.sync(output_token_ids)
         return self._matcher.is_stopped()
-
-    def is_accepting(self, output_token_ids: Sequence[int]) -> bool:
-        """True when the output so far is complete (it may still go on)."""
-        self.sync(output_token_ids)
-        return self._matcher.is_accepting()
 
     def forced_tokens(self, output_token_ids: Sequence[int]) -> list[int]:
         """Tokens the grammar forces next, in their canonical tokenization (llguidance stops

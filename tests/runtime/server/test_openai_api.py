@@ -202,3 +202,32 @@ def test_health_ready_open(http: httpx.Client) -> None:
 def test_openapi_documents_routes(http: httpx.Client, path: str) -> None:
     spec = http.get("/openapi.json").json()
     assert "post" in spec["paths"][path]
+
+
+def test_tokenize_counts_what_generation_sees(client: OpenAI, http: httpx.Client,
+                                              offline_llm) -> None:
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert r["tokens"] == offline_llm.engine.tokenizer.encode(PROMPT)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] > r["count"]
+    assert r["count"] == greedy(client, PROMPT, max_tokens=1).usage.prompt_tokens
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+    back = http.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"].endswith(PROMPT)
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
+     "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_tokenize_errors(http: httpx.Client, path: str, body: dict, status: int,
+                         param: str) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param

@@ -1,0 +1,34 @@
+"""POST /tokenize and /detokenize (vLLM's routes): count a prompt's tokens, exactly as a
+generation request would see them, without running the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from argosy_runtime.server.serving_chat import render_chat_text
+from argosy_runtime.server.serving_common import ServingContext
+
+
+def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if req.messages is not None:  # as chat completions does: the template holds any BOS
+        text = render_chat_text(ctx, req.messages, req.tools, req.add_generation_prompt)
+        add_special = bool(req.add_special_tokens)
+    else:  # as completions does
+        text = req.prompt
+        add_special = req.add_special_tokens is not False
+    tokens = ctx.tokenizer.encode(text, add_special_tokens=add_special)
+    return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+
+
+def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+    ctx.check_model(req.model)
+    vocab = ctx.tokenizer.vocab_size
+    for t in req.tokens:
+        if not 0 <= t < vocab:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
