@@ -169,7 +169,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  priority: int = 0) -> RequestStream:
+                  priority: int = 0, lora_name: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it.
 
         Raises QueueFullError when `max_waiting` requests already wait, ValueError when the
@@ -186,7 +186,8 @@ class AsyncEngine:
         arrival = time.monotonic()
         with self._cond:
             self._num_pending_adds += 1
-            self._commands.append(("add", (request_id, prompt, params, arrival, priority)))
+            self._commands.append(("add", (request_id, prompt, params, arrival, priority,
+                                           lora_name)))
             self._cond.notify()
         try:
             await asyncio.shield(stream.added)
@@ -237,10 +238,10 @@ class AsyncEngine:
         for kind, payload in commands:
             if kind == "add":
                 num_adds += 1
-                request_id, prompt, params, arrival, priority = payload
+                request_id, prompt, params, arrival, priority, lora_name = payload
                 try:
                     self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                            priority=priority)
+                                            priority=priority, lora_name=lora_name)
                     self._trackers[request_id] = _Tracker(arrival)
                     results.append((request_id, None))
                 except Exception as exc:  # ValueError: bad request; anything else: engine bug

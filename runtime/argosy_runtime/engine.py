@@ -24,6 +24,7 @@ from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.lora import LoRAAdapter
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -94,6 +95,7 @@ class LLMEngine:
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                 self._stop_ids)
+        self.lora_adapters = self._load_lora_adapters()
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
             "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
@@ -149,6 +151,20 @@ class LLMEngine:
             return int(free * self.args.kv_cache_memory_fraction)
         return _CPU_DEFAULT_KV_CACHE_MEMORY
 
+    def _load_lora_adapters(self) -> dict[str, LoRAAdapter]:
+        modules = self.args.lora_modules or {}
+        if not isinstance(modules, dict):
+            raise ValueError("lora_modules must map adapter names to PEFT adapter folders")
+        adapters = {}
+        for name, path in modules.items():
+            if not isinstance(name, str) or not name or name == self.served_model_name:
+                raise ValueError(f"lora_modules: {name!r} is not a usable adapter name (empty, "
+                                 "or the base model's own name)")
+            adapters[name] = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
+            logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name,
+                        adapters[name].rank, len(adapters[name].layers), path)
+        return adapters
+
     def _build_proposer(self) -> Any:
         if self.args.speculative is None:
             return None
@@ -158,8 +174,10 @@ class LLMEngine:
 
     # ---- public API --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. Raises ValueError (naming the field) for input that can never run."""
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
+        """Queue a request, on the base model or the LoRA adapter `lora_name`. Raises
+        ValueError (naming the field) for input that can never run."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._groups:
@@ -167,6 +185,12 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        adapter = None
+        if lora_name is not None:
+            adapter = self.lora_adapters.get(lora_name)
+            if adapter is None:
+                raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
+                                 f"{sorted(self.lora_adapters) or 'none'}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -211,6 +235,7 @@ class LLMEngine:
                                                        params.skip_special_tokens)
             if grammars is not None:
                 child.grammar = grammars[i]
+            child.lora = adapter
             children.append(child)
         self._groups[request_id] = children
         for child in children:

@@ -78,6 +78,12 @@ class EngineArgs:
         "never jump.",
         default=True,
     )
+    lora_modules: dict[str, str] | None = _opt(
+        "LoRA adapters to serve beside the base model: name=path[,name=path...] or a JSON "
+        "object; each path is a PEFT adapter folder. Requests pick one by name (the 'model' "
+        "field over HTTP). See docs/lora.md.",
+        default=None,
+    )
     seed: int = _opt("Seed for requests that give none.", default=0)
     cpu_threads: int | None = _opt(
         "Threads for CPU math (default: the CPUs this process may use: the smallest of the "
@@ -122,6 +128,8 @@ class EngineArgs:
 def _cli_type(name: str, type_str: str) -> Any:
     if name == "speculative":
         return _parse_speculative
+    if name == "lora_modules":
+        return parse_lora_modules
     if name == "kv_cache_memory":
         return parse_bytes
     if type_str.startswith("int"):
@@ -136,6 +144,20 @@ def _parse_speculative(value: str) -> dict[str, Any] | str:
     if value.startswith("{"):
         return json.loads(value)
     return value
+
+
+def parse_lora_modules(value: str) -> dict[str, str]:
+    """'a=/adapters/a,b=/adapters/b' or '{"a": "/adapters/a"}' -> {name: path}."""
+    value = value.strip()
+    if value.startswith("{"):
+        return json.loads(value)
+    modules = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {item!r}")
+        modules[name] = path
+    return modules
 
 
 def parse_bytes(value: str | int) -> int:

@@ -31,8 +31,10 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a str or a list of token ids counts as one)."""
+        """Outputs in the order of `prompts` (a str or a list of token ids counts as one),
+        on the base model or the LoRA adapter `lora_name` (one of `lora_modules`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -46,7 +48,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_name=lora_name)
                 added.append(rid)
         except ValueError:
             self.engine.abort_request(added)
@@ -59,11 +61,12 @@ class LLM:
         return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | None = None) -> list[RequestOutput]:
+             params: SamplingParams | None = None,
+             lora_name: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         # The template already holds any BOS it wants: encode without adding special tokens.
         prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True),
                                     add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora_name)

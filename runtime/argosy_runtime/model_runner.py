@@ -17,6 +17,7 @@ from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
 from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.lora import LoRAAdapter, LoRABatch
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.outputs import PositionLogprobs
 from argosy_runtime.sampler import Sampler, compute_logprobs
@@ -101,6 +102,21 @@ class ModelRunner:
             entries.append((block_ids, start, tokens))
         return build_batch(entries, self.block_size, self.device, self.model.decode_rows_up_to)
 
+    def _lora_batch(self, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
+        """The batch rows of each LoRA adapter's requests (rows follow `scheduled`)."""
+        groups: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+        offset = 0
+        for sr in scheduled:
+            adapter = sr.request.lora
+            if adapter is not None:
+                groups.setdefault(adapter.name, (adapter, []))[1].extend(
+                    range(offset, offset + sr.num_new_tokens))
+            offset += sr.num_new_tokens
+        if not groups:
+            return None
+        return LoRABatch([(adapter, torch.tensor(rows, dtype=torch.long, device=self.device))
+                          for adapter, rows in groups.values()])
+
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -109,11 +125,13 @@ class ModelRunner:
                                   self.model.decode_rows_up_to)
         scheduled = [sched.scheduled[i] for i in order]
         input_ids, positions, meta = self._prepare(scheduled)
-        if self.graph_runner is not None:  # replays captured decode graphs when it can
+        lora = self._lora_batch(scheduled)
+        if self.graph_runner is not None and lora is None:  # replays captured decode graphs
             hidden = self.graph_runner.forward(input_ids, positions, meta)
         else:
             ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta,
                                  self.kv_scales)
+            ctx.lora = lora
             hidden = self.model(input_ids, positions, ctx)
 
         # Which rows need logits: the last row of each sequence that samples, every draft row

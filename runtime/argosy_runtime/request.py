@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from argosy_runtime.detokenizer import IncrementalDetokenizer
+    from argosy_runtime.lora import LoRAAdapter
     from argosy_runtime.structured_output.grammar import RequestGrammar
 
 
@@ -79,6 +80,7 @@ class Request:
         self.text = ""  # output text (stop strings already applied)
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
+        self.lora: LoRAAdapter | None = None  # the adapter this request runs with, if any
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +97,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def cache_salt(self) -> int | None:
+        """Seeds the prefix-cache hash chain: an adapter's K/V differ from the base model's."""
+        return None if self.lora is None else self.lora.cache_salt
 
     @property
     def is_prefill(self) -> bool:

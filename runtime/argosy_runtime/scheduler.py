@@ -100,7 +100,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate_slots(
-                req.request_id, req.token_ids, req.num_computed_tokens + num_new
+                req.request_id, req.token_ids, req.num_computed_tokens + num_new,
+                salt=req.cache_salt,
             ):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -121,7 +122,8 @@ class Scheduler:
                 break
             req = self.waiting[0]
             computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
-                                                         _prefix_lookup_limit(req))
+                                                         _prefix_lookup_limit(req),
+                                                         salt=req.cache_salt)
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = req.num_tokens - num_computed
             if num_new > budget:
@@ -129,7 +131,8 @@ class Scheduler:
                     break
                 num_new = budget
             if not self.kv_cache.allocate_slots(
-                req.request_id, req.token_ids, num_computed + num_new, computed
+                req.request_id, req.token_ids, num_computed + num_new, computed,
+                salt=req.cache_salt,
             ):
                 break
             self.waiting.pop(0)

@@ -40,18 +40,22 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
-        """Hashes of every full block of `token_ids`, extended incrementally per request."""
+    def block_hashes(self, request_id: str, token_ids: Sequence[int],
+                     salt: int | None = None) -> list[int]:
+        """Hashes of every full block of `token_ids`, extended incrementally per request.
+        `salt` seeds the chain: requests whose equal tokens have different K/V (another
+        LoRA adapter) never share blocks."""
         hashes = self._req_block_hashes.setdefault(request_id, [])
         bs = self.block_size
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt
             hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(
-        self, request_id: str, token_ids: Sequence[int], num_lookup_tokens: int | None = None
+        self, request_id: str, token_ids: Sequence[int], num_lookup_tokens: int | None = None,
+        salt: int | None = None,
     ) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that prefixes `token_ids`.
 
@@ -61,7 +65,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         limit = len(token_ids) - 1 if num_lookup_tokens is None else num_lookup_tokens
-        hashes = self.block_hashes(request_id, token_ids)
+        hashes = self.block_hashes(request_id, token_ids, salt)
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[: limit // self.block_size]:
             block = self.pool.get_cached_block(block_hash)
@@ -86,6 +90,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_total_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
+        salt: int | None = None,
     ) -> bool:
         """Make room for the first `num_total_tokens` tokens of the request.
 
@@ -105,7 +110,7 @@ class KVCacheManager:
             # Blocks whose tokens are all known are cacheable now: within a step every layer
             # writes all new K/V before any attention reads, so a same-step hit is safe.
             num_full = min(num_total_tokens, len(token_ids)) // self.block_size
-            hashes = self.block_hashes(request_id, token_ids)
+            hashes = self.block_hashes(request_id, token_ids, salt)
             for i in range(num_full):
                 self.pool.cache_block(blocks[i], hashes[i])
         return True

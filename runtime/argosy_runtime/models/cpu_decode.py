@@ -77,9 +77,10 @@ class CpuDecodeLayers:
                    first.self_attn.num_kv_heads)
 
     def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Whether this step can take the C++ path: decodes only, on the fused CPU backend."""
+        """Whether this step can take the C++ path: decodes only, on the fused CPU backend,
+        no LoRA rows (the C++ layer has no hook for their deltas)."""
         n = hidden.shape[0]
-        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n
+        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n and ctx.lora is None
                 and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False))
 
     def __call__(self, hidden: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None

@@ -32,6 +32,7 @@ from argosy_runtime.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from argosy_runtime.attention import AttentionMetadata
+    from argosy_runtime.lora import LoRABatch
     from argosy_runtime.model_loader import ModelSpec
 
 
@@ -82,6 +83,8 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(h)
+        if ctx.lora is not None:
+            ctx.lora.apply(qkv, h, self.layer_idx, "qkv_proj")
         # q and k are adjacent in qkv: rotate both heads at once (one pass, half the ops).
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -95,37 +98,49 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, **ctx.cache_kwargs(self.layer_idx))
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        o = self.o_proj(out)
+        if ctx.lora is not None:
+            ctx.lora.apply(o, out, self.layer_idx, "o_proj")
+        return o
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.ops = "torch"  # "cpu_ops": SiLU x up in one C++ call (no Triton kernel for it)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(gate_up, x, self.layer_idx, "gate_up_proj")
         if self.ops == "cpu_ops":
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            act = cpu_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
+        if lora is not None:
+            lora.apply(out, act, self.layer_idx, "down_proj")
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layer_idx)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_and_norm(
             h, self.self_attn(self.input_layernorm(h), ctx))
-        return h + self.mlp(x)
+        return h + self.mlp(x, ctx.lora)
 
 
 class ForwardContext:
@@ -141,6 +156,7 @@ class ForwardContext:
         # Set once per step by LlamaForCausalLM.set_positions:
         self.positions: torch.Tensor | None = None  # [num_tokens], for the Triton rotary
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # for the others
+        self.lora: LoRABatch | None = None  # rows that use LoRA adapters this step
 
     def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
         if self.kv_scales is None:

@@ -47,7 +47,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                           _cache_info(engine))
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
-                         lifecycle=lifecycle, metrics=metrics)
+                         lifecycle=lifecycle, metrics=metrics,
+                         lora_names=tuple(getattr(engine, "lora_adapters", {})))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -85,9 +86,11 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": ctx.created, "owned_by": "argosy",
-            "max_model_len": ctx.max_model_len}]}
+        base = {"id": model_name, "object": "model", "created": ctx.created,
+                "owned_by": "argosy", "max_model_len": ctx.max_model_len}
+        # LoRA adapters are models too (vLLM lists them the same way, with their parent).
+        return {"object": "list", "data": [base] + [
+            {**base, "id": name, "parent": model_name} for name in ctx.lora_names]}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -264,6 +264,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "argosy"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class TokenizeResponse(BaseModel):

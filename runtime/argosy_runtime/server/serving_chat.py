@@ -108,7 +108,7 @@ def chat_logprobs(ctx: ServingContext, seq: CompletionOutput, start: int, end: i
 async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                                  ctx: ServingContext) -> Response:
     ctx.check_accepting()
-    ctx.check_model(req.model)
+    model_name = ctx.check_model(req.model)
     reject_unsupported(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     prompt = render_messages(ctx, req.messages, req.tools)
@@ -119,13 +119,13 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     params = make_sampling_params(req, max_tokens, k)
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
-    log.update(model=ctx.model_name, prompt_tokens=len(prompt), stream=bool(req.stream))
+    log.update(model=model_name, prompt_tokens=len(prompt), stream=bool(req.stream))
     response_id = new_id("chatcmpl")
     created = now()
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      [prompt], params)
+                                      [prompt], params, model_name)
     except BaseException:
         ctx.lifecycle.exit()
         raise
@@ -136,7 +136,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
-                                    "created": created, "model": ctx.model_name,
+                                    "created": created, "model": model_name,
                                     "choices": choices}
             if include_usage:
                 body["usage"] = usage
@@ -216,7 +216,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     usage = _usage(prompt, final)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(final))
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
-                         "model": ctx.model_name, "choices": choices, "usage": usage})
+                         "model": model_name, "choices": choices, "usage": usage})
 
 
 def _usage(prompt: list[int], final: RequestOutput | None) -> dict[str, int]:

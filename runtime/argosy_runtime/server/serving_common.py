@@ -42,12 +42,20 @@ class ServingContext:
     config: ServerConfig
     lifecycle: Lifecycle
     metrics: ServerMetrics
+    lora_names: tuple[str, ...] = ()  # LoRA adapters served beside the base model
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The served name a request asks for (the base model when it names none)."""
+        if model is None or model == self.model_name or model in self.lora_names:
+            return model or self.model_name
+        served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    def lora_name(self, model_name: str) -> str | None:
+        """The LoRA adapter behind a served name (None: the base model)."""
+        return model_name if model_name != self.model_name else None
 
     def check_accepting(self) -> None:
         if self.lifecycle.draining:
@@ -194,11 +202,12 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 
 
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
-                        params: SamplingParams) -> list[RequestStream]:
+                        params: SamplingParams, model_name: str) -> list[RequestStream]:
     """Admit every prompt of a request (all or none), in the same engine step."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    lora_name = ctx.lora_name(model_name)
     # gather posts every add before awaiting any, so the prompts join the batch together
-    results = await asyncio.gather(*(ctx.engine.add(rid, p, params)
+    results = await asyncio.gather(*(ctx.engine.add(rid, p, params, lora_name=lora_name)
                                      for rid, p in zip(ids, prompts, strict=True)),
                                    return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]

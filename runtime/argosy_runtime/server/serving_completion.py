@@ -81,7 +81,7 @@ def logprobs_block(ctx: ServingContext, seq: CompletionOutput, start: int, end: 
 async def create_completion(request: Request, req: CompletionRequest,
                             ctx: ServingContext) -> Response:
     ctx.check_accepting()
-    ctx.check_model(req.model)
+    model_name = ctx.check_model(req.model)
     reject_unsupported(req)
     texts, prompts = normalize_prompts(ctx, req.prompt)
     for ids in prompts:
@@ -89,14 +89,14 @@ async def create_completion(request: Request, req: CompletionRequest,
     params = make_sampling_params(req, req.max_tokens, req.logprobs)
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
-    log.update(model=ctx.model_name, prompt_tokens=sum(len(p) for p in prompts),
+    log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
                stream=bool(req.stream))
     response_id = new_id("cmpl")
     created = now()
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      prompts, params)
+                                      prompts, params, model_name)
     except BaseException:
         ctx.lifecycle.exit()
         raise
@@ -111,7 +111,7 @@ async def create_completion(request: Request, req: CompletionRequest,
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
                   with_usage: bool = False) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "text_completion",
-                                    "created": created, "model": ctx.model_name,
+                                    "created": created, "model": model_name,
                                     "choices": choices}
             if include_usage or with_usage:
                 body["usage"] = usage
@@ -178,7 +178,7 @@ async def create_completion(request: Request, req: CompletionRequest,
     usage = _usage(prompts, finals)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))
     return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
-                         "model": ctx.model_name, "choices": choices, "usage": usage})
+                         "model": model_name, "choices": choices, "usage": usage})
 
 
 def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, int]:

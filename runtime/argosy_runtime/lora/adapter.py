@@ -1,0 +1,126 @@
+"""`LoRAAdapter`: a PEFT LoRA adapter folder, laid out for the fused projections.
+
+PEFT saves `adapter_config.json` (r, lora_alpha, ...) and `adapter_model.safetensors` with one
+`lora_A` [r, in] and `lora_B` [out, r] per adapted module, e.g.
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`. The model fuses q/k/v and
+gate/up into single projections, so each adapted module becomes a slice of a fused output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from argosy_runtime.model_loader import ModelSpec
+
+_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+@dataclass
+class LoRASlice:
+    """One adapted module: out[:, offset : offset + B.shape[0]] += (x A^T) B^T * scale."""
+
+    offset: int
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    cache_salt: int = 0  # distinct per adapter: its requests' prefix-cache blocks are its own
+    # layer index -> fused module name (qkv_proj, o_proj, gate_up_proj, down_proj) -> slices
+    layers: dict[int, dict[str, list[LoRASlice]]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> LoRAAdapter:
+        """Raises ValueError naming what the adapter has that this server cannot apply."""
+        folder = Path(path)
+        config_path = folder / "adapter_config.json"
+        weights_path = folder / "adapter_model.safetensors"
+        if not config_path.is_file() or not weights_path.is_file():
+            raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
+                             "adapter_model.safetensors (a PEFT adapter folder)")
+        config = json.loads(config_path.read_text())
+        _check_supported(name, config)
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights_path))
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            match = _KEY.search(key)
+            if match is None:
+                raise ValueError(f"LoRA adapter {name!r}: cannot apply {key} (only the "
+                                 "attention and MLP projections of decoder layers)")
+            layer, _, module, which = match.groups()
+            pairs.setdefault((int(layer), module), {})[which] = tensor
+        digest = hashlib.sha256(f"lora:{name}:{folder.resolve()}".encode()).digest()
+        adapter = cls(name=name, rank=rank, cache_salt=int.from_bytes(digest[:8], "little"))
+        for (layer, module), ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete "
+                                 "or beyond the model's layers")
+            fused, offset, in_size, out_size = _place(module, spec)
+            a, b = ab["A"], ab["B"]
+            if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
+                                 f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
+                                 f"A [r, {in_size}], B [{out_size}, r]")
+            adapter.layers.setdefault(layer, {}).setdefault(fused, []).append(LoRASlice(
+                offset, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
+                scale))
+        if not adapter.layers:
+            raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in {weights_path}")
+        return adapter
+
+
+def _check_supported(name: str, config: dict) -> None:
+    unsupported = {
+        "peft_type": config.get("peft_type", "LORA") != "LORA",
+        "use_dora": bool(config.get("use_dora")),
+        "bias": config.get("bias", "none") != "none",
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"LoRA adapter {name!r}: unsupported adapter_config.json setting(s): "
+                         f"{', '.join(bad)} (plain LoRA on the attention and MLP projections "
+                         "only)")
+    if "r" not in config:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no 'r'")
+
+
+def _place(module: str, spec: ModelSpec) -> tuple[str, int, int, int]:
+    """(fused module, output offset, in features, out features) of a PEFT module name."""
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    table = {
+        "q_proj": ("qkv_proj", 0, hidden, q),
+        "k_proj": ("qkv_proj", q, hidden, kv),
+        "v_proj": ("qkv_proj", q + kv, hidden, kv),
+        "o_proj": ("o_proj", 0, q, hidden),
+        "gate_proj": ("gate_up_proj", 0, hidden, inter),
+        "up_proj": ("gate_up_proj", inter, hidden, inter),
+        "down_proj": ("down_proj", 0, inter, hidden),
+    }
+    if module not in table:
+        raise ValueError(f"unknown projection {module}")
+    return table[module]
