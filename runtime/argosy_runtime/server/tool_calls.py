@@ -67,7 +67,10 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
     for tool in req.tools:
         params = copy.deepcopy(tool.function.parameters or _NO_ARGUMENTS)
         # "#/$defs/..." references resolve against the root schema: lift every tool's $defs.
-        for name, schema in params.pop("$defs", {}).items():
+        defs_of_tool = params.pop("$defs", {})
+        if not isinstance(defs_of_tool, dict):
+            raise bad_request(f"tools: $defs of {tool.function.name!r} must be an object", "tools")
+        for name, schema in defs_of_tool.items():
             if defs.setdefault(name, schema) != schema:
                 raise bad_request(f"tools define $defs/{name} differently", "tools")
         items.append({"type": "object",
@@ -97,8 +100,11 @@ def tool_calls_of(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]]
     if tool is not None:  # the output is the arguments, exactly as streamed
         calls = [(tool.function.name, text)]
     else:
-        calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                 for item in value]
+        try:
+            calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                     for item in value]
+        except (KeyError, TypeError):  # valid JSON of another shape (a stop string cut it)
+            return None
     return [{"id": new_call_id(), "type": "function",
              "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]

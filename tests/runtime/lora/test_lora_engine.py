@@ -117,9 +117,13 @@ def test_prefix_cache_never_crosses_adapters(model_dir, adapters, references) ->
     assert_no_leaks(engine)
 
 
-def test_bfloat16_takes_the_module_path_for_adapter_rows(model_dir, adapters) -> None:
-    engine = LLMEngine(model=str(model_dir), dtype="bfloat16",
-                       lora_modules={"all": str(adapters["all"])})
+@pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16"},  # C++ decode layers for base rows
+                                    {"dtype": "float32", "quantization": "int8"}])
+def test_adapters_on_bf16_and_quantized_bases(model_dir, adapters, kwargs) -> None:
+    """No reference exists for these (PEFT runs float32 weights): the adapter changes the
+    output, and a request's output does not depend on the base rows batched with it."""
+    engine = LLMEngine(model=str(model_dir), lora_modules={"all": str(adapters["all"])},
+                       **kwargs)
     base, with_lora = run(engine, [(None, 1), ("all", 1)])
     alone = run(engine, [("all", 1)])[0]
     assert with_lora != base and with_lora == alone

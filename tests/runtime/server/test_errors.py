@@ -83,6 +83,9 @@ CASES = [
      "tools"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [
         {"type": "function", "function": {"name": "has space"}}]}, 400, "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}]}, 400,
+     "tools"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 7}, 400, "presence_penalty"),
     (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "model"),
 ]
