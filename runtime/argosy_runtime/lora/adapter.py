@@ -25,22 +25,23 @@ _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.
 
 
 @dataclass
-class LoRASlice:
-    """One adapted module: out[:, offset : offset + B.shape[0]] += (x A^T) B^T * scale."""
+class LoRAWeights:
+    """One fused projection's adapted modules stacked: A [k * r, in] holds each module's A,
+    B [out, k * r] each module's B in its own output rows and rank columns (zeros elsewhere),
+    so out += (x A^T) B^T * scale applies them all with two matmuls."""
 
-    offset: int
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scale: float
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 @dataclass
 class LoRAAdapter:
     name: str
     rank: int
+    scale: float  # lora_alpha / r (or / sqrt(r) with use_rslora)
     cache_salt: int = 0  # distinct per adapter: its requests' prefix-cache blocks are its own
-    # layer index -> fused module name (qkv_proj, o_proj, gate_up_proj, down_proj) -> slices
-    layers: dict[int, dict[str, list[LoRASlice]]] = field(default_factory=dict)
+    # layer index -> fused module name (qkv_proj, o_proj, gate_up_proj, down_proj) -> weights
+    layers: dict[int, dict[str, LoRAWeights]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,
@@ -69,20 +70,28 @@ class LoRAAdapter:
             layer, _, module, which = match.groups()
             pairs.setdefault((int(layer), module), {})[which] = tensor
         digest = hashlib.sha256(f"lora:{name}:{folder.resolve()}".encode()).digest()
-        adapter = cls(name=name, rank=rank, cache_salt=int.from_bytes(digest[:8], "little"))
+        adapter = cls(name=name, rank=rank, scale=scale,
+                      cache_salt=int.from_bytes(digest[:8], "little"))
+        stacks: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete "
                                  "or beyond the model's layers")
             fused, offset, in_size, out_size = _place(module, spec)
             a, b = ab["A"], ab["B"]
-            if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
+            if (a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
+                    or b.shape[1] != rank):
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
-                                 f"A [r, {in_size}], B [{out_size}, r]")
-            adapter.layers.setdefault(layer, {}).setdefault(fused, []).append(LoRASlice(
-                offset, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
-                scale))
+                                 f"A [{rank}, {in_size}], B [{out_size}, {rank}]")
+            stacks.setdefault((layer, fused), []).append((offset, a, b))
+        for (layer, fused), parts in stacks.items():
+            b_stacked = torch.zeros(_fused_out_size(fused, spec), rank * len(parts))
+            for i, (offset, _, b) in enumerate(parts):
+                b_stacked[offset : offset + b.shape[0], i * rank : (i + 1) * rank] = b
+            a_stacked = torch.cat([a for _, a, _ in parts])
+            adapter.layers.setdefault(layer, {})[fused] = LoRAWeights(
+                a_stacked.to(device=device, dtype=dtype), b_stacked.to(device=device, dtype=dtype))
         if not adapter.layers:
             raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in {weights_path}")
         return adapter
@@ -105,6 +114,13 @@ def _check_supported(name: str, config: dict) -> None:
                          "only)")
     if "r" not in config:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no 'r'")
+
+
+def _fused_out_size(fused: str, spec: ModelSpec) -> int:
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    return {"qkv_proj": q + 2 * kv, "o_proj": spec.hidden_size,
+            "gate_up_proj": 2 * spec.intermediate_size, "down_proj": spec.hidden_size}[fused]
 
 
 def _place(module: str, spec: ModelSpec) -> tuple[str, int, int, int]:

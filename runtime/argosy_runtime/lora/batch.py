@@ -13,15 +13,16 @@ class LoRABatch:
         self.groups = groups  # (adapter, row indices [n] int64), one entry per adapter
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """out[rows] += each adapted slice's (x[rows] A^T) B^T * scale, in place; rows of
-        the base model and modules an adapter leaves alone are untouched. Same op order as
-        PEFT (B after A, then the scale), so float32 results match it."""
+        """out[rows] += (x[rows] A^T) B^T * scale for each adapter's rows, in place; rows of
+        the base model and projections an adapter leaves alone are untouched. Same op order
+        as PEFT (B after A, then the scale), so float32 results match it."""
         for adapter, rows in self.groups:
-            slices = adapter.layers.get(layer, {}).get(module)
-            if not slices:
+            weights = adapter.layers.get(layer, {}).get(module)
+            if weights is None:
                 continue
-            xs = x.index_select(0, rows)
-            for s in slices:
-                end = s.offset + s.b.shape[0]
-                delta = F.linear(F.linear(xs, s.a), s.b) * s.scale
-                out[rows, s.offset : end] += delta
+            if rows.numel() == x.shape[0]:  # every row runs this adapter: no gather/scatter
+                out += F.linear(F.linear(x, weights.a), weights.b) * adapter.scale
+            else:
+                xs = x.index_select(0, rows)
+                out.index_add_(0, rows, F.linear(F.linear(xs, weights.a), weights.b)
+                               * adapter.scale)
