@@ -39,4 +39,5 @@ if [[ -n "$VLLM" ]]; then
     --port "$PORT" --gpu-memory-utilization 0.25 --enable-lora --max-lora-rank 16 \
     --lora-modules "adapter=$ADAPTER"
 fi
-"$PY" -m argosy_runtime.cli.main bench serve --compare "$OUT"/*.json --markdown "$OUT/compare.md"
+"$PY" -m argosy_runtime.cli.main bench serve --compare "$OUT"/*-*.json --json "$OUT/compare.json" \
+  --markdown "$OUT/compare.md"
