@@ -34,6 +34,7 @@ class FakeReplica:
     """One fake replica; knobs change its behaviour between requests."""
 
     model: str = "tiny"
+    adapters: list[str] = field(default_factory=list)  # LoRA adapter names on `model`
     name: str = "r"
     # Gauges served on /metrics.
     kv_cache_usage: float = 0.0
@@ -100,9 +101,9 @@ class FakeReplica:
         return web.json_response({"ok": True})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "argosy"}]}
-        )
+        base = {"id": self.model, "object": "model", "owned_by": "argosy"}
+        adapters = [{**base, "id": name, "parent": self.model} for name in self.adapters]
+        return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def _ready(self, request: web.Request) -> web.Response:
         return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
@@ -132,7 +133,7 @@ class FakeReplica:
         unknown = sorted(set(body) - KNOWN_FIELDS)
         if unknown:
             return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
-        if body.get("model") != self.model:
+        if body.get("model") not in (self.model, *self.adapters):
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
         temperature = body.get("temperature", 1.0)
         if not isinstance(temperature, int | float) or temperature < 0:

@@ -335,3 +335,19 @@ async def test_cascade_routes_and_reports(fake_replicas, gateway) -> None:
                          ("small", "default"), ("large", "header"), ("large", "model_name")]:
         line = f'argosy:gateway_cascade_decisions_total{{reason="{reason}",route="auto",tier="{tier}"}} 1.0'
         assert line in text, line
+
+
+async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, gateway) -> None:
+    (a,) = await fake_replicas(1, model="tiny")
+    (b,) = await fake_replicas(1, model="big")
+    a.adapters = ["sql"]
+    _, url = await gateway(config(("tiny", [a.url]), ("big", [b.url])))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as resp:
+            assert resp.status == 200 and resp.headers["x-argosy-backend"] == a.url
+        assert a.requests[-1]["model"] == "sql" and not b.requests  # name unchanged
+        async with s.get(f"{url}/v1/models") as resp:
+            models = {m["id"]: m for m in (await resp.json())["data"]}
+        assert models["sql"]["parent"] == "tiny"
+        async with s.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
+            assert resp.status == 404

@@ -58,6 +58,8 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
+        self._adapter_parents: dict[str, str] = {}  # LoRA adapter name -> configured model
+        self._adapters_seen_at = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -124,8 +126,8 @@ class Gateway:
     async def handle_unknown(self, request: web.Request) -> web.Response:
         return error_response(404, f"not found: {request.method} {request.path}")
 
-    async def handle_models(self, request: web.Request) -> web.Response:
-        """Union of every in-rotation replica's /v1/models, plus the cascade routes."""
+    async def _replica_models(self) -> list[dict[str, Any]]:
+        """Every in-rotation replica's /v1/models entries (LoRA adapters among them)."""
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s)
 
@@ -140,10 +142,25 @@ class Gateway:
                 return []
 
         urls = sorted({r.url for pool in self.pools.values() for r in pool.available()})
+        return [m for models in await asyncio.gather(*(fetch(u) for u in urls)) for m in models]
+
+    async def _adapter_parent(self, model: str) -> str | None:
+        """The configured model behind a LoRA adapter name: replicas list each adapter in
+        /v1/models with its `parent`. Looked up on a miss, at most once a second."""
+        if model not in self._adapter_parents and time.monotonic() - self._adapters_seen_at > 1.0:
+            self._adapters_seen_at = time.monotonic()
+            for m in await self._replica_models():
+                parent = m.get("parent")
+                if isinstance(parent, str) and parent in self.pools:
+                    self._adapter_parents[str(m.get("id"))] = parent
+        return self._adapter_parents.get(model)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """Union of every in-rotation replica's /v1/models, plus the cascade routes."""
+
         merged: dict[str, dict[str, Any]] = {}
-        for models in await asyncio.gather(*(fetch(u) for u in urls)):
-            for m in models:
-                merged.setdefault(str(m.get("id")), m)
+        for m in await self._replica_models():
+            merged.setdefault(str(m.get("id")), m)
         for name in self.cascades:
             merged.setdefault(
                 name,
@@ -174,9 +191,11 @@ class Gateway:
         route_name, forced_tier = cascade_rules.split_route_name(model)
         cascade = self.cascades.get(route_name)
         if cascade is None:
-            if model not in self.pools:
+            pool = model if model in self.pools else await self._adapter_parent(model)
+            if pool is None:
                 return model_not_found(model, [*self.pools, *self.cascades])
-            return await self._relay(request, model, path, body, raw, headers, started, {})
+            # A LoRA adapter goes to its base model's replicas, its name unchanged.
+            return await self._relay(request, pool, path, body, raw, headers, started, {})
 
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)
         extra = {"x-argosy-cascade": decision.tier, "x-argosy-cascade-reason": decision.reason}
