@@ -86,6 +86,10 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         out["runtime"]["speculative"] = _merge_defaults(SPECULATIVE_DEFAULTS, speculative)
         if out["runtime"]["speculative"]["method"] == "draft" and not speculative.get("draftModel"):
             raise ValueError("spec.runtime.speculative.draftModel: required when method is draft")
+    adapter_names = [a.get("name") for a in out["runtime"].get("loraAdapters") or []]
+    if len(set(adapter_names)) != len(adapter_names) or model["name"] in adapter_names:
+        raise ValueError("spec.runtime.loraAdapters: names must be unique and differ from "
+                         "model.name")
     if out["runtime"].get("quantization") == "int4" and out["runtime"]["dtype"] == "float32":
         raise ValueError("spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
     autoscaling = out["autoscaling"]

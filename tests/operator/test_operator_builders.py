@@ -235,6 +235,14 @@ def test_serve_flags_edge_cases() -> None:
     assert pod["terminationGracePeriodSeconds"] == 15
 
 
+def test_lora_adapters_become_lora_modules() -> None:
+    adapters = [{"name": "sql", "path": "/adapters/sql"}, {"name": "chat,v2", "path": "/a/c"}]
+    args = _pod(runtime={"loraAdapters": adapters})["containers"][0]["args"]
+    assert json.loads(args[args.index("--lora-modules") + 1]) == {
+        "sql": "/adapters/sql", "chat,v2": "/a/c"}  # JSON: names may hold "," or "="
+    assert "--lora-modules" not in _pod()["containers"][0]["args"]
+
+
 def test_pod_template_overrides() -> None:
     llmd, spec = _llmd(
         podTemplate={"labels": {"team": "a", "argosy.dev/llmdeployment": "hijack"},
@@ -320,6 +328,8 @@ def test_bad_sources_raise_naming_the_field(source: str, message: str) -> None:
      "spec.runtime.speculative.draftModel"),
     ({"model": {"name": "m", "path": "p"}, "rollout": {"progressDeadlineSeconds": 600}},
      "spec.rollout.progressDeadlineSeconds"),
+    ({"model": {"name": "m", "path": "p"}, "runtime": {"loraAdapters": [
+        {"name": "m", "path": "/a"}]}}, "spec.runtime.loraAdapters"),
 ])
 def test_normalize_spec_rejects_unbuildable_specs(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

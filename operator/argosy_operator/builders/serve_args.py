@@ -42,6 +42,9 @@ def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
                 else "--no-enable-prefix-caching")
     if runtime.get("speculative"):
         args += ["--speculative", speculative_json(runtime["speculative"])]
+    if runtime.get("loraAdapters"):
+        modules = {a["name"]: a["path"] for a in runtime["loraAdapters"]}
+        args += ["--lora-modules", json.dumps(modules, separators=(",", ":"))]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     if runtime.get("maxWaiting") is not None:
         args += ["--max-waiting", str(runtime["maxWaiting"])]
