@@ -56,7 +56,14 @@ class SpeculativeDecoder:
         self._proposals: dict[str, Proposal] = {}
 
     def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` on every running decode that should speculate this step."""
+        """Set `spec_token_ids` on every running decode that should speculate this step.
+
+        Drafts are cut before the first token a structured output's grammar rejects (it
+        would be rejected anyway), except when a sampled request has a draft distribution q:
+        there a rejected draft's residual max(0, p - q) is what keeps the output distributed
+        as p, and cutting would sample from p instead, which over-weights tokens q favours.
+        (With a one-hot q, as n-gram drafts have, the residual of an invalid draft is p: cut.)
+        """
         live = {r.request_id for r in running}
         for rid in list(self._adaptive):
             if rid not in live:
@@ -91,7 +98,7 @@ class SpeculativeDecoder:
         else:
             proposals = [Proposal(self.proposer.propose(r.token_ids, k)) for r, k in batch]
         for (req, _), proposal in zip(batch, proposals):
-            if req.grammar is not None:  # drafts the grammar rejects would be rejected anyway
+            if req.grammar is not None and (req.params.is_greedy or proposal.probs is None):
                 proposal.tokens = req.grammar.valid_prefix(req.output_token_ids, proposal.tokens)
             if proposal.tokens:
                 req.spec_token_ids = proposal.tokens

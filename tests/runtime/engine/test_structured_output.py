@@ -236,3 +236,34 @@ def test_jump_forward_saves_steps_and_changes_no_token(engine, embedded_hf) -> N
     assert out.token_ids == plain.token_ids and len(out.logprobs) == len(out.token_ids)
     assert steps == len(out.token_ids)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize(("greedy", "with_q", "cut"), [
+    (True, False, True), (True, True, True),  # greedy: an invalid draft is simply wrong
+    (False, False, True),  # one-hot q (n-gram): an invalid draft's residual is p itself
+    (False, True, False),  # a draft model's q: the residual max(0, p - q) must stay exact
+])
+def test_drafts_are_cut_at_the_grammar_unless_that_would_bias_sampling(
+        engine, greedy: bool, with_q: bool, cut: bool) -> None:
+    from argosy_runtime.spec_decode.config import SpeculativeConfig
+    from argosy_runtime.spec_decode.decoder import Proposal, SpeculativeDecoder
+
+    digits = engine.tokenizer.encode("12", add_special_tokens=False)
+    drafts = digits + engine.tokenizer.encode(" banana", add_special_tokens=False)
+
+    class FixedProposer:  # proposes two digits, then a word the regex forbids
+        def propose_batch(self, batch):  # noqa: ANN001, ANN202
+            q = torch.full((len(drafts), engine.spec.vocab_size), 1 / engine.spec.vocab_size)
+            return [Proposal(list(drafts), q if with_q else None) for _ in batch]
+
+    params = SamplingParams(max_tokens=16, temperature=0 if greedy else 1.0, seed=3,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    engine.add_request("d", "Count:", params)
+    engine.step()  # the prompt; the first digit is sampled
+    decoder = SpeculativeDecoder(engine, SpeculativeConfig(num_speculative_tokens=4,
+                                                           adaptive=False), FixedProposer())
+    [req] = engine.scheduler.running
+    decoder.propose([req])
+    assert req.spec_token_ids == (digits if cut else drafts)
+    engine.abort_request("d")
+    assert_no_leaks(engine)
