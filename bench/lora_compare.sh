@@ -13,23 +13,22 @@ PY=${PY:-.venv/bin/python}
 VLLM=${VLLM:-}
 VLLM_MODEL=${VLLM_MODEL:-/tmp/smollm2-hf}
 mkdir -p "$OUT"
+# shellcheck source=bench/server_lifecycle.sh
+source bench/server_lifecycle.sh
 
 run_server() {  # label, server command...
   local label=$1
   shift
-  "$@" >"/tmp/lora-bench-$label.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
-    sleep 1
-  done
+  local log="/tmp/lora-bench-$label.log"
+  "$@" >"$log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "http://127.0.0.1:$PORT/v1/models" "$log" || return 1
   for model in smollm2-135m adapter; do
     "$PY" -m argosy_runtime.cli.main bench serve --base-url "http://127.0.0.1:$PORT" \
       --model "$model" --rate inf --max-concurrency 8 --num-prompts 32 --input-len 64 \
       --output-len 64 --ignore-eos --seed 0 --label "$label-$model" --json "$OUT/$label-$model.json"
   done
-  kill -TERM "$pid"
-  wait "$pid"
+  stop_server
 }
 
 run_server argosy "$PY" -m argosy_runtime.cli.main serve --model smollm2-135m --dtype bfloat16 \

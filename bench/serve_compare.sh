@@ -31,27 +31,8 @@ mkdir -p "$OUT"
 BENCH=("$PY" -m argosy_runtime.cli.main bench serve --rate "$RATES" --num-prompts "$NUM_PROMPTS"
        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --dataset "$DATASET" --seed "$SEED"
        --model "$MODEL")
-SERVER_PID=
-
-stop_server() {
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID"
-    wait "$SERVER_PID" || true
-  fi
-  SERVER_PID=
-}
-trap stop_server EXIT
-
-wait_ready() {  # $1 = URL to poll, $2 = log file
-  for _ in $(seq 1 600); do
-    if curl -sf "$1" >/dev/null 2>&1; then return 0; fi
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-      echo "server exited during startup:" >&2; tail -20 "$2" >&2; return 1
-    fi
-    sleep 1
-  done
-  echo "server not ready after 600s" >&2; return 1
-}
+# shellcheck source=bench/server_lifecycle.sh
+source bench/server_lifecycle.sh
 
 # Drive the server just started in the background, then stop it.
 bench_server() {  # $1 = its pid, $2 = label (also names its log), $3 = path that answers once ready

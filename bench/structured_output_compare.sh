@@ -12,22 +12,21 @@ PY=${PY:-.venv/bin/python}
 VLLM=${VLLM:-}
 VLLM_MODEL=${VLLM_MODEL:-/tmp/smollm2-hf}
 rm -f "$OUT"
+# shellcheck source=bench/server_lifecycle.sh
+source bench/server_lifecycle.sh
 
 run_server() {  # label, "modes", server command...
   local label=$1 modes=$2
   shift 2
-  "$@" >"/tmp/structured-output-$label.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
-    sleep 1
-  done
+  local log="/tmp/structured-output-$label.log"
+  "$@" >"$log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "http://127.0.0.1:$PORT/v1/models" "$log" || return 1
   for mode in $modes; do
     "$PY" bench/structured_output.py --base-url "http://127.0.0.1:$PORT" --mode "$mode" \
       --label "$label" --json "$OUT"
   done
-  kill -TERM "$pid"
-  wait "$pid"
+  stop_server
 }
 
 ARGOSY=("$PY" -m argosy_runtime.cli.main serve --model smollm2-135m --dtype bfloat16
