@@ -72,12 +72,16 @@ class LoRAAdapter:
         digest = hashlib.sha256(f"lora:{name}:{folder.resolve()}".encode()).digest()
         adapter = cls(name=name, rank=rank, scale=scale,
                       cache_salt=int.from_bytes(digest[:8], "little"))
+        layout = _layout(spec)
+        fused_out = {}  # fused module -> its output features (the end of its last slice)
+        for fused, offset, _, out_size in layout.values():
+            fused_out[fused] = max(fused_out.get(fused, 0), offset + out_size)
         stacks: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), ab in sorted(pairs.items()):
-            if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers:
-                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete "
-                                 "or beyond the model's layers")
-            fused, offset, in_size, out_size = _place(module, spec)
+            if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers or module not in layout:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete, "
+                                 "beyond the model's layers or not a projection it has")
+            fused, offset, in_size, out_size = layout[module]
             a, b = ab["A"], ab["B"]
             if (a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
                     or b.shape[1] != rank):
@@ -86,7 +90,7 @@ class LoRAAdapter:
                                  f"A [{rank}, {in_size}], B [{out_size}, {rank}]")
             stacks.setdefault((layer, fused), []).append((offset, a, b))
         for (layer, fused), parts in stacks.items():
-            b_stacked = torch.zeros(_fused_out_size(fused, spec), rank * len(parts))
+            b_stacked = torch.zeros(fused_out[fused], rank * len(parts))
             for i, (offset, _, b) in enumerate(parts):
                 b_stacked[offset : offset + b.shape[0], i * rank : (i + 1) * rank] = b
             a_stacked = torch.cat([a for _, a, _ in parts])
@@ -116,19 +120,12 @@ def _check_supported(name: str, config: dict) -> None:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no 'r'")
 
 
-def _fused_out_size(fused: str, spec: ModelSpec) -> int:
-    q = spec.num_attention_heads * spec.head_dim
-    kv = spec.num_key_value_heads * spec.head_dim
-    return {"qkv_proj": q + 2 * kv, "o_proj": spec.hidden_size,
-            "gate_up_proj": 2 * spec.intermediate_size, "down_proj": spec.hidden_size}[fused]
-
-
-def _place(module: str, spec: ModelSpec) -> tuple[str, int, int, int]:
-    """(fused module, output offset, in features, out features) of a PEFT module name."""
+def _layout(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:
+    """PEFT module name -> (fused module, output offset, in features, out features)."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
-    table = {
+    return {
         "q_proj": ("qkv_proj", 0, hidden, q),
         "k_proj": ("qkv_proj", q, hidden, kv),
         "v_proj": ("qkv_proj", q + kv, hidden, kv),
@@ -137,6 +134,3 @@ def _place(module: str, spec: ModelSpec) -> tuple[str, int, int, int]:
         "up_proj": ("gate_up_proj", inter, hidden, inter),
         "down_proj": ("down_proj", 0, inter, hidden),
     }
-    if module not in table:
-        raise ValueError(f"unknown projection {module}")
-    return table[module]
