@@ -32,6 +32,12 @@ COMPONENT = "llm-server"
 # operator stops setting are removed and fields others set are left alone.
 ANNOTATION_LAST_APPLIED = "argosy.dev/last-applied"
 
+# Scale from zero: a gateway holding requests for an LLMDeployment that has no ready replica
+# stamps this annotation with the time (RFC3339); the autoscaler wakes the deployment while the
+# stamp is fresh (autoscaling/activation.py). The gateway spells it literally, so that it does
+# not import the operator package.
+ANNOTATION_ACTIVATION = "argosy.dev/activation-requested"
+
 # The runtime container's contract (see `argosy serve`).
 RUNTIME_CONTAINER = "runtime"
 RUNTIME_PORT = 8000

@@ -194,7 +194,13 @@ def decide(
     ready = sum(1 for r in latest.replicas if r.ready) if latest else 0
     measured = latest.num_measured if latest else 0
     if current_replicas == 0:
-        # Nothing runs, nothing to measure: stay at zero until something scales us up.
+        # Nothing runs, so the only demand is requests a gateway holds for want of a replica:
+        # wake one (more would each pay a cold start before any of them is known to be needed;
+        # once it serves, the normal decision scales on its load).
+        held = latest.held_requests if latest and now - latest.t <= policy.stable_window_seconds else 0
+        if held:
+            return finish(1, "ScaleFromZero", f"{held} request(s) held at the gateway",
+                          DecisionMetrics(), False, base)
         return finish(0, "ScaledToZero", "no replicas; waiting for demand",
                       DecisionMetrics(), False, base)
 

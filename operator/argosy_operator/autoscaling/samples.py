@@ -2,7 +2,9 @@
 
 One `MetricsSample` is one scrape round at time `t`: a `ReplicaSample` for every replica that
 exists (should exist) at that moment, including the ones that are not ready or whose scrape
-failed; those are what keep a missing sample from ever looking like an idle replica.
+failed; those are what keep a missing sample from ever looking like an idle replica. Its
+`held_requests` are requests a gateway holds because no replica is ready: the only demand
+there is to see at zero replicas (scale from zero).
 """
 
 from __future__ import annotations
@@ -68,10 +70,17 @@ class ReplicaSample:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSample:
-    """All replicas of one deployment at time `t` (seconds on the decision's clock)."""
+    """All replicas of one deployment at time `t` (seconds on the decision's clock), and the
+    requests held at a gateway for want of a ready replica."""
 
     t: float
     replicas: tuple[ReplicaSample, ...]
+    held_requests: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.held_requests, bool) or not isinstance(self.held_requests, int) \
+                or self.held_requests < 0:
+            raise ValueError(f"held_requests: must be an integer >= 0, got {self.held_requests!r}")
 
     @property
     def num_measured(self) -> int:
@@ -83,18 +92,28 @@ class MetricsSample:
 
     @property
     def is_idle(self) -> bool:
-        """Every replica measured and idle (an empty sample is not evidence of idleness)."""
-        return bool(self.replicas) and all(r.is_idle for r in self.replicas)
+        """Every replica measured and idle, nothing held at a gateway (an empty sample is not
+        evidence of idleness)."""
+        return (bool(self.replicas) and self.held_requests == 0
+                and all(r.is_idle for r in self.replicas))
 
     @classmethod
     def from_trace(cls, obj: Mapping[str, Any]) -> MetricsSample:
-        """Parse one trace line: `{"t": seconds, "replicas": [...]}`."""
+        """Parse one trace line: `{"t": seconds, "replicas": [...], "held": n}` (`held`
+        optional: requests a gateway held at that time)."""
         if not isinstance(obj, Mapping):
             raise ValueError(f"trace line: must be an object, got {obj!r}")
+        unknown = set(obj) - {"t", "replicas", "held"}
+        if unknown:
+            raise ValueError(f"trace line: unknown keys {sorted(unknown)}")
         t = obj.get("t")
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
             raise ValueError(f"t: must be a number of seconds, got {t!r}")
         replicas = obj.get("replicas")
         if not isinstance(replicas, list):
             raise ValueError(f"replicas: must be a list, got {replicas!r}")
-        return cls(t=float(t), replicas=tuple(ReplicaSample.from_trace(r) for r in replicas))
+        held = obj.get("held", 0)
+        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+            raise ValueError(f"held: must be an integer >= 0, got {held!r}")
+        return cls(t=float(t), replicas=tuple(ReplicaSample.from_trace(r) for r in replicas),
+                   held_requests=held)

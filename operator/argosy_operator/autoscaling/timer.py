@@ -3,7 +3,8 @@
 Every tick (ARGOSY_AUTOSCALE_TICK_SECONDS, default 1 s; each object is scraped only every
 `scrapeIntervalSeconds`, which kopf timers cannot vary per object): read the Deployment (same
 name and namespace as the LLMDeployment), list its pods by the selector label, scrape the ready
-ones concurrently, feed the per-object `Autoscaler`, and when the decision changes the replica
+ones concurrently, read a gateway's scale-from-zero request (activation.py), feed the
+per-object `Autoscaler`, and when the decision changes the replica
 count, merge-patch the Deployment's `spec.replicas` and post an Event. The status
 (desiredReplicas, lastScaleTime, metrics, ScalingActive/ScalingLimited) goes through the
 reconciler's `patch_status` (resourceVersion-guarded, conditions merged), only when it changed.
@@ -28,6 +29,7 @@ from typing import Any
 
 import kopf
 
+from argosy_operator.autoscaling.activation import activation_requested
 from argosy_operator.autoscaling.autoscaler import Autoscaler
 from argosy_operator.autoscaling.policy import AutoscalingPolicy
 from argosy_operator.autoscaling.samples import MetricsSample, ReplicaSample
@@ -126,8 +128,12 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     replicas = await scrape_pods(pods, timeout=timeout)
     # Requested replicas whose pods do not exist yet count as not ready (never as idle).
     replicas += [ReplicaSample(ready=False)] * max(0, current - len(replicas))
+    # At zero replicas, a gateway holding requests (scale from zero) is the only demand. Above
+    # zero the replicas' own metrics say it better: a stamp stays fresh for a minute after the
+    # request it was for was served, and must not hold off a scale-to-zero that long.
+    held = int(current == 0 and activation_requested(llmd, state.last_scale_wall, time.time()))
     t = time.monotonic()
-    state.autoscaler.observe(MetricsSample(t=t, replicas=tuple(replicas)))
+    state.autoscaler.observe(MetricsSample(t=t, replicas=tuple(replicas), held_requests=held))
     decision = state.autoscaler.decide(current, now=t)
 
     if decision.changed:

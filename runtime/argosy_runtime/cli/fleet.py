@@ -2,13 +2,16 @@
 
     argosy fleet --model smollm2-135m --replicas 2 --port 8080
     argosy fleet --model smollm2-135m --replicas 1 --min 1 --max 3 --policy least-load
+    argosy fleet --model smollm2-135m --min 0 --max 2 --autoscaling '{scaleToZeroIdleSeconds: 120}'
 
 Starts N `argosy serve` processes on free loopback ports and the gateway on --port in front
 of them. With --min and --max, the autoscaler's decision function (the one the operator runs
 in a cluster) starts and drains replicas on KV-cache usage and queue depth; --autoscaling
 takes a YAML/JSON mapping of further policy fields in the LLMDeployment's camelCase
-(e.g. '{scrapeIntervalSeconds: 2, targetQueueDepth: 2}'). Arguments after `--` go to every
-`argosy serve`. Ctrl-C or SIGTERM drains every replica and exits.
+(e.g. '{scrapeIntervalSeconds: 2, targetQueueDepth: 2}'). With --min 0 the fleet goes to zero
+replicas after scaleToZeroIdleSeconds idle (default 600) and back up when a request comes:
+the gateway holds it until the new replica is ready (--replicas 0 starts at zero). Arguments
+after `--` go to every `argosy serve`. Ctrl-C or SIGTERM drains every replica and exits.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--model", default="smollm2-135m", help="Model for every replica.")
     parser.add_argument("--served-model-name", help="Name clients use (default: --model).")
     parser.add_argument(
-        "--replicas", type=int, default=None, help="Replicas to start (default 2, or --min)."
+        "--replicas",
+        type=int,
+        default=None,
+        help="Replicas to start (default 2; with --min, --min or at least 1).",
     )
     parser.add_argument("--host", default="127.0.0.1", help="Gateway listen address.")
     parser.add_argument("--port", type=int, default=8080, help="Gateway port (default 8080).")
@@ -70,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         config = fleet_config_from(
             model=args.model,
             served_model_name=args.served_model_name,
-            replicas=args.replicas if args.replicas is not None else (args.min_replicas or 2),
+            replicas=args.replicas if args.replicas is not None else _default_replicas(args),
             host=args.host,
             port=args.port,
             policy=args.policy,
@@ -108,3 +114,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
+
+
+def _default_replicas(args: argparse.Namespace) -> int:
+    """2 without autoscaling; with it, --min, but one replica even when --min is 0 (a fleet
+    that starts at zero makes its first request wait for a cold start)."""
+    if args.min_replicas is None:
+        return 2
+    return max(1, args.min_replicas)

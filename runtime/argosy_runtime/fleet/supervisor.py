@@ -24,6 +24,7 @@ from aiohttp import web
 from argosy_runtime.fleet.replica_process import ReplicaProcess, free_port
 from argosy_runtime.gateway.config import (
     POLICIES,
+    ActivationConfig,
     GatewayConfig,
     HealthConfig,
     ModelRouteConfig,
@@ -58,18 +59,34 @@ class FleetConfig:
     serve_command: tuple[str, ...] | None = None  # default: `argosy serve` (this interpreter)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("min_replicas: give both --min and --max to autoscale")
         if self.min_replicas is not None and self.max_replicas is not None:
-            if not 1 <= self.min_replicas <= self.replicas <= self.max_replicas:
+            if not 0 <= self.min_replicas <= self.replicas <= self.max_replicas or self.max_replicas < 1:
                 raise ValueError(
-                    f"replicas: need 1 <= min ({self.min_replicas}) <= replicas "
-                    f"({self.replicas}) <= max ({self.max_replicas})"
+                    f"replicas: need 0 <= min ({self.min_replicas}) <= replicas "
+                    f"({self.replicas}) <= max ({self.max_replicas}), max >= 1"
                 )
+        elif not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        if self.autoscaled:
+            self.autoscaling_policy()  # a bad --autoscaling fails here, not in the background
+
+    def autoscaling_policy(self) -> Any:
+        """The AutoscalingPolicy from --min/--max and the --autoscaling overrides."""
+        from argosy_operator.autoscaling import AutoscalingPolicy
+
+        spec = {**self.autoscaling, "enabled": True, "minReplicas": self.min_replicas,
+                "maxReplicas": self.max_replicas}  # fmt: skip
+        return AutoscalingPolicy.from_spec(spec)
+
+    @property
+    def scales_from_zero(self) -> bool:
+        """--min 0: the gateway holds requests while no replica runs and the autoscaler wakes
+        one for them."""
+        return self.min_replicas == 0
 
     @property
     def name(self) -> str:
@@ -159,7 +176,15 @@ class Fleet:
         gw_config = GatewayConfig(
             host=c.host,
             port=c.port,
-            models=(ModelRouteConfig(name=c.name, backends=tuple(p.url for p in self.processes)),),
+            models=(
+                ModelRouteConfig(
+                    name=c.name,
+                    backends=tuple(p.url for p in self.processes),
+                    activation=ActivationConfig(timeout_s=c.ready_timeout_s)
+                    if c.scales_from_zero
+                    else None,
+                ),
+            ),
             routing=RoutingConfig(policy=c.policy),
             health=HealthConfig(interval_s=c.health_interval_s, timeout_s=2.0),
         )
@@ -207,8 +232,16 @@ class Fleet:
     # -- autoscaling -------------------------------------------------------------------------
 
     async def _autoscale(self) -> None:
+        try:
+            await self._autoscale_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never die silently: the fleet would stop scaling unnoticed
+            logger.exception("autoscaler stopped")
+            raise
+
+    async def _autoscale_loop(self) -> None:
         from argosy_operator.autoscaling import (
-            AutoscalingPolicy,
             DecisionState,
             MetricsSample,
             MetricsWindow,
@@ -217,9 +250,7 @@ class Fleet:
         )
 
         c = self.config
-        spec = {**c.autoscaling, "enabled": True, "minReplicas": c.min_replicas,
-                "maxReplicas": c.max_replicas}  # fmt: skip
-        policy = AutoscalingPolicy.from_spec(spec)
+        policy = c.autoscaling_policy()
         window = MetricsWindow(policy.history_seconds + policy.scrape_interval_seconds)
         state = DecisionState()
         while True:
@@ -240,8 +271,10 @@ class Fleet:
                         num_running=replica.num_running,
                     )
                 )
+            activator = self.gateway.activators.get(c.name)
+            held = activator.held if activator is not None else 0
             now = time.monotonic()
-            window.add(MetricsSample(t=now, replicas=tuple(samples)))
+            window.add(MetricsSample(t=now, replicas=tuple(samples), held_requests=held))
             current = len(self.live)
             decision = decide(policy, current, window.samples(), state, now)
             state = decision.state

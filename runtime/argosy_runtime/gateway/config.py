@@ -159,6 +159,31 @@ class KubernetesBackendConfig:
 
 
 @dataclass(frozen=True)
+class ActivationConfig:
+    """Scale from zero: while a model has no replica in rotation, hold its requests (instead
+    of answering 503 at once) and ask for a replica: a Kubernetes route stamps its
+    LLMDeployment's `argosy.dev/activation-requested` annotation, which the operator's
+    autoscaler answers by scaling 0 -> 1; `argosy fleet` reads the held count directly."""
+
+    # Answer 503 when no replica came within this long (cold starts of big models take minutes).
+    timeout_s: float = 300.0
+    # Hold at most this many requests per model; beyond, 503 at once.
+    max_held: int = 1000
+    # While holding, re-stamp the annotation this often (the operator trusts a stamp 60 s).
+    refresh_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        _positive("activation.timeout_s", self.timeout_s)
+        _positive("activation.max_held", self.max_held)
+        _positive("activation.refresh_s", self.refresh_s)
+        if self.refresh_s > 30:
+            raise ValueError(
+                f"activation.refresh_s: must be <= 30 (the operator trusts a stamp for 60 s), "
+                f"got {self.refresh_s!r}"
+            )
+
+
+@dataclass(frozen=True)
 class ModelRouteConfig:
     """One model name that clients may request, and where its replicas are."""
 
@@ -166,6 +191,7 @@ class ModelRouteConfig:
     backends: tuple[str, ...] = ()
     kubernetes: KubernetesBackendConfig | None = None
     policy: str | None = None  # default: routing.policy
+    activation: ActivationConfig | None = None  # scale from zero; None: 503 with no replica
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -176,7 +202,10 @@ class ModelRouteConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"models[{self.name}].backends: not an http(s) URL: {url!r}")
-        if bool(self.backends) == (self.kubernetes is not None):
+        # No backends at all is allowed with activation: `argosy fleet --min 0` starts empty
+        # and adds replicas as it starts them.
+        empty_ok = self.activation is not None and self.kubernetes is None
+        if bool(self.backends) == (self.kubernetes is not None) and not empty_ok:
             raise ValueError(
                 f"models[{self.name}]: give exactly one of 'backends' or 'kubernetes'"
             )
@@ -184,6 +213,12 @@ class ModelRouteConfig:
             raise ValueError(
                 f"models[{self.name}].policy: must be one of {POLICIES}, got {self.policy!r}"
             )
+        if self.activation is not None and self.kubernetes is not None:
+            if not self.kubernetes.llmdeployment:
+                raise ValueError(
+                    f"models[{self.name}].activation: needs kubernetes.llmdeployment (the "
+                    "object to wake up)"
+                )
 
 
 @dataclass(frozen=True)
@@ -286,6 +321,12 @@ class GatewayConfig:
             if raw.get("kubernetes") is not None:
                 raw["kubernetes"] = _build(
                     KubernetesBackendConfig, f"models[{i}].kubernetes", raw["kubernetes"]
+                )
+            activation = raw.get("activation")
+            if activation is not None:  # `true` takes the defaults, `false` is off
+                raw["activation"] = None if activation is False else _build(
+                    ActivationConfig, f"models[{i}].activation",
+                    {} if activation is True else activation,
                 )
             models.append(_build(ModelRouteConfig, f"models[{i}]", raw))
         cascades = tuple(

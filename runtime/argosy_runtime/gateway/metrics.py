@@ -13,14 +13,20 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from argosy_runtime.gateway.activation import Activator
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class _ReplicaCollector(Collector):
-    def __init__(self, pools: Callable[[], Iterable[ReplicaPool]]) -> None:
+    def __init__(
+        self,
+        pools: Callable[[], Iterable[ReplicaPool]],
+        activators: Callable[[], Iterable[Activator]],
+    ) -> None:
         self._pools = pools
+        self._activators = activators
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         labels = ["model", "backend"]
@@ -62,12 +68,24 @@ class _ReplicaCollector(Collector):
                 families["queries"].add_metric(key, r.prefix_cache_queries)
                 families["hits"].add_metric(key, r.prefix_cache_hits)
         yield from families.values()
+        held = GaugeMetricFamily(
+            "argosy:gateway_requests_held",
+            "Requests waiting for a replica of a model that has none (scale from zero).",
+            labels=["model"],
+        )
+        for activator in self._activators():
+            held.add_metric([activator.pool.model], activator.held)
+        yield held
 
 
 class GatewayMetrics:
     """Counters and histograms the proxy updates, plus the per-replica gauges."""
 
-    def __init__(self, pools: Callable[[], Iterable[ReplicaPool]]) -> None:
+    def __init__(
+        self,
+        pools: Callable[[], Iterable[ReplicaPool]],
+        activators: Callable[[], Iterable[Activator]] = list,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -109,7 +127,21 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_ReplicaCollector(pools))
+        self.activation_wait = Histogram(
+            "argosy:gateway_activation_wait_seconds",
+            "Time a request was held until a replica of its model came into rotation (the cold "
+            "start a client saw after scale-to-zero).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.activation_timeouts = Counter(
+            "argosy:gateway_activation_timeouts",
+            "Held requests answered 503 because no replica came within activation.timeout_s.",
+            ["model"],
+            registry=r,
+        )
+        r.register(_ReplicaCollector(pools, activators))
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

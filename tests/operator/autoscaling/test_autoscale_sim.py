@@ -163,3 +163,19 @@ def test_cli_entry_point_runs_without_torch(tmp_path: Path, policy: Path) -> Non
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [r["t"] for r in lines] == [0.0, 5.0, 10.0, 15.0, 20.0]
     assert all(r["desired"] == 2 for r in lines)
+
+
+def test_held_requests_in_a_trace_wake_a_deployment_at_zero(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("minReplicas: 0\nmaxReplicas: 3\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "replicas": []}\n{"t": 5, "replicas": [], "held": 2}\n')
+    out = sim(capsys, policy, trace)
+    assert [(r["desired"], r["reason"]) for r in out] == [(0, "ScaledToZero"),
+                                                         (1, "ScaleFromZero")]
+    for bad, field in (('{"t": 0, "replicas": [], "held": -1}', "held"),
+                       ('{"t": 0, "replicas": [], "helf": 1}', "unknown keys")):
+        trace.write_text(bad + "\n")
+        assert main(["autoscale-sim", "--policy", str(policy), "--trace", str(trace)]) == 2
+        assert field in capsys.readouterr().err

@@ -266,3 +266,36 @@ def test_reported_metrics_are_stable_window_averages() -> None:
     assert d.metrics.running == pytest.approx(2.0)
     assert (d.metrics.ready_replicas, d.metrics.measured_replicas) == (2, 2)
     assert d.metrics.demand == pytest.approx(max(0.8 / TARGET_KV, 6 / TARGET_Q))
+
+
+def test_held_requests_wake_a_deployment_at_zero_with_one_replica() -> None:
+    policy = AutoscalingPolicy(enabled=True, min_replicas=0, max_replicas=4)
+    state = DecisionState()
+    quiet = decide(policy, 0, [MetricsSample(t=0.0, replicas=())], state, now=0.0)
+    assert (quiet.desired_replicas, quiet.reason) == (0, "ScaledToZero")
+    # However many are held, one replica first: each more would pay a cold start on a guess.
+    woken = decide(policy, 0, [MetricsSample(t=5.0, replicas=(), held_requests=50)],
+                   quiet.state, now=5.0)
+    assert (woken.desired_replicas, woken.reason) == (1, "ScaleFromZero")
+    assert "50 request(s) held" in woken.message
+    # A held count from a sample older than the stable window is no evidence of demand now.
+    stale = decide(policy, 0, [MetricsSample(t=5.0, replicas=(), held_requests=50)],
+                   quiet.state, now=5.0 + policy.stable_window_seconds + 1)
+    assert stale.desired_replicas == 0
+
+
+def test_held_requests_keep_a_deployment_from_scaling_to_zero() -> None:
+    policy = AutoscalingPolicy(enabled=True, min_replicas=0, max_replicas=4,
+                               scale_to_zero_idle_seconds=30)
+    idle = ReplicaSample(ready=True, kv_cache_usage=0.0, num_waiting=0.0, num_running=0.0)
+    assert MetricsSample(t=0, replicas=(idle,)).is_idle
+    assert not MetricsSample(t=0, replicas=(idle,), held_requests=1).is_idle
+    state, samples = DecisionState(), []
+    for t in range(0, 120, 5):
+        # A gateway holds a request every 20 s (its replica keeps failing to be ready for it).
+        samples.append(MetricsSample(t=float(t), replicas=(idle,), held_requests=int(t % 20 == 0)))
+        decision = decide(policy, 1, samples, state, now=float(t))
+        state = decision.state
+        assert decision.desired_replicas == 1
+    with pytest.raises(ValueError, match="held_requests"):
+        MetricsSample(t=0, replicas=(), held_requests=-1)

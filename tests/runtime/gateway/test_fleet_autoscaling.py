@@ -30,6 +30,45 @@ def test_config_validation() -> None:
         FleetConfig(replicas=5, min_replicas=1, max_replicas=3)
     with pytest.raises(ValueError, match="policy"):
         FleetConfig(policy="random")
+    with pytest.raises(ValueError, match="replicas"):
+        FleetConfig(replicas=0)  # zero only with autoscaling down to zero
+    with pytest.raises(ValueError, match="max"):
+        FleetConfig(replicas=0, min_replicas=0, max_replicas=0)
+    assert FleetConfig(replicas=0, min_replicas=0, max_replicas=1).scales_from_zero
+    # The policy is checked up front (it used to fail inside the autoscaler task, unseen).
+    with pytest.raises(ValueError, match="panicWindowSeconds"):
+        FleetConfig(min_replicas=1, max_replicas=2, autoscaling={"stableWindowSeconds": 5})
+
+
+async def test_fleet_scales_to_zero_when_idle_and_a_request_wakes_it(tmp_path: Path) -> None:
+    config = FleetConfig(
+        model="tiny", replicas=1, min_replicas=0, max_replicas=2, port=0,
+        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
+                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5,
+                     "scaleToZeroIdleSeconds": 1},
+        serve_command=FAKE_SERVE, health_interval_s=0.15, log_dir=str(tmp_path),
+        ready_timeout_s=30, drain_timeout_s=10,
+    )  # fmt: skip
+    fleet = Fleet(config)
+    url = await fleet.start()
+    try:
+        first = fleet.processes[0]
+        await wait_for(lambda: not fleet.processes, 20, "scale to zero")
+        assert first.process.returncode == 0  # drained, not killed
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/ready") as resp:
+                assert resp.status == 200
+            started = time.monotonic()
+            async with s.post(f"{url}/v1/completions",
+                              json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+                woken = resp.headers["x-argosy-backend"]
+            assert len(fleet.processes) == 1 and fleet.processes[0].url == woken != first.url
+            reasons = [d.reason for d in fleet.decisions if d.changed]
+            assert reasons[:2] == ["ScaleToZero", "ScaleFromZero"]
+            print(f"request at zero answered after {time.monotonic() - started:.2f} s")
+    finally:
+        await fleet.stop()
 
 
 async def test_fleet_scales_up_under_queueing_and_back_down_when_idle(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from argosy_runtime.cli import gateway as cli
 from argosy_runtime.gateway.config import (
     DEFAULT_INSTANCE_LABEL,
+    ActivationConfig,
     GatewayConfig,
     KubernetesBackendConfig,
     load_config,
@@ -62,11 +63,48 @@ def test_load_yaml(tmp_path: Path) -> None:
             {"models": [{"name": "a", "kubernetes": {"namespace": "x"}}]},
             r"kubernetes\.llmdeployment",
         ),
+        (
+            {"models": [{"name": "a", "activation": {"timeout_s": 0}}]},
+            r"activation\.timeout_s",
+        ),
+        (
+            {"models": [{"name": "a", "activation": {"refresh_s": 60}}]},
+            r"activation\.refresh_s: must be <= 30",
+        ),
+        (
+            {"models": [{"name": "a", "activation": {"hold": 1}}]},
+            r"models\[0\]\.activation\.hold: unknown field",
+        ),
+        (
+            {"models": [{"name": "a", "activation": True,
+                         "kubernetes": {"label_selector": "app=x"}}]},
+            r"models\[a\]\.activation: needs kubernetes\.llmdeployment",
+        ),
     ],
 )
 def test_errors_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         GatewayConfig.from_dict(data)
+
+
+def test_activation_shorthands_and_empty_static_routes() -> None:
+    on = GatewayConfig.from_dict({"models": [{"name": "a", "activation": True}]})
+    assert on.models[0].activation == ActivationConfig() and on.models[0].backends == ()
+    off = GatewayConfig.from_dict(
+        {"models": [{"name": "a", "backends": ["http://x"], "activation": False}]}
+    )
+    assert off.models[0].activation is None
+    with pytest.raises(ValueError, match="exactly one of 'backends' or 'kubernetes'"):
+        GatewayConfig.from_dict({"models": [{"name": "a", "activation": False}]})
+
+
+def test_activation_refresh_fits_the_operators_freshness_window() -> None:
+    from argosy_operator.autoscaling.activation import FRESH_SECONDS
+
+    # The largest refresh_s allowed still renews a stamp twice within the operator's window.
+    with pytest.raises(ValueError, match="refresh_s"):
+        ActivationConfig(refresh_s=30.5)
+    assert 2 * 30 <= FRESH_SECONDS
 
 
 def test_default_selector_matches_the_operator_label() -> None:

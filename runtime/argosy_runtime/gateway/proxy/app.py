@@ -25,13 +25,19 @@ import aiohttp
 from aiohttp import web
 
 from argosy_runtime.gateway import cascade as cascade_rules
+from argosy_runtime.gateway.activation import Activator, kubernetes_signal
 from argosy_runtime.gateway.backends.discovery import Discovery, make_discovery
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.config import GatewayConfig
 from argosy_runtime.gateway.health import HealthChecker
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.policies import Policy, RouteRequest, make_policy
-from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
+from argosy_runtime.gateway.proxy.errors import (
+    bad_request,
+    error_response,
+    model_not_found,
+    no_replica,
+)
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
 
@@ -54,7 +60,15 @@ class Gateway:
             name: make_policy(config.policy_for(name), config.routing) for name in self.pools
         }
         self.cascades = {c.name: c for c in config.cascades}
-        self.metrics = GatewayMetrics(lambda: list(self.pools.values()))
+        # Scale from zero: models whose requests wait for a replica instead of a 503.
+        self.activators: dict[str, Activator] = {
+            m.name: Activator(self.pools[m.name], m.activation)
+            for m in config.models
+            if m.activation is not None
+        }
+        self.metrics = GatewayMetrics(
+            lambda: list(self.pools.values()), lambda: list(self.activators.values())
+        )
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
@@ -75,10 +89,16 @@ class Gateway:
             discovery = make_discovery(route, self.pools[route.name], self.session)
             discovery.start()
             self._discoveries.append(discovery)
+            if route.name in self.activators and route.kubernetes is not None:
+                self.activators[route.name].signal = kubernetes_signal(
+                    route.kubernetes, self.session
+                )
         self.health = HealthChecker(lambda: list(self.pools.values()), self.config.health, self.session)
         self.health.start()
 
     async def close(self) -> None:
+        for activator in self.activators.values():
+            await activator.close()
         if self.health is not None:
             await self.health.stop()
         for discovery in self._discoveries:
@@ -113,7 +133,11 @@ class Gateway:
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         per_model = {name: len(pool.available()) for name, pool in self.pools.items()}
-        ready = bool(per_model) and all(per_model.values())
+        # A model that scales from zero is served with no replica too: the gateway must stay
+        # in its Service's endpoints, or no request could ever reach it to wake the model.
+        ready = bool(per_model) and all(
+            count or name in self.activators for name, count in per_model.items()
+        )
         return web.json_response(
             {"ready": ready, "replicas_in_rotation": per_model}, status=200 if ready else 503
         )
@@ -264,6 +288,12 @@ class Gateway:
         self, model: str, path: str, body: dict[str, Any], raw: bytes, headers: Mapping[str, str]
     ) -> Upstream | web.Response:
         assert self.session is not None
+        activator = self.activators.get(model)
+        if activator is not None and activator.needed():
+            held = await self._hold(model, activator)
+            if held is not None:
+                self.metrics.requests.labels(model, "", str(held.status)).inc()
+                return held
         route = RouteRequest(prefix=prompt_text(path, body)[: self.config.routing.max_prefix_chars])
         result = await send(
             session=self.session,
@@ -279,6 +309,23 @@ class Gateway:
         if isinstance(result, web.Response):
             self.metrics.requests.labels(model, "", str(result.status)).inc()
         return result
+
+    async def _hold(self, model: str, activator: Activator) -> web.Response | None:
+        """Wait for a replica of a model that has none (scale from zero); None once one is in
+        rotation, else the 503 to answer."""
+        if activator.full:
+            return no_replica(model)
+        started = time.monotonic()
+        if not await activator.wait():
+            self.metrics.activation_timeouts.labels(model).inc()
+            return error_response(
+                503,
+                f"no replica of {model!r} became ready within {activator.config.timeout_s:g} s "
+                "(it is scaled to zero or starting); retry later",
+                headers={"Retry-After": "10"},
+            )
+        self.metrics.activation_wait.labels(model).observe(time.monotonic() - started)
+        return None
 
     def _count(self, model: str, upstream: Upstream, status: int, started: float) -> None:
         self.metrics.requests.labels(model, upstream.replica.url, str(status)).inc()

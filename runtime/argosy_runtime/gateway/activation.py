@@ -1,0 +1,119 @@
+"""Scale from zero at the gateway: hold requests while a model has no replica, ask for one.
+
+A model route with `activation` does not answer 503 when none of its replicas is healthy (the
+deployment was scaled to zero, or every replica is restarting). Its requests wait here, and
+while any waits the activator *signals* for a replica: a Kubernetes route merge-patches the
+annotation `argosy.dev/activation-requested: <RFC3339 now>` onto its LLMDeployment, which the
+operator's autoscaler answers by scaling 0 -> 1 (argosy_operator/autoscaling/activation.py);
+`argosy fleet` reads `held` directly. The signal repeats every `refresh_s` while requests are
+held, so a stamp the operator missed, or answered just before scaling to zero, is renewed.
+
+A held request goes on as soon as a replica is in rotation, or gets 503 after `timeout_s`; a
+client that disconnects while held simply stops waiting. Holding costs nothing but an open
+connection: the body is already read, and the poll is a list scan every 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from argosy_runtime.gateway.backends.kube_api import resolve
+from argosy_runtime.gateway.backends.pool import ReplicaPool
+from argosy_runtime.gateway.config import ActivationConfig, KubernetesBackendConfig
+
+logger = logging.getLogger(__name__)
+
+# = argosy_operator.constants.ANNOTATION_ACTIVATION (the gateway does not import the operator).
+ACTIVATION_ANNOTATION = "argosy.dev/activation-requested"
+POLL_S = 0.05
+
+Signal = Callable[[], Awaitable[None]]
+
+
+class Activator:
+    """Holds the requests of one model while none of its replicas is healthy."""
+
+    def __init__(self, pool: ReplicaPool, config: ActivationConfig, signal: Signal | None = None
+                 ) -> None:
+        self.pool = pool
+        self.config = config
+        self.signal = signal
+        self.held = 0  # requests waiting right now
+        self._signalled_at = float("-inf")
+        self._signal_task: asyncio.Task[None] | None = None
+
+    def needed(self) -> bool:
+        """No healthy replica: requests must wait. (Healthy replicas inside a Retry-After
+        window are busy, not gone: those requests get the proxy's 429 instead.)"""
+        return not any(r.healthy for r in self.pool.replicas)
+
+    @property
+    def full(self) -> bool:
+        return self.held >= self.config.max_held
+
+    async def wait(self) -> bool:
+        """Hold until a replica is in rotation (True) or `timeout_s` passes (False)."""
+        self.held += 1
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            while self.needed():
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                if now - self._signalled_at >= self.config.refresh_s:
+                    self._signalled_at = now
+                    self._send_signal()
+                await asyncio.sleep(POLL_S)
+            return True
+        finally:
+            self.held -= 1
+
+    def _send_signal(self) -> None:
+        if self.signal is None or (self._signal_task is not None and not self._signal_task.done()):
+            return
+        logger.info("model %s: no replica; %d request(s) held, asking for one",
+                    self.pool.model, self.held)
+        # Not awaited by the request: a slow or failing API server must not stall it, and a
+        # held client that disconnects must not cancel the signal the others rely on.
+        self._signal_task = asyncio.get_running_loop().create_task(self._signal_quietly())
+
+    async def _signal_quietly(self) -> None:
+        assert self.signal is not None
+        try:
+            await self.signal()
+        except Exception as exc:  # logged; the next refresh tries again
+            logger.warning("model %s: could not ask for a replica: %r", self.pool.model, exc)
+
+    async def close(self) -> None:
+        if self._signal_task is not None and not self._signal_task.done():
+            self._signal_task.cancel()
+            await asyncio.gather(self._signal_task, return_exceptions=True)
+
+
+def kubernetes_signal(config: KubernetesBackendConfig, session: aiohttp.ClientSession) -> Signal:
+    """Stamp `argosy.dev/activation-requested` on the route's LLMDeployment (merge patch).
+
+    The gateway's service account needs `patch` on `llmdeployments.argosy.dev`.
+    """
+    path = (f"/apis/argosy.dev/v1alpha1/namespaces/{config.namespace}/llmdeployments/"
+            f"{config.llmdeployment}")
+
+    async def signal() -> None:
+        api = resolve(config.api_url)
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        patch = {"metadata": {"annotations": {ACTIVATION_ANNOTATION: stamp}}}
+        headers = {**api.headers, "Content-Type": "application/merge-patch+json"}
+        async with session.patch(api.base_url + path, data=json.dumps(patch), headers=headers,
+                                 ssl=api.ssl_context,
+                                 timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status >= 400:
+                raise RuntimeError(f"PATCH {path}: HTTP {resp.status}: {(await resp.text())[:300]}")
+
+    return signal
