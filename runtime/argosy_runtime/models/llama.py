@@ -168,7 +168,12 @@ class ForwardContext:
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # An explicit weight skips Embedding's random init: on the meta device its normal_
+        # would import torch._dynamo, 2 s of every cold start.
+        self.embed_tokens = nn.Embedding(
+            spec.vocab_size, spec.hidden_size,
+            _weight=torch.empty(spec.vocab_size, spec.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
