@@ -6,6 +6,7 @@ One fleet for the module (starting replicas is the expensive part). Replica-kill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -50,16 +52,12 @@ class FleetHandle:
     replicas: dict[str, int] = field(default_factory=dict)  # URL -> pid
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
-    log_dir = tmp_path_factory.mktemp("fleet")
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "argosy_runtime.cli.main", "fleet",
-        "--model", MODEL, "--replicas", "2", "--port", str(port),
-        "--policy", "round-robin", "--no-restart", "--log-dir", str(log_dir),
-        "--", "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--drain-timeout", "5",
-    ]  # fmt: skip
+@contextlib.contextmanager
+def fleet_process(args: list[str], log_dir: Path) -> Iterator[FleetHandle]:
+    """`argosy fleet ARGS` in a subprocess, until it prints its gateway URL; SIGTERM after,
+    which must drain it to exit code 0."""
+    cmd = [sys.executable, "-m", "argosy_runtime.cli.main", "fleet", "--log-dir", str(log_dir),
+           *args]  # fmt: skip
     stderr = open(log_dir / "fleet.stderr", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     handle = FleetHandle(url="", process=proc)
@@ -101,6 +99,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
             except ProcessLookupError:
                 pass
         assert code == 0, (log_dir / "fleet.stderr").read_text()[-3000:]
+
+
+SERVE_ARGS = ["--", "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--drain-timeout", "5"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+    args = ["--model", MODEL, "--replicas", "2", "--port", str(free_port()),
+            "--policy", "round-robin", "--no-restart", *SERVE_ARGS]  # fmt: skip
+    with fleet_process(args, tmp_path_factory.mktemp("fleet")) as handle:
+        yield handle
 
 
 def _deltas(raw: str, chat: bool) -> tuple[list[str], list[str]]:
@@ -243,3 +252,40 @@ async def test_killing_a_replica_loses_no_request_that_had_not_started_streaming
         resp = client.post(fleet.url + "/v1/completions",
                            json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert resp.status_code == 200 and resp.headers["x-argosy-backend"] != victim_url
+
+
+def test_a_request_at_zero_replicas_wakes_the_fleet(tmp_path: Path) -> None:
+    """Scale from zero with the real model and the official client: the gateway holds a chat
+    request while the fleet starts a replica for it, streams the answer, and the fleet goes
+    back to zero once idle (the replica drained, exit 0)."""
+    import openai
+
+    policy = "{scrapeIntervalSeconds: 1, stableWindowSeconds: 6, scaleToZeroIdleSeconds: 2}"
+    args = ["--model", MODEL, "--replicas", "0", "--min", "0", "--max", "1",
+            "--port", str(free_port()), "--autoscaling", policy, *SERVE_ARGS]  # fmt: skip
+    with fleet_process(args, tmp_path) as handle:
+        with httpx.Client(timeout=10) as http:
+            assert http.get(handle.url + "/ready").status_code == 200  # ready at zero
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+        started = time.monotonic()
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name three colors."}],
+            max_tokens=12, temperature=0, stream=True)
+        chunks = list(stream)
+        waited = time.monotonic() - started
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip() and chunks[-1].choices[0].finish_reason in ("stop", "length")
+        with httpx.Client(timeout=10) as http:
+            metrics = http.get(handle.url + "/metrics").text
+            assert f'argosy:gateway_activation_wait_seconds_count{{model="{MODEL}"}} 1.0' in metrics
+            assert f'argosy:gateway_requests_held{{model="{MODEL}"}} 0.0' in metrics
+            # Idle for scaleToZeroIdleSeconds: drained back to zero; the gateway stays ready.
+            log_path, deadline = tmp_path / "fleet.stderr", time.monotonic() + 60
+            while not re.search(r"replica http://\S+ drained \(exit 0\)", log_path.read_text()):
+                assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+                time.sleep(0.5)
+            assert "argosy:gateway_backend_healthy{" not in http.get(handle.url + "/metrics").text
+            assert http.get(handle.url + "/ready").status_code == 200
+        log = log_path.read_text()
+        assert "0 -> 1 (ScaleFromZero" in log and "1 -> 0 (ScaleToZero" in log
+        print(f"request at zero answered after {waited:.1f} s")
