@@ -52,6 +52,10 @@ def test_gateway_example_loads_and_matches_the_image() -> None:
     assert role["rules"][0]["resources"] == ["pods"]
     assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
     route = config.models[0]
+    # ...and, holding requests at zero replicas, stamps that LLMDeployment to wake it.
+    assert route.activation is not None
+    assert {"apiGroups": ["argosy.dev"], "resources": ["llmdeployments"],
+            "verbs": ["patch"]} in role["rules"]
     sample = yaml.safe_load((REPO / "manifests" / "samples" / "cpu-smollm2.yaml").read_text())
     assert route.kubernetes.llmdeployment == sample["metadata"]["name"]
     assert route.name == sample["spec"]["model"]["name"]
