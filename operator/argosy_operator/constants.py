@@ -48,6 +48,13 @@ TMP_VOLUME = "tmp"
 SHM_VOLUME = "dshm"
 RUN_AS_USER = 1000
 
+# LoRA adapters live in a ConfigMap (named like the LLMDeployment) mounted into the runtime
+# container, not in its args: the runtime re-reads the file (`--lora-modules-file`), so adding
+# or removing an adapter patches the ConfigMap and rolls no pod.
+LORA_VOLUME = "lora-adapters"
+LORA_MOUNT = "/etc/argosy/lora"
+LORA_FILE_KEY = "adapters.json"
+
 # Condition types. The autoscaler (argosy_operator.autoscaling) owns ScalingActive and
 # ScalingLimited; the reconciler owns the other three.
 COND_READY = "Ready"

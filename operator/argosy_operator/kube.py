@@ -48,6 +48,7 @@ class Resource:
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 SERVICES = Resource("", "v1", "services")
 PODS = Resource("", "v1", "pods")
+CONFIGMAPS = Resource("", "v1", "configmaps")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets")
 SERVICEMONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors")
 LLMDEPLOYMENTS = Resource("argosy.dev", "v1alpha1", "llmdeployments")

@@ -15,6 +15,7 @@ from typing import Any
 
 from argosy_operator.builders import (
     build_deployment,
+    build_lora_configmap,
     build_pdb,
     build_service,
     build_servicemonitor,
@@ -25,6 +26,7 @@ from argosy_operator.constants import (
     OPERATOR_NAME,
 )
 from argosy_operator.kube import (
+    CONFIGMAPS,
     DEPLOYMENTS,
     PDBS,
     SERVICEMONITORS,
@@ -111,16 +113,23 @@ async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, A
 
 
 async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str) -> bool:
-    """Delete a child the spec no longer asks for (only if it exists and is ours)."""
+    """Delete a child the spec no longer asks for, only if it exists and is ours.
+
+    An object of that name that the operator does not manage is left alone without a
+    conflict: the spec does not want the child, so nothing clashes (a user's own ConfigMap
+    named like the LLMDeployment is common).
+    """
     live = await client.get(res, namespace, name)
-    if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
+    meta = (live or {}).get("metadata") or {}
+    if (live is None or meta.get("deletionTimestamp")
+            or (meta.get("labels") or {}).get(LABEL_MANAGED_BY) != OPERATOR_NAME):
         return False
-    _check_ours(res, live)
     return await client.delete(res, namespace, name)
 
 
 async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileResult:
-    """Apply the Deployment, Service, PodDisruptionBudget and ServiceMonitor of `llmd`.
+    """Apply the Deployment, Service, LoRA ConfigMap, PodDisruptionBudget and ServiceMonitor
+    of `llmd`.
 
     Raises ValueError for a spec that cannot be built (the CRD normally rejects those),
     ChildConflictError, or ApiError.
@@ -134,6 +143,12 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
         if action:
             result.actions.append(f"{action} {kind} {name}")
 
+    lora = build_lora_configmap(llmd, spec)
+    if lora is not None:
+        # Before the Deployment: its pods mount this ConfigMap and would not start without it.
+        action, _ = await apply_child(client, CONFIGMAPS, lora)
+        note(action, "ConfigMap")
+
     if autoscaling_enabled(spec):
         # The autoscaler owns spec.replicas: set it only when creating the Deployment.
         exists = await client.get(DEPLOYMENTS, ns, name) is not None
@@ -143,6 +158,9 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
     action, result.deployment = await apply_child(
         client, DEPLOYMENTS, build_deployment(llmd, spec, replicas))
     note(action, "Deployment")
+    if lora is None and await delete_child(client, CONFIGMAPS, ns, name):
+        # After the Deployment, whose patch above took the mount off the pod template.
+        note("deleted", "ConfigMap")
     action, _ = await apply_child(client, SERVICES, build_service(llmd, spec))
     note(action, "Service")
 

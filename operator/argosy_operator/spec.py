@@ -127,3 +127,9 @@ def max_replicas(spec: Mapping[str, Any]) -> int:
     if autoscaling_enabled(spec):
         return int(spec["autoscaling"]["maxReplicas"])
     return int(spec["replicas"])
+
+
+def serves_lora_adapters(spec: Mapping[str, Any]) -> bool:
+    """Whether spec.runtime.loraAdapters is set. An empty list counts: the adapter file stays
+    mounted so that adapters can come and go later without touching the pod template."""
+    return spec["runtime"].get("loraAdapters") is not None

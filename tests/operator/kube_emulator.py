@@ -31,6 +31,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
                                 verbs={"list", "watch", "get", "create", "patch", "delete"}),
     "v1/pods": dict(kind="Pod", namespaced=True, subresources={"status"},
                     verbs={"list", "watch", "get", "create", "patch", "delete"}),
+    "v1/configmaps": dict(kind="ConfigMap", namespaced=True,
+                          verbs={"list", "watch", "get", "create", "patch", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, subresources={"status"},
                         verbs={"list", "watch", "get", "create", "patch", "delete"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,

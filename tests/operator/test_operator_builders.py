@@ -235,12 +235,14 @@ def test_serve_flags_edge_cases() -> None:
     assert pod["terminationGracePeriodSeconds"] == 15
 
 
-def test_lora_adapters_become_lora_modules() -> None:
+def test_lora_adapters_become_a_lora_modules_file() -> None:
     adapters = [{"name": "sql", "path": "/adapters/sql"}, {"name": "chat,v2", "path": "/a/c"}]
     args = _pod(runtime={"loraAdapters": adapters})["containers"][0]["args"]
-    assert json.loads(args[args.index("--lora-modules") + 1]) == {
-        "sql": "/adapters/sql", "chat,v2": "/a/c"}  # JSON: names may hold "," or "="
-    assert "--lora-modules" not in _pod()["containers"][0]["args"]
+    # The list itself is in the LoRA ConfigMap (test_operator_lora_adapters.py), not the args.
+    assert args[args.index("--lora-modules-file") + 1] == "/etc/argosy/lora/adapters.json"
+    assert "--lora-modules" not in args
+    assert not any("/adapters/sql" in a for a in args)
+    assert not any(a.startswith("--lora-modules") for a in _pod()["containers"][0]["args"])
 
 
 def test_pod_template_overrides() -> None:

@@ -97,11 +97,13 @@ def _verb(request: Any) -> str:
 
 async def test_cluster_role_grants_exactly_the_calls_made(kube: Any, api: Api,
                                                           run_operator: Any) -> None:
-    """A full cycle: create (all four children), pod and Deployment events, a spec change that
-    patches the Deployment and Service and deletes the PDB and ServiceMonitor, deletion."""
+    """A full cycle: create (all five children), pod and Deployment events, a spec change that
+    patches the ServiceMonitor and the LoRA ConfigMap, one that patches the Deployment and
+    Service and deletes the PDB, ServiceMonitor and ConfigMap, deletion."""
     body = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
             "metadata": {"name": "chat", "namespace": NS},
-            "spec": {"model": {"name": "m", "path": "smollm2-135m"}, "replicas": 2}}
+            "spec": {"model": {"name": "m", "path": "smollm2-135m"}, "replicas": 2,
+                     "runtime": {"loraAdapters": [{"name": "sql", "path": "/l/sql"}]}}}
     with run_operator():
         await api.call("POST", LLMD_PATH, body, "application/json")
         await eventually(lambda: api.get_or_none(
@@ -117,19 +119,23 @@ async def test_cluster_role_grants_exactly_the_calls_made(kube: Any, api: Api,
         # the ServiceMonitor) puts the operator's fields back.
         pdb_path = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/chat"
         await api.call("PATCH", pdb_path, {"spec": {"maxUnavailable": 0}})
-        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "monitoring": {"interval": "30s"}, "runtime": {"loraAdapters": []}}})
 
         async def pdb_restored() -> bool:
             return (await api.get_or_none(pdb_path))["spec"]["maxUnavailable"] == 1
 
         await eventually(pdb_restored, what="PDB drift corrected")
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
-            "replicas": 1, "service": {"port": 80}, "monitoring": {"serviceMonitor": False}}})
+            "replicas": 1, "service": {"port": 80}, "monitoring": {"serviceMonitor": False},
+            "runtime": {"loraAdapters": None}}})
+        cm_path = f"/api/v1/namespaces/{NS}/configmaps/chat"
 
-        async def pdb_gone() -> bool:
-            return await api.get_or_none(pdb_path) is None
+        async def pdb_and_configmap_gone() -> bool:
+            return await api.get_or_none(pdb_path) is None \
+                and await api.get_or_none(cm_path) is None
 
-        await eventually(pdb_gone, what="PDB deleted")
+        await eventually(pdb_and_configmap_gone, what="PDB and ConfigMap deleted")
         await settle(kube)
         await api.call("DELETE", f"{LLMD_PATH}/chat")
         await settle(kube)

@@ -11,6 +11,8 @@ from argosy_operator.builders.download import download_container
 from argosy_operator.builders.security import container_security_context, pod_security_context
 from argosy_operator.builders.serve_args import serve_args
 from argosy_operator.constants import (
+    LORA_MOUNT,
+    LORA_VOLUME,
     MODEL_MOUNT,
     MODEL_VOLUME,
     RUNTIME_CONTAINER,
@@ -20,7 +22,7 @@ from argosy_operator.constants import (
     TMP_VOLUME,
 )
 from argosy_operator.model_source import PVC_MOUNT, ModelSource, parse_model_source
-from argosy_operator.spec import runtime_image, termination_grace_seconds
+from argosy_operator.spec import runtime_image, serves_lora_adapters, termination_grace_seconds
 
 STARTUP_PROBE_PERIOD = 10
 # Shared memory for the CUDA runtime's IPC (the container default of 64 MiB is too small).
@@ -55,8 +57,9 @@ def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _volumes(spec: Mapping[str, Any], source: ModelSource) -> tuple[list[dict], list[dict]]:
-    """(pod volumes, runtime container mounts)."""
+def _volumes(name: str, spec: Mapping[str, Any], source: ModelSource
+             ) -> tuple[list[dict], list[dict]]:
+    """(pod volumes, runtime container mounts); `name` is the LLMDeployment's."""
     volumes: list[dict[str, Any]] = [{"name": TMP_VOLUME, "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": TMP_VOLUME, "mountPath": "/tmp"}]
     if source.needs_download:
@@ -73,6 +76,11 @@ def _volumes(spec: Mapping[str, Any], source: ModelSource) -> tuple[list[dict], 
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
                                                          "sizeLimit": SHM_SIZE}})
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    if serves_lora_adapters(spec):
+        # The LoRA ConfigMap (same name as the LLMDeployment). A whole-directory mount: the
+        # kubelet refreshes it in place (a subPath mount would never see an update).
+        volumes.append({"name": LORA_VOLUME, "configMap": {"name": name}})
+        mounts.append({"name": LORA_VOLUME, "mountPath": LORA_MOUNT, "readOnly": True})
     template = spec["podTemplate"]
     volumes += [dict(v) for v in template.get("volumes", [])]
     mounts += [dict(m) for m in template.get("volumeMounts", [])]
@@ -91,12 +99,12 @@ def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [e for e in env if e["name"] not in user_names] + user
 
 
-def _pod_spec(spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
+def _pod_spec(name: str, spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
     runtime = spec["runtime"]
     res = spec["resources"]
     template = spec["podTemplate"]
     image = runtime_image(spec)
-    volumes, mounts = _volumes(spec, source)
+    volumes, mounts = _volumes(name, spec, source)
     container: dict[str, Any] = {
         "name": RUNTIME_CONTAINER,
         "image": image,
@@ -176,7 +184,7 @@ def build_deployment(llmd: Mapping[str, Any], spec: Mapping[str, Any],
         "revisionHistoryLimit": 5,
         "template": {
             "metadata": {"labels": pod_labels, "annotations": pod_annotations},
-            "spec": _pod_spec(spec, source),
+            "spec": _pod_spec(name, spec, source),
         },
     }
     if replicas is not None:

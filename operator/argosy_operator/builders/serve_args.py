@@ -6,7 +6,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from argosy_operator.constants import RUNTIME_PORT
+from argosy_operator.constants import LORA_FILE_KEY, LORA_MOUNT, RUNTIME_PORT
+from argosy_operator.spec import serves_lora_adapters
 
 
 def speculative_json(speculative: Mapping[str, Any]) -> str:
@@ -42,9 +43,10 @@ def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
                 else "--no-enable-prefix-caching")
     if runtime.get("speculative"):
         args += ["--speculative", speculative_json(runtime["speculative"])]
-    if runtime.get("loraAdapters"):
-        modules = {a["name"]: a["path"] for a in runtime["loraAdapters"]}
-        args += ["--lora-modules", json.dumps(modules, separators=(",", ":"))]
+    if serves_lora_adapters(spec):
+        # The file, not the list: the args (and so the pod template) must not change when
+        # adapters do, or every change would roll every pod (builders/lora_configmap.py).
+        args += ["--lora-modules-file", f"{LORA_MOUNT}/{LORA_FILE_KEY}"]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     if runtime.get("maxWaiting") is not None:
         args += ["--max-waiting", str(runtime["maxWaiting"])]
