@@ -24,7 +24,7 @@ from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
-from argosy_runtime.lora import LoRAAdapter
+from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -96,6 +96,11 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                 self._stop_ids)
         self.lora_adapters = self._load_lora_adapters()
+        # Adapters from a file the server re-reads while it runs (lora/modules_file.py).
+        self.lora_modules_file: LoRAModulesFile | None = None
+        if args.lora_modules_file:
+            self.lora_modules_file = LoRAModulesFile(args.lora_modules_file)
+            self.lora_modules_file.sync(self)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
             "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
@@ -155,15 +160,33 @@ class LLMEngine:
         modules = self.args.lora_modules or {}
         if not isinstance(modules, dict):
             raise ValueError("lora_modules must map adapter names to PEFT adapter folders")
-        adapters = {}
+        self.lora_adapters = {}
         for name, path in modules.items():
-            if not isinstance(name, str) or not name or name == self.served_model_name:
-                raise ValueError(f"lora_modules: {name!r} is not a usable adapter name (empty, "
-                                 "or the base model's own name)")
-            adapters[name] = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
-            logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name,
-                        adapters[name].rank, len(adapters[name].layers), path)
-        return adapters
+            self.load_lora_adapter(name, path)
+        return self.lora_adapters
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Serve the PEFT adapter folder `path` as `name` (replacing one of that name).
+
+        Callable from any thread while the engine runs: the name -> adapter map is replaced,
+        never mutated, so a step sees the old map or the new one; requests already admitted
+        keep the adapter object they started with. ValueError names what is wrong."""
+        if not isinstance(name, str) or not name or name == self.served_model_name:
+            raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
+                             "the base model's own name)")
+        adapter = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
+        self.lora_adapters = {**self.lora_adapters, name: adapter}
+        logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
+                    len(adapter.layers), path)
+        return adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError if it is not served). Requests already
+        admitted on it finish on it; new ones get the unknown-adapter error."""
+        if name not in self.lora_adapters:
+            raise KeyError(name)
+        self.lora_adapters = {k: v for k, v in self.lora_adapters.items() if k != name}
+        logger.info("LoRA adapter %s unloaded", name)
 
     def _build_proposer(self) -> Any:
         if self.args.speculative is None:

@@ -84,6 +84,13 @@ class EngineArgs:
         "field over HTTP). See docs/lora.md.",
         default=None,
     )
+    lora_modules_file: str | None = _opt(
+        "A JSON file {\"name\": \"/adapter/folder\", ...} of LoRA adapters that the server "
+        "re-reads every few seconds while it runs: adapters are loaded, replaced or unloaded "
+        "to match it, without a restart (the operator mounts one from a ConfigMap). A broken "
+        "entry is logged and skipped. See docs/lora.md.",
+        default=None,
+    )
     seed: int = _opt("Seed for requests that give none.", default=0)
     cpu_threads: int | None = _opt(
         "Threads for CPU math (default: the CPUs this process may use: the smallest of the "

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aborting them (default: %(default)s).")
     server.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
+    server.add_argument("--allow-runtime-lora-updates", action="store_true",
+                        help="Serve vLLM's POST /v1/load_lora_adapter and "
+                             "/v1/unload_lora_adapter (off by default: they load any folder "
+                             "a client names; protect them with --api-key).")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
 
 
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         config = ServerConfig(
             host=args.host, port=args.port, api_key=ServerConfig.api_key_from_env(args.api_key),
             max_waiting=args.max_waiting, request_timeout=args.request_timeout,
-            drain_timeout=args.drain_timeout, log_level=args.log_level)
+            drain_timeout=args.drain_timeout, log_level=args.log_level,
+            allow_runtime_lora_updates=args.allow_runtime_lora_updates)
         engine_args = EngineArgs.from_cli_args(args)
     except ValueError as exc:
         print(f"argosy serve: error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,10 +33,20 @@ SCRAPED = {
 }
 
 
-def parse_replica_metrics(text: str) -> dict[str, float]:
-    """The load fields found in a Prometheus text page (summed over label sets)."""
-    found: dict[str, float] = {}
+ADAPTERS = "argosy:lora_adapter_loaded"
+
+
+def parse_replica_metrics(text: str) -> dict[str, Any]:
+    """The load fields found in a Prometheus text page (summed over label sets), and
+    `adapters`: the LoRA adapters it lists, when it has the adapter family at all."""
+    found: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
+        if family.name == ADAPTERS:
+            found["adapters"] = frozenset(
+                s.labels["lora_name"] for s in family.samples
+                if s.value > 0 and "lora_name" in s.labels
+            )
+            continue
         for sample in family.samples:
             field = SCRAPED.get(sample.name)
             if field is not None:

@@ -58,9 +58,10 @@ class LoRAAdapter:
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        tensors = load_file(str(weights_path))
+        weights = weights_path.read_bytes()
+        tensors = load(weights)
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.search(key)
@@ -69,7 +70,9 @@ class LoRAAdapter:
                                  "attention and MLP projections of decoder layers)")
             layer, _, module, which = match.groups()
             pairs.setdefault((int(layer), module), {})[which] = tensor
-        digest = hashlib.sha256(f"lora:{name}:{folder.resolve()}".encode()).digest()
+        # The salt comes from the files' content: an adapter retrained in place and loaded
+        # again must not hit prefix-cache blocks its old weights computed.
+        digest = hashlib.sha256(config_path.read_bytes() + weights).digest()
         adapter = cls(name=name, rank=rank, scale=scale,
                       cache_salt=int.from_bytes(digest[:8], "little"))
         layout = _layout(spec)

@@ -11,6 +11,7 @@ from argosy_runtime.async_engine import AsyncEngine
 from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import install_error_handlers
 from argosy_runtime.server.lifecycle import Lifecycle
+from argosy_runtime.server.lora_admin import LoRAAdmin
 from argosy_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
@@ -18,9 +19,11 @@ from argosy_runtime.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from argosy_runtime.server.request_log import RequestContextMiddleware
 from argosy_runtime.server.serving_chat import create_chat_completion
@@ -28,7 +31,7 @@ from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
 from argosy_runtime.server.serving_tokenize import detokenize, tokenize
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 logger = logging.getLogger("argosy.server")
 
@@ -43,12 +46,12 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async_engine = AsyncEngine(engine, observer=metrics, max_waiting=config.max_waiting,
                                max_num_seqs=_max_num_seqs(engine))
     lifecycle = Lifecycle(config.drain_timeout)
+    lora = LoRAAdmin(engine, config.allow_runtime_lora_updates)
     metrics.attach_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting,
-                          _cache_info(engine))
+                          _cache_info(engine), lora.names)
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
-                         lifecycle=lifecycle, metrics=metrics,
-                         lora_names=tuple(getattr(engine, "lora_adapters", {})))
+                         lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -56,7 +59,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         lifecycle.started = True
         logger.info("serving %s (max_model_len %d)", model_name, ctx.max_model_len)
         try:
-            yield
+            async with lora.watching_modules_file():
+                yield
         finally:
             lifecycle.started = False
             async_engine.abort_all()
@@ -83,6 +87,14 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
         return detokenize(body, ctx)
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
+        return await lora.load(body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
+        return await lora.unload(body.lora_name)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:

@@ -17,6 +17,8 @@ class ServerConfig:
     request_timeout: seconds a request may take end to end before it is aborted (0: none).
     drain_timeout: seconds SIGTERM waits for running requests before aborting them.
     api_key: when set, /v1/* requires `Authorization: Bearer <key>`.
+    allow_runtime_lora_updates: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+        (off by default: they make the server read any folder a client names).
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +29,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     log_level: str = "info"
     retry_after_s: int = 1
+    allow_runtime_lora_updates: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -12,7 +12,7 @@ operator's autoscaler scrapes the same names: they are a public interface (DESIG
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from argosy_runtime.outputs import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,11 +34,13 @@ class _EngineStatsCollector(Collector):
     """Emits the engine's gauges and counters from the newest snapshot at scrape time."""
 
     def __init__(self, model_name: str, get_stats: Callable[[], EngineStats],
-                 get_waiting: Callable[[], int], cache_info: dict[str, str]) -> None:
+                 get_waiting: Callable[[], int], cache_info: dict[str, str],
+                 get_adapters: Callable[[], Iterable[str]]) -> None:
         self.model_name = model_name
         self.get_stats = get_stats
         self.get_waiting = get_waiting
         self.cache_info = cache_info
+        self.get_adapters = get_adapters
 
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
@@ -77,6 +79,14 @@ class _EngineStatsCollector(Collector):
                                  labels=sorted(self.cache_info))
         info.add_metric([self.cache_info[k] for k in sorted(self.cache_info)], 1.0)
         yield info
+        # One series per LoRA adapter served now: the gateway routes an adapter's requests
+        # to the replicas that list it (adapters can come and go while a replica runs).
+        adapters = GaugeMetricFamily("argosy:lora_adapter_loaded",
+                                     "1 for each LoRA adapter this server serves now.",
+                                     labels=["model_name", "lora_name"])
+        for name in sorted(self.get_adapters()):
+            adapters.add_metric([self.model_name, name], 1.0)
+        yield adapters
 
 
 class ServerMetrics:
@@ -107,9 +117,10 @@ class ServerMetrics:
                                 ["model_name", "reason"], registry=self.registry)
 
     def attach_engine(self, get_stats: Callable[[], EngineStats],
-                      get_waiting: Callable[[], int], cache_info: dict[str, str]) -> None:
-        self.registry.register(
-            _EngineStatsCollector(self.model_name, get_stats, get_waiting, cache_info))
+                      get_waiting: Callable[[], int], cache_info: dict[str, str],
+                      get_adapters: Callable[[], Iterable[str]] = tuple) -> None:
+        self.registry.register(_EngineStatsCollector(self.model_name, get_stats, get_waiting,
+                                                     cache_info, get_adapters))
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
     def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:

@@ -185,6 +185,23 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+
+    model_config = _FORBID
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; accepted for compatibility, unused
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    model_config = _FORBID
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # ------------------------------------------------------------------ responses
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

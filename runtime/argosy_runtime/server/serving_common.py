@@ -42,8 +42,13 @@ class ServingContext:
     config: ServerConfig
     lifecycle: Lifecycle
     metrics: ServerMetrics
-    lora_names: tuple[str, ...] = ()  # LoRA adapters served beside the base model
+    # The LoRA adapters served now, beside the base model (they can change while serving).
+    adapter_names: Callable[[], tuple[str, ...]] = tuple
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self.adapter_names()
 
     def check_model(self, model: str | None) -> str:
         """The served name a request asks for (the base model when it names none)."""

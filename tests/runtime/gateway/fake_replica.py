@@ -120,6 +120,9 @@ class FakeReplica:
             f'argosy:prefix_cache_queries_total{{model_name="{self.model}"}} {self.prefix_queries}\n'
             "# TYPE argosy:prefix_cache_hits counter\n"
             f'argosy:prefix_cache_hits_total{{model_name="{self.model}"}} {self.prefix_hits}\n'
+            "# TYPE argosy:lora_adapter_loaded gauge\n"
+            + "".join(f'argosy:lora_adapter_loaded{{model_name="{self.model}",lora_name="{a}"}} 1\n'
+                      for a in self.adapters)
         )
         return web.Response(text=text, content_type="text/plain")
 

@@ -351,3 +351,30 @@ async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, 
         assert models["sql"]["parent"] == "tiny"
         async with s.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
             assert resp.status == 404
+
+
+async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
+        fake_replicas, gateway) -> None:
+    """Adapters come and go while replicas run (--lora-modules-file, /v1/load_lora_adapter):
+    the gateway reads each replica's `argosy:lora_adapter_loaded` and skips replicas without
+    the adapter, so none answers 404 while others have it."""
+    has, lacks = await fake_replicas(2, model="tiny")
+    has.adapters = ["sql"]
+    gw, url = await gateway(config(("tiny", [has.url, lacks.url]), policy="round-robin"))
+    await gw.health.probe_all()
+    assert gw.pools["tiny"].get(has.url).adapters == {"sql"}
+    assert gw.pools["tiny"].get(lacks.url).adapters == frozenset()
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
+                assert r.status == 200 and r.headers["x-argosy-backend"] == has.url
+        backends = set()
+        for _ in range(4):  # the base model still uses both
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as r:
+                backends.add(r.headers["x-argosy-backend"])
+        assert backends == {has.url, lacks.url}
+        # Unloaded everywhere: a replica says the model does not exist, as the server would.
+        has.adapters = []
+        await gw.health.probe_all()
+        async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
+            assert r.status == 404

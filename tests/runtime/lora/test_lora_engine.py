@@ -177,3 +177,71 @@ def _reshape_a(folder: Path) -> None:
     key = next(k for k in tensors if "q_proj.lora_A" in k)
     tensors[key] = tensors[key][:, :-1].contiguous()
     save_file(tensors, str(path))
+
+
+def test_adapters_load_and_unload_while_requests_run(model_dir, adapters, references,
+                                                     tmp_path) -> None:
+    """Loading and unloading between steps: requests already running keep their adapter;
+    an adapter retrained in place and loaded again gets none of the old one's cached blocks."""
+    import shutil
+
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("base", PROMPTS[0], params)
+    engine.step()
+    folder = tmp_path / "tuned"
+    shutil.copytree(adapters["all"], folder)
+    engine.load_lora_adapter("tuned", str(folder))
+    engine.add_request("a", PROMPTS[0], params, lora_name="tuned")
+    engine.step()
+    engine.unload_lora_adapter("tuned")  # "a" is running on it: it finishes on it
+    with pytest.raises(ValueError, match="no LoRA adapter 'tuned'"):
+        engine.add_request("b", PROMPTS[0], params, lora_name="tuned")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert done == {"base": references[None][0], "a": references["all"][0]}
+    with pytest.raises(KeyError):
+        engine.unload_lora_adapter("tuned")
+    # Retrained in place: same name, same folder, other weights.
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["attn-rs"], folder)
+    engine.load_lora_adapter("tuned", str(folder))
+    hits_before = engine.get_stats().prefix_cache_hits
+    assert run(engine, [("tuned", 0)]) == [references["attn-rs"][0]]
+    assert engine.get_stats().prefix_cache_hits == hits_before
+    with pytest.raises(ValueError, match="not a usable adapter name"):
+        engine.load_lora_adapter(engine.served_model_name, str(folder))
+    assert_no_leaks(engine)
+
+
+def test_lora_modules_file_keeps_the_engine_in_step(model_dir, adapters, references, tmp_path,
+                                                    caplog) -> None:
+    modules = tmp_path / "adapters.json"
+    modules.write_text(json.dumps({"all": str(adapters["all"])}))
+    engine = LLMEngine(model=str(model_dir), dtype="float32",
+                       lora_modules={"fixed": str(adapters["attn-rs"])},
+                       lora_modules_file=str(modules))
+    watcher = engine.lora_modules_file
+    assert set(engine.lora_adapters) == {"fixed", "all"}
+    assert watcher.sync(engine) is False  # nothing changed
+    # A new entry whose folder is not there yet: logged once, the rest applied, retried.
+    late = tmp_path / "late"
+    modules.write_text(json.dumps({"all": str(adapters["all"]), "late": str(late)}))
+    with caplog.at_level("ERROR", logger="argosy.lora"):
+        assert watcher.sync(engine) is False and watcher.sync(engine) is False
+    assert len([r for r in caplog.records if "late" in r.getMessage()]) == 1
+    import shutil
+
+    shutil.copytree(adapters["attn-rs"], late)
+    assert watcher.sync(engine) is True and set(engine.lora_adapters) == {"fixed", "all", "late"}
+    assert run(engine, [("late", 1), ("all", 1)]) == [references["attn-rs"][1],
+                                                     references["all"][1]]
+    # A broken file changes nothing; removing entries unloads only what the file loaded.
+    modules.write_text("{not json")
+    assert watcher.sync(engine) is False and len(engine.lora_adapters) == 3
+    modules.write_text(json.dumps({"fixed": str(adapters["attn-rs"])}))
+    assert watcher.sync(engine) is True and set(engine.lora_adapters) == {"fixed"}
+    modules.write_text("{}")
+    assert watcher.sync(engine) is True and engine.lora_adapters == {}  # the file took "fixed"
+    assert_no_leaks(engine)

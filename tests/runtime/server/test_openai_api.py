@@ -164,6 +164,15 @@ def test_request_id_echoed_and_logged(server: ServerProcess, http: httpx.Client)
     assert mine[0]["path"] == "/v1/completions" and mine[0]["duration_ms"] > 0
 
 
+def test_runtime_lora_updates_are_off_by_default(http: httpx.Client) -> None:
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        r = http.post(path, json=body)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "runtime_lora_updates_disabled"
+        assert "--allow-runtime-lora-updates" in r.json()["error"]["message"]
+
+
 DESIGN_METRICS = [
     "argosy:kv_cache_usage_perc", "argosy:num_requests_running", "argosy:num_requests_waiting",
     "argosy:prompt_tokens_total", "argosy:generation_tokens_total",

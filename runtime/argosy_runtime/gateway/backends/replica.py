@@ -20,6 +20,9 @@ class Replica:
     num_running: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # LoRA adapters the replica serves now (`argosy:lora_adapter_loaded`); None when its
+    # metrics do not say (not scraped yet, or a server that does not export them).
+    adapters: frozenset[str] | None = None
     # Whether the last /metrics scrape succeeded (the gauges above are stale when not).
     scraped: bool = False
     # Out of rotation when False; the health checker probes it back.
@@ -33,6 +36,10 @@ class Replica:
         """In rotation: healthy and not inside a Retry-After window."""
         now = time.monotonic() if now is None else now
         return self.healthy and now >= self.cooldown_until
+
+    def may_serve_adapter(self, name: str) -> bool:
+        """False only when the replica's metrics list its adapters and `name` is not one."""
+        return self.adapters is None or name in self.adapters
 
     def set_retry_after(self, seconds: float) -> None:
         """Honour a `Retry-After`: send nothing to this replica for `seconds`."""

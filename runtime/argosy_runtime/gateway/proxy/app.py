@@ -218,8 +218,10 @@ class Gateway:
             pool = model if model in self.pools else await self._adapter_parent(model)
             if pool is None:
                 return model_not_found(model, [*self.pools, *self.cascades])
-            # A LoRA adapter goes to its base model's replicas, its name unchanged.
-            return await self._relay(request, pool, path, body, raw, headers, started, {})
+            # A LoRA adapter goes to its base model's replicas that serve it, its name unchanged.
+            adapter = model if pool != model else None
+            return await self._relay(request, pool, path, body, raw, headers, started, {},
+                                     adapter)
 
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)
         extra = {"x-argosy-cascade": decision.tier, "x-argosy-cascade-reason": decision.reason}
@@ -285,7 +287,13 @@ class Gateway:
         return out
 
     async def _send(
-        self, model: str, path: str, body: dict[str, Any], raw: bytes, headers: Mapping[str, str]
+        self,
+        model: str,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: Mapping[str, str],
+        adapter: str | None = None,
     ) -> Upstream | web.Response:
         assert self.session is not None
         activator = self.activators.get(model)
@@ -305,6 +313,7 @@ class Gateway:
             path=path,
             body=raw,
             headers=headers,
+            adapter=adapter,
         )
         if isinstance(result, web.Response):
             self.metrics.requests.labels(model, "", str(result.status)).inc()
@@ -341,9 +350,10 @@ class Gateway:
         headers: Mapping[str, str],
         started: float,
         extra: dict[str, str],
+        adapter: str | None = None,
     ) -> web.StreamResponse:
         """Send to a replica and stream its answer to the client as it arrives."""
-        upstream = await self._send(model, path, body, raw, headers)
+        upstream = await self._send(model, path, body, raw, headers, adapter)
         if isinstance(upstream, web.Response):
             upstream.headers.update(extra)
             return upstream

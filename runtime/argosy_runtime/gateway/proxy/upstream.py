@@ -67,8 +67,13 @@ async def send(
     path: str,
     body: bytes,
     headers: Mapping[str, str],
+    adapter: str | None = None,
 ) -> Upstream | web.Response:
-    """Try up to `config.max_attempts` distinct replicas; an Upstream, or the error to return."""
+    """Try up to `config.max_attempts` distinct replicas; an Upstream, or the error to return.
+
+    `adapter`: the LoRA adapter the request names; replicas known not to serve it (adapters
+    come and go while replicas run) are skipped unless no replica is left, in which case a
+    replica answers the client its own "model does not exist"."""
     tried: set[str] = set()
     last_error: web.Response | None = None
     timeout = aiohttp.ClientTimeout(
@@ -76,6 +81,8 @@ async def send(
     )
     for _ in range(config.max_attempts):
         candidates = pool.available(exclude=tried)
+        if adapter is not None:
+            candidates = [r for r in candidates if r.may_serve_adapter(adapter)] or candidates
         replica = policy.choose(candidates, route)
         if replica is None:
             break
