@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Loading LoRA adapters into a running server, argosy vs vLLM on the same model, adapter and
+# machine, one server at a time (bench/lora_runtime_load.py). Results:
+# docs/benchmarks/lora.md, "Loading adapters while serving".
+#
+#   ADAPTER=/tmp/lora-smollm2 VLLM=/tmp/vllm-cli VLLM_MODEL=/tmp/smollm2-hf \
+#     bench/lora_runtime_compare.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ADAPTER=${ADAPTER:?a PEFT adapter folder for SmolLM2-135M}
+OUT=${OUT:-docs/benchmarks/lora}
+PORT=${PORT:-8127}
+PY=${PY:-.venv/bin/python}
+VLLM=${VLLM:-}
+VLLM_MODEL=${VLLM_MODEL:-/tmp/smollm2-hf}
+mkdir -p "$OUT"
+# shellcheck source=bench/server_lifecycle.sh
+source bench/server_lifecycle.sh
+
+run_server() {  # label, server command...
+  local label=$1
+  shift
+  local log="/tmp/lora-runtime-$label.log"
+  "$@" >"$log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "http://127.0.0.1:$PORT/v1/models" "$log" || return 1
+  "$PY" bench/lora_runtime_load.py --base-url "http://127.0.0.1:$PORT" --model smollm2-135m \
+    --adapter "$ADAPTER" --cycles 5 --label "$label" --json "$OUT/runtime-load-$label.json"
+  stop_server
+}
+
+run_server argosy "$PY" -m argosy_runtime.cli.main serve --model smollm2-135m --dtype bfloat16 \
+  --port "$PORT" --log-level warning --allow-runtime-lora-updates
+if [[ -n "$VLLM" ]]; then
+  export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+  run_server vllm "$VLLM" serve "$VLLM_MODEL" \
+    --served-model-name smollm2-135m --dtype bfloat16 --port "$PORT" \
+    --gpu-memory-utilization 0.25 --enable-lora --max-lora-rank 16
+fi
