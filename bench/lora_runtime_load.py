@@ -6,8 +6,8 @@ does to a stream that is running meanwhile (its largest gap between tokens).
         --model smollm2-135m --adapter /tmp/lora-smollm2 --cycles 5 --json out.json
 
 The server must allow runtime updates (argosy: --allow-runtime-lora-updates; vLLM:
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora). bench/lora_runtime_compare.sh runs it
-against both, one server at a time.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora). bench/lora_compare.sh runs it against
+both, one server at a time.
 """
 
 from __future__ import annotations

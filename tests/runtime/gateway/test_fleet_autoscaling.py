@@ -23,6 +23,18 @@ async def wait_for(check, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def fast_fleet(tmp_path: Path, min_replicas: int, max_replicas: int, **policy: float
+               ) -> FleetConfig:
+    """One fake replica to start, autoscaled on a test-sized clock (policy: camelCase extras)."""
+    return FleetConfig(
+        model="tiny", replicas=1, min_replicas=min_replicas, max_replicas=max_replicas, port=0,
+        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
+                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5, **policy},
+        serve_command=FAKE_SERVE, health_interval_s=0.15, log_dir=str(tmp_path),
+        ready_timeout_s=30, drain_timeout_s=10,
+    )  # fmt: skip
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         FleetConfig(min_replicas=1)
@@ -41,15 +53,8 @@ def test_config_validation() -> None:
 
 
 async def test_fleet_scales_to_zero_when_idle_and_a_request_wakes_it(tmp_path: Path) -> None:
-    config = FleetConfig(
-        model="tiny", replicas=1, min_replicas=0, max_replicas=2, port=0,
-        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
-                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5,
-                     "scaleToZeroIdleSeconds": 1},
-        serve_command=FAKE_SERVE, health_interval_s=0.15, log_dir=str(tmp_path),
-        ready_timeout_s=30, drain_timeout_s=10,
-    )  # fmt: skip
-    fleet = Fleet(config)
+    fleet = Fleet(fast_fleet(tmp_path, min_replicas=0, max_replicas=2,
+                             scaleToZeroIdleSeconds=1))
     url = await fleet.start()
     try:
         first = fleet.processes[0]
@@ -72,15 +77,7 @@ async def test_fleet_scales_to_zero_when_idle_and_a_request_wakes_it(tmp_path: P
 
 
 async def test_fleet_scales_up_under_queueing_and_back_down_when_idle(tmp_path: Path) -> None:
-    config = FleetConfig(
-        model="tiny", replicas=1, min_replicas=1, max_replicas=3, port=0,
-        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
-                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5,
-                     "targetQueueDepth": 1},
-        serve_command=FAKE_SERVE, health_interval_s=0.15, log_dir=str(tmp_path),
-        ready_timeout_s=30, drain_timeout_s=10,
-    )  # fmt: skip
-    fleet = Fleet(config)
+    fleet = Fleet(fast_fleet(tmp_path, min_replicas=1, max_replicas=3, targetQueueDepth=1))
     url = await fleet.start()
     try:
         pool = fleet.gateway.pools["tiny"]
