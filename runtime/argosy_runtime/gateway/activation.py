@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from argosy_runtime.gateway.backends.kube_api import resolve
+from argosy_runtime.gateway.backends.kube_api import KubeAPI, resolve
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.config import ActivationConfig, KubernetesBackendConfig
 
@@ -104,9 +104,12 @@ def kubernetes_signal(config: KubernetesBackendConfig, session: aiohttp.ClientSe
     """
     path = (f"/apis/argosy.dev/v1alpha1/namespaces/{config.namespace}/llmdeployments/"
             f"{config.llmdeployment}")
+    resolved: list[KubeAPI] = []  # resolved once (a kubeconfig's inline certs become files)
 
     async def signal() -> None:
-        api = resolve(config.api_url)
+        if not resolved:
+            resolved.append(resolve(config.api_url))
+        api = resolved[0]
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         patch = {"metadata": {"annotations": {ACTIVATION_ANNOTATION: stamp}}}
         headers = {**api.headers, "Content-Type": "application/merge-patch+json"}
