@@ -1,6 +1,6 @@
 """Where a LoRA adapter's decode cost goes (in-process, bfloat16): the step time of a batch of
-decodes on the base model with the fused C++ decode layers, on the base model forced onto the
-module path, and with every request on the adapter (which takes the module path).
+decodes on the base model and with every request on the adapter, each with the fused C++
+decode layers (which add the adapter's deltas too) and forced onto the module path.
 
     python bench/lora_step_cost.py --adapter /tmp/lora-smollm2 [--batch 8]
 """
@@ -39,7 +39,8 @@ def main() -> None:
     applies = CpuDecodeLayers.applies
     for label, lora, cpp in [("base, C++ decode layers", None, True),
                              ("base, module path", None, False),
-                             ("adapter (module path)", "a", True)]:
+                             ("adapter, C++ decode layers", "a", True),
+                             ("adapter, module path", "a", False)]:
         CpuDecodeLayers.applies = applies if cpp else (lambda self, h, ctx: False)
         ms_per_step(lora)  # warm-up
         best = min(ms_per_step(lora) for _ in range(3))

@@ -16,6 +16,7 @@
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -1356,6 +1357,27 @@ Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t par
   return int8_linear(x, w[0], w[1], param);
 }
 
+// LoRA deltas after one projection (lora/batch.py LoRABatch.apply: the same ops in the same
+// order, so tokens equal the module path's). `lora` holds, for each adapter in the step, its
+// rows, then (A, B) for qkv, o, gate_up and down (empty tensors for a projection the adapter
+// leaves alone); `scales` one per adapter.
+constexpr int64_t kLoraStride = 9;
+
+void add_lora(Tensor& out, const Tensor& x, at::TensorList lora, at::ArrayRef<double> scales,
+              int64_t projection) {
+  for (size_t g = 0; g < scales.size(); ++g) {
+    const Tensor& rows = lora[g * kLoraStride];
+    const Tensor& a = lora[g * kLoraStride + 1 + 2 * projection];
+    const Tensor& b = lora[g * kLoraStride + 2 + 2 * projection];
+    if (a.numel() == 0) continue;
+    if (rows.numel() == x.size(0)) {  // every row runs this adapter: no gather/scatter
+      out.add_(at::linear(at::linear(x, a), b).mul(scales[g]));
+    } else {
+      out.index_add_(0, rows, at::linear(at::linear(x.index_select(0, rows), a), b).mul(scales[g]));
+    }
+  }
+}
+
 // hidden [tokens, hidden] is updated in place to the layer's output.
 void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_norm, double eps,
                   at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
@@ -1363,13 +1385,16 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
                   const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
                   const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& context_lens,
                   const Tensor& cos, const Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads,
-                  double scale) {
+                  double scale, at::TensorList lora, at::ArrayRef<double> lora_scales) {
   TORCH_CHECK(kinds.size() == 4 && params.size() == 4, "decode_layer: one kind and param per linear");
+  TORCH_CHECK(lora.size() == lora_scales.size() * kLoraStride,
+              "decode_layer: lora needs rows and 4 (A, B) pairs per adapter");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be a contiguous [tokens, hidden]");
   const int64_t tokens = hidden.size(0), head_dim = key_cache.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
-  const Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0]);
+  Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0]);
+  add_lora(qkv, x, lora, lora_scales, 0);
   Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, signed_sin);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -1377,10 +1402,16 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
   decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
                    scale, k_scale, v_scale);
-  const Tensor o = apply_linear(attn.view({tokens, q_size}), o_w, kinds[1], params[1]);
+  const Tensor attn_flat = attn.view({tokens, q_size});
+  Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1]);
+  add_lora(o, attn_flat, lora, lora_scales, 1);
   x = rms_norm(o, post_norm, eps, hidden);  // hidden += o first
-  const Tensor act = silu_and_mul(apply_linear(x, gate_up_w, kinds[2], params[2]));
-  hidden.add_(apply_linear(act, down_w, kinds[3], params[3]));
+  Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2]);
+  add_lora(gate_up, x, lora, lora_scales, 2);
+  const Tensor act = silu_and_mul(gate_up);
+  Tensor down = apply_linear(act, down_w, kinds[3], params[3]);
+  add_lora(down, act, lora, lora_scales, 3);
+  hidden.add_(down);
 }
 
 }  // namespace
@@ -1405,7 +1436,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor signed_sin, int num_heads, "
-        "int num_kv_heads, float scale) -> ()");
+        "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {

@@ -42,6 +42,19 @@ class LoRAAdapter:
     cache_salt: int = 0  # distinct per adapter: its requests' prefix-cache blocks are its own
     # layer index -> fused module name (qkv_proj, o_proj, gate_up_proj, down_proj) -> weights
     layers: dict[int, dict[str, LoRAWeights]] = field(default_factory=dict)
+    _decode_layer_tensors: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def decode_layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """A, B of qkv, o, gate_up and down in `layer`, an empty tensor where this adapter
+        has none: the per-adapter layout of cpu_ops.decode_layer's `lora` list."""
+        if layer not in self._decode_layer_tensors:
+            empty = torch.empty(0)
+            out = []
+            for fused in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                weights = self.layers.get(layer, {}).get(fused)
+                out += [empty, empty] if weights is None else [weights.a, weights.b]
+            self._decode_layer_tensors[layer] = out
+        return self._decode_layer_tensors[layer]
 
     @classmethod
     def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,

@@ -26,3 +26,10 @@ class LoRABatch:
                 xs = x.index_select(0, rows)
                 out.index_add_(0, rows, F.linear(F.linear(xs, weights.a), weights.b)
                                * adapter.scale)
+
+    def decode_layer_args(self, layer: int) -> tuple[list[torch.Tensor], list[float]]:
+        """(`lora`, `lora_scales`) of cpu_ops.decode_layer for `layer`: per adapter its rows
+        and its (A, B) pairs, which the C++ layer applies as `apply` does."""
+        tensors = [t for adapter, rows in self.groups
+                   for t in (rows, *adapter.decode_layer_tensors(layer))]
+        return tensors, [adapter.scale for adapter, _ in self.groups]

@@ -77,10 +77,10 @@ class CpuDecodeLayers:
                    first.self_attn.num_kv_heads)
 
     def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Whether this step can take the C++ path: decodes only, on the fused CPU backend,
-        no LoRA rows (the C++ layer has no hook for their deltas)."""
+        """Whether this step can take the C++ path: decodes only, on the fused CPU backend
+        (LoRA rows included: the C++ layer adds their deltas as LoRABatch.apply does)."""
         n = hidden.shape[0]
-        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n and ctx.lora is None
+        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n
                 and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False))
 
     def __call__(self, hidden: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
@@ -92,8 +92,9 @@ class CpuDecodeLayers:
         for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args[:num_layers]):
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
+            lora, lora_scales = ([], []) if ctx.lora is None else ctx.lora.decode_layer_args(i)
             decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,
                          key_cache, value_cache, k_scale, v_scale, meta.slot_mapping,
                          meta.decode_block_tables, meta.decode_context_lens, cos, signed_sin,
-                         self.num_heads, self.num_kv_heads, scale)
+                         self.num_heads, self.num_kv_heads, scale, lora, lora_scales)
         return hidden

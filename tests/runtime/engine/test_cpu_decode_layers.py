@@ -75,3 +75,75 @@ def test_speculative_steps_take_the_cpp_path(speculative: dict, monkeypatch: pyt
         assert any(layers is draft.cpu_decode for layers, _ in calls), "the draft's own steps"
     target.cpu_decode = draft.cpu_decode = None
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == fast
+
+
+def _random_adapter(folder, spec, rank: int, seed: int, modules: list[str]):  # noqa: ANN001, ANN201
+    """A PEFT-format LoRA adapter with random A and B for the embedded model's shapes."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    shapes = {"q_proj": (spec.hidden_size, q), "k_proj": (spec.hidden_size, kv),
+              "v_proj": (spec.hidden_size, kv), "o_proj": (q, spec.hidden_size),
+              "gate_proj": (spec.hidden_size, spec.intermediate_size),
+              "up_proj": (spec.hidden_size, spec.intermediate_size),
+              "down_proj": (spec.intermediate_size, spec.hidden_size)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_hidden_layers):
+        for module in modules:
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            fan_in, fan_out = shapes[module]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.05
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules}))
+    return folder
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "int4"}], ids=["bf16", "int4"])
+def test_lora_rows_take_the_cpp_path_with_the_module_paths_tokens(
+        options: dict, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps with LoRA rows (two adapters and base rows, then one adapter's rows alone) run
+    the C++ layers, which add the deltas as LoRABatch.apply does: same tokens, logprobs."""
+    from argosy_runtime.model_loader import load_checkpoint
+
+    spec = load_checkpoint("smollm2-135m").spec
+    adapters = {
+        "all": _random_adapter(tmp_path / "all", spec, 8, 1, [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        "some": _random_adapter(tmp_path / "some", spec, 4, 2, ["v_proj", "down_proj"]),
+    }
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", kv_cache_memory=32 << 20,
+              enable_prefix_caching=False, lora_modules={k: str(v) for k, v in adapters.items()},
+              **options)
+    engine, model = llm.engine, llm.engine.model
+    calls = []
+    original = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__", lambda self, h, ctx, *args: calls.append(
+        (h.shape[0], ctx.lora is not None)) or original(self, h, ctx, *args))
+    jobs = [("all", 14), ("some", 6), (None, 8), (None, 4)]  # r0 and r3: the same prompt
+
+    def run() -> dict:
+        for i, (lora, n) in enumerate(jobs):
+            engine.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(
+                max_tokens=n, temperature=0.0, logprobs=2, ignore_eos=True), lora_name=lora)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    o = out.outputs[0]
+                    done[out.request_id] = (o.token_ids, [sorted(d.items()) for d in o.logprobs])
+        return done
+
+    fast = run()
+    assert (4, True) in calls and (1, True) in calls, "mixed and single-adapter LoRA steps"
+    model.cpu_decode = None
+    slow = run()
+    assert slow == fast
+    assert fast["r0"][1][:4] != fast["r3"][1]  # the adapter changes the log-probabilities
