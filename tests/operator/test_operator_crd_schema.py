@@ -142,6 +142,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "a runtime.loraAdapters name must differ from model.name"),
     ("relative adapter path", with_spec(runtime__loraAdapters=[{"name": "a", "path": "l/a"}]),
      "does not match"),
+    ("adapter repo without an org", with_spec(runtime__loraAdapters=[
+        {"name": "a", "path": "hf://adapter"}]), "does not match"),
     ("draft without a model", with_spec(runtime__speculative={"method": "draft"}),
      "speculative.method draft needs speculative.draftModel"),
     ("draft model with ngram", with_spec(runtime__speculative={"draftModel": "/m/draft"}),
@@ -197,6 +199,9 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
     {"rollout": {"maxSurge": "25%", "maxUnavailable": "25%"}},
     {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1}},
     {"resources__memory": "512Mi", "resources__cpu": 2},
+    {"runtime__loraAdapters": [{"name": "sql", "path": "hf://org/sql-lora"},
+                               {"name": "sql:v2", "path": "hf://org/sql-lora@v2.0"},
+                               {"name": "chat", "path": "/adapters/chat"}]},
 ])
 def test_valid_edge_cases_are_accepted(changes: dict[str, Any]) -> None:
     _, errors = validate(with_spec(**changes))

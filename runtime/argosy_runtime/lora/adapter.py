@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from argosy_runtime.lora.hub import download_adapter, is_hub_path
+
 if TYPE_CHECKING:
     from argosy_runtime.model_loader import ModelSpec
 
@@ -59,8 +61,9 @@ class LoRAAdapter:
     @classmethod
     def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,
              device: torch.device | str = "cpu") -> LoRAAdapter:
-        """Raises ValueError naming what the adapter has that this server cannot apply."""
-        folder = Path(path)
+        """Raises ValueError naming what the adapter has that this server cannot apply.
+        `path`: a PEFT adapter folder, or `hf://org/name[@revision]` (lora/hub.py)."""
+        folder = download_adapter(str(path)) if is_hub_path(path) else Path(path)
         config_path = folder / "adapter_config.json"
         weights_path = folder / "adapter_model.safetensors"
         if not config_path.is_file() or not weights_path.is_file():

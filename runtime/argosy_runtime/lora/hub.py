@@ -1,0 +1,73 @@
+"""LoRA adapters from the Hugging Face Hub: `hf://org/name` (or `hf://org/name@revision`).
+
+An adapter path may name a Hub repo instead of a folder: its `adapter_config.json` and
+`adapter_model.safetensors` are downloaded into `$ARGOSY_LORA_CACHE` (default
+`$XDG_CACHE_HOME/argosy/lora`, `/tmp/.cache/argosy/lora` in the operator's pods), then loaded
+as a folder. Adapters are small (megabytes), so a branch or tag is fetched again at every load
+(a retrained adapter pushed to `main` is picked up by the next load); a 40-hex commit is
+immutable and fetched once. Files land under a temporary name and are renamed, so a
+half-downloaded adapter is never loaded. `HF_TOKEN` authenticates (private repos),
+`HF_ENDPOINT` points at a mirror. Standard library only, like the operator's model download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+SCHEME = "hf://"
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def is_hub_path(path: str | Path) -> bool:
+    return str(path).startswith(SCHEME)
+
+
+def parse_hub_path(path: str) -> tuple[str, str]:
+    """`hf://org/name[@revision]` -> (repo, revision); ValueError naming what is wrong."""
+    repo, _, revision = path[len(SCHEME):].partition("@")
+    if not _REPO.match(repo):
+        raise ValueError(f"{path}: expected hf://org/name or hf://org/name@revision")
+    return repo, revision or "main"
+
+
+def cache_root() -> Path:
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(os.environ.get("ARGOSY_LORA_CACHE", cache_home / "argosy" / "lora"))
+
+
+def download_adapter(path: str, timeout: float = 60.0) -> Path:
+    """The local folder holding the adapter `path` names (downloaded as the module says)."""
+    repo, revision = parse_hub_path(path)
+    key = hashlib.sha256(f"{repo}@{revision}".encode()).hexdigest()[:16]
+    folder = cache_root() / f"{repo.replace('/', '--')}-{key}"
+    if _COMMIT.match(revision) and all((folder / name).is_file() for name in FILES):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    headers = {"User-Agent": "argosy-lora-download"}
+    if os.environ.get("HF_TOKEN"):
+        headers["Authorization"] = "Bearer " + os.environ["HF_TOKEN"]
+    quoted = urllib.parse.quote(revision, safe="")
+    for name in FILES:
+        url = f"{endpoint}/{repo}/resolve/{quoted}/{name}"
+        partial = folder / f".{name}.partial"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                        timeout=timeout) as resp, open(partial, "wb") as out:
+                while chunk := resp.read(1 << 20):
+                    out.write(chunk)
+        except urllib.error.HTTPError as exc:
+            hint = " (private? set HF_TOKEN)" if exc.code in (401, 403) else ""
+            raise ValueError(f"{path}: cannot download {name}: HTTP {exc.code}{hint}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise ValueError(f"{path}: cannot download {name}: {exc}") from exc
+        partial.replace(folder / name)
+    return folder
