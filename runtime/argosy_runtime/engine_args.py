@@ -80,8 +80,8 @@ class EngineArgs:
     )
     lora_modules: dict[str, str] | None = _opt(
         "LoRA adapters to serve beside the base model: name=path[,name=path...] or a JSON "
-        "object; each path is a PEFT adapter folder or hf://org/name[@revision]. Requests pick one by name (the 'model' "
-        "field over HTTP). See docs/lora.md.",
+        "object; each path is a PEFT adapter folder or hf://org/name[@revision]. Requests "
+        "pick one by name (the 'model' field over HTTP). See docs/lora.md.",
         default=None,
     )
     lora_modules_file: str | None = _opt(
