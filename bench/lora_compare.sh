@@ -42,5 +42,5 @@ if [[ -n "$VLLM" ]]; then
     --port "$PORT" --gpu-memory-utilization 0.25 --enable-lora --max-lora-rank 16 \
     --lora-modules "adapter=$ADAPTER"
 fi
-"$PY" -m argosy_runtime.cli.main bench serve --compare "$OUT"/*-*.json --json "$OUT/compare.json" \
+"$PY" -m argosy_runtime.cli.main bench serve --compare "$OUT"/argosy-*.json "$OUT"/vllm-*.json --json "$OUT/compare.json" \
   --markdown "$OUT/compare.md"
