@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aborting them (default: %(default)s).")
     server.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
+    server.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                        help="Read tool calls the model writes in this format (hermes: "
+                             "<tool_call>{json}</tool_call>, Qwen2.5 and others) and return them "
+                             "as tool_calls: enables tool_choice 'auto', also the default when "
+                             "a request has tools.")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="Accepted for vLLM compatibility; --tool-call-parser is what "
+                             "enables tool_choice 'auto'.")
     server.add_argument("--allow-runtime-lora-updates", action="store_true",
                         help="Serve vLLM's POST /v1/load_lora_adapter and "
                              "/v1/unload_lora_adapter (off by default: they load any folder "
@@ -64,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, api_key=ServerConfig.api_key_from_env(args.api_key),
             max_waiting=args.max_waiting, request_timeout=args.request_timeout,
             drain_timeout=args.drain_timeout, log_level=args.log_level,
-            allow_runtime_lora_updates=args.allow_runtime_lora_updates)
+            allow_runtime_lora_updates=args.allow_runtime_lora_updates,
+            tool_call_parser=args.tool_call_parser)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)
     except ValueError as exc:
         print(f"argosy serve: error: {exc}", file=sys.stderr)

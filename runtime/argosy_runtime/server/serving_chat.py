@@ -35,7 +35,13 @@ from argosy_runtime.server.serving_common import (
     with_deadline,
 )
 from argosy_runtime.server.streaming import GuardedStreamingResponse
-from argosy_runtime.server.tool_calls import ToolCallStream, calls_tools, reply_message
+from argosy_runtime.server.tool_calls import (
+    ToolCallStream,
+    calls_tools,
+    may_call_tools,
+    reply_message,
+)
+from argosy_runtime.server.tool_parsers import HermesToolCallStream, parse_message
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -109,7 +115,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                                  ctx: ServingContext) -> Response:
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
-    reject_unsupported(req)
+    reject_unsupported(req, ctx.config.tool_call_parser)
+    auto_tools = may_call_tools(req, ctx.config.tool_call_parser)
     max_tokens = req.max_completion_tokens or req.max_tokens
     prompt = render_messages(ctx, req.messages, req.tools)
     check_prompt(ctx, prompt, max_tokens, param="messages")
@@ -144,11 +151,20 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
         hold = stop_holdback(params)
         tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
+        parsers = [HermesToolCallStream() for _ in range(n)] if auto_tools else None
 
         def delta_of(c: int, text: str, seq: CompletionOutput
                      ) -> tuple[dict[str, Any], str | None]:
             if tool_stream is not None:
                 return tool_stream.delta(c, text, seq.finish_reason, seq.text)
+            if parsers is not None:
+                delta = parsers[c].feed(text)
+                if seq.finish_reason is None:
+                    return delta, None
+                rest = parsers[c].finish()
+                if rest.get("content"):
+                    delta["content"] = delta.get("content", "") + rest["content"]
+                return delta, parsers[c].finish_reason(seq.finish_reason)
             return ({"content": text} if text else {}), seq.finish_reason
 
         async def events() -> AsyncIterator[str]:
@@ -209,6 +225,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         message, finish = {"role": "assistant", "content": seq.text}, seq.finish_reason
         if calls_tools(req):
             message, finish = reply_message(req, seq.text, seq.finish_reason)
+        elif auto_tools:
+            message, finish = parse_message(seq.text, seq.finish_reason)
         choices.append({"index": seq.index, "message": message,
                         "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
                         if k is not None else None,

@@ -71,7 +71,8 @@ class ServingContext:
             raise APIError(503, "engine is not running", code="engine_unavailable")
 
 
-def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
+                       tool_call_parser: str | None = None) -> None:
     """OpenAI fields we parse but cannot honour: a clear 400 rather than a silent ignore."""
     if isinstance(req, CompletionRequest):
         if req.suffix:
@@ -81,7 +82,7 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
     else:
-        check_tool_choice(req)
+        check_tool_choice(req, tool_call_parser)
 
 
 def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,

@@ -10,8 +10,9 @@ The model's output is constrained to JSON that describes the call, then returned
   `finish_reason` "tool_calls".
 
 This works with any model, since the grammar (not the model's training) fixes the format.
-"auto", where the model decides whether to call, needs each model family's own tool-call
-syntax and a parser for it; it is a 400 (vLLM also needs a per-model parser for it).
+"auto", where the model decides whether to call, needs the model family's own tool-call
+syntax and a parser for it: `--tool-call-parser` (server/tool_parsers.py); without one it is a
+400, as in vLLM.
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ def forced_tool(req: ChatCompletionRequest) -> ChatTool | None:
 
 def calls_tools(req: ChatCompletionRequest) -> bool:
     """True when the reply must be tool calls ("required" or a named function)."""
-    choice = req.tool_choice
-    return choice is not None and choice != "none"
+    return req.tool_choice not in (None, "none", "auto")
 
 
-def check_tool_choice(req: ChatCompletionRequest) -> None:
+def may_call_tools(req: ChatCompletionRequest, parser: str | None) -> bool:
+    """True when the model may choose to call tools (tool_choice "auto", or unset with tools:
+    OpenAI's default) and a parser reads its calls out of the text."""
+    return parser is not None and bool(req.tools) and req.tool_choice in (None, "auto")
+
+
+def check_tool_choice(req: ChatCompletionRequest, parser: str | None = None) -> None:
     choice = req.tool_choice
-    if choice == "auto":
-        raise bad_request("tool_choice 'auto' is not supported (it needs the model's own "
-                          "tool-call format); use 'required' or name a function", "tool_choice")
+    if choice == "auto" and parser is None:
+        raise bad_request("tool_choice 'auto' needs a server started with --tool-call-parser "
+                          "(the model's own tool-call format); use 'required' or name a "
+                          "function", "tool_choice")
+    if choice == "auto" and not req.tools:
+        raise bad_request("tool_choice requires tools", "tool_choice")
     if calls_tools(req) and not req.tools:
         raise bad_request("tool_choice requires tools", "tool_choice")
     forced_tool(req)  # a name that is not in tools is a 400

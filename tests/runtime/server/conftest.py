@@ -16,8 +16,8 @@ from serve_harness import MODEL, ServerProcess
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    """The shared server: float32, no auth, default queue bound."""
-    proc = ServerProcess("--drain-timeout", "5")
+    """The shared server: float32, no auth, default queue bound, Hermes tool-call parsing."""
+    proc = ServerProcess("--drain-timeout", "5", "--tool-call-parser", "hermes")
     try:
         yield proc.wait_ready()
     finally:

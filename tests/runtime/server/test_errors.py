@@ -71,8 +71,6 @@ CASES = [
             "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}],
             "tool_choice": "auto"}, 400, "tools"),
-    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "auto"}, 400,
-     "tool_choice"),
     (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),

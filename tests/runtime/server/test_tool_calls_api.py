@@ -110,3 +110,45 @@ def test_a_tool_call_conversation_renders(client: OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                        tool_choice="none", temperature=0, max_tokens=8)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+# tool_choice "auto" (the shared server runs --tool-call-parser hermes). SmolLM2 is not trained
+# to call tools, so a regex makes it write a Hermes call, as a tool-trained model would;
+# the parser, not the regex, turns that text into tool_calls.
+HERMES_CALL = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "(Paris|Rome)", "unit": "celsius"\}\}\n</tool_call>')
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", None], ids=["auto", "unset"])
+def test_auto_tool_calls_the_model_writes_come_back_as_tool_calls(
+        client: OpenAI, tool_choice: str | None) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
+              extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    if tool_choice is not None:
+        kw["tool_choice"] = tool_choice
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER_PARAMS)
+    assert arguments["city"] in ("Paris", "Rome")
+
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Checking."
+    [streamed] = streamed_calls(chunks).values()
+    assert (streamed["name"], json.loads(streamed["arguments"])) == ("get_weather", arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_without_a_call_is_plain_content(client: OpenAI) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0,
+              max_tokens=20, extra_body={"structured_outputs": {"regex": r"It is (sunny|rainy)\."}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content in ("It is sunny.", "It is rainy.")
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        choice.message.content

@@ -1,0 +1,125 @@
+"""tool_choice "auto": tool calls the model chose to write, parsed out of its text.
+
+With `--tool-call-parser hermes`, a chat request with `tools` and tool_choice "auto" (or
+unset, OpenAI's default when tools are given) generates freely, and the calls the model wrote
+in the Hermes format, which Qwen2.5, Hermes and many other tool-trained models use,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+come back as OpenAI `tool_calls` (finish_reason "tool_calls"); any other text stays content.
+A block that is not JSON of that shape, or is cut off (max_tokens), is left as content, so
+nothing the model wrote is lost. Streaming sends content as it comes, holding back only what
+could be the start of a `<tool_call>` tag, and each call whole once its block closes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from argosy_runtime.server.tool_calls import new_call_id
+
+PARSERS = ("hermes",)
+
+
+class HermesToolCallStream:
+    """One choice's text in, content and tool-call deltas out (`feed`, then `finish`)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.calls = 0  # tool calls sent so far
+        self._pending = ""  # text received and not yet sent
+        self._in_call = False
+
+    def feed(self, text: str) -> dict[str, Any]:
+        """A delta (`content` and/or `tool_calls`) for newly generated text; {} if none."""
+        self._pending += text
+        content, calls = "", []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.END)
+                if end < 0:
+                    break
+                block = self._pending[:end]
+                self._pending = self._pending[end + len(self.END):]
+                self._in_call = False
+                call = _call_of(block)
+                if call is None:  # not a call after all: give the model's text back
+                    content += self.START + block + self.END
+                else:
+                    calls.append({"index": self.calls, **call})
+                    self.calls += 1
+                continue
+            start = self._pending.find(self.START)
+            if start < 0:
+                ready = len(self._pending) - _partial_tag_length(self._pending, self.START)
+                if not self._between_calls(self._pending[:ready]):
+                    content += self._pending[:ready]
+                    self._pending = self._pending[ready:]
+                break
+            if not self._between_calls(self._pending[:start]):
+                content += self._pending[:start]
+            self._pending = self._pending[start + len(self.START):]
+            self._in_call = True
+        return self._delta(content, calls)
+
+    def finish(self) -> dict[str, Any]:
+        """The rest at the end of the choice: an unclosed block goes back as content."""
+        rest = (self.START if self._in_call else "") + self._pending
+        self._pending, self._in_call = "", False
+        return self._delta("" if self._between_calls(rest) else rest, [])
+
+    def _between_calls(self, text: str) -> bool:
+        """Whitespace after a call: the newlines between and after calls are no answer. It is
+        held until it turns out to be more than that, so any split gives the same content."""
+        return self.calls > 0 and not text.strip()
+
+    def _delta(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
+
+
+def parse_message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish_reason of a finished (non-streamed) choice."""
+    stream = HermesToolCallStream()
+    deltas = [stream.feed(text), stream.finish()]
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [{k: v for k, v in c.items() if k != "index"}
+             for d in deltas for c in d.get("tool_calls", [])]
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+    return message, stream.finish_reason(finish_reason)
+
+
+def _call_of(block: str) -> dict[str, Any] | None:
+    """One OpenAI tool call from a block's JSON, or None if it is not one."""
+    try:
+        value = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": value["name"], "arguments": arguments}}
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """The longest end of `text` that is a beginning of `tag` (it may become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
