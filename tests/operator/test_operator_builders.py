@@ -220,6 +220,7 @@ def test_hf_gguf_file_downloads_only_that_file() -> None:
 
 def test_serve_flags_edge_cases() -> None:
     pod = _pod(runtime={"prefixCaching": False, "maxWaiting": 64, "extraArgs": ["--seed", "7"],
+                        "toolCallParser": "hermes",
                         "speculative": {"method": "draft", "draftModel": "/models/draft",
                                         "numSpeculativeTokens": 3},
                         "preStopSleepSeconds": 0, "drainTimeoutSeconds": 0})
@@ -228,6 +229,8 @@ def test_serve_flags_edge_cases() -> None:
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert "--quantization" not in args and "--max-model-len" not in args
     assert args[args.index("--max-waiting") + 1] == "64"
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+    assert "--tool-call-parser" not in _pod()["containers"][0]["args"]
     assert json.loads(args[args.index("--speculative") + 1]) == {
         "method": "draft", "model": "/models/draft", "num_speculative_tokens": 3}
     assert args[-2:] == ["--seed", "7"]  # extra args come last, so they win

@@ -47,6 +47,8 @@ def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
         # The file, not the list: the args (and so the pod template) must not change when
         # adapters do, or every change would roll every pod (builders/lora_configmap.py).
         args += ["--lora-modules-file", f"{LORA_MOUNT}/{LORA_FILE_KEY}"]
+    if runtime.get("toolCallParser"):
+        args += ["--tool-call-parser", runtime["toolCallParser"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     if runtime.get("maxWaiting") is not None:
         args += ["--max-waiting", str(runtime["maxWaiting"])]
