@@ -49,11 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aborting them (default: %(default)s).")
     server.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
-    server.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                        help="Read tool calls the model writes in this format (hermes: "
-                             "<tool_call>{json}</tool_call>, Qwen2.5 and others) and return them "
-                             "as tool_calls: enables tool_choice 'auto', also the default when "
-                             "a request has tools.")
+    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                        help="Read tool calls the model writes in this format and return them "
+                             "as tool_calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5 "
+                             "and others; llama3_json: a reply that is {\"name\", "
+                             "\"parameters\"} JSON, Llama 3.1+): enables tool_choice 'auto', "
+                             "also the default when a request has tools.")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="Accepted for vLLM compatibility; --tool-call-parser is what "
                              "enables tool_choice 'auto'.")

@@ -19,7 +19,8 @@ class ServerConfig:
     api_key: when set, /v1/* requires `Authorization: Bearer <key>`.
     allow_runtime_lora_updates: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
         (off by default: they make the server read any folder a client names).
-    tool_call_parser: the model's tool-call format ("hermes"), for tool_choice "auto".
+    tool_call_parser: the model's tool-call format ("hermes", "llama3_json"), for tool_choice
+        "auto" (server/tool_parsers.py).
     """
 
     host: str = "127.0.0.1"
@@ -47,8 +48,9 @@ class ServerConfig:
                              f"got {self.log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
-        if self.tool_call_parser not in (None, "hermes"):
-            raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError("tool_call_parser must be hermes or llama3_json, got "
+                             f"{self.tool_call_parser!r}")
 
     @staticmethod
     def api_key_from_env(cli_value: str | None) -> str | None:

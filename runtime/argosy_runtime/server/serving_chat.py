@@ -41,7 +41,7 @@ from argosy_runtime.server.tool_calls import (
     may_call_tools,
     reply_message,
 )
-from argosy_runtime.server.tool_parsers import HermesToolCallStream, parse_message
+from argosy_runtime.server.tool_parsers import make_stream, parse_message
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -151,7 +151,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
         hold = stop_holdback(params)
         tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
-        parsers = [HermesToolCallStream() for _ in range(n)] if auto_tools else None
+        parser = ctx.config.tool_call_parser
+        parsers = [make_stream(parser) for _ in range(n)] if auto_tools and parser else None
 
         def delta_of(c: int, text: str, seq: CompletionOutput
                      ) -> tuple[dict[str, Any], str | None]:
@@ -225,8 +226,9 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         message, finish = {"role": "assistant", "content": seq.text}, seq.finish_reason
         if calls_tools(req):
             message, finish = reply_message(req, seq.text, seq.finish_reason)
-        elif auto_tools:
-            message, finish = parse_message(seq.text, seq.finish_reason)
+        elif auto_tools and ctx.config.tool_call_parser:
+            message, finish = parse_message(ctx.config.tool_call_parser, seq.text,
+                                            seq.finish_reason)
         choices.append({"index": seq.index, "message": message,
                         "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
                         if k is not None else None,

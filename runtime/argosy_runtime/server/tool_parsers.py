@@ -1,17 +1,23 @@
 """tool_choice "auto": tool calls the model chose to write, parsed out of its text.
 
-With `--tool-call-parser hermes`, a chat request with `tools` and tool_choice "auto" (or
-unset, OpenAI's default when tools are given) generates freely, and the calls the model wrote
-in the Hermes format, which Qwen2.5, Hermes and many other tool-trained models use,
+With `--tool-call-parser`, a chat request with `tools` and tool_choice "auto" (or unset,
+OpenAI's default when tools are given) generates freely, and the calls the model wrote in its
+family's format come back as OpenAI `tool_calls` (finish_reason "tool_calls"); any other text
+stays content. Text that is not a well-formed call, or is cut off (max_tokens), is left as
+content, so nothing the model wrote is lost.
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- `hermes` (Qwen2.5, Hermes and many other tool-trained models): calls are blocks
 
-come back as OpenAI `tool_calls` (finish_reason "tool_calls"); any other text stays content.
-A block that is not JSON of that shape, or is cut off (max_tokens), is left as content, so
-nothing the model wrote is lost. Streaming sends content as it comes, holding back only what
-could be the start of a `<tool_call>` tag, and each call whole once its block closes.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+  anywhere in the reply. Streaming sends content as it comes, holding back only what could be
+  the start of a `<tool_call>` tag, and each call whole once its block closes.
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): a reply that is a call is
+  JSON from its first character, `{"name": "get_weather", "parameters": {"city": "Paris"}}`
+  (several separated by `;`), possibly after `<|python_tag|>`. Streaming sends a reply that
+  does not start with `{` as content at once, and one that does when it is complete.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from argosy_runtime.server.tool_calls import new_call_id
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 
 
 class HermesToolCallStream:
@@ -89,9 +95,61 @@ class HermesToolCallStream:
         return "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
 
 
-def parse_message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+class Llama3JsonToolCallStream:
+    """One choice's text in, content and tool-call deltas out (`feed`, then `finish`)."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._pending = ""
+        self._json: bool | None = None  # undecided until the first visible character
+
+    def feed(self, text: str) -> dict[str, Any]:
+        if self._json is False:
+            return {"content": text} if text else {}
+        self._pending += text
+        head = self._pending.lstrip()
+        head = head[len(self.TAG):].lstrip() if head.startswith(self.TAG) else head
+        if not head or self.TAG.startswith(head):
+            return {}  # nothing visible yet, or what may become the tag
+        self._json = head.startswith("{")
+        if self._json:
+            return {}  # a call is sent whole, once the reply is complete
+        out, self._pending = self._pending, ""
+        return {"content": out}
+
+    def finish(self) -> dict[str, Any]:
+        text, self._pending = self._pending, ""
+        if not self._json:
+            return {"content": text} if text else {}
+        body = text.strip().removeprefix(self.TAG)
+        calls = _json_calls(body)
+        if calls is None:
+            return {"content": text}
+        self.calls = len(calls)
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
+
+
+ToolCallStream = HermesToolCallStream | Llama3JsonToolCallStream
+
+
+def make_stream(parser: str) -> ToolCallStream:
+    """A fresh per-choice stream for `--tool-call-parser parser`."""
+    if parser == "llama3_json":
+        return Llama3JsonToolCallStream()
+    if parser == "hermes":
+        return HermesToolCallStream()
+    raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+
+
+def parse_message(parser: str, text: str, finish_reason: str | None
+                  ) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish_reason of a finished (non-streamed) choice."""
-    stream = HermesToolCallStream()
+    stream = make_stream(parser)
     deltas = [stream.feed(text), stream.finish()]
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"}
@@ -105,9 +163,13 @@ def parse_message(text: str, finish_reason: str | None) -> tuple[dict[str, Any],
 def _call_of(block: str) -> dict[str, Any] | None:
     """One OpenAI tool call from a block's JSON, or None if it is not one."""
     try:
-        value = json.loads(block)
+        return _call_of_value(json.loads(block))
     except json.JSONDecodeError:
         return None
+
+
+def _call_of_value(value: Any) -> dict[str, Any] | None:
+    """`{"name": ..., "arguments" or "parameters": ...}` as an OpenAI tool call, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -115,6 +177,24 @@ def _call_of(block: str) -> dict[str, Any] | None:
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {"id": new_call_id(), "type": "function",
             "function": {"name": value["name"], "arguments": arguments}}
+
+
+def _json_calls(body: str) -> list[dict[str, Any]] | None:
+    """The calls in `body`: JSON objects separated by `;` or whitespace; None unless all are."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            value, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of_value(value)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+            pos += 1
+    return calls or None
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
