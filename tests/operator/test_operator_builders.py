@@ -135,7 +135,7 @@ def test_gpu_sample_deployment() -> None:
         "--quantization", "int4", "--kv-cache-dtype", "int8", "--max-model-len", "8192",
         "--max-num-seqs", "128", "--block-size", "16", "--enable-prefix-caching",
         "--speculative", '{"method":"ngram","num_speculative_tokens":4}',
-        "--drain-timeout", "60"]
+        "--tool-call-parser", "llama3_json", "--drain-timeout", "60"]
     assert runtime["resources"] == {
         "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"},
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
