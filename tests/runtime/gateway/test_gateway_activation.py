@@ -44,6 +44,8 @@ async def test_a_held_request_goes_to_the_first_replica_that_comes(fake_replicas
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{url}/ready") as resp:
             assert resp.status == 200  # a model that can wake up keeps the gateway ready
+        async with s.get(f"{url}/v1/models") as resp:  # and is listed, for clients that pick
+            assert [m["id"] for m in (await resp.json())["data"]] == ["tiny"]
         held = [asyncio.create_task(s.post(f"{url}/v1/completions", json=BODY)) for _ in range(3)]
         await asyncio.sleep(0.3)
         assert not any(t.done() for t in held) and gw.activators["tiny"].held == 3

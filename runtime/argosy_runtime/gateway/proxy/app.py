@@ -180,12 +180,14 @@ class Gateway:
         return self._adapter_parents.get(model)
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """Union of every in-rotation replica's /v1/models, plus the cascade routes."""
+        """Union of every in-rotation replica's /v1/models, plus every configured model (one
+        scaled to zero has no replica to list it, and a client that picks models from this
+        list would otherwise never send the request that wakes it) and the cascade routes."""
 
         merged: dict[str, dict[str, Any]] = {}
         for m in await self._replica_models():
             merged.setdefault(str(m.get("id")), m)
-        for name in self.cascades:
+        for name in [*self.pools, *self.cascades]:
             merged.setdefault(
                 name,
                 {"id": name, "object": "model", "created": 0, "owned_by": "argosy-gateway"},
