@@ -436,3 +436,33 @@ def test_a_stale_build_lock_is_removed(tmp_path) -> None:
     cpu_ops._remove_stale_lock(stale)
     cpu_ops._remove_stale_lock(tmp_path / "missing")
     assert fresh.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize(("tokens", "rows"), [(1, None), (8, None), (8, [1, 4, 6]),
+                                              (16, None), (40, None), (40, list(range(0, 40, 2)))])
+@pytest.mark.parametrize(("fan_in", "rank", "fan_out"), [(576, 48, 960), (1536, 16, 576)])
+def test_lora_add_matches_the_torch_reference(tokens: int, rows: list[int] | None, fan_in: int,
+                                              rank: int, fan_out: int) -> None:
+    """out[rows] += scale * (x[rows] A^T) B^T: the fused pass (up to 16 rows) and the
+    at::linear fallback (more rows) against float64 torch, on fresh random inputs; the other
+    rows are left untouched (the output is poisoned with NaN there only when rows are given,
+    so a write outside them fails)."""
+    assert cpu_ops.available()
+    gen = torch.Generator().manual_seed(tokens * 1000 + fan_in + rank)
+    x = torch.randn(tokens, fan_in, generator=gen).bfloat16()
+    a = (torch.randn(rank, fan_in, generator=gen) * 0.05).bfloat16()
+    b = (torch.randn(fan_out, rank, generator=gen) * 0.05).bfloat16()
+    out = torch.randn(tokens, fan_out, generator=gen).bfloat16()
+    index = torch.tensor(rows if rows is not None else [], dtype=torch.long)
+    picked = index if rows is not None else torch.arange(tokens)
+    if rows is not None:
+        others = [r for r in range(tokens) if r not in rows]
+        out[others] = float("nan")
+    expected = out.double()
+    expected[picked] += 1.5 * (x[picked].double() @ a.double().T) @ b.double().T
+    torch.ops.argosy_cpu.lora_add(out, x, index, a, b, 1.5)
+    if rows is not None:
+        assert torch.isnan(out[others]).all()  # untouched
+    got, want = out[picked].double(), expected[picked]
+    # bfloat16 storage: one rounding of the result (two for the at::linear fallback).
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (got - want).abs().max()

@@ -1357,10 +1357,67 @@ Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t par
   return int8_linear(x, w[0], w[1], param);
 }
 
-// LoRA deltas after one projection (lora/batch.py LoRABatch.apply: the same ops in the same
-// order, so tokens equal the module path's). `lora` holds, for each adapter in the step, its
-// rows, then (A, B) for qkv, o, gate_up and down (empty tensors for a projection the adapter
-// leaves alone); `scales` one per adapter.
+// ---- LoRA delta of one adapter after one projection ------------------------------------------
+// out[r] += scale * (x[r] A^T) B^T for the rows `rows` (every row when `rows` is empty). Both
+// the module path (lora/batch.py) and decode_layer call this, so they agree exactly. Up to
+// kLoraFusedMaxRows bfloat16 rows it is one pass in float32 (one rounding, at the end): at
+// decode sizes the ~5 ATen ops per projection cost more in dispatch than in FLOPs. Larger
+// batches (prefill chunks) use at::linear, whose GEMMs are faster there.
+constexpr int64_t kLoraFusedMaxRows = 16;
+
+void lora_add(Tensor out, const Tensor& x, const Tensor& rows, const Tensor& a, const Tensor& b,
+              double scale) {
+  const bool all_rows = !rows.defined() || rows.numel() == 0;
+  const int64_t n = all_rows ? x.size(0) : rows.numel();
+  if (n > kLoraFusedMaxRows || x.scalar_type() != at::kBFloat16) {
+    if (all_rows) {
+      out.add_(at::linear(at::linear(x, a), b).mul(scale));
+    } else {
+      out.index_add_(0, rows, at::linear(at::linear(x.index_select(0, rows), a), b).mul(scale));
+    }
+    return;
+  }
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && a.is_contiguous() && b.is_contiguous() &&
+                  a.size(1) == x.size(1) && b.size(1) == a.size(0) && out.dim() == 2 &&
+                  out.size(1) == b.size(0) && out.stride(1) == 1 &&
+                  a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "lora_add: x [T, in], A [k, in], B [out, k], out [T, out], bfloat16, contiguous");
+  const int64_t in = x.size(1), k = a.size(0), n_out = b.size(0);
+  const int64_t* ids = all_rows ? nullptr : rows.data_ptr<int64_t>();
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* ap = a.data_ptr<c10::BFloat16>();
+  const auto* bp = b.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t out_stride = out.stride(0);
+  std::vector<float> t(n * k);  // x[r] A^T, kept in float32
+  at::parallel_for(0, n * k, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t ij = begin; ij < end; ++ij) {
+      const int64_t i = ij / k, j = ij % k;
+      const c10::BFloat16* xr = xp + (ids ? ids[i] : i) * in;
+      const c10::BFloat16* aj = ap + j * in;
+      float acc = 0.f;
+      for (int64_t c = 0; c < in; ++c) acc += static_cast<float>(xr[c]) * static_cast<float>(aj[c]);
+      t[ij] = acc;
+    }
+  });
+  at::parallel_for(0, n_out, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const c10::BFloat16* bq = bp + p * k;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* ti = t.data() + i * k;
+        float acc = 0.f;
+        for (int64_t j = 0; j < k; ++j) acc += ti[j] * static_cast<float>(bq[j]);
+        c10::BFloat16& dst = op[(ids ? ids[i] : i) * out_stride + p];
+        dst = static_cast<c10::BFloat16>(static_cast<float>(dst) + static_cast<float>(scale) * acc);
+      }
+    }
+  });
+}
+
+// The LoRA deltas after one projection in decode_layer. `lora` holds, for each adapter in the
+// step, its rows, then (A, B) for qkv, o, gate_up and down (empty tensors for a projection the
+// adapter leaves alone); `scales` one per adapter.
 constexpr int64_t kLoraStride = 9;
 
 void add_lora(Tensor& out, const Tensor& x, at::TensorList lora, at::ArrayRef<double> scales,
@@ -1370,11 +1427,8 @@ void add_lora(Tensor& out, const Tensor& x, at::TensorList lora, at::ArrayRef<do
     const Tensor& a = lora[g * kLoraStride + 1 + 2 * projection];
     const Tensor& b = lora[g * kLoraStride + 2 + 2 * projection];
     if (a.numel() == 0) continue;
-    if (rows.numel() == x.size(0)) {  // every row runs this adapter: no gather/scatter
-      out.add_(at::linear(at::linear(x, a), b).mul(scales[g]));
-    } else {
-      out.index_add_(0, rows, at::linear(at::linear(x.index_select(0, rows), a), b).mul(scales[g]));
-    }
+    // Every row on this adapter: no gather/scatter (an empty `rows` says so).
+    lora_add(out, x, rows.numel() == x.size(0) ? Tensor() : rows, a, b, scales[g]);
   }
 }
 
@@ -1432,6 +1486,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);  // no tensor: a catch-all kernel
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale) -> ()");
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
@@ -1451,6 +1506,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("prefill_attention", &prefill_attention);
   m.impl("decode_layer", &decode_layer);
+  m.impl("lora_add", &lora_add);
 }
 
 // decode_layer's tensor lists hold oneDNN-prepacked weights, whose dispatch key is MkldnnCPU.

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from argosy_kernels import cpu_ops
 
 from argosy_runtime.lora.adapter import LoRAAdapter
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # lora_add: every row
 
 
 class LoRABatch:
@@ -15,12 +18,19 @@ class LoRABatch:
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """out[rows] += (x[rows] A^T) B^T * scale for each adapter's rows, in place; rows of
         the base model and projections an adapter leaves alone are untouched. Same op order
-        as PEFT (B after A, then the scale), so float32 results match it."""
+        as PEFT (B after A, then the scale), so float32 results match it. bfloat16 on the CPU
+        goes through cpu_ops' lora_add, which the C++ decode layer calls too: the two paths
+        agree exactly, and decode-sized batches take its fused kernel."""
+        fused = out.dtype == torch.bfloat16 and out.is_cpu and cpu_ops.available()
         for adapter, rows in self.groups:
             weights = adapter.layers.get(layer, {}).get(module)
             if weights is None:
                 continue
-            if rows.numel() == x.shape[0]:  # every row runs this adapter: no gather/scatter
+            every_row = rows.numel() == x.shape[0]  # no gather/scatter needed
+            if fused:
+                torch.ops.argosy_cpu.lora_add(out, x, _NO_ROWS if every_row else rows,
+                                              weights.a, weights.b, adapter.scale)
+            elif every_row:
                 out += F.linear(F.linear(x, weights.a), weights.b) * adapter.scale
             else:
                 xs = x.index_select(0, rows)
