@@ -103,13 +103,16 @@ class ModelRunner:
         return build_batch(entries, self.block_size, self.device, self.model.decode_rows_up_to)
 
     def _lora_batch(self, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
-        """The batch rows of each LoRA adapter's requests (rows follow `scheduled`)."""
-        groups: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+        """The batch rows of each LoRA adapter's requests (rows follow `scheduled`).
+
+        Grouped by adapter object, not name: a name loaded again while its old requests still
+        run has two adapters in the step, each with its own weights."""
+        groups: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         offset = 0
         for sr in scheduled:
             adapter = sr.request.lora
             if adapter is not None:
-                groups.setdefault(adapter.name, (adapter, []))[1].extend(
+                groups.setdefault(id(adapter), (adapter, []))[1].extend(
                     range(offset, offset + sr.num_new_tokens))
             offset += sr.num_new_tokens
         if not groups:

@@ -245,3 +245,21 @@ def test_lora_modules_file_keeps_the_engine_in_step(model_dir, adapters, referen
     modules.write_text("{}")
     assert watcher.sync(engine) is True and engine.lora_adapters == {}  # the file took "fixed"
     assert_no_leaks(engine)
+
+
+def test_an_adapter_loaded_again_under_its_name_keeps_old_requests_on_the_old_weights(
+        model_dir, adapters, references) -> None:
+    """Reloading a name while its requests run puts two adapters of one name in a step:
+    each request keeps its own weights (grouping the rows by name would mix them)."""
+    engine = LLMEngine(model=str(model_dir), dtype="float32",
+                       lora_modules={"x": str(adapters["all"])})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("old", PROMPTS[0], params, lora_name="x")
+    engine.step()
+    engine.load_lora_adapter("x", str(adapters["attn-rs"]))
+    engine.add_request("new", PROMPTS[1], params, lora_name="x")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert done == {"old": references["all"][0], "new": references["attn-rs"][1]}
+    assert_no_leaks(engine)
