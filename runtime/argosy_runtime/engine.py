@@ -95,7 +95,7 @@ class LLMEngine:
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                 self._stop_ids)
-        self.lora_adapters = self._load_lora_adapters()
+        self._load_lora_adapters()
         # Adapters from a file the server re-reads while it runs (lora/modules_file.py).
         self.lora_modules_file: LoRAModulesFile | None = None
         if args.lora_modules_file:
@@ -156,14 +156,13 @@ class LLMEngine:
             return int(free * self.args.kv_cache_memory_fraction)
         return _CPU_DEFAULT_KV_CACHE_MEMORY
 
-    def _load_lora_adapters(self) -> dict[str, LoRAAdapter]:
+    def _load_lora_adapters(self) -> None:
         modules = self.args.lora_modules or {}
         if not isinstance(modules, dict):
             raise ValueError("lora_modules must map adapter names to PEFT adapter folders")
-        self.lora_adapters = {}
+        self.lora_adapters: dict[str, LoRAAdapter] = {}
         for name, path in modules.items():
             self.load_lora_adapter(name, path)
-        return self.lora_adapters
 
     def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
         """Serve the PEFT adapter folder `path` as `name` (replacing one of that name).

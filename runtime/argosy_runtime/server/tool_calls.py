@@ -58,9 +58,7 @@ def check_tool_choice(req: ChatCompletionRequest, parser: str | None = None) -> 
         raise bad_request("tool_choice 'auto' needs a server started with --tool-call-parser "
                           "(the model's own tool-call format); use 'required' or name a "
                           "function", "tool_choice")
-    if choice == "auto" and not req.tools:
-        raise bad_request("tool_choice requires tools", "tool_choice")
-    if calls_tools(req) and not req.tools:
+    if choice not in (None, "none") and not req.tools:
         raise bad_request("tool_choice requires tools", "tool_choice")
     forced_tool(req)  # a name that is not in tools is a 400
 
