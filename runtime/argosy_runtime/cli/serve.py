@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from argosy_runtime.engine_args import EngineArgs
+from argosy_runtime.server.config import TOOL_CALL_PARSERS
 
 T = TypeVar("T")
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aborting them (default: %(default)s).")
     server.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
-    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="Read tool calls the model writes in this format and return them "
                              "as tool_calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5 "
                              "and others; llama3_json: a reply that is {\"name\", "

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Tool-call formats for tool_choice "auto" (server/tool_parsers.py has one stream for each).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,9 @@ class ServerConfig:
                              f"got {self.log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
-            raise ValueError("tool_call_parser must be hermes or llama3_json, got "
-                             f"{self.tool_call_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @staticmethod
     def api_key_from_env(cli_value: str | None) -> str | None:

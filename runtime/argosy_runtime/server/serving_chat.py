@@ -116,7 +116,9 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
     reject_unsupported(req, ctx.config.tool_call_parser)
-    auto_tools = may_call_tools(req, ctx.config.tool_call_parser)
+    # tool_choice "auto" (or unset with tools): the parser reads the calls the model writes
+    tool_parser = (ctx.config.tool_call_parser
+                   if may_call_tools(req, ctx.config.tool_call_parser) else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     prompt = render_messages(ctx, req.messages, req.tools)
     check_prompt(ctx, prompt, max_tokens, param="messages")
@@ -151,21 +153,14 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
         hold = stop_holdback(params)
         tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
-        parser = ctx.config.tool_call_parser
-        parsers = [make_stream(parser) for _ in range(n)] if auto_tools and parser else None
+        parsers = [make_stream(tool_parser) for _ in range(n)] if tool_parser else None
 
         def delta_of(c: int, text: str, seq: CompletionOutput
                      ) -> tuple[dict[str, Any], str | None]:
             if tool_stream is not None:
                 return tool_stream.delta(c, text, seq.finish_reason, seq.text)
             if parsers is not None:
-                delta = parsers[c].feed(text)
-                if seq.finish_reason is None:
-                    return delta, None
-                rest = parsers[c].finish()
-                if rest.get("content"):
-                    delta["content"] = delta.get("content", "") + rest["content"]
-                return delta, parsers[c].finish_reason(seq.finish_reason)
+                return parsers[c].step(text, seq.finish_reason)
             return ({"content": text} if text else {}), seq.finish_reason
 
         async def events() -> AsyncIterator[str]:
@@ -226,9 +221,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         message, finish = {"role": "assistant", "content": seq.text}, seq.finish_reason
         if calls_tools(req):
             message, finish = reply_message(req, seq.text, seq.finish_reason)
-        elif auto_tools and ctx.config.tool_call_parser:
-            message, finish = parse_message(ctx.config.tool_call_parser, seq.text,
-                                            seq.finish_reason)
+        elif tool_parser:
+            message, finish = parse_message(tool_parser, seq.text, seq.finish_reason)
         choices.append({"index": seq.index, "message": message,
                         "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
                         if k is not None else None,

@@ -27,21 +27,50 @@ from typing import Any
 
 from argosy_runtime.server.tool_calls import new_call_id
 
-PARSERS = ("hermes", "llama3_json")
 
-
-class HermesToolCallStream:
-    """One choice's text in, content and tool-call deltas out (`feed`, then `finish`)."""
-
-    START, END = "<tool_call>", "</tool_call>"
+class ToolCallParserStream:
+    """One choice's text in, content and tool-call deltas out: `feed` each piece of text,
+    `finish` at the end (or `step`, which does both as a stream needs them)."""
 
     def __init__(self) -> None:
         self.calls = 0  # tool calls sent so far
+
+    def feed(self, text: str) -> dict[str, Any]:
+        """A delta (`content` and/or `tool_calls`) for newly generated text; {} if none."""
+        raise NotImplementedError
+
+    def finish(self) -> dict[str, Any]:
+        """What is still held back at the end of the choice, as a delta."""
+        raise NotImplementedError
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The delta for newly generated text and the choice's finish_reason; at the end
+        (`finish_reason` set) with what `finish` releases folded in."""
+        delta = self.feed(text)
+        if finish_reason is None:
+            return delta, None
+        delta = _merged(delta, self.finish())
+        return delta, "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
+
+    @staticmethod
+    def _delta(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+
+class HermesToolCallStream(ToolCallParserStream):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
         self._pending = ""  # text received and not yet sent
         self._in_call = False
 
     def feed(self, text: str) -> dict[str, Any]:
-        """A delta (`content` and/or `tool_calls`) for newly generated text; {} if none."""
         self._pending += text
         content, calls = "", []
         while True:
@@ -73,7 +102,7 @@ class HermesToolCallStream:
         return self._delta(content, calls)
 
     def finish(self) -> dict[str, Any]:
-        """The rest at the end of the choice: an unclosed block goes back as content."""
+        """An unclosed block goes back as content."""
         rest = (self.START if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
         return self._delta("" if self._between_calls(rest) else rest, [])
@@ -83,31 +112,18 @@ class HermesToolCallStream:
         held until it turns out to be more than that, so any split gives the same content."""
         return self.calls > 0 and not text.strip()
 
-    def _delta(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = calls
-        return delta
 
-    def finish_reason(self, finish_reason: str | None) -> str | None:
-        return "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
-
-
-class Llama3JsonToolCallStream:
-    """One choice's text in, content and tool-call deltas out (`feed`, then `finish`)."""
-
+class Llama3JsonToolCallStream(ToolCallParserStream):
     TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        self.calls = 0
+        super().__init__()
         self._pending = ""
         self._json: bool | None = None  # undecided until the first visible character
 
     def feed(self, text: str) -> dict[str, Any]:
         if self._json is False:
-            return {"content": text} if text else {}
+            return self._delta(text, [])
         self._pending += text
         head = self._pending.lstrip()
         head = head[len(self.TAG):].lstrip() if head.startswith(self.TAG) else head
@@ -117,47 +133,52 @@ class Llama3JsonToolCallStream:
         if self._json:
             return {}  # a call is sent whole, once the reply is complete
         out, self._pending = self._pending, ""
-        return {"content": out}
+        return self._delta(out, [])
 
     def finish(self) -> dict[str, Any]:
+        """A reply that started as JSON: its calls, or the text if it is not calls."""
         text, self._pending = self._pending, ""
-        if not self._json:
-            return {"content": text} if text else {}
-        body = text.strip().removeprefix(self.TAG)
-        calls = _json_calls(body)
+        calls = _json_calls(text.strip().removeprefix(self.TAG)) if self._json else None
         if calls is None:
-            return {"content": text}
+            return self._delta(text, [])
         self.calls = len(calls)
-        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-
-    def finish_reason(self, finish_reason: str | None) -> str | None:
-        return "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
+        return self._delta("", [{"index": i, **call} for i, call in enumerate(calls)])
 
 
-ToolCallStream = HermesToolCallStream | Llama3JsonToolCallStream
+# One per name in server/config.py TOOL_CALL_PARSERS (the flag's choices).
+STREAMS: dict[str, type[ToolCallParserStream]] = {
+    "hermes": HermesToolCallStream, "llama3_json": Llama3JsonToolCallStream}
 
 
-def make_stream(parser: str) -> ToolCallStream:
+def make_stream(parser: str) -> ToolCallParserStream:
     """A fresh per-choice stream for `--tool-call-parser parser`."""
-    if parser == "llama3_json":
-        return Llama3JsonToolCallStream()
-    if parser == "hermes":
-        return HermesToolCallStream()
-    raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    if parser not in STREAMS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(STREAMS)}, "
+                         f"got {parser!r}")
+    return STREAMS[parser]()
 
 
 def parse_message(parser: str, text: str, finish_reason: str | None
                   ) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish_reason of a finished (non-streamed) choice."""
     stream = make_stream(parser)
-    deltas = [stream.feed(text), stream.finish()]
-    content = "".join(d.get("content", "") for d in deltas)
-    calls = [{k: v for k, v in c.items() if k != "index"}
-             for d in deltas for c in d.get("tool_calls", [])]
+    delta = _merged(stream.feed(text), stream.finish())
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
-    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
-    return message, stream.finish_reason(finish_reason)
+    message = {"role": "assistant", "content": delta.get("content", "").strip() or None,
+               "tool_calls": calls}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas of one choice as one (content appended, tool calls appended)."""
+    out = dict(first)
+    if then.get("content"):
+        out["content"] = out.get("content", "") + then["content"]
+    if then.get("tool_calls"):
+        out["tool_calls"] = out.get("tool_calls", []) + then["tool_calls"]
+    return out
 
 
 def _call_of(block: str) -> dict[str, Any] | None:

@@ -6,10 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from argosy_runtime.server.config import TOOL_CALL_PARSERS
 from argosy_runtime.server.errors import APIError
 from argosy_runtime.server.protocol import ChatCompletionRequest
 from argosy_runtime.server.tool_calls import check_tool_choice, may_call_tools
-from argosy_runtime.server.tool_parsers import HermesToolCallStream, make_stream, parse_message
+from argosy_runtime.server.tool_parsers import (
+    STREAMS,
+    HermesToolCallStream,
+    make_stream,
+    parse_message,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,3 +121,19 @@ def test_auto_needs_a_parser_and_tools() -> None:
     assert not may_call_tools(ChatCompletionRequest(model="m", messages=msgs), "hermes")
     none = ChatCompletionRequest(model="m", messages=msgs, tools=tools, tool_choice="none")
     assert not may_call_tools(none, "hermes")
+
+
+@pytest.mark.parametrize(("parser", "text"), [("hermes", CALL), ("llama3_json", LLAMA_CALL)])
+def test_step_ends_a_stream_with_what_finish_releases(parser: str, text: str) -> None:
+    """`step` is what a streamed choice calls: the end folds in `finish`, calls included
+    (llama3_json sends its calls only then)."""
+    stream = make_stream(parser)
+    middle, _ = stream.step(text[:-1], None)
+    last, finish = stream.step(text[-1], "stop")
+    calls = middle.get("tool_calls", []) + last.get("tool_calls", [])
+    assert names_and_args(calls) == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls" and "content" not in middle and "content" not in last
+
+
+def test_every_flag_choice_has_a_stream() -> None:
+    assert tuple(STREAMS) == TOOL_CALL_PARSERS
