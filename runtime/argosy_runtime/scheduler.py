@@ -3,8 +3,16 @@
 Every step serves running requests first (decodes, and the next chunk of partially prefilled
 prompts), then admits waiting requests while the token budget, `max_num_seqs` and free KV
 blocks allow. A long prompt is split into chunks (chunked prefill) so it never stalls the
-running decodes. When blocks run out, the lowest-priority / newest running request is
-preempted: its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+running decodes. Both queues are ordered by `Request.sort_key`: lower `priority` value first,
+then arrival.
+
+Preemption frees a running request's blocks; it goes back to waiting and is recomputed later
+(prefix caching makes that cheap). The victim is always the lowest-ranked running request
+(highest priority value, then newest), in two cases:
+- a running request needs blocks that are not free (memory): that step admits nothing new;
+- the head of the waiting queue cannot be admitted (`max_num_seqs` reached or blocks short)
+  and it strictly outranks the victim by priority. Equal priorities never preempt each other,
+  so first come first served within a priority never thrashes.
 """
 
 from __future__ import annotations
@@ -83,7 +91,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        preempted_for_memory = False
 
         # 1. Running requests, highest priority first. Victims for preemption come from the
         #    back of the list, which holds requests not yet scheduled this step.
@@ -106,21 +114,24 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
+                preempted_for_memory = True
                 if victim is req:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
-                scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1
                 continue
             break  # the current request itself was preempted: nothing after it can run
 
-        # 2. Waiting requests, unless this step had to preempt (memory is tight).
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+        # 2. Waiting requests, unless step 1 had to preempt (memory is tight). A head that
+        #    cannot be admitted may take the place of a running request of lower priority.
+        while self.waiting and budget > 0 and not preempted_for_memory:
             req = self.waiting[0]
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._preempt_for(req, out):
+                    break
+                budget = self._budget_left(out)
             computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
                                                          _prefix_lookup_limit(req),
                                                          salt=req.cache_salt)
@@ -130,11 +141,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv_cache.allocate_slots(
+            while not self.kv_cache.allocate_slots(
                 req.request_id, req.token_ids, num_computed + num_new, computed,
                 salt=req.cache_salt,
             ):
-                break
+                if not self._preempt_for(req, out):
+                    return out  # the head waits, and nothing behind it may pass it
             self.waiting.pop(0)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
@@ -142,8 +154,24 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
+            budget = self._budget_left(out)
         return out
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the lowest-ranked running request to make room for waiting `req`, only if
+        `req` has a strictly lower priority value. Returns False when there is no such victim."""
+        if not self.running or self.running[-1].priority <= req.priority:
+            return False
+        victim = self.running[-1]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        # Scheduled in step 1 already: it must not run now (its slots are freed), and its
+        # tokens go back to the budget (see _budget_left).
+        out.scheduled = [sr for sr in out.scheduled if sr.request is not victim]
+        return True
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.num_batched_tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -69,8 +69,8 @@ class _EngineStatsCollector(Collector):
                       s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.",
-                      s.num_preemptions)
+        yield counter("num_preemptions", "Requests preempted: for lack of KV blocks, or by "
+                      "a request of higher priority.", s.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
                       s.spec_decode_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",

@@ -6,7 +6,7 @@ from argosy_runtime.config import SchedulerConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
-from argosy_runtime.scheduler import Scheduler
+from argosy_runtime.scheduler import Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
@@ -23,7 +23,11 @@ def req(rid: str, n_prompt: int, t: float, priority: int = 0, base: int = 0) -> 
 
 def run_step(s: Scheduler, sampled_token: int = 7) -> dict[str, int]:
     """Schedule, then advance like the engine: computed tokens, one sampled token per completion."""
-    out = s.schedule()
+    return advance(s.schedule(), sampled_token)
+
+
+def advance(out: SchedulerOutput, sampled_token: int = 7) -> dict[str, int]:
+    """Advance the scheduled requests of `out` like the engine; returns {id: tokens fed}."""
     counts = {}
     for sr in out.scheduled:
         r = sr.request
@@ -104,3 +108,77 @@ def test_prefix_hit_skips_cached_tokens() -> None:
     counts = run_step(s)
     assert counts["second"] == 1  # 12 tokens (3 blocks) came from the cache
     assert second.num_cached_tokens == 12
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    return {sr.request.request_id: sr.num_new_tokens for sr in out.scheduled}
+
+
+def two_running_priority_1(budget: int = 64) -> tuple[Scheduler, Request, Request]:
+    """max_num_seqs=2, both seats taken by decoding priority-1 requests."""
+    s = make(max_seqs=2, budget=budget)
+    old, new = req("lo-old", 4, 0.0, priority=1), req("lo-new", 4, 1.0, priority=1, base=20)
+    s.add_request(old)
+    s.add_request(new)
+    assert run_step(s) == {"lo-old": 4, "lo-new": 4}
+    return s, old, new
+
+
+def test_higher_priority_preempts_the_newest_lower_one_at_max_num_seqs() -> None:
+    s, old, new = two_running_priority_1()
+    s.add_request(req("urgent", 4, 2.0, priority=0, base=40))
+    out = s.schedule()
+    assert scheduled(out) == {"lo-old": 1, "urgent": 4}
+    assert out.preempted == [new]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert s.waiting == [new] and s.kv_cache.block_ids("lo-new") == []
+    assert s.num_preemptions == 1
+    advance(out)
+    # The victim comes back once a seat is free; its prompt block is still in the prefix
+    # cache, so only its sampled token is recomputed.
+    s.finish_request(s.requests["urgent"], RequestStatus.FINISHED_STOPPED)
+    assert run_step(s) == {"lo-old": 1, "lo-new": 1}
+    assert new.status == RequestStatus.RUNNING
+
+
+def test_equal_priority_never_preempts() -> None:
+    s, old, new = two_running_priority_1()
+    s.add_request(req("late", 4, 2.0, priority=1, base=40))
+    for _ in range(5):
+        out = s.schedule()
+        assert scheduled(out) == {"lo-old": 1, "lo-new": 1}
+        assert out.preempted == []
+        advance(out)
+    assert s.num_preemptions == 0
+    assert [r.request_id for r in s.waiting] == ["late"]
+
+
+def test_higher_priority_preempts_when_kv_blocks_are_short() -> None:
+    # 4 blocks of 4 tokens. "lo" (8 prompt tokens) holds 3 blocks once decoding; "urgent"
+    # (9 tokens) needs 3, and only 1 is free.
+    s = make(num_blocks=4, block_size=4, budget=64)
+    lo = req("lo", 8, 0.0, priority=1)
+    s.add_request(lo)
+    assert run_step(s) == {"lo": 8}
+    s.add_request(req("urgent", 9, 1.0, priority=0, base=100))
+    out = s.schedule()
+    assert scheduled(out) == {"urgent": 9}
+    assert out.preempted == [lo] and lo.status == RequestStatus.PREEMPTED
+    advance(out)
+    assert s.kv_cache.num_free_blocks == 1  # lo's blocks went to urgent
+    s.finish_request(s.requests["urgent"], RequestStatus.FINISHED_STOPPED)
+    run_step(s)
+    assert lo.status == RequestStatus.RUNNING and lo.num_computed_tokens + 1 == lo.num_tokens
+    s.finish_request(lo, RequestStatus.FINISHED_STOPPED)
+    assert s.kv_cache.num_free_blocks == 4
+
+
+def test_a_victim_scheduled_in_step_1_is_unscheduled_and_its_tokens_return() -> None:
+    s, old, new = two_running_priority_1(budget=8)
+    s.add_request(req("urgent", 20, 2.0, priority=0, base=40))
+    out = s.schedule()
+    # Step 1 gave lo-old and lo-new 1 token each; preempting lo-new gives its token back,
+    # so urgent's first chunk is 7 tokens, not 6.
+    assert scheduled(out) == {"lo-old": 1, "urgent": 7}
+    assert out.num_batched_tokens == 8
+    assert out.preempted == [new] and new not in s.running
