@@ -2,12 +2,13 @@
 
 Requests forbid unknown fields (`extra="forbid"`): a misspelled option is a 400, never silently
 ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids` (see DESIGN.md), so clients written for vLLM work
-unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`, ...) are
-listed explicitly; OpenAI fields we cannot honour (`suffix`, `tool_choice: "auto"`, ...) are
-rejected with a 400 naming them (see `serving_common.reject_unsupported`). `structured_outputs`
-is vLLM's constrained-decoding extra; OpenAI's `response_format` does the same for JSON, and
-`tools` with `tool_choice` "required" or a named function use it too (`tool_calls.py`).
+`repetition_penalty`, `stop_token_ids` (see DESIGN.md) and `priority` (scheduling order), so
+clients written for vLLM work unchanged. OpenAI fields we accept but do not act on (`user`,
+`store`, `metadata`, ...) are listed explicitly; OpenAI fields we cannot honour (`suffix`,
+`tool_choice: "auto"`, ...) are rejected with a 400 naming them (see
+`serving_common.reject_unsupported`). `structured_outputs` is vLLM's constrained-decoding
+extra; OpenAI's `response_format` does the same for JSON, and `tools` with `tool_choice`
+"required" or a named function use it too (`tool_calls.py`).
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
 """
@@ -19,7 +20,7 @@ import uuid
 from typing import Any, Literal
 
 from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -88,6 +89,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's scheduling priority: lower runs earlier, and may preempt requests of a higher
+    # value when the batch is full. Strict: "1", 1.5 or true is a 400, not a silent coercion.
+    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 
 
 class CompletionRequest(_SamplingFields):

@@ -134,7 +134,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      [prompt], params, model_name)
+                                      [prompt], params, model_name, req.priority)
     except BaseException:
         ctx.lifecycle.exit()
         raise

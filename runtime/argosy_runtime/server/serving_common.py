@@ -208,12 +208,15 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 
 
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
-                        params: SamplingParams, model_name: str) -> list[RequestStream]:
-    """Admit every prompt of a request (all or none), in the same engine step."""
+                        params: SamplingParams, model_name: str,
+                        priority: int = 0) -> list[RequestStream]:
+    """Admit every prompt of a request (all or none), in the same engine step, at
+    `priority` (lower runs earlier)."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     lora_name = ctx.lora_name(model_name)
     # gather posts every add before awaiting any, so the prompts join the batch together
-    results = await asyncio.gather(*(ctx.engine.add(rid, p, params, lora_name=lora_name)
+    results = await asyncio.gather(*(ctx.engine.add(rid, p, params, priority=priority,
+                                                    lora_name=lora_name)
                                      for rid, p in zip(ids, prompts, strict=True)),
                                    return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]

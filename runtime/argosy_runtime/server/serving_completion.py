@@ -96,7 +96,7 @@ async def create_completion(request: Request, req: CompletionRequest,
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      prompts, params, model_name)
+                                      prompts, params, model_name, req.priority)
     except BaseException:
         ctx.lifecycle.exit()
         raise

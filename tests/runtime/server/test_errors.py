@@ -54,6 +54,12 @@ CASES = [
      "structured_outputs"),
     (C, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     (C, {"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
+    (C, {"model": MODEL, "prompt": "x", "priority": "high"}, 400, "priority"),
+    (C, {"model": MODEL, "prompt": "x", "priority": 1.5}, 400, "priority"),
+    (C, {"model": MODEL, "prompt": "x", "priority": "1"}, 400, "priority"),  # no coercion
+    (C, {"model": MODEL, "prompt": "x", "priority": 2**31}, 400, "priority"),
+    (CHAT, {"model": MODEL, "messages": MSG, "priority": True}, 400, "priority"),
+    (CHAT, {"model": MODEL, "messages": MSG, "priority": None}, 400, "priority"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": "hello"}, 400, "messages"),
@@ -110,6 +116,15 @@ def test_bad_request_is_4xx_with_openai_body(http: httpx.Client, path: str, body
     err = _check_error_body(r, status)
     if param is not None:
         assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_priority_must_be_an_integer(http: httpx.Client, path: str) -> None:
+    # A known field with a wrong type (not "unknown field"): vLLM's extra is accepted.
+    body = {"model": MODEL, "prompt": "x"} if path == C else {"model": MODEL, "messages": MSG}
+    err = _check_error_body(http.post(path, json={**body, "priority": 0.5}), 400)
+    assert err["param"] == "priority" and "integer" in err["message"], err
+    assert http.post(path, json={**body, "priority": -1, "max_tokens": 1}).status_code == 200
 
 
 def test_context_length_code(http: httpx.Client) -> None:

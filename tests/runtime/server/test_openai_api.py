@@ -149,6 +149,19 @@ def test_penalties_and_vllm_extras_accepted(client: OpenAI) -> None:
     assert r.usage.completion_tokens == 4
 
 
+def test_priority_is_accepted_on_completions_and_chat(client: OpenAI) -> None:
+    # vLLM's extra: it orders scheduling (test_priority_api.py) and never changes the output.
+    plain = greedy(client, PROMPT, max_tokens=6).choices[0].text
+    for priority in (-(2**31), -3, 7, 2**31 - 1):
+        r = greedy(client, PROMPT, max_tokens=6, extra_body={"priority": priority})
+        assert r.choices[0].text == plain
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chats = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                            temperature=0, **kw)
+             for kw in ({}, {"extra_body": {"priority": 5}})]
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+
+
 def test_request_id_echoed_and_logged(server: ServerProcess, http: httpx.Client) -> None:
     rid = "test-" + uuid.uuid4().hex
     r = http.post("/v1/completions", headers={"X-Request-Id": rid},
