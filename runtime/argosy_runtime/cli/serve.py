@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve vLLM's POST /v1/load_lora_adapter and "
                              "/v1/unload_lora_adapter (off by default: they load any folder "
                              "a client names; protect them with --api-key).")
+    server.add_argument("--batch-dir", default=None, metavar="DIR",
+                        help="Folder for the Batch API's files and batches (/v1/files, "
+                             "/v1/batches). On a persistent volume, a batch interrupted by a "
+                             "restart resumes where it stopped (default: a temporary folder, "
+                             "removed at exit).")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
 
 
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, request_timeout=args.request_timeout,
             drain_timeout=args.drain_timeout, log_level=args.log_level,
             allow_runtime_lora_updates=args.allow_runtime_lora_updates,
-            tool_call_parser=args.tool_call_parser)
+            tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)

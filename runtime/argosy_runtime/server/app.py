@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from argosy_runtime.async_engine import AsyncEngine
+from argosy_runtime.server.batch.batch_runner import BatchRunner
+from argosy_runtime.server.batch.file_store import FileStore, remove_tree
+from argosy_runtime.server.batch.routes import add_batch_routes
 from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import install_error_handlers
 from argosy_runtime.server.lifecycle import Lifecycle
@@ -52,6 +57,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
                          lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names)
+    # Without --batch-dir, batches live in a temporary folder removed at exit.
+    batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
+    files = FileStore(batch_root)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,16 +67,23 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         lifecycle.started = True
         logger.info("serving %s (max_model_len %d)", model_name, ctx.max_model_len)
         try:
+            await batches.start()
             async with lora.watching_modules_file():
                 yield
         finally:
             lifecycle.started = False
+            await batches.shutdown()
+            if config.batch_dir is None:
+                remove_tree(batch_root)
             async_engine.abort_all()
             async_engine.shutdown()
 
     app = FastAPI(title="Argosy OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    batches = BatchRunner(batch_root, files, app, concurrency=_max_num_seqs(engine) or 64,
+                          api_key=config.api_key, is_draining=lambda: lifecycle.draining)
+    add_batch_routes(app, files, batches)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key,
                        on_response=metrics.on_http)
 

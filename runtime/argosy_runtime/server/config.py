@@ -23,6 +23,9 @@ class ServerConfig:
         (off by default: they make the server read any folder a client names).
     tool_call_parser: the model's tool-call format ("hermes", "llama3_json"), for tool_choice
         "auto" (server/tool_parsers.py).
+    batch_dir: where the Batch API keeps its files and batches; an unfinished batch resumes
+        when the server starts again on the same folder (None: a temporary folder, removed
+        at exit).
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +38,7 @@ class ServerConfig:
     retry_after_s: int = 1
     allow_runtime_lora_updates: bool = False
     tool_call_parser: str | None = None
+    batch_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

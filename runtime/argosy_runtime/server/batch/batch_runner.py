@@ -1,0 +1,258 @@
+"""Runs batches: each request of the input file goes through this server's own HTTP handlers
+(in process, over ASGI), so a batch answer is exactly what the live endpoint would answer.
+
+Requests run at a lower scheduling priority than live traffic (`priority` 1 unless a line
+sets its own), at most `concurrency` at a time across all batches, so a batch keeps the
+running batch full without flooding the waiting queue. A 429 or a 503 is retried; while the
+server drains, a batch stops taking new requests and stays `in_progress` on disk: started
+again on the same `--batch-dir`, it resumes with the requests not yet in its result files.
+
+Status moves validating -> in_progress -> finalizing -> completed, or to failed (the input
+file is unusable), cancelling -> cancelled, or expired (24 h after creation: the requests
+left go to the error file as `batch_expired`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from argosy_runtime.server.batch.batch_input import ENDPOINTS, BatchLine, read_batch_input
+from argosy_runtime.server.batch.batch_results import BatchResults
+from argosy_runtime.server.batch.file_store import FileStore, write_json_atomic
+from argosy_runtime.server.errors import APIError
+from starlette.types import ASGIApp
+
+logger = logging.getLogger("argosy.batch")
+
+BATCH_PRIORITY = 1  # live requests default to 0: lower runs first
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+RETRY_STATUSES = (429, 503)  # the server is full or briefly unavailable: not the request's fault
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class BatchRunner:
+    def __init__(self, root: Path, files: FileStore, app: ASGIApp, *, concurrency: int,
+                 api_key: str | None = None,
+                 is_draining: Callable[[], bool] = lambda: False) -> None:
+        self.dir = root / "batches"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.files = files
+        self.app = app
+        self.concurrency = concurrency
+        self.api_key = api_key
+        self.is_draining = is_draining
+        self.batches: dict[str, dict[str, Any]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    # ---- lifecycle (inside the server's event loop) ----------------------------------------
+    async def start(self) -> None:
+        """Load the batches on disk and resume the unfinished ones."""
+        self._slots = asyncio.Semaphore(self.concurrency)
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app, raise_app_exceptions=False),
+            base_url="http://batch.internal", headers=headers, timeout=None)
+        for path in sorted(self.dir.glob("batch_*.json")):
+            batch = json.loads(path.read_text())
+            self.batches[batch["id"]] = batch
+            if batch["status"] in ACTIVE:
+                logger.info("resuming %s (%s)", batch["id"], batch["status"])
+                self._launch(batch)
+
+    async def shutdown(self) -> None:
+        """Stop every batch where it is; unfinished ones stay resumable on disk."""
+        for task in self._tasks.values():
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(BaseException):
+                await task
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ---- the API ---------------------------------------------------------------------------
+    def create(self, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict[str, str] | None) -> dict[str, Any]:
+        if endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, "
+                                f"got {endpoint!r}", param="endpoint")
+        if completion_window not in COMPLETION_WINDOW_S:
+            raise APIError(400, f"completion_window must be '24h', got {completion_window!r}",
+                           param="completion_window")
+        meta = self.files.get(input_file_id)
+        if meta["purpose"] != "batch":
+            raise APIError(400, f"file {input_file_id!r} has purpose {meta['purpose']!r}, "
+                                "not 'batch'", param="input_file_id")
+        created = int(time.time())
+        batch = {
+            "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint,
+            "errors": None, "input_file_id": input_file_id,
+            "completion_window": completion_window, "status": "validating",
+            "output_file_id": None, "error_file_id": None, "created_at": created,
+            "in_progress_at": None, "expires_at": created + COMPLETION_WINDOW_S[completion_window],
+            "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+            "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata, "model": None, "usage": None,
+        }
+        self.batches[batch["id"]] = batch
+        self._save(batch)
+        self._launch(batch)
+        logger.info("created %s from %s for %s", batch["id"], input_file_id, endpoint)
+        return batch
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        if batch_id not in self.batches:
+            raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id",
+                           code="batch_not_found")
+        return self.batches[batch_id]
+
+    def list(self) -> list[dict[str, Any]]:
+        """Newest first."""
+        return sorted(self.batches.values(), key=lambda b: (b["created_at"], b["id"]),
+                      reverse=True)
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = self.get(batch_id)
+        if batch["status"] not in ("validating", "in_progress"):
+            raise APIError(409, f"batch {batch_id} is {batch['status']}; only a validating or "
+                                "in_progress batch can be cancelled", code="batch_not_active")
+        self._set_status(batch, "cancelling")
+        for task in self._in_flight.get(batch_id, ()):
+            task.cancel()  # its request is aborted and stays out of the result files
+        return batch
+
+    # ---- running one batch -----------------------------------------------------------------
+    def _launch(self, batch: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks[batch["id"]] = task
+        task.add_done_callback(lambda _: self._tasks.pop(batch["id"], None))
+
+    async def _run(self, batch: dict[str, Any]) -> None:
+        try:
+            path = self.files.content_path(batch["input_file_id"])
+            lines, errors = await asyncio.to_thread(read_batch_input, path, batch["endpoint"])
+        except APIError as exc:  # the input file was deleted before the batch started
+            lines, errors = [], [{"code": "file_not_found", "message": exc.message,
+                                  "line": None, "param": "input_file_id"}]
+        if errors:
+            batch["errors"] = {"object": "list", "data": errors}
+            self._set_status(batch, "failed")
+            logger.warning("%s failed validation: %s", batch["id"], errors[0]["message"])
+            return
+        results = BatchResults.open(self.dir, batch["id"])
+        batch["request_counts"]["total"] = len(lines)
+        batch["model"] = lines[0].body.get("model")
+        if batch["status"] == "validating":
+            self._set_status(batch, "in_progress")
+        await self._dispatch(batch, [ln for ln in lines if ln.custom_id not in results.done],
+                             results)
+        if batch["status"] == "in_progress" and self.is_draining():
+            return  # resumes from its result files on the next start
+        if batch["status"] != "cancelling" and time.time() >= batch["expires_at"]:
+            for line in lines:
+                if line.custom_id not in results.done:
+                    results.add_expired(line.custom_id)
+        self._finalize(batch, results)
+
+    async def _dispatch(self, batch: dict[str, Any], pending: list[BatchLine],
+                        results: BatchResults) -> None:
+        assert self._slots is not None
+        in_flight = self._in_flight.setdefault(batch["id"], set())
+        self._update_counts(batch, results)
+        try:
+            for line in pending:
+                await self._slots.acquire()
+                if not self._should_continue(batch):
+                    self._slots.release()
+                    break
+                task = asyncio.create_task(self._run_line(batch, line, results))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+                task.add_done_callback(lambda _: self._slots.release())  # type: ignore[union-attr]
+            await asyncio.gather(*in_flight, return_exceptions=True)
+        finally:
+            for task in in_flight:
+                task.cancel()
+            self._in_flight.pop(batch["id"], None)
+
+    def _should_continue(self, batch: dict[str, Any]) -> bool:
+        return (batch["status"] == "in_progress" and not self.is_draining()
+                and time.time() < batch["expires_at"])
+
+    async def _run_line(self, batch: dict[str, Any], line: BatchLine,
+                        results: BatchResults) -> None:
+        assert self._client is not None
+        body = {"priority": BATCH_PRIORITY, **line.body}
+        request_id = f"{batch['id']}-{line.number}"
+        delay = 0.25
+        while True:
+            response = await self._client.post(batch["endpoint"], json=body,
+                                               headers={"x-request-id": request_id})
+            if response.status_code not in RETRY_STATUSES:
+                break
+            if not self._should_continue(batch):
+                return  # not the request's fault: it stays pending
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        payload = _json_or_error(response)
+        if response.status_code == 200 and _was_aborted(payload):
+            return  # cut short by a drain or cancel: it runs again on resume
+        results.add(line.custom_id, response.status_code, request_id, payload)
+        self._update_counts(batch, results)
+
+    def _finalize(self, batch: dict[str, Any], results: BatchResults) -> None:
+        if batch["status"] == "cancelling":
+            final = "cancelled"
+        elif time.time() >= batch["expires_at"]:
+            final = "expired"
+        else:
+            final = "completed"
+        self._set_status(batch, "finalizing")
+        self._update_counts(batch, results)
+        batch["usage"] = results.usage()
+        for key, path, name in (("output_file_id", results.output_path, "output"),
+                                ("error_file_id", results.error_path, "errors")):
+            if path.exists() and path.stat().st_size:
+                batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl")["id"]
+        self._set_status(batch, final)
+        counts = batch["request_counts"]
+        logger.info("%s %s: %d completed, %d failed of %d", batch["id"], final,
+                    counts["completed"], counts["failed"], counts["total"])
+
+    def _update_counts(self, batch: dict[str, Any], results: BatchResults) -> None:
+        batch["request_counts"].update(completed=results.completed, failed=results.failed)
+
+    def _set_status(self, batch: dict[str, Any], status: str) -> None:
+        batch["status"] = status
+        batch[f"{status}_at"] = int(time.time())
+        self._save(batch)
+
+    def _save(self, batch: dict[str, Any]) -> None:
+        write_json_atomic(self.dir / f"{batch['id']}.json", batch)
+
+
+def _json_or_error(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return body
+    return {"error": {"message": response.text[:1000] or f"HTTP {response.status_code}",
+                      "type": "server_error", "param": None, "code": None}}
+
+
+def _was_aborted(body: dict[str, Any]) -> bool:
+    return any(c.get("finish_reason") == "abort" for c in body.get("choices") or ())

@@ -1,0 +1,103 @@
+"""Files of the Batch API: uploaded request files and the output files batches write.
+
+Each file is two entries in `<root>/files/`: `<id>` (the bytes) and `<id>.json` (the OpenAI
+`FileObject`). Writes go to a temporary name first and are renamed into place, so a crash
+never leaves a half-written file behind a valid id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from argosy_runtime.server.errors import APIError
+
+PURPOSES = ("batch", "batch_output")
+MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for batch input files
+
+
+class FileStore:
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "files"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def create(self, source: BinaryIO, filename: str, purpose: str) -> dict[str, Any]:
+        """Copy an upload into the store (at most MAX_FILE_BYTES)."""
+        if purpose != "batch":
+            raise APIError(400, f"purpose must be 'batch' (this server keeps files for the "
+                                f"Batch API only), got {purpose!r}", param="purpose")
+        file_id = f"file-{uuid.uuid4().hex}"
+        tmp = self.dir / f".{file_id}.part"
+        size = 0
+        try:
+            with tmp.open("wb") as out:
+                while chunk := source.read(1 << 20):
+                    size += len(chunk)
+                    if size > MAX_FILE_BYTES:
+                        raise APIError(413, f"file is larger than {MAX_FILE_BYTES} bytes",
+                                       param="file", code="file_too_large")
+                    out.write(chunk)
+            if size == 0:
+                raise APIError(400, "file is empty", param="file")
+            tmp.rename(self.dir / file_id)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self._write_meta(file_id, filename, purpose, size)
+
+    def adopt(self, path: Path, filename: str) -> dict[str, Any]:
+        """Move a finished batch output file into the store as `batch_output`."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        size = path.stat().st_size
+        os.replace(path, self.dir / file_id)
+        return self._write_meta(file_id, filename, "batch_output", size)
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        meta = self._meta_path(file_id)
+        if not meta.is_file():
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id",
+                           code="file_not_found")
+        return json.loads(meta.read_text())
+
+    def content_path(self, file_id: str) -> Path:
+        self.get(file_id)  # 404 for an unknown id
+        return self.dir / file_id
+
+    def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
+        """Newest first, like OpenAI's default order."""
+        files = [json.loads(p.read_text()) for p in self.dir.glob("file-*.json")]
+        files = [f for f in files if purpose is None or f["purpose"] == purpose]
+        return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+    def delete(self, file_id: str) -> dict[str, Any]:
+        self.get(file_id)
+        (self.dir / file_id).unlink(missing_ok=True)
+        self._meta_path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def _meta_path(self, file_id: str) -> Path:
+        # ids are ours ("file-" + hex); anything else cannot name a file here (no "../")
+        if not (file_id.startswith("file-") and file_id[5:].isalnum()):
+            return self.dir / "file-invalid.json.missing"
+        return self.dir / f"{file_id}.json"
+
+    def _write_meta(self, file_id: str, filename: str, purpose: str,
+                    size: int) -> dict[str, Any]:
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                "filename": filename, "purpose": purpose, "status": "processed"}
+        write_json_atomic(self._meta_path(file_id), meta)
+        return meta
+
+
+def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.part")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def remove_tree(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""The Batch API routes: `/v1/files` and `/v1/batches`, shaped like OpenAI's so the official
+client's `files` and `batches` resources work unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Literal
+
+from argosy_runtime.server.batch.batch_runner import BatchRunner
+from argosy_runtime.server.batch.file_store import FileStore
+from fastapi import FastAPI, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CreateBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page: the items after the one with id `after`, at most `limit`."""
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    data = items[:limit]
+    return {"object": "list", "data": data, "has_more": len(items) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
+
+
+def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> None:
+    @app.post("/v1/files")
+    async def upload_file(file: Annotated[UploadFile, File()],
+                          purpose: Annotated[str, Form()]) -> dict[str, Any]:
+        return await asyncio.to_thread(files.create, file.file, file.filename or "upload.jsonl",
+                                       purpose)
+
+    @app.get("/v1/files")
+    async def list_files(purpose: str | None = None, after: str | None = None,
+                         limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                         order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+        items = files.list(purpose)
+        return page(items if order == "desc" else items[::-1], after, limit)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str) -> dict[str, Any]:
+        return files.get(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> FileResponse:
+        meta = files.get(file_id)
+        return FileResponse(files.content_path(file_id), media_type="application/jsonl",
+                            filename=meta["filename"])
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict[str, Any]:
+        return files.delete(file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(body: CreateBatchRequest) -> dict[str, Any]:
+        return runner.create(body.input_file_id, body.endpoint, body.completion_window,
+                             body.metadata)
+
+    @app.get("/v1/batches")
+    async def list_batches(after: str | None = None,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
+        return page(runner.list(), after, limit)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str) -> dict[str, Any]:
+        return runner.get(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict[str, Any]:
+        return runner.cancel(batch_id)
