@@ -177,6 +177,44 @@ def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
         assert "argosy:gateway_backend_healthy" in metrics
 
 
+def test_batch_api_through_the_gateway(fleet: FleetHandle) -> None:
+    """Files and batches live on one replica; every call through the gateway finds it."""
+    import openai
+
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    items = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": f"Fact {i}:", "max_tokens": 8,
+                       "temperature": 0}} for i in range(3)]
+    data = "".join(json.dumps(item) + "\n" for item in items).encode()
+    uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+    holders = [url for url in fleet.replicas
+               if httpx.get(f"{url}/v1/files/{uploaded.id}").status_code == 200]
+    assert len(holders) == 1  # one replica holds it; the others do not know the id
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    output = client.files.content(batch.output_file_id).text
+    records = [json.loads(line) for line in output.splitlines()]
+    # (answers equal the live endpoint's in float32: tests/runtime/server/test_batch_api.py;
+    # these replicas run bfloat16, whose sums depend on the batch a request ran in)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in records}
+    assert set(by_id) == {"q0", "q1", "q2"}
+    assert all(b["usage"]["completion_tokens"] == 8 for b in by_id.values())
+    assert batch.id in [b.id for b in client.batches.list()]
+    assert {uploaded.id, batch.output_file_id} <= {f.id for f in client.files.list()}
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_unknown")
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
 async def test_client_disconnect_frees_the_replica(fleet: FleetHandle) -> None:
     """A client that goes away mid-stream: the replica aborts the request (running -> 0)
     long before the 400 tokens it was asked for could have been generated."""

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   routed (cascade, then policy), streamed through
     GET  /v1/models                              merged across all replicas and cascade routes
+    /v1/files, /v1/batches                       the Batch API, to the replica holding each id
     GET  /health                                 the gateway process is up
     GET  /ready                                  every model has a replica in rotation
     GET  /metrics                                the gateway's Prometheus metrics
@@ -32,6 +33,7 @@ from argosy_runtime.gateway.config import GatewayConfig
 from argosy_runtime.gateway.health import HealthChecker
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.policies import Policy, RouteRequest, make_policy
+from argosy_runtime.gateway.proxy.batch_routes import BatchRoutes
 from argosy_runtime.gateway.proxy.errors import (
     bad_request,
     error_response,
@@ -114,6 +116,7 @@ class Gateway:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
+        BatchRoutes(self).add_to(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
 
         async def on_startup(_: web.Application) -> None:

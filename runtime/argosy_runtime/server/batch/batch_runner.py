@@ -60,6 +60,8 @@ class BatchRunner:
     async def start(self) -> None:
         """Load the batches on disk and resume the unfinished ones."""
         self._slots = asyncio.Semaphore(self.concurrency)
+        # httpx logs every request at INFO; the access log already has one line per request.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=self.app, raise_app_exceptions=False),

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
+from argosy_runtime.server.batch.pagination import page
 from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,17 +21,6 @@ class CreateBatchRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-
-
-def page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
-    """OpenAI's cursor page: the items after the one with id `after`, at most `limit`."""
-    if after is not None:
-        ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    data = items[:limit]
-    return {"object": "list", "data": data, "has_more": len(items) > limit,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None}
 
 
 def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> None:

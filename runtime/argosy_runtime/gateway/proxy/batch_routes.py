@@ -1,0 +1,246 @@
+"""The Batch API through the gateway (`/v1/files`, `/v1/batches`, see docs/batch.md).
+
+A replica keeps the files and batches it created (in its `--batch-dir`), so each call must
+reach the replica that holds its id:
+
+- `POST /v1/files` goes to the least-loaded replica of the model the file's first request
+  names (a batch runs where its input file is);
+- `POST /v1/batches` goes to the replica holding `input_file_id`;
+- calls on one id (`/v1/files/{id}[/content]`, `/v1/batches/{id}[/cancel]`) go to the replica
+  that answered for the id before, else to the one of the replicas in rotation that knows it;
+- `GET /v1/files` and `GET /v1/batches` merge every replica's list, newest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
+from argosy_runtime.server.batch.pagination import page
+
+if TYPE_CHECKING:
+    from argosy_runtime.gateway.proxy.app import Gateway
+
+# Request headers passed on (content-type is set by the body the gateway sends).
+_FORWARD = ("authorization", "accept", "x-request-id", "traceparent")
+_RELAY = ("content-type", "content-disposition", "x-request-id")
+MAX_REMEMBERED_IDS = 100_000
+LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page holds
+
+
+class BatchRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._owners: OrderedDict[str, str] = OrderedDict()  # file or batch id -> replica URL
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/files", self.upload_file)
+        app.router.add_get("/v1/files", self.list_all)
+        app.router.add_post("/v1/batches", self.create_batch)
+        app.router.add_get("/v1/batches", self.list_all)
+        for path in ("/v1/files/{id}", "/v1/files/{id}/content", "/v1/batches/{id}",
+                     "/v1/batches/{id}/cancel"):
+            app.router.add_route("*", path, self.by_id)
+
+    # -- creating ----------------------------------------------------------------------------
+    async def upload_file(self, request: web.Request) -> web.StreamResponse:
+        try:
+            form = await request.post()
+        except ValueError as exc:
+            return bad_request(f"expected a multipart/form-data upload: {exc}")
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, web.FileField) or not isinstance(purpose, str):
+            return bad_request("a multipart upload needs a 'file' and a 'purpose' field")
+        model = _first_model(upload)
+        pool = await self._pool_for(model)
+        if isinstance(pool, web.Response):
+            return pool
+        replicas = self.gateway.pools[pool].available()
+        if not replicas:
+            return error_response(503, f"no replica of {pool!r} is available")
+        replica = min(replicas, key=lambda r: (r.in_flight + r.num_running + r.num_waiting))
+        upload.file.seek(0)
+        data = aiohttp.FormData()
+        data.add_field("purpose", purpose)
+        data.add_field("file", upload.file, filename=upload.filename,
+                       content_type=upload.content_type)
+        return await self._call(request, replica.url, data=data)
+
+    async def create_batch(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return bad_request(f"malformed JSON body: {exc}")
+        file_id = body.get("input_file_id") if isinstance(body, dict) else None
+        if not isinstance(file_id, str):
+            return bad_request("input_file_id: a file id is required", param="input_file_id")
+        owner = await self._owner("files", file_id, request.headers)
+        if owner is None:
+            return _not_found("file", file_id)
+        return await self._call(request, owner, data=json.dumps(body).encode(),
+                                content_type="application/json")
+
+    # -- one id ------------------------------------------------------------------------------
+    async def by_id(self, request: web.Request) -> web.StreamResponse:
+        kind = request.path.split("/")[2]  # "files" or "batches"
+        owner = await self._owner(kind, request.match_info["id"], request.headers)
+        if owner is None:
+            return _not_found("batch" if kind == "batches" else "file",
+                              request.match_info["id"])
+        if request.path.endswith("/content"):
+            return await self._stream(request, owner)
+        return await self._call(request, owner, data=await request.read() or None,
+                                content_type=request.headers.get("Content-Type"))
+
+    async def _owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
+        urls = self._replica_urls()
+        known = self._owners.get(obj_id)
+        if known in urls:
+            return known
+        session = self._session()
+        timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
+
+        async def has(url: str) -> bool:
+            try:
+                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=_forwarded(headers),
+                                       timeout=timeout) as resp:
+                    return resp.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                return False
+
+        found = [u for u, ok in zip(urls, await asyncio.gather(*(has(u) for u in urls)),
+                                    strict=True) if ok]
+        if found:
+            self._remember(obj_id, found[0])
+        return found[0] if found else None
+
+    # -- lists -------------------------------------------------------------------------------
+    async def list_all(self, request: web.Request) -> web.StreamResponse:
+        kind = request.path.rsplit("/", 1)[1]
+        query = {"limit": str(LIST_LIMIT[kind])}
+        if kind == "files" and "purpose" in request.query:
+            query["purpose"] = request.query["purpose"]
+        try:
+            limit = int(request.query.get("limit", 10_000 if kind == "files" else 20))
+        except ValueError:
+            return bad_request("limit must be an integer", param="limit")
+        session = self._session()
+
+        async def fetch(url: str) -> tuple[int, Any]:
+            try:
+                async with session.get(f"{url}/v1/{kind}", params=query,
+                                       headers=_forwarded(request.headers)) as resp:
+                    return resp.status, await resp.json(content_type=None)
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                return 502, None
+
+        answers = await asyncio.gather(*(fetch(u) for u in self._replica_urls()))
+        refused = [(s, b) for s, b in answers if s != 200 and isinstance(b, dict)]
+        if refused and not any(s == 200 for s, _ in answers):
+            return web.json_response(refused[0][1], status=refused[0][0])  # e.g. a 401
+        items = [item for s, b in answers if s == 200 for item in b.get("data") or []]
+        items.sort(key=lambda item: (item.get("created_at", 0), item["id"]), reverse=True)
+        if request.query.get("order") == "asc":
+            items.reverse()
+        return web.json_response(page(items, request.query.get("after"), max(1, limit)))
+
+    # -- plumbing ----------------------------------------------------------------------------
+    async def _pool_for(self, model: str | None) -> str | web.Response:
+        gateway = self.gateway
+        if model is None and len(gateway.pools) == 1:
+            return next(iter(gateway.pools))
+        if model is None:
+            return bad_request("the file's first request names no model: the gateway routes a "
+                               "batch to a replica of that model", param="file")
+        if model in gateway.pools:
+            return model
+        parent = await gateway._adapter_parent(model)
+        if parent is not None:
+            return parent
+        return model_not_found(model, list(gateway.pools))
+
+    async def _call(self, request: web.Request, url: str, *, data: Any = None,
+                    content_type: str | None = None) -> web.Response:
+        """Send the request to one replica and answer with its (small JSON) answer; the ids
+        it creates are remembered as living there."""
+        headers = _forwarded(request.headers)
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            async with self._session().request(request.method, url + request.path_qs,
+                                               data=data, headers=headers) as resp:
+                body = await resp.read()
+                status, relayed = resp.status, _relayed(resp.headers)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return error_response(502, f"replica {url} failed: {exc!r}")
+        if status == 200:
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                for key in ("id", "output_file_id", "error_file_id"):
+                    if isinstance(answer.get(key), str):
+                        self._remember(answer[key], url)
+        return web.Response(status=status, body=body, headers=relayed)
+
+    async def _stream(self, request: web.Request, url: str) -> web.StreamResponse:
+        """A file's content, relayed as it arrives (output files can be large)."""
+        try:
+            async with self._session().get(url + request.path_qs,
+                                           headers=_forwarded(request.headers)) as resp:
+                out = web.StreamResponse(status=resp.status, headers=_relayed(resp.headers))
+                await out.prepare(request)
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return error_response(502, f"replica {url} failed: {exc!r}")
+
+    def _replica_urls(self) -> list[str]:
+        return sorted({r.url for pool in self.gateway.pools.values() for r in pool.available()})
+
+    def _remember(self, obj_id: str, url: str) -> None:
+        self._owners[obj_id] = url
+        self._owners.move_to_end(obj_id)
+        while len(self._owners) > MAX_REMEMBERED_IDS:
+            self._owners.popitem(last=False)
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.gateway.session is not None
+        return self.gateway.session
+
+
+def _first_model(upload: web.FileField) -> str | None:
+    """The `model` of the file's first request (None when it has none or is not JSONL: the
+    replica then reports the problem when the batch is created)."""
+    upload.file.seek(0)
+    for raw in upload.file:
+        if raw.strip():
+            try:
+                model = json.loads(raw).get("body", {}).get("model")
+            except (ValueError, AttributeError):
+                return None
+            return model if isinstance(model, str) else None
+    return None
+
+
+def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() in _FORWARD}
+
+
+def _relayed(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() in _RELAY}
+
+
+def _not_found(kind: str, obj_id: str) -> web.Response:
+    return error_response(404, f"no {kind} with id {obj_id!r} on any replica in rotation",
+                          code=f"{kind}_not_found")
