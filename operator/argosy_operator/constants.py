@@ -45,6 +45,9 @@ RUNTIME_PORT_NAME = "http"
 MODEL_VOLUME = "model"
 MODEL_MOUNT = "/models"
 TMP_VOLUME = "tmp"
+# The Batch API's files and batches, on the /tmp emptyDir: it outlives a container restart,
+# so a batch cut by one resumes in the same pod (docs/batch.md).
+BATCH_DIR = "/tmp/argosy-batches"
 SHM_VOLUME = "dshm"
 RUN_AS_USER = 1000
 

@@ -70,7 +70,8 @@ def test_cpu_sample_deployment_exact() -> None:
                                  "--host", "0.0.0.0", "--port", "8000", "--dtype", "auto",
                                  "--kv-cache-dtype", "auto", "--max-model-len", "2048",
                                  "--max-num-seqs", "32", "--block-size", "16",
-                                 "--enable-prefix-caching", "--drain-timeout", "30"],
+                                 "--enable-prefix-caching", "--drain-timeout", "30",
+                                 "--batch-dir", "/tmp/argosy-batches"],
                         "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
                         "env": [{"name": "HOME", "value": "/tmp"},
                                 {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -135,7 +136,8 @@ def test_gpu_sample_deployment() -> None:
         "--quantization", "int4", "--kv-cache-dtype", "int8", "--max-model-len", "8192",
         "--max-num-seqs", "128", "--block-size", "16", "--enable-prefix-caching",
         "--speculative", '{"method":"ngram","num_speculative_tokens":4}',
-        "--tool-call-parser", "llama3_json", "--drain-timeout", "60"]
+        "--tool-call-parser", "llama3_json", "--drain-timeout", "60",
+        "--batch-dir", "/tmp/argosy-batches"]
     assert runtime["resources"] == {
         "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"},
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}

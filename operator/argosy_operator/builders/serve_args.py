@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from argosy_operator.constants import LORA_FILE_KEY, LORA_MOUNT, RUNTIME_PORT
+from argosy_operator.constants import BATCH_DIR, LORA_FILE_KEY, LORA_MOUNT, RUNTIME_PORT
 from argosy_operator.spec import serves_lora_adapters
 
 
@@ -50,6 +50,7 @@ def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
     if runtime.get("toolCallParser"):
         args += ["--tool-call-parser", runtime["toolCallParser"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
+    args += ["--batch-dir", BATCH_DIR]
     if runtime.get("maxWaiting") is not None:
         args += ["--max-waiting", str(runtime["maxWaiting"])]
     args += [str(a) for a in runtime.get("extraArgs", [])]
