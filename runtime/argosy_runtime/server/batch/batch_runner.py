@@ -137,9 +137,21 @@ class BatchRunner:
 
     # ---- running one batch -----------------------------------------------------------------
     def _launch(self, batch: dict[str, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(batch))
+        task = asyncio.get_running_loop().create_task(self._run_guarded(batch))
         self._tasks[batch["id"]] = task
         task.add_done_callback(lambda _: self._tasks.pop(batch["id"], None))
+
+    async def _run_guarded(self, batch: dict[str, Any]) -> None:
+        """A batch that breaks (a full disk, a bug) fails visibly instead of staying
+        in_progress with nobody running it."""
+        try:
+            await self._run(batch)
+        except Exception as exc:
+            logger.exception("%s failed", batch["id"])
+            batch["errors"] = {"object": "list", "data": [
+                {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}",
+                 "line": None, "param": None}]}
+            self._set_status(batch, "failed")
 
     async def _run(self, batch: dict[str, Any]) -> None:
         try:

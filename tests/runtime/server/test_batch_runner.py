@@ -1,0 +1,128 @@
+"""BatchRunner's failure paths, against a small ASGI endpoint that answers the way a busy or
+stopping server does (429s, aborted answers) - states a real server reaches only by timing.
+The happy paths run on the real server in test_batch_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from argosy_runtime.server.batch import batch_runner
+from argosy_runtime.server.batch.batch_runner import BatchRunner
+from argosy_runtime.server.batch.file_store import FileStore
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+
+class Endpoint:
+    """POST /v1/completions: answers from a script, then 200s; records what it received."""
+
+    def __init__(self, script: list[tuple[int, dict[str, Any]]] | None = None,
+                 on_request: Any = None) -> None:
+        self.script = list(script or [])
+        self.on_request = on_request  # called with the number of requests so far
+        self.bodies: list[dict[str, Any]] = []
+        self.app = Starlette(routes=[Route("/v1/completions", self.handle, methods=["POST"])])
+
+    async def handle(self, request: Request) -> JSONResponse:
+        self.bodies.append(await request.json())
+        if self.on_request is not None:
+            self.on_request(len(self.bodies))
+        if self.script:
+            status, body = self.script.pop(0)
+            return JSONResponse(body, status_code=status)
+        return JSONResponse({"choices": [{"text": "ok", "finish_reason": "length"}],
+                             "usage": {"prompt_tokens": 2, "completion_tokens": 3}})
+
+
+def _runner(tmp_path: Path, endpoint: Endpoint, draining: list[bool] | None = None
+            ) -> tuple[BatchRunner, str]:
+    files = FileStore(tmp_path)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"p{i}", "max_tokens": 3}} for i in range(3)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = files.create(io.BytesIO(data), "in.jsonl", "batch")["id"]
+    flag = draining if draining is not None else [False]
+    runner = BatchRunner(tmp_path, files, endpoint.app, concurrency=1,
+                         is_draining=lambda: flag[0])
+    return runner, file_id
+
+
+async def _finish(runner: BatchRunner, batch: dict[str, Any]) -> dict[str, Any]:
+    for _ in range(500):
+        if batch["id"] not in runner._tasks:
+            return batch
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"batch still running: {batch}")
+
+
+async def test_a_full_server_is_retried_not_recorded(tmp_path: Path) -> None:
+    busy = {"error": {"message": "full", "type": "rate_limit_error", "code": "queue_full"}}
+    endpoint = Endpoint([(429, busy), (503, busy)])
+    runner, file_id = _runner(tmp_path, endpoint)
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(endpoint.bodies) == 5  # the first line was sent three times
+    assert all(body["priority"] == 1 for body in endpoint.bodies)
+    assert batch["usage"]["total_tokens"] == 15
+
+
+async def test_an_expired_batch_records_its_unrun_lines(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(batch_runner.COMPLETION_WINDOW_S, "24h", 0)
+    endpoint = Endpoint()
+    runner, file_id = _runner(tmp_path, endpoint)
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert batch["status"] == "expired" and endpoint.bodies == []
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    errors = (tmp_path / "files" / batch["error_file_id"]).read_text().splitlines()
+    assert {json.loads(e)["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+async def test_answers_cut_by_a_drain_stay_pending_and_resume(tmp_path: Path) -> None:
+    draining = [False]
+    aborted = {"choices": [{"text": "par", "finish_reason": "abort"}]}
+    # SIGTERM arrives while the second request runs; the drain then aborts it.
+    endpoint = Endpoint([(200, {"choices": [{"text": "ok", "finish_reason": "stop"}],
+                                "usage": {}}), (200, aborted)],
+                        on_request=lambda n: draining.__setitem__(0, n >= 2))
+    runner, file_id = _runner(tmp_path, endpoint, draining)
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert len(endpoint.bodies) == 2  # nothing new started while draining
+    assert batch["status"] == "in_progress"
+    assert batch["request_counts"]["completed"] == 1  # the aborted answer is not a result
+
+    endpoint.on_request = None  # the next start on the same folder
+    draining[0] = False
+    again = BatchRunner(tmp_path, runner.files, endpoint.app, concurrency=1)
+    await again.start()
+    batch = await _finish(again, again.batches[batch["id"]])
+    await again.shutdown()
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    output = (tmp_path / "files" / batch["output_file_id"]).read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in output) == ["c0", "c1", "c2"]
+
+
+async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
+    runner, file_id = _runner(tmp_path, Endpoint())
+    await runner.start()
+    batch = runner.create(file_id, "/v1/completions", "24h", None)
+    (tmp_path / "batches" / f"{batch['id']}.output.jsonl").mkdir()  # cannot be appended to
+    batch = await _finish(runner, batch)
+    await runner.shutdown()
+    assert batch["status"] == "failed"
+    assert batch["errors"]["data"][0]["code"] == "internal_error"
