@@ -84,6 +84,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     batches = BatchRunner(batch_root, files, app, concurrency=_max_num_seqs(engine) or 64,
                           api_key=config.api_key, is_draining=lambda: lifecycle.draining)
     add_batch_routes(app, files, batches)
+    metrics.batch_pending.set_function(batches.num_pending)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key,
                        on_response=metrics.on_http)
 

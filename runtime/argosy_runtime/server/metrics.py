@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from argosy_runtime.outputs import EngineStats
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -89,6 +89,22 @@ class _EngineStatsCollector(Collector):
         yield adapters
 
 
+# The `path` label of argosy:http_requests: route templates, so ids never become series.
+_ROUTES = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
+    "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
+    "/health", "/ready", "/metrics"})
+
+
+def route_label(path: str) -> str:
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1] == "v1" and parts[2] in ("files", "batches"):
+        parts[3] = "{id}"
+    label = "/".join(parts)
+    return label if label in _ROUTES else "other"
+
+
 class ServerMetrics:
     """The registry of one server; implements `async_engine.RequestObserver`."""
 
@@ -112,6 +128,9 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._http = Counter("argosy:http_requests", "HTTP responses by route and status.",
                              ["model_name", "path", "status"], registry=self.registry)
+        self.batch_pending = Gauge("argosy:batch_requests_pending",
+                                   "Requests of unfinished Batch API jobs not answered yet.",
+                                   lab, registry=self.registry).labels(model_name)
         self.rejected = Counter("argosy:request_rejected",
                                 "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=self.registry)
@@ -140,8 +159,7 @@ class ServerMetrics:
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
 
     def on_http(self, path: str, status: int) -> None:
-        known = path if path.startswith(("/v1/", "/health", "/ready", "/metrics")) else "other"
-        self._http.labels(self.model_name, known, str(status)).inc()
+        self._http.labels(self.model_name, route_label(path), str(status)).inc()
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from serve_harness import ServerProcess
@@ -150,6 +151,7 @@ def test_cancel_stops_a_batch_and_frees_its_kv_blocks(client: openai.OpenAI,
     batch = client.batches.create(input_file_id=_upload(client, items), endpoint=COMPLETIONS,
                                   completion_window="24h")
     _wait(client, batch.id, until=lambda b: b.status == "in_progress")
+    assert server.metrics()["argosy:batch_requests_pending"] > 0
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     batch = _wait(client, batch.id)
@@ -163,6 +165,11 @@ def test_cancel_stops_a_batch_and_frees_its_kv_blocks(client: openai.OpenAI,
         assert time.monotonic() < deadline, "aborted batch requests still running"
         time.sleep(0.2)
     assert m["argosy:kv_cache_usage_perc"] == 0.0
+    assert m["argosy:batch_requests_pending"] == 0
+    # ids never become metric series: the path label is the route
+    text = httpx.get(server.url + "/metrics").text
+    assert 'path="/v1/batches/{id}/cancel"' in text and "batch_" not in text.replace(
+        "argosy:batch_requests_pending", "")
 
 
 # ---- a server of its own: priorities and resume after a restart --------------------------

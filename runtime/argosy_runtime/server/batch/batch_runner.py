@@ -125,6 +125,12 @@ class BatchRunner:
         return sorted(self.batches.values(), key=lambda b: (b["created_at"], b["id"]),
                       reverse=True)
 
+    def num_pending(self) -> int:
+        """Requests of unfinished batches not answered yet (a gauge)."""
+        return sum(b["request_counts"]["total"] - b["request_counts"]["completed"]
+                   - b["request_counts"]["failed"]
+                   for b in self.batches.values() if b["status"] in ACTIVE)
+
     def cancel(self, batch_id: str) -> dict[str, Any]:
         batch = self.get(batch_id)
         if batch["status"] not in ("validating", "in_progress"):
