@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 from argosy_runtime.async_engine import AsyncEngine
 from argosy_runtime.server.batch.batch_runner import BatchRunner
-from argosy_runtime.server.batch.file_store import FileStore, remove_tree
+from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.batch.routes import add_batch_routes
 from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import install_error_handlers
@@ -74,7 +75,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             lifecycle.started = False
             await batches.shutdown()
             if config.batch_dir is None:
-                remove_tree(batch_root)
+                shutil.rmtree(batch_root, ignore_errors=True)
             async_engine.abort_all()
             async_engine.shutdown()
 

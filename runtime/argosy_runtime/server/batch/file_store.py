@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any, BinaryIO
 
 from argosy_runtime.server.errors import APIError
 
-PURPOSES = ("batch", "batch_output")
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for batch input files
 
 
@@ -98,6 +96,3 @@ def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
 
-
-def remove_tree(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
