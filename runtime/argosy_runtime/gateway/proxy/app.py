@@ -40,15 +40,12 @@ from argosy_runtime.gateway.proxy.errors import (
     model_not_found,
     no_replica,
 )
+from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
 
 logger = logging.getLogger(__name__)
 
-# Request headers passed on to replicas (hop-by-hop ones, Host and encodings are not).
-_FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "traceparent")
-# Response headers passed back to clients.
-_FORWARD_RESPONSE = ("content-type", "retry-after", "x-request-id", "cache-control")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
@@ -168,8 +165,12 @@ class Gateway:
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 return []
 
-        urls = sorted({r.url for pool in self.pools.values() for r in pool.available()})
+        urls = self.replica_urls()
         return [m for models in await asyncio.gather(*(fetch(u) for u in urls)) for m in models]
+
+    def replica_urls(self) -> list[str]:
+        """Every replica in rotation, of every model."""
+        return sorted({r.url for pool in self.pools.values() for r in pool.available()})
 
     async def _adapter_parent(self, model: str) -> str | None:
         """The configured model behind a LoRA adapter name: replicas list each adapter in
@@ -215,7 +216,7 @@ class Gateway:
         if not isinstance(model, str) or not model:
             return bad_request("model: a model name is required", param="model")
         path = request.path
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST}
+        headers = to_replica(request.headers)
 
         route_name, forced_tier = cascade_rules.split_route_name(model)
         cascade = self.cascades.get(route_name)
@@ -364,10 +365,7 @@ class Gateway:
             return upstream
         resp = upstream.response
         self.metrics.time_to_first_byte.labels(model).observe(time.monotonic() - started)
-        out = web.StreamResponse(status=resp.status)
-        for key, value in resp.headers.items():
-            if key.lower() in _FORWARD_RESPONSE:
-                out.headers[key] = value
+        out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
         if resp.headers.get("Content-Encoding"):
             out.headers["Content-Encoding"] = resp.headers["Content-Encoding"]
         out.headers.update(extra)

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from argosy_runtime.gateway.policies import LeastLoadPolicy, RouteRequest
 from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
+from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.server.batch.pagination import page
 
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
 
-# Request headers passed on (content-type is set by the body the gateway sends).
-_FORWARD = ("authorization", "accept", "x-request-id", "traceparent")
-_RELAY = ("content-type", "content-disposition", "x-request-id")
 MAX_REMEMBERED_IDS = 100_000
 LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page holds
 
@@ -39,6 +38,7 @@ class BatchRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self._owners: OrderedDict[str, str] = OrderedDict()  # file or batch id -> replica URL
+        self._least_load = LeastLoadPolicy(gateway.config.routing)  # where uploads go
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload_file)
@@ -62,10 +62,9 @@ class BatchRoutes:
         pool = await self._pool_for(model)
         if isinstance(pool, web.Response):
             return pool
-        replicas = self.gateway.pools[pool].available()
-        if not replicas:
+        replica = self._least_load.choose(self.gateway.pools[pool].available(), RouteRequest())
+        if replica is None:
             return error_response(503, f"no replica of {pool!r} is available")
-        replica = min(replicas, key=lambda r: (r.in_flight + r.num_running + r.num_waiting))
         upload.file.seek(0)
         data = aiohttp.FormData()
         data.add_field("purpose", purpose)
@@ -100,16 +99,17 @@ class BatchRoutes:
                                 content_type=request.headers.get("Content-Type"))
 
     async def _owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
-        urls = self._replica_urls()
+        urls = self.gateway.replica_urls()
         known = self._owners.get(obj_id)
         if known in urls:
             return known
         session = self._session()
         timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
+        forwarded = to_replica(headers)
 
         async def has(url: str) -> bool:
             try:
-                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=_forwarded(headers),
+                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=forwarded,
                                        timeout=timeout) as resp:
                     return resp.status == 200
             except (TimeoutError, aiohttp.ClientError):
@@ -136,12 +136,12 @@ class BatchRoutes:
         async def fetch(url: str) -> tuple[int, Any]:
             try:
                 async with session.get(f"{url}/v1/{kind}", params=query,
-                                       headers=_forwarded(request.headers)) as resp:
+                                       headers=to_replica(request.headers)) as resp:
                     return resp.status, await resp.json(content_type=None)
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 return 502, None
 
-        answers = await asyncio.gather(*(fetch(u) for u in self._replica_urls()))
+        answers = await asyncio.gather(*(fetch(u) for u in self.gateway.replica_urls()))
         refused = [(s, b) for s, b in answers if s != 200 and isinstance(b, dict)]
         if refused and not any(s == 200 for s, _ in answers):
             return web.json_response(refused[0][1], status=refused[0][0])  # e.g. a 401
@@ -170,14 +170,15 @@ class BatchRoutes:
                     content_type: str | None = None) -> web.Response:
         """Send the request to one replica and answer with its (small JSON) answer; the ids
         it creates are remembered as living there."""
-        headers = _forwarded(request.headers)
+        # The body is the gateway's own (JSON, or a re-encoded upload): so is its type.
+        headers = to_replica(request.headers, content_type=False)
         if content_type:
             headers["Content-Type"] = content_type
         try:
             async with self._session().request(request.method, url + request.path_qs,
                                                data=data, headers=headers) as resp:
                 body = await resp.read()
-                status, relayed = resp.status, _relayed(resp.headers)
+                status, relayed = resp.status, to_client(resp.headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             return error_response(502, f"replica {url} failed: {exc!r}")
         if status == 200:
@@ -195,8 +196,8 @@ class BatchRoutes:
         """A file's content, relayed as it arrives (output files can be large)."""
         try:
             async with self._session().get(url + request.path_qs,
-                                           headers=_forwarded(request.headers)) as resp:
-                out = web.StreamResponse(status=resp.status, headers=_relayed(resp.headers))
+                                           headers=to_replica(request.headers)) as resp:
+                out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
                 await out.prepare(request)
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     await out.write(chunk)
@@ -204,9 +205,6 @@ class BatchRoutes:
                 return out
         except (TimeoutError, aiohttp.ClientError) as exc:
             return error_response(502, f"replica {url} failed: {exc!r}")
-
-    def _replica_urls(self) -> list[str]:
-        return sorted({r.url for pool in self.gateway.pools.values() for r in pool.available()})
 
     def _remember(self, obj_id: str, url: str) -> None:
         self._owners[obj_id] = url
@@ -231,14 +229,6 @@ def _first_model(upload: web.FileField) -> str | None:
                 return None
             return model if isinstance(model, str) else None
     return None
-
-
-def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() in _FORWARD}
-
-
-def _relayed(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() in _RELAY}
 
 
 def _not_found(kind: str, obj_id: str) -> web.Response:
