@@ -4,7 +4,9 @@ A replica keeps the files and batches it created (in its `--batch-dir`), so each
 reach the replica that holds its id:
 
 - `POST /v1/files` goes to the least-loaded replica of the model the file's first request
-  names (a batch runs where its input file is);
+  names (a batch runs where its input file is). The upload is read as a stream into a
+  temporary file, so it is bounded by a replica's file limit (MAX_FILE_BYTES), not by the
+  gateway's request body limit; a larger one is refused here with the replica's 413;
 - `POST /v1/batches` goes to the replica holding `input_file_id`;
 - calls on one id (`/v1/files/{id}[/content]`, `/v1/batches/{id}[/cancel]`) go to the replica
   that answered for the id before, else to the one of the replicas in rotation that knows it;
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -25,12 +28,15 @@ from aiohttp import web
 from argosy_runtime.gateway.policies import LeastLoadPolicy, RouteRequest
 from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
+from argosy_runtime.server.batch.file_store import MAX_FILE_BYTES, file_too_large
 from argosy_runtime.server.batch.pagination import page
 
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
 
 MAX_REMEMBERED_IDS = 100_000
+MAX_FIELD_BYTES = 64 * 1024  # an upload's form field other than the file (`purpose`)
+SPOOL_WRITE_BYTES = 1 << 20  # an upload reaches its temporary file in writes this large
 LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page holds
 
 
@@ -51,26 +57,35 @@ class BatchRoutes:
 
     # -- creating ----------------------------------------------------------------------------
     async def upload_file(self, request: web.Request) -> web.StreamResponse:
-        try:
-            form = await request.post()
-        except ValueError as exc:
-            return bad_request(f"expected a multipart/form-data upload: {exc}")
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, web.FileField) or not isinstance(purpose, str):
-            return bad_request("a multipart upload needs a 'file' and a 'purpose' field")
-        model = _first_model(upload)
-        pool = await self._pool_for(model)
-        if isinstance(pool, web.Response):
-            return pool
-        replica = self._least_load.choose(self.gateway.pools[pool].available(), RouteRequest())
-        if replica is None:
-            return error_response(503, f"no replica of {pool!r} is available")
-        upload.file.seek(0)
-        data = aiohttp.FormData()
-        data.add_field("purpose", purpose)
-        data.add_field("file", upload.file, filename=upload.filename,
-                       content_type=upload.content_type)
-        return await self._call(request, replica.url, data=data)
+        if request.content_type != "multipart/form-data":
+            return bad_request("expected a multipart/form-data upload with a 'file' and a "
+                               "'purpose' field")
+        with tempfile.TemporaryFile() as spool:
+            try:
+                upload = await _read_upload(request, spool, MAX_FILE_BYTES)
+            except _TooLarge as exc:
+                # Read the rest of the body first: a client still sending it would otherwise
+                # see its connection reset instead of this answer.
+                await _discard_body(request)
+                return error_response(413, str(exc), param=exc.param, code=exc.code)
+            except (ValueError, AssertionError) as exc:
+                return bad_request(f"malformed multipart/form-data upload: {exc}")
+            if isinstance(upload, web.Response):
+                return upload
+            filename, content_type, purpose = upload
+            model = await asyncio.to_thread(_first_model, spool)
+            pool = await self._pool_for(model)
+            if isinstance(pool, web.Response):
+                return pool
+            replica = self._least_load.choose(self.gateway.pools[pool].available(),
+                                              RouteRequest())
+            if replica is None:
+                return error_response(503, f"no replica of {pool!r} is available")
+            spool.seek(0)
+            data = aiohttp.FormData()
+            data.add_field("purpose", purpose)
+            data.add_field("file", spool, filename=filename, content_type=content_type)
+            return await self._call(request, replica.url, data=data)
 
     async def create_batch(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -217,11 +232,73 @@ class BatchRoutes:
         return self.gateway.session
 
 
-def _first_model(upload: web.FileField) -> str | None:
+class _TooLarge(Exception):
+    """An upload's file (or another form field) over its limit: a 413."""
+
+    def __init__(self, param: str, limit: int) -> None:
+        if param == "file":
+            super().__init__(file_too_large(limit))
+            self.code: str | None = "file_too_large"
+        else:
+            super().__init__(f"form field {param!r} is larger than {limit} bytes")
+            self.code = None
+        self.param = param
+
+
+async def _read_upload(request: web.Request, spool: IO[bytes],
+                       limit: int) -> tuple[str, str, str] | web.Response:
+    """Stream a multipart upload's `file` into `spool` (raising _TooLarge past `limit` bytes)
+    and read its `purpose`; returns (filename, content type, purpose), or the 400 to answer."""
+    reader = await request.multipart()
+    filename = content_type = purpose = None
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, aiohttp.BodyPartReader):
+            raise ValueError("nested multipart parts are not accepted")
+        if part.name == "file" and part.filename and filename is None:
+            filename = part.filename
+            content_type = part.headers.get("Content-Type", "application/octet-stream")
+            await _copy_part(part, spool, limit)
+        elif part.name == "purpose":
+            raw = bytearray()
+            while chunk := await part.read_chunk():
+                raw.extend(chunk)
+                if len(raw) > MAX_FIELD_BYTES:
+                    raise _TooLarge("purpose", MAX_FIELD_BYTES)
+            purpose = raw.decode(part.get_charset(default="utf-8"), errors="replace")
+        else:
+            await _copy_part(part, None, MAX_FIELD_BYTES)  # not ours: skipped (bounded)
+    if filename is None or content_type is None or purpose is None:
+        return bad_request("a multipart upload needs a 'file' and a 'purpose' field")
+    return filename, content_type, purpose
+
+
+async def _copy_part(part: aiohttp.BodyPartReader, out: IO[bytes] | None, limit: int) -> None:
+    size = 0
+    pending = bytearray()
+    while chunk := await part.read_chunk():
+        data = part.decode(chunk)  # a Content-Transfer-Encoding, if a client still sends one
+        size += len(data)
+        if size > limit:
+            raise _TooLarge("file" if out is not None else str(part.name), limit)
+        if out is not None:
+            pending.extend(data)
+            if len(pending) >= SPOOL_WRITE_BYTES:
+                await asyncio.to_thread(out.write, bytes(pending))
+                pending.clear()
+    if out is not None and pending:
+        await asyncio.to_thread(out.write, bytes(pending))
+
+
+async def _discard_body(request: web.Request) -> None:
+    while await request.content.readany():
+        pass
+
+
+def _first_model(upload: IO[bytes]) -> str | None:
     """The `model` of the file's first request (None when it has none or is not JSONL: the
     replica then reports the problem when the batch is created)."""
-    upload.file.seek(0)
-    for raw in upload.file:
+    upload.seek(0)
+    for raw in upload:
         if raw.strip():
             try:
                 model = json.loads(raw).get("body", {}).get("model")

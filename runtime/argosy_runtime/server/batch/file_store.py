@@ -16,16 +16,25 @@ from typing import Any, BinaryIO
 
 from argosy_runtime.server.errors import APIError
 
-MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for batch input files
+# OpenAI's limit for batch input files (200 MiB). The gateway accepts uploads up to the same
+# size (gateway/proxy/batch_routes.py), so whatever a replica takes passes through it.
+MAX_FILE_BYTES = 200 * 1024 * 1024
+
+
+def file_too_large(limit: int) -> str:
+    """The 413 message for an upload over `limit` bytes (the gateway's and a replica's)."""
+    return (f"file is larger than the upload limit of {limit} bytes "
+            f"({limit / 2**20:g} MiB); split it into smaller batch files")
 
 
 class FileStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int = MAX_FILE_BYTES) -> None:
         self.dir = root / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
 
     def create(self, source: BinaryIO, filename: str, purpose: str) -> dict[str, Any]:
-        """Copy an upload into the store (at most MAX_FILE_BYTES)."""
+        """Copy an upload into the store (at most `max_bytes`; more is a 413)."""
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch' (this server keeps files for the "
                                 f"Batch API only), got {purpose!r}", param="purpose")
@@ -36,9 +45,9 @@ class FileStore:
             with tmp.open("wb") as out:
                 while chunk := source.read(1 << 20):
                     size += len(chunk)
-                    if size > MAX_FILE_BYTES:
-                        raise APIError(413, f"file is larger than {MAX_FILE_BYTES} bytes",
-                                       param="file", code="file_too_large")
+                    if size > self.max_bytes:
+                        raise APIError(413, file_too_large(self.max_bytes), param="file",
+                                       code="file_too_large")
                     out.write(chunk)
             if size == 0:
                 raise APIError(400, "file is empty", param="file")

@@ -1,0 +1,149 @@
+"""`POST /v1/files` through the gateway against a replica running the real Batch API routes
+(no model): the gateway takes any upload the replica takes, whatever its own request body
+limit, and an upload over the limit is a clear 413 from whichever of the two refuses it.
+
+The limits are shrunk (the gateway's body limit, the file limit of both) so the tests send
+kilobytes, not 200 MiB."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import uvicorn
+from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
+from argosy_runtime.gateway.proxy import app as gateway_app
+from argosy_runtime.gateway.proxy import batch_routes
+from argosy_runtime.server.batch.batch_runner import BatchRunner
+from argosy_runtime.server.batch.file_store import FileStore
+from argosy_runtime.server.batch.routes import add_batch_routes
+from argosy_runtime.server.errors import install_error_handlers
+from fastapi import FastAPI
+
+BODY_LIMIT = 8 * 1024  # the gateway's request body limit in these tests
+FILE_LIMIT = 64 * 1024  # the file limit of the gateway and the replica
+
+
+@pytest.fixture
+async def replica(tmp_path: Path) -> AsyncIterator[Callable[[int], Awaitable[tuple[str, FileStore]]]]:
+    """`await replica(max_bytes)` -> (URL, its FileStore): the replica's Batch API routes."""
+    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+
+    async def make(max_bytes: int) -> tuple[str, FileStore]:
+        root = tmp_path / f"replica{len(servers)}"
+        app = FastAPI()
+        install_error_handlers(app)
+        files = FileStore(root, max_bytes=max_bytes)
+        add_batch_routes(app, files, BatchRunner(root, files, app, concurrency=1))
+        app.get("/ready")(lambda: {"ready": True})
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off",
+                                               log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            assert not task.done(), "the replica did not start"
+            await asyncio.sleep(0.01)
+        servers.append((server, task))
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}", files
+
+    yield make
+    for server, task in servers:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway_app, "MAX_BODY_BYTES", BODY_LIMIT)
+    monkeypatch.setattr(batch_routes, "MAX_FILE_BYTES", FILE_LIMIT)
+
+
+def _config(url: str) -> GatewayConfig:
+    return GatewayConfig(models=(ModelRouteConfig(name="tiny", backends=(url,)),),
+                         health=HealthConfig(interval_s=60))
+
+
+def _jsonl(size: int) -> bytes:
+    """A batch file of about `size` bytes (at least one line)."""
+    line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": "x" * 200}}).encode() + b"\n"
+    data = line * max(1, size // len(line))
+    return data + b"x" * (size - len(data)) if size > len(data) else data
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_an_upload_over_the_gateways_body_limit_reaches_the_replica(
+        small_limits, replica, gateway) -> None:
+    replica_url, files = await replica(FILE_LIMIT)
+    _, url = await gateway(_config(replica_url))
+    data = _jsonl(FILE_LIMIT)
+    assert BODY_LIMIT < len(data) == FILE_LIMIT
+    async with _client(url) as client:
+        uploaded = await client.files.create(file=("big.jsonl", io.BytesIO(data)),
+                                             purpose="batch")
+        assert (uploaded.bytes, uploaded.filename) == (len(data), "big.jsonl")
+        assert (await client.files.content(uploaded.id)).content == data
+    assert [f["id"] for f in files.list()] == [uploaded.id]
+
+
+async def test_an_upload_over_the_file_limit_is_a_413_from_the_gateway(
+        small_limits, replica, gateway) -> None:
+    replica_url, files = await replica(FILE_LIMIT)
+    _, url = await gateway(_config(replica_url))
+    # Far over the limit: the client is still sending when the gateway has seen enough, and
+    # must get the answer, not a reset connection.
+    data = _jsonl(FILE_LIMIT * 64)
+    async with _client(url) as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+    assert caught.value.status_code == 413
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert (error["param"], error["code"], error["type"]) == (
+        "file", "file_too_large", "invalid_request_error")
+    assert f"upload limit of {FILE_LIMIT} bytes" in error["message"]
+    assert files.list() == []  # refused before any replica saw it
+
+
+async def test_a_replica_with_a_smaller_limit_refuses_with_the_same_413(
+        small_limits, replica, gateway) -> None:
+    replica_url, files = await replica(FILE_LIMIT // 2)
+    _, url = await gateway(_config(replica_url))
+    async with _client(url) as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.files.create(file=("big.jsonl", io.BytesIO(_jsonl(FILE_LIMIT))),
+                                      purpose="batch")
+    assert caught.value.status_code == 413
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "file_too_large"
+    assert f"upload limit of {FILE_LIMIT // 2} bytes" in error["message"]
+    # Sent to the replica directly, far over its limit: the same answer, no reset connection.
+    async with _client(replica_url) as client:
+        with pytest.raises(openai.APIStatusError) as direct:
+            await client.files.create(file=("big.jsonl", io.BytesIO(_jsonl(FILE_LIMIT * 64))),
+                                      purpose="batch")
+    assert direct.value.status_code == 413 and direct.value.body == error
+    assert files.list() == []
+
+
+async def test_an_upload_that_is_not_multipart_is_a_400(small_limits, replica, gateway) -> None:
+    replica_url, _ = await replica(FILE_LIMIT)
+    _, url = await gateway(_config(replica_url))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/files", json={"purpose": "batch"}) as resp:
+            assert resp.status == 400
+            assert "multipart/form-data" in (await resp.json())["error"]["message"]
+        with aiohttp.MultipartWriter("form-data") as form:
+            form.append("batch").set_content_disposition("form-data", name="purpose")
+        async with session.post(f"{url}/v1/files", data=form) as resp:
+            assert resp.status == 400
+            assert "'file'" in (await resp.json())["error"]["message"]

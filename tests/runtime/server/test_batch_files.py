@@ -1,0 +1,52 @@
+"""The replica's /v1/files routes in process (no model): the upload limit's 413. The Batch
+API end to end runs on real servers in test_batch_api.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from argosy_runtime.server.batch.batch_runner import BatchRunner
+from argosy_runtime.server.batch.file_store import FileStore
+from argosy_runtime.server.batch.routes import add_batch_routes
+from argosy_runtime.server.errors import install_error_handlers
+from fastapi import FastAPI
+
+LIMIT = 4096  # the store's upload limit here (a replica's is MAX_FILE_BYTES)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path, max_bytes=LIMIT)
+
+
+@pytest.fixture
+async def client(tmp_path: Path, store: FileStore) -> AsyncIterator[httpx.AsyncClient]:
+    app = FastAPI()
+    install_error_handlers(app)
+    add_batch_routes(app, store, BatchRunner(tmp_path, store, app, concurrency=1))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://replica") as c:
+        yield c
+
+
+async def _upload(client: httpx.AsyncClient, data: bytes) -> httpx.Response:
+    return await client.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("in.jsonl", data, "application/jsonl")})
+
+
+async def test_an_upload_over_the_limit_is_a_413_naming_the_limit(
+        client: httpx.AsyncClient, store: FileStore) -> None:
+    at_limit = await _upload(client, b"x" * LIMIT)
+    assert at_limit.status_code == 200 and at_limit.json()["bytes"] == LIMIT
+
+    over = await _upload(client, b"x" * (LIMIT + 1))
+    assert over.status_code == 413
+    error = over.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "file", "file_too_large")
+    assert f"upload limit of {LIMIT} bytes" in error["message"]
+    assert [f["id"] for f in store.list()] == [at_limit.json()["id"]]  # nothing half-stored
+    assert not list(store.dir.glob(".*.part"))
