@@ -1,5 +1,5 @@
-"""The replica's /v1/files routes in process (no model): the upload limit's 413. The Batch
-API end to end runs on real servers in test_batch_api.py."""
+"""The replica's /v1/files routes in process (no model): the upload limit's 413, and file
+content by id. The Batch API end to end runs on real servers in test_batch_api.py."""
 
 from __future__ import annotations
 
@@ -50,3 +50,20 @@ async def test_an_upload_over_the_limit_is_a_413_naming_the_limit(
     assert f"upload limit of {LIMIT} bytes" in error["message"]
     assert [f["id"] for f in store.list()] == [at_limit.json()["id"]]  # nothing half-stored
     assert not list(store.dir.glob(".*.part"))
+
+
+async def test_content_by_id_and_unknown_or_crafted_ids_are_404(
+        client: httpx.AsyncClient, store: FileStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = b'{"custom_id": "a"}\n'
+    file_id = (await _upload(client, data)).json()["id"]
+    reads: list[str] = []
+    get = store.get
+    monkeypatch.setattr(store, "get", lambda i: reads.append(i) or get(i))
+    content = await client.get(f"/v1/files/{file_id}/content")
+    assert content.status_code == 200 and content.content == data
+    assert reads == [file_id]  # the metadata is read once
+    assert 'filename="in.jsonl"' in content.headers["content-disposition"]
+    for bad in ("file-0123456789abcdef", "file-..%2Ffiles%2F" + file_id[5:], "..%2Fbatches"):
+        missing = await client.get(f"/v1/files/{bad}/content")
+        assert missing.status_code == 404, bad
+        assert missing.json()["error"]["type"] == "not_found_error"

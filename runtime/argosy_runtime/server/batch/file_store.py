@@ -70,9 +70,14 @@ class FileStore:
                            code="file_not_found")
         return json.loads(meta.read_text())
 
+    def content(self, file_id: str) -> tuple[Path, dict[str, Any]]:
+        """The file's bytes (a path) and its `FileObject`, from one read of the metadata; 404
+        for an unknown id (the id is checked before it names a path)."""
+        meta = self.get(file_id)
+        return self.dir / file_id, meta
+
     def content_path(self, file_id: str) -> Path:
-        self.get(file_id)  # 404 for an unknown id
-        return self.dir / file_id
+        return self.content(file_id)[0]
 
     def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
         """Newest first, like OpenAI's default order."""

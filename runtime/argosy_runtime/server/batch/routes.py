@@ -43,9 +43,8 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
-        meta = files.get(file_id)
-        return FileResponse(files.content_path(file_id), media_type="application/jsonl",
-                            filename=meta["filename"])
+        path, meta = files.content(file_id)
+        return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict[str, Any]:
