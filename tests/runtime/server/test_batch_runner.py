@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,12 @@ class Endpoint:
         self.script = list(script or [])
         self.on_request = on_request  # called with the number of requests so far
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.app = Starlette(routes=[Route("/v1/completions", self.handle, methods=["POST"])])
 
     async def handle(self, request: Request) -> JSONResponse:
         self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
         if self.on_request is not None:
             self.on_request(len(self.bodies))
         if self.script:
@@ -41,15 +44,15 @@ class Endpoint:
                              "usage": {"prompt_tokens": 2, "completion_tokens": 3}})
 
 
-def _runner(tmp_path: Path, endpoint: Endpoint, draining: list[bool] | None = None
-            ) -> tuple[BatchRunner, str]:
+def _runner(tmp_path: Path, endpoint: Endpoint, draining: list[bool] | None = None,
+            api_key: str | None = None) -> tuple[BatchRunner, str]:
     files = FileStore(tmp_path)
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"p{i}", "max_tokens": 3}} for i in range(3)]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     file_id = files.create(io.BytesIO(data), "in.jsonl", "batch")["id"]
     flag = draining if draining is not None else [False]
-    runner = BatchRunner(tmp_path, files, endpoint.app, concurrency=1,
+    runner = BatchRunner(tmp_path, files, endpoint.app, concurrency=1, api_key=api_key,
                          is_draining=lambda: flag[0])
     return runner, file_id
 
@@ -126,3 +129,21 @@ async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
     await runner.shutdown()
     assert batch["status"] == "failed"
     assert batch["errors"]["data"][0]["code"] == "internal_error"
+
+
+async def test_batch_requests_log_nothing_through_httpx(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The access log has a line per batch request; httpx adds none, and the runner leaves
+    the process-wide `httpx` logger as it found it (other clients keep their INFO lines)."""
+    endpoint = Endpoint()
+    runner, file_id = _runner(tmp_path, endpoint, api_key="sk-test")
+    with caplog.at_level(logging.INFO, logger="httpx"):
+        await runner.start()
+        batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+        await runner.shutdown()
+        assert logging.getLogger("httpx").level == logging.INFO
+    assert batch["status"] == "completed" and len(endpoint.bodies) == 3
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("httpx")] == []
+    assert {h["authorization"] for h in endpoint.headers} == {"Bearer sk-test"}
+    assert sorted(h["x-request-id"] for h in endpoint.headers) == [
+        f"{batch['id']}-{n}" for n in (1, 2, 3)]

@@ -54,18 +54,13 @@ class BatchRunner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
         self._slots: asyncio.Semaphore | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._transport: httpx.ASGITransport | None = None
 
     # ---- lifecycle (inside the server's event loop) ----------------------------------------
     async def start(self) -> None:
         """Load the batches on disk and resume the unfinished ones."""
         self._slots = asyncio.Semaphore(self.concurrency)
-        # httpx logs every request at INFO; the access log already has one line per request.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app, raise_app_exceptions=False),
-            base_url="http://batch.internal", headers=headers, timeout=None)
+        self._transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
         for path in sorted(self.dir.glob("batch_*.json")):
             batch = json.loads(path.read_text())
             self.batches[batch["id"]] = batch
@@ -80,8 +75,8 @@ class BatchRunner:
         for task in list(self._tasks.values()):
             with contextlib.suppress(BaseException):
                 await task
-        if self._client is not None:
-            await self._client.aclose()
+        if self._transport is not None:
+            await self._transport.aclose()
 
     # ---- the API ---------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str, completion_window: str,
@@ -213,13 +208,11 @@ class BatchRunner:
 
     async def _run_line(self, batch: dict[str, Any], line: BatchLine,
                         results: BatchResults) -> None:
-        assert self._client is not None
         body = {"priority": BATCH_PRIORITY, **line.body}
         request_id = f"{batch['id']}-{line.number}"
         delay = 0.25
         while True:
-            response = await self._client.post(batch["endpoint"], json=body,
-                                               headers={"x-request-id": request_id})
+            response = await self._post(batch["endpoint"], body, request_id)
             if response.status_code not in RETRY_STATUSES:
                 break
             if not self._should_continue(batch):
@@ -231,6 +224,21 @@ class BatchRunner:
             return  # cut short by a drain or cancel: it runs again on resume
         results.add(line.custom_id, response.status_code, request_id, payload)
         self._update_counts(batch, results)
+
+    async def _post(self, path: str, body: dict[str, Any], request_id: str) -> httpx.Response:
+        """POST to this server's own handler, in process. Sent through the ASGI transport
+        itself, not an httpx.AsyncClient: the client logs every request at INFO on the
+        process-wide `httpx` logger, a second line beside the access log's, and quieting that
+        logger would quiet every other httpx client in the process too."""
+        assert self._transport is not None
+        headers = {"x-request-id": request_id}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        request = httpx.Request("POST", f"http://batch.internal{path}", json=body,
+                                headers=headers)
+        response = await self._transport.handle_async_request(request)
+        await response.aread()
+        return response
 
     def _finalize(self, batch: dict[str, Any], results: BatchResults) -> None:
         if batch["status"] == "cancelling":
