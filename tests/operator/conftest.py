@@ -117,3 +117,34 @@ async def settle(kube: ArgosyKubeEmulator, quiet: float = 1.0, timeout: float = 
         elif time.monotonic() - since >= quiet:
             return
     raise AssertionError("the operator never went idle")
+
+
+def granted_calls(cluster_role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) for every rule of a ClusterRole."""
+    return {(group, resource, verb) for rule in cluster_role["rules"]
+            for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
+
+
+def _verb(request: Any) -> str:
+    if request.method == "GET":
+        if request.params.get("watch") == "true":
+            return "watch"
+        return "get" if request.name else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[
+        request.method]
+
+
+def operator_calls(kube: ArgosyKubeEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every request kopf or the operator's own
+    client sent to the emulated API server (discovery excluded: every user may read it)."""
+    made = set()
+    for request in list(kube):
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None:
+            continue
+        if agent.startswith(("kopf/", "argosy-operator/")):
+            resource = request.resource.plural + (
+                f"/{request.subresource}" if request.subresource else "")
+            made.add((request.resource.group, resource, _verb(request)))
+    return made

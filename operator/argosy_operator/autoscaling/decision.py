@@ -16,6 +16,11 @@ per-replica average would keep counting the load of the old, smaller fleet and o
 Replicas that are not ready or whose scrape failed count as 0 demand when deciding to scale UP
 (new replicas are still starting; do not pile more on) and as exactly at target when deciding
 to scale DOWN (a missing sample is never evidence of idleness).
+
+Replicas holding unfinished Batch API requests (newest sample) are a floor for scaling down:
+a batch lives on the replica that created it, so removing that replica would lose the batch.
+Which replicas go is the caller's part (the timer ranks pods by deletion cost, `argosy fleet`
+drains those without batches first).
 """
 
 from __future__ import annotations
@@ -61,11 +66,14 @@ class DecisionMetrics:
     stable_ratio: float | None = None  # demand / current replicas, stable window
     panic_ratio: float | None = None  # demand / current replicas, panic window
     recommendation: int | None = None  # raw recommendation before stabilization and limits
+    batch_pending: float | None = None  # Batch API requests not answered yet, newest sample
+    batch_replicas: int = 0  # replicas holding them: scale-down never goes below this
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """desired_replicas and why. `limited` is True when min/max or a rate limit cut it short."""
+    """desired_replicas and why. `limited` is True when min/max, a rate limit or replicas
+    holding batches cut it short."""
 
     current_replicas: int
     desired_replicas: int
@@ -80,6 +88,14 @@ class Decision:
     @property
     def changed(self) -> bool:
         return self.desired_replicas != self.current_replicas
+
+
+# decision.limit_reason -> the reason of a decision whose limit forbade any change
+_BLOCKED_REASONS = {
+    "MaxReplicas": "AtMaxReplicas",
+    "MinReplicas": "AtMinReplicas",
+    "BatchRequests": "BatchRequestsPending",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +175,13 @@ def decide(
     base = dataclasses.replace(state, observed_since=observed_since, idle_since=idle_since,
                                last_sample_t=last_sample_t)
 
+    latest = samples[-1] if samples else None
+    holding_batches = latest.num_holding_batches if latest else 0
+
     def finish(target: int, reason: str, message: str, metrics: DecisionMetrics, panic: bool,
                new_state: DecisionState) -> Decision:
-        # Rate limits, then [min, max]; either one cutting `target` short marks it limited.
+        # Rate limits, the replicas holding batches, then [min, max]; any of them cutting
+        # `target` short marks it limited.
         desired, limit_reason = target, None
         if desired > current_replicas:
             up_limit = max(current_replicas + 1, math.floor(current_replicas * policy.max_scale_up_rate))
@@ -172,13 +192,19 @@ def decide(
                              math.ceil(current_replicas * policy.max_scale_down_rate))
             if desired < down_limit:
                 desired, limit_reason = down_limit, "ScaleDownRate"
+            if desired < holding_batches:
+                desired, limit_reason = min(current_replicas, holding_batches), "BatchRequests"
         if desired > policy.max_replicas:
             desired, limit_reason = policy.max_replicas, "MaxReplicas"
         if desired < policy.min_replicas:
             desired, limit_reason = policy.min_replicas, "MinReplicas"
         if desired != target and target != current_replicas and desired == current_replicas:
-            # Wanted a change the limits forbid entirely (already at max/min).
-            reason = "AtMaxReplicas" if limit_reason == "MaxReplicas" else "AtMinReplicas"
+            # Wanted a change the limits forbid entirely (already at max/min, or every
+            # replica that would go holds a batch).
+            reason = _BLOCKED_REASONS[limit_reason or "MinReplicas"]
+            if limit_reason == "BatchRequests":
+                message = (f"{holding_batches} replica(s) hold unfinished Batch API requests; "
+                           f"{message}")
         elif desired > current_replicas and target <= current_replicas:
             reason, message = "BelowMinReplicas", f"raised to minReplicas {policy.min_replicas}"
         elif desired < current_replicas and target >= current_replicas:
@@ -190,7 +216,6 @@ def decide(
                         limited=limit_reason is not None and desired != target,
                         limit_reason=limit_reason if desired != target else None, state=new_state)
 
-    latest = samples[-1] if samples else None
     ready = sum(1 for r in latest.replicas if r.ready) if latest else 0
     measured = latest.num_measured if latest else 0
     if current_replicas == 0:
@@ -242,7 +267,9 @@ def decide(
     metrics = DecisionMetrics(
         kv_cache_utilization=stable.kv, queue_depth=stable.queue, running=stable.running,
         ready_replicas=ready, measured_replicas=measured, demand=stable.demand_low,
-        stable_ratio=stable_ratio, panic_ratio=panic_ratio, recommendation=recommendation)
+        stable_ratio=stable_ratio, panic_ratio=panic_ratio, recommendation=recommendation,
+        batch_pending=sum(r.batch_pending or 0.0 for r in latest.replicas if r.is_measured),
+        batch_replicas=holding_batches)
     new_state = dataclasses.replace(base, recommendations=recs, panic_until=panic_until)
     load = (f"demand {stable.demand_low:.2f} replicas (kv {stable.kv:.2f}, "
             f"queue {stable.queue:.2f}/replica) on {current_replicas}")

@@ -5,6 +5,11 @@ exists (should exist) at that moment, including the ones that are not ready or w
 failed; those are what keep a missing sample from ever looking like an idle replica. Its
 `held_requests` are requests a gateway holds because no replica is ready: the only demand
 there is to see at zero replicas (scale from zero).
+
+A replica's `batch_pending` (Batch API requests it has accepted and not answered yet) is not
+demand: a batch runs where it was created and cannot move to a new replica. It is work that
+a scale-down must not destroy: such a replica is never idle, and the decision keeps at least
+as many replicas as hold batches (decision.py).
 """
 
 from __future__ import annotations
@@ -20,16 +25,18 @@ class ReplicaSample:
     """One replica's gauges at one scrape; `None` metrics mean the scrape failed.
 
     kv_cache_usage: `argosy:kv_cache_usage_perc` (fraction 0..1);
-    num_waiting / num_running: `argosy:num_requests_waiting` / `argosy:num_requests_running`.
+    num_waiting / num_running: `argosy:num_requests_waiting` / `argosy:num_requests_running`;
+    batch_pending: `argosy:batch_requests_pending` (0 for a runtime without the gauge).
     """
 
     ready: bool = True
     kv_cache_usage: float | None = None
     num_waiting: float | None = None
     num_running: float | None = None
+    batch_pending: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_usage", "num_waiting", "num_running"):
+        for name in ("kv_cache_usage", "num_waiting", "num_running", "batch_pending"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0):
                 raise ValueError(f"{name}: must be a finite number >= 0 or None, got {value!r}")
@@ -41,15 +48,23 @@ class ReplicaSample:
 
     @property
     def is_idle(self) -> bool:
-        """Measured with nothing running and nothing waiting (an unknown `running` is not idle)."""
-        return self.is_measured and self.num_waiting == 0 and self.num_running == 0
+        """Measured with nothing running, waiting or pending in a batch (an unknown `running`
+        is not idle)."""
+        return (self.is_measured and self.num_waiting == 0 and self.num_running == 0
+                and not self.batch_pending)
+
+    @property
+    def holds_batches(self) -> bool:
+        """Measured, with Batch API requests not answered yet: removing it would lose them."""
+        return self.is_measured and bool(self.batch_pending)
 
     @classmethod
     def from_trace(cls, obj: Mapping[str, Any]) -> ReplicaSample:
-        """Parse one replica of a trace line: `{"kv": .., "waiting": .., "running": .., "ready": ..}`."""
+        """Parse one replica of a trace line: `{"kv": .., "waiting": .., "running": ..,
+        "batch": .., "ready": ..}` (`batch`: Batch API requests pending, optional)."""
         if not isinstance(obj, Mapping):
             raise ValueError(f"replica: must be an object, got {obj!r}")
-        unknown = set(obj) - {"kv", "waiting", "running", "ready"}
+        unknown = set(obj) - {"kv", "waiting", "running", "batch", "ready"}
         if unknown:
             raise ValueError(f"replica: unknown keys {sorted(unknown)}")
         ready = obj.get("ready", True)
@@ -65,7 +80,7 @@ class ReplicaSample:
             return float(value)
 
         return cls(ready=ready, kv_cache_usage=num("kv"), num_waiting=num("waiting"),
-                   num_running=num("running"))
+                   num_running=num("running"), batch_pending=num("batch"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +104,10 @@ class MetricsSample:
     @property
     def num_unmeasured(self) -> int:
         return len(self.replicas) - self.num_measured
+
+    @property
+    def num_holding_batches(self) -> int:
+        return sum(1 for r in self.replicas if r.holds_batches)
 
     @property
     def is_idle(self) -> bool:

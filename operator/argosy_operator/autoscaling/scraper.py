@@ -25,6 +25,7 @@ from argosy_operator.autoscaling.samples import ReplicaSample
 KV_CACHE_USAGE = "argosy:kv_cache_usage_perc"
 NUM_WAITING = "argosy:num_requests_waiting"
 NUM_RUNNING = "argosy:num_requests_running"
+BATCH_PENDING = "argosy:batch_requests_pending"  # optional: runtimes before the Batch API lack it
 
 PORT_ANNOTATION = "prometheus.io/port"
 PATH_ANNOTATION = "prometheus.io/path"
@@ -35,22 +36,27 @@ DEFAULT_TIMEOUT_SECONDS = 2.0
 logger = logging.getLogger(__name__)
 
 
-def parse_metrics(text: str) -> tuple[float, float, float]:
-    """(kv_cache_usage, num_waiting, num_running) from Prometheus text exposition.
+def parse_metrics(text: str) -> ReplicaSample:
+    """A ready, measured `ReplicaSample` from Prometheus text exposition.
 
     Several series of one gauge (e.g. one per model_name label) are combined: KV usage by
-    mean, request counts by sum. A missing gauge raises ValueError.
+    mean, request counts by sum; values are clamped into range. A missing KV or request gauge
+    raises ValueError; a missing batch gauge counts as no batch requests.
     """
-    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_WAITING: [], NUM_RUNNING: []}
+    values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_WAITING: [], NUM_RUNNING: [],
+                                      BATCH_PENDING: []}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name].append(float(sample.value))
-    missing = [name for name, v in values.items() if not v]
+    missing = [name for name, v in values.items() if not v and name != BATCH_PENDING]
     if missing:
         raise ValueError(f"metrics missing: {', '.join(missing)}")
     kv = values[KV_CACHE_USAGE]
-    return (sum(kv) / len(kv), sum(values[NUM_WAITING]), sum(values[NUM_RUNNING]))
+    return ReplicaSample(ready=True, kv_cache_usage=min(max(sum(kv) / len(kv), 0.0), 1.0),
+                         num_waiting=max(sum(values[NUM_WAITING]), 0.0),
+                         num_running=max(sum(values[NUM_RUNNING]), 0.0),
+                         batch_pending=max(sum(values[BATCH_PENDING]), 0.0))
 
 
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
@@ -90,14 +96,12 @@ async def scrape_url(session: aiohttp.ClientSession, url: str, timeout: float) -
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
             text = await resp.text()
-        kv, waiting, running = parse_metrics(text)
+        return parse_metrics(text)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001  # any failure is a failed scrape, never a crash
         logger.debug("scrape of %s failed: %r", url, exc)
         return ReplicaSample(ready=True)
-    return ReplicaSample(ready=True, kv_cache_usage=min(max(kv, 0.0), 1.0),
-                         num_waiting=max(waiting, 0.0), num_running=max(running, 0.0))
 
 
 async def scrape_pods(

@@ -1,7 +1,7 @@
 """Replay a recorded metrics trace through the decision function (`argosy autoscale-sim`).
 
 Trace: JSON lines `{"t": seconds, "replicas": [{"kv": 0.4, "waiting": 2, "running": 5,
-"ready": true}, ...]}`; the replicas listed are those that existed at `t` (the trace is
+"batch": 0, "ready": true}, ...]}` (`batch`, Batch API requests pending, is optional); the replicas listed are those that existed at `t` (the trace is
 recorded traffic, so the simulator's decisions do not change it); a failed scrape has `null`
 metrics, an unready replica `"ready": false`. One decision per line, in order.
 """
@@ -77,6 +77,7 @@ def simulate(policy: AutoscalingPolicy, trace: Iterable[MetricsSample],
                 kv=None if m.kv_cache_utilization is None else round(m.kv_cache_utilization, 4),
                 queue=None if m.queue_depth is None else round(m.queue_depth, 4),
                 demand=None if m.demand is None else round(m.demand, 4),
+                batch_replicas=m.batch_replicas,
                 message=decision.message,
             )
         yield record

@@ -24,6 +24,7 @@ _LIMIT_REASONS = {
     "MinReplicas": "TooFewReplicas",
     "ScaleUpRate": "ScaleUpLimit",
     "ScaleDownRate": "ScaleDownLimit",
+    "BatchRequests": "BatchRequestsPending",
 }
 
 
@@ -88,6 +89,8 @@ def autoscaling_status(decision: Decision, last_scale_time: float | None) -> dic
             "stableRatio": _round(m.stable_ratio),
             "panicRatio": _round(m.panic_ratio),
             "recommendation": m.recommendation,
+            "batchRequestsPending": _round(m.batch_pending),
+            "batchReplicas": m.batch_replicas,
             "limitedBy": decision.limit_reason,
         },
         "conditions": scaling_conditions(decision),

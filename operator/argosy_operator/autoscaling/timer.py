@@ -5,7 +5,8 @@ Every tick (ARGOSY_AUTOSCALE_TICK_SECONDS, default 1 s; each object is scraped o
 name and namespace as the LLMDeployment), list its pods by the selector label, scrape the ready
 ones concurrently, read a gateway's scale-from-zero request (activation.py), feed the
 per-object `Autoscaler`, and when the decision changes the replica
-count, merge-patch the Deployment's `spec.replicas` and post an Event. The status
+count, merge-patch the Deployment's `spec.replicas` (on a scale-down, after ranking the pods by
+`controller.kubernetes.io/pod-deletion-cost`, deletion_cost.py) and post an Event. The status
 (desiredReplicas, lastScaleTime, metrics, ScalingActive/ScalingLimited) goes through the
 reconciler's `patch_status` (resourceVersion-guarded, conditions merged), only when it changed.
 
@@ -31,6 +32,7 @@ import kopf
 
 from argosy_operator.autoscaling.activation import activation_requested
 from argosy_operator.autoscaling.autoscaler import Autoscaler
+from argosy_operator.autoscaling.deletion_cost import annotate_deletion_costs
 from argosy_operator.autoscaling.policy import AutoscalingPolicy
 from argosy_operator.autoscaling.samples import MetricsSample, ReplicaSample
 from argosy_operator.autoscaling.scraper import scrape_pods
@@ -85,6 +87,23 @@ def _live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(live, key=lambda p: (p.get("metadata") or {}).get("name", ""))
 
 
+async def _rank_pods_for_scale_down(client: KubeClient, namespace: str,
+                                    pods: list[dict[str, Any]], replicas: list[ReplicaSample],
+                                    logger: Any) -> bool:
+    """Steer the ReplicaSet to delete idle pods, never one holding a batch. False: do not
+    scale down now (the ranking failed and a batch could be lost)."""
+    try:
+        await annotate_deletion_costs(client, namespace, pods, replicas)
+    except ApiError as exc:
+        if any(r.holds_batches for r in replicas):
+            logger.warning(f"autoscaling: cannot set pod-deletion-cost ({exc}); not scaling "
+                           f"down while replicas hold batch requests")
+            return False
+        logger.warning(f"autoscaling: cannot set pod-deletion-cost ({exc}); scaling down "
+                       f"without ranking the pods")
+    return True
+
+
 async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
                     memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """One timer tick for one LLMDeployment (see the module docstring)."""
@@ -137,6 +156,9 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     decision = state.autoscaler.decide(current, now=t)
 
     if decision.changed:
+        if decision.desired_replicas < current and not await _rank_pods_for_scale_down(
+                client, namespace, pods, replicas, logger):
+            return
         try:
             await scale_deployment(client, namespace, name, decision.desired_replicas)
         except ApiError as exc:

@@ -269,6 +269,7 @@ class Fleet:
                         kv_cache_usage=replica.kv_cache_usage,
                         num_waiting=replica.num_waiting,
                         num_running=replica.num_running,
+                        batch_pending=replica.batch_pending,
                     )
                 )
             activator = self.gateway.activators.get(c.name)
@@ -290,10 +291,11 @@ class Fleet:
                 for _ in range(decision.desired_replicas - current):
                     self._spawn(self.add_replica())
             else:
-                # Drain the least busy ready replicas; never one still starting.
-                ready = [p for p in self.live if pool.get(p.url) is not None]
-                ready.sort(key=lambda p: pool.get(p.url).in_flight)  # type: ignore[union-attr]
-                for proc in ready[: current - decision.desired_replicas]:
+                # Drain the least busy ready replicas, those holding batch requests last (the
+                # decision keeps enough replicas for them); never one still starting.
+                ready = [(p, r) for p in self.live if (r := pool.get(p.url)) is not None]
+                ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].in_flight))
+                for proc, _ in ready[: current - decision.desired_replicas]:
                     self._spawn(self.drain_replica(proc))
 
 

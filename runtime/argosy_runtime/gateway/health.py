@@ -28,6 +28,7 @@ SCRAPED = {
     "argosy:kv_cache_usage_perc": "kv_cache_usage",
     "argosy:num_requests_waiting": "num_waiting",
     "argosy:num_requests_running": "num_running",
+    "argosy:batch_requests_pending": "batch_pending",
     "argosy:prefix_cache_queries_total": "prefix_cache_queries",
     "argosy:prefix_cache_hits_total": "prefix_cache_hits",
 }

@@ -31,12 +31,14 @@ class Tick:
 
 
 def fleet_sample(t: float, replicas: int, waiting: float, kv: float,
-                 broken: Callable[[float, int], str | None] | None = None) -> MetricsSample:
-    """`broken(t, i)` may return "unready" or "failed" for replica i (then it carries no load)."""
+                 broken: Callable[[float, int], str | None] | None = None,
+                 batches: Callable[[float, int], float] | None = None) -> MetricsSample:
+    """`broken(t, i)` may return "unready" or "failed" for replica i (then it carries no load);
+    `batches(t, i)`: Batch API requests pending on replica i (default none)."""
     states = [broken(t, i) if broken else None for i in range(replicas)]
     healthy = max(1, sum(1 for s in states if s is None))
     out = []
-    for s in states:
+    for i, s in enumerate(states):
         if s == "unready":
             out.append(ReplicaSample(ready=False))
         elif s == "failed":
@@ -44,20 +46,22 @@ def fleet_sample(t: float, replicas: int, waiting: float, kv: float,
         else:
             w = waiting / healthy
             out.append(ReplicaSample(ready=True, kv_cache_usage=min(1.0, kv / healthy),
-                                     num_waiting=w, num_running=2.0 if (w or kv) else 0.0))
+                                     num_waiting=w, num_running=2.0 if (w or kv) else 0.0,
+                                     batch_pending=batches(t, i) if batches else 0.0))
     return MetricsSample(t=t, replicas=tuple(out))
 
 
 def run_closed_loop(policy: AutoscalingPolicy, demand: Demand, start_replicas: int,
                     duration: float, dt: float = 5.0,
-                    broken: Callable[[float, int], str | None] | None = None) -> list[Tick]:
+                    broken: Callable[[float, int], str | None] | None = None,
+                    batches: Callable[[float, int], float] | None = None) -> list[Tick]:
     autoscaler = Autoscaler(policy)
     current = start_replicas
     ticks: list[Tick] = []
     t = 0.0
     while t <= duration:
         waiting, kv = demand(t)
-        autoscaler.observe(fleet_sample(t, current, waiting, kv, broken))
+        autoscaler.observe(fleet_sample(t, current, waiting, kv, broken, batches))
         decision = autoscaler.decide(current, now=t)
         ticks.append(Tick(t, current, decision))
         current = decision.desired_replicas

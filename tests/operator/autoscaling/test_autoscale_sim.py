@@ -136,6 +136,23 @@ def test_min_max_respected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert {"panic", "kv", "queue", "demand", "message"} <= set(out[0])
 
 
+def test_trace_batch_counts_hold_the_replicas_that_run_them(
+        tmp_path: Path, policy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Six idle replicas for 20 minutes, four of them with Batch API requests pending: the
+    # rate limit alone would allow 6 -> 3.
+    idle = at_load(0.0, kv=0.0, running=0.0)
+    trace = write_trace(tmp_path / "t.jsonl", 1200, lambda t: [
+        *[{**idle, "batch": 30}] * 4, idle, idle])
+    out = sim(capsys, policy, trace, "--verbose")
+    assert min(r["desired"] for r in out) == 4
+    assert out[-1]["reason"] == "ScaleDown" and out[-1]["batch_replicas"] == 4
+    assert out[-1]["limited"] == "BatchRequests"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"t": 0, "replicas": [{"kv": 0, "waiting": 0, "batch": -1}]}\n')
+    assert main(["autoscale-sim", "--policy", str(policy), "--trace", str(broken)]) == 2
+    assert "batch_pending" in capsys.readouterr().err
+
+
 def test_invalid_inputs_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad_policy = tmp_path / "bad.yaml"
     bad_policy.write_text("autoscaling: {targetKVCacheUtilization: 1.5}\n")

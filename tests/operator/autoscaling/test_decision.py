@@ -229,6 +229,55 @@ def test_scale_to_zero_needs_every_replica_measured_idle() -> None:
     assert 0 not in {k.desired for k in ticks}  # a failed scrape every 5 minutes resets idleness
 
 
+def test_replicas_holding_batches_are_a_floor_for_scaling_down() -> None:
+    # An idle fleet of 4 where replicas 0 and 1 hold Batch API requests until t=1000 (the
+    # loop removes the highest indices, as a caller that ranks by batches would): it may
+    # shrink to 2 but no further until the batches are done.
+    done = 1000.0
+    ticks = run_closed_loop(POLICY, lambda t: (0.0, 0.0), start_replicas=4, duration=1800,
+                            batches=lambda t, i: 50.0 if t < done and i < 2 else 0.0)
+    assert min(k.desired for k in ticks if k.t < done) == 2
+    held = [k for k in ticks if k.t < done and k.current == 2 and k.t > 400]
+    assert held and all(k.desired == 2 for k in held)
+    assert {k.decision.reason for k in held} == {"BatchRequestsPending"}
+    d = held[-1].decision
+    assert d.limited and d.limit_reason == "BatchRequests"
+    assert "2 replica(s) hold unfinished Batch API requests" in d.message
+    assert d.metrics.batch_replicas == 2 and d.metrics.batch_pending == 100.0
+    assert ticks[-1].current == 1 and ticks[-1].decision.metrics.batch_replicas == 0
+
+
+def test_a_partial_scale_down_stops_at_the_replicas_holding_batches() -> None:
+    # 6 idle replicas, 3 of them with batches; the rate limit alone would allow 6 -> 3 anyway,
+    # so use 8 -> 4 (rate limit) with 5 holding batches: 8 -> 5, limited by the batches.
+    policy = AutoscalingPolicy(enabled=True, min_replicas=1, max_replicas=10,
+                               scale_down_stabilization_seconds=0)
+    samples = [fleet_sample(float(t), 8, 0.0, 0.0, batches=lambda t, i: float(i < 5))
+               for t in range(0, 65, 5)]
+    d = decide(policy, 8, samples, DecisionState(observed_since=0.0), now=60.0)
+    assert d.desired_replicas == 5 and d.reason == "ScaleDown"
+    assert d.limited and d.limit_reason == "BatchRequests"
+
+
+def test_no_scale_to_zero_while_a_batch_is_pending() -> None:
+    policy = AutoscalingPolicy(enabled=True, min_replicas=0, max_replicas=4)
+    done = 1500.0
+    ticks = run_closed_loop(policy, lambda t: (0.0, 0.0), start_replicas=1, duration=2400,
+                            batches=lambda t, i: 3.0 if t < done else 0.0)
+    assert all(k.desired == 1 for k in ticks if k.t < done)
+    zero = first_change(ticks, after=done)
+    assert zero is not None and zero.desired == 0 and zero.decision.reason == "ScaleToZero"
+    assert zero.t >= done + policy.scale_to_zero_idle_seconds
+
+
+def test_an_unmeasured_replica_is_not_known_to_hold_batches() -> None:
+    # A failed scrape carries no batch count: holds_batches is about measured replicas only.
+    assert not ReplicaSample(ready=True).holds_batches
+    assert not ReplicaSample(ready=False, batch_pending=3.0).holds_batches
+    assert ReplicaSample(kv_cache_usage=0.0, num_waiting=0, num_running=0,
+                         batch_pending=3.0).holds_batches
+
+
 def test_scale_up_stabilization_delays_scale_up() -> None:
     policy = AutoscalingPolicy(enabled=True, max_replicas=10, scale_up_stabilization_seconds=60)
     onset = 100.0

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from argosy_operator.autoscaling.samples import ReplicaSample
 from argosy_operator.autoscaling.scraper import (
     parse_metrics,
     pod_is_ready,
@@ -18,17 +19,26 @@ from argosy_operator.autoscaling.scraper import (
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 
-def prometheus_text(kv: float, waiting: float, running: float, models: int = 1) -> bytes:
+def prometheus_text(kv: float, waiting: float, running: float, models: int = 1,
+                    batch: float | None = None) -> bytes:
     registry = CollectorRegistry()
-    gauges = [Gauge(name, name, ["model_name"], registry=registry) for name in (
-        "argosy:kv_cache_usage_perc", "argosy:num_requests_waiting",
-        "argosy:num_requests_running")]
+    names = ["argosy:kv_cache_usage_perc", "argosy:num_requests_waiting",
+             "argosy:num_requests_running"]
+    values = [kv, waiting, running]
+    if batch is not None:  # runtimes before the Batch API do not export it
+        names.append("argosy:batch_requests_pending")
+        values.append(batch)
+    gauges = [Gauge(name, name, ["model_name"], registry=registry) for name in names]
     # Other metrics a runtime also exports must be ignored.
     Gauge("argosy:cache_config_info", "x", ["block_size"], registry=registry).labels("16").set(1)
     for m in range(models):
-        for gauge, value in zip(gauges, (kv, waiting, running), strict=True):
+        for gauge, value in zip(gauges, values, strict=True):
             gauge.labels(f"m{m}").set(value)
     return generate_latest(registry)
+
+
+def gauges(sample: ReplicaSample) -> tuple[float | None, ...]:
+    return (sample.kv_cache_usage, sample.num_waiting, sample.num_running, sample.batch_pending)
 
 
 Handler = Callable[[web.Request], Any]
@@ -67,9 +77,11 @@ def pod(port: int | None, ready: bool = True, ip: str | None = "127.0.0.1",
 
 
 def test_parse_metrics_combines_series() -> None:
-    assert parse_metrics(prometheus_text(0.5, 3, 2).decode()) == (0.5, 3.0, 2.0)
+    assert gauges(parse_metrics(prometheus_text(0.5, 3, 2).decode())) == (0.5, 3.0, 2.0, 0.0)
     # Two models on one replica: KV usage averages, request counts add up.
-    assert parse_metrics(prometheus_text(0.5, 3, 2, models=2).decode()) == (0.5, 6.0, 4.0)
+    assert gauges(parse_metrics(prometheus_text(0.5, 3, 2, models=2, batch=7).decode())) == \
+        (0.5, 6.0, 4.0, 14.0)
+    assert parse_metrics(prometheus_text(0.5, 0, 0, batch=7).decode()).holds_batches
     with pytest.raises(ValueError, match="argosy:num_requests_waiting"):
         parse_metrics("# TYPE argosy:kv_cache_usage_perc gauge\n"
                       "argosy:kv_cache_usage_perc 0.1\nargosy:num_requests_running 1\n")
@@ -157,4 +169,5 @@ def test_parses_what_the_runtime_server_exports() -> None:
     metrics.attach_engine(lambda: EngineStats(num_requests_running=5, kv_cache_usage=0.42),
                           lambda: 3, {"block_size": "16"})
     metrics.on_first_token(0.05, 0.01)
-    assert parse_metrics(metrics.render().decode()) == (0.42, 3.0, 5.0)
+    metrics.batch_pending.set_function(lambda: 12)
+    assert gauges(parse_metrics(metrics.render().decode())) == (0.42, 3.0, 5.0, 12.0)

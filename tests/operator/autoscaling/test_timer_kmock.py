@@ -5,7 +5,9 @@ live loopback HTTP servers that serve Prometheus text.
 Each runtime pod gets status.podIP 127.0.0.1 and a `prometheus.io/port` annotation naming its
 own test server, so the scraper's production path (podIP + annotation) is what runs. A small
 fake ReplicaSet controller in the test keeps the pods in step with the Deployment's
-spec.replicas, as the cluster's controllers would.
+spec.replicas, as the cluster's controllers would, and picks the pods to delete by the
+ReplicaSet's rules for ready pods: lowest `controller.kubernetes.io/pod-deletion-cost` first,
+then the newest.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
-from conftest import NS, Api, eventually
+from argosy_operator.autoscaling.deletion_cost import BATCH_COST, POD_DELETION_COST
+from conftest import NS, Api, eventually, granted_calls, operator_calls
+from crd_schema import ROOT
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
@@ -40,6 +45,7 @@ class MetricsServer:
     """One replica's /metrics on 127.0.0.1:<ephemeral port>; `values` is mutable."""
 
     def __init__(self) -> None:
+        # "batch" (argosy:batch_requests_pending) is optional, as from an older runtime.
         self.values: dict[str, float] | None = {"kv": 0.1, "waiting": 0.0, "running": 1.0}
         self.hits = 0
         self.port = 0
@@ -52,8 +58,11 @@ class MetricsServer:
         registry = CollectorRegistry()
         for name, key in (("argosy:kv_cache_usage_perc", "kv"),
                           ("argosy:num_requests_waiting", "waiting"),
-                          ("argosy:num_requests_running", "running")):
-            Gauge(name, name, ["model_name"], registry=registry).labels("m").set(self.values[key])
+                          ("argosy:num_requests_running", "running"),
+                          ("argosy:batch_requests_pending", "batch")):
+            if key in self.values:
+                Gauge(name, name, ["model_name"], registry=registry).labels("m").set(
+                    self.values[key])
         return web.Response(body=generate_latest(registry), content_type="text/plain",
                             charset="utf-8")
 
@@ -95,17 +104,25 @@ async def make_pod(api: Api, owner: str, index: int, port: int) -> None:
 @contextlib.asynccontextmanager
 async def replica_set_controller(api: Api, owner: str,
                                  servers: list[MetricsServer]) -> AsyncIterator[None]:
-    """Keep pods `owner-0..N-1` in step with the Deployment's spec.replicas."""
+    """Keep as many pods `owner-<i>` (one per server) as the Deployment's spec.replicas:
+    create the lowest free indices; delete the lowest pod-deletion-cost, then the newest."""
+    async def deletion_rank(i: int) -> tuple[int, int]:
+        pod = await api.get_or_none(f"{POD_PATH}/{owner}-{i}")
+        cost = (pod["metadata"].get("annotations") or {}).get(POD_DELETION_COST, "0")
+        return int(cost), -i  # pod i is created after pods 0..i-1: higher i is newer
+
     async def loop() -> None:
         existing: set[int] = set()
         while True:
             dep = await api.get_or_none(f"{DEP_PATH}/{owner}")
             want = int(dep["spec"].get("replicas", 1)) if dep else 0
-            for i, server in enumerate(servers):
-                if i < want and i not in existing:
-                    await make_pod(api, owner, i, server.port)
-                    existing.add(i)
-                elif i >= want and i in existing:
+            while len(existing) < min(want, len(servers)):
+                i = min(set(range(len(servers))) - existing)
+                await make_pod(api, owner, i, servers[i].port)
+                existing.add(i)
+            if len(existing) > want:
+                ranks = {i: await deletion_rank(i) for i in existing}
+                for i in sorted(existing, key=ranks.__getitem__)[:len(existing) - want]:
                     await api.call("DELETE", f"{POD_PATH}/{owner}-{i}")
                     existing.discard(i)
             await asyncio.sleep(0.1)
@@ -279,3 +296,61 @@ async def test_failed_scrapes_never_scale_down(kube: Any, api: Api, run_operator
     finally:
         for s in servers:
             await s.stop()
+
+
+async def test_scale_down_keeps_the_replicas_holding_batches(kube: Any, api: Api,
+                                                             run_operator: Any) -> None:
+    # Three idle replicas; the first and the newest hold Batch API requests. The ReplicaSet
+    # alone would delete the newest pod; the autoscaler must steer it to the middle one, stop
+    # at two replicas while the batches run, and go to minReplicas once they are done.
+    servers = [MetricsServer() for _ in range(3)]
+    for s in servers:
+        await s.start()
+    idle = {"kv": 0.0, "waiting": 0.0, "running": 0.0}
+    for i, s in enumerate(servers):
+        s.values = {**idle, "batch": 40.0 if i in (0, 2) else 0.0}
+    try:
+        async with replica_set_controller(api, "llm", servers):
+            with run_operator():
+                await api.call("POST", LLMD_PATH, llmd("llm", FAST), "application/json")
+                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
+                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 3}})
+
+                async def pods() -> set[str]:
+                    listed = await api.call("GET", POD_PATH)
+                    return {p["metadata"]["name"] for p in listed["items"]}
+
+                async def held_at_two() -> Any:
+                    st = await status(api, "llm")
+                    auto = st.get("autoscaling") or {}
+                    held = (await replicas(api, "llm") == 2
+                            and auto.get("reason") == "BatchRequestsPending")
+                    return st if held else None
+
+                st = await eventually(held_at_two, 30, "3 -> 2, then held by the batches")
+                assert await pods() == {"llm-0", "llm-2"}
+                assert st["autoscaling"]["batchReplicas"] == 2
+                assert st["autoscaling"]["batchRequestsPending"] == 80
+                limited = conditions(st)["ScalingLimited"]
+                assert (limited["status"], limited["reason"]) == ("True", "BatchRequestsPending")
+                costs = {p["metadata"]["name"]: p["metadata"]["annotations"][POD_DELETION_COST]
+                         for p in (await api.call("GET", POD_PATH))["items"]}
+                assert costs == {"llm-0": str(BATCH_COST + 40), "llm-2": str(BATCH_COST + 40)}
+
+                # One batch finishes: that replica is the one to go.
+                servers[0].values = {**idle, "batch": 0.0}
+
+                async def at_one() -> bool:
+                    return await replicas(api, "llm") == 1 and await pods() == {"llm-2"}
+
+                await eventually(at_one, 30, "2 -> 1, keeping the replica with the batch")
+    finally:
+        for s in servers:
+            await s.stop()
+    downs = [d["message"].split(":")[0] for d in events(kube, "llm", "ScaledDown")]
+    assert downs == ["3 -> 2 replicas", "2 -> 1 replicas"]
+    # The ClusterRole grants every call the operator made, the pod patches included.
+    with open(ROOT / "manifests" / "operator" / "rbac.yaml", encoding="utf-8") as f:
+        role = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "ClusterRole")
+    made = operator_calls(kube)
+    assert ("", "pods", "patch") in made and made <= granted_calls(role)

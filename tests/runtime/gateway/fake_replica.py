@@ -39,6 +39,7 @@ class FakeReplica:
     # Gauges served on /metrics.
     kv_cache_usage: float = 0.0
     num_waiting: int = 0
+    batch_pending: int = 0
     # Failure knobs.
     fail_next: int = 0  # answer this many requests with `fail_status`
     fail_status: int = 500
@@ -116,6 +117,8 @@ class FakeReplica:
             f'argosy:num_requests_waiting{{model_name="{self.model}"}} {self.num_waiting}\n'
             "# TYPE argosy:num_requests_running gauge\n"
             f'argosy:num_requests_running{{model_name="{self.model}"}} 0\n'
+            "# TYPE argosy:batch_requests_pending gauge\n"
+            f'argosy:batch_requests_pending{{model_name="{self.model}"}} {self.batch_pending}\n'
             "# TYPE argosy:prefix_cache_queries counter\n"
             f'argosy:prefix_cache_queries_total{{model_name="{self.model}"}} {self.prefix_queries}\n'
             "# TYPE argosy:prefix_cache_hits counter\n"

@@ -5,6 +5,7 @@ flags) so scaling is fast; the fleet, its gateway and the autoscaler are the rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,30 @@ async def test_fleet_scales_up_under_queueing_and_back_down_when_idle(tmp_path: 
     finally:
         await fleet.stop()
     assert all(p.process.returncode is not None for p in drained)
+
+
+async def test_fleet_scale_down_keeps_the_replicas_holding_batches(tmp_path: Path) -> None:
+    # Three idle replicas, the first and the last holding Batch API requests: the fleet drains
+    # the middle one (by load alone it would drain the first), holds at two while both batches
+    # run, then drains the one whose batch finished.
+    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3), replicas=3)
+    fleet = Fleet(config)
+    await fleet.start()
+    try:
+        pool = fleet.gateway.pools["tiny"]
+        first, second, third = fleet.processes
+        async with aiohttp.ClientSession() as s:
+            for proc in (first, third):
+                await s.post(f"{proc.url}/control", json={"batch_pending": 25})
+            await wait_for(lambda: fleet.processes == [first, third], 30, "the middle drained")
+            await wait_for(lambda: any(d.reason == "BatchRequestsPending" for d in fleet.decisions),
+                           10, "a decision held by the batches")
+            assert fleet.processes == [first, third]
+            await s.post(f"{first.url}/control", json={"batch_pending": 0})
+            await wait_for(lambda: fleet.processes == [third] and len(pool) == 1, 30,
+                           "the replica whose batch finished drained")
+    finally:
+        await fleet.stop()
 
 
 async def test_fleet_replaces_a_replica_that_dies(tmp_path: Path) -> None:

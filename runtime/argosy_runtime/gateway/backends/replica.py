@@ -18,6 +18,8 @@ class Replica:
     kv_cache_usage: float = 0.0
     num_waiting: float = 0.0
     num_running: float = 0.0
+    # Batch API requests the replica holds and has not answered (they cannot move elsewhere).
+    batch_pending: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     # LoRA adapters the replica serves now (`argosy:lora_adapter_loaded`); None when its
