@@ -64,9 +64,9 @@ class BatchRoutes:
             try:
                 upload = await _read_upload(request, spool, MAX_FILE_BYTES)
             except _TooLarge as exc:
-                # Read the rest of the body first: a client still sending it would otherwise
-                # see its connection reset instead of this answer.
-                await _discard_body(request)
+                # No need to read the rest: after the answer, aiohttp reads and drops what the
+                # client still sends for a bounded time (lingering close), so it sees the 413,
+                # not a reset connection.
                 return error_response(413, str(exc), param=exc.param, code=exc.code)
             except (ValueError, AssertionError) as exc:
                 return bad_request(f"malformed multipart/form-data upload: {exc}")
@@ -287,11 +287,6 @@ async def _copy_part(part: aiohttp.BodyPartReader, out: IO[bytes] | None, limit:
                 pending.clear()
     if out is not None and pending:
         await asyncio.to_thread(out.write, bytes(pending))
-
-
-async def _discard_body(request: web.Request) -> None:
-    while await request.content.readany():
-        pass
 
 
 def _first_model(upload: IO[bytes]) -> str | None:
