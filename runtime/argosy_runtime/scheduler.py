@@ -12,16 +12,19 @@ Preemption frees a running request's blocks; it goes back to waiting and is reco
 - a running request needs blocks that are not free (memory): that step admits nothing new;
 - the head of the waiting queue cannot be admitted (`max_num_seqs` reached or blocks short)
   and it strictly outranks the victim by priority. Equal priorities never preempt each other,
-  so first come first served within a priority never thrashes.
+  so first come first served within a priority never thrashes; and nobody is preempted for a
+  head that would still not fit after every request it outranks was preempted.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from argosy_runtime.config import SchedulerConfig
 from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.kv_cache.block_pool import KVCacheBlock
 from argosy_runtime.request import Request, RequestStatus
 
 
@@ -128,19 +131,24 @@ class Scheduler:
         #    cannot be admitted may take the place of a running request of lower priority.
         while self.waiting and budget > 0 and not preempted_for_memory:
             req = self.waiting[0]
-            if len(self.running) >= self.config.max_num_seqs:
-                if not self._preempt_for(req, out):
-                    break
-                budget = self._budget_left(out)
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            if seats_full and not self._outranks_a_running_request(req):
+                break
             computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
                                                          _prefix_lookup_limit(req),
                                                          salt=req.cache_salt)
             num_computed = len(computed) * self.kv_cache.block_size
-            num_new = req.num_tokens - num_computed
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
+            num_new = min(req.num_tokens - num_computed, budget)
+            if (seats_full or not self.kv_cache.can_allocate(
+                    req.request_id, num_computed + num_new, computed)) \
+                    and not self._preemption_makes_room(req, num_computed + num_new, computed):
+                break  # preempting would cost its victims their work and still not admit it
+            if seats_full:
+                self._preempt_for(req, out)
+                budget = self._budget_left(out)  # a victim scheduled in step 1 gave tokens back
+                num_new = min(req.num_tokens - num_computed, budget)
+            if num_new < req.num_tokens - num_computed and not self.config.enable_chunked_prefill:
+                break
             while not self.kv_cache.allocate_slots(
                 req.request_id, req.token_ids, num_computed + num_new, computed,
                 salt=req.cache_salt,
@@ -157,10 +165,23 @@ class Scheduler:
             budget = self._budget_left(out)
         return out
 
+    def _outranks_a_running_request(self, req: Request) -> bool:
+        return bool(self.running) and self.running[-1].priority > req.priority
+
+    def _preemption_makes_room(self, req: Request, num_tokens: int,
+                               computed: Sequence[KVCacheBlock]) -> bool:
+        """Would preempting every running request that `req` outranks free a seat and the
+        blocks for its first `num_tokens` tokens? If not, nobody is preempted for it."""
+        victims = [r.request_id for r in self.running if r.priority > req.priority]
+        if len(self.running) - len(victims) >= self.config.max_num_seqs:
+            return False
+        freed = self.kv_cache.num_blocks_freed_by(victims, keep=computed)
+        return self.kv_cache.can_allocate(req.request_id, num_tokens, computed, extra_free=freed)
+
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
         """Preempt the lowest-ranked running request to make room for waiting `req`, only if
         `req` has a strictly lower priority value. Returns False when there is no such victim."""
-        if not self.running or self.running[-1].priority <= req.priority:
+        if not self._outranks_a_running_request(req):
             return False
         victim = self.running[-1]
         self._preempt(victim)

@@ -7,7 +7,8 @@ of a request is always private to it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 from argosy_runtime.kv_cache.block_pool import BlockPool, KVCacheBlock
 
@@ -77,12 +78,27 @@ class KVCacheManager:
         return hits
 
     def can_allocate(self, request_id: str, num_tokens: int,
-                     computed: Sequence[KVCacheBlock] = ()) -> bool:
+                     computed: Sequence[KVCacheBlock] = (), extra_free: int = 0) -> bool:
+        """Would `allocate_slots` succeed now (with `extra_free` more free blocks)?"""
         have = len(self.req_to_blocks.get(request_id, ())) + len(computed)
         need = -(-num_tokens // self.block_size) - have
         # Cache hits that are sitting in the free queue stop being free once touched.
         free = self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
-        return need <= free
+        return need <= free + extra_free
+
+    def num_blocks_freed_by(self, request_ids: Iterable[str],
+                            keep: Sequence[KVCacheBlock] = ()) -> int:
+        """How many blocks freeing these requests would return to the pool, not counting
+        `keep` (prefix hits the caller is about to take). A shared block returns only when
+        every request holding it is among them."""
+        refs: Counter[int] = Counter()
+        by_id: dict[int, KVCacheBlock] = {}
+        for rid in request_ids:
+            for block in self.req_to_blocks.get(rid, ()):
+                refs[block.block_id] += 1
+                by_id[block.block_id] = block
+        kept = {b.block_id for b in keep}
+        return sum(1 for bid, n in refs.items() if by_id[bid].ref_cnt == n and bid not in kept)
 
     def allocate_slots(
         self,

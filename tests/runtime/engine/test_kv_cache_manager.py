@@ -104,3 +104,21 @@ def test_truncate_releases_tail_blocks() -> None:
     kv.truncate("a", 5)
     assert len(kv.block_ids("a")) == 2
     assert kv.num_free_blocks == 6
+
+
+def test_blocks_freed_by_counts_shared_blocks_only_when_every_holder_goes() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(13))  # 4 blocks
+    assert kv.allocate_slots("a", prompt, 13)
+    other = prompt[:8] + [500, 501, 502, 503, 504]  # shares a's first two blocks; 2 private
+    hits = kv.get_computed_blocks("b", other)
+    assert kv.allocate_slots("b", other, 13, hits)
+    assert kv.num_blocks_freed_by(["a"]) == 2  # its shared two stay with b
+    assert kv.num_blocks_freed_by(["b"]) == 2
+    assert kv.num_blocks_freed_by(["a", "b"]) == 6
+    assert kv.num_blocks_freed_by(["a", "b"], keep=hits) == 4  # hits a newcomer would take
+    assert kv.num_blocks_freed_by(["unknown"]) == 0
+    free = kv.num_free_blocks
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks - free == 6  # what it predicted

@@ -173,6 +173,50 @@ def test_higher_priority_preempts_when_kv_blocks_are_short() -> None:
     assert s.kv_cache.num_free_blocks == 4
 
 
+def test_nobody_is_preempted_for_a_head_that_would_still_not_fit() -> None:
+    # 8 blocks of 4 tokens. "hi" (priority 0, 20 tokens) holds 6 blocks, "lo" (priority 1,
+    # 4 tokens) 2 once decoding; "urgent" (priority 0, 16 tokens) needs 4 blocks. Preempting
+    # lo frees 2, which is not enough (hi it does not outrank): lo must keep running.
+    s = make(num_blocks=8, block_size=4, budget=64)
+    lo = req("lo", 4, 1.0, priority=1, base=100)
+    s.add_request(req("hi", 20, 0.0, priority=0))
+    s.add_request(lo)
+    assert run_step(s) == {"hi": 20, "lo": 4}
+    s.add_request(req("urgent", 16, 2.0, priority=0, base=200))
+    for _ in range(3):
+        out = s.schedule()
+        assert scheduled(out) == {"hi": 1, "lo": 1} and out.preempted == []
+        advance(out)
+    assert s.num_preemptions == 0 and [r.request_id for r in s.waiting] == ["urgent"]
+    # Once hi is gone, preempting lo is no longer needed either: urgent fits as it is.
+    s.finish_request(s.requests["hi"], RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert scheduled(out) == {"lo": 1, "urgent": 16} and out.preempted == []
+
+
+def test_no_seat_is_taken_for_a_head_whose_blocks_would_still_be_short() -> None:
+    # Both seats taken: "hi" (priority 0) holds 6 of 8 blocks, "lo" (priority 1) 2. Preempting
+    # lo frees a seat but only 2 blocks; "urgent" needs 4.
+    s = make(num_blocks=8, block_size=4, budget=64, max_seqs=2)
+    lo = req("lo", 4, 1.0, priority=1, base=100)
+    s.add_request(req("hi", 20, 0.0, priority=0))
+    s.add_request(lo)
+    assert run_step(s) == {"hi": 20, "lo": 4}
+    s.add_request(req("urgent", 16, 2.0, priority=0, base=200))
+    out = s.schedule()
+    assert scheduled(out) == {"hi": 1, "lo": 1} and out.preempted == []
+    assert lo.status == RequestStatus.RUNNING
+    # A short urgent request fits in lo's seat and blocks: lo is preempted for it.
+    s2 = make(num_blocks=8, block_size=4, budget=64, max_seqs=2)
+    s2.add_request(req("hi", 20, 0.0, priority=0))
+    s2.add_request(req("lo", 4, 1.0, priority=1, base=100))
+    run_step(s2)
+    s2.add_request(req("urgent", 4, 2.0, priority=0, base=200))
+    out = s2.schedule()
+    assert scheduled(out) == {"hi": 1, "urgent": 4}
+    assert [r.request_id for r in out.preempted] == ["lo"]
+
+
 def test_a_victim_scheduled_in_step_1_is_unscheduled_and_its_tokens_return() -> None:
     s, old, new = two_running_priority_1(budget=8)
     s.add_request(req("urgent", 20, 2.0, priority=0, base=40))
