@@ -66,8 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--batch-dir", default=None, metavar="DIR",
                         help="Folder for the Batch API's files and batches (/v1/files, "
                              "/v1/batches). On a persistent volume, a batch interrupted by a "
-                             "restart resumes where it stopped (default: a temporary folder, "
-                             "removed at exit).")
+                             "restart resumes where it stopped; replicas sharing it (a "
+                             "ReadWriteMany volume) see each other's files and batches and "
+                             "take over the batches of a replica that stopped (default: a "
+                             "temporary folder, removed at exit).")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
 
 

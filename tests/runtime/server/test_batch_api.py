@@ -245,3 +245,30 @@ def test_a_batch_cut_by_sigterm_resumes_on_the_next_start(own: ServerProcess,
             assert text == live.choices[0].text
     finally:
         again.stop()
+
+
+def test_a_replica_sharing_the_folder_finishes_a_batch_whose_replica_stopped(
+        tmp_path: Path) -> None:
+    # Two replicas on one --batch-dir (a ReadWriteMany volume in a cluster): both answer for
+    # the batch, only the one that created it runs it; when that one is told to stop, the
+    # other takes it over and every request is answered exactly once.
+    first, second = _own_server(tmp_path), _own_server(tmp_path)
+    try:
+        client, other = _client(first), _client(second)
+        items = [_completion_line(f"s{i}", f"Step {i}:", 40) for i in range(8)]
+        batch = client.batches.create(input_file_id=_upload(other, items),  # any replica's file
+                                      endpoint=COMPLETIONS, completion_window="24h")
+        _wait(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
+        assert other.batches.retrieve(batch.id).status == "in_progress"
+        assert first.metrics()["argosy:batch_requests_pending"] > 0
+        assert second.metrics()["argosy:batch_requests_pending"] == 0  # runs on one replica
+        assert first.stop() == 0  # SIGTERM: drains, leaves the rest to the other replica
+        batch = _wait(other, batch.id)
+        assert batch.status == "completed"
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (8, 0)
+        lines = other.files.content(batch.output_file_id).text.splitlines()
+        assert sorted(json.loads(x)["custom_id"] for x in lines) == sorted(
+            item["custom_id"] for item in items)  # each exactly once
+    finally:
+        first.stop()
+        second.stop()

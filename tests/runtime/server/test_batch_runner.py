@@ -15,6 +15,7 @@ import pytest
 from argosy_runtime.server.batch import batch_runner
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
+from argosy_runtime.server.errors import APIError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -28,6 +29,7 @@ class Endpoint:
                  on_request: Any = None) -> None:
         self.script = list(script or [])
         self.on_request = on_request  # called with the number of requests so far
+        self.gate: asyncio.Event | None = None  # when set, each request waits for it
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.app = Starlette(routes=[Route("/v1/completions", self.handle, methods=["POST"])])
@@ -37,6 +39,8 @@ class Endpoint:
         self.headers.append(dict(request.headers))
         if self.on_request is not None:
             self.on_request(len(self.bodies))
+        if self.gate is not None:
+            await self.gate.wait()
         if self.script:
             status, body = self.script.pop(0)
             return JSONResponse(body, status_code=status)
@@ -147,3 +151,79 @@ async def test_batch_requests_log_nothing_through_httpx(tmp_path: Path,
     assert {h["authorization"] for h in endpoint.headers} == {"Bearer sk-test"}
     assert sorted(h["x-request-id"] for h in endpoint.headers) == [
         f"{batch['id']}-{n}" for n in (1, 2, 3)]
+
+
+# ---- replicas sharing one --batch-dir ----------------------------------------------------------
+
+async def _until(check: Any, what: str) -> None:
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _custom_ids(tmp_path: Path, batch: dict[str, Any]) -> list[str]:
+    output = (tmp_path / "files" / batch["output_file_id"]).read_text().splitlines()
+    return sorted(json.loads(x)["custom_id"] for x in output)
+
+
+async def test_a_replica_takes_over_the_batch_of_one_that_drained(tmp_path: Path) -> None:
+    # Replica A runs a batch and drains after its first answer; replica B, on the same folder,
+    # sees it while A runs it (and leaves it alone), then takes it over and finishes it.
+    draining = [False]
+    first = Endpoint(on_request=lambda n: draining.__setitem__(0, n >= 1))
+    first.gate = asyncio.Event()
+    a, file_id = _runner(tmp_path, first, draining)
+    second = Endpoint()
+    b = BatchRunner(tmp_path, FileStore(tmp_path), second.app, concurrency=1,
+                    scan_interval_s=0.02)
+    await a.start()
+    await b.start()
+    batch = a.create(file_id, "/v1/completions", "24h", None)
+    await _until(lambda: first.bodies, "A's first request")
+    await asyncio.sleep(0.1)  # several of B's scans while A holds the batch
+    assert second.bodies == [] and batch["id"] not in b.batches
+    assert b.get(batch["id"])["status"] == "in_progress"
+    assert [x["id"] for x in b.list()] == [batch["id"]]
+    first.gate.set()  # A answers its one request and stops there (draining)
+    await _until(lambda: batch["id"] not in a.batches and second.bodies, "B taking it over")
+    done = await _finish(b, b.batches.get(batch["id"]) or b.get(batch["id"]))
+    await a.shutdown()
+    await b.shutdown()
+    final = a.get(batch["id"])  # A reads it back from the folder
+    assert final["status"] == "completed" == done["status"]
+    assert final["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(first.bodies) == 1 and len(second.bodies) == 2  # each line ran once
+    assert _custom_ids(tmp_path, final) == ["c0", "c1", "c2"]
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()
+                  if p.suffix in (".lock", ".cancel")) == []  # nothing left behind
+
+
+async def test_a_cancel_through_another_replica_reaches_the_runner(tmp_path: Path) -> None:
+    endpoint = Endpoint()
+    endpoint.gate = asyncio.Event()  # A's requests hang until cancelled
+    a, file_id = _runner(tmp_path, endpoint)
+    a.scan_interval_s = 0.02
+    b = BatchRunner(tmp_path, FileStore(tmp_path), Endpoint().app, concurrency=1)
+    await a.start()
+    await b.start()
+    batch = a.create(file_id, "/v1/completions", "24h", None)
+    await _until(lambda: endpoint.bodies, "A's first request")
+    answer = b.cancel(batch["id"])
+    assert answer["status"] == "cancelling" and answer["id"] == batch["id"]
+    batch = await _finish(a, batch)
+    await a.shutdown()
+    await b.shutdown()
+    assert batch["status"] == "cancelled" and len(endpoint.bodies) == 1
+    assert b.get(batch["id"])["status"] == "cancelled"
+    assert batch["request_counts"]["completed"] == 0  # the cut request is not a result
+
+
+async def test_batch_ids_outside_the_folder_are_404(tmp_path: Path) -> None:
+    runner, _ = _runner(tmp_path, Endpoint())
+    (tmp_path / "secret.json").write_text('{"id": "x"}')
+    for bad in ("../secret", "batch_../../secret", "batch_x/../../secret"):
+        with pytest.raises(APIError) as caught:
+            runner.get(bad)
+        assert caught.value.status == 404

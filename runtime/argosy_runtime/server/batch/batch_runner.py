@@ -10,6 +10,13 @@ again on the same `--batch-dir`, it resumes with the requests not yet in its res
 Status moves validating -> in_progress -> finalizing -> completed, or to failed (the input
 file is unusable), cancelling -> cancelled, or expired (24 h after creation: the requests
 left go to the error file as `batch_expired`).
+
+Several replicas may share one `--batch-dir`. Each sees every file and batch; a batch runs on
+the one replica holding its lock (batch_lock.py), and every `scan_interval_s` each replica
+that is not draining takes over the unfinished batches nobody holds: those of a replica that
+drained, crashed or was scaled away. A batch's record on disk is written by its runner only
+(status changes, and its counts at most once per SAVE_INTERVAL_S); a cancel that reaches
+another replica leaves a `<id>.cancel` marker that the runner acts on.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 import httpx
 from argosy_runtime.server.batch.batch_input import ENDPOINTS, BatchLine, read_batch_input
+from argosy_runtime.server.batch.batch_lock import BatchLock
 from argosy_runtime.server.batch.batch_results import BatchResults
 from argosy_runtime.server.batch.file_store import FileStore, write_json_atomic
 from argosy_runtime.server.errors import APIError
@@ -37,12 +45,15 @@ BATCH_PRIORITY = 1  # live requests default to 0: lower runs first
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 RETRY_STATUSES = (429, 503)  # the server is full or briefly unavailable: not the request's fault
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+SCAN_INTERVAL_S = 5.0  # how often a replica looks for unfinished batches nobody runs
+SAVE_INTERVAL_S = 1.0  # how stale the counts other replicas read may be
 
 
 class BatchRunner:
     def __init__(self, root: Path, files: FileStore, app: ASGIApp, *, concurrency: int,
                  api_key: str | None = None,
-                 is_draining: Callable[[], bool] = lambda: False) -> None:
+                 is_draining: Callable[[], bool] = lambda: False,
+                 scan_interval_s: float = SCAN_INTERVAL_S) -> None:
         self.dir = root / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.files = files
@@ -50,7 +61,11 @@ class BatchRunner:
         self.concurrency = concurrency
         self.api_key = api_key
         self.is_draining = is_draining
-        self.batches: dict[str, dict[str, Any]] = {}
+        self.scan_interval_s = scan_interval_s
+        self.batches: dict[str, dict[str, Any]] = {}  # the ones this runner runs
+        self._locks: dict[str, BatchLock] = {}
+        self._saved_at: dict[str, float] = {}
+        self._scanner: asyncio.Task[None] | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -58,18 +73,17 @@ class BatchRunner:
 
     # ---- lifecycle (inside the server's event loop) ----------------------------------------
     async def start(self) -> None:
-        """Load the batches on disk and resume the unfinished ones."""
+        """Resume the unfinished batches on disk that nobody runs, and keep looking."""
         self._slots = asyncio.Semaphore(self.concurrency)
         self._transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
-        for path in sorted(self.dir.glob("batch_*.json")):
-            batch = json.loads(path.read_text())
-            self.batches[batch["id"]] = batch
-            if batch["status"] in ACTIVE:
-                logger.info("resuming %s (%s)", batch["id"], batch["status"])
-                self._launch(batch)
+        self._take_over_orphans()
+        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
 
     async def shutdown(self) -> None:
-        """Stop every batch where it is; unfinished ones stay resumable on disk."""
+        """Stop every batch where it is; unfinished ones stay resumable on disk (by this
+        replica's successor, or by another one sharing the folder)."""
+        if self._scanner is not None:
+            self._scanner.cancel()
         for task in self._tasks.values():
             task.cancel()
         for task in list(self._tasks.values()):
@@ -103,22 +117,31 @@ class BatchRunner:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata, "model": None, "usage": None,
         }
-        self.batches[batch["id"]] = batch
+        lock = BatchLock.try_acquire(self.dir / f"{batch['id']}.lock")
+        assert lock is not None  # a fresh id: nobody else can hold it
         self._save(batch)
-        self._launch(batch)
+        self._own(batch, lock)
         logger.info("created %s from %s for %s", batch["id"], input_file_id, endpoint)
         return batch
 
     def get(self, batch_id: str) -> dict[str, Any]:
-        if batch_id not in self.batches:
+        if batch_id in self.batches:
+            return self.batches[batch_id]
+        batch = _read_record(self._record_path(batch_id))
+        if batch is None:
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id",
                            code="batch_not_found")
-        return self.batches[batch_id]
+        return batch
 
     def list(self) -> list[dict[str, Any]]:
-        """Newest first."""
-        return sorted(self.batches.values(), key=lambda b: (b["created_at"], b["id"]),
-                      reverse=True)
+        """Every batch in the folder, newest first (this runner's own from memory)."""
+        found = {}
+        for path in self.dir.glob("batch_*.json"):
+            batch = _read_record(path)
+            if batch is not None:
+                found[batch["id"]] = batch
+        found.update(self.batches)
+        return sorted(found.values(), key=lambda b: (b["created_at"], b["id"]), reverse=True)
 
     def num_pending(self) -> int:
         """Requests of unfinished batches not answered yet (a gauge)."""
@@ -131,10 +154,81 @@ class BatchRunner:
         if batch["status"] not in ("validating", "in_progress"):
             raise APIError(409, f"batch {batch_id} is {batch['status']}; only a validating or "
                                 "in_progress batch can be cancelled", code="batch_not_active")
-        self._set_status(batch, "cancelling")
-        for task in self._in_flight.get(batch_id, ()):
-            task.cancel()  # its request is aborted and stays out of the result files
+        if batch_id not in self.batches:
+            # Another replica runs it (or will): leave it the word, answer as it will.
+            self._cancel_marker(batch_id).touch()
+            return {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
+        self._start_cancelling(batch)
         return batch
+
+    def _start_cancelling(self, batch: dict[str, Any]) -> None:
+        self._set_status(batch, "cancelling")
+        for task in self._in_flight.get(batch["id"], ()):
+            task.cancel()  # its request is aborted and stays out of the result files
+
+    # ---- ownership when replicas share the folder -----------------------------------------
+    async def _scan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.scan_interval_s)
+            try:
+                for batch in list(self.batches.values()):
+                    self._honour_cancel_marker(batch)
+                self._take_over_orphans()
+            except Exception:  # a bad file must not stop the scans for good
+                logger.exception("scanning %s for batches failed", self.dir)
+
+    def _take_over_orphans(self) -> None:
+        """Run the unfinished batches whose lock is free (none while this server drains)."""
+        for path in sorted(self.dir.glob("batch_*.json")):
+            if self.is_draining():
+                return
+            batch_id = path.name.removesuffix(".json")
+            if batch_id in self.batches:
+                continue
+            batch = _read_record(path)
+            if batch is None or batch["status"] not in ACTIVE:
+                continue
+            lock = BatchLock.try_acquire(self.dir / f"{batch_id}.lock")
+            if lock is None:
+                continue  # another replica runs it
+            batch = _read_record(path)  # as its last runner left it
+            if batch is None or batch["status"] not in ACTIVE:
+                lock.release()
+                continue
+            logger.info("resuming %s (%s)", batch_id, batch["status"])
+            self._own(batch, lock)
+
+    def _own(self, batch: dict[str, Any], lock: BatchLock) -> None:
+        batch_id = batch["id"]
+        self.batches[batch_id] = batch
+        self._locks[batch_id] = lock
+
+        def release(_: asyncio.Task[None]) -> None:
+            # Finished, drained or cancelled by shutdown: from now on another runner may
+            # take it (only an unfinished one will).
+            self.batches.pop(batch_id, None)
+            self._saved_at.pop(batch_id, None)
+            if batch["status"] not in ACTIVE:  # done for good: nobody needs these again
+                (self.dir / f"{batch_id}.lock").unlink(missing_ok=True)
+                self._cancel_marker(batch_id).unlink(missing_ok=True)
+            self._locks.pop(batch_id).release()
+
+        self._launch(batch)
+        self._tasks[batch_id].add_done_callback(release)
+
+    def _cancel_marker(self, batch_id: str) -> Path:
+        return self.dir / f"{batch_id}.cancel"
+
+    def _honour_cancel_marker(self, batch: dict[str, Any]) -> None:
+        if batch["status"] in ("validating", "in_progress") and \
+                self._cancel_marker(batch["id"]).exists():
+            self._start_cancelling(batch)
+
+    def _record_path(self, batch_id: str) -> Path:
+        # ids are ours ("batch_" + hex); anything else cannot name a file here (no "../")
+        if not (batch_id.startswith("batch_") and batch_id[6:].isalnum()):
+            return self.dir / "batch_invalid.json.missing"
+        return self.dir / f"{batch_id}.json"
 
     # ---- running one batch -----------------------------------------------------------------
     def _launch(self, batch: dict[str, Any]) -> None:
@@ -155,6 +249,7 @@ class BatchRunner:
             self._set_status(batch, "failed")
 
     async def _run(self, batch: dict[str, Any]) -> None:
+        self._honour_cancel_marker(batch)
         try:
             path = self.files.content_path(batch["input_file_id"])
             lines, errors = await asyncio.to_thread(read_batch_input, path, batch["endpoint"])
@@ -189,6 +284,7 @@ class BatchRunner:
         try:
             for line in pending:
                 await self._slots.acquire()
+                self._honour_cancel_marker(batch)
                 if not self._should_continue(batch):
                     self._slots.release()
                     break
@@ -261,6 +357,8 @@ class BatchRunner:
 
     def _update_counts(self, batch: dict[str, Any], results: BatchResults) -> None:
         batch["request_counts"].update(completed=results.completed, failed=results.failed)
+        if time.monotonic() - self._saved_at.get(batch["id"], 0.0) >= SAVE_INTERVAL_S:
+            self._save(batch)  # what the other replicas answer for it
 
     def _set_status(self, batch: dict[str, Any], status: str) -> None:
         batch["status"] = status
@@ -269,6 +367,15 @@ class BatchRunner:
 
     def _save(self, batch: dict[str, Any]) -> None:
         write_json_atomic(self.dir / f"{batch['id']}.json", batch)
+        self._saved_at[batch["id"]] = time.monotonic()
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A batch record, or None when there is none (records are replaced atomically)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def _json_or_error(response: httpx.Response) -> dict[str, Any]:
