@@ -48,6 +48,9 @@ TMP_VOLUME = "tmp"
 # The Batch API's files and batches, on the /tmp emptyDir: it outlives a container restart,
 # so a batch cut by one resumes in the same pod (docs/batch.md).
 BATCH_DIR = "/tmp/argosy-batches"
+# With spec.runtime.batchVolumeClaim: the shared claim's mount; --batch-dir is <mount>/<name>.
+BATCH_VOLUME = "batches"
+BATCH_MOUNT = "/var/lib/argosy/batches"
 SHM_VOLUME = "dshm"
 RUN_AS_USER = 1000
 

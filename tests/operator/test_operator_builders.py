@@ -177,6 +177,22 @@ def _pod(**spec: Any) -> dict[str, Any]:
     return build_deployment(llmd, norm, replicas=1)["spec"]["template"]["spec"]
 
 
+def test_a_batch_volume_claim_is_shared_read_write_under_the_deployments_folder() -> None:
+    pod = _pod(runtime={"batchVolumeClaim": "batch-store"})
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "batch-store"}} in \
+        pod["volumes"]
+    runtime = pod["containers"][0]
+    assert {"name": "batches", "mountPath": "/var/lib/argosy/batches"} in runtime["volumeMounts"]
+    # One claim may serve several LLMDeployments: each gets its own folder (this one is "x").
+    assert runtime["args"][runtime["args"].index("--batch-dir") + 1] == \
+        "/var/lib/argosy/batches/x"
+    # Without the claim: the pod's own /tmp, and no such volume.
+    pod = _pod()
+    assert all(v["name"] != "batches" for v in pod["volumes"])
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--batch-dir") + 1] == "/tmp/argosy-batches"
+
+
 def test_pvc_source_is_mounted_read_only_without_download() -> None:
     pod = _pod(model={"name": "m", "source": "pvc://weights/llama/8b"})
     assert "initContainers" not in pod

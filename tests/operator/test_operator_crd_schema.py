@@ -175,6 +175,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("block size not a power of two", with_spec(runtime__blockSize=12),
      "runtime.blockSize: 12 is not one of [8, 16, 32, 64]"),
     ("missing served name", with_spec(model__name=_DELETE), "'name' is a required property"),
+    ("batch claim not a name", with_spec(runtime__batchVolumeClaim="Batch Store"),
+     "runtime.batchVolumeClaim: 'Batch Store' does not match"),
 ]
 
 
@@ -199,6 +201,7 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
     {"rollout": {"maxSurge": "25%", "maxUnavailable": "25%"}},
     {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1}},
     {"resources__memory": "512Mi", "resources__cpu": 2},
+    {"runtime__batchVolumeClaim": "batch-store"},
     {"runtime__loraAdapters": [{"name": "sql", "path": "hf://org/sql-lora"},
                                {"name": "sql:v2", "path": "hf://org/sql-lora@v2.0"},
                                {"name": "chat", "path": "/adapters/chat"}]},

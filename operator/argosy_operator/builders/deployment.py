@@ -11,6 +11,8 @@ from argosy_operator.builders.download import download_container
 from argosy_operator.builders.security import container_security_context, pod_security_context
 from argosy_operator.builders.serve_args import serve_args
 from argosy_operator.constants import (
+    BATCH_MOUNT,
+    BATCH_VOLUME,
     LORA_MOUNT,
     LORA_VOLUME,
     MODEL_MOUNT,
@@ -76,6 +78,11 @@ def _volumes(name: str, spec: Mapping[str, Any], source: ModelSource
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
                                                          "sizeLimit": SHM_SIZE}})
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    if spec["runtime"].get("batchVolumeClaim"):
+        # Shared by every replica (ReadWriteMany): batches outlive their pod (docs/batch.md).
+        volumes.append({"name": BATCH_VOLUME, "persistentVolumeClaim": {
+            "claimName": spec["runtime"]["batchVolumeClaim"]}})
+        mounts.append({"name": BATCH_VOLUME, "mountPath": BATCH_MOUNT})
     if serves_lora_adapters(spec):
         # The LoRA ConfigMap (same name as the LLMDeployment). A whole-directory mount: the
         # kubelet refreshes it in place (a subPath mount would never see an update).
@@ -110,7 +117,7 @@ def _pod_spec(name: str, spec: Mapping[str, Any], source: ModelSource) -> dict[s
         "image": image,
         "imagePullPolicy": runtime["imagePullPolicy"],
         "command": ["argosy"],
-        "args": serve_args(spec, source.serve_path),
+        "args": serve_args(name, spec, source.serve_path),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec),

@@ -6,7 +6,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from argosy_operator.constants import BATCH_DIR, LORA_FILE_KEY, LORA_MOUNT, RUNTIME_PORT
+from argosy_operator.constants import (
+    BATCH_DIR,
+    BATCH_MOUNT,
+    LORA_FILE_KEY,
+    LORA_MOUNT,
+    RUNTIME_PORT,
+)
 from argosy_operator.spec import serves_lora_adapters
 
 
@@ -21,8 +27,14 @@ def speculative_json(speculative: Mapping[str, Any]) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
-def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
-    """Arguments after `argosy` for a normalized spec (see `spec.normalize_spec`)."""
+def batch_dir(name: str, spec: Mapping[str, Any]) -> str:
+    """`--batch-dir`: the LLMDeployment's folder on the shared claim, else the pod's /tmp."""
+    return f"{BATCH_MOUNT}/{name}" if spec["runtime"].get("batchVolumeClaim") else BATCH_DIR
+
+
+def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]:
+    """Arguments after `argosy` for a normalized spec (see `spec.normalize_spec`) of the
+    LLMDeployment `name`."""
     runtime = spec["runtime"]
     args = [
         "serve",
@@ -50,7 +62,7 @@ def serve_args(spec: Mapping[str, Any], model_path: str) -> list[str]:
     if runtime.get("toolCallParser"):
         args += ["--tool-call-parser", runtime["toolCallParser"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
-    args += ["--batch-dir", BATCH_DIR]
+    args += ["--batch-dir", batch_dir(name, spec)]
     if runtime.get("maxWaiting") is not None:
         args += ["--max-waiting", str(runtime["maxWaiting"])]
     args += [str(a) for a in runtime.get("extraArgs", [])]
