@@ -31,12 +31,13 @@ FILE_LIMIT = 64 * 1024  # the file limit of the gateway and the replica
 
 
 @pytest.fixture
-async def replica(tmp_path: Path) -> AsyncIterator[Callable[[int], Awaitable[tuple[str, FileStore]]]]:
-    """`await replica(max_bytes)` -> (URL, its FileStore): the replica's Batch API routes."""
+async def replica(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[tuple[str, FileStore]]]]:
+    """`await replica(max_bytes[, root])` -> (URL, its FileStore): the replica's Batch API
+    routes, on a folder of its own unless `root` names one to share."""
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
-    async def make(max_bytes: int) -> tuple[str, FileStore]:
-        root = tmp_path / f"replica{len(servers)}"
+    async def make(max_bytes: int, root: Path | None = None) -> tuple[str, FileStore]:
+        root = root or tmp_path / f"replica{len(servers)}"
         app = FastAPI()
         install_error_handlers(app)
         files = FileStore(root, max_bytes=max_bytes)
@@ -147,3 +148,20 @@ async def test_an_upload_that_is_not_multipart_is_a_400(small_limits, replica, g
         async with session.post(f"{url}/v1/files", data=form) as resp:
             assert resp.status == 400
             assert "'file'" in (await resp.json())["error"]["message"]
+
+
+async def test_replicas_sharing_a_folder_list_each_file_once(replica, gateway,
+                                                             tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    first, files = await replica(FILE_LIMIT, shared)
+    second, _ = await replica(FILE_LIMIT, shared)
+    _, url = await gateway(GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=(first, second)),),
+        health=HealthConfig(interval_s=60)))
+    data = _jsonl(1000)
+    async with _client(url) as client:
+        uploaded = await client.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+        listed = await client.files.list()
+        assert [f.id for f in listed.data] == [uploaded.id]  # both replicas list it
+        assert (await client.files.content(uploaded.id)).content == data
+    assert [f["id"] for f in files.list()] == [uploaded.id]

@@ -10,7 +10,8 @@ reach the replica that holds its id:
 - `POST /v1/batches` goes to the replica holding `input_file_id`;
 - calls on one id (`/v1/files/{id}[/content]`, `/v1/batches/{id}[/cancel]`) go to the replica
   that answered for the id before, else to the one of the replicas in rotation that knows it;
-- `GET /v1/files` and `GET /v1/batches` merge every replica's list, newest first.
+- `GET /v1/files` and `GET /v1/batches` merge every replica's list, newest first, each id
+  once (replicas sharing a `--batch-dir` all list the same ones).
 """
 
 from __future__ import annotations
@@ -160,7 +161,10 @@ class BatchRoutes:
         refused = [(s, b) for s, b in answers if s != 200 and isinstance(b, dict)]
         if refused and not any(s == 200 for s, _ in answers):
             return web.json_response(refused[0][1], status=refused[0][0])  # e.g. a 401
-        items = [item for s, b in answers if s == 200 for item in b.get("data") or []]
+        # Replicas sharing one --batch-dir all list the same ids: each id once.
+        unique = {item["id"]: item for s, b in answers if s == 200
+                  for item in b.get("data") or []}
+        items = list(unique.values())
         items.sort(key=lambda item: (item.get("created_at", 0), item["id"]), reverse=True)
         if request.query.get("order") == "asc":
             items.reverse()
