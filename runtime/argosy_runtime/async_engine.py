@@ -14,11 +14,12 @@ only its newest output: a slow consumer skips intermediate states instead of que
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from argosy_runtime.outputs import EngineStats, RequestOutput
@@ -118,7 +119,7 @@ class AsyncEngine:
         self.max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
-        self._num_pending_adds = 0
+        self._pending_adds: collections.Counter[int] = collections.Counter()  # by priority
         self._streams: dict[str, RequestStream] = {}
         self._trackers: dict[str, _Tracker] = {}  # worker thread only
         self._stats = EngineStats()
@@ -157,8 +158,17 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests that cannot join the running batch at the next step: the engine's waiting
         queue plus adds not yet applied, less the batch's free slots."""
+        return self.num_waiting_ahead_of(None)
+
+    def num_waiting_ahead_of(self, priority: int | None) -> int:
+        """Like `num_waiting`, counting only the requests a new one of `priority` would wait
+        behind: those with the same or a lower priority value (None: all)."""
         stats = self._stats
-        queued = stats.num_requests_waiting + self._num_pending_adds
+
+        def count(by_priority: Mapping[int, int]) -> int:
+            return sum(n for p, n in by_priority.items() if priority is None or p <= priority)
+
+        queued = count(stats.num_waiting_by_priority) + count(self._pending_adds)
         if self.max_num_seqs is None:
             return queued
         return max(0, queued - max(0, self.max_num_seqs - stats.num_requests_running))
@@ -172,20 +182,23 @@ class AsyncEngine:
                   priority: int = 0, lora_name: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it.
 
-        Raises QueueFullError when `max_waiting` requests already wait, ValueError when the
-        engine rejects the request (its message names the field).
+        Raises QueueFullError when `max_waiting` requests of the same or a more urgent
+        priority already wait (less urgent ones, such as batch requests, would wait behind
+        it, so they never keep it out), ValueError when the engine rejects the request (its
+        message names the field).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        if self.max_waiting and self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+        ahead = self.num_waiting_ahead_of(priority)
+        if self.max_waiting and ahead >= self.max_waiting:
+            raise QueueFullError(f"{ahead} requests are already waiting")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         arrival = time.monotonic()
         with self._cond:
-            self._num_pending_adds += 1
+            self._pending_adds[priority] += 1
             self._commands.append(("add", (request_id, prompt, params, arrival, priority,
                                            lora_name)))
             self._cond.notify()
@@ -234,11 +247,11 @@ class AsyncEngine:
 
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
         results: list[tuple[str, BaseException | None]] = []
-        num_adds = 0
+        applied: collections.Counter[int] = collections.Counter()
         for kind, payload in commands:
             if kind == "add":
-                num_adds += 1
                 request_id, prompt, params, arrival, priority, lora_name = payload
+                applied[priority] += 1
                 try:
                     self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
                                             priority=priority, lora_name=lora_name)
@@ -251,7 +264,7 @@ class AsyncEngine:
                     self.engine.abort_request(payload)
         stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
-            self._num_pending_adds -= num_adds
+            self._pending_adds -= applied
             self._stats = stats
         self._call(self._acknowledge, results)
 

@@ -310,6 +310,7 @@ class LLMEngine:
         s = self.stats
         s.num_requests_running = self.scheduler.num_running
         s.num_requests_waiting = self.scheduler.num_waiting
+        s.num_waiting_by_priority = self.scheduler.num_waiting_by_priority()
         s.kv_cache_usage = self.kv_cache.usage()
         s.prefix_cache_queries = self.kv_cache.prefix_cache_queries
         s.prefix_cache_hits = self.kv_cache.prefix_cache_hits

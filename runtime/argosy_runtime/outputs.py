@@ -68,6 +68,7 @@ class EngineStats:
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> count
     kv_cache_usage: float = 0.0  # 0..1, cached-but-unreferenced blocks count as free
     num_gpu_blocks: int = 0
     block_size: int = 0

@@ -19,6 +19,7 @@ Preemption frees a running request's blocks; it goes back to waiting and is reco
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +90,9 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def num_waiting_by_priority(self) -> dict[int, int]:
+        return dict(collections.Counter(r.priority for r in self.waiting))
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $ARGOSY_API_KEY; /health, /ready, /metrics stay open).")
     server.add_argument("--max-waiting", type=int, default=1024,
                         help="Most requests waiting for the running batch; more get 429 with "
-                             "Retry-After (0: unbounded; default: %(default)s).")
+                             "Retry-After. Counted per priority: a request waits only behind "
+                             "those of its own or a more urgent priority, so less urgent ones "
+                             "(batch requests) never keep it out (0: unbounded; default: "
+                             "%(default)s).")
     server.add_argument("--request-timeout", type=float, default=600.0,
                         help="Seconds before a request is aborted (0: none; "
                              "default: %(default)s).")

@@ -15,7 +15,8 @@ class ServerConfig:
     """Options of the OpenAI server around one engine.
 
     max_waiting: most requests waiting for a slot in the running batch before new ones get
-        429 + Retry-After (0: unbounded).
+        429 + Retry-After (0: unbounded); a new request counts only those of its own or a
+        more urgent priority.
     request_timeout: seconds a request may take end to end before it is aborted (0: none).
     drain_timeout: seconds SIGTERM waits for running requests before aborting them.
     api_key: when set, /v1/* requires `Authorization: Bearer <key>`.

@@ -98,6 +98,26 @@ async def test_full_waiting_queue_answers_429_with_retry_after(prod: ServerProce
         assert r.status_code == 200
 
 
+async def test_a_queue_full_of_less_urgent_requests_never_refuses_a_more_urgent_one(
+        prod: ServerProcess) -> None:
+    # Every seat and the whole waiting queue taken by priority-1 requests (bulk work, batch
+    # requests): another priority-1 request is refused, a priority-0 one is served at once.
+    bulk = {"model": MODEL, "prompt": "Tell a story.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True, "priority": 1}
+    async with httpx.AsyncClient(base_url=prod.url, headers=AUTH, timeout=120) as h, \
+            contextlib.AsyncExitStack() as stack:
+        for _ in range(MAX_NUM_SEQS + MAX_WAITING):
+            r = await stack.enter_async_context(h.stream("POST", "/v1/completions", json=bulk))
+            assert r.status_code == 200
+        await _until(lambda: _gauges(prod) == (MAX_NUM_SEQS, MAX_WAITING))
+        r = await h.post("/v1/completions", json={**bulk, "stream": False})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                  "priority": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    await _until(lambda: _gauges(prod) == (0, 0), timeout=10)
+
+
 async def test_request_timeout_aborts_plain_and_streamed(prod: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 1800, "ignore_eos": True}
     start = time.monotonic()
