@@ -32,6 +32,7 @@ from argosy_runtime.server.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from argosy_runtime.server.request_log import RequestContextMiddleware
+from argosy_runtime.server.responses import ResponseStore, add_responses_routes
 from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
@@ -96,6 +97,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await create_chat_completion(request, body, ctx)
+
+    add_responses_routes(app, ctx, ResponseStore())
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""OpenAI's `Response` object, as the official client's `openai.types.responses.Response`
+parses it: the generated message, usage, status, and the request's settings echoed back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from argosy_runtime.server.responses.protocol import ResponsesRequest
+
+
+def new_item_id(prefix: str) -> str:
+    """OpenAI's ids: `resp_<hex>`, `msg_<hex>`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
+    """(response status, incomplete_details) for a chat finish reason."""
+    if finish_reason == "length":  # max_output_tokens, or the model's context is full
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The assistant's output message; `text=None`: not started (no content part yet)."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [] if text is None else [text_part(text)]}
+
+
+def usage_of(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    prompt = int(chat_usage.get("prompt_tokens", 0))
+    completion = int(chat_usage.get("completion_tokens", 0))
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def response_object(req: ResponsesRequest, *, response_id: str, created_at: int, model: str,
+                    status: str, output: list[dict[str, Any]],
+                    usage: dict[str, Any] | None = None,
+                    incomplete_details: dict[str, str] | None = None,
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+    finished = status in ("completed", "incomplete", "failed")
+    text_format = (req.text.format.model_dump(by_alias=True, exclude_none=True)
+                   if req.text is not None and req.text.format is not None
+                   else {"type": "text"})
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "completed_at": int(time.time()) if finished else None,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": incomplete_details,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                      "summary": None},
+        "safety_identifier": req.safety_identifier,
+        "service_tier": req.service_tier or "default",
+        "store": bool(req.store),
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": text_format},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": [],
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": req.truncation or "disabled",
+        "usage": usage,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }

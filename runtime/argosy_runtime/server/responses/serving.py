@@ -1,0 +1,155 @@
+"""POST /v1/responses on top of chat completions.
+
+A Responses request becomes a chat completion request (instructions as a first system
+message, then the stored conversation of `previous_response_id`, then the input items) and
+runs through `create_chat_completion` unchanged, so chat templates, sampling, limits,
+priorities, LoRA model names, metrics, disconnect aborts and errors are exactly chat's. Its
+answer (a chat completion, or chat chunks when streaming) is rewritten into a `Response`
+object or Responses stream events (`stream_events.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    ResponseFormat,
+    StreamOptions,
+)
+from argosy_runtime.server.responses.protocol import (
+    ResponsesRequest,
+    input_messages,
+    reject_unsupported,
+)
+from argosy_runtime.server.responses.response_object import (
+    message_item,
+    new_item_id,
+    response_object,
+    status_of,
+    usage_of,
+)
+from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
+from argosy_runtime.server.responses.stream_events import ResponseEventStream
+from argosy_runtime.server.serving_chat import create_chat_completion
+from argosy_runtime.server.serving_common import ServingContext
+from argosy_runtime.server.streaming import GuardedStreamingResponse
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+# The replica tells the gateway which response id it made (and stored): every later call on
+# that id must come back here.
+RESPONSE_ID_HEADER = "x-argosy-response-id"
+
+# chat's request fields -> the Responses fields the client wrote
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+
+
+async def create_response(request: Request, req: ResponsesRequest, ctx: ServingContext,
+                          store: ResponseStore) -> Response:
+    reject_unsupported(req)
+    history: tuple[dict[str, str], ...] = ()
+    if req.previous_response_id is not None:
+        history = store.get(req.previous_response_id, "previous_response_id").conversation()
+    new_messages = input_messages(req.input)
+    system = [] if req.instructions is None else [{"role": "system",
+                                                   "content": req.instructions}]
+    chat = chat_request(req, [*system, *history, *new_messages])
+    response_id, created_at = new_item_id("resp"), int(time.time())
+    try:
+        answer = await create_chat_completion(request, chat, ctx)
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
+    model = ctx.check_model(req.model)
+
+    def keep(response: dict[str, Any]) -> None:
+        if req.store:
+            store.put(StoredResponse(response, (*history, *new_messages),
+                                     tuple(input_item(m) for m in new_messages)))
+
+    headers = {RESPONSE_ID_HEADER: response_id}
+    if isinstance(answer, GuardedStreamingResponse):
+        events = ResponseEventStream(req, response_id, created_at, model, on_done=keep)
+        out = GuardedStreamingResponse(events.translate(answer.body_iterator), answer.close)
+        out.headers.update(headers)
+        return out
+    if answer.status_code != 200:  # the client left (499)
+        return answer
+    body = json.loads(answer.body)
+    choice = body["choices"][0]
+    status, incomplete = status_of(choice.get("finish_reason"))
+    text = choice["message"].get("content") or ""
+    response = response_object(
+        req, response_id=response_id, created_at=created_at, model=model, status=status,
+        output=[message_item(new_item_id("msg"), text, status)],
+        usage=usage_of(body.get("usage")), incomplete_details=incomplete)
+    keep(response)
+    return JSONResponse(response, headers=headers)
+
+
+def chat_request(req: ResponsesRequest, messages: list[dict[str, str]]) -> ChatCompletionRequest:
+    """The chat completion request that answers `req` (already checked)."""
+    try:
+        return ChatCompletionRequest(
+            model=req.model,
+            messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            max_completion_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stream=req.stream,
+            stream_options=StreamOptions(include_usage=True) if req.stream else None,
+            user=req.user,
+            response_format=response_format(req),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            stop_token_ids=req.stop_token_ids,
+            priority=req.priority,
+        )
+    except ValidationError as exc:  # bounds are checked on ResponsesRequest: not expected
+        error = exc.errors()[0]
+        raise bad_request(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+
+
+def response_format(req: ResponsesRequest) -> ResponseFormat | None:
+    """`text.format` as chat's `response_format` (constrained decoding for JSON)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.name is None:
+        raise bad_request("text.format.name: required when type is 'json_schema'", "text")
+    if fmt.schema_ is None:
+        raise bad_request("text.format.schema: required when type is 'json_schema'", "text")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
+
+
+def in_responses_terms(exc: APIError) -> APIError:
+    """A chat error named in the fields of the Responses request."""
+    exc.param = _PARAMS.get(exc.param or "", exc.param)
+    message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", exc.message)
+    message = message.replace("response_format: ", "text.format: ")
+    exc.message = message.replace("json_schema.schema", "text.format.schema")
+    return exc
+
+
+def input_item(message: dict[str, str]) -> dict[str, Any]:
+    """An input message as `GET /v1/responses/{id}/input_items` lists it."""
+    if message["role"] == "assistant":
+        return message_item(new_item_id("msg"), message["content"], "completed")
+    return {"id": new_item_id("msg"), "type": "message", "role": message["role"],
+            "status": "completed",
+            "content": [{"type": "input_text", "text": message["content"]}]}

@@ -1,0 +1,76 @@
+"""Stored responses (`store: true`, OpenAI's default), for `previous_response_id`, `GET` and
+`DELETE /v1/responses/{id}`.
+
+In memory, per replica, least recently used first out past `max_entries`: a restart loses
+them, and another replica never sees them (the gateway sends every call on an id to the
+replica that stored it).
+
+Each entry keeps the conversation that led to it as chat messages (the inputs of every
+response in its `previous_response_id` chain, without their `instructions`, which OpenAI
+does not carry over) so that a follow-up is one lookup. The message dicts are shared between
+the entries of a chain, never copied or changed, so a chain of n turns costs O(n) references
+per entry, not O(n) texts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from argosy_runtime.server.errors import APIError
+
+MAX_STORED_RESPONSES = 10_000
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object as the client got it
+    # the conversation before this response's input, then its input (chat messages)
+    messages: tuple[dict[str, str], ...]
+    input_items: tuple[dict[str, Any], ...]  # this request's input, as listed by input_items
+
+    def conversation(self) -> tuple[dict[str, str], ...]:
+        """The messages a follow-up continues: the input so far and this response's reply."""
+        return (*self.messages, {"role": "assistant", "content": output_text(self.response)})
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(part.get("text", "") for item in response.get("output", [])
+                   if item.get("type") == "message"
+                   for part in item.get("content", []) if part.get("type") == "output_text")
+
+
+class ResponseStore:
+    """An LRU of `StoredResponse` by response id."""
+
+    def __init__(self, max_entries: int = MAX_STORED_RESPONSES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: StoredResponse) -> None:
+        response_id = entry.response["id"]
+        self._entries[response_id] = entry
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        """The entry, or a 404 in OpenAI's words (`param`: the request field that named it)."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            what = "Previous response" if param == "previous_response_id" else "Response"
+            raise APIError(404, f"{what} with id {response_id!r} not found (responses are "
+                                "kept in memory on the replica that made them)", param=param,
+                           code="previous_response_not_found" if param else "response_not_found")
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._entries[response_id]

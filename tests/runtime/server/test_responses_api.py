@@ -1,0 +1,232 @@
+"""POST /v1/responses (OpenAI's Responses API) through the official `openai` client against
+the shared real server (float32, greedy): the same text as chat completions, streamed events in
+OpenAI's order, stored responses, and 4xx errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from serve_harness import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+INSTRUCTIONS = "You are a helpful assistant."
+GREETING = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
+STREAM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+                 "response.content_part.added"]
+STREAM_END = ["response.output_text.done", "response.content_part.done",
+              "response.output_item.done"]
+
+
+def chat_text(client: OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                       max_completion_tokens=max_tokens)
+    return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+
+def test_create_equals_chat_completion(client: OpenAI) -> None:
+    r = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=GREETING,
+                                max_output_tokens=40, temperature=0, metadata={"k": "v"},
+                                user="u1")
+    text, finish = chat_text(client, [{"role": "system", "content": INSTRUCTIONS},
+                                      {"role": "user", "content": "Hi"}], 40)
+    assert finish == "stop" and text
+    assert r.output_text == text
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status == "completed" and r.incomplete_details is None and r.error is None
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.status == "completed"
+    assert [(p.type, p.text, p.annotations) for p in message.content] == \
+        [("output_text", text, [])]
+    assert r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert (r.instructions, r.metadata, r.user, r.store, r.temperature, r.max_output_tokens) \
+        == (INSTRUCTIONS, {"k": "v"}, "u1", True, 0.0, 40)
+
+
+def test_max_output_tokens_makes_it_incomplete(client: OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=3,
+                                temperature=0, store=False)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete"
+    assert r.usage.output_tokens == 3
+    text, _ = chat_text(client, [{"role": "user", "content": "Tell me a story."}], 3)
+    assert r.output_text == text
+
+
+@pytest.mark.parametrize("max_tokens, end", [(40, "response.completed"),
+                                             (4, "response.incomplete")])
+def test_stream_events_in_openai_order(client: OpenAI, max_tokens: int, end: str) -> None:
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=max_tokens,
+                                    temperature=0)
+    events = list(client.responses.create(model=MODEL, input="Hi", temperature=0,
+                                          max_output_tokens=max_tokens, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds == STREAM_EVENTS + ["response.output_text.delta"] * len(deltas) + \
+        STREAM_END + [end]
+    assert len(deltas) > 2  # really incremental
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.status == whole.status
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    item_id = events[2].item.id
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {item_id}
+    assert final.output[0].id == item_id and events[0].response.id == final.id
+    assert events[-4].text == whole.output_text  # response.output_text.done
+    # a streamed response is stored too
+    assert client.responses.retrieve(final.id).output_text == whole.output_text
+
+
+def test_stream_helper_parses_the_events(client: OpenAI) -> None:
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=40,
+                                    temperature=0)
+    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=40,
+                                 temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert final.status == "completed"
+
+
+def test_previous_response_id_continues_the_conversation(client: OpenAI) -> None:
+    first = client.responses.create(model=MODEL, instructions="Be brief.",
+                                    input="My name is Ann.", max_output_tokens=12,
+                                    temperature=0)
+    follow = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                     input="What is my name?", max_output_tokens=12,
+                                     temperature=0)
+    # OpenAI does not carry a previous response's instructions over
+    text, _ = chat_text(client, [{"role": "user", "content": "My name is Ann."},
+                                 {"role": "assistant", "content": first.output_text},
+                                 {"role": "user", "content": "What is my name?"}], 12)
+    assert follow.output_text == text
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    third = client.responses.create(model=MODEL, previous_response_id=follow.id,
+                                    input=[{"role": "user", "content": "Thanks."}],
+                                    max_output_tokens=6, temperature=0)
+    text, _ = chat_text(client, [{"role": "user", "content": "My name is Ann."},
+                                 {"role": "assistant", "content": first.output_text},
+                                 {"role": "user", "content": "What is my name?"},
+                                 {"role": "assistant", "content": follow.output_text},
+                                 {"role": "user", "content": "Thanks."}], 6)
+    assert third.output_text == text
+
+
+def test_retrieve_input_items_and_delete(client: OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        max_output_tokens=5, temperature=0)
+    got = client.responses.retrieve(created.id)
+    assert got.model_dump(exclude={"completed_at"}) == \
+        created.model_dump(exclude={"completed_at"})
+    items = client.responses.input_items.list(created.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [("developer", "Be brief."),
+                                                            ("user", "Hi")]
+    assert client.responses.delete(created.id) is None
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.responses.retrieve(created.id)
+    assert exc.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=created.id)
+    assert exc.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.id)
+
+
+def test_store_false_is_not_kept(client: OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.responses.create(
+        model=MODEL, input="Is the sky blue? Answer in JSON.", max_output_tokens=30,
+        temperature=0, store=False,
+        text={"format": {"type": "json_schema", "name": "yes_no", "schema": schema}})
+    assert r.status == "completed"
+    assert json.loads(r.output_text)["answer"] in ("yes", "no")
+    assert r.text.format.type == "json_schema" and r.text.format.name == "yes_no"
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"input": "Hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    ({"input": 123}, 400, "input", "expected a string or a list of input items"),
+    ({"input": ["Hi"]}, 400, "input", "input[0]: expected an input item"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, 400, "input", "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input", "input[0].content[0].type: 'input_image' is not supported"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400,
+     "input", "input[0].type"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f"}]}, 400, "tools", "tools"),
+    ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
+    ({"input": "Hi", "background": True}, 400, "background", "background"),
+    ({"input": "Hi", "truncation": "auto"}, 400, "truncation", "truncation"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, 400, "include", "include"),
+    ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text",
+     "text.format.name"),
+    ({"input": "Hi " * 3000, "max_output_tokens": 5}, 400, "input", "maximum context length"),
+    ({"input": "Hi", "model": "no-such-model"}, 404, "model", "does not exist"),
+    ({"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id",
+     "resp_unknown"),
+])
+def test_errors_are_4xx_naming_the_field(http: httpx.Client, body: dict, status: int,
+                                         param: str, words: str) -> None:
+    r = http.post("/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_unknown_response_id_is_a_404(http: httpx.Client) -> None:
+    for method in ("GET", "DELETE"):
+        r = http.request(method, "/v1/responses/resp_unknown")
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "response_not_found"
+    assert http.get("/v1/responses/resp_unknown/input_items").status_code == 404
+
+
+def _running_and_kv(server: ServerProcess) -> tuple[float, float]:
+    m = server.metrics()
+    return m["argosy:num_requests_running"], m["argosy:kv_cache_usage_perc"]
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> None:
+    idle_running, idle_kv = _running_and_kv(server)
+    assert idle_running == 0
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        with h.stream("POST", "/v1/responses", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep the iterator: dropping it closes the connection
+            deltas = 0
+            while deltas < 4:
+                deltas += next(lines) == "event: response.output_text.delta"
+            running, kv = _running_and_kv(server)
+            assert running == 1 and kv > idle_kv
+    closed = time.monotonic()
+    while time.monotonic() - closed < 1.0:
+        running, kv = _running_and_kv(server)
+        if running == 0 and kv == idle_kv:
+            break
+        time.sleep(0.05)
+    assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
+    assert "client_disconnected" in server.log_text()
