@@ -11,10 +11,13 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from serve_harness import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
+EVENTS = TypeAdapter(ResponseStreamEvent)
 INSTRUCTIONS = "You are a helpful assistant."
 GREETING = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
 STREAM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
@@ -50,6 +53,18 @@ def test_create_equals_chat_completion(client: OpenAI) -> None:
     assert r.usage.output_tokens_details.reasoning_tokens == 0
     assert (r.instructions, r.metadata, r.user, r.store, r.temperature, r.max_output_tokens) \
         == (INSTRUCTIONS, {"k": "v"}, "u1", True, 0.0, 40)
+
+
+def test_wire_format_validates_against_the_client_types(http: httpx.Client) -> None:
+    """Strict validation (not the client's lenient parsing) of every field we send."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "store": False}
+    Response.model_validate(http.post("/v1/responses", json=body).json())
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for event in data:
+        EVENTS.validate_python(event)
+    assert data[-1]["type"] == "response.incomplete"
 
 
 def test_max_output_tokens_makes_it_incomplete(client: OpenAI) -> None:

@@ -37,7 +37,9 @@ def usage_of(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
         return None
     prompt = int(chat_usage.get("prompt_tokens", 0))
     completion = int(chat_usage.get("completion_tokens", 0))
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+    # the chat path does not report prefix-cache hits per request: 0
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
