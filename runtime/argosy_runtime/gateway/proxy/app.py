@@ -41,6 +41,7 @@ from argosy_runtime.gateway.proxy.errors import (
     no_replica,
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
+from argosy_runtime.gateway.proxy.id_owners import IdOwners
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
 
@@ -73,6 +74,8 @@ class Gateway:
         self._discoveries: list[Discovery] = []
         self._adapter_parents: dict[str, str] = {}  # LoRA adapter name -> configured model
         self._adapters_seen_at = 0.0
+        # Replicas holding Batch API files and batches, and stored responses, by id.
+        self.id_owners = IdOwners(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ reach the replica that holds its id:
   gateway's request body limit; a larger one is refused here with the replica's 413;
 - `POST /v1/batches` goes to the replica holding `input_file_id`;
 - calls on one id (`/v1/files/{id}[/content]`, `/v1/batches/{id}[/cancel]`) go to the replica
-  that answered for the id before, else to the one of the replicas in rotation that knows it;
+  that answered for the id before, else to the one of the replicas in rotation that knows it
+  (`id_owners.py`, shared with the Responses API);
 - `GET /v1/files` and `GET /v1/batches` merge every replica's list, newest first, each id
   once (replicas sharing a `--batch-dir` all list the same ones).
 """
@@ -19,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
-from collections import OrderedDict
-from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,7 +34,6 @@ from argosy_runtime.server.batch.pagination import page
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
 
-MAX_REMEMBERED_IDS = 100_000
 MAX_FIELD_BYTES = 64 * 1024  # an upload's form field other than the file (`purpose`)
 SPOOL_WRITE_BYTES = 1 << 20  # an upload reaches its temporary file in writes this large
 LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page holds
@@ -44,7 +42,6 @@ LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page
 class BatchRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self._owners: OrderedDict[str, str] = OrderedDict()  # file or batch id -> replica URL
         self._least_load = LeastLoadPolicy(gateway.config.routing)  # where uploads go
 
     def add_to(self, app: web.Application) -> None:
@@ -96,7 +93,7 @@ class BatchRoutes:
         file_id = body.get("input_file_id") if isinstance(body, dict) else None
         if not isinstance(file_id, str):
             return bad_request("input_file_id: a file id is required", param="input_file_id")
-        owner = await self._owner("files", file_id, request.headers)
+        owner = await self.gateway.id_owners.owner("files", file_id, request.headers)
         if owner is None:
             return _not_found("file", file_id)
         return await self._call(request, owner, data=json.dumps(body).encode(),
@@ -105,7 +102,7 @@ class BatchRoutes:
     # -- one id ------------------------------------------------------------------------------
     async def by_id(self, request: web.Request) -> web.StreamResponse:
         kind = request.path.split("/")[2]  # "files" or "batches"
-        owner = await self._owner(kind, request.match_info["id"], request.headers)
+        owner = await self.gateway.id_owners.owner(kind, request.match_info["id"], request.headers)
         if owner is None:
             return _not_found("batch" if kind == "batches" else "file",
                               request.match_info["id"])
@@ -113,29 +110,6 @@ class BatchRoutes:
             return await self._stream(request, owner)
         return await self._call(request, owner, data=await request.read() or None,
                                 content_type=request.headers.get("Content-Type"))
-
-    async def _owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
-        urls = self.gateway.replica_urls()
-        known = self._owners.get(obj_id)
-        if known in urls:
-            return known
-        session = self._session()
-        timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
-        forwarded = to_replica(headers)
-
-        async def has(url: str) -> bool:
-            try:
-                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=forwarded,
-                                       timeout=timeout) as resp:
-                    return resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                return False
-
-        found = [u for u, ok in zip(urls, await asyncio.gather(*(has(u) for u in urls)),
-                                    strict=True) if ok]
-        if found:
-            self._remember(obj_id, found[0])
-        return found[0] if found else None
 
     # -- lists -------------------------------------------------------------------------------
     async def list_all(self, request: web.Request) -> web.StreamResponse:
@@ -187,29 +161,11 @@ class BatchRoutes:
 
     async def _call(self, request: web.Request, url: str, *, data: Any = None,
                     content_type: str | None = None) -> web.Response:
-        """Send the request to one replica and answer with its (small JSON) answer; the ids
-        it creates are remembered as living there."""
-        # The body is the gateway's own (JSON, or a re-encoded upload): so is its type.
-        headers = to_replica(request.headers, content_type=False)
-        if content_type:
-            headers["Content-Type"] = content_type
-        try:
-            async with self._session().request(request.method, url + request.path_qs,
-                                               data=data, headers=headers) as resp:
-                body = await resp.read()
-                status, relayed = resp.status, to_client(resp.headers)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return error_response(502, f"replica {url} failed: {exc!r}")
-        if status == 200:
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                answer = None
-            if isinstance(answer, dict):
-                for key in ("id", "output_file_id", "error_file_id"):
-                    if isinstance(answer.get(key), str):
-                        self._remember(answer[key], url)
-        return web.Response(status=status, body=body, headers=relayed)
+        """One replica's (small JSON) answer; the file and batch ids it holds are remembered
+        as living there."""
+        return await self.gateway.id_owners.call(
+            request, url, data=data, content_type=content_type,
+            id_keys=("id", "output_file_id", "error_file_id"))
 
     async def _stream(self, request: web.Request, url: str) -> web.StreamResponse:
         """A file's content, relayed as it arrives (output files can be large)."""
@@ -225,15 +181,8 @@ class BatchRoutes:
         except (TimeoutError, aiohttp.ClientError) as exc:
             return error_response(502, f"replica {url} failed: {exc!r}")
 
-    def _remember(self, obj_id: str, url: str) -> None:
-        self._owners[obj_id] = url
-        self._owners.move_to_end(obj_id)
-        while len(self._owners) > MAX_REMEMBERED_IDS:
-            self._owners.popitem(last=False)
-
     def _session(self) -> aiohttp.ClientSession:
-        assert self.gateway.session is not None
-        return self.gateway.session
+        return self.gateway.id_owners.session()
 
 
 class _TooLarge(Exception):

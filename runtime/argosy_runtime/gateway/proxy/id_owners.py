@@ -1,0 +1,100 @@
+"""Which replica holds an object a replica created: Batch API files and batches, stored
+Responses API responses. Each lives only on the replica that made it, so every later call on
+its id must reach that replica.
+
+Ids are remembered when the gateway sees them created (up to MAX_REMEMBERED_IDS, least
+recently used first out); an id not remembered (made before a gateway restart, or through
+another gateway instance) is looked for with `GET /v1/<kind>/<id>` on every replica in
+rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from argosy_runtime.gateway.proxy.errors import error_response
+from argosy_runtime.gateway.proxy.headers import to_client, to_replica
+
+if TYPE_CHECKING:
+    from argosy_runtime.gateway.proxy.app import Gateway
+
+MAX_REMEMBERED_IDS = 100_000
+
+
+class IdOwners:
+    def __init__(self, gateway: Gateway, max_ids: int = MAX_REMEMBERED_IDS) -> None:
+        self.gateway = gateway
+        self.max_ids = max_ids
+        self._owners: OrderedDict[str, str] = OrderedDict()  # id -> replica URL
+
+    def remember(self, obj_id: str, url: str) -> None:
+        self._owners[obj_id] = url
+        self._owners.move_to_end(obj_id)
+        while len(self._owners) > self.max_ids:
+            self._owners.popitem(last=False)
+
+    def forget(self, obj_id: str) -> None:
+        self._owners.pop(obj_id, None)
+
+    async def owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
+        """The URL of the replica in rotation holding `obj_id` (a `/v1/<kind>/<id>`), or
+        None when no replica in rotation knows it."""
+        urls = self.gateway.replica_urls()
+        known = self._owners.get(obj_id)
+        if known in urls:
+            return known
+        session = self.session()
+        timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
+        forwarded = to_replica(headers)
+
+        async def has(url: str) -> bool:
+            try:
+                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=forwarded,
+                                       timeout=timeout) as resp:
+                    return resp.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                return False
+
+        found = [u for u, ok in zip(urls, await asyncio.gather(*(has(u) for u in urls)),
+                                    strict=True) if ok]
+        if found:
+            self.remember(obj_id, found[0])
+        return found[0] if found else None
+
+    async def call(self, request: web.Request, url: str, *, data: Any = None,
+                   content_type: str | None = None,
+                   id_keys: Iterable[str] = ("id",)) -> web.Response:
+        """Send the request to one replica and answer with its (small JSON) answer; the ids
+        an answer holds under `id_keys` are remembered as living there."""
+        # The body is the gateway's own (JSON, or a re-encoded upload): so is its type.
+        headers = to_replica(request.headers, content_type=False)
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            async with self.session().request(request.method, url + request.path_qs,
+                                              data=data, headers=headers) as resp:
+                body = await resp.read()
+                status, relayed = resp.status, to_client(resp.headers)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return error_response(502, f"replica {url} failed: {exc!r}")
+        if status == 200:
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                for key in id_keys:
+                    if isinstance(answer.get(key), str):
+                        self.remember(answer[key], url)
+        return web.Response(status=status, body=body, headers=relayed)
+
+    def session(self) -> aiohttp.ClientSession:
+        assert self.gateway.session is not None
+        return self.gateway.session
