@@ -1,6 +1,8 @@
 """The gateway app: OpenAI endpoints proxied to replicas, plus /health, /ready, /metrics.
 
     POST /v1/completions, /v1/chat/completions   routed (cascade, then policy), streamed through
+    POST /v1/responses                           the same; a previous_response_id follow-up, and
+    GET/DELETE /v1/responses/{id}                calls on a stored response, go to its replica
     GET  /v1/models                              merged across all replicas and cascade routes
     /v1/files, /v1/batches                       the Batch API, to the replica holding each id
     GET  /health                                 the gateway process is up
@@ -42,6 +44,11 @@ from argosy_runtime.gateway.proxy.errors import (
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
+from argosy_runtime.gateway.proxy.responses_routes import (
+    RESPONSE_ID_HEADER,
+    PinnedPolicy,
+    ResponsesRoutes,
+)
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
 
@@ -117,6 +124,7 @@ class Gateway:
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
         BatchRoutes(self).add_to(app)
+        ResponsesRoutes(self).add_to(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
 
         async def on_startup(_: web.Application) -> None:
@@ -203,7 +211,11 @@ class Gateway:
 
     # -- generation --------------------------------------------------------------------------
 
-    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+    async def handle_generate(
+        self, request: web.Request, pin: str | None = None
+    ) -> web.StreamResponse:
+        """Route and relay one generation request; `pin`: the URL of the only replica that
+        may answer (a Responses API follow-up goes where its history is stored)."""
         started = time.monotonic()
         raw = await request.read()
         try:
@@ -227,15 +239,28 @@ class Gateway:
             pool = model if model in self.pools else await self._adapter_parent(model)
             if pool is None:
                 return model_not_found(model, [*self.pools, *self.cascades])
+            if pin is not None and pin not in {r.url for r in self.pools[pool].replicas}:
+                return bad_request(
+                    f"previous_response_id: that response is stored by a replica that does "
+                    f"not serve {model!r}; continue it with the model that made it",
+                    param="previous_response_id",
+                )
             # A LoRA adapter goes to its base model's replicas that serve it, its name unchanged.
             adapter = model if pool != model else None
             return await self._relay(request, pool, path, body, raw, headers, started, {},
-                                     adapter)
+                                     adapter, pin)
+        if pin is not None:
+            return bad_request(
+                f"previous_response_id: {route_name!r} is a cascade route; continue a stored "
+                "response with the model that made it",
+                param="previous_response_id",
+            )
 
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)
         extra = {"x-argosy-cascade": decision.tier, "x-argosy-cascade-reason": decision.reason}
         routed = dict(body, model=decision.model)
-        if not decision.check_confidence:
+        # The confidence check reads chat/completions logprobs; a Responses request has none.
+        if not decision.check_confidence or path == "/v1/responses":
             self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
             return await self._relay(
                 request, decision.model, path, routed, json.dumps(routed).encode(), headers,
@@ -303,6 +328,7 @@ class Gateway:
         raw: bytes,
         headers: Mapping[str, str],
         adapter: str | None = None,
+        pin: str | None = None,
     ) -> Upstream | web.Response:
         assert self.session is not None
         activator = self.activators.get(model)
@@ -317,7 +343,7 @@ class Gateway:
             config=self.config,
             metrics=self.metrics,
             pool=self.pools[model],
-            policy=self.policies[model],
+            policy=self.policies[model] if pin is None else PinnedPolicy(pin),
             route=route,
             path=path,
             body=raw,
@@ -360,13 +386,17 @@ class Gateway:
         started: float,
         extra: dict[str, str],
         adapter: str | None = None,
+        pin: str | None = None,
     ) -> web.StreamResponse:
         """Send to a replica and stream its answer to the client as it arrives."""
-        upstream = await self._send(model, path, body, raw, headers, adapter)
+        upstream = await self._send(model, path, body, raw, headers, adapter, pin)
         if isinstance(upstream, web.Response):
             upstream.headers.update(extra)
             return upstream
         resp = upstream.response
+        stored = resp.headers.get(RESPONSE_ID_HEADER)
+        if stored and resp.status == 200:  # later calls on this response must come here
+            self.id_owners.remember(stored, upstream.replica.url)
         self.metrics.time_to_first_byte.labels(model).observe(time.monotonic() - started)
         out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
         if resp.headers.get("Content-Encoding"):

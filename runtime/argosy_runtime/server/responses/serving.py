@@ -45,8 +45,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-# The replica tells the gateway which response id it made (and stored): every later call on
-# that id must come back here.
+# The replica tells the gateway which response it stored (gateway/proxy/responses_routes.py):
+# every later call on that id must come back here.
 RESPONSE_ID_HEADER = "x-argosy-response-id"
 
 # chat's request fields -> the Responses fields the client wrote
@@ -76,7 +76,7 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
             store.put(StoredResponse(response, (*history, *new_messages),
                                      tuple(input_item(m) for m in new_messages)))
 
-    headers = {RESPONSE_ID_HEADER: response_id}
+    headers = {RESPONSE_ID_HEADER: response_id} if req.store else {}
     if isinstance(answer, GuardedStreamingResponse):
         events = ResponseEventStream(req, response_id, created_at, model, on_done=keep)
         out = GuardedStreamingResponse(events.translate(answer.body_iterator), answer.close)
