@@ -94,12 +94,13 @@ _ROUTES = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
     "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
     "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
+    "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
     "/health", "/ready", "/metrics"})
 
 
 def route_label(path: str) -> str:
     parts = path.split("/")
-    if len(parts) >= 4 and parts[1] == "v1" and parts[2] in ("files", "batches"):
+    if len(parts) >= 4 and parts[1] == "v1" and parts[2] in ("files", "batches", "responses"):
         parts[3] = "{id}"
     label = "/".join(parts)
     return label if label in _ROUTES else "other"

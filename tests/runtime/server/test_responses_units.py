@@ -130,3 +130,13 @@ def test_input_items_become_chat_messages() -> None:
         input_messages([{"role": "user", "content": "x", "name": "n"}])
     with pytest.raises(APIError, match="must not be an empty list"):
         input_messages([])
+
+
+def test_http_metrics_label_response_routes_by_template() -> None:
+    from argosy_runtime.server.metrics import route_label
+
+    assert route_label("/v1/responses") == "/v1/responses"
+    assert route_label("/v1/responses/resp_0123abcd") == "/v1/responses/{id}"
+    assert route_label("/v1/responses/resp_0123abcd/input_items") == \
+        "/v1/responses/{id}/input_items"
+    assert route_label("/v1/responses/resp_0123abcd/other") == "other"
