@@ -1,5 +1,6 @@
 """The Responses API's pieces without a server: chat chunks -> stream events (the timeout
-path included), the stored-response LRU, and input items -> chat messages."""
+path and tool calls included), the stored-response LRU, input items -> chat messages, and
+function tools -> chat tools."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 from argosy_runtime.server.errors import APIError
-from argosy_runtime.server.responses.protocol import ResponsesRequest, input_messages
+from argosy_runtime.server.responses.input_items import parse_input
+from argosy_runtime.server.responses.protocol import ResponsesRequest
 from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
 from argosy_runtime.server.responses.stream_events import ResponseEventStream
-from openai.types.responses import ResponseStreamEvent
+from argosy_runtime.server.responses.tools import chat_tool_choice, chat_tools, function_tools
+from openai.types.responses import ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -116,6 +119,10 @@ def test_conversation_appends_the_reply() -> None:
                                     {"role": "assistant", "content": "Hello"})
 
 
+def input_messages(value: object) -> list[dict]:
+    return parse_input(value).messages
+
+
 def test_input_items_become_chat_messages() -> None:
     assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
     assert input_messages([
@@ -140,3 +147,157 @@ def test_http_metrics_label_response_routes_by_template() -> None:
     assert route_label("/v1/responses/resp_0123abcd/input_items") == \
         "/v1/responses/{id}/input_items"
     assert route_label("/v1/responses/resp_0123abcd/other") == "other"
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_function_call_items_become_tool_messages() -> None:
+    parsed = parse_input([
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "12:00"}]},
+    ])
+    assert parsed.messages == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL, {
+            "id": "call_2", "type": "function",
+            "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]
+    items = TypeAdapter(list[ResponseItem]).validate_python(parsed.items)
+    assert [i.type for i in items] == ["message", "function_call", "function_call",
+                                       "function_call_output", "function_call_output"]
+    assert items[1].id == "fc_1" and items[2].id.startswith("fc_")
+    assert items[3].output == "21 C" and items[4].output[0].text == "12:00"
+    # text then calls of one assistant turn: one chat message
+    assert parse_input([{"role": "assistant", "content": "Checking."},
+                        {"type": "function_call", "call_id": "c", "name": "f",
+                         "arguments": "{}"}]).messages == [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+
+
+@pytest.mark.parametrize("item, words", [
+    ({"type": "function_call_output", "call_id": "nope", "output": "x"},
+     "input[0].call_id: no function call with call_id 'nope'"),
+    ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": {}},
+     "input[0].arguments: expected a string"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1},
+     "input[0]: unknown field 'x'"),
+    ({"type": "function_call_output", "call_id": "call_1", "output": 3}, "input[0].output"),
+    ({"type": "reasoning", "summary": []}, "input[0].type: input items of type 'reasoning'"),
+])
+def test_bad_function_items_name_the_field(item: dict, words: str) -> None:
+    with pytest.raises(APIError) as exc:
+        parse_input([item])
+    assert exc.value.status == 400 and exc.value.param == "input"
+    assert words in exc.value.message
+
+
+def test_output_for_a_stored_call_continues() -> None:
+    history = [{"role": "assistant", "content": None, "tool_calls": [CALL]}]
+    parsed = parse_input([{"type": "function_call_output", "call_id": "call_1",
+                           "output": "21 C"}], history)
+    assert parsed.messages == [{"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+
+
+def test_conversation_keeps_function_calls() -> None:
+    response = {"id": "resp_1", "output": [
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"}]}
+    entry = StoredResponse(response, ({"role": "user", "content": "Hi"},), ())
+    assert entry.conversation()[-1] == {"role": "assistant", "content": None,
+                                        "tool_calls": [CALL]}
+
+
+def test_function_tools_map_onto_chat_tools() -> None:
+    tools = function_tools([{"type": "function", "name": "get_weather", "strict": True,
+                             "parameters": {"type": "object"}}])
+    assert [t.model_dump(exclude_none=True) for t in chat_tools(tools)] == [
+        {"type": "function", "function": {"name": "get_weather", "strict": True,
+                                          "parameters": {"type": "object"}}}]
+    assert chat_tool_choice({"type": "function", "name": "get_weather"}, tools) \
+        .function.name == "get_weather"
+    assert chat_tool_choice("required", tools) == "required"
+    assert chat_tool_choice("auto", []) is None  # no tools: nothing to choose
+
+
+@pytest.mark.parametrize("tools, choice, param, words", [
+    ([{"type": "web_search"}], None, "tools", "tools[0].type: 'web_search' is a built-in"),
+    ([{"type": "hologram"}], None, "tools", "tools[0].type: 'hologram' is not a known"),
+    ([{"type": "function"}], None, "tools", "tools[0].name: required"),
+    ([{"type": "function", "name": "a b"}], None, "tools", "tools[0].name"),
+    ([{"type": "function", "name": "f", "function": {}}], None, "tools",
+     "tools[0]: unknown field 'function'"),
+    ([], "sometimes", "tool_choice", "tool_choice: expected one of"),
+    ([], {"type": "web_search"}, "tool_choice", "tool_choice.type: 'web_search'"),
+    ([{"type": "function", "name": "f"}], {"type": "function", "name": "g"}, "tool_choice",
+     "'g' is not one of the function tools"),
+])
+def test_bad_tools_name_the_field(tools: list, choice: object, param: str, words: str) -> None:
+    with pytest.raises(APIError) as exc:
+        chat_tool_choice(choice, function_tools(tools))
+    assert exc.value.status == 400 and exc.value.param == param
+    assert words in exc.value.message, exc.value.message
+
+
+def _call_delta(call: dict, finish: str | None = None) -> str:
+    return _chunk({"choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                                "finish_reason": finish}]})
+
+
+def test_tool_call_deltas_become_function_call_events() -> None:
+    first = {"index": 0, "id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": '}}
+    events, done = _translate([
+        _chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
+                             "finish_reason": None}]}),
+        _call_delta(first), _call_delta({"index": 0, "function": {"arguments": '"Paris"}'}}),
+        _call_delta({"index": 1, "id": "call_2", "type": "function",
+                     "function": {"name": "get_time", "arguments": "{}"}}, "tool_calls")])
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    added = events[2]["item"]
+    assert (added["status"], added["arguments"], added["call_id"], added["name"]) == \
+        ("in_progress", "", "call_1", "get_weather")
+    assert events[5]["arguments"] == '{"city": "Paris"}'
+    assert [e["output_index"] for e in events[2:11]] == [0] * 5 + [1] * 4
+    final = events[-1]["response"]
+    assert [(i["type"], i["call_id"], i["arguments"], i["status"]) for i in final["output"]] \
+        == [("function_call", "call_1", '{"city": "Paris"}', "completed"),
+            ("function_call", "call_2", "{}", "completed")]
+    assert done == [final]
+
+
+def test_text_then_a_call_are_two_items() -> None:
+    events, _ = _translate([_delta("Checking."), _call_delta(
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": "{}"}}, "tool_calls")])
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Checking."
+    assert [e["type"] for e in events][2:-1] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"]
+
+
+def test_an_empty_reply_is_one_empty_message() -> None:
+    events, _ = _translate([_delta("", "stop")])
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
+    assert events[2]["type"] == "response.output_item.added"

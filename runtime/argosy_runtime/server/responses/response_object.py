@@ -8,10 +8,11 @@ import uuid
 from typing import Any
 
 from argosy_runtime.server.responses.protocol import ResponsesRequest
+from argosy_runtime.server.responses.tools import function_tools
 
 
 def new_item_id(prefix: str) -> str:
-    """OpenAI's ids: `resp_<hex>`, `msg_<hex>`."""
+    """OpenAI's ids: `resp_<hex>`, `msg_<hex>`, `fc_<hex>`."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -30,6 +31,16 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """The assistant's output message; `text=None`: not started (no content part yet)."""
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [] if text is None else [text_part(text)]}
+
+
+def function_call_item(call: dict[str, Any], status: str = "completed",
+                       item_id: str | None = None) -> dict[str, Any]:
+    """A chat tool call (`{"id", "type", "function": {"name", "arguments"}}`) as a Responses
+    `function_call` output item; its `call_id` is the chat call's id."""
+    function = call.get("function") or {}
+    return {"id": item_id or new_item_id("fc"), "type": "function_call",
+            "call_id": call["id"], "name": function.get("name", ""),
+            "arguments": function.get("arguments", ""), "status": status}
 
 
 def usage_of(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
@@ -78,7 +89,7 @@ def response_object(req: ResponsesRequest, *, response_id: str, created_at: int,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": text_format},
         "tool_choice": req.tool_choice or "auto",
-        "tools": [],
+        "tools": function_tools(req.tools),
         "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": req.truncation or "disabled",

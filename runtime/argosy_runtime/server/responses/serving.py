@@ -20,15 +20,14 @@ from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
+    NamedToolChoice,
     ResponseFormat,
     StreamOptions,
 )
-from argosy_runtime.server.responses.protocol import (
-    ResponsesRequest,
-    input_messages,
-    reject_unsupported,
-)
+from argosy_runtime.server.responses.input_items import parse_input
+from argosy_runtime.server.responses.protocol import ResponsesRequest, reject_unsupported
 from argosy_runtime.server.responses.response_object import (
+    function_call_item,
     message_item,
     new_item_id,
     response_object,
@@ -37,6 +36,7 @@ from argosy_runtime.server.responses.response_object import (
 )
 from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
 from argosy_runtime.server.responses.stream_events import ResponseEventStream
+from argosy_runtime.server.responses.tools import chat_tool_choice, chat_tools, function_tools
 from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.streaming import GuardedStreamingResponse
@@ -57,13 +57,15 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 async def create_response(request: Request, req: ResponsesRequest, ctx: ServingContext,
                           store: ResponseStore) -> Response:
     reject_unsupported(req)
-    history: tuple[dict[str, str], ...] = ()
+    tools = function_tools(req.tools)
+    tool_choice = chat_tool_choice(req.tool_choice, tools)
+    history: tuple[dict[str, Any], ...] = ()
     if req.previous_response_id is not None:
         history = store.get(req.previous_response_id, "previous_response_id").conversation()
-    new_messages = input_messages(req.input)
+    parsed = parse_input(req.input, history)
     system = [] if req.instructions is None else [{"role": "system",
                                                    "content": req.instructions}]
-    chat = chat_request(req, [*system, *history, *new_messages])
+    chat = chat_request(req, [*system, *history, *parsed.messages], tools, tool_choice)
     response_id, created_at = new_item_id("resp"), int(time.time())
     try:
         answer = await create_chat_completion(request, chat, ctx)
@@ -73,8 +75,8 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
 
     def keep(response: dict[str, Any]) -> None:
         if req.store:
-            store.put(StoredResponse(response, (*history, *new_messages),
-                                     tuple(input_item(m) for m in new_messages)))
+            store.put(StoredResponse(response, (*history, *parsed.messages),
+                                     tuple(parsed.items)))
 
     headers = {RESPONSE_ID_HEADER: response_id} if req.store else {}
     if isinstance(answer, GuardedStreamingResponse):
@@ -88,20 +90,29 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     choice = body["choices"][0]
     status, incomplete = status_of(choice.get("finish_reason"))
     text = choice["message"].get("content") or ""
+    calls = choice["message"].get("tool_calls") or []
+    # a message item when there is text (or nothing else), then one item per function call
+    output = [message_item(new_item_id("msg"), text, status)] if text or not calls else []
+    output += [function_call_item(call) for call in calls]
     response = response_object(
         req, response_id=response_id, created_at=created_at, model=model, status=status,
-        output=[message_item(new_item_id("msg"), text, status)],
-        usage=usage_of(body.get("usage")), incomplete_details=incomplete)
+        output=output, usage=usage_of(body.get("usage")), incomplete_details=incomplete)
     keep(response)
     return JSONResponse(response, headers=headers)
 
 
-def chat_request(req: ResponsesRequest, messages: list[dict[str, str]]) -> ChatCompletionRequest:
-    """The chat completion request that answers `req` (already checked)."""
+def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None = None,
+                 tool_choice: str | NamedToolChoice | None = None) -> ChatCompletionRequest:
+    """The chat completion request that answers `req` (already checked; `tools` and
+    `tool_choice` as `function_tools` and `chat_tool_choice` made them)."""
     try:
         return ChatCompletionRequest(
             model=req.model,
-            messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            messages=[ChatMessage(**m) for m in messages],
+            tools=chat_tools(tools or []),
+            tool_choice=tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
             max_completion_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -144,12 +155,3 @@ def in_responses_terms(exc: APIError) -> APIError:
     message = message.replace("response_format: ", "text.format: ")
     exc.message = message.replace("json_schema.schema", "text.format.schema")
     return exc
-
-
-def input_item(message: dict[str, str]) -> dict[str, Any]:
-    """An input message as `GET /v1/responses/{id}/input_items` lists it."""
-    if message["role"] == "assistant":
-        return message_item(new_item_id("msg"), message["content"], "completed")
-    return {"id": new_item_id("msg"), "type": "message", "role": message["role"],
-            "status": "completed",
-            "content": [{"type": "input_text", "text": message["content"]}]}

@@ -7,7 +7,8 @@ replica that stored it).
 
 Each entry keeps the conversation that led to it as chat messages (the inputs of every
 response in its `previous_response_id` chain, without their `instructions`, which OpenAI
-does not carry over) so that a follow-up is one lookup. The message dicts are shared between
+does not carry over; function calls as assistant `tool_calls`, their outputs as `tool`
+messages) so that a follow-up is one lookup. The message dicts are shared between
 the entries of a chain, never copied or changed, so a chain of n turns costs O(n) references
 per entry, not O(n) texts.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from argosy_runtime.server.errors import APIError
+from argosy_runtime.server.responses.tools import chat_tool_call
 
 MAX_STORED_RESPONSES = 10_000
 
@@ -27,12 +29,19 @@ MAX_STORED_RESPONSES = 10_000
 class StoredResponse:
     response: dict[str, Any]  # the response object as the client got it
     # the conversation before this response's input, then its input (chat messages)
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     input_items: tuple[dict[str, Any], ...]  # this request's input, as listed by input_items
 
-    def conversation(self) -> tuple[dict[str, str], ...]:
-        """The messages a follow-up continues: the input so far and this response's reply."""
-        return (*self.messages, {"role": "assistant", "content": output_text(self.response)})
+    def conversation(self) -> tuple[dict[str, Any], ...]:
+        """The messages a follow-up continues: the input so far and this response's reply
+        (its text, and its function calls as chat `tool_calls`)."""
+        text = output_text(self.response)
+        calls = [chat_tool_call(item) for item in self.response.get("output", [])
+                 if item.get("type") == "function_call"]
+        if not calls:
+            return (*self.messages, {"role": "assistant", "content": text})
+        return (*self.messages, {"role": "assistant", "content": text or None,
+                                 "tool_calls": calls})
 
 
 def output_text(response: dict[str, Any]) -> str:

@@ -4,11 +4,21 @@ Each event is `event: <type>` + `data: {json}` with a `sequence_number` counting
 OpenAI's order:
 
     response.created, response.in_progress,
-    response.output_item.added, response.content_part.added,
-    response.output_text.delta (one per chat chunk that carries text),
-    response.output_text.done, response.content_part.done, response.output_item.done,
+    then per output item, one after another:
+      a message (text):
+        response.output_item.added, response.content_part.added,
+        response.output_text.delta (one per chat chunk that carries text),
+        response.output_text.done, response.content_part.done, response.output_item.done
+      a function call (chat's tool_calls deltas):
+        response.output_item.added (status in_progress, arguments ""),
+        response.function_call_arguments.delta (one per arguments fragment),
+        response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete (cut by max_output_tokens) | response.failed
     (the request ran past --request-timeout)
+
+A reply with neither text nor calls still has one (empty) message item, as unstreamed. Chat
+streams a forced function's arguments as they are generated, so they come as many deltas;
+calls of tool_choice "required" or parsed by --tool-call-parser come whole, one delta each.
 
 There is no `data: [DONE]` at the end (OpenAI sends none on this endpoint).
 """
@@ -21,6 +31,7 @@ from typing import Any
 
 from argosy_runtime.server.responses.protocol import ResponsesRequest
 from argosy_runtime.server.responses.response_object import (
+    function_call_item,
     message_item,
     new_item_id,
     response_object,
@@ -28,6 +39,7 @@ from argosy_runtime.server.responses.response_object import (
     text_part,
     usage_of,
 )
+from argosy_runtime.server.tool_calls import new_call_id
 
 
 class ResponseEventStream:
@@ -41,8 +53,11 @@ class ResponseEventStream:
         self.created_at = created_at
         self.model = model
         self.on_done = on_done
-        self.item_id = new_item_id("msg")
         self.sequence_number = 0
+        self.output: list[dict[str, Any]] = []  # the output items so far
+        self.current: dict[str, Any] | None = None  # the open one
+        self.text: list[str] = []  # the open message's text
+        self.calls: dict[int, dict[str, Any]] = {}  # chat's tool call index -> its item
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence_number}
@@ -58,14 +73,8 @@ class ResponseEventStream:
 
     async def translate(self, chat_chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """Read chat's SSE chunks (`data: {...}`), write Responses events."""
-        where = {"item_id": self.item_id, "output_index": 0}
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
-        yield self.event("response.output_item.added", output_index=0,
-                         item=message_item(self.item_id, None, "in_progress"))
-        yield self.event("response.content_part.added", **where, content_index=0,
-                         part=text_part(""))
-        parts: list[str] = []
         finish: str | None = None
         usage: dict[str, int] | None = None
         try:
@@ -75,34 +84,111 @@ class ResponseEventStream:
                     continue
                 if "error" in data:  # chat's timeout event: the response failed
                     error = data["error"]
-                    text = "".join(parts)
-                    output = [message_item(self.item_id, text, "incomplete")]
                     yield self.event("response.failed", response=self.response(
-                        "failed", output, error={"code": "server_error",
-                                                 "message": str(error.get("message"))}))
+                        "failed", self._output("incomplete"),
+                        error={"code": "server_error", "message": str(error.get("message"))}))
                     return
                 usage = data.get("usage") or usage
                 for choice in data.get("choices") or []:
-                    delta = (choice.get("delta") or {}).get("content")
-                    if delta:
-                        parts.append(delta)
-                        yield self.event("response.output_text.delta", **where,
-                                         content_index=0, delta=delta, logprobs=[])
+                    delta = choice.get("delta") or {}
+                    if delta.get("content"):
+                        for event in self._text(delta["content"]):
+                            yield event
+                    for call in delta.get("tool_calls") or []:
+                        for event in self._call(call):
+                            yield event
                     finish = choice.get("finish_reason") or finish
         finally:
             await chat_chunks.aclose()  # type: ignore[attr-defined]
-        text = "".join(parts)
         status, incomplete = status_of(finish)
-        yield self.event("response.output_text.done", **where, content_index=0, text=text,
-                         logprobs=[])
-        yield self.event("response.content_part.done", **where, content_index=0,
-                         part=text_part(text))
-        item = message_item(self.item_id, text, status)
-        yield self.event("response.output_item.done", output_index=0, item=item)
-        final = self.response(status, [item], usage=usage_of(usage),
+        if self.current is None:  # nothing generated: still one (empty) message, as unstreamed
+            for event in self._open_message():
+                yield event
+        for event in self._close(status):
+            yield event
+        final = self.response(status, self._output(status), usage=usage_of(usage),
                               incomplete_details=incomplete)
         self.on_done(final)
         yield self.event(f"response.{status}", response=final)
+
+    # Output items open one after another, as OpenAI sends them: a message when text comes,
+    # a function_call when chat starts a tool call; opening one closes the one before.
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.current["id"], "output_index": len(self.output) - 1}
+
+    def _open_message(self) -> list[str]:
+        self.current, self.text = message_item(new_item_id("msg"), None, "in_progress"), []
+        self.output.append(self.current)
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1,
+                           item=self.current),
+                self.event("response.content_part.added", **self._where(), content_index=0,
+                           part=text_part(""))]
+
+    def _text(self, delta: str) -> list[str]:
+        events = []
+        if self.current is None or self.current["type"] != "message":
+            events = [*self._close("completed"), *self._open_message()]
+        self.text.append(delta)
+        events.append(self.event("response.output_text.delta", **self._where(),
+                                 content_index=0, delta=delta, logprobs=[]))
+        return events
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        """One chat tool_calls delta entry: the first of an index opens a function_call item
+        (with chat's call id and the name), each carries an arguments fragment."""
+        function = call.get("function") or {}
+        events = []
+        index = call.get("index", 0)
+        if index not in self.calls:
+            events = self._close("completed")
+            self.current = function_call_item(
+                {"id": call.get("id") or new_call_id(), "function": {
+                    "name": function.get("name") or "", "arguments": ""}}, "in_progress")
+            self.calls[index] = self.current
+            self.output.append(self.current)
+            events.append(self.event("response.output_item.added",
+                                     output_index=len(self.output) - 1, item=self.current))
+        item = self.calls[index]
+        fragment = function.get("arguments") or ""
+        if fragment:
+            item["arguments"] += fragment
+            events.append(self.event("response.function_call_arguments.delta",
+                                     item_id=item["id"], output_index=self.output.index(item),
+                                     delta=fragment))
+        return events
+
+    def _close(self, status: str) -> list[str]:
+        """The done events of the open item (none if none is open)."""
+        item, self.current = self.current, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.output.index(item)}
+        if item["type"] == "function_call":
+            item["status"] = status
+            return [self.event("response.function_call_arguments.done", **where,
+                               arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=where["output_index"],
+                               item=item)]
+        text = "".join(self.text)
+        done = message_item(item["id"], text, status)
+        self.output[where["output_index"]] = done
+        return [self.event("response.output_text.done", **where, content_index=0, text=text,
+                           logprobs=[]),
+                self.event("response.content_part.done", **where, content_index=0,
+                           part=text_part(text)),
+                self.event("response.output_item.done", output_index=where["output_index"],
+                           item=done)]
+
+    def _output(self, status: str) -> list[dict[str, Any]]:
+        """The items so far, the open one (if any) with `status`."""
+        out = list(self.output)
+        if self.current is not None:
+            if self.current["type"] == "message":
+                out[-1] = message_item(self.current["id"], "".join(self.text), status)
+            else:
+                out[-1] = {**self.current, "status": status}
+        return out
 
 
 def _chat_data(chunk: str) -> dict[str, Any] | None:
