@@ -31,6 +31,7 @@ from argosy_runtime.server.serving_common import (
     stop_holdback,
     token_text,
     top_entries,
+    usage_info,
     visible_text,
     with_deadline,
 )
@@ -143,7 +144,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
                                     "created": created, "model": model_name,
                                     "choices": choices}
@@ -233,10 +234,11 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                          "model": model_name, "choices": choices, "usage": usage})
 
 
-def _usage(prompt: list[int], final: RequestOutput | None) -> dict[str, int]:
-    completion = 0 if final is None else sum(len(s.token_ids) for s in final.outputs)
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion,
-            "total_tokens": len(prompt) + completion}
+def _usage(prompt: list[int], final: RequestOutput | None) -> dict[str, Any]:
+    if final is None:
+        return usage_info(len(prompt), 0, 0)
+    return usage_info(len(prompt), sum(len(s.token_ids) for s in final.outputs),
+                      final.num_cached_tokens)
 
 
 def _reasons(final: RequestOutput | None) -> str:

@@ -317,6 +317,14 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int
+               ) -> dict[str, Any]:
+    """OpenAI's `usage`; `cached_tokens`: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 

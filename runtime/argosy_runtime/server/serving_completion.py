@@ -25,6 +25,7 @@ from argosy_runtime.server.serving_common import (
     stop_holdback,
     token_text,
     top_entries,
+    usage_info,
     visible_text,
     with_deadline,
 )
@@ -108,7 +109,7 @@ async def create_completion(request: Request, req: CompletionRequest,
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                   with_usage: bool = False) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "text_completion",
                                     "created": created, "model": model_name,
@@ -181,11 +182,10 @@ async def create_completion(request: Request, req: CompletionRequest,
                          "model": model_name, "choices": choices, "usage": usage})
 
 
-def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion = sum(len(s.token_ids) for out in finals.values() for s in out.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    return usage_info(sum(len(p) for p in prompts),
+                      sum(len(s.token_ids) for out in finals.values() for s in out.outputs),
+                      sum(out.num_cached_tokens for out in finals.values()))
 
 
 def _reasons(finals: dict[int, RequestOutput]) -> str:

@@ -94,6 +94,10 @@ def test_batch_answers_equal_the_live_endpoint(client: openai.OpenAI) -> None:
         completion_tokens += live.usage.completion_tokens
     assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt_tokens,
                                                                      completion_tokens)
+    # The four lines share the chat template's system prompt: later ones hit the prefix cache.
+    cached = sum(outputs[i["custom_id"]]["response"]["body"]["usage"]["prompt_tokens_details"]
+                 ["cached_tokens"] for i in items[:4])
+    assert batch.usage.input_tokens_details.cached_tokens == cached
     failed = errors["too-long"]
     assert failed["response"]["status_code"] == 400
     assert failed["error"]["code"] == "context_length_exceeded"

@@ -253,3 +253,31 @@ def test_tokenize_errors(http: httpx.Client, path: str, body: dict, status: int,
     r = http.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client: OpenAI,
+                                                                  server: ServerProcess) -> None:
+    # A prompt nobody sent before: at most the chat template's opening (shared with every
+    # chat) is cached. Sent again: every full block before its last token comes from the
+    # prefix cache (as the server's own counter agrees).
+    topic = uuid.uuid4().hex
+    messages = [{"role": "user", "content": f"Notes on {topic}: " + "the tide rises; " * 30}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens <= 32
+    hits = server.metrics()["argosy:prefix_cache_hits_total"]
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert server.metrics()["argosy:prefix_cache_hits_total"] - hits == cached
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks
+    assert again.usage.prompt_tokens - cached <= 16  # all but the last partial block
+    # The completions endpoint sums over its prompts; streamed usage says the same.
+    prompt = f"Story {topic}: " + "once upon a time " * 30
+    assert greedy(client, prompt, max_tokens=1).usage.prompt_tokens_details.cached_tokens == 0
+    twice = greedy(client, [prompt, prompt], max_tokens=1)
+    assert twice.usage.prompt_tokens_details.cached_tokens >= 2 * 16
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                 stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    response = client.responses.create(model=MODEL, input=messages, max_output_tokens=1)
+    assert response.usage.input_tokens_details.cached_tokens == cached

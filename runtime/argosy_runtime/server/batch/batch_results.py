@@ -23,6 +23,7 @@ class BatchResults:
     completed: int = 0
     failed: int = 0
     input_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, served from the prefix cache
     output_tokens: int = 0
 
     @classmethod
@@ -66,12 +67,14 @@ class BatchResults:
         self.completed += 1
         usage = record["response"]["body"].get("usage") or {}
         self.input_tokens += int(usage.get("prompt_tokens") or 0)
+        self.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                                  or 0)
         self.output_tokens += int(usage.get("completion_tokens") or 0)
 
     def usage(self) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
 

@@ -43,14 +43,14 @@ def function_call_item(call: dict[str, Any], status: str = "completed",
             "arguments": function.get("arguments", ""), "status": status}
 
 
-def usage_of(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     prompt = int(chat_usage.get("prompt_tokens", 0))
     completion = int(chat_usage.get("completion_tokens", 0))
-    # the chat path does not report prefix-cache hits per request: 0
+    cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
