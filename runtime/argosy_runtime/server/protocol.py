@@ -62,7 +62,24 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+class VLLMExtras(BaseModel):
+    """vLLM's request extras (DESIGN.md) and its scheduling priority, on completions, chat
+    completions and responses alike."""
+
+    model_config = _FORBID
+
+    ignore_eos: StrictBool = False
+    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    stop_token_ids: list[int] | None = None
+    # Lower runs earlier, and may preempt requests of a higher value when the batch is full.
+    # Strict: "1", 1.5 or true is a 400, not a silent coercion.
+    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+
+
+class _SamplingFields(VLLMExtras):
     """Fields shared by completions and chat completions."""
 
     model_config = _FORBID
@@ -80,18 +97,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM extras (DESIGN.md)
-    ignore_eos: StrictBool = False
-    min_tokens: int = Field(default=0, ge=0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # vLLM's scheduling priority: lower runs earlier, and may preempt requests of a higher
-    # value when the batch is full. Strict: "1", 1.5 or true is a 400, not a silent coercion.
-    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 
 
 class CompletionRequest(_SamplingFields):

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from argosy_runtime.server.errors import bad_request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from argosy_runtime.server.protocol import VLLMExtras
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -54,8 +55,8 @@ class StreamOptions(BaseModel):
     include_obfuscation: StrictBool | None = None  # no obfuscation field is ever added
 
 
-class ResponsesRequest(BaseModel):
-    """POST /v1/responses."""
+class ResponsesRequest(VLLMExtras):
+    """POST /v1/responses (with vLLM's extras, as on chat completions)."""
 
     model_config = _FORBID
 
@@ -86,14 +87,6 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
-    # vLLM extras (DESIGN.md), as on chat completions
-    ignore_eos: StrictBool = False
-    min_tokens: int = Field(default=0, ge=0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    stop_token_ids: list[int] | None = None
-    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 
 
 def reject_unsupported(req: ResponsesRequest) -> None:
