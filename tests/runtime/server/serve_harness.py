@@ -73,6 +73,22 @@ class ServerProcess:
                 values[m.group(1)] = float(m.group(3))
         return values
 
+    def running_and_kv(self) -> tuple[float, float]:
+        """(requests running, KV-cache usage) from /metrics."""
+        m = self.metrics()
+        return m["argosy:num_requests_running"], m["argosy:kv_cache_usage_perc"]
+
+    def assert_back_to_idle(self, idle_kv: float, within: float) -> None:
+        """Within `within` seconds nothing runs and the KV usage is back to `idle_kv`: an
+        aborted request freed every block."""
+        deadline = time.monotonic() + within
+        while True:
+            running, kv = self.running_and_kv()
+            if (running, kv) == (0, idle_kv) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

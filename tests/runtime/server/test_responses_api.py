@@ -5,7 +5,6 @@ OpenAI's order, stored responses, and 4xx errors."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -217,13 +216,8 @@ def test_unknown_response_id_is_a_404(http: httpx.Client) -> None:
     assert http.get("/v1/responses/resp_unknown/input_items").status_code == 404
 
 
-def _running_and_kv(server: ServerProcess) -> tuple[float, float]:
-    m = server.metrics()
-    return m["argosy:num_requests_running"], m["argosy:kv_cache_usage_perc"]
-
-
 def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> None:
-    idle_running, idle_kv = _running_and_kv(server)
+    idle_running, idle_kv = server.running_and_kv()
     assert idle_running == 0
     body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 1500,
             "ignore_eos": True, "stream": True}
@@ -234,13 +228,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> Non
             deltas = 0
             while deltas < 4:
                 deltas += next(lines) == "event: response.output_text.delta"
-            running, kv = _running_and_kv(server)
+            running, kv = server.running_and_kv()
             assert running == 1 and kv > idle_kv
-    closed = time.monotonic()
-    while time.monotonic() - closed < 1.0:
-        running, kv = _running_and_kv(server)
-        if running == 0 and kv == idle_kv:
-            break
-        time.sleep(0.05)
-    assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
+    server.assert_back_to_idle(idle_kv, within=1.0)
     assert "client_disconnected" in server.log_text()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -63,14 +62,9 @@ async def test_64_concurrent_streams_equal_offline_greedy(server: ServerProcess,
     assert peak_running >= NUM_STREAMS // 2
 
 
-def _running_and_kv(server: ServerProcess) -> tuple[float, float]:
-    m = server.metrics()
-    return m["argosy:num_requests_running"], m["argosy:kv_cache_usage_perc"]
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess, path: str) -> None:
-    idle_running, idle_kv = _running_and_kv(server)
+    idle_running, idle_kv = server.running_and_kv()
     assert idle_running == 0
     body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     body.update({"prompt": "Tell me a long story."} if "chat" not in path else
@@ -82,30 +76,18 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess, path: 
             data = 0
             while data < 4:
                 data += next(lines).startswith("data: ")
-            running, kv = _running_and_kv(server)
+            running, kv = server.running_and_kv()
             assert running == 1 and kv > idle_kv
         # leaving both blocks closes the connection mid-stream
-    closed = time.monotonic()
-    while time.monotonic() - closed < 1.0:
-        running, kv = _running_and_kv(server)
-        if running == 0 and kv == idle_kv:
-            break
-        time.sleep(0.05)
-    assert (running, kv) == (0, idle_kv), f"still {running} running, kv {kv} (idle {idle_kv})"
+    server.assert_back_to_idle(idle_kv, within=1.0)
     assert "client_disconnected" in server.log_text()
 
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProcess) -> None:
-    idle_running, idle_kv = _running_and_kv(server)
+    idle_running, idle_kv = server.running_and_kv()
     body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 1500,
             "ignore_eos": True}
     with httpx.Client(base_url=server.url) as h:
         with pytest.raises(httpx.ReadTimeout):
             h.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        running, kv = _running_and_kv(server)
-        if running == 0 and kv == idle_kv:
-            break
-        time.sleep(0.05)
-    assert (running, kv) == (0, idle_kv)
+    server.assert_back_to_idle(idle_kv, within=2.0)
