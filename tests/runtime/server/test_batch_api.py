@@ -105,6 +105,27 @@ def test_batch_answers_equal_the_live_endpoint(client: openai.OpenAI) -> None:
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
 
 
+def test_a_responses_batch_answers_as_the_live_endpoint(client: openai.OpenAI) -> None:
+    items = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "smollm2-135m", "input": f"Name {i + 2} fruits.",
+                       "max_output_tokens": 12, "temperature": 0}} for i in range(2)]
+    batch = client.batches.create(input_file_id=_upload(client, items), endpoint="/v1/responses",
+                                  completion_window="24h")
+    batch = _wait(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    outputs = _records(client, batch.output_file_id)
+    output_tokens = 0
+    for item in items:
+        answer = outputs[item["custom_id"]]["response"]["body"]
+        live = client.responses.create(**item["body"], store=False)
+        assert answer["object"] == "response" and answer["store"] is False
+        assert answer["output"][0]["content"][0]["text"] == live.output_text
+        output_tokens += answer["usage"]["output_tokens"]
+    assert batch.usage.output_tokens == output_tokens > 0
+    with pytest.raises(openai.NotFoundError):  # batch answers are not kept as responses
+        client.responses.retrieve(outputs["r0"]["response"]["body"]["id"])
+
+
 def test_an_unusable_input_file_fails_the_batch_with_its_lines(client: openai.OpenAI) -> None:
     items = [_chat_line("a", "hi"), _chat_line("a", "again"),
              {**_chat_line("b", "hi"), "url": COMPLETIONS}]

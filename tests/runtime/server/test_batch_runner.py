@@ -227,3 +227,15 @@ async def test_batch_ids_outside_the_folder_are_404(tmp_path: Path) -> None:
         with pytest.raises(APIError) as caught:
             runner.get(bad)
         assert caught.value.status == 404
+
+
+def test_answers_cut_short_by_the_server_are_recognised_on_every_endpoint() -> None:
+    was_aborted = batch_runner._was_aborted
+    assert was_aborted({"choices": [{"finish_reason": "stop"}, {"finish_reason": "abort"}]})
+    assert not was_aborted({"choices": [{"finish_reason": "length"}]})
+    # /v1/responses: a drain or abort ends the response `failed` (responses/response_object.py)
+    from argosy_runtime.server.responses.response_object import ABORTED, outcome_of
+
+    failed = outcome_of("abort")
+    assert was_aborted({"object": "response", "status": failed.status, "error": ABORTED})
+    assert not was_aborted({"object": "response", "status": outcome_of("length").status})

@@ -15,7 +15,7 @@ from argosy_runtime.server.responses.protocol import ResponsesRequest
 from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
 from argosy_runtime.server.responses.stream_events import ResponseEventStream
 from argosy_runtime.server.responses.tools import chat_tool_choice, chat_tools, function_tools
-from openai.types.responses import ResponseItem, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -87,6 +87,17 @@ def test_timeout_event_fails_the_response_unstored() -> None:
     assert events[-1]["response"]["error"] == {"code": "server_error",
                                                "message": "request timed out"}
     assert done == []
+
+
+def test_an_aborted_answer_fails_the_response() -> None:
+    # The server drained (SIGTERM) or aborted the request: chat's finish_reason "abort".
+    events, _ = _translate([_delta("a"), _delta(None, "abort"), "data: [DONE]\n\n"])
+    assert events[-1]["type"] == "response.failed"
+    final = events[-1]["response"]
+    assert final["status"] == "failed" and final["error"]["code"] == "server_error"
+    assert "shutting down" in final["error"]["message"]
+    assert final["output"][0]["status"] == "incomplete"  # items are never "failed"
+    assert Response.model_validate(final).error.code == "server_error"
 
 
 def _entry(i: int) -> StoredResponse:

@@ -66,10 +66,12 @@ class BatchResults:
             return
         self.completed += 1
         usage = record["response"]["body"].get("usage") or {}
-        self.input_tokens += int(usage.get("prompt_tokens") or 0)
-        self.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        # chat and completions say prompt/completion tokens, responses input/output tokens
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        self.input_tokens += int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        self.cached_tokens += int(details.get("cached_tokens") or 0)
+        self.output_tokens += int(usage.get("completion_tokens") or usage.get("output_tokens")
                                   or 0)
-        self.output_tokens += int(usage.get("completion_tokens") or 0)
 
     def usage(self) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,

@@ -305,6 +305,8 @@ class BatchRunner:
     async def _run_line(self, batch: dict[str, Any], line: BatchLine,
                         results: BatchResults) -> None:
         body = {"priority": BATCH_PRIORITY, **line.body}
+        if batch["endpoint"] == "/v1/responses":
+            body.setdefault("store", False)  # the answer is in the output file; keep no copy
         request_id = f"{batch['id']}-{line.number}"
         delay = 0.25
         while True:
@@ -390,4 +392,8 @@ def _json_or_error(response: httpx.Response) -> dict[str, Any]:
 
 
 def _was_aborted(body: dict[str, Any]) -> bool:
+    """Cut short by a drain or cancel: a chat/completion choice ending in `abort`, or a
+    Response that failed for it (responses/response_object.py)."""
+    if body.get("object") == "response":
+        return body.get("status") == "failed"
     return any(c.get("finish_reason") == "abort" for c in body.get("choices") or ())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from argosy_runtime.server.responses.protocol import ResponsesRequest
@@ -16,11 +17,33 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
-    """(response status, incomplete_details) for a chat finish reason."""
+# A request cut short by the server (a drain on SIGTERM, an abort): OpenAI's `failed`.
+ABORTED = {"code": "server_error",
+           "message": "the server stopped this request before it finished (it is shutting "
+                      "down); send it again"}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a chat answer ends as a Response: `status`, `incomplete_details`, `error`, and
+    the status of its output items (an item is never `failed`, only `incomplete`)."""
+
+    status: str
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, str] | None = None
+
+    @property
+    def item_status(self) -> str:
+        return "incomplete" if self.status == "failed" else self.status
+
+
+def outcome_of(finish_reason: str | None) -> Outcome:
+    """The Response's ending for a chat finish reason."""
     if finish_reason == "length":  # max_output_tokens, or the model's context is full
-        return "incomplete", {"reason": "max_output_tokens"}
-    return "completed", None
+        return Outcome("incomplete", {"reason": "max_output_tokens"})
+    if finish_reason == "abort":
+        return Outcome("failed", error=ABORTED)
+    return Outcome("completed")
 
 
 def text_part(text: str) -> dict[str, Any]:

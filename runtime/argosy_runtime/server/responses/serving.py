@@ -30,8 +30,8 @@ from argosy_runtime.server.responses.response_object import (
     function_call_item,
     message_item,
     new_item_id,
+    outcome_of,
     response_object,
-    status_of,
     usage_of,
 )
 from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
@@ -74,7 +74,7 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     model = ctx.check_model(req.model)
 
     def keep(response: dict[str, Any]) -> None:
-        if req.store:
+        if req.store and response["status"] != "failed":  # nothing to continue from
             store.put(StoredResponse(response, (*history, *parsed.messages),
                                      tuple(parsed.items)))
 
@@ -88,15 +88,17 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
         return answer
     body = json.loads(answer.body)
     choice = body["choices"][0]
-    status, incomplete = status_of(choice.get("finish_reason"))
+    outcome = outcome_of(choice.get("finish_reason"))
     text = choice["message"].get("content") or ""
     calls = choice["message"].get("tool_calls") or []
     # a message item when there is text (or nothing else), then one item per function call
-    output = [message_item(new_item_id("msg"), text, status)] if text or not calls else []
+    output = ([message_item(new_item_id("msg"), text, outcome.item_status)]
+              if text or not calls else [])
     output += [function_call_item(call) for call in calls]
     response = response_object(
-        req, response_id=response_id, created_at=created_at, model=model, status=status,
-        output=output, usage=usage_of(body.get("usage")), incomplete_details=incomplete)
+        req, response_id=response_id, created_at=created_at, model=model,
+        status=outcome.status, output=output, usage=usage_of(body.get("usage")),
+        incomplete_details=outcome.incomplete_details, error=outcome.error)
     keep(response)
     return JSONResponse(response, headers=headers)
 

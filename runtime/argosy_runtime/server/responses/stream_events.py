@@ -34,8 +34,8 @@ from argosy_runtime.server.responses.response_object import (
     function_call_item,
     message_item,
     new_item_id,
+    outcome_of,
     response_object,
-    status_of,
     text_part,
     usage_of,
 )
@@ -100,16 +100,17 @@ class ResponseEventStream:
                     finish = choice.get("finish_reason") or finish
         finally:
             await chat_chunks.aclose()  # type: ignore[attr-defined]
-        status, incomplete = status_of(finish)
+        outcome = outcome_of(finish)
         if self.current is None:  # nothing generated: still one (empty) message, as unstreamed
             for event in self._open_message():
                 yield event
-        for event in self._close(status):
+        for event in self._close(outcome.item_status):
             yield event
-        final = self.response(status, self._output(status), usage=usage_of(usage),
-                              incomplete_details=incomplete)
+        final = self.response(outcome.status, self._output(outcome.item_status),
+                              usage=usage_of(usage),
+                              incomplete_details=outcome.incomplete_details, error=outcome.error)
         self.on_done(final)
-        yield self.event(f"response.{status}", response=final)
+        yield self.event(f"response.{outcome.status}", response=final)
 
     # Output items open one after another, as OpenAI sends them: a message when text comes,
     # a function_call when chat starts a tool call; opening one closes the one before.
