@@ -9,7 +9,10 @@ operator's autoscaler answers by scaling 0 -> 1 (argosy_operator/autoscaling/act
 held, so a stamp the operator missed, or answered just before scaling to zero, is renewed.
 
 A held request goes on as soon as a replica is in rotation, or gets 503 after `timeout_s`; a
-client that disconnects while held simply stops waiting. Holding costs nothing but an open
+client that disconnects while held simply stops waiting. When the signal learns that nothing
+will answer it (a Kubernetes route whose LLMDeployment sits at `spec.replicas: 0` without
+autoscaling), the held requests get that 503 at once, and so does every request for the next
+`refresh_s`; after that the next request asks again. Holding costs nothing but an open
 connection: the body is already read, and the poll is a list scan every 50 ms.
 """
 
@@ -34,7 +37,8 @@ logger = logging.getLogger(__name__)
 ACTIVATION_ANNOTATION = "argosy.dev/activation-requested"
 POLL_S = 0.05
 
-Signal = Callable[[], Awaitable[None]]
+# Asks for a replica; returns None, or why no replica will come however long one waits.
+Signal = Callable[[], Awaitable[str | None]]
 
 
 class Activator:
@@ -46,6 +50,7 @@ class Activator:
         self.config = config
         self.signal = signal
         self.held = 0  # requests waiting right now
+        self.unreachable: str | None = None  # the last signal's "no replica will come"
         self._signalled_at = float("-inf")
         self._signal_task: asyncio.Task[None] | None = None
 
@@ -59,17 +64,18 @@ class Activator:
         return self.held >= self.config.max_held
 
     async def wait(self) -> bool:
-        """Hold until a replica is in rotation (True) or `timeout_s` passes (False)."""
+        """Hold until a replica is in rotation (True), or `timeout_s` passes or the signal says
+        none will come (False; `unreachable` then says why)."""
         self.held += 1
         deadline = time.monotonic() + self.config.timeout_s
         try:
             while self.needed():
                 now = time.monotonic()
-                if now >= deadline:
-                    return False
                 if now - self._signalled_at >= self.config.refresh_s:
                     self._signalled_at = now
-                    self._send_signal()
+                    self._send_signal()  # forgets an older "no replica will come"
+                if now >= deadline or self.unreachable is not None:
+                    return False
                 await asyncio.sleep(POLL_S)
             return True
         finally:
@@ -78,6 +84,7 @@ class Activator:
     def _send_signal(self) -> None:
         if self.signal is None or (self._signal_task is not None and not self._signal_task.done()):
             return
+        self.unreachable = None  # ask again: the deployment may have changed
         logger.info("model %s: no replica; %d request(s) held, asking for one",
                     self.pool.model, self.held)
         # Not awaited by the request: a slow or failing API server must not stall it, and a
@@ -87,9 +94,12 @@ class Activator:
     async def _signal_quietly(self) -> None:
         assert self.signal is not None
         try:
-            await self.signal()
+            self.unreachable = await self.signal()
         except Exception as exc:  # logged; the next refresh tries again
             logger.warning("model %s: could not ask for a replica: %r", self.pool.model, exc)
+            return
+        if self.unreachable is not None:
+            logger.warning("model %s: %s", self.pool.model, self.unreachable)
 
     async def close(self) -> None:
         if self._signal_task is not None and not self._signal_task.done():
@@ -100,7 +110,9 @@ class Activator:
 def kubernetes_signal(config: KubernetesBackendConfig, session: aiohttp.ClientSession) -> Signal:
     """Stamp `argosy.dev/activation-requested` on the route's LLMDeployment (merge patch).
 
-    The gateway's service account needs `patch` on `llmdeployments.argosy.dev`.
+    The patched object comes back: when it sits at `spec.replicas: 0` without autoscaling,
+    no autoscaler will answer the stamp, and the signal says so. The gateway's service
+    account needs `patch` on `llmdeployments.argosy.dev`.
     """
     path = (f"/apis/argosy.dev/v1alpha1/namespaces/{config.namespace}/llmdeployments/"
             f"{config.llmdeployment}")
@@ -118,5 +130,19 @@ def kubernetes_signal(config: KubernetesBackendConfig, session: aiohttp.ClientSe
                                  timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"PATCH {path}: HTTP {resp.status}: {(await resp.text())[:300]}")
+            llmd = await resp.json(content_type=None)
+        return unreachable_reason(llmd, f"{config.namespace}/{config.llmdeployment}")
 
     return signal
+
+
+def unreachable_reason(llmd: object, name: str) -> str | None:
+    """Why no replica of this LLMDeployment will start however long one waits, or None."""
+    spec = llmd.get("spec") if isinstance(llmd, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    autoscaled = (spec.get("autoscaling") or {}).get("enabled") is True
+    if autoscaled or spec.get("replicas", 1) != 0:
+        return None
+    return (f"LLMDeployment {name} is at spec.replicas 0 without autoscaling, so nothing will "
+            "start a replica; set spec.replicas, or enable autoscaling with minReplicas 0")

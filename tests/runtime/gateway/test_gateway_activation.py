@@ -21,7 +21,7 @@ from argosy_runtime.gateway.config import (
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "operator"))
 
-from kube_emulator import ArgosyKubeEmulator  # noqa: E402
+from kube_emulator import RESOURCES, ArgosyKubeEmulator  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "x"}
 
@@ -148,3 +148,52 @@ async def test_kubernetes_route_stamps_its_llmdeployment(kube, fake_replicas, ga
         count = len(patches())
         await asyncio.sleep(0.8)
         assert len(patches()) == count  # nothing held: no more stamps
+
+
+@pytest.fixture
+async def kube_with_llmd() -> AsyncIterator[tuple[ArgosyKubeEmulator, aiohttp.ClientSession]]:
+    """An emulated API server that serves LLMDeployments (the CRD's schema applies)."""
+    emulator = ArgosyKubeEmulator()
+    async with emulator, kmock.Server(emulator), aiohttp.ClientSession() as session:
+        emulator.declare({k: v for k, v in RESOURCES.items() if "llmdeployments" in k})
+        yield emulator, session
+
+
+LLMD = "/apis/argosy.dev/v1alpha1/namespaces/llm/llmdeployments"
+
+
+async def test_a_deployment_nothing_will_scale_up_answers_at_once(kube_with_llmd, gateway
+                                                                  ) -> None:
+    """At spec.replicas 0 without autoscaling the stamp wakes nothing: the held request gets a
+    503 saying why as soon as the patch comes back, not after timeout_s; once the spec can
+    bring a replica, requests are held again."""
+    kube, api = kube_with_llmd
+    body = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "tiny", "namespace": "llm"},
+            "spec": {"model": {"name": "tiny", "path": "/m/tiny"}, "replicas": 0}}
+    async with api.post(f"{kube.url}{LLMD}", json=body) as resp:
+        assert resp.status < 300, await resp.text()
+    route = ModelRouteConfig(
+        name="tiny",
+        kubernetes=KubernetesBackendConfig(llmdeployment="tiny", namespace="llm",
+                                           api_url=str(kube.url)),
+        activation=ActivationConfig(timeout_s=30, refresh_s=0.5))
+    gw, url = await gateway(GatewayConfig(models=(route,), health=HealthConfig(interval_s=60)))
+    async with aiohttp.ClientSession() as s:
+        started = asyncio.get_running_loop().time()
+        async with s.post(f"{url}/v1/completions", json=BODY) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "60"
+            message = (await resp.json())["error"]["message"]
+        assert asyncio.get_running_loop().time() - started < 5  # not the 30 s timeout
+        assert "LLMDeployment llm/tiny is at spec.replicas 0 without autoscaling" in message
+        assert not await metric(s, url, 'argosy:gateway_activation_timeouts_total{model="tiny"}')
+        # Autoscaling turned on: the next request (after refresh_s) is held again.
+        patch = {"spec": {"autoscaling": {"enabled": True, "minReplicas": 0}}}
+        async with api.patch(f"{kube.url}{LLMD}/tiny", json=patch,
+                             headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status == 200, await resp.text()
+        await asyncio.sleep(0.6)
+        task = asyncio.create_task(s.post(f"{url}/v1/completions", json=BODY))
+        await asyncio.sleep(1.0)
+        assert not task.done() and gw.activators["tiny"].held == 1
+        task.cancel()

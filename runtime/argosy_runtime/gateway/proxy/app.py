@@ -361,6 +361,8 @@ class Gateway:
             return no_replica(model)
         started = time.monotonic()
         if not await activator.wait():
+            if activator.unreachable is not None:
+                return error_response(503, activator.unreachable, headers={"Retry-After": "60"})
             self.metrics.activation_timeouts.labels(model).inc()
             return error_response(
                 503,
