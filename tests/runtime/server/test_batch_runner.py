@@ -200,6 +200,21 @@ async def test_a_replica_takes_over_the_batch_of_one_that_drained(tmp_path: Path
                   if p.suffix in (".lock", ".cancel")) == []  # nothing left behind
 
 
+async def test_scans_read_a_finished_batch_no_more(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, file_id = _runner(tmp_path, Endpoint())
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert batch["status"] == "completed"
+    reads: list[Path] = []
+    read = batch_runner._read_record
+    monkeypatch.setattr(batch_runner, "_read_record", lambda p: reads.append(p) or read(p))
+    runner._take_over_orphans()
+    runner._take_over_orphans()
+    assert len(reads) == 1  # the first scan after it finished, then never again
+
+
 async def test_a_cancel_through_another_replica_reaches_the_runner(tmp_path: Path) -> None:
     endpoint = Endpoint()
     endpoint.gate = asyncio.Event()  # A's requests hang until cancelled

@@ -29,13 +29,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 from argosy_runtime.server.batch.batch_input import ENDPOINTS, BatchLine, read_batch_input
 from argosy_runtime.server.batch.batch_lock import BatchLock
 from argosy_runtime.server.batch.batch_results import BatchResults
-from argosy_runtime.server.batch.file_store import FileStore, write_json_atomic
+from argosy_runtime.server.batch.file_store import FileStore, record_path, write_json_atomic
 from argosy_runtime.server.errors import APIError
 from starlette.types import ASGIApp
 
@@ -63,6 +63,7 @@ class BatchRunner:
         self.is_draining = is_draining
         self.scan_interval_s = scan_interval_s
         self.batches: dict[str, dict[str, Any]] = {}  # the ones this runner runs
+        self._finished: set[str] = set()  # seen done for good: the scans read them no more
         self._locks: dict[str, BatchLock] = {}
         self._saved_at: dict[str, float] = {}
         self._scanner: asyncio.Task[None] | None = None
@@ -183,20 +184,28 @@ class BatchRunner:
             if self.is_draining():
                 return
             batch_id = path.name.removesuffix(".json")
-            if batch_id in self.batches:
-                continue
-            batch = _read_record(path)
-            if batch is None or batch["status"] not in ACTIVE:
+            if (batch_id in self.batches or batch_id in self._finished
+                    or not self._unfinished(_read_record(path))):
                 continue
             lock = BatchLock.try_acquire(self.dir / f"{batch_id}.lock")
             if lock is None:
                 continue  # another replica runs it
             batch = _read_record(path)  # as its last runner left it
-            if batch is None or batch["status"] not in ACTIVE:
+            if not self._unfinished(batch):
                 lock.release()
                 continue
             logger.info("resuming %s (%s)", batch_id, batch["status"])
             self._own(batch, lock)
+
+    def _unfinished(self, batch: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+        """Is this record an unfinished batch? A finished one never runs again: the scans
+        skip it from now on instead of reading it every time."""
+        if batch is None:
+            return False
+        if batch["status"] in ACTIVE:
+            return True
+        self._finished.add(batch["id"])
+        return False
 
     def _own(self, batch: dict[str, Any], lock: BatchLock) -> None:
         batch_id = batch["id"]
@@ -225,10 +234,7 @@ class BatchRunner:
             self._start_cancelling(batch)
 
     def _record_path(self, batch_id: str) -> Path:
-        # ids are ours ("batch_" + hex); anything else cannot name a file here (no "../")
-        if not (batch_id.startswith("batch_") and batch_id[6:].isalnum()):
-            return self.dir / "batch_invalid.json.missing"
-        return self.dir / f"{batch_id}.json"
+        return record_path(self.dir, batch_id, "batch_")
 
     # ---- running one batch -----------------------------------------------------------------
     def _launch(self, batch: dict[str, Any]) -> None:

@@ -92,10 +92,7 @@ class FileStore:
         return {"id": file_id, "object": "file", "deleted": True}
 
     def _meta_path(self, file_id: str) -> Path:
-        # ids are ours ("file-" + hex); anything else cannot name a file here (no "../")
-        if not (file_id.startswith("file-") and file_id[5:].isalnum()):
-            return self.dir / "file-invalid.json.missing"
-        return self.dir / f"{file_id}.json"
+        return record_path(self.dir, file_id, "file-")
 
     def _write_meta(self, file_id: str, filename: str, purpose: str,
                     size: int) -> dict[str, Any]:
@@ -103,6 +100,14 @@ class FileStore:
                 "filename": filename, "purpose": purpose, "status": "processed"}
         write_json_atomic(self._meta_path(file_id), meta)
         return meta
+
+
+def record_path(folder: Path, obj_id: str, prefix: str) -> Path:
+    """`<folder>/<id>.json` for an id of ours (`prefix` + letters and digits); any other id
+    names a path that never exists, so no id can reach outside the folder ("../")."""
+    if not (obj_id.startswith(prefix) and obj_id[len(prefix):].isalnum()):
+        return folder / f"{prefix}invalid.json.missing"
+    return folder / f"{obj_id}.json"
 
 
 def write_json_atomic(path: Path, value: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ OpenAI's order:
         response.function_call_arguments.delta (one per arguments fragment),
         response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete (cut by max_output_tokens) | response.failed
-    (the request ran past --request-timeout)
+    (the request ran past --request-timeout, or the server cut it short: a drain, an abort)
 
 A reply with neither text nor calls still has one (empty) message item, as unstreamed. Chat
 streams a forced function's arguments as they are generated, so they come as many deltas;
