@@ -138,6 +138,14 @@ async def replica_set_controller(api: Api, owner: str,
             await task
 
 
+async def create_scaled_to(api: Api, name: str, count: int) -> None:
+    """Create an autoscaled LLMDeployment, wait for its Deployment, and set that to `count`
+    replicas (as if the autoscaler had just scaled it)."""
+    await api.call("POST", LLMD_PATH, llmd(name, FAST), "application/json")
+    await eventually(lambda: api.get_or_none(f"{DEP_PATH}/{name}"), 10, "Deployment")
+    await api.call("PATCH", f"{DEP_PATH}/{name}", {"spec": {"replicas": count}})
+
+
 async def replicas(api: Api, name: str) -> int | None:
     dep = await api.get_or_none(f"{DEP_PATH}/{name}")
     return None if dep is None else int(dep["spec"].get("replicas", 1))
@@ -260,9 +268,7 @@ async def test_failed_scrapes_never_scale_down(kube: Any, api: Api, run_operator
     try:
         async with replica_set_controller(api, "llm", servers):
             with run_operator():
-                await api.call("POST", LLMD_PATH, llmd("llm", FAST), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 2}})
+                await create_scaled_to(api, "llm", 2)
 
                 async def measured_one() -> Any:
                     st = await status(api, "llm")
@@ -312,9 +318,7 @@ async def test_scale_down_keeps_the_replicas_holding_batches(kube: Any, api: Api
     try:
         async with replica_set_controller(api, "llm", servers):
             with run_operator():
-                await api.call("POST", LLMD_PATH, llmd("llm", FAST), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 3}})
+                await create_scaled_to(api, "llm", 3)
 
                 async def pods() -> set[str]:
                     listed = await api.call("GET", POD_PATH)

@@ -33,6 +33,16 @@ def config(activation: ActivationConfig | None, backends: tuple[str, ...] = ()) 
     )
 
 
+def kubernetes_config(api_url: str, refresh_s: float) -> GatewayConfig:
+    """A route for LLMDeployment llm/tiny on the API at `api_url`, with activation."""
+    route = ModelRouteConfig(
+        name="tiny",
+        kubernetes=KubernetesBackendConfig(llmdeployment="tiny", namespace="llm",
+                                           api_url=api_url),
+        activation=ActivationConfig(timeout_s=30, refresh_s=refresh_s))
+    return GatewayConfig(models=(route,), health=HealthConfig(interval_s=60))
+
+
 async def metric(s: aiohttp.ClientSession, url: str, line: str) -> bool:
     async with s.get(f"{url}/metrics") as resp:
         return line in await resp.text()
@@ -121,12 +131,7 @@ async def test_kubernetes_route_stamps_its_llmdeployment(kube, fake_replicas, ga
     """The signal is a merge patch of the annotation; when the API refuses it, the request
     still waits and the stamp is retried every refresh_s."""
     (replica,) = await fake_replicas(1)
-    route = ModelRouteConfig(
-        name="tiny",
-        kubernetes=KubernetesBackendConfig(llmdeployment="tiny", namespace="llm",
-                                           api_url=str(kube.url)),
-        activation=ActivationConfig(timeout_s=30, refresh_s=0.3))
-    gw, url = await gateway(GatewayConfig(models=(route,), health=HealthConfig(interval_s=60)))
+    gw, url = await gateway(kubernetes_config(str(kube.url), refresh_s=0.3))
 
     def patches() -> list:
         return [r for r in list(kube) if r.method == "PATCH"
@@ -173,12 +178,7 @@ async def test_a_deployment_nothing_will_scale_up_answers_at_once(kube_with_llmd
             "spec": {"model": {"name": "tiny", "path": "/m/tiny"}, "replicas": 0}}
     async with api.post(f"{kube.url}{LLMD}", json=body) as resp:
         assert resp.status < 300, await resp.text()
-    route = ModelRouteConfig(
-        name="tiny",
-        kubernetes=KubernetesBackendConfig(llmdeployment="tiny", namespace="llm",
-                                           api_url=str(kube.url)),
-        activation=ActivationConfig(timeout_s=30, refresh_s=0.5))
-    gw, url = await gateway(GatewayConfig(models=(route,), health=HealthConfig(interval_s=60)))
+    gw, url = await gateway(kubernetes_config(str(kube.url), refresh_s=0.5))
     async with aiohttp.ClientSession() as s:
         started = asyncio.get_running_loop().time()
         async with s.post(f"{url}/v1/completions", json=BODY) as resp:
