@@ -19,6 +19,8 @@ to scale DOWN (a missing sample is never evidence of idleness).
 
 Replicas holding unfinished Batch API requests (newest sample) are a floor for scaling down:
 a batch lives on the replica that created it, so removing that replica would lose the batch.
+When the replicas share one batch folder (`MetricsSample.batches_shared`) a stopping replica
+leaves its batches to the others, so the floor is one replica while any batch is unfinished.
 Which replicas go is the caller's part (the timer ranks pods by deletion cost, `argosy fleet`
 drains those without batches first).
 """
@@ -67,7 +69,7 @@ class DecisionMetrics:
     panic_ratio: float | None = None  # demand / current replicas, panic window
     recommendation: int | None = None  # raw recommendation before stabilization and limits
     batch_pending: float | None = None  # Batch API requests not answered yet, newest sample
-    batch_replicas: int = 0  # replicas holding them: scale-down never goes below this
+    batch_replicas: int = 0  # replicas holding them: the scale-down floor (1 if batches_shared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +179,7 @@ def decide(
 
     latest = samples[-1] if samples else None
     holding_batches = latest.num_holding_batches if latest else 0
+    batch_floor = latest.batch_floor if latest else 0
 
     def finish(target: int, reason: str, message: str, metrics: DecisionMetrics, panic: bool,
                new_state: DecisionState) -> Decision:
@@ -192,8 +195,8 @@ def decide(
                              math.ceil(current_replicas * policy.max_scale_down_rate))
             if desired < down_limit:
                 desired, limit_reason = down_limit, "ScaleDownRate"
-            if desired < holding_batches:
-                desired, limit_reason = min(current_replicas, holding_batches), "BatchRequests"
+            if desired < batch_floor:
+                desired, limit_reason = min(current_replicas, batch_floor), "BatchRequests"
         if desired > policy.max_replicas:
             desired, limit_reason = policy.max_replicas, "MaxReplicas"
         if desired < policy.min_replicas:
@@ -203,8 +206,10 @@ def decide(
             # replica that would go holds a batch).
             reason = _BLOCKED_REASONS[limit_reason or "MinReplicas"]
             if limit_reason == "BatchRequests":
-                message = (f"{holding_batches} replica(s) hold unfinished Batch API requests; "
-                           f"{message}")
+                holders = ("a replica must stay to run the shared batches"
+                           if latest and latest.batches_shared else
+                           f"{holding_batches} replica(s) hold unfinished Batch API requests")
+                message = f"{holders}; {message}"
         elif desired > current_replicas and target <= current_replicas:
             reason, message = "BelowMinReplicas", f"raised to minReplicas {policy.min_replicas}"
         elif desired < current_replicas and target >= current_replicas:

@@ -7,8 +7,9 @@ that pod's volume), so deleting that pod loses the job. Right before it lowers t
 the autoscaler annotates each ready pod with a cost from its newest sample:
 
 - holding batch requests: BATCH_COST + the number pending, so it goes last (and of two such
-  pods, the one with less left goes first); the decision never scales below the number of
-  such pods (decision.py), so with this ranking none of them is chosen;
+  pods, the one with less left goes first); without a shared batch folder the decision
+  never scales below the number of such pods (decision.py), so with this ranking none of
+  them is chosen (with one, those chosen hand their batches to the pods that stay);
 - ready but not measured (the scrape failed): BATCH_COST, since a missing sample is never
   evidence of idleness;
 - measured without batches: its running + waiting requests, so the least busy pod drains.

@@ -9,7 +9,10 @@ there is to see at zero replicas (scale from zero).
 A replica's `batch_pending` (Batch API requests it has accepted and not answered yet) is not
 demand: a batch runs where it was created and cannot move to a new replica. It is work that
 a scale-down must not destroy: such a replica is never idle, and the decision keeps at least
-as many replicas as hold batches (decision.py).
+as many replicas as hold batches (decision.py). With `batches_shared` the replicas keep their
+batches in one shared folder (`--batch-dir` on a ReadWriteMany volume), where a replica that
+stops leaves its batches to the others (they take over orphaned batches): then one replica is
+enough to keep them going.
 """
 
 from __future__ import annotations
@@ -85,12 +88,14 @@ class ReplicaSample:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSample:
-    """All replicas of one deployment at time `t` (seconds on the decision's clock), and the
-    requests held at a gateway for want of a ready replica."""
+    """All replicas of one deployment at time `t` (seconds on the decision's clock), the
+    requests held at a gateway for want of a ready replica, and whether the replicas share one
+    batch folder (so any of them carries on another's batches)."""
 
     t: float
     replicas: tuple[ReplicaSample, ...]
     held_requests: int = 0
+    batches_shared: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.held_requests, bool) or not isinstance(self.held_requests, int) \
@@ -110,6 +115,13 @@ class MetricsSample:
         return sum(1 for r in self.replicas if r.holds_batches)
 
     @property
+    def batch_floor(self) -> int:
+        """The fewest replicas a scale-down may leave without losing a batch: each one holding
+        batches, or, with a shared folder, one while any batch is unfinished."""
+        holding = self.num_holding_batches
+        return min(holding, 1) if self.batches_shared else holding
+
+    @property
     def is_idle(self) -> bool:
         """Every replica measured and idle, nothing held at a gateway (an empty sample is not
         evidence of idleness)."""
@@ -118,11 +130,12 @@ class MetricsSample:
 
     @classmethod
     def from_trace(cls, obj: Mapping[str, Any]) -> MetricsSample:
-        """Parse one trace line: `{"t": seconds, "replicas": [...], "held": n}` (`held`
-        optional: requests a gateway held at that time)."""
+        """Parse one trace line: `{"t": seconds, "replicas": [...], "held": n,
+        "batches_shared": bool}` (`held` optional: requests a gateway held at that time;
+        `batches_shared` optional, default false)."""
         if not isinstance(obj, Mapping):
             raise ValueError(f"trace line: must be an object, got {obj!r}")
-        unknown = set(obj) - {"t", "replicas", "held"}
+        unknown = set(obj) - {"t", "replicas", "held", "batches_shared"}
         if unknown:
             raise ValueError(f"trace line: unknown keys {sorted(unknown)}")
         t = obj.get("t")
@@ -134,5 +147,8 @@ class MetricsSample:
         held = obj.get("held", 0)
         if isinstance(held, bool) or not isinstance(held, int) or held < 0:
             raise ValueError(f"held: must be an integer >= 0, got {held!r}")
+        shared = obj.get("batches_shared", False)
+        if not isinstance(shared, bool):
+            raise ValueError(f"batches_shared: must be a boolean, got {shared!r}")
         return cls(t=float(t), replicas=tuple(ReplicaSample.from_trace(r) for r in replicas),
-                   held_requests=held)
+                   held_requests=held, batches_shared=shared)

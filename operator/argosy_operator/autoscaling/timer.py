@@ -87,15 +87,22 @@ def _live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(live, key=lambda p: (p.get("metadata") or {}).get("name", ""))
 
 
+def _batches_shared(spec: Mapping[str, Any]) -> bool:
+    """The pods share one batch folder (spec.runtime.batchVolumeClaim), so a pod that stops
+    leaves its batches to the others instead of losing them."""
+    runtime = spec.get("runtime") or {}
+    return isinstance(runtime, Mapping) and bool(runtime.get("batchVolumeClaim"))
+
+
 async def _rank_pods_for_scale_down(client: KubeClient, namespace: str,
                                     pods: list[dict[str, Any]], replicas: list[ReplicaSample],
-                                    logger: Any) -> bool:
-    """Steer the ReplicaSet to delete idle pods, never one holding a batch. False: do not
+                                    batches_shared: bool, logger: Any) -> bool:
+    """Steer the ReplicaSet to delete idle pods, those holding batches last. False: do not
     scale down now (the ranking failed and a batch could be lost)."""
     try:
         await annotate_deletion_costs(client, namespace, pods, replicas)
     except ApiError as exc:
-        if any(r.holds_batches for r in replicas):
+        if not batches_shared and any(r.holds_batches for r in replicas):
             logger.warning(f"autoscaling: cannot set pod-deletion-cost ({exc}); not scaling "
                            f"down while replicas hold batch requests")
             return False
@@ -152,12 +159,14 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     # request it was for was served, and must not hold off a scale-to-zero that long.
     held = int(current == 0 and activation_requested(llmd, state.last_scale_wall, time.time()))
     t = time.monotonic()
-    state.autoscaler.observe(MetricsSample(t=t, replicas=tuple(replicas), held_requests=held))
+    batches_shared = _batches_shared(spec)
+    state.autoscaler.observe(MetricsSample(t=t, replicas=tuple(replicas), held_requests=held,
+                                           batches_shared=batches_shared))
     decision = state.autoscaler.decide(current, now=t)
 
     if decision.changed:
         if decision.desired_replicas < current and not await _rank_pods_for_scale_down(
-                client, namespace, pods, replicas, logger):
+                client, namespace, pods, replicas, batches_shared, logger):
             return
         try:
             await scale_deployment(client, namespace, name, decision.desired_replicas)

@@ -83,6 +83,12 @@ class FleetConfig:
         return AutoscalingPolicy.from_spec(spec)
 
     @property
+    def batches_shared(self) -> bool:
+        """Every replica gets the same serve args, so a --batch-dir among them is one folder
+        they all share: a drained replica's batches are taken over by the others."""
+        return any(a == "--batch-dir" or a.startswith("--batch-dir=") for a in self.serve_args)
+
+    @property
     def scales_from_zero(self) -> bool:
         """--min 0: the gateway holds requests while no replica runs and the autoscaler wakes
         one for them."""
@@ -275,7 +281,8 @@ class Fleet:
             activator = self.gateway.activators.get(c.name)
             held = activator.held if activator is not None else 0
             now = time.monotonic()
-            window.add(MetricsSample(t=now, replicas=tuple(samples), held_requests=held))
+            window.add(MetricsSample(t=now, replicas=tuple(samples), held_requests=held,
+                                     batches_shared=c.batches_shared))
             current = len(self.live)
             decision = decide(policy, current, window.samples(), state, now)
             state = decision.state

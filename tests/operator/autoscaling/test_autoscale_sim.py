@@ -147,6 +147,12 @@ def test_trace_batch_counts_hold_the_replicas_that_run_them(
     assert min(r["desired"] for r in out) == 4
     assert out[-1]["reason"] == "ScaleDown" and out[-1]["batch_replicas"] == 4
     assert out[-1]["limited"] == "BatchRequests"
+    # The same replicas sharing one batch folder: only the rate limit holds them (6 -> 3).
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text("".join(json.dumps({**json.loads(line), "batches_shared": True}) + "\n"
+                              for line in trace.read_text().splitlines()))
+    out = sim(capsys, policy, shared, "--verbose")
+    assert min(r["desired"] for r in out) == 3 and out[-1]["limited"] == "ScaleDownRate"
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"t": 0, "replicas": [{"kv": 0, "waiting": 0, "batch": -1}]}\n')
     assert main(["autoscale-sim", "--policy", str(policy), "--trace", str(broken)]) == 2
@@ -192,7 +198,8 @@ def test_held_requests_in_a_trace_wake_a_deployment_at_zero(
     assert [(r["desired"], r["reason"]) for r in out] == [(0, "ScaledToZero"),
                                                          (1, "ScaleFromZero")]
     for bad, field in (('{"t": 0, "replicas": [], "held": -1}', "held"),
-                       ('{"t": 0, "replicas": [], "helf": 1}', "unknown keys")):
+                       ('{"t": 0, "replicas": [], "helf": 1}', "unknown keys"),
+                       ('{"t": 0, "replicas": [], "batches_shared": "yes"}', "batches_shared")):
         trace.write_text(bad + "\n")
         assert main(["autoscale-sim", "--policy", str(policy), "--trace", str(trace)]) == 2
         assert field in capsys.readouterr().err

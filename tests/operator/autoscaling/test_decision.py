@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -257,6 +258,24 @@ def test_a_partial_scale_down_stops_at_the_replicas_holding_batches() -> None:
     d = decide(policy, 8, samples, DecisionState(observed_since=0.0), now=60.0)
     assert d.desired_replicas == 5 and d.reason == "ScaleDown"
     assert d.limited and d.limit_reason == "BatchRequests"
+
+
+def test_with_a_shared_batch_folder_one_replica_is_enough_for_the_batches() -> None:
+    # The same 8 replicas, 5 holding batches, but sharing one folder: a replica that stops
+    # leaves its batches to the others, so only the rate limit (8 -> 4) applies...
+    policy = AutoscalingPolicy(enabled=True, min_replicas=1, max_replicas=10,
+                               scale_down_stabilization_seconds=0)
+    samples = [dataclasses.replace(fleet_sample(float(t), 8, 0.0, 0.0,
+                                                batches=lambda t, i: float(i < 5)),
+                                   batches_shared=True) for t in range(0, 65, 5)]
+    d = decide(policy, 8, samples, DecisionState(observed_since=0.0), now=60.0)
+    assert d.desired_replicas == 4 and d.limit_reason == "ScaleDownRate"
+    assert d.metrics.batch_replicas == 5
+    # ...and the floor is one replica while any batch is unfinished.
+    assert samples[-1].batch_floor == 1
+    assert dataclasses.replace(samples[-1], batches_shared=False).batch_floor == 5
+    idle = fleet_sample(0.0, 3, 0.0, 0.0)
+    assert dataclasses.replace(idle, batches_shared=True).batch_floor == 0
 
 
 def test_no_scale_to_zero_while_a_batch_is_pending() -> None:

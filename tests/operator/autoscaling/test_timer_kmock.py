@@ -80,11 +80,14 @@ class MetricsServer:
             await self._runner.cleanup()
 
 
-def llmd(name: str, autoscaling: dict[str, Any]) -> dict[str, Any]:
+def llmd(name: str, autoscaling: dict[str, Any],
+         runtime: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = {"model": {"name": "smollm2", "path": "smollm2-135m"}, "replicas": 2,
+            "autoscaling": autoscaling}
+    if runtime is not None:
+        spec["runtime"] = runtime
     return {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {"model": {"name": "smollm2", "path": "smollm2-135m"}, "replicas": 2,
-                     "autoscaling": autoscaling}}
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
 
 
 async def make_pod(api: Api, owner: str, index: int, port: int) -> None:
@@ -138,10 +141,11 @@ async def replica_set_controller(api: Api, owner: str,
             await task
 
 
-async def create_scaled_to(api: Api, name: str, count: int) -> None:
+async def create_scaled_to(api: Api, name: str, count: int,
+                           runtime: dict[str, Any] | None = None) -> None:
     """Create an autoscaled LLMDeployment, wait for its Deployment, and set that to `count`
     replicas (as if the autoscaler had just scaled it)."""
-    await api.call("POST", LLMD_PATH, llmd(name, FAST), "application/json")
+    await api.call("POST", LLMD_PATH, llmd(name, FAST, runtime), "application/json")
     await eventually(lambda: api.get_or_none(f"{DEP_PATH}/{name}"), 10, "Deployment")
     await api.call("PATCH", f"{DEP_PATH}/{name}", {"spec": {"replicas": count}})
 
@@ -353,7 +357,38 @@ async def test_scale_down_keeps_the_replicas_holding_batches(kube: Any, api: Api
             await s.stop()
     downs = [d["message"].split(":")[0] for d in events(kube, "llm", "ScaledDown")]
     assert downs == ["3 -> 2 replicas", "2 -> 1 replicas"]
-    # The ClusterRole grants every call the operator made, the pod patches included.
+    assert_rbac_grants_the_calls_made(kube)
+
+
+async def test_with_a_shared_batch_volume_one_replica_carries_the_batches(
+        kube: Any, api: Api, run_operator: Any) -> None:
+    # spec.runtime.batchVolumeClaim: the replicas share one batch folder and a stopping one
+    # leaves its batches to the others, so three idle replicas that all hold batches still go
+    # down to minReplicas (1), the last one carrying every batch.
+    servers = [MetricsServer() for _ in range(3)]
+    for s in servers:
+        await s.start()
+        s.values = {"kv": 0.0, "waiting": 0.0, "running": 0.0, "batch": 40.0}
+    try:
+        async with replica_set_controller(api, "llm", servers):
+            with run_operator():
+                await create_scaled_to(api, "llm", 3, runtime={"batchVolumeClaim": "batches"})
+
+                async def at_one() -> bool:
+                    auto = (await status(api, "llm")).get("autoscaling") or {}
+                    return await replicas(api, "llm") == 1 and auto.get("batchReplicas") == 1
+
+                await eventually(at_one, 30, "3 -> 1 with every replica holding batches")
+                await asyncio.sleep(3)  # and it stays: the last replica runs the batches
+                assert await replicas(api, "llm") == 1
+    finally:
+        for s in servers:
+            await s.stop()
+    assert_rbac_grants_the_calls_made(kube)
+
+
+def assert_rbac_grants_the_calls_made(kube: Any) -> None:
+    """The ClusterRole grants every call the operator made, the pod patches included."""
     with open(ROOT / "manifests" / "operator" / "rbac.yaml", encoding="utf-8") as f:
         role = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "ClusterRole")
     made = operator_calls(kube)

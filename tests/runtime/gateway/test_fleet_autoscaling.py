@@ -138,6 +138,28 @@ async def test_fleet_scale_down_keeps_the_replicas_holding_batches(tmp_path: Pat
         await fleet.stop()
 
 
+async def test_fleet_with_a_shared_batch_dir_drains_replicas_holding_batches(
+        tmp_path: Path) -> None:
+    # The same, with `-- --batch-dir DIR`: the replicas share one folder and take over each
+    # other's batches, so the fleet goes down to one replica although all three hold batches.
+    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3), replicas=3,
+                                 serve_args=("--batch-dir", str(tmp_path / "batches")))
+    assert config.batches_shared
+    fleet = Fleet(config)
+    await fleet.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for proc in fleet.processes:
+                await s.post(f"{proc.url}/control", json={"batch_pending": 25})
+            await wait_for(lambda: len(fleet.processes) == 1, 30, "down to one replica")
+        # It scaled down while replicas held batches, and never held for them.
+        assert any(d.desired_replicas < d.current_replicas and d.metrics.batch_replicas >= 2
+                   for d in fleet.decisions)
+        assert not any(d.reason == "BatchRequestsPending" for d in fleet.decisions)
+    finally:
+        await fleet.stop()
+
+
 async def test_fleet_replaces_a_replica_that_dies(tmp_path: Path) -> None:
     fleet = Fleet(FleetConfig(model="tiny", replicas=2, port=0, serve_command=FAKE_SERVE,
                               health_interval_s=0.2, log_dir=str(tmp_path), ready_timeout_s=30))
