@@ -13,6 +13,10 @@ A minimal file::
         small: smollm2-135m
         large: big
         max_tokens_over: 512
+    tenants:                      # optional: API keys and per-tenant rate limits
+      - name: team-a
+        api_keys_file: /etc/argosy/tenants/team-a
+        requests_per_minute: 600
 
 Every validation error is a ValueError that names the offending field (``models[1].policy``).
 """
@@ -20,6 +24,7 @@ Every validation error is a ValueError that names the offending field (``models[
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,7 @@ DEFAULT_INSTANCE_LABEL = "argosy.dev/llmdeployment"
 
 
 def _check_keys(where: str, data: dict[str, Any], cls: type) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in known:
             raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(known))})")
@@ -58,6 +63,11 @@ def _positive(where: str, value: Any, *, allow_zero: bool = False) -> None:
         raise ValueError(f"{where}: expected a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _positive_int(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: expected a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -266,6 +276,68 @@ class CascadeConfig:
 
 
 @dataclass(frozen=True)
+class TenantConfig:
+    """One caller of the gateway (a team): its API keys and optional rate limits.
+
+    Keys come inline (`api_keys`, for local use) or from a file holding one key per line
+    (`api_keys_file`, a mounted Kubernetes Secret); `keys` holds them either way. Keys are kept
+    out of repr() so that a logged config never shows one.
+    """
+
+    name: str = ""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: str | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # prompt + completion tokens
+    max_concurrent: int | None = None  # requests in flight at once
+    keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("tenants[].name: required")
+        where = f"tenants[{self.name}]"
+        if bool(self.api_keys) == (self.api_keys_file is not None):
+            raise ValueError(f"{where}: give exactly one of 'api_keys' or 'api_keys_file'")
+        if self.api_keys_file is not None:
+            keys = _read_keys_file(f"{where}.api_keys_file", self.api_keys_file)
+        else:
+            if isinstance(self.api_keys, str) or not isinstance(self.api_keys, list | tuple):
+                raise ValueError(f"{where}.api_keys: expected a list of keys")
+            object.__setattr__(self, "api_keys", tuple(self.api_keys))
+            keys = self.api_keys
+        for key in keys:
+            # The message never quotes the key: errors end up in logs.
+            if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+                raise ValueError(f"{where}.{self.key_source}: every key must be a non-empty "
+                                 "string without whitespace")
+        object.__setattr__(self, "keys", tuple(dict.fromkeys(keys)))
+        for limit in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            if getattr(self, limit) is not None:
+                _positive_int(f"{where}.{limit}", getattr(self, limit))
+
+    @property
+    def key_source(self) -> str:
+        """The field the keys came from (for error messages)."""
+        return "api_keys_file" if self.api_keys_file is not None else "api_keys"
+
+
+def _read_keys_file(where: str, path: str) -> tuple[str, ...]:
+    """The keys in `path`, one per line (surrounding whitespace and blank lines ignored)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}: expected a file path, got {path!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = tuple(line.strip() for line in f if line.strip())
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read {path!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: {path!r} is not UTF-8 text") from exc
+    if not keys:
+        raise ValueError(f"{where}: {path!r} holds no key (one key per line)")
+    return keys
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything `argosy gateway` needs."""
 
@@ -279,6 +351,11 @@ class GatewayConfig:
     # 5xx or a full queue before the first byte of the answer).
     max_attempts: int = 2
     connect_timeout_s: float = 5.0
+    # API keys and rate limits per tenant; empty: no authentication and no limits.
+    tenants: tuple[TenantConfig, ...] = ()
+    # What the gateway sends replicas as `Authorization: Bearer ...` (their --api-key) in place
+    # of a tenant's key, and on its own calls to them; in a file, or $ARGOSY_REPLICA_API_KEY.
+    replica_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -298,6 +375,23 @@ class GatewayConfig:
                         f"cascades[{cascade.name}].{key}: {getattr(cascade, key)!r} is not "
                         "a configured model"
                     )
+        tenant_names = [t.name for t in self.tenants]
+        dupes = {n for n in tenant_names if tenant_names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"tenants: duplicate name(s) {sorted(dupes)}")
+        owner_of_key: dict[str, str] = {}
+        for tenant in self.tenants:
+            for key in tenant.keys:
+                other = owner_of_key.setdefault(key, tenant.name)
+                if other != tenant.name:  # the key itself is never named
+                    raise ValueError(
+                        f"tenants[{tenant.name}].{tenant.key_source}: a key of {tenant.name!r} "
+                        f"is also a key of {other!r}; a key must name one tenant"
+                    )
+        if self.replica_api_key is not None and (
+            not isinstance(self.replica_api_key, str) or not self.replica_api_key.strip()
+        ):
+            raise ValueError("replica_api_key: expected a non-empty string")
 
     def policy_for(self, model: str) -> str:
         """The routing policy of `model` (its own, else the default)."""
@@ -333,10 +427,21 @@ class GatewayConfig:
             _build(CascadeConfig, f"cascades[{i}]", raw)
             for i, raw in enumerate(data.pop("cascades", None) or [])
         )
+        if "tenants" in data and data["tenants"] is not None and not data["tenants"]:
+            # Almost surely a mistake: leaving the field out is how the gateway runs open.
+            raise ValueError("tenants: an empty list; give at least one tenant, or leave "
+                             "'tenants' out to run without API keys")
+        tenants = tuple(
+            _build(TenantConfig, f"tenants[{i}]", raw)
+            for i, raw in enumerate(data.pop("tenants", None) or [])
+        )
+        if not data.get("replica_api_key"):
+            data["replica_api_key"] = os.environ.get("ARGOSY_REPLICA_API_KEY") or None
         routing = _build(RoutingConfig, "routing", data.pop("routing", None))
         health = _build(HealthConfig, "health", data.pop("health", None))
         return cls(
-            models=tuple(models), cascades=cascades, routing=routing, health=health, **data
+            models=tuple(models), cascades=cascades, routing=routing, health=health,
+            tenants=tenants, **data,
         )
 
 

@@ -1,0 +1,52 @@
+"""Which tenant an `Authorization: Bearer <key>` header names.
+
+Keys are held only as SHA-256 digests. A lookup hashes the presented token, finds a digest
+equal to it in a dict and confirms the match with `hmac.compare_digest`: what is compared is
+never the key itself but its digest, whose bytes have no visible relation to the key's, so the
+time a lookup takes tells nothing about how much of a guessed key was right. Nothing here logs
+or returns a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from argosy_runtime.gateway.config import TenantConfig
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (the scheme case-insensitive, as
+    the runtime server reads it), else None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class KeyRing:
+    """Every tenant's keys, looked up in constant time."""
+
+    def __init__(self, tenants: Iterable[TenantConfig]) -> None:
+        # digest -> (the same digest, tenant name): the stored digest to compare against
+        self._by_digest: dict[bytes, tuple[bytes, str]] = {}
+        for tenant in tenants:
+            for key in tenant.keys:
+                digest = _digest(key)
+                self._by_digest[digest] = (digest, tenant.name)
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The name of the tenant whose key the header carries, or None (missing, malformed,
+        or an unknown key)."""
+        token = bearer_token(authorization)
+        if token is None:
+            return None
+        presented = _digest(token)
+        stored, tenant = self._by_digest.get(presented, (b"", ""))
+        return tenant if hmac.compare_digest(stored, presented) else None
