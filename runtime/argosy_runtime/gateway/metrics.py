@@ -141,6 +141,26 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        # Per tenant (docs/gateway.md, "Tenants and rate limits"); never a label per key.
+        self.tenant_requests = Counter(
+            "argosy:gateway_tenant_requests",
+            "Requests of each tenant, by HTTP status (429: over a limit; 499: the client went "
+            "away before the answer).",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "argosy:gateway_tenant_tokens",
+            "Tokens charged to each tenant (the answers' usage, else the gateway's estimate).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "argosy:gateway_tenant_rate_limited",
+            "Requests refused with 429 because the tenant was over a limit, by limit.",
+            ["tenant", "limit"],
+            registry=r,
+        )
         r.register(_ReplicaCollector(pools, activators))
 
     def render(self) -> bytes:

@@ -50,6 +50,7 @@ class FakeReplica:
     chunk_delay: float = 0.01
     num_chunks: int = 4
     logprob: float = -0.1  # per-token logprob reported when asked
+    prompt_tokens: int = 10  # the usage reported: this many prompt tokens, one per chunk
     # Records.
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[Any] = field(default_factory=list)
@@ -180,11 +181,16 @@ class FakeReplica:
             self.completed += 1
             return web.json_response(
                 {"id": "x", "object": "chat.completion" if is_chat else "text_completion",
-                 "created": int(time.time()), "model": self.model, "choices": [choice]}
+                 "created": int(time.time()), "model": self.model, "choices": [choice],
+                 "usage": self._usage()}
             )
         except asyncio.CancelledError:
             self.disconnects += 1
             raise
+
+    def _usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_chunks,
+                "total_tokens": self.prompt_tokens + self.num_chunks}
 
     async def _stream(self, request: web.Request, body: dict[str, Any], is_chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -199,6 +205,9 @@ class FakeReplica:
                 event = {"id": "x", "model": self.model, "choices": [delta]}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
                 await asyncio.sleep(self.chunk_delay)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                event = {"id": "x", "model": self.model, "choices": [], "usage": self._usage()}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.completed += 1

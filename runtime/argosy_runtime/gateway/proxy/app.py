@@ -9,6 +9,9 @@
     GET  /ready                                  every model has a replica in rotation
     GET  /metrics                                the gateway's Prometheus metrics
 
+With `tenants` configured, every /v1/* request needs a tenant's key and generation requests
+are admitted against the tenant's limits first (tenant_gate.py).
+
 Answers are relayed chunk by chunk as they arrive (SSE events are never re-parsed or buffered).
 The app runs with handler cancellation on: when a client disconnects, its handler is cancelled,
 the upstream connection is closed, and the replica aborts the request and frees its KV blocks.
@@ -49,6 +52,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
     PinnedPolicy,
     ResponsesRoutes,
 )
+from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
 
@@ -76,6 +80,8 @@ class Gateway:
         self.metrics = GatewayMetrics(
             lambda: list(self.pools.values()), lambda: list(self.activators.values())
         )
+        # API keys and per-tenant limits (a no-op without `tenants`).
+        self.tenants = TenantGate(config.tenants, self.metrics, config.replica_api_key)
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
@@ -117,6 +123,7 @@ class Gateway:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.tenants.install(app)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
@@ -168,7 +175,8 @@ class Gateway:
 
         async def fetch(url: str) -> list[dict[str, Any]]:
             try:
-                async with self.session.get(f"{url}/v1/models", timeout=timeout) as resp:
+                async with self.session.get(f"{url}/v1/models", timeout=timeout,
+                                            headers=self.tenants.replica_headers) as resp:
                     if resp.status != 200:
                         return []
                     data = await resp.json(content_type=None)
@@ -313,6 +321,9 @@ class Gateway:
         if isinstance(answer, dict) and added:
             data = json.dumps(cascade_rules.strip_logprobs(answer)).encode()
         self._count(decision.model, upstream, status, started)
+        charged = self.tenants.meter(request, path, asked, status, upstream.response.content_type)
+        charged.feed(data)
+        charged.finish()
         out = web.Response(status=status, body=data, headers=extra)
         out.headers["Content-Type"] = upstream.response.headers.get(
             "Content-Type", "application/json"
@@ -405,13 +416,16 @@ class Gateway:
             out.headers["Content-Encoding"] = resp.headers["Content-Encoding"]
         out.headers.update(extra)
         out.headers["x-argosy-backend"] = upstream.replica.url
+        charged = self.tenants.meter(request, path, body, resp.status, resp.content_type)
         finished = False
         try:
             await out.prepare(request)
             if upstream.first_chunk:
                 await out.write(upstream.first_chunk)
+                charged.feed(upstream.first_chunk)
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
+                charged.feed(chunk)
             await out.write_eof()
             finished = True
         except asyncio.CancelledError:
@@ -433,6 +447,7 @@ class Gateway:
                 request.transport.close()
         finally:
             upstream.release()
+            charged.finish()  # what reached the client, also when the answer was cut short
             if finished:
                 self._count(model, upstream, resp.status, started)
         return out

@@ -13,6 +13,7 @@ from aiohttp import web
 # HTTP status -> OpenAI error type, as the runtime server maps them.
 TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -41,6 +42,13 @@ def error_response(
 
 def bad_request(message: str, param: str | None = None) -> web.Response:
     return error_response(400, message, param=param)
+
+
+def invalid_api_key() -> web.Response:
+    """401 for a missing or unknown key, as the runtime server answers it (the key presented
+    is never echoed)."""
+    return error_response(401, "invalid or missing API key", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
 
 
 def model_not_found(model: str, served: list[str]) -> web.Response:

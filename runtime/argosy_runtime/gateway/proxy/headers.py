@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# `authorization`: the client's own; with tenants, tenant_gate.py has already swapped the
+# tenant's key for the gateway's replica key (or removed it) before any handler runs.
 TO_REPLICA = ("content-type", "authorization", "accept", "x-request-id", "traceparent")
 TO_CLIENT = ("content-type", "content-disposition", "retry-after", "x-request-id",
              "cache-control")

@@ -1,0 +1,184 @@
+"""The tenants' gate in front of the proxy: an aiohttp middleware on `/v1/*` (the limits
+and keys themselves are in gateway/tenants/).
+
+For every `/v1/*` request it
+
+1. finds the tenant whose key the `Authorization: Bearer` header carries (else a 401);
+2. for a generation request (POST /v1/completions, /v1/chat/completions, /v1/responses),
+   admits it against the tenant's limits before any replica is picked (else a 429 with
+   Retry-After) and holds its lease until the handler ends, however it ends (answered,
+   failed, client gone): retries on other replicas happen inside the handler, so a retried
+   request counts once. The Batch API, `/v1/models` and calls on stored responses only need
+   the key;
+3. hands the handler a copy of the request whose `Authorization` is the gateway's
+   `replica_api_key` (or none): the tenant's key never reaches a replica, and every path that
+   forwards client headers (headers.to_replica) forwards the replica key instead.
+
+The relay charges each answer's tokens through `meter()`, and every answer to a tenant gets
+OpenAI's `x-ratelimit-*` headers as the limits stood when the request arrived. Without
+tenants nothing is installed: clients' headers pass through as before, and a
+`replica_api_key` is only sent on the gateway's own calls (`replica_headers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from argosy_runtime.gateway.config import TenantConfig
+from argosy_runtime.gateway.metrics import GatewayMetrics
+from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
+from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.tenants.keys import KeyRing
+from argosy_runtime.gateway.tenants.limiter import Clock, Lease, Refusal, TenantLimiter
+from argosy_runtime.gateway.tenants.usage import UsageMeter
+
+# Requests that generate tokens: admitted against the limits and charged.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+CLIENT_CLOSED = "499"  # the `code` of a request whose client went away (nginx's convention)
+
+
+def _request_key(name: str, kind: Any) -> Any:
+    """A typed request storage key (web.RequestKey, aiohttp >= 3.14, which warns about plain
+    string keys); a string on older aiohttp."""
+    request_key = getattr(web, "RequestKey", None)
+    return name if request_key is None else request_key(name, kind)
+
+
+# Where the gate leaves its state on a request (copied along when the request is cloned).
+_TENANT = _request_key("argosy_tenant", str)
+_LEASE = _request_key("argosy_tenant_lease", Lease)
+_HEADERS = _request_key("argosy_tenant_ratelimit_headers", dict)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ChargedAnswer:
+    """Meters one relayed answer and charges its tokens to the request's tenant."""
+
+    def __init__(self, tenant: str, lease: Lease, meter: UsageMeter,
+                 metrics: GatewayMetrics) -> None:
+        self.tenant = tenant
+        self.lease = lease
+        self.meter = meter
+        self.metrics = metrics
+        self._finished = False
+
+    def feed(self, chunk: bytes) -> None:
+        """A chunk that reached the client."""
+        self.meter.feed(chunk)
+
+    def finish(self) -> None:
+        """The answer ended (completely or not): charge what it used, once."""
+        if self._finished:
+            return
+        self._finished = True
+        usage = self.meter.result()
+        self.lease.charge(usage.total)
+        self.metrics.tenant_tokens.labels(self.tenant, "prompt").inc(usage.prompt_tokens)
+        self.metrics.tenant_tokens.labels(self.tenant, "completion").inc(
+            usage.completion_tokens)
+
+
+class _Uncharged:
+    """The meter of a request no tenant pays for (no tenants configured)."""
+
+    def feed(self, chunk: bytes) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+UNCHARGED = _Uncharged()
+
+
+class TenantGate:
+    def __init__(self, tenants: Iterable[TenantConfig], metrics: GatewayMetrics,
+                 replica_api_key: str | None = None, clock: Clock = time.monotonic) -> None:
+        tenants = list(tenants)
+        self.keys = KeyRing(tenants)
+        self.limiters = {t.name: TenantLimiter(t, clock) for t in tenants}
+        self.metrics = metrics
+        self._replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
+
+    @property
+    def replica_headers(self) -> dict[str, str]:
+        """What the gateway's own calls to replicas carry (their --api-key, when set)."""
+        if self._replica_authorization is None:
+            return {}
+        return {"Authorization": self._replica_authorization}
+
+    def install(self, app: web.Application) -> None:
+        """Put the gate in front of `app`'s handlers (nothing without tenants)."""
+        if self.limiters:
+            app.middlewares.append(self._middleware)
+            app.on_response_prepare.append(_add_ratelimit_headers)
+
+    def meter(self, request: web.Request, path: str, body: dict, status: int,
+              content_type: str) -> ChargedAnswer | _Uncharged:
+        """The meter of an answer about to be relayed for `request` (whose parsed body is
+        `body`); `feed` it each chunk that reached the client, `finish` it at the end."""
+        lease = request.get(_LEASE)
+        if lease is None:
+            return UNCHARGED
+        meter = UsageMeter(len(prompt_text(path, body)), status=status,
+                           streamed=content_type == "text/event-stream")
+        return ChargedAnswer(request[_TENANT], lease, meter, self.metrics)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)  # /health, /ready, /metrics stay open
+        tenant = self.keys.tenant_of(request.headers.get("Authorization"))
+        if tenant is None:
+            return invalid_api_key()
+        limiter = self.limiters[tenant]
+        lease: Lease | None = None
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            admitted = limiter.admit()
+            if isinstance(admitted, Refusal):
+                self.metrics.tenant_rate_limited.labels(tenant, admitted.limit).inc()
+                self.metrics.tenant_requests.labels(tenant, "429").inc()
+                return error_response(
+                    429, admitted.message, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(admitted.retry_after_s), **limiter.headers()},
+                )
+            lease = admitted
+        # Set before the request is cloned: aiohttp prepares a returned response with the
+        # original request, a streamed one with the clone; both must find the headers.
+        request[_TENANT] = tenant
+        request[_LEASE] = lease
+        request[_HEADERS] = limiter.headers()
+        code = "500"
+        try:
+            response = await handler(self._for_replicas(request))
+            code = str(response.status)
+            return response
+        except web.HTTPException as exc:
+            code = str(exc.status)
+            raise
+        except asyncio.CancelledError:
+            code = CLIENT_CLOSED
+            raise
+        finally:
+            if lease is not None:
+                lease.release()
+            self.metrics.tenant_requests.labels(tenant, code).inc()
+
+    def _for_replicas(self, request: web.Request) -> web.Request:
+        """The request with the tenant's key replaced by the replica key (or removed)."""
+        headers = CIMultiDict(request.headers)
+        headers.popall("Authorization", None)
+        if self._replica_authorization is not None:
+            headers["Authorization"] = self._replica_authorization
+        return request.clone(headers=headers)
+
+
+async def _add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(request.get(_HEADERS, {}))
