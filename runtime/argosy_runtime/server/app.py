@@ -32,7 +32,7 @@ from argosy_runtime.server.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from argosy_runtime.server.request_log import RequestContextMiddleware
-from argosy_runtime.server.responses import ResponseStore, add_responses_routes
+from argosy_runtime.server.responses import BackgroundRuns, ResponseStore, add_responses_routes
 from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
@@ -62,6 +62,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # Without --batch-dir, batches live in a temporary folder removed at exit.
     batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
     files = FileStore(batch_root)
+    background = BackgroundRuns()  # background responses (their tasks outlive requests)
+    lifecycle.on_drain_timeout.append(background.interrupt)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -75,6 +77,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         finally:
             lifecycle.started = False
             await batches.shutdown()
+            await background.shutdown()  # after a drain none runs; else cut them short
             if config.batch_dir is None:
                 shutil.rmtree(batch_root, ignore_errors=True)
             async_engine.abort_all()
@@ -98,7 +101,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await create_chat_completion(request, body, ctx)
 
-    add_responses_routes(app, ctx, ResponseStore())
+    add_responses_routes(app, ctx, ResponseStore(), background)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

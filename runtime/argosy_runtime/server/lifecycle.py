@@ -36,6 +36,9 @@ class Lifecycle:
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain_task: asyncio.Task[None] | None = None
+        # Called with abort_all when the drain times out: work the engine abort alone does
+        # not end (background responses, which no client connection waits on).
+        self.on_drain_timeout: list[Callable[[], None]] = []
 
     @property
     def ready(self) -> bool:
@@ -69,6 +72,8 @@ class Lifecycle:
         except TimeoutError:
             logger.warning("drain timeout: aborting %d request(s)", self.num_active)
             abort_all()
+            for stop in self.on_drain_timeout:
+                stop()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=2.0)
         logger.info("drained in %.2fs", time.monotonic() - start)

@@ -1,6 +1,6 @@
 """The Responses API's pieces without a server: chat chunks -> stream events (the timeout
-path and tool calls included), the stored-response LRU, input items -> chat messages, and
-function tools -> chat tools."""
+path and tool calls included), the stored-response LRU, input items -> chat messages,
+function tools -> chat tools, and background runs (replay, cancel, shutdown)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from argosy_runtime.server.errors import APIError
+from argosy_runtime.server.responses.background import BackgroundRun, BackgroundRuns
 from argosy_runtime.server.responses.input_items import parse_input
 from argosy_runtime.server.responses.protocol import ResponsesRequest
+from argosy_runtime.server.responses.response_object import response_object
 from argosy_runtime.server.responses.store import ResponseStore, StoredResponse
 from argosy_runtime.server.responses.stream_events import ResponseEventStream
 from argosy_runtime.server.responses.tools import chat_tool_choice, chat_tools, function_tools
@@ -79,14 +81,14 @@ def test_length_finish_is_incomplete() -> None:
     assert len(done) == 1
 
 
-def test_timeout_event_fails_the_response_unstored() -> None:
+def test_timeout_event_fails_the_response() -> None:
     error = {"error": {"message": "request timed out", "type": "timeout_error",
                        "param": None, "code": "request_timeout"}}
     events, done = _translate([_delta("a"), _chunk(error), "data: [DONE]\n\n"])
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error",
                                                "message": "request timed out"}
-    assert done == []
+    assert done == [events[-1]["response"]]  # the caller stores it or not (background: yes)
 
 
 def test_an_aborted_answer_fails_the_response() -> None:
@@ -157,6 +159,7 @@ def test_http_metrics_label_response_routes_by_template() -> None:
     assert route_label("/v1/responses/resp_0123abcd") == "/v1/responses/{id}"
     assert route_label("/v1/responses/resp_0123abcd/input_items") == \
         "/v1/responses/{id}/input_items"
+    assert route_label("/v1/responses/resp_0123abcd/cancel") == "/v1/responses/{id}/cancel"
     assert route_label("/v1/responses/resp_0123abcd/other") == "other"
 
 
@@ -312,3 +315,102 @@ def test_an_empty_reply_is_one_empty_message() -> None:
     events, _ = _translate([_delta("", "stop")])
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
     assert events[2]["type"] == "response.output_item.added"
+
+
+def _background_run(chunks: AsyncIterator[str]) -> tuple[BackgroundRun, BackgroundRuns,
+                                                          list[str]]:
+    """A background run of `chunks` (chat's SSE), started; `closed` records its cleanup."""
+    req = ResponsesRequest(input="Hi", background=True)
+    entry = StoredResponse(response_object(req, response_id="resp_1", created_at=1, model="m",
+                                           status="queued", output=[]), (), ())
+    entry.run = run = BackgroundRun(entry)
+    runs, closed = BackgroundRuns(), []
+    stream = ResponseEventStream(req, "resp_1", 1, "m", on_done=run.update)
+    runs.start(run, stream, chunks, lambda: closed.append("closed"))
+    return run, runs, closed
+
+
+def test_a_background_run_keeps_its_events_for_replay() -> None:
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def chunks() -> AsyncIterator[str]:
+            yield _delta("Hel")
+            await release.wait()  # the client replays while it still runs
+            yield _delta("lo", "stop")
+
+        run, runs, closed = _background_run(chunks())
+        assert run.entry.response["status"] == "queued" and run.entry.response["background"]
+        live = run.follow()
+        first = [await anext(live) for _ in range(5)]  # created ... the first delta
+        assert run.entry.response["status"] == "in_progress"
+        release.set()
+        rest = [e async for e in live]
+        assert run.finished and closed == ["closed"] and len(runs) == 0
+        everything = first + rest
+        assert everything == run.events
+        assert [e async for e in run.follow(3)] == everything[4:]
+        assert [e async for e in run.follow(len(everything))] == []
+        kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in everything]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert json.loads(everything[0].split("data: ", 1)[1])["response"]["status"] == "queued"
+        assert run.entry.response["status"] == "completed"
+        assert run.entry.response["output"][0]["content"][0]["text"] == "Hello"
+        await run.cancel()  # finished: left as it is
+        assert run.entry.response["status"] == "completed"
+
+    asyncio.run(main())
+
+
+async def _forever() -> AsyncIterator[str]:
+    yield _delta("a")
+    await asyncio.Event().wait()
+    yield _delta("never")
+
+
+def test_cancelling_a_background_run_stops_it_and_its_followers() -> None:
+    async def main() -> None:
+        run, runs, closed = _background_run(_forever())
+        live = run.follow()
+        seen = [await anext(live) for _ in range(5)]
+        await run.cancel()
+        assert run.entry.response["status"] == "cancelled"
+        assert closed == ["closed"] and run.finished and len(runs) == 0
+        assert [e async for e in live] == [] and seen == run.events
+        await run.cancel()  # again: the same cancelled response
+        assert run.entry.response["status"] == "cancelled" and closed == ["closed"]
+        Response.model_validate(run.entry.response)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["interrupt", "shutdown"])
+def test_a_background_run_cut_short_fails(how: str) -> None:
+    async def main() -> None:
+        run, runs, closed = _background_run(_forever())
+        live = run.follow()
+        seen = [await anext(live) for _ in range(5)]  # ... the first delta
+        if how == "interrupt":  # the drain ran out of time
+            runs.interrupt()
+        else:
+            await runs.shutdown()
+        seen += [e async for e in live]
+        assert seen == run.events and closed == ["closed"] and len(runs) == 0
+        last = json.loads(seen[-1].split("data: ", 1)[1])
+        EVENTS.validate_python(last)
+        assert last["type"] == "response.failed" and last["sequence_number"] == len(seen) - 1
+        assert last["response"] == run.entry.response
+        assert run.entry.response["status"] == "failed"
+        assert run.entry.response["error"]["code"] == "server_error"
+        assert run.entry.response["output"][0]["content"][0]["text"] == "a"
+
+    asyncio.run(main())
+
+
+def test_a_background_run_cancelled_before_it_began_still_cleans_up() -> None:
+    async def main() -> None:
+        run, _, closed = _background_run(_forever())
+        await run.cancel()  # the task never ran a line
+        assert run.entry.response["status"] == "cancelled" and closed == ["closed"]
+
+    asyncio.run(main())

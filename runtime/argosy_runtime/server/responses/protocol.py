@@ -2,12 +2,12 @@
 
 Like every request here, unknown fields are a 400. OpenAI fields are in three groups:
 honoured (`model`, `input`, `instructions`, `max_output_tokens`, `temperature`, `top_p`,
-`stream`, `store`, `previous_response_id`, `text.format`, function `tools`, `tool_choice`,
-`parallel_tool_calls`), accepted and echoed without effect (`user`, `metadata`,
-`service_tier`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`,
-`max_tool_calls`, `reasoning.effort`, `stream_options`), and accepted only at their "off"
-value, anything else a 400 naming the field (`include`, `background`, `truncation`,
-`top_logprobs`, `reasoning.summary`). vLLM's sampling extras are accepted as on chat
+`stream`, `store`, `background` (with `store`), `previous_response_id`, `text.format`,
+function `tools`, `tool_choice`, `parallel_tool_calls`), accepted and echoed without effect
+(`user`, `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
+`prompt_cache_retention`, `max_tool_calls`, `reasoning.effort`, `stream_options`), and
+accepted only at their "off" value, anything else a 400 naming the field (`include`,
+`truncation`, `top_logprobs`, `reasoning.summary`). vLLM's sampling extras are accepted as on chat
 completions.
 
 `input`, `tools` and `tool_choice` are plain JSON here, checked by `input_items.py` and
@@ -93,9 +93,9 @@ def reject_unsupported(req: ResponsesRequest) -> None:
     """Fields OpenAI defines that this server cannot honour: a 400 naming each."""
     if req.include:
         raise bad_request(f"include: {req.include[0]!r} is not supported", "include")
-    if req.background:
-        raise bad_request("background: background responses are not supported; stream, or "
-                          "wait for the answer", "background")
+    if req.background and not req.store:  # as OpenAI: it is polled by id, so it is stored
+        raise bad_request("background: a background response must be stored (store: true)",
+                          "background")
     if req.truncation == "auto":
         raise bad_request("truncation: 'auto' is not supported (the input is never "
                           "truncated; a too long input is a 400)", "truncation")

@@ -6,6 +6,10 @@ runs through `create_chat_completion` unchanged, so chat templates, sampling, li
 priorities, LoRA model names, metrics, disconnect aborts and errors are exactly chat's. Its
 answer (a chat completion, or chat chunks when streaming) is rewritten into a `Response`
 object or Responses stream events (`stream_events.py`).
+
+A background response (`background: true`) always runs chat streamed, in a task of its own
+(`background.py`) that keeps the events; the request answers at once with the `queued`
+response, or follows its events when `stream` is set.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from argosy_runtime.server.protocol import (
     ResponseFormat,
     StreamOptions,
 )
+from argosy_runtime.server.request_log import request_log
+from argosy_runtime.server.responses.background import BackgroundRun, BackgroundRuns
 from argosy_runtime.server.responses.input_items import parse_input
 from argosy_runtime.server.responses.protocol import ResponsesRequest, reject_unsupported
 from argosy_runtime.server.responses.response_object import (
@@ -55,13 +61,13 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 async def create_response(request: Request, req: ResponsesRequest, ctx: ServingContext,
-                          store: ResponseStore) -> Response:
+                          store: ResponseStore, runs: BackgroundRuns) -> Response:
     reject_unsupported(req)
     tools = function_tools(req.tools)
     tool_choice = chat_tool_choice(req.tool_choice, tools)
     history: tuple[dict[str, Any], ...] = ()
     if req.previous_response_id is not None:
-        history = store.get(req.previous_response_id, "previous_response_id").conversation()
+        history = continued(store, req.previous_response_id)
     parsed = parse_input(req.input, history)
     system = [] if req.instructions is None else [{"role": "system",
                                                    "content": req.instructions}]
@@ -79,6 +85,22 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
                                      tuple(parsed.items)))
 
     headers = {RESPONSE_ID_HEADER: response_id} if req.store else {}
+    if req.background:  # chat streams (chat_request): the run reads it
+        request_log(request.scope).update(stream=bool(req.stream), background=True)
+        entry = StoredResponse(response_object(req, response_id=response_id,
+                                               created_at=created_at, model=model,
+                                               status="queued", output=[]),
+                               (*history, *parsed.messages), tuple(parsed.items))
+        entry.run = run = BackgroundRun(entry)
+        store.put(entry)
+        events = ResponseEventStream(req, response_id, created_at, model, on_done=run.update)
+        assert isinstance(answer, GuardedStreamingResponse)
+        runs.start(run, events, answer.body_iterator, answer.close)
+        # Following the run's events, a client that leaves stops nothing.
+        out = (GuardedStreamingResponse(run.follow(), lambda: None) if req.stream
+               else JSONResponse(entry.response))
+        out.headers.update(headers)
+        return out
     if isinstance(answer, GuardedStreamingResponse):
         events = ResponseEventStream(req, response_id, created_at, model, on_done=keep)
         out = GuardedStreamingResponse(events.translate(answer.body_iterator), answer.close)
@@ -103,11 +125,25 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     return JSONResponse(response, headers=headers)
 
 
+def continued(store: ResponseStore, response_id: str) -> tuple[dict[str, Any], ...]:
+    """The conversation a `previous_response_id` continues: a finished answer's only (a
+    background response still running, cancelled or failed has none to continue from)."""
+    previous = store.get(response_id, "previous_response_id")
+    status = previous.response["status"]
+    if status not in ("completed", "incomplete"):
+        raise bad_request(f"previous_response_id: response {response_id!r} is {status}; only "
+                          "a completed or incomplete response can be continued",
+                          "previous_response_id")
+    return previous.conversation()
+
+
 def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
                  tools: list[dict[str, Any]] | None = None,
                  tool_choice: str | NamedToolChoice | None = None) -> ChatCompletionRequest:
     """The chat completion request that answers `req` (already checked; `tools` and
-    `tool_choice` as `function_tools` and `chat_tool_choice` made them)."""
+    `tool_choice` as `function_tools` and `chat_tool_choice` made them). A background
+    response streams: its events are kept for replay."""
+    stream = bool(req.stream or req.background)
     try:
         return ChatCompletionRequest(
             model=req.model,
@@ -118,8 +154,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
             max_completion_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            stream=req.stream,
-            stream_options=StreamOptions(include_usage=True) if req.stream else None,
+            stream=stream,
+            stream_options=StreamOptions(include_usage=True) if stream else None,
             user=req.user,
             response_format=response_format(req),
             ignore_eos=req.ignore_eos,

@@ -11,26 +11,35 @@ does not carry over; function calls as assistant `tool_calls`, their outputs as 
 messages) so that a follow-up is one lookup. The message dicts are shared between
 the entries of a chain, never copied or changed, so a chain of n turns costs O(n) references
 per entry, not O(n) texts.
+
+A background response's entry also holds its run (`background.py`): its `response` changes
+as the run goes, and the run keeps its stream events for replay, so they leave with the
+entry.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from argosy_runtime.server.errors import APIError
 from argosy_runtime.server.responses.tools import chat_tool_call
 
+if TYPE_CHECKING:
+    from argosy_runtime.server.responses.background import BackgroundRun
+
 MAX_STORED_RESPONSES = 10_000
 
 
-@dataclass(frozen=True)
+@dataclass
 class StoredResponse:
-    response: dict[str, Any]  # the response object as the client got it
+    # the response object as a client gets it now (a background run replaces it as it goes)
+    response: dict[str, Any]
     # the conversation before this response's input, then its input (chat messages)
     messages: tuple[dict[str, Any], ...]
     input_items: tuple[dict[str, Any], ...]  # this request's input, as listed by input_items
+    run: BackgroundRun | None = None  # a background response's generation and events
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """The messages a follow-up continues: the input so far and this response's reply

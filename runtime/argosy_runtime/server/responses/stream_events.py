@@ -3,7 +3,7 @@
 Each event is `event: <type>` + `data: {json}` with a `sequence_number` counting from 0, in
 OpenAI's order:
 
-    response.created, response.in_progress,
+    response.created (status queued for a background response), response.in_progress,
     then per output item, one after another:
       a message (text):
         response.output_item.added, response.content_part.added,
@@ -43,8 +43,8 @@ from argosy_runtime.server.tool_calls import new_call_id
 
 
 class ResponseEventStream:
-    """One response's events; `on_done(response)` gets the finished response object (to
-    store it) unless the stream failed or the client left."""
+    """One response's events; `on_done(response)` gets the finished response object,
+    whatever its status (the caller decides what to store), unless the client left."""
 
     def __init__(self, req: ResponsesRequest, response_id: str, created_at: int, model: str,
                  on_done: Callable[[dict[str, Any]], None]) -> None:
@@ -73,7 +73,9 @@ class ResponseEventStream:
 
     async def translate(self, chat_chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """Read chat's SSE chunks (`data: {...}`), write Responses events."""
-        yield self.event("response.created", response=self.response("in_progress", []))
+        # A background response is created queued (it runs in the server, not the request).
+        created = "queued" if self.req.background else "in_progress"
+        yield self.event("response.created", response=self.response(created, []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
         finish: str | None = None
         usage: dict[str, int] | None = None
@@ -83,10 +85,8 @@ class ResponseEventStream:
                 if data is None:
                     continue
                 if "error" in data:  # chat's timeout event: the response failed
-                    error = data["error"]
-                    yield self.event("response.failed", response=self.response(
-                        "failed", self._output("incomplete"),
-                        error={"code": "server_error", "message": str(error.get("message"))}))
+                    message = str(data["error"].get("message"))
+                    yield self.failed({"code": "server_error", "message": message})
                     return
                 usage = data.get("usage") or usage
                 for choice in data.get("choices") or []:
@@ -111,6 +111,13 @@ class ResponseEventStream:
                               incomplete_details=outcome.incomplete_details, error=outcome.error)
         self.on_done(final)
         yield self.event(f"response.{outcome.status}", response=final)
+
+    def failed(self, error: dict[str, str]) -> str:
+        """The `response.failed` event ending a stream cut short (chat's timeout, or a
+        background response the server stopped) with the output so far; `on_done` gets it."""
+        failed = self.response("failed", self._output("incomplete"), error=error)
+        self.on_done(failed)
+        return self.event("response.failed", response=failed)
 
     # Output items open one after another, as OpenAI sends them: a message when text comes,
     # a function_call when chat starts a tool call; opening one closes the one before.
