@@ -1,10 +1,14 @@
 """POST /v1/responses (OpenAI's Responses API) through the official `openai` client against
 the shared real server (float32, greedy): the same text as chat completions, streamed events in
-OpenAI's order, stored responses, and 4xx errors."""
+OpenAI's order, stored responses, background responses (poll, cancel, replay), and 4xx
+errors."""
 
 from __future__ import annotations
 
 import json
+import signal
+import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -189,7 +193,7 @@ def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
     ({"input": "Hi", "tools": [{"type": "function"}]}, 400, "tools", "tools[0].name"),
     ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
-    ({"input": "Hi", "background": True}, 400, "background", "background"),
+    ({"input": "Hi", "background": True, "store": False}, 400, "background", "store"),
     ({"input": "Hi", "truncation": "auto"}, 400, "truncation", "truncation"),
     ({"input": "Hi", "include": ["message.output_text.logprobs"]}, 400, "include", "include"),
     ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens"),
@@ -214,6 +218,8 @@ def test_unknown_response_id_is_a_404(http: httpx.Client) -> None:
         assert r.status_code == 404
         assert r.json()["error"]["code"] == "response_not_found"
     assert http.get("/v1/responses/resp_unknown/input_items").status_code == 404
+    r = http.post("/v1/responses/resp_unknown/cancel")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> None:
@@ -232,3 +238,124 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> Non
             assert running == 1 and kv > idle_kv
     server.assert_back_to_idle(idle_kv, within=1.0)
     assert "client_disconnected" in server.log_text()
+
+
+def _poll(client: OpenAI, response_id: str, timeout: float = 60.0) -> Response:
+    """The background response once it left queued/in_progress."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_background_response_polls_to_the_foreground_text(client: OpenAI) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 20, "temperature": 0}
+    created = client.responses.create(**body, background=True)
+    assert created.status in ("queued", "in_progress") and created.background is True
+    assert created.output == [] and created.store is True
+    done = _poll(client, created.id)
+    whole = client.responses.create(**body)
+    assert (done.status, done.output_text) == (whole.status, whole.output_text)
+    assert done.usage.output_tokens == whole.usage.output_tokens and done.background is True
+    assert client.responses.cancel(created.id).status == whole.status  # finished: unchanged
+
+
+def test_cancel_a_background_response_frees_its_kv(server: ServerProcess, client: OpenAI,
+                                                   http: httpx.Client) -> None:
+    idle_running, idle_kv = server.running_and_kv()
+    assert idle_running == 0
+    created = client.responses.create(model=MODEL, input="Tell me a long story.",
+                                      max_output_tokens=1500, background=True,
+                                      extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while server.running_and_kv()[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.running_and_kv()[0] == 1
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                         "previous_response_id": created.id})
+    assert r.status_code == 400 and "in_progress" in r.json()["error"]["message"]
+    cancelled = client.responses.cancel(created.id)
+    assert cancelled.id == created.id and cancelled.status == "cancelled"
+    server.assert_back_to_idle(idle_kv, within=1.0)
+    assert client.responses.retrieve(created.id).status == "cancelled"
+    assert client.responses.cancel(created.id).status == "cancelled"  # idempotent
+    assert f"background response {created.id} cancelled" in server.log_text()
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def test_background_stream_outlives_its_client_and_replays(client: OpenAI,
+                                                           http: httpx.Client) -> None:
+    body = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 40,
+            "temperature": 0, "ignore_eos": True, "background": True, "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        seen = []
+        for event in _events(r.iter_lines()):
+            seen.append(event)
+            if sum(e["type"] == "response.output_text.delta" for e in seen) == 3:
+                break  # and leave: the response goes on
+    response_id = seen[0]["response"]["id"]
+    assert seen[0]["response"]["status"] == "queued"
+    done = _poll(client, response_id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 40
+    last = seen[-1]["sequence_number"]
+    replayed = list(client.responses.retrieve(response_id, stream=True, starting_after=last))
+    assert [e.sequence_number for e in replayed] == \
+        list(range(last + 1, last + 1 + len(replayed)))
+    assert replayed[-1].type == "response.incomplete"
+    assert replayed[-1].response.output_text == done.output_text
+    # the whole stream again, from the start, strictly valid
+    with http.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        everything = list(_events(r.iter_lines()))
+    for event in everything:
+        EVENTS.validate_python(event)
+    assert everything[:len(seen)] == seen
+    assert [e["sequence_number"] for e in everything] == list(range(len(everything)))
+    deltas = [e["delta"] for e in everything if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == done.output_text
+
+
+def test_only_background_responses_stream_on_retrieve_or_cancel(client: OpenAI,
+                                                                http: httpx.Client) -> None:
+    made = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for r in (http.get(f"/v1/responses/{made.id}", params={"stream": "true"}),
+              http.post(f"/v1/responses/{made.id}/cancel")):
+        assert r.status_code == 400, r.text
+        assert "background" in r.json()["error"]["message"]
+    assert http.get(f"/v1/responses/{made.id}").json()["status"] == made.status
+
+
+def test_a_drain_cuts_a_background_response_short_as_failed() -> None:
+    """SIGTERM with a background response still running past --drain-timeout: its followers
+    get `response.failed` (server_error) and the server exits 0, no task left pending."""
+    server = ServerProcess("--drain-timeout", "1").wait_ready()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            made = h.post("/v1/responses", json={
+                "model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 1500,
+                "ignore_eos": True, "background": True}).json()
+            with h.stream("GET", f"/v1/responses/{made['id']}",
+                          params={"stream": "true"}) as r:
+                events = _events(r.iter_lines())
+                while next(events)["type"] != "response.output_text.delta":
+                    pass
+                server.proc.send_signal(signal.SIGTERM)
+                last = list(events)[-1]
+        EVENTS.validate_python(last)
+        assert last["type"] == "response.failed"
+        assert last["response"]["error"]["code"] == "server_error"
+        assert last["response"]["output"][0]["status"] == "incomplete"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert "drain timeout: aborting 1 request(s)" in log
+    assert "Traceback" not in log and "destroyed" not in log
