@@ -1,9 +1,11 @@
 """The Responses API through `argosy fleet` (2 real replicas, round-robin, float32): stored
 responses live on one replica, and every call on one (a `previous_response_id` follow-up,
-GET, DELETE) reaches it, whatever the policy would pick."""
+GET, DELETE, a background response's cancel and event stream) reaches it, whatever the
+policy would pick."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -96,3 +98,36 @@ def test_unknown_ids_are_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as exc:  # the replica's own validation
         client.responses.create(model=MODEL, input="Hi", extra_body={"frobnicate": 1})
     assert exc.value.body["param"] == "frobnicate"
+
+
+def test_background_cancel_and_stream_retrieve_reach_the_owner(fleet: FleetHandle,
+                                                               client: openai.OpenAI) -> None:
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="Tell me a long story.", max_output_tokens=900, background=True,
+        extra_body={"ignore_eos": True})
+    backend = raw.headers["x-argosy-backend"]
+    made = raw.parse()
+    assert made.status in ("queued", "in_progress") and _holders(fleet, made.id) == [backend]
+    # its events come through as they are made: a buffering relay would wait for the end
+    stream = client.responses.retrieve(made.id, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if sum(e.type == "response.output_text.delta" for e in seen) == 3:
+            break
+    assert client.responses.cancel(made.id).status == "cancelled"
+    seen += list(stream)  # the cancel ends it (OpenAI's stream has no cancelled event)
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    replayed = list(client.responses.retrieve(made.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in seen[3:]]
+    assert client.responses.retrieve(made.id).status == "cancelled"
+    deadline = time.monotonic() + 1.0  # the replica aborted it: nothing runs there
+    while _running(backend) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(backend) == 0
+
+
+def _running(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("argosy:num_requests_running{"))

@@ -70,16 +70,24 @@ class IdOwners:
 
     async def call(self, request: web.Request, url: str, *, data: Any = None,
                    content_type: str | None = None,
-                   id_keys: Iterable[str] = ("id",)) -> web.Response:
+                   id_keys: Iterable[str] = ("id",)) -> web.StreamResponse:
         """Send the request to one replica and answer with its (small JSON) answer; the ids
-        an answer holds under `id_keys` are remembered as living there."""
+        an answer holds under `id_keys` are remembered as living there. An event stream (a
+        background response's, `GET /v1/responses/{id}?stream=true`) is relayed as it
+        arrives instead."""
         # The body is the gateway's own (JSON, or a re-encoded upload): so is its type.
         headers = to_replica(request.headers, content_type=False)
         if content_type:
             headers["Content-Type"] = content_type
+        # A stream lasts as long as its generation: no total timeout (the session's is 5 min).
+        timeout = ({"timeout": aiohttp.ClientTimeout(
+            total=None, sock_connect=self.gateway.config.connect_timeout_s)}
+            if "stream" in request.query else {})
         try:
             async with self.session().request(request.method, url + request.path_qs,
-                                              data=data, headers=headers) as resp:
+                                              data=data, headers=headers, **timeout) as resp:
+                if resp.content_type == "text/event-stream":
+                    return await _relay_stream(request, resp)
                 body = await resp.read()
                 status, relayed = resp.status, to_client(resp.headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -98,3 +106,21 @@ class IdOwners:
     def session(self) -> aiohttp.ClientSession:
         assert self.gateway.session is not None
         return self.gateway.session
+
+
+async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse
+                        ) -> web.StreamResponse:
+    out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
+    await out.prepare(request)
+    try:
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; closing the replica connection stops only this relay
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        # The replica broke mid-stream: cut the client's connection too, so that it sees
+        # the stream did not end cleanly (and can resume it with starting_after).
+        if request.transport is not None:
+            request.transport.close()
+    return out

@@ -7,8 +7,9 @@ A replica stores the responses it makes (in memory), so:
   `x-argosy-response-id` header and is remembered as living on that replica;
 - one with `previous_response_id` goes to the replica holding that id (remembered, else found
   by asking the replicas in rotation, `id_owners.py`), whatever the policy would pick;
-- `GET`/`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` go to the
-  replica holding the id.
+- `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
+  `POST /v1/responses/{id}/cancel` go to the replica holding the id; a background
+  response's events (`GET /v1/responses/{id}?stream=true`) are relayed as they come.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ResponsesRoutes:
         for path in ("/v1/responses/{id}", "/v1/responses/{id}/input_items"):
             app.router.add_route("GET", path, self.by_id)
         app.router.add_route("DELETE", "/v1/responses/{id}", self.by_id)
+        app.router.add_post("/v1/responses/{id}/cancel", self.by_id)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         try:
