@@ -14,6 +14,7 @@ from argosy_runtime.gateway.config import (
     KubernetesBackendConfig,
     ModelRouteConfig,
     RoutingConfig,
+    TenantConfig,
     load_config,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "KubernetesBackendConfig",
     "ModelRouteConfig",
     "RoutingConfig",
+    "TenantConfig",
     "load_config",
 ]
