@@ -414,3 +414,19 @@ def test_a_background_run_cancelled_before_it_began_still_cleans_up() -> None:
         assert run.entry.response["status"] == "cancelled" and closed == ["closed"]
 
     asyncio.run(main())
+
+
+def test_a_background_run_whose_engine_fails_ends_failed() -> None:
+    async def broken() -> AsyncIterator[str]:
+        yield _delta("a")
+        raise RuntimeError("engine loop died")
+
+    async def main() -> None:
+        run, runs, closed = _background_run(broken())
+        events = [e async for e in run.follow()]
+        last = json.loads(events[-1].split("data: ", 1)[1])
+        assert last["type"] == "response.failed" and last["sequence_number"] == len(events) - 1
+        assert "engine loop died" in run.entry.response["error"]["message"]
+        assert closed == ["closed"] and len(runs) == 0
+
+    asyncio.run(main())

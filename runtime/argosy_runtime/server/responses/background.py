@@ -44,6 +44,7 @@ class BackgroundRun:
         self.events: list[str] = []
         self.finished = False  # no event will come any more
         self.task: asyncio.Task[None] | None = None
+        self._error = ABORTED  # why it failed if it stops before its final event
         # Replaced after each wake-up: followers wait on the one they saw, so none is missed.
         self._grew = asyncio.Event()
 
@@ -67,8 +68,9 @@ class BackgroundRun:
         try:
             async for event in events:
                 self._add(event)
-        except Exception:
+        except Exception as exc:  # the engine failed: not the client's doing
             logger.exception("background response %s failed", self.entry.response["id"])
+            self._error = {"code": "server_error", "message": f"the server failed: {exc}"}
 
     def _end(self, stream: ResponseEventStream, close: Callable[[], None]) -> None:
         close()
@@ -76,7 +78,7 @@ class BackgroundRun:
             # Stopped before its final event (a drain, a shutdown, an engine failure): it
             # failed, as a request the server cut short does. The task stopped between two
             # chat chunks, so every event numbered so far is in `events`.
-            self._add(stream.failed(ABORTED))
+            self._add(stream.failed(self._error))
         self.finished = True
         self._wake()
 
