@@ -36,6 +36,11 @@ class EngineDeadError(RuntimeError):
     """The engine failed while running this request (the server keeps serving others)."""
 
 
+class RequestAbortedError(EngineDeadError):
+    """The server aborted the request (`abort_all`: a drain that ran out of time); the
+    client should send it again, to another replica."""
+
+
 class RequestObserver(Protocol):
     """Receives per-request timings (the server's Prometheus histograms implement this)."""
 
@@ -219,9 +224,13 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._cond.notify()
 
-    def abort_all(self) -> None:
-        for request_id in list(self._streams):
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """Abort every request. Unlike a client's `close`, someone still waits on each
+        stream, so each ends with RequestAbortedError(reason) instead of going silent."""
+        for request_id, stream in list(self._streams.items()):
             self.abort(request_id)
+            stream.finished = True  # freed in the engine; `close` must not abort it again
+            stream._fail(RequestAbortedError(f"request aborted: {reason}; send it again"))
 
     # ------------------------------------------------------------- worker thread
     def _run(self) -> None:

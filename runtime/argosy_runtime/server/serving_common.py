@@ -334,7 +334,9 @@ SSE_DONE = "data: [DONE]\n\n"
 
 async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
                         on_timeout: Callable[[], str]) -> AsyncIterator[str]:
-    """Stream `gen`, ending with an error event if the request runs past its deadline."""
+    """Stream `gen`, ending with an error event if the request runs past its deadline or
+    the engine ends it (a failed step, an abort on shutdown): the response is already under
+    way, so the client learns why from the stream rather than from a cut connection."""
     timeout = ctx.config.request_timeout or None
     deadline = None if timeout is None else time.monotonic() + timeout
     it = gen.__aiter__()
@@ -347,6 +349,11 @@ async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
                 return
             except TimeoutError:
                 yield on_timeout()
+                yield SSE_DONE
+                return
+            except EngineDeadError as exc:
+                yield sse({"error": {"message": str(exc), "type": "server_error",
+                                     "param": None, "code": "engine_unavailable"}})
                 yield SSE_DONE
                 return
             yield chunk

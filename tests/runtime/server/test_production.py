@@ -7,6 +7,7 @@ The drain test stops the server, so it runs last in this module.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import signal
@@ -191,3 +192,36 @@ async def test_sigterm_drains_running_streams_then_exits_0(prod: ServerProcess) 
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(None, prod.proc.wait, 60) == 0
     assert "drained in" in prod.log_text()
+
+
+def test_a_drain_that_times_out_tells_every_client_why() -> None:
+    """SIGTERM with requests still running past --drain-timeout: each is aborted and its
+    client is told so (a stream ends with an error event and [DONE], a plain request gets
+    503 engine_unavailable) instead of waiting on a silent connection until uvicorn gives up;
+    the server exits 0."""
+    server = ServerProcess("--drain-timeout", "1").wait_ready()
+    long = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as h, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(h.post, "/v1/completions", json={**long, "prompt": "Plain:"})
+            with h.stream("POST", "/v1/chat/completions", json={
+                    **long, "stream": True,
+                    "messages": [{"role": "user", "content": "Tell me a long story."}]}) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                assert json.loads(next(lines)[6:])["choices"]  # under way
+                server.proc.send_signal(signal.SIGTERM)
+                rest = list(lines)
+            answer = plain.result()
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+        assert "shutting down" in error["message"]
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "engine_unavailable"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert "drain timeout: aborting 2 request(s)" in log
+    assert "Traceback" not in log
