@@ -299,18 +299,13 @@ class TenantConfig:
         if bool(self.api_keys) == (self.api_keys_file is not None):
             raise ValueError(f"{where}: give exactly one of 'api_keys' or 'api_keys_file'")
         if self.api_keys_file is not None:
-            keys = _read_keys_file(f"{where}.api_keys_file", self.api_keys_file)
+            keys = read_keys_file(f"{where}.api_keys_file", self.api_keys_file)
         else:
             if isinstance(self.api_keys, str) or not isinstance(self.api_keys, list | tuple):
                 raise ValueError(f"{where}.api_keys: expected a list of keys")
             object.__setattr__(self, "api_keys", tuple(self.api_keys))
-            keys = self.api_keys
-        for key in keys:
-            # The message never quotes the key: errors end up in logs.
-            if not isinstance(key, str) or not key or any(c.isspace() for c in key):
-                raise ValueError(f"{where}.{self.key_source}: every key must be a non-empty "
-                                 "string without whitespace")
-        object.__setattr__(self, "keys", tuple(dict.fromkeys(keys)))
+            keys = _checked_keys(f"{where}.api_keys", self.api_keys)
+        object.__setattr__(self, "keys", keys)
         for limit in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             if getattr(self, limit) is not None:
                 _positive_int(f"{where}.{limit}", getattr(self, limit))
@@ -321,8 +316,20 @@ class TenantConfig:
         return "api_keys_file" if self.api_keys_file is not None else "api_keys"
 
 
-def _read_keys_file(where: str, path: str) -> tuple[str, ...]:
-    """The keys in `path`, one per line (surrounding whitespace and blank lines ignored)."""
+def _checked_keys(where: str, keys: Any) -> tuple[str, ...]:
+    """`keys` without repeats, in order; ValueError when one is not a usable key."""
+    for key in keys:
+        # The message never quotes the key: errors end up in logs.
+        if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+            raise ValueError(f"{where}: every key must be a non-empty string without whitespace")
+    return tuple(dict.fromkeys(keys))
+
+
+def read_keys_file(where: str, path: str) -> tuple[str, ...]:
+    """The keys in `path`, one per line (surrounding whitespace and blank lines ignored),
+    without repeats; ValueError naming `where` when the file cannot be read or holds no valid
+    key. The gateway reads each `api_keys_file` with it at start-up and again while it runs
+    (gateway/tenants/key_files.py)."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}: expected a file path, got {path!r}")
     try:
@@ -334,7 +341,7 @@ def _read_keys_file(where: str, path: str) -> tuple[str, ...]:
         raise ValueError(f"{where}: {path!r} is not UTF-8 text") from exc
     if not keys:
         raise ValueError(f"{where}: {path!r} holds no key (one key per line)")
-    return keys
+    return _checked_keys(where, keys)
 
 
 @dataclass(frozen=True)

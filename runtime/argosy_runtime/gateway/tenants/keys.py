@@ -5,18 +5,22 @@ equal to it in a dict and confirms the match with `hmac.compare_digest`: what is
 never the key itself but its digest, whose bytes have no visible relation to the key's, so the
 time a lookup takes tells nothing about how much of a guessed key was right. Nothing here logs
 or returns a key.
+
+The ring can be swapped for a new one while the gateway serves (`set_digests`, called when an
+`api_keys_file` changes: key_files.py); a lookup sees either the old ring or the new one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from argosy_runtime.gateway.config import TenantConfig
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest a key is held as."""
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
@@ -36,10 +40,15 @@ class KeyRing:
     def __init__(self, tenants: Iterable[TenantConfig]) -> None:
         # digest -> (the same digest, tenant name): the stored digest to compare against
         self._by_digest: dict[bytes, tuple[bytes, str]] = {}
-        for tenant in tenants:
-            for key in tenant.keys:
-                digest = _digest(key)
-                self._by_digest[digest] = (digest, tenant.name)
+        self.set_digests({t.name: [key_digest(key) for key in t.keys] for t in tenants})
+
+    def set_digests(self, digests_by_tenant: Mapping[str, Iterable[bytes]]) -> None:
+        """Replace every tenant's keys, given as their digests (`key_digest`)."""
+        by_digest: dict[bytes, tuple[bytes, str]] = {}
+        for tenant, digests in digests_by_tenant.items():
+            for digest in digests:
+                by_digest[digest] = (digest, tenant)
+        self._by_digest = by_digest  # one assignment: lookups never see a half-built ring
 
     def tenant_of(self, authorization: str | None) -> str | None:
         """The name of the tenant whose key the header carries, or None (missing, malformed,
@@ -47,6 +56,6 @@ class KeyRing:
         token = bearer_token(authorization)
         if token is None:
             return None
-        presented = _digest(token)
+        presented = key_digest(token)
         stored, tenant = self._by_digest.get(presented, (b"", ""))
         return tenant if hmac.compare_digest(stored, presented) else None
