@@ -42,13 +42,15 @@ def test_every_problem_is_listed_by_line_and_nothing_runs(tmp_path: Path) -> Non
         _line("f", body={"messages": [], "stream": True}),
         json.dumps({"method": "POST", "url": CHAT, "body": {}}),  # no custom_id
         _line("h", extra=1),
+        _line("i", body={"messages": [], "background": True}),
     )
     assert lines == []
     assert [(e["line"], e["code"]) for e in errors] == [
         (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_endpoint"),
         (5, "invalid_method"), (6, "invalid_body"), (7, "invalid_body"),
-        (8, "missing_required_parameter"), (9, "invalid_request")]
+        (8, "missing_required_parameter"), (9, "invalid_request"), (10, "invalid_body")]
     assert errors[6]["param"] == "custom_id"
+    assert errors[8]["param"] == "body.background"
 
 
 def test_an_empty_file_is_an_error(tmp_path: Path) -> None:

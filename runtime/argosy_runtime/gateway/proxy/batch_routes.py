@@ -160,7 +160,7 @@ class BatchRoutes:
         return model_not_found(model, list(gateway.pools))
 
     async def _call(self, request: web.Request, url: str, *, data: Any = None,
-                    content_type: str | None = None) -> web.Response:
+                    content_type: str | None = None) -> web.StreamResponse:
         """One replica's (small JSON) answer; the file and batch ids it holds are remembered
         as living there."""
         return await self.gateway.id_owners.call(

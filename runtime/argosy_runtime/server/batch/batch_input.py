@@ -67,6 +67,9 @@ def read_batch_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[d
                 error("invalid_body", "body must be a JSON object (the request)", number, "body")
             elif body.get("stream"):
                 error("invalid_body", "stream is not supported in a batch", number, "body.stream")
+            elif body.get("background"):  # the batch would record only the queued response
+                error("invalid_body", "background is not supported in a batch (a batch runs "
+                      "in the background already)", number, "body.background")
             unknown = sorted(set(item) - {"custom_id", "method", "url", "body"})
             if unknown:
                 error("invalid_request", f"unknown fields: {', '.join(unknown)}", number,
