@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 from collections.abc import AsyncIterator
 
 import pytest
@@ -122,6 +123,23 @@ def test_store_is_a_bounded_lru() -> None:
         store.get("resp_1")
     with pytest.raises(ValueError):
         ResponseStore(max_entries=0)
+
+
+def test_store_never_evicts_a_running_background_response() -> None:
+    store = ResponseStore(max_entries=2)
+    running = _entry(1)
+    running.run = types.SimpleNamespace(finished=False)
+    store.put(running)
+    store.put(_entry(2))
+    store.put(_entry(3))  # the oldest, resp_1, still runs: resp_2 goes instead
+    assert store.get("resp_1") is running and store.get("resp_3")
+    with pytest.raises(APIError):
+        store.get("resp_2")
+    running.run.finished = True
+    store.put(_entry(4))  # resp_3 was used after resp_1, so resp_1 is the oldest now
+    with pytest.raises(APIError):
+        store.get("resp_1")
+    assert len(store) == 2
 
 
 def test_conversation_appends_the_reply() -> None:

@@ -60,7 +60,8 @@ def output_text(response: dict[str, Any]) -> str:
 
 
 class ResponseStore:
-    """An LRU of `StoredResponse` by response id."""
+    """An LRU of `StoredResponse` by response id (a running background response is never
+    evicted)."""
 
     def __init__(self, max_entries: int = MAX_STORED_RESPONSES) -> None:
         if max_entries < 1:
@@ -76,7 +77,13 @@ class ResponseStore:
         self._entries[response_id] = entry
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            # The least recently used entry that is not a background response still running:
+            # evicting one of those would leave its client polling a 404 while it generates.
+            oldest = next((rid for rid, e in self._entries.items()
+                           if e.run is None or e.run.finished), None)
+            if oldest is None:
+                break  # all running: the store runs over until the next put after they end
+            del self._entries[oldest]
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The entry, or a 404 in OpenAI's words (`param`: the request field that named it)."""
