@@ -55,6 +55,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
 from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class Gateway:
     """Pools, policies, health checks and metrics behind one aiohttp application."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, *, keys_poll_s: float = POLL_SECONDS) -> None:
+        """`keys_poll_s`: how often the tenants' `api_keys_file`s are re-read (tests shorten
+        it)."""
         self.config = config
         self.pools: dict[str, ReplicaPool] = {m.name: ReplicaPool(m.name) for m in config.models}
         self.policies: dict[str, Policy] = {
@@ -81,7 +84,8 @@ class Gateway:
             lambda: list(self.pools.values()), lambda: list(self.activators.values())
         )
         # API keys and per-tenant limits (a no-op without `tenants`).
-        self.tenants = TenantGate(config.tenants, self.metrics, config.replica_api_key)
+        self.tenants = TenantGate(config.tenants, self.metrics, config.replica_api_key,
+                                  keys_poll_s=keys_poll_s)
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []

@@ -15,7 +15,8 @@ For every `/v1/*` request it
    forwards client headers (headers.to_replica) forwards the replica key instead.
 
 The relay charges each answer's tokens through `meter()`, and every answer to a tenant gets
-OpenAI's `x-ratelimit-*` headers as the limits stood when the request arrived. Without
+OpenAI's `x-ratelimit-*` headers as the limits stood when the request arrived. While the app
+runs, the tenants' `api_keys_file`s are re-read every few seconds (tenants/key_files.py). Without
 tenants nothing is installed: clients' headers pass through as before, and a
 `replica_api_key` is only sent on the gateway's own calls (`replica_headers`).
 """
@@ -23,8 +24,9 @@ tenants nothing is installed: clients' headers pass through as before, and a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +36,7 @@ from argosy_runtime.gateway.config import TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
 from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
 from argosy_runtime.gateway.tenants.limiter import Clock, Lease, Refusal, TenantLimiter
 from argosy_runtime.gateway.tenants.usage import UsageMeter
@@ -100,9 +103,12 @@ UNCHARGED = _Uncharged()
 
 class TenantGate:
     def __init__(self, tenants: Iterable[TenantConfig], metrics: GatewayMetrics,
-                 replica_api_key: str | None = None, clock: Clock = time.monotonic) -> None:
+                 replica_api_key: str | None = None, clock: Clock = time.monotonic,
+                 keys_poll_s: float = POLL_SECONDS) -> None:
         tenants = list(tenants)
         self.keys = KeyRing(tenants)
+        self.key_files = KeyFiles(tenants, self.keys)
+        self.keys_poll_s = keys_poll_s  # how often the keys files are re-read
         self.limiters = {t.name: TenantLimiter(t, clock) for t in tenants}
         self.metrics = metrics
         self._replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
@@ -119,6 +125,18 @@ class TenantGate:
         if self.limiters:
             app.middlewares.append(self._middleware)
             app.on_response_prepare.append(_add_ratelimit_headers)
+        if self.key_files.paths:
+            app.cleanup_ctx.append(self._watching_key_files)
+
+    async def _watching_key_files(self, _: web.Application) -> AsyncIterator[None]:
+        """While the app runs, re-read the tenants' keys files every `keys_poll_s`."""
+        task = asyncio.get_running_loop().create_task(self.key_files.watch(self.keys_poll_s))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def meter(self, request: web.Request, path: str, body: dict, status: int,
               content_type: str) -> ChargedAnswer | _Uncharged:
