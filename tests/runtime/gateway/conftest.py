@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,12 +36,13 @@ async def fake_replicas() -> AsyncIterator[Callable[..., Awaitable[list[FakeRepl
 
 
 @pytest.fixture
-async def gateway() -> AsyncIterator[Callable[[GatewayConfig], Awaitable[tuple[Gateway, str]]]]:
-    """`await gateway(config)` -> (Gateway, base URL), served on a free loopback port."""
+async def gateway() -> AsyncIterator[Callable[..., Awaitable[tuple[Gateway, str]]]]:
+    """`await gateway(config, **Gateway_options)` -> (Gateway, base URL), served on a free
+    loopback port."""
     runners = []
 
-    async def make(config: GatewayConfig) -> tuple[Gateway, str]:
-        gw = Gateway(config)
+    async def make(config: GatewayConfig, **options: Any) -> tuple[Gateway, str]:
+        gw = Gateway(config, **options)
         runner, port = await start_gateway(gw, "127.0.0.1", 0)
         runners.append(runner)
         return gw, f"http://127.0.0.1:{port}"

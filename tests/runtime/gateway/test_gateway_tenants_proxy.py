@@ -297,3 +297,41 @@ async def test_a_cascade_answer_is_charged(fake_replicas, gateway) -> None:
             assert resp.status == 200 and resp.headers["x-argosy-cascade"] == "small"
         assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
                             kind="prompt") == 7
+
+
+async def test_a_rotated_keys_file_applies_without_a_restart(fake_replicas, gateway,
+                                                             tmp_path) -> None:
+    (r,) = await fake_replicas(1, prompt_tokens=5)
+    keys_file = tmp_path / "team-a"
+    keys_file.write_text(f"{KEY_A}\n")
+    rotated = "sk-team-a-rotated"
+    tenants = (TenantConfig(name="a", api_keys_file=str(keys_file), requests_per_minute=4),
+               TenantConfig(name="b", api_keys=(KEY_B,)))
+    _, url = await gateway(config([r.url], *tenants), keys_poll_s=0.05)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(KEY_A)) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-ratelimit-remaining-requests"] == "3"
+        async with s.get(f"{url}/v1/models", headers=auth(rotated)) as resp:
+            assert resp.status == 401  # not a key yet
+        keys_file.write_text(f"{rotated}\n")  # the old key removed, a new one added
+        for _ in range(200):  # /v1/models: needs a key, takes nothing from the budget
+            async with s.get(f"{url}/v1/models", headers=auth(rotated)) as resp:
+                if resp.status == 200:
+                    break
+            await asyncio.sleep(0.02)
+        async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(rotated)) as resp:
+            assert resp.status == 200
+            # The tenant's bucket carried on: one request left it 3, this one leaves 2.
+            assert resp.headers["x-ratelimit-remaining-requests"] == "2"
+        async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(KEY_A)) as resp:
+            assert resp.status == 401
+        async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(KEY_B)) as resp:
+            assert resp.status == 200  # other tenants untouched
+        assert len(r.requests) == 3
+        assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
+                            kind="prompt") == 10  # both keys' requests, one tenant
+        keys_file.write_text("")  # a half-written Secret: the rotated key keeps working
+        await asyncio.sleep(0.2)
+        async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(rotated)) as resp:
+            assert resp.status == 200
