@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from argosy_runtime.engine_args import check_max_loras
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -56,8 +58,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None  # most distinct LoRA adapters per step; None: no cap
 
     def __post_init__(self) -> None:
+        check_max_loras(self.max_loras)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -81,6 +81,7 @@ class LLMEngine:
             ),
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_loras=args.max_loras,
         )
         self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
                                        args.enable_prefix_caching)

@@ -91,6 +91,15 @@ class EngineArgs:
         "entry is logged and skipped. See docs/lora.md.",
         default=None,
     )
+    max_loras: int | None = _opt(
+        "Most distinct LoRA adapters in one engine step (vLLM's --max-loras). Every adapter "
+        "in a step costs its own gather, scatter and two small matmuls per projection; a "
+        "waiting request whose adapter would be one too many waits (keeping its place in "
+        "line) until a running adapter's requests finish, while requests behind it on the "
+        "base model or on an adapter already running go ahead. Running requests are never "
+        "preempted for it. At least 1; unset (None): no cap.",
+        default=None,
+    )
     seed: int = _opt("Seed for requests that give none.", default=0)
     cpu_threads: int | None = _opt(
         "Threads for CPU math (default: the CPUs this process may use: the smallest of the "
@@ -98,6 +107,11 @@ class EngineArgs:
         default=None,
     )
     enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
+
+    def __post_init__(self) -> None:
+        # Checked here too (not only in SchedulerConfig) so a bad flag fails before the model
+        # loads.
+        check_max_loras(self.max_loras)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,6 +144,15 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_max_loras(value: object) -> None:
+    """ValueError unless `value` is None (no cap) or an int >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_loras (--max-loras) must be an integer >= 1, or unset for no "
+                         f"cap; got {value!r}")
 
 
 def _cli_type(name: str, type_str: str) -> Any:
