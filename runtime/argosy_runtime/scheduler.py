@@ -14,6 +14,13 @@ Preemption frees a running request's blocks; it goes back to waiting and is reco
   and it strictly outranks the victim by priority. Equal priorities never preempt each other,
   so first come first served within a priority never thrashes; and nobody is preempted for a
   head that would still not fit after every request it outranks was preempted.
+
+`max_loras` caps the distinct LoRA adapters among running requests, so every step runs at
+most that many adapters' deltas. A waiting request whose adapter would exceed it is passed
+over: it keeps its place in line and is admitted once a running adapter's requests have all
+finished (the earliest such request first), while requests behind it on the base model (which
+never counts) or on an adapter already running may be admitted. It never preempts anyone and
+never makes anyone preempt for it.
 """
 
 from __future__ import annotations
@@ -133,8 +140,16 @@ class Scheduler:
 
         # 2. Waiting requests, unless step 1 had to preempt (memory is tight). A head that
         #    cannot be admitted may take the place of a running request of lower priority.
-        while self.waiting and budget > 0 and not preempted_for_memory:
-            req = self.waiting[0]
+        #    Requests held by max_loras are passed over in place: the head is the first
+        #    waiting request not held.
+        loras = self._running_loras()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not preempted_for_memory:
+            req = self.waiting[i]
+            if loras is not None and self._held_by_max_loras(req, loras):
+                i += 1
+                continue
+            num_preempted = len(out.preempted)
             seats_full = len(self.running) >= self.config.max_num_seqs
             if seats_full and not self._outranks_a_running_request(req):
                 break
@@ -159,7 +174,8 @@ class Scheduler:
             ):
                 if not self._preempt_for(req, out):
                     return out  # the head waits, and nothing behind it may pass it
-            self.waiting.pop(0)
+            # Victims went back to waiting behind `req` (they rank lower), so `i` is still it.
+            self.waiting.pop(i)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -167,7 +183,29 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget = self._budget_left(out)
+            if loras is not None:
+                if len(out.preempted) != num_preempted:  # victims may have taken adapters out
+                    loras = self._running_loras()
+                elif req.lora is not None:
+                    loras.add(id(req.lora))
         return out
+
+    def _running_loras(self) -> set[int] | None:
+        """The distinct adapters (by object: a name loaded again is another adapter, as in
+        the runner's LoRABatch) among running requests; None when max_loras is unset.
+
+        All running requests count, not only those scheduled this step: one left out of
+        this step (its chunk did not fit) runs in a later one beside whoever is admitted now.
+        """
+        if self.config.max_loras is None:
+            return None
+        return {id(r.lora) for r in self.running if r.lora is not None}
+
+    def _held_by_max_loras(self, req: Request, loras: set[int]) -> bool:
+        """Would admitting `req` add an adapter beyond max_loras? Base-model requests never."""
+        if req.lora is None or id(req.lora) in loras:
+            return False
+        return len(loras) >= (self.config.max_loras or 0)
 
     def _outranks_a_running_request(self, req: Request) -> bool:
         return bool(self.running) and self.running[-1].priority > req.priority
