@@ -3,7 +3,7 @@
     argosy gateway --config gateway.yaml
     argosy gateway --backend smollm2-135m=http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8080
 
-Flags override the file's host, port and default policy; `--backend` adds static routes.
+Flags override the file's host, port, drain timeout and default policy; `--backend` adds static routes.
 See docs/gateway.md for the YAML schema. Never imports torch.
 """
 
@@ -34,6 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         choices=["round-robin", "least-load", "prefix-affinity"],
         help="Default routing policy (default prefix-affinity, falling back to least-load).",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="On SIGTERM, stop accepting connections and let answers in flight finish for at "
+        "most this long before cutting them (default 30). In Kubernetes, put a preStop sleep "
+        "in front and set terminationGracePeriodSeconds above both (docs/deploy.md).",
+    )
     parser.add_argument("--log-level", default="info", help="Python logging level.")
     return parser
 
@@ -55,6 +63,8 @@ def build_config(args: argparse.Namespace):  # -> GatewayConfig (import kept ins
         data["host"] = args.host
     if args.port is not None:
         data["port"] = args.port
+    if args.drain_timeout is not None:
+        data["drain_timeout_s"] = args.drain_timeout
     if args.policy is not None:
         data["routing"] = {**(data.get("routing") or {}), "policy": args.policy}
     for flag in args.backend:

@@ -358,6 +358,9 @@ class GatewayConfig:
     # 5xx or a full queue before the first byte of the answer).
     max_attempts: int = 2
     connect_timeout_s: float = 5.0
+    # On SIGTERM the gateway stops accepting connections and gives the answers in flight
+    # (streams included) this long to finish before it cuts them and exits.
+    drain_timeout_s: float = 30.0
     # API keys and rate limits per tenant; empty: no authentication and no limits.
     tenants: tuple[TenantConfig, ...] = ()
     # What the gateway sends replicas as `Authorization: Bearer ...` (their --api-key) in place
@@ -369,6 +372,9 @@ class GatewayConfig:
             raise ValueError(f"port: must be a TCP port, got {self.port!r}")
         _positive("max_attempts", self.max_attempts)
         _positive("connect_timeout_s", self.connect_timeout_s)
+        if not isinstance(self.drain_timeout_s, (int, float)) or self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be a number >= 0, got "
+                             f"{self.drain_timeout_s!r}")
         names = [m.name for m in self.models]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from argosy_runtime.fleet.replica_process import free_port
 
 
@@ -64,3 +65,55 @@ async def test_gateway_rejects_bad_config(tmp_path: Path) -> None:
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and b"models[tiny].policy" in out
+
+
+async def _start_gateway(backend: str, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "argosy_runtime.cli.main", "gateway", "--port", str(port),
+        "--backend", f"tiny={backend}", *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    await _wait_ready(url)
+    return proc, url
+
+
+async def _stream_then_sigterm(url: str, proc: asyncio.subprocess.Process) -> list[bytes]:
+    """Stream a completion through the gateway; SIGTERM the gateway after the first chunk.
+    Returns the data lines received (raises if the stream is cut)."""
+    lines = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions",
+                          json={"model": "tiny", "prompt": "x", "stream": True}) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data:"):
+                    lines.append(line.strip())
+                    if len(lines) == 1:
+                        proc.send_signal(signal.SIGTERM)
+    return lines
+
+
+async def test_sigterm_lets_streams_in_flight_finish(fake_replicas) -> None:
+    (replica,) = await fake_replicas(1)
+    replica.chunk_delay, replica.num_chunks = 0.3, 8  # ~2.4 s of stream after the SIGTERM
+    proc, url = await _start_gateway(replica.url)
+    lines = await _stream_then_sigterm(url, proc)
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert lines[-1] == b"data: [DONE]" and len(lines) == replica.num_chunks + 1
+    assert proc.returncode == 0, out.decode()
+    assert b"answers in flight may take up to 30s" in out
+
+
+async def test_sigterm_cuts_what_runs_past_the_drain_timeout(fake_replicas) -> None:
+    (replica,) = await fake_replicas(1)
+    replica.chunk_delay, replica.num_chunks = 0.5, 120  # a minute of stream
+    proc, url = await _start_gateway(replica.url, "--drain-timeout", "1")
+    started = time.monotonic()
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await _stream_then_sigterm(url, proc)
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert time.monotonic() - started < 30  # cut after the drain timeout, not at the end
+    assert proc.returncode == 0, out.decode()
+    assert b"answers in flight may take up to 1s" in out

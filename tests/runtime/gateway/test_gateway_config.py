@@ -53,6 +53,8 @@ def test_load_yaml(tmp_path: Path) -> None:
         ({"routing": {"load_factor": 0.5}}, r"routing\.load_factor"),
         ({"health": {"interval_s": 0}}, r"health\.interval_s"),
         ({"port": 70000}, r"^port"),
+        ({"drain_timeout_s": -1}, r"^drain_timeout_s"),
+        ({"drain_timeout_s": "30s"}, r"^drain_timeout_s"),
         ({"bogus": 1}, r"config\.bogus"),
         (
             {"models": [{"name": "a", "backends": ["http://x"]}],
@@ -119,12 +121,14 @@ def test_flags_override_and_add(tmp_path: Path) -> None:
     path.write_text(YAML)
     args = argparse.Namespace(
         config=str(path), host="0.0.0.0", port=1234, policy="prefix-affinity",
-        backend=["other=http://127.0.0.1:9001,http://127.0.0.1:9002"],
+        backend=["other=http://127.0.0.1:9001,http://127.0.0.1:9002"], drain_timeout=2.5,
     )
     cfg = cli.build_config(args)
     assert (cfg.host, cfg.port, cfg.routing.policy) == ("0.0.0.0", 1234, "prefix-affinity")
+    assert cfg.drain_timeout_s == 2.5
     assert cfg.routing.prefix_chars == 128  # untouched fields survive the override
     assert cfg.models[-1].name == "other" and len(cfg.models[-1].backends) == 2
-    bad = argparse.Namespace(config=None, host=None, port=None, policy=None, backend=["nourl"])
+    bad = argparse.Namespace(config=None, host=None, port=None, policy=None, backend=["nourl"],
+                             drain_timeout=None)
     with pytest.raises(ValueError, match="--backend"):
         cli.build_config(bad)

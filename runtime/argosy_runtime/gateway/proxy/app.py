@@ -458,8 +458,11 @@ class Gateway:
 
 
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `gateway` on host:port (0 picks a free port); returns the runner and the port."""
-    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    """Serve `gateway` on host:port (0 picks a free port); returns the runner and the port.
+    `runner.cleanup()` stops accepting, then waits up to `drain_timeout_s` for the answers
+    in flight (aiohttp's shutdown timeout) before it cancels them."""
+    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=gateway.config.drain_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -469,7 +472,8 @@ async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.App
 
 
 async def run_gateway(config: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM, then close upstream connections cleanly."""
+    """Serve until SIGINT or SIGTERM, then drain: refuse new connections, let the answers in
+    flight finish (at most `drain_timeout_s`), close upstream connections cleanly."""
     import signal
 
     gateway = Gateway(config)
@@ -481,5 +485,8 @@ async def run_gateway(config: GatewayConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        logger.info("stopping: no new connections; answers in flight may take up to %gs",
+                    config.drain_timeout_s)
     finally:
         await runner.cleanup()
+    logger.info("stopped")
