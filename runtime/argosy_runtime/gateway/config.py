@@ -290,6 +290,9 @@ class TenantConfig:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None  # prompt + completion tokens
     max_concurrent: int | None = None  # requests in flight at once
+    # The most urgent scheduling `priority` (the runtime's: lower runs first, preempts higher)
+    # this tenant's generation requests may have; also their default. None: as sent.
+    priority: int | None = None
     keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -309,6 +312,12 @@ class TenantConfig:
         for limit in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             if getattr(self, limit) is not None:
                 _positive_int(f"{where}.{limit}", getattr(self, limit))
+        if self.priority is not None and (
+            isinstance(self.priority, bool) or not isinstance(self.priority, int)
+            or not -(1 << 31) <= self.priority < (1 << 31)
+        ):
+            raise ValueError(f"{where}.priority: expected an integer in [-2^31, 2^31 - 1] "
+                             f"(lower runs first), got {self.priority!r}")
 
     @property
     def key_source(self) -> str:

@@ -18,7 +18,7 @@ from aiohttp import web
 KNOWN_FIELDS = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "stream", "stop", "n", "logprobs", "top_logprobs", "seed", "ignore_eos",
-    "stream_options", "presence_penalty", "frequency_penalty", "user",
+    "stream_options", "presence_penalty", "frequency_penalty", "user", "priority",
 }
 
 

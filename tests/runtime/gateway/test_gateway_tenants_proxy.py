@@ -335,3 +335,22 @@ async def test_a_rotated_keys_file_applies_without_a_restart(fake_replicas, gate
         await asyncio.sleep(0.2)
         async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(rotated)) as resp:
             assert resp.status == 200
+
+
+async def test_a_tenants_priority_is_its_requests_default_and_their_most_urgent(
+        fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1)
+    _, url = await gateway(config([r.url], TenantConfig(name="a", api_keys=(KEY_A,), priority=5),
+                                  TenantConfig(name="b", api_keys=(KEY_B,))))
+    sent = [(KEY_A, {}), (KEY_A, {"priority": 0}), (KEY_A, {"priority": -7}),
+            (KEY_A, {"priority": 9}), (KEY_B, {"priority": -3}), (KEY_B, {})]
+    async with aiohttp.ClientSession() as s:
+        for key, extra in sent:
+            async with s.post(f"{url}/v1/completions", json={**BODY, **extra},
+                              headers=auth(key)) as resp:
+                assert resp.status == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        async with s.post(f"{url}/v1/chat/completions", json=chat, headers=auth(KEY_A)) as resp:
+            assert resp.status == 200
+    # Team a never runs ahead of 5 (it may ask to run later); team b's requests pass as sent.
+    assert [body.get("priority") for body in r.requests] == [5, 5, 5, 9, -3, None, 5]

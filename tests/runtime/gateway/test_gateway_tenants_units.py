@@ -189,11 +189,12 @@ def test_tenants_from_yaml_with_keys_inline_and_in_a_file(tmp_path) -> None:
     config = GatewayConfig.from_dict(gateway_dict(
         {"name": "team-a", "api_keys": [SECRET], "requests_per_minute": 600,
          "tokens_per_minute": 200000, "max_concurrent": 32},
-        {"name": "team-b", "api_keys_file": str(keys_file)},
+        {"name": "team-b", "api_keys_file": str(keys_file), "priority": 2},
     ))
     a, b = config.tenants
     assert a.keys == (SECRET,) and a.requests_per_minute == 600 and a.max_concurrent == 32
     assert b.keys == ("sk-b1", "sk-b2") and b.tokens_per_minute is None
+    assert (a.priority, b.priority) == (None, 2)
     # Keys stay out of every printed form of the config.
     assert SECRET not in repr(config) and "sk-b1" not in str(config)
 
@@ -228,6 +229,9 @@ def test_no_tenants_is_no_auth_and_the_replica_key_comes_from_the_environment(
      "tenants[a].max_concurrent: expected a positive integer"),
     ({"name": "a", "api_keys": ["k"], "max_concurrent": -3},
      "tenants[a].max_concurrent: expected a positive integer"),
+    ({"name": "a", "api_keys": ["k"], "priority": "low"}, "tenants[a].priority: expected an int"),
+    ({"name": "a", "api_keys": ["k"], "priority": 1 << 31}, "tenants[a].priority: expected an int"),
+    ({"name": "a", "api_keys": ["k"], "priority": False}, "tenants[a].priority: expected an int"),
     ({"name": "a", "api_keys": ["k"], "rpm": 3}, "tenants[0].rpm: unknown field"),
 ])
 def test_tenant_errors_name_the_field(tenant: dict, message: str) -> None:

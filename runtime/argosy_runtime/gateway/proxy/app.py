@@ -242,6 +242,8 @@ class Gateway:
             model = next(iter(self.pools))
         if not isinstance(model, str) or not model:
             return bad_request("model: a model name is required", param="model")
+        if self.tenants.apply_priority(request, body):
+            raw = json.dumps(body).encode()
         path = request.path
         headers = to_replica(request.headers)
 

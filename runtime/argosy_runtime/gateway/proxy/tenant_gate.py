@@ -14,7 +14,8 @@ For every `/v1/*` request it
    `replica_api_key` (or none): the tenant's key never reaches a replica, and every path that
    forwards client headers (headers.to_replica) forwards the replica key instead.
 
-The relay charges each answer's tokens through `meter()`, and every answer to a tenant gets
+A tenant's `priority` becomes its generation requests' scheduling priority
+(`apply_priority`). The relay charges each answer's tokens through `meter()`, and every answer to a tenant gets
 OpenAI's `x-ratelimit-*` headers as the limits stood when the request arrived. While the app
 runs, the tenants' `api_keys_file`s are re-read every few seconds (tenants/key_files.py). Without
 tenants nothing is installed: clients' headers pass through as before, and a
@@ -110,6 +111,7 @@ class TenantGate:
         self.key_files = KeyFiles(tenants, self.keys)
         self.keys_poll_s = keys_poll_s  # how often the keys files are re-read
         self.limiters = {t.name: TenantLimiter(t, clock) for t in tenants}
+        self.priorities = {t.name: t.priority for t in tenants if t.priority is not None}
         self.metrics = metrics
         self._replica_authorization = f"Bearer {replica_api_key}" if replica_api_key else None
 
@@ -137,6 +139,20 @@ class TenantGate:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def apply_priority(self, request: web.Request, body: dict[str, Any]) -> bool:
+        """Give a generation request its tenant's scheduling priority: the tenant's value when
+        the body has none or a more urgent (lower) one, else the body's. True when `body`
+        changed. A non-integer `priority` is left for the replica to refuse (400)."""
+        floor = self.priorities.get(request.get(_TENANT, ""))
+        if floor is None:
+            return False
+        sent = body.get("priority")
+        if sent is not None and (isinstance(sent, bool) or not isinstance(sent, int)
+                                 or sent >= floor):
+            return False
+        body["priority"] = floor
+        return True
 
     def meter(self, request: web.Request, path: str, body: dict, status: int,
               content_type: str) -> ChargedAnswer | _Uncharged:
