@@ -4,7 +4,9 @@ Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy oper
 
 - create/update/resume of an LLMDeployment -> `reconcile` (children) + `refresh_status`;
 - events of the Deployments and pods the operator manages -> `refresh_status` of their owner,
-  so conditions follow the pods (image pull failures, unschedulable GPU requests, readiness).
+  so conditions follow the pods (image pull failures, unschedulable GPU requests, readiness);
+- a child deleted by someone else (a Deployment, Service, PodDisruptionBudget, LoRA ConfigMap
+  or ServiceMonitor) -> `reconcile` of its owner, which re-creates it if the spec still wants it.
 
 There are no deletion handlers and no finalizers: every child carries an owner reference, and
 Kubernetes' garbage collector deletes the children with their LLMDeployment.
@@ -29,7 +31,15 @@ from argosy_operator.constants import (
     PLURAL,
     VERSION,
 )
-from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
+from argosy_operator.kube import (
+    CONFIGMAPS,
+    LLMDEPLOYMENTS,
+    PDBS,
+    SERVICEMONITORS,
+    SERVICES,
+    ApiError,
+    KubeClient,
+)
 from argosy_operator.reconcile import ChildConflictError, reconcile
 from argosy_operator.status import patch_status, refresh_status, status_patch
 
@@ -63,9 +73,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=KOPF_PREFIX, key="last-handled-configuration")
-    # Watch only the operator's own pods and Deployments, filtered by the API server (the
-    # handlers' label filters alone would stream every pod of the cluster to the operator).
-    for key in (("apps", "deployments"), ("v1", "pods")):
+    # Watch only the operator's own children and pods, filtered by the API server (the
+    # handlers' label filters alone would stream every pod, Service and ConfigMap of the
+    # cluster to the operator).
+    for key in (("apps", "deployments"), ("v1", "pods"), *_WATCHED_CHILDREN):
         settings.watching.label_selectors[key] = CHILD_SELECTOR
     settings.watching.server_timeout = int(os.environ.get("ARGOSY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
@@ -189,6 +200,28 @@ async def deployment_changed(event: kopf.RawEvent, meta: kopf.Meta, namespace: s
     by hand (its owner still there) is re-created at once."""
     await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD),
                          reapply=event.get("type") == "DELETED")
+
+
+# The other children, watched for deletion only. The ServiceMonitor watch exists when its CRD
+# was installed before the operator started (kopf resolves resources once, at startup: see
+# `configure`); without the CRD kopf logs one warning and watches the rest.
+_WATCHED_CHILDREN = tuple((res.group or res.version, res.plural)
+                          for res in (SERVICES, PDBS, CONFIGMAPS, SERVICEMONITORS))
+
+
+@kopf.on.event(SERVICES.group, SERVICES.version, SERVICES.plural, labels=_CHILD_LABELS)
+@kopf.on.event(PDBS.group, PDBS.version, PDBS.plural, labels=_CHILD_LABELS)
+@kopf.on.event(CONFIGMAPS.group, CONFIGMAPS.version, CONFIGMAPS.plural, labels=_CHILD_LABELS)
+@kopf.on.event(SERVICEMONITORS.group, SERVICEMONITORS.version, SERVICEMONITORS.plural,
+               labels=_CHILD_LABELS)
+async def child_deleted(event: kopf.RawEvent, meta: kopf.Meta, namespace: str | None,
+                        **_: Any) -> None:
+    """A child deleted by hand (or pruned by a GitOps tool) while its owner stays is re-created
+    at once, from the owner's current spec: a child the operator deleted itself because the
+    spec no longer asks for it stays deleted. Other events of these kinds change nothing the
+    status reads, so they cost no request."""
+    if event.get("type") == "DELETED":
+        await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD), reapply=True)
 
 
 @kopf.on.event("", "v1", "pods", labels=_CHILD_LABELS)

@@ -69,10 +69,14 @@ async def test_create_makes_owned_children_and_status(kube: Any, api: Api, run_o
     assert set(status) <= {"observedGeneration", "replicas", "readyReplicas", "updatedReplicas",
                            "selector", "endpoint", "model", "conditions"}
     assert len([r for r in writes(kube, DEP_PATH) if r.method == "POST"]) == 1
-    # Pods and Deployments are listed and watched through a server-side label selector.
+    # Pods and children are listed and watched through a server-side label selector (a label
+    # filter in the handlers alone would stream every Service and ConfigMap of the cluster).
+    watched = ("pods", "deployments", "services", "poddisruptionbudgets", "configmaps",
+               "servicemonitors")
     child_reads = [r for r in list(kube) if r.method == "GET" and r.resource is not None
-                   and r.resource.plural in ("pods", "deployments") and r.name is None]
-    assert child_reads and all(
+                   and r.resource.plural in watched and r.name is None]
+    assert {r.resource.plural for r in child_reads} == set(watched)
+    assert all(
         r.params.get("labelSelector", "").startswith("app.kubernetes.io/managed-by="
                                                       "argosy-operator,")
         or r.params.get("labelSelector") == "argosy.dev/llmdeployment=chat"
@@ -344,6 +348,80 @@ async def test_deployment_deleted_by_hand_is_recreated(kube: Any, api: Api, run_
         second = await eventually(recreated, what="Deployment re-created")
         await settle(kube)
     assert second["spec"] == first["spec"]
+
+
+CM_PATH = f"/api/v1/namespaces/{NS}/configmaps"
+LORA = {"loraAdapters": [{"name": "sql", "path": "/adapters/sql"}]}
+
+
+def _content(obj: dict[str, Any]) -> Any:
+    """What the operator writes of a child: a ConfigMap's data, any other child's spec."""
+    return obj["data"] if obj["kind"] == "ConfigMap" else obj["spec"]
+
+
+@pytest.mark.parametrize("path", [
+    SVC_PATH, PDB_PATH, CM_PATH, SM_PATH,
+    pytest.param(SVC_PATH, marks=pytest.mark.no_servicemonitor, id="service-without-sm-crd"),
+], ids=["service", "pdb", "configmap", "servicemonitor", None])
+async def test_child_deleted_by_hand_is_recreated(kube: Any, api: Api, run_operator: Any,
+                                                  path: str) -> None:
+    """Like the Deployment: a Service, PDB, LoRA ConfigMap or ServiceMonitor deleted by hand
+    (or pruned by a GitOps tool) comes back at once, the same, with no change to the
+    LLMDeployment (also when the ServiceMonitor CRD is absent and kopf watches the rest)."""
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(runtime=LORA), "application/json")
+        first = await eventually(lambda: api.get_or_none(f"{path}/chat"), what="child")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await api.call("DELETE", f"{path}/chat")
+
+        async def recreated() -> Any:
+            child = await api.get_or_none(f"{path}/chat")
+            return child if child and child["metadata"]["uid"] != first["metadata"]["uid"] \
+                else None
+
+        second = await eventually(recreated, what="child re-created")
+        await settle(kube)
+    assert _content(second) == _content(first)
+    assert second["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
+    owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+    assert owner["metadata"]["generation"] == 1
+    assert "created " + second["kind"] + " chat" in [
+        r.data["message"] for r in writes(kube, EVENT_PATH)][-3:]
+
+
+async def test_children_the_spec_drops_stay_deleted(kube: Any, api: Api, run_operator: Any
+                                                    ) -> None:
+    """The operator's own deletions (a spec change dropping the PDB, the ServiceMonitor and
+    the LoRA ConfigMap) reach the same watch, and the reconcile they trigger reads the current
+    spec: nothing comes back. A Service deleted by hand first shows that the watch is live."""
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(runtime=LORA), "application/json")
+        svc = await eventually(lambda: api.get_or_none(f"{SVC_PATH}/chat"), what="Service")
+        for path in (PDB_PATH, SM_PATH, CM_PATH):
+            await eventually(lambda p=path: api.get_or_none(f"{p}/chat"), what=path)
+        await eventually(lambda: _observed(api, 1), what="status")
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+
+        async def service_back() -> Any:
+            back = await api.get_or_none(f"{SVC_PATH}/chat")
+            return back if back and back["metadata"]["uid"] != svc["metadata"]["uid"] else None
+
+        await eventually(service_back, what="Service re-created")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "replicas": 1, "monitoring": {"serviceMonitor": False},
+            "runtime": {"loraAdapters": None}}})
+
+        async def dropped() -> bool:
+            return all([await api.get_or_none(f"{p}/chat") is None
+                        for p in (PDB_PATH, SM_PATH, CM_PATH)])
+
+        await eventually(dropped, what="PDB, ServiceMonitor and ConfigMap deleted")
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        await settle(kube, quiet=1.5)
+    for path in (PDB_PATH, SM_PATH, CM_PATH):
+        assert await api.get_or_none(f"{path}/chat") is None, path
+        assert [r.method for r in writes(kube, f"{path}/chat")] == ["DELETE"], path
+        assert len([r for r in writes(kube, path) if r.method == "POST"]) == 1, path
 
 
 async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api: Api,
