@@ -50,10 +50,13 @@ PROFILES: dict[str, ImageProfile] = {
     "gateway": ImageProfile(
         pick=("pyyaml", "aiohttp"), extras=("server",), exclude=("torch", "matplotlib")
     ),
-    # The engine's dependencies except torch, which the Dockerfile installs from its index.
-    "runtime-cpu": ImageProfile(pick=("*",), extras=("server",), exclude=("torch", "matplotlib")),
+    # The engine's dependencies except torch, which the Dockerfile installs from its index;
+    # boto3 (the s3 extra) for s3:// LoRA adapters, which only the runtime loads.
+    "runtime-cpu": ImageProfile(
+        pick=("*",), extras=("server", "s3"), exclude=("torch", "matplotlib")
+    ),
     "runtime-cuda": ImageProfile(
-        pick=("*",), extras=("server", "gpu"), exclude=("torch", "matplotlib")
+        pick=("*",), extras=("server", "s3", "gpu"), exclude=("torch", "matplotlib")
     ),
 }
 

@@ -39,6 +39,16 @@ def test_runtime_images_install_every_core_dependency_but_torch() -> None:
     assert "triton" not in names(image_requirements("runtime-cpu"))
 
 
+def test_only_the_runtime_images_install_boto3_for_s3_lora_adapters() -> None:
+    for profile in ("runtime-cpu", "runtime-cuda"):
+        assert names(PROJECT["optional-dependencies"]["s3"]) <= names(image_requirements(profile))
+    for profile in ("operator", "gateway"):
+        assert not {"boto3", "botocore"} & closure(image_requirements(profile))
+    # What lora/s3.py imports resolves with the runtime image's distributions alone.
+    proc = run_as_image("runtime-cpu", "import boto3, botocore.exceptions, botocore.config")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_no_image_pulls_in_torch_or_matplotlib_transitively() -> None:
     for profile in ("operator", "gateway"):
         assert not {"torch", "matplotlib"} & closure(image_requirements(profile))
