@@ -55,9 +55,67 @@ def llmd_schema() -> dict[str, Any]:
     return version["schema"]["openAPIV3Schema"]
 
 
+# The Prometheus Operator's kinds that manifests/monitoring holds: the fields of its CRDs'
+# schemas that these manifests use, strict (a misspelt field is an error, as it would be for a
+# server-side apply against the CRD).
+_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?"
+             r"(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_OBJECT_META = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STRING_MAP,
+    "annotations": _STRING_MAP}, "additionalProperties": False}
+PROMETHEUS_OPERATOR_SCHEMAS: dict[str, dict[str, Any]] = {
+    "PrometheusRule": {"type": "object", "required": ["spec"], "properties": {
+        "spec": {"type": "object", "required": ["groups"], "additionalProperties": False,
+                 "properties": {"groups": {"type": "array", "items": {
+                     "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string", "minLength": 1},
+                                    "interval": _DURATION,
+                                    "rules": {"type": "array", "items": {
+                                        "type": "object", "required": ["expr"],
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "alert": {"type": "string"},
+                                            "record": {"type": "string"},
+                                            "expr": {"type": ["string", "integer"]},
+                                            "for": _DURATION, "keep_firing_for": _DURATION,
+                                            "labels": _STRING_MAP,
+                                            "annotations": _STRING_MAP}}}}}}}}}},
+    "PodMonitor": {"type": "object", "required": ["spec"], "properties": {
+        "spec": {"type": "object", "required": ["selector"], "additionalProperties": False,
+                 "properties": {
+                     "jobLabel": {"type": "string"},
+                     "namespaceSelector": {"type": "object", "additionalProperties": False,
+                                           "properties": {"any": {"type": "boolean"},
+                                                          "matchNames": {"type": "array"}}},
+                     "selector": {"type": "object", "additionalProperties": False,
+                                  "properties": {"matchLabels": _STRING_MAP,
+                                                 "matchExpressions": {"type": "array"}}},
+                     "podMetricsEndpoints": {"type": "array", "items": {
+                         "type": "object", "additionalProperties": False,
+                         "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                                        "interval": _DURATION, "scrapeTimeout": _DURATION,
+                                        "scheme": {"enum": ["http", "https"]},
+                                        "honorLabels": {"type": "boolean"}}}}}}}},
+}
+
+
 def validate(obj: dict[str, Any], where: str) -> None:
-    """Kubernetes' schema for built-in kinds, the CRD's for LLMDeployment; unknown kinds fail."""
+    """Kubernetes' schema for built-in kinds, the CRD's for LLMDeployment, the Prometheus
+    Operator's (the part used) for its kinds; unknown kinds fail."""
     name = f"{where}: {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+    if obj.get("apiVersion") == "monitoring.coreos.com/v1":
+        assert obj["kind"] in PROMETHEUS_OPERATOR_SCHEMAS, name
+        schema = {**PROMETHEUS_OPERATOR_SCHEMAS[obj["kind"]]}
+        schema["properties"] = {**schema["properties"], "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"}, "metadata": _OBJECT_META}
+        schema["additionalProperties"] = False
+        try:
+            jsonschema.Draft7Validator(schema).validate(obj)
+        except jsonschema.ValidationError as exc:
+            pytest.fail(f"{name} invalid for the Prometheus Operator's CRD: {exc.message} at "
+                        f"{list(exc.path)}")
+        return
     if obj.get("apiVersion", "").startswith("argosy.dev/"):
         assert obj["kind"] == "LLMDeployment", name
         try:
@@ -107,6 +165,20 @@ def test_samples_validate(sample: Path) -> None:
         if doc["kind"] == "LLMDeployment":
             image = (doc["spec"].get("runtime") or {}).get("image")
             assert image is None or image.startswith("ghcr.io/argosy-project/argosy-runtime-")
+
+
+def test_a_broken_prometheus_rule_is_reported() -> None:
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "x"},
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up == 0",
+                                                         "for": "5 minutes"}]}]}}
+    with pytest.raises(pytest.fail.Exception):
+        validate(rule, "test")
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "5m"
+    validate(rule, "test")
+    rule["spec"]["groups"][0]["rules"][0]["severity"] = "warning"  # belongs under labels
+    with pytest.raises(pytest.fail.Exception):
+        validate(rule, "test")
 
 
 def test_a_broken_object_is_reported(tmp_path: Path) -> None:
