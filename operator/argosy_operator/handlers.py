@@ -14,8 +14,10 @@ Kubernetes' garbage collector deletes the children with their LLMDeployment.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,13 +139,14 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     client = get_client()
     llmd = dict(body)
     generation = meta.get("generation")
-    if not await _still_exists(client, meta):
-        # kopf may hand over an event queued before the user's delete: applying that stale
-        # body would re-create the children of an object that no longer exists.
-        logger.info("deleted meanwhile; nothing to reconcile")
-        return
     try:
-        result = await reconcile(client, llmd)
+        async with _reconcile_lock(meta.get("namespace"), meta.get("name")):
+            if not await _still_exists(client, meta):
+                # kopf may hand over an event queued before the user's delete: applying that
+                # stale body would re-create the children of an object that no longer exists.
+                logger.info("deleted meanwhile; nothing to reconcile")
+                return
+            result = await reconcile(client, llmd)
     except ValueError as exc:
         # The CRD's schema and CEL rules reject these; reaching here means the CRD is stale.
         await _report_degraded(client, llmd, "InvalidSpec", str(exc), generation)
@@ -164,6 +167,30 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     _post_degraded_event(body, patch, base)
 
 
+# One reconcile at a time per LLMDeployment. A reapply (a child deleted) reads the owner, then
+# writes; without the lock a spec change that drops a child (the PDB, say) could be applied in
+# between, and the reapply's older spec would bring the dropped child back for good. Weak
+# values: a lock lives only while a reconcile holds or awaits it.
+_reconcile_locks: weakref.WeakValueDictionary[tuple[str | None, str | None], asyncio.Lock] = (
+    weakref.WeakValueDictionary())
+
+
+def _reconcile_lock(namespace: str | None, name: str | None) -> asyncio.Lock:
+    lock = _reconcile_locks.get((namespace, name))
+    if lock is None:
+        lock = _reconcile_locks[(namespace, name)] = asyncio.Lock()
+    return lock
+
+
+async def _live_owner(client: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
+    """The LLMDeployment as it is now; None when it is gone or being deleted (its children go
+    with it)."""
+    llmd = await client.get(LLMDEPLOYMENTS, namespace, name)
+    if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    return llmd
+
+
 async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
     """Whether this very object (same uid) is still there and not being deleted."""
     live = await client.get(LLMDEPLOYMENTS, meta.get("namespace"), meta.get("name"))
@@ -178,14 +205,20 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
     if not namespace or not owner:
         return
     client = get_client()
-    llmd = await client.get(LLMDEPLOYMENTS, namespace, owner)
-    if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
-        return  # the owner is going away: its children go with it
     if reapply:
-        result = await reconcile(client, llmd)
+        # Read the spec under the lock: a reconcile of a newer spec finishes first.
+        async with _reconcile_lock(namespace, owner):
+            llmd = await _live_owner(client, namespace, owner)
+            if llmd is None:
+                return
+            result = await reconcile(client, llmd)
         for action in result.actions:
             kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                        message=action)
+    else:
+        llmd = await _live_owner(client, namespace, owner)
+        if llmd is None:
+            return
     patch, base = await refresh_status(client, llmd)
     _post_degraded_event(llmd, patch, base)
 

@@ -424,6 +424,56 @@ async def test_children_the_spec_drops_stay_deleted(kube: Any, api: Api, run_ope
         assert len([r for r in writes(kube, path) if r.method == "POST"]) == 1, path
 
 
+async def test_reapply_waits_for_a_spec_change_in_flight(kube: Any, api: Api,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A reapply (the Service deleted by hand) that read the spec just before a change that
+    drops the PDB must not write after that change's reconcile: the older spec would bring the
+    PDB back for good. Reconciles of one LLMDeployment take turns, and the reapply reads the
+    spec in its turn. The handlers are called directly, the reapply held after its read."""
+    import asyncio
+
+    import kopf
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    log = logging.getLogger("test")
+    monkeypatch.setattr(kopf, "event", lambda *args, **kwargs: None)  # no kopf context here
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    real_reconcile = handlers.reconcile
+    read = asyncio.Event()
+    started: list[int] = []
+    finished: list[int] = []  # spec.replicas of each reconcile, in the order they ended
+
+    async def held_reconcile(c: Any, owner: Any) -> Any:
+        started.append(owner["spec"]["replicas"])
+        if len(started) == 2:  # the reapply: the owner is read, now the spec changes
+            read.set()
+            await asyncio.sleep(0.5)
+        result = await real_reconcile(c, owner)
+        finished.append(owner["spec"]["replicas"])
+        return result
+
+    monkeypatch.setattr(handlers, "reconcile", held_reconcile)
+    try:
+        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"], logger=log)
+        assert await api.get_or_none(f"{PDB_PATH}/chat") is not None
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        reapply = asyncio.create_task(handlers._refresh_owner(NS, "chat", reapply=True))
+        await read.wait()
+        v2 = await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"replicas": 1}})
+        await handlers.reconcile_llmdeployment(body=v2, meta=v2["metadata"], logger=log)
+        await reapply
+    finally:
+        await client.close()
+    assert finished == [2, 2, 1]  # the change's reconcile ran after the reapply's
+    assert await api.get_or_none(f"{SVC_PATH}/chat") is not None
+    assert await api.get_or_none(f"{PDB_PATH}/chat") is None
+    assert [r.method for r in writes(kube, f"{PDB_PATH}/chat")] == ["DELETE"]
+
+
 async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api: Api,
                                                                  run_operator: Any) -> None:
     """An object admitted under a stale CRD (no CEL rules): Degraded/InvalidSpec, no children."""
