@@ -80,7 +80,8 @@ class EngineArgs:
     )
     lora_modules: dict[str, str] | None = _opt(
         "LoRA adapters to serve beside the base model: name=path[,name=path...] or a JSON "
-        "object; each path is a PEFT adapter folder or hf://org/name[@revision]. Requests "
+        "object; each path is a PEFT adapter folder, hf://org/name[@revision] or "
+        "s3://bucket/prefix (boto3's AWS credentials; AWS_ENDPOINT_URL for MinIO/R2). Requests "
         "pick one by name (the 'model' field over HTTP). See docs/lora.md.",
         default=None,
     )

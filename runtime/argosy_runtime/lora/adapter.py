@@ -18,12 +18,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from argosy_runtime.lora.hub import download_adapter, is_hub_path
+from argosy_runtime.lora import hub, s3
 
 if TYPE_CHECKING:
     from argosy_runtime.model_loader import ModelSpec
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def _local_folder(path: str) -> Path:
+    """The folder `path` names, downloading hf:// and s3:// adapters into the cache first."""
+    if hub.is_hub_path(path):
+        return hub.download_adapter(path)
+    if s3.is_s3_path(path):
+        return s3.download_adapter(path)
+    return Path(path)
 
 
 @dataclass
@@ -62,8 +71,12 @@ class LoRAAdapter:
     def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,
              device: torch.device | str = "cpu") -> LoRAAdapter:
         """Raises ValueError naming what the adapter has that this server cannot apply.
-        `path`: a PEFT adapter folder, or `hf://org/name[@revision]` (lora/hub.py)."""
-        folder = download_adapter(str(path)) if is_hub_path(path) else Path(path)
+        `path`: a PEFT adapter folder, `hf://org/name[@revision]` (lora/hub.py) or
+        `s3://bucket/prefix` (lora/s3.py)."""
+        try:
+            folder = _local_folder(str(path))
+        except ValueError as exc:  # hf:// or s3:// download: say which adapter failed
+            raise ValueError(f"LoRA adapter {name!r}: {exc}") from exc
         config_path = folder / "adapter_config.json"
         weights_path = folder / "adapter_model.safetensors"
         if not config_path.is_file() or not weights_path.is_file():
