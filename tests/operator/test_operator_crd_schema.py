@@ -144,6 +144,10 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "does not match"),
     ("adapter repo without an org", with_spec(runtime__loraAdapters=[
         {"name": "a", "path": "hf://adapter"}]), "does not match"),
+    ("adapter bucket without a prefix", with_spec(runtime__loraAdapters=[
+        {"name": "a", "path": "s3://bucket"}]), "does not match"),
+    ("adapter bucket with capitals", with_spec(runtime__loraAdapters=[
+        {"name": "a", "path": "s3://Bucket/sql"}]), "does not match"),
     ("draft without a model", with_spec(runtime__speculative={"method": "draft"}),
      "speculative.method draft needs speculative.draftModel"),
     ("draft model with ngram", with_spec(runtime__speculative={"draftModel": "/m/draft"}),
@@ -204,7 +208,8 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
     {"runtime__batchVolumeClaim": "batch-store"},
     {"runtime__loraAdapters": [{"name": "sql", "path": "hf://org/sql-lora"},
                                {"name": "sql:v2", "path": "hf://org/sql-lora@v2.0"},
-                               {"name": "chat", "path": "/adapters/chat"}]},
+                               {"name": "chat", "path": "/adapters/chat"},
+                               {"name": "s3", "path": "s3://my-adapters/sql/v3"}]},
 ])
 def test_valid_edge_cases_are_accepted(changes: dict[str, Any]) -> None:
     _, errors = validate(with_spec(**changes))
