@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from engine_helpers import assert_no_leaks  # noqa: E402
 from test_lora_engine import (  # noqa: E402
-    PROMPTS,
     adapters,  # noqa: F401  (fixtures)
     model_dir,  # noqa: F401
+    run,
 )
 
 # ---- the scheduler alone, with stand-in adapters ----------------------------------------------
@@ -181,15 +181,7 @@ def run_recording(engine: LLMEngine, jobs: list[tuple[str | None, int]]
         return out
 
     engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    for i, (lora, p) in enumerate(jobs):
-        engine.add_request(f"r{i}", PROMPTS[p], params, lora_name=lora)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"r{i}"] for i in range(len(jobs))], steps
+    return run(engine, jobs), steps
 
 
 def test_engine_runs_one_adapter_per_step_and_outputs_do_not_change(
