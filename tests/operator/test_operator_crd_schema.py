@@ -209,7 +209,8 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
     {"runtime__loraAdapters": [{"name": "sql", "path": "hf://org/sql-lora"},
                                {"name": "sql:v2", "path": "hf://org/sql-lora@v2.0"},
                                {"name": "chat", "path": "/adapters/chat"},
-                               {"name": "s3", "path": "s3://my-adapters/sql/v3"}]},
+                               {"name": "s3", "path": "s3://my-adapters/sql/v3"},
+                               {"name": "gcs", "path": "s3://team_adapters/sql"}]},
 ])
 def test_valid_edge_cases_are_accepted(changes: dict[str, Any]) -> None:
     _, errors = validate(with_spec(**changes))
