@@ -167,6 +167,8 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     _post_degraded_event(body, patch, base)
 
 
+_log = logging.getLogger("argosy.operator")
+
 # One reconcile at a time per LLMDeployment. A reapply (a child deleted) reads the owner, then
 # writes; without the lock a spec change that drops a child (the PDB, say) could be applied in
 # between, and the reapply's older spec would bring the dropped child back for good. Weak
@@ -211,7 +213,19 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
             llmd = await _live_owner(client, namespace, owner)
             if llmd is None:
                 return
-            result = await reconcile(client, llmd)
+            try:
+                result = await reconcile(client, llmd)
+            except ChildConflictError as exc:
+                # Someone put their own object where the deleted child was: say so on the
+                # owner, as a create or update would (an event handler is not retried).
+                generation = (llmd.get("metadata") or {}).get("generation")
+                await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
+                return
+            except ApiError as exc:
+                kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
+                _log.warning("re-creating a deleted child of %s/%s failed: %s", namespace,
+                             owner, exc)
+                return
         for action in result.actions:
             kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                        message=action)

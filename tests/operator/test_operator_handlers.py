@@ -474,6 +474,39 @@ async def test_reapply_waits_for_a_spec_change_in_flight(kube: Any, api: Api,
     assert [r.method for r in writes(kube, f"{PDB_PATH}/chat")] == ["DELETE"]
 
 
+async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Service deleted by hand and someone else's Service created under its name: the
+    reapply leaves the foreign object alone and reports Degraded=ChildConflict on the owner
+    (an event handler is not retried, so an exception would only reach the log)."""
+    import kopf
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    try:
+        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
+                                               logger=logging.getLogger("test"))
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        foreign = {"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
+                   "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
+        await api.call("POST", SVC_PATH, foreign, "application/json")
+        await handlers._refresh_owner(NS, "chat", reapply=True)
+    finally:
+        await client.close()
+    degraded = _cond(await _status(api), "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
+    assert "Service chat exists and is not managed by argosy-operator" in degraded["message"]
+    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["ChildConflict"]
+    svc = await api.get_or_none(f"{SVC_PATH}/chat")
+    assert svc["spec"]["selector"] == {"app": "web"} and "ownerReferences" not in svc["metadata"]
+
+
 async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api: Api,
                                                                  run_operator: Any) -> None:
     """An object admitted under a stale CRD (no CEL rules): Degraded/InvalidSpec, no children."""
