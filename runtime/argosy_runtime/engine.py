@@ -25,6 +25,7 @@ from argosy_runtime.detokenizer import IncrementalDetokenizer
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
+from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -161,31 +162,53 @@ class LLMEngine:
         modules = self.args.lora_modules or {}
         if not isinstance(modules, dict):
             raise ValueError("lora_modules must map adapter names to PEFT adapter folders")
-        self.lora_adapters: dict[str, LoRAAdapter] = {}
+        # name -> path of every adapter served, and the ones in memory now (all of them
+        # unless max_loaded_loras caps them: then loaded on first use, least recently used
+        # evicted; lora/registry.py).
+        self.lora_registry = LoRARegistry(self._read_lora_adapter, self.args.max_loaded_loras)
+        # False: add_request never reads adapter weights on its thread (the AsyncEngine sets
+        # it and loads adapters on short-lived threads before it posts their requests).
+        self.lora_loads_inline = True
+        # Requests whose adapter waits for a free slot (max_loaded_loras, all held):
+        # (adapter name, the request's sequences), admitted in order by step().
+        self._lora_waiting: list[tuple[str, list[Request]]] = []
         for name, path in modules.items():
             self.load_lora_adapter(name, path)
 
-    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapter]:
+        """The adapters in memory now, by name (every served one without max_loaded_loras)."""
+        return self.lora_registry.loaded
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """Every adapter served, loaded or not: name -> path."""
+        return self.lora_registry.paths
+
+    def _read_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        adapter = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
+        logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
+                    len(adapter.layers), path)
+        return adapter
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter | None:
         """Serve the PEFT adapter folder `path` as `name` (replacing one of that name).
 
+        Without max_loaded_loras the weights are loaded now and the adapter returned; with
+        it, only what needs no weights is checked (lora/registry.py `check_registrable`),
+        the first request naming it loads it, and None is returned.
         Callable from any thread while the engine runs: the name -> adapter map is replaced,
         never mutated, so a step sees the old map or the new one; requests already admitted
         keep the adapter object they started with. ValueError names what is wrong."""
         if not isinstance(name, str) or not name or name == self.served_model_name:
             raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
                              "the base model's own name)")
-        adapter = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
-        self.lora_adapters = {**self.lora_adapters, name: adapter}
-        logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
-                    len(adapter.layers), path)
-        return adapter
+        return self.lora_registry.register(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving adapter `name` (KeyError if it is not served). Requests already
         admitted on it finish on it; new ones get the unknown-adapter error."""
-        if name not in self.lora_adapters:
-            raise KeyError(name)
-        self.lora_adapters = {k: v for k, v in self.lora_adapters.items() if k != name}
+        self.lora_registry.unregister(name)
         logger.info("LoRA adapter %s unloaded", name)
 
     def _build_proposer(self) -> Any:
@@ -208,12 +231,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        adapter = None
-        if lora_name is not None:
-            adapter = self.lora_adapters.get(lora_name)
-            if adapter is None:
-                raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
-                                 f"{sorted(self.lora_adapters) or 'none'}")
+        if lora_name is not None and lora_name not in self.lora_paths:
+            raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
+                             f"{sorted(self.lora_paths) or 'none'}")
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -258,26 +278,72 @@ class LLMEngine:
                                                        params.skip_special_tokens)
             if grammars is not None:
                 child.grammar = grammars[i]
-            child.lora = adapter
             children.append(child)
+        if lora_name is not None and not self._hold_lora(lora_name, children):
+            self._lora_waiting.append((lora_name, children))  # all loaded adapters held
+        else:
+            for child in children:
+                self.scheduler.add_request(child)
         self._groups[request_id] = children
-        for child in children:
-            self.scheduler.add_request(child)
         self.stats.prompt_tokens += len(prompt_ids)
+
+    def _hold_lora(self, name: str, children: list[Request]) -> bool:
+        """Give `children` the adapter `name`, held until each finishes (loading it here,
+        unless lora_loads_inline is off); False when every loaded adapter is held."""
+        adapter = self.lora_registry.acquire(name, len(children), wait=False,
+                                             load=self.lora_loads_inline)
+        if adapter is None:
+            if not self.lora_loads_inline:  # evicted or replaced since the caller held it
+                raise ValueError(f"lora_name: LoRA adapter {name!r} is not loaded; retry")
+            return False
+        for child in children:
+            child.lora = adapter
+        return True
+
+    def _admit_lora_waiting(self) -> None:
+        """Admit, oldest first, the waiting requests whose adapter can be held now (loading
+        it). One whose adapter is gone or fails to load is dropped and its error raised."""
+        still, error = [], None
+        for name, children in self._lora_waiting:
+            try:
+                held = error is None and self._hold_lora(name, children)
+            except ValueError as exc:  # unregistered meanwhile, or its load failed
+                for child in children:
+                    child.status = RequestStatus.FINISHED_ABORTED
+                self._groups.pop(children[0].parent_id, None)
+                error = exc
+                continue
+            if held:
+                for child in children:
+                    self.scheduler.add_request(child)
+            else:
+                still.append((name, children))
+        self._lora_waiting = still
+        if error is not None:
+            raise error
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(req, status)
+        if req.lora is not None:
+            self.lora_registry.release(req.lora.name)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now; their KV blocks return to the pool. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            for child in self._groups.pop(rid, []):
+            children = self._groups.pop(rid, [])
+            self._lora_waiting = [w for w in self._lora_waiting if w[1] is not children]
+            for child in children:
                 if not child.is_finished:
-                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                    self._finish(child, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._lora_waiting) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; return every request that produced output."""
+        if self._lora_waiting:
+            self._admit_lora_waiting()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -365,7 +431,7 @@ class LLMEngine:
             if status is not None:
                 if not isinstance(req.stop_reason, str):  # (a stop string already cut the text)
                     req.text += req.detokenizer.flush()  # a trailing partial character
-                self.scheduler.finish_request(req, status)
+                self._finish(req, status)
                 req.metrics.finished_time = now
                 return
 

@@ -15,8 +15,8 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _opt(help: str, **kw: Any) -> Any:
-    return field(metadata={"help": help}, **kw)
+def _opt(help: str, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
+    return field(metadata={"help": help, "aliases": aliases}, **kw)
 
 
 @dataclass
@@ -101,6 +101,16 @@ class EngineArgs:
         "preempted for it. At least 1; unset (None): no cap.",
         default=None,
     )
+    max_loaded_loras: int | None = _opt(
+        "Most LoRA adapters held in memory at once (vLLM's --max-cpu-loras, also accepted). "
+        "Unset (None): every adapter is loaded when it is registered. Set: registering an "
+        "adapter (--lora-modules, the modules file, /v1/load_lora_adapter) checks its config "
+        "without reading weights, the first request naming it loads it, and loading one more "
+        "evicts the least recently used adapter no request uses (when all are in use, the "
+        "request waits). At least 1, and at least --max-loras. See docs/lora.md.",
+        aliases=("--max-cpu-loras",),
+        default=None,
+    )
     seed: int = _opt("Seed for requests that give none.", default=0)
     cpu_threads: int | None = _opt(
         "Threads for CPU math (default: the CPUs this process may use: the smallest of the "
@@ -113,6 +123,7 @@ class EngineArgs:
         # Checked here too (not only in SchedulerConfig) so a bad flag fails before the model
         # loads.
         check_max_loras(self.max_loras)
+        check_max_loaded_loras(self.max_loaded_loras, self.max_loras)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,16 +140,16 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add one `--flag` per field (booleans get --x / --no-x)."""
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                    *flags, dest=f.name, action=argparse.BooleanOptionalAction,
                     default=f.default, help=help_text,
                 )
                 continue
             parser.add_argument(
-                flag, dest=f.name, type=_cli_type(f.name, str(f.type)),
+                *flags, dest=f.name, type=_cli_type(f.name, str(f.type)),
                 default=f.default, help=help_text + " (default: %(default)s)",
             )
 
@@ -154,6 +165,19 @@ def check_max_loras(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"max_loras (--max-loras) must be an integer >= 1, or unset for no "
                          f"cap; got {value!r}")
+
+
+def check_max_loaded_loras(value: object, max_loras: int | None = None) -> None:
+    """ValueError unless `value` is None (no cap) or an int >= 1 and >= `max_loras`: a step
+    runs up to max_loras adapters, each of which must be loaded."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("max_loaded_loras (--max-loaded-loras, --max-cpu-loras) must be an "
+                         f"integer >= 1, or unset to load every adapter; got {value!r}")
+    if max_loras is not None and max_loras > value:
+        raise ValueError(f"max_loras (--max-loras, {max_loras}) must be <= max_loaded_loras "
+                         f"(--max-loaded-loras, {value}): a step runs only loaded adapters")
 
 
 def _cli_type(name: str, type_str: str) -> Any:

@@ -65,7 +65,7 @@ class LoRAModulesFile:
         changed = False
         for name in [n for n in self.applied if n not in wanted]:
             del self.applied[name]
-            if name in engine.lora_adapters:
+            if name in engine.lora_paths:  # registered (loaded or not)
                 engine.unload_lora_adapter(name)
                 changed = True
         for name, folder in wanted.items():
