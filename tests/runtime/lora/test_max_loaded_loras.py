@@ -160,8 +160,8 @@ def test_unregistering_and_reregistering() -> None:
 # ---- the engine, with tiny real adapters -------------------------------------------------------
 
 
-def test_engine_loads_on_first_use_evicts_and_outputs_equal_eager(model_dir, adapters,
-                                                                  references) -> None:
+def test_engine_loads_on_first_use_evicts_and_outputs_equal_eager(model_dir, adapters,  # noqa: F811
+                                                                  references) -> None:  # noqa: F811
     engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4, max_loaded_loras=1,
                        lora_modules={k: str(v) for k, v in adapters.items()})
     reg = engine.lora_registry
@@ -181,8 +181,8 @@ def test_engine_loads_on_first_use_evicts_and_outputs_equal_eager(model_dir, ada
     assert_no_leaks(engine)
 
 
-def test_engine_request_waits_while_every_loaded_adapter_is_in_use(model_dir, adapters,
-                                                                   references) -> None:
+def test_engine_request_waits_while_every_loaded_adapter_is_in_use(model_dir, adapters,  # noqa: F811
+                                                                   references) -> None:  # noqa: F811
     """max_loaded_loras=1: requests on the second adapter wait (not fail) until the first
     adapter's requests finish; never two adapters in memory."""
     engine = LLMEngine(model=str(model_dir), dtype="float32", max_loaded_loras=1,
@@ -205,8 +205,8 @@ def test_engine_request_waits_while_every_loaded_adapter_is_in_use(model_dir, ad
     assert_no_leaks(engine)
 
 
-def test_engine_abort_of_a_waiting_request_frees_nothing_it_did_not_hold(model_dir,
-                                                                          adapters) -> None:
+def test_engine_abort_of_a_waiting_request_frees_nothing_it_did_not_hold(model_dir,  # noqa: F811
+                                                                          adapters) -> None:  # noqa: F811
     engine = LLMEngine(model=str(model_dir), dtype="float32", max_loaded_loras=1,
                        lora_modules={k: str(v) for k, v in adapters.items()})
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -219,8 +219,8 @@ def test_engine_abort_of_a_waiting_request_frees_nothing_it_did_not_hold(model_d
     assert_no_leaks(engine)
 
 
-def test_engine_adapter_that_fails_to_load_errors_and_is_retried(model_dir, adapters,
-                                                                 references, tmp_path) -> None:
+def test_engine_adapter_that_fails_to_load_errors_and_is_retried(model_dir, adapters,  # noqa: F811
+                                                                 references, tmp_path) -> None:  # noqa: F811
     folder = tmp_path / "bad"
     shutil.copytree(adapters["all"], folder)
     _reshape_a(folder)  # fine config (registers), weights that do not fit the model
@@ -237,7 +237,7 @@ def test_engine_adapter_that_fails_to_load_errors_and_is_retried(model_dir, adap
     assert_no_leaks(engine)
 
 
-def test_registration_checks_what_it_can_without_weights(model_dir, adapters,
+def test_registration_checks_what_it_can_without_weights(model_dir, adapters,  # noqa: F811
                                                          tmp_path) -> None:
     engine = LLMEngine(model=str(model_dir), dtype="float32", max_loaded_loras=2)
     dora = tmp_path / "dora"
