@@ -138,6 +138,8 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the worker thread; call from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
+        if self._lazy_loras():  # adapters load on short-lived threads (_hold_lora), never here
+            self.engine.lora_loads_inline = False
         self._stats = dataclasses.replace(self.engine.get_stats())
         self._thread = threading.Thread(target=self._run, name="argosy-engine", daemon=True)
         self._thread.start()
@@ -194,18 +196,28 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        ahead = self.num_waiting_ahead_of(priority)
-        if self.max_waiting and ahead >= self.max_waiting:
-            raise QueueFullError(f"{ahead} requests are already waiting")
-        if request_id in self._streams:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        arrival = time.monotonic()
+        # With max_loaded_loras, hold the adapter (loading it, or waiting for a free slot,
+        # off the event loop and the engine thread) until the engine has taken the request.
+        held = lora_name if lora_name is not None and self._lazy_loras() else None
+        if held is not None:
+            await self._hold_lora(held)
+        try:
+            ahead = self.num_waiting_ahead_of(priority)
+            if self.max_waiting and ahead >= self.max_waiting:
+                raise QueueFullError(f"{ahead} requests are already waiting")
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+        except BaseException:
+            if held is not None:
+                self.engine.lora_registry.release(held)
+            raise
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        arrival = time.monotonic()
         with self._cond:
             self._pending_adds[priority] += 1
             self._commands.append(("add", (request_id, prompt, params, arrival, priority,
-                                           lora_name)))
+                                           lora_name, held)))
             self._cond.notify()
         try:
             await asyncio.shield(stream.added)
@@ -216,6 +228,44 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    def _lazy_loras(self) -> bool:
+        registry = getattr(self.engine, "lora_registry", None)
+        return registry is not None and registry.is_lazy
+
+    async def _hold_lora(self, name: str) -> None:
+        """Hold adapter `name` once (registry.acquire): at once when it is loaded, else on a
+        new short-lived thread (a thread running torch ops keeps an OpenMP pool as long as it
+        lives; see server/lora_admin.py), which loads it or waits for a slot. ValueError: not
+        registered, or its load failed. A caller cancelled meanwhile leaves nothing held."""
+        registry = self.engine.lora_registry
+        if registry.acquire(name, wait=False, load=False) is not None:
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if future.cancelled():  # the request went away while it waited
+                if error is None:
+                    registry.release(name)
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+
+        def target() -> None:
+            error: BaseException | None = None
+            try:
+                registry.acquire(name)
+            except BaseException as exc:  # re-raised in the awaiting coroutine
+                error = exc
+            try:
+                loop.call_soon_threadsafe(settle, error)
+            except RuntimeError:  # the loop closed (shutdown): nobody waits any more
+                pass
+
+        threading.Thread(target=target, name="argosy-lora", daemon=True).start()
+        await future
 
     def abort(self, request_id: str) -> None:
         """Abort a request (frees its KV blocks before the next step)."""
@@ -259,7 +309,7 @@ class AsyncEngine:
         applied: collections.Counter[int] = collections.Counter()
         for kind, payload in commands:
             if kind == "add":
-                request_id, prompt, params, arrival, priority, lora_name = payload
+                request_id, prompt, params, arrival, priority, lora_name, held = payload
                 applied[priority] += 1
                 try:
                     self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
@@ -268,6 +318,9 @@ class AsyncEngine:
                     results.append((request_id, None))
                 except Exception as exc:  # ValueError: bad request; anything else: engine bug
                     results.append((request_id, exc))
+                finally:
+                    if held is not None:  # the request holds the adapter itself now
+                        self.engine.lora_registry.release(held)
             else:
                 if self._trackers.pop(payload, None) is not None:
                     self.engine.abort_request(payload)

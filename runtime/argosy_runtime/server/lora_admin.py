@@ -63,6 +63,11 @@ class LoRAAdmin:
         self._lock = asyncio.Lock()
 
     def names(self) -> tuple[str, ...]:
+        """Every adapter served (listed in /v1/models), loaded in memory or not."""
+        return tuple(getattr(self.engine, "lora_paths", None) or ())
+
+    def loaded_names(self) -> tuple[str, ...]:
+        """The adapters in memory now (all of them without --max-loaded-loras)."""
         return tuple(getattr(self.engine, "lora_adapters", None) or ())
 
     def _check_allowed(self) -> None:

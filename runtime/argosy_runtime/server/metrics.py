@@ -35,12 +35,14 @@ class _EngineStatsCollector(Collector):
 
     def __init__(self, model_name: str, get_stats: Callable[[], EngineStats],
                  get_waiting: Callable[[], int], cache_info: dict[str, str],
-                 get_adapters: Callable[[], Iterable[str]]) -> None:
+                 get_adapters: Callable[[], Iterable[str]],
+                 get_registered: Callable[[], Iterable[str]]) -> None:
         self.model_name = model_name
         self.get_stats = get_stats
         self.get_waiting = get_waiting
         self.cache_info = cache_info
         self.get_adapters = get_adapters
+        self.get_registered = get_registered
 
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
@@ -79,14 +81,22 @@ class _EngineStatsCollector(Collector):
                                  labels=sorted(self.cache_info))
         info.add_metric([self.cache_info[k] for k in sorted(self.cache_info)], 1.0)
         yield info
-        # One series per LoRA adapter served now: the gateway routes an adapter's requests
-        # to the replicas that list it (adapters can come and go while a replica runs).
+        # One series per LoRA adapter in memory now, and one per adapter served (loaded on
+        # first use with --max-loaded-loras): the gateway routes an adapter's requests to the
+        # replicas that list it registered (adapters can come and go while a replica runs).
         adapters = GaugeMetricFamily("argosy:lora_adapter_loaded",
-                                     "1 for each LoRA adapter this server serves now.",
+                                     "1 for each LoRA adapter this server holds in memory now.",
                                      labels=["model_name", "lora_name"])
         for name in sorted(self.get_adapters()):
             adapters.add_metric([self.model_name, name], 1.0)
         yield adapters
+        registered = GaugeMetricFamily(
+            "argosy:lora_adapter_registered", "1 for each LoRA adapter this server serves, "
+            "loaded or loaded by its first request (--max-loaded-loras).",
+            labels=["model_name", "lora_name"])
+        for name in sorted(self.get_registered()):
+            registered.add_metric([self.model_name, name], 1.0)
+        yield registered
 
 
 # The `path` label of argosy:http_requests: route templates, so ids never become series.
@@ -139,9 +149,13 @@ class ServerMetrics:
 
     def attach_engine(self, get_stats: Callable[[], EngineStats],
                       get_waiting: Callable[[], int], cache_info: dict[str, str],
-                      get_adapters: Callable[[], Iterable[str]] = tuple) -> None:
+                      get_adapters: Callable[[], Iterable[str]] = tuple,
+                      get_registered: Callable[[], Iterable[str]] | None = None) -> None:
+        """`get_adapters`: the LoRA adapters in memory; `get_registered`: every adapter
+        served (default: the same, as without --max-loaded-loras)."""
         self.registry.register(_EngineStatsCollector(self.model_name, get_stats, get_waiting,
-                                                     cache_info, get_adapters))
+                                                     cache_info, get_adapters,
+                                                     get_registered or get_adapters))
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
     def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:
