@@ -35,15 +35,19 @@ SCRAPED = {
 
 
 ADAPTERS = "argosy:lora_adapter_loaded"
+# Adapters a replica serves, loaded or loaded by their first request (--max-loaded-loras);
+# older replicas export only ADAPTERS, where every adapter served is loaded.
+REGISTERED_ADAPTERS = "argosy:lora_adapter_registered"
 
 
 def parse_replica_metrics(text: str) -> dict[str, Any]:
     """The load fields found in a Prometheus text page (summed over label sets), and
-    `adapters`: the LoRA adapters it lists, when it has the adapter family at all."""
+    `adapters`: the LoRA adapters it serves (listed loaded or registered), when it has an
+    adapter family at all."""
     found: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == ADAPTERS:
-            found["adapters"] = frozenset(
+        if family.name in (ADAPTERS, REGISTERED_ADAPTERS):
+            found["adapters"] = found.get("adapters", frozenset()) | frozenset(
                 s.labels["lora_name"] for s in family.samples
                 if s.value > 0 and "lora_name" in s.labels
             )

@@ -35,6 +35,9 @@ class FakeReplica:
 
     model: str = "tiny"
     adapters: list[str] = field(default_factory=list)  # LoRA adapter names on `model`
+    # Served but not loaded (a runtime with --max-loaded-loras): listed in /v1/models and
+    # argosy:lora_adapter_registered only.
+    registered_adapters: list[str] = field(default_factory=list)
     name: str = "r"
     # Gauges served on /metrics.
     kv_cache_usage: float = 0.0
@@ -104,7 +107,8 @@ class FakeReplica:
 
     async def _models(self, request: web.Request) -> web.Response:
         base = {"id": self.model, "object": "model", "owned_by": "argosy"}
-        adapters = [{**base, "id": name, "parent": self.model} for name in self.adapters]
+        adapters = [{**base, "id": name, "parent": self.model}
+                    for name in (*self.adapters, *self.registered_adapters)]
         return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def _ready(self, request: web.Request) -> web.Response:
@@ -127,6 +131,12 @@ class FakeReplica:
             "# TYPE argosy:lora_adapter_loaded gauge\n"
             + "".join(f'argosy:lora_adapter_loaded{{model_name="{self.model}",lora_name="{a}"}} 1\n'
                       for a in self.adapters)
+            + ("# TYPE argosy:lora_adapter_registered gauge\n" if self.registered_adapters
+               else "")
+            + "".join(f'argosy:lora_adapter_registered{{model_name="{self.model}",'
+                      f'lora_name="{a}"}} 1\n'
+                      for a in (*self.adapters, *self.registered_adapters)
+                      if self.registered_adapters)
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -140,7 +150,7 @@ class FakeReplica:
         unknown = sorted(set(body) - KNOWN_FIELDS)
         if unknown:
             return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
-        if body.get("model") not in (self.model, *self.adapters):
+        if body.get("model") not in (self.model, *self.adapters, *self.registered_adapters):
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
         temperature = body.get("temperature", 1.0)
         if not isinstance(temperature, int | float) or temperature < 0:

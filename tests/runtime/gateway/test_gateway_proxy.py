@@ -378,3 +378,19 @@ async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
         await gw.health.probe_all()
         async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
             assert r.status == 404
+
+
+async def test_adapters_registered_but_not_loaded_are_routable(fake_replicas, gateway) -> None:
+    """A replica with --max-loaded-loras lists an adapter it has not loaded yet in
+    `argosy:lora_adapter_registered` only (`argosy:lora_adapter_loaded` stays truthful): it
+    loads it on the first request, so the gateway sends it the adapter's requests."""
+    lazy, lacks = await fake_replicas(2, model="tiny")
+    lazy.registered_adapters = ["sql"]
+    gw, url = await gateway(config(("tiny", [lazy.url, lacks.url]), policy="round-robin"))
+    await gw.health.probe_all()
+    assert gw.pools["tiny"].get(lazy.url).adapters == {"sql"}
+    assert gw.pools["tiny"].get(lacks.url).adapters == frozenset()
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
+                assert r.status == 200 and r.headers["x-argosy-backend"] == lazy.url

@@ -22,7 +22,8 @@ class Replica:
     batch_pending: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
-    # LoRA adapters the replica serves now (`argosy:lora_adapter_loaded`); None when its
+    # LoRA adapters the replica serves now, loaded or loaded on first use
+    # (`argosy:lora_adapter_loaded` and `argosy:lora_adapter_registered`); None when its
     # metrics do not say (not scraped yet, or a server that does not export them).
     adapters: frozenset[str] | None = None
     # Whether the last /metrics scrape succeeded (the gauges above are stale when not).
