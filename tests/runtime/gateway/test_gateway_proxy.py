@@ -7,6 +7,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 from argosy_runtime.gateway.config import (
     CascadeConfig,
     GatewayConfig,
@@ -353,13 +354,16 @@ async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, 
             assert resp.status == 404
 
 
+@pytest.mark.parametrize("listed_as", ["adapters", "registered_adapters"])
 async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
-        fake_replicas, gateway) -> None:
+        fake_replicas, gateway, listed_as: str) -> None:
     """Adapters come and go while replicas run (--lora-modules-file, /v1/load_lora_adapter):
     the gateway reads each replica's `argosy:lora_adapter_loaded` and skips replicas without
-    the adapter, so none answers 404 while others have it."""
+    the adapter, so none answers 404 while others have it. A replica with --max-loaded-loras
+    lists an adapter it has not loaded yet only in `argosy:lora_adapter_registered` (it loads
+    it on the first request), so that family counts too."""
     has, lacks = await fake_replicas(2, model="tiny")
-    has.adapters = ["sql"]
+    setattr(has, listed_as, ["sql"])
     gw, url = await gateway(config(("tiny", [has.url, lacks.url]), policy="round-robin"))
     await gw.health.probe_all()
     assert gw.pools["tiny"].get(has.url).adapters == {"sql"}
@@ -374,23 +378,7 @@ async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
                 backends.add(r.headers["x-argosy-backend"])
         assert backends == {has.url, lacks.url}
         # Unloaded everywhere: a replica says the model does not exist, as the server would.
-        has.adapters = []
+        setattr(has, listed_as, [])
         await gw.health.probe_all()
         async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
             assert r.status == 404
-
-
-async def test_adapters_registered_but_not_loaded_are_routable(fake_replicas, gateway) -> None:
-    """A replica with --max-loaded-loras lists an adapter it has not loaded yet in
-    `argosy:lora_adapter_registered` only (`argosy:lora_adapter_loaded` stays truthful): it
-    loads it on the first request, so the gateway sends it the adapter's requests."""
-    lazy, lacks = await fake_replicas(2, model="tiny")
-    lazy.registered_adapters = ["sql"]
-    gw, url = await gateway(config(("tiny", [lazy.url, lacks.url]), policy="round-robin"))
-    await gw.health.probe_all()
-    assert gw.pools["tiny"].get(lazy.url).adapters == {"sql"}
-    assert gw.pools["tiny"].get(lacks.url).adapters == frozenset()
-    async with aiohttp.ClientSession() as s:
-        for _ in range(4):
-            async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
-                assert r.status == 200 and r.headers["x-argosy-backend"] == lazy.url
