@@ -12,12 +12,15 @@ half-downloaded adapter is never loaded. `HF_TOKEN` authenticates (private repos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 SCHEME = "hf://"
@@ -43,6 +46,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("ARGOSY_LORA_CACHE", cache_home / "argosy" / "lora"))
 
 
+def write_atomic(target: Path, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` to a unique temporary file beside `target`, then rename it over: a
+    reader never sees a half file, and concurrent writers never mix their bytes (hf:// and
+    s3:// downloads)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def download_adapter(path: str, timeout: float = 60.0) -> Path:
     """The local folder holding the adapter `path` names (downloaded as the module says)."""
     repo, revision = parse_hub_path(path)
@@ -58,16 +77,13 @@ def download_adapter(path: str, timeout: float = 60.0) -> Path:
     quoted = urllib.parse.quote(revision, safe="")
     for name in FILES:
         url = f"{endpoint}/{repo}/resolve/{quoted}/{name}"
-        partial = folder / f".{name}.partial"
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                        timeout=timeout) as resp, open(partial, "wb") as out:
-                while chunk := resp.read(1 << 20):
-                    out.write(chunk)
+                                        timeout=timeout) as resp:
+                write_atomic(folder / name, iter(lambda: resp.read(1 << 20), b""))
         except urllib.error.HTTPError as exc:
             hint = " (private? set HF_TOKEN)" if exc.code in (401, 403) else ""
             raise ValueError(f"{path}: cannot download {name}: HTTP {exc.code}{hint}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise ValueError(f"{path}: cannot download {name}: {exc}") from exc
-        partial.replace(folder / name)
     return folder

@@ -28,14 +28,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from argosy_runtime.lora.hub import FILES, cache_root
+from argosy_runtime.lora.hub import FILES, cache_root, write_atomic
 
 SCHEME = "s3://"
 _BUCKET = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # lenient: GCS and R2 accept more than S3
@@ -83,20 +81,6 @@ def _locked(folder: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _write_atomic(target: Path, chunks: Iterator[bytes]) -> None:
-    """Write `chunks` to a unique temporary file beside `target`, then rename it over."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                out.write(chunk)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _describe(path: str, bucket: str, key: str, exc: Exception) -> str:
@@ -149,7 +133,7 @@ def download_adapter(path: str) -> Path:
                 request["IfNoneMatch"] = etag_file.read_text().strip()
             try:
                 response = client.get_object(**request)
-                _write_atomic(target, response["Body"].iter_chunks(1 << 20))
+                write_atomic(target, response["Body"].iter_chunks(1 << 20))
             except botocore.exceptions.ClientError as exc:
                 meta = exc.response.get("ResponseMetadata", {})
                 if meta.get("HTTPStatusCode") == 304:  # unchanged since the cached copy
@@ -158,5 +142,5 @@ def download_adapter(path: str) -> Path:
             except (botocore.exceptions.BotoCoreError, OSError) as exc:
                 raise ValueError(_describe(path, bucket, key, exc)) from exc
             # After the file: an ETag never vouches for content that is not on disk.
-            _write_atomic(etag_file, iter([response["ETag"].encode()]))
+            write_atomic(etag_file, iter([response["ETag"].encode()]))
     return folder
