@@ -184,7 +184,8 @@ def _reconcile_lock(namespace: str | None, name: str | None) -> asyncio.Lock:
     return lock
 
 
-async def _live_owner(client: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
+async def _live_owner(client: KubeClient, namespace: str | None, name: str | None
+                      ) -> dict[str, Any] | None:
     """The LLMDeployment as it is now; None when it is gone or being deleted (its children go
     with it)."""
     llmd = await client.get(LLMDEPLOYMENTS, namespace, name)
@@ -195,10 +196,8 @@ async def _live_owner(client: KubeClient, namespace: str, name: str) -> dict[str
 
 async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
     """Whether this very object (same uid) is still there and not being deleted."""
-    live = await client.get(LLMDEPLOYMENTS, meta.get("namespace"), meta.get("name"))
-    live_meta = (live or {}).get("metadata") or {}
-    return (live is not None and live_meta.get("uid") == meta.get("uid")
-            and not live_meta.get("deletionTimestamp"))
+    live = await _live_owner(client, meta.get("namespace"), meta.get("name"))
+    return live is not None and (live.get("metadata") or {}).get("uid") == meta.get("uid")
 
 
 async def _refresh_owner(namespace: str | None, owner: str | None, *,
