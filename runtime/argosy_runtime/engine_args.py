@@ -158,11 +158,15 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def _is_cap(value: object) -> bool:
+    """None (no cap) or an int >= 1 (bool excluded)."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 1)
+
+
 def check_max_loras(value: object) -> None:
     """ValueError unless `value` is None (no cap) or an int >= 1."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_cap(value):
         raise ValueError(f"max_loras (--max-loras) must be an integer >= 1, or unset for no "
                          f"cap; got {value!r}")
 
@@ -170,12 +174,10 @@ def check_max_loras(value: object) -> None:
 def check_max_loaded_loras(value: object, max_loras: int | None = None) -> None:
     """ValueError unless `value` is None (no cap) or an int >= 1 and >= `max_loras`: a step
     runs up to max_loras adapters, each of which must be loaded."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_cap(value):
         raise ValueError("max_loaded_loras (--max-loaded-loras, --max-cpu-loras) must be an "
                          f"integer >= 1, or unset to load every adapter; got {value!r}")
-    if max_loras is not None and max_loras > value:
+    if value is not None and max_loras is not None and max_loras > value:
         raise ValueError(f"max_loras (--max-loras, {max_loras}) must be <= max_loaded_loras "
                          f"(--max-loaded-loras, {value}): a step runs only loaded adapters")
 

@@ -84,19 +84,17 @@ class _EngineStatsCollector(Collector):
         # One series per LoRA adapter in memory now, and one per adapter served (loaded on
         # first use with --max-loaded-loras): the gateway routes an adapter's requests to the
         # replicas that list it registered (adapters can come and go while a replica runs).
-        adapters = GaugeMetricFamily("argosy:lora_adapter_loaded",
-                                     "1 for each LoRA adapter this server holds in memory now.",
-                                     labels=["model_name", "lora_name"])
-        for name in sorted(self.get_adapters()):
-            adapters.add_metric([self.model_name, name], 1.0)
-        yield adapters
-        registered = GaugeMetricFamily(
-            "argosy:lora_adapter_registered", "1 for each LoRA adapter this server serves, "
-            "loaded or loaded by its first request (--max-loaded-loras).",
-            labels=["model_name", "lora_name"])
-        for name in sorted(self.get_registered()):
-            registered.add_metric([self.model_name, name], 1.0)
-        yield registered
+        for family, help_text, names in (
+            ("argosy:lora_adapter_loaded",
+             "1 for each LoRA adapter this server holds in memory now.", self.get_adapters()),
+            ("argosy:lora_adapter_registered", "1 for each LoRA adapter this server serves, "
+             "loaded or loaded by its first request (--max-loaded-loras).",
+             self.get_registered()),
+        ):
+            gauge = GaugeMetricFamily(family, help_text, labels=["model_name", "lora_name"])
+            for name in sorted(names):
+                gauge.add_metric([self.model_name, name], 1.0)
+            yield gauge
 
 
 # The `path` label of argosy:http_requests: route templates, so ids never become series.
