@@ -15,11 +15,12 @@ For every `/v1/*` request it
    forwards client headers (headers.to_replica) forwards the replica key instead.
 
 A tenant's `priority` becomes its generation requests' scheduling priority
-(`apply_priority`). The relay charges each answer's tokens through `meter()`, and every answer to a tenant gets
-OpenAI's `x-ratelimit-*` headers as the limits stood when the request arrived. While the app
-runs, the tenants' `api_keys_file`s are re-read every few seconds (tenants/key_files.py). Without
-tenants nothing is installed: clients' headers pass through as before, and a
-`replica_api_key` is only sent on the gateway's own calls (`replica_headers`).
+(`apply_priority`). The relay charges each answer's tokens through `meter()`, and every
+answer to a tenant gets OpenAI's `x-ratelimit-*` headers as the limits stood when the request
+arrived. While the app runs, the tenants' `api_keys_file`s are re-read every few seconds
+(tenants/key_files.py). Without tenants nothing is installed: clients' headers pass through
+as before, and a `replica_api_key` is only sent on the gateway's own calls
+(`replica_headers`).
 """
 
 from __future__ import annotations
