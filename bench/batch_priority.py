@@ -23,15 +23,13 @@ import argparse
 import asyncio
 import io
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from argosy_runtime.benchmarks.processes import start_process, stop_process
 from argosy_runtime.benchmarks.serve import (
     arrival_times,
     make_requests,
@@ -40,31 +38,6 @@ from argosy_runtime.benchmarks.serve import (
 )
 
 PHASES = ("alone", "bulk", "bulk-priority", "batch")
-
-
-def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(log.read_text()[-3000:])
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 async def live_load(base: str, model: str, args: argparse.Namespace, delay: float,
@@ -189,23 +162,23 @@ def main() -> int:
     cmd = [sys.executable, "-m", "argosy_runtime.cli.main", "serve", "--model", args.model,
            "--dtype", args.dtype, "--port", str(args.port),
            "--max-num-seqs", str(args.max_num_seqs)]
-    proc = start_server(cmd, args.port, logs / "argosy.log")
+    proc = start_process(cmd, logs / "argosy.log", f"http://127.0.0.1:{args.port}/v1/models")
     try:
         rows += asyncio.run(run_server("argosy", base, args.model, args,
                                        PHASES))
     finally:
-        stop_server(proc)
+        stop_process(proc)
     if args.vllm:
         cmd = [args.vllm, "serve", args.vllm_model, "--port", str(args.port), "--dtype",
                args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                "--served-model-name", args.model, "--gpu-memory-utilization", "0.25",
                "--scheduling-policy", "priority"]
-        proc = start_server(cmd, args.port, logs / "vllm.log")
+        proc = start_process(cmd, logs / "vllm.log", f"http://127.0.0.1:{args.port}/v1/models")
         try:
             rows += asyncio.run(run_server("vllm", base, args.model, args,
                                            PHASES[:3]))
         finally:
-            stop_server(proc)
+            stop_process(proc)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -44,8 +44,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +53,7 @@ from typing import Any
 
 import httpx
 import yaml
+from argosy_runtime.benchmarks.processes import start_process, stop_process
 from argosy_runtime.benchmarks.serve import (
     RequestResult,
     arrival_times,
@@ -185,36 +184,6 @@ class CpuMeter:
         ours = self._ours() - self.ours0
         other = cpu_busy_s() - self.busy0 - ours
         return {"ours_cores": ours / dt, "other_cores": max(0.0, other) / dt}
-
-
-# ------------------------------------------------------------------ processes
-def start_process(cmd: list[str], log: Path, ready_url: str,
-                  timeout: float = 600) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(ready_url, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_process(proc)
-    raise TimeoutError(log.read_text()[-3000:])
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 # ------------------------------------------------------------------ workload
