@@ -90,6 +90,12 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if len(set(adapter_names)) != len(adapter_names) or model["name"] in adapter_names:
         raise ValueError("spec.runtime.loraAdapters: names must be unique and differ from "
                          "model.name")
+    max_loras, max_loaded_loras = out["runtime"].get("maxLoras"), out["runtime"].get(
+        "maxLoadedLoras")
+    if max_loras is not None and max_loaded_loras is not None and max_loras > max_loaded_loras:
+        # The runtime refuses to start otherwise (engine_args.check_max_loaded_loras): a
+        # step runs only loaded adapters.
+        raise ValueError("spec.runtime.maxLoras: must be <= runtime.maxLoadedLoras")
     if out["runtime"].get("quantization") == "int4" and out["runtime"]["dtype"] == "float32":
         raise ValueError("spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
     autoscaling = out["autoscaling"]

@@ -111,6 +111,53 @@ def test_children_validate_against_the_crd_and_kubernetes_schemas(
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
 
 
+def _runtime_engine_args(args: list[str]) -> Any:
+    """`args` (after `argosy`) through the runtime's own parser and EngineArgs checks, as
+    the container's `argosy serve` reads them (the model is not loaded)."""
+    from argosy_runtime.cli.main import build_parser
+    from argosy_runtime.engine_args import EngineArgs
+
+    return EngineArgs.from_cli_args(build_parser().parse_args(args))
+
+
+def test_adapter_caps_become_serve_flags_the_runtime_accepts() -> None:
+    args = _pod(loraAdapters=[SQL], maxLoras=2, maxLoadedLoras=8)["containers"][0]["args"]
+    assert args[args.index("--max-loras") + 1] == "2"
+    assert args[args.index("--max-loaded-loras") + 1] == "8"
+    engine_args = _runtime_engine_args(args)
+    assert (engine_args.max_loras, engine_args.max_loaded_loras) == (2, 8)
+    assert engine_args.lora_modules_file == "/etc/argosy/lora/adapters.json"
+
+
+@pytest.mark.parametrize("caps,flags", [
+    ({"maxLoras": 3}, ["--max-loras", "3"]),
+    ({"maxLoadedLoras": 1}, ["--max-loaded-loras", "1"]),
+    ({}, []),
+], ids=["per-step only", "loaded only", "neither"])
+def test_each_cap_is_rendered_only_when_set(caps: dict[str, int], flags: list[str]) -> None:
+    args = _pod(loraAdapters=[SQL], **caps)["containers"][0]["args"]
+    assert [a for a in args if a in ("--max-loras", "--max-loaded-loras")] == flags[::2]
+    for flag, value in zip(flags[::2], flags[1::2]):
+        assert args[args.index(flag) + 1] == value
+    engine_args = _runtime_engine_args(args)
+    assert engine_args.max_loras == caps.get("maxLoras")
+    assert engine_args.max_loaded_loras == caps.get("maxLoadedLoras")
+
+
+def test_caps_the_runtime_would_refuse_are_refused_before_any_child() -> None:
+    """maxLoras > maxLoadedLoras: the CRD's CEL rule rejects it at apply; an object admitted
+    under an older CRD fails normalize_spec (Degraded=InvalidSpec) instead of rolling out
+    pods whose `argosy serve` exits at once."""
+    llmd, _ = _llmd(loraAdapters=[SQL])
+    llmd["spec"]["runtime"].update(maxLoras=4, maxLoadedLoras=2)
+    _, errors = validate(llmd)
+    assert any("runtime.maxLoras must be <= runtime.maxLoadedLoras" in e for e in errors), errors
+    with pytest.raises(ValueError, match=r"spec\.runtime\.maxLoras"):
+        normalize_spec(llmd["spec"])
+    with pytest.raises(ValueError, match="max_loras"):  # what the runtime would have said
+        _runtime_engine_args(["serve", "--max-loras", "4", "--max-loaded-loras", "2"])
+
+
 # --- the operator against the emulated API server --------------------------------------------
 
 def _body(**runtime: Any) -> dict[str, Any]:

@@ -59,6 +59,11 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
         # The file, not the list: the args (and so the pod template) must not change when
         # adapters do, or every change would roll every pod (builders/lora_configmap.py).
         args += ["--lora-modules-file", f"{LORA_MOUNT}/{LORA_FILE_KEY}"]
+    # Flags, not ConfigMap entries: the runtime reads them once, so changing one rolls the pods.
+    if runtime.get("maxLoras") is not None:
+        args += ["--max-loras", str(runtime["maxLoras"])]
+    if runtime.get("maxLoadedLoras") is not None:
+        args += ["--max-loaded-loras", str(runtime["maxLoadedLoras"])]
     if runtime.get("toolCallParser"):
         args += ["--tool-call-parser", runtime["toolCallParser"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
