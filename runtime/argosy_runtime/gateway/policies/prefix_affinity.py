@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import RoutingConfig
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
+from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
 
 
 def hash64(text: str) -> int:
@@ -118,12 +118,10 @@ class PrefixAffinityPolicy(Policy):
 
     def capacity(self, candidates: Sequence[Replica]) -> int:
         """Most in-flight requests one replica may hold, counting the one being placed."""
-        total = sum(c.in_flight for c in candidates) + 1
-        bound = math.ceil(self.routing.load_factor * total / len(candidates))
-        return max(self.routing.min_capacity, bound)
+        return capacity(candidates, self.routing)
 
     def _fits(self, replica: Replica, cap: int) -> bool:
-        return replica.in_flight < cap and replica.kv_cache_usage < self.routing.kv_high_watermark
+        return within_bound(replica, cap, self.routing)
 
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if not candidates:
