@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from argosy_runtime.gateway.backends.pool import ReplicaPool
@@ -34,23 +35,32 @@ SCRAPED = {
 }
 
 
-ADAPTERS = "argosy:lora_adapter_loaded"
+# Adapters a replica holds in memory now.
+LOADED_ADAPTERS = "argosy:lora_adapter_loaded"
 # Adapters a replica serves, loaded or loaded by their first request (--max-loaded-loras);
-# older replicas export only ADAPTERS, where every adapter served is loaded.
+# older replicas export only LOADED_ADAPTERS, where every adapter served is loaded.
 REGISTERED_ADAPTERS = "argosy:lora_adapter_registered"
 
 
+def _adapter_names(family: Metric) -> frozenset[str]:
+    return frozenset(
+        s.labels["lora_name"] for s in family.samples if s.value > 0 and "lora_name" in s.labels
+    )
+
+
 def parse_replica_metrics(text: str) -> dict[str, Any]:
-    """The load fields found in a Prometheus text page (summed over label sets), and
-    `adapters`: the LoRA adapters it serves (listed loaded or registered), when it has an
-    adapter family at all."""
+    """The load fields found in a Prometheus text page (summed over label sets), and, when it
+    has an adapter family at all, `adapters`: the LoRA adapters it serves (listed loaded or
+    registered) and `loaded_adapters`: those listed loaded."""
     found: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in (ADAPTERS, REGISTERED_ADAPTERS):
-            found["adapters"] = found.get("adapters", frozenset()) | frozenset(
-                s.labels["lora_name"] for s in family.samples
-                if s.value > 0 and "lora_name" in s.labels
-            )
+        if family.name in (LOADED_ADAPTERS, REGISTERED_ADAPTERS):
+            names = _adapter_names(family)
+            found["adapters"] = found.get("adapters", frozenset()) | names
+            if family.name == LOADED_ADAPTERS:
+                found["loaded_adapters"] = names
+            else:
+                found.setdefault("loaded_adapters", frozenset())
             continue
         for sample in family.samples:
             field = SCRAPED.get(sample.name)

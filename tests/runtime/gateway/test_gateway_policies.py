@@ -6,6 +6,7 @@ import math
 import random
 from collections import Counter
 
+import pytest
 from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import RoutingConfig
 from argosy_runtime.gateway.policies import (
@@ -183,3 +184,68 @@ def test_make_policy_rejects_unknown() -> None:
 
     with pytest.raises(ValueError, match="policy"):
         make_policy("random")
+
+
+POLICIES = ["round-robin", "least-load", "prefix-affinity"]
+
+
+def with_adapter(rs: list[Replica], loaded: set[int], name: str = "sql") -> list[Replica]:
+    """Every replica serves `name`; those at the indexes in `loaded` have it in memory (the
+    others registered only: --max-loaded-loras loads it on first use). The proxy has already
+    dropped replicas that do not serve it (upstream.send)."""
+    for i, r in enumerate(rs):
+        r.adapters = frozenset({name, "other"})
+        r.loaded_adapters = frozenset({name} if i in loaded else {"other"})
+    return rs
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_adapter_requests_go_to_replicas_with_the_adapter_loaded(name: str) -> None:
+    policy = make_policy(name)
+    rs = with_adapter(replicas(3), loaded={1})
+    for i, prompt in enumerate(keys(12)):  # distinct prefixes: the ring alone would spread them
+        rs[0].in_flight = rs[2].in_flight = 0
+        rs[1].in_flight = i % 3  # under min_capacity: still preferred
+        assert policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")) is rs[1]
+    # Loaded on two: both share the adapter's requests, the registered-only one gets none.
+    rs = with_adapter(replicas(3), loaded={0, 2})
+    picks = Counter(
+        policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")).url for prompt in keys(40)
+    )
+    assert picks[rs[1].url] == 0 < min(picks[rs[0].url], picks[rs[2].url])
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_adapter_affinity_gives_way_when_the_loaded_replica_is_far_busier(name: str) -> None:
+    """The bound prefix affinity uses: ceil(load_factor * (in-flight + 1) / replicas), never
+    below min_capacity, and the KV high-watermark."""
+    policy = make_policy(name, RoutingConfig(min_capacity=4, load_factor=1.25))
+    loaded, registered = with_adapter(replicas(2), loaded={0})
+    request = RouteRequest(prefix="a prompt long enough to have a prefix", adapter="sql")
+    loaded.in_flight = 3  # cap = max(4, ceil(1.25 * 4 / 2)) = 4: room for one more
+    assert policy.choose([loaded, registered], request) is loaded
+    loaded.in_flight = 4  # at its bound while the other is idle: the load is worth paying
+    assert policy.choose([loaded, registered], request) is registered
+    # The bound grows with the total: busy everywhere, the loaded one keeps up to 25% more.
+    loaded.in_flight, registered.in_flight = 12, 10  # cap = ceil(1.25 * 23 / 2) = 15
+    assert policy.choose([loaded, registered], request) is loaded
+    loaded.in_flight = 18  # cap = ceil(1.25 * 29 / 2) = 19: still within
+    assert policy.choose([loaded, registered], request) is loaded
+    loaded.in_flight = 30  # cap = ceil(1.25 * 41 / 2) = 26: over
+    assert policy.choose([loaded, registered], request) is registered
+    loaded.in_flight = registered.in_flight = 0
+    loaded.kv_cache_usage = 0.96  # KV nearly full: a load elsewhere beats queueing here
+    assert policy.choose([loaded, registered], request) is registered
+
+
+def test_adapter_affinity_leaves_other_requests_to_the_policy() -> None:
+    policy = make_policy("round-robin")
+    rs = with_adapter(replicas(2), loaded={0})
+    # The base model, and an adapter loaded nowhere (every replica pays the load): rotation.
+    for request in (RouteRequest(prefix="x"), RouteRequest(prefix="x", adapter="new")):
+        seq = [policy.choose(rs, request) for _ in range(4)]
+        assert seq[0] is not seq[1] and seq[:2] == seq[2:]
+    # A replica whose metrics list no adapters (an older server) is never "loaded".
+    bare = replicas(2)
+    assert [policy.choose(bare, RouteRequest(adapter="sql")) for _ in range(2)] == bare
+    assert make_policy("least-load").name == "least-load"

@@ -382,3 +382,29 @@ async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
         await gw.health.probe_all()
         async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
             assert r.status == 404
+
+
+async def test_adapter_requests_prefer_the_replica_with_the_adapter_loaded(
+        fake_replicas, gateway) -> None:
+    """Of two replicas serving an adapter, the one listing it in `argosy:lora_adapter_loaded`
+    takes its requests; the one with it only in `argosy:lora_adapter_registered` would load it
+    first (--max-loaded-loras). Once the loaded one is far busier, the other takes the next."""
+    loaded, registered, lacks = await fake_replicas(3, model="tiny")
+    loaded.adapters = ["sql"]
+    registered.registered_adapters = ["sql"]
+    gw, url = await gateway(config(("tiny", [loaded.url, registered.url, lacks.url]),
+                                   policy="round-robin"))
+    await gw.health.probe_all()
+    pool = gw.pools["tiny"]
+    assert pool.get(loaded.url).loaded_adapters == {"sql"}
+    assert pool.get(registered.url).loaded_adapters == frozenset()
+    assert pool.get(registered.url).adapters == {"sql"}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
+                assert r.status == 200 and r.headers["x-argosy-backend"] == loaded.url
+        # Four requests in flight there (min_capacity) and none on the other: it spills.
+        pool.get(loaded.url).in_flight = 4
+        async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
+            assert r.status == 200 and r.headers["x-argosy-backend"] == registered.url
+    assert not lacks.requests

@@ -26,6 +26,9 @@ class Replica:
     # (`argosy:lora_adapter_loaded` and `argosy:lora_adapter_registered`); None when its
     # metrics do not say (not scraped yet, or a server that does not export them).
     adapters: frozenset[str] | None = None
+    # The subset of `adapters` in memory now (`argosy:lora_adapter_loaded`): a request for
+    # one of these skips the load that a registered-only adapter pays on first use.
+    loaded_adapters: frozenset[str] | None = None
     # Whether the last /metrics scrape succeeded (the gauges above are stale when not).
     scraped: bool = False
     # Out of rotation when False; the health checker probes it back.
@@ -43,6 +46,10 @@ class Replica:
     def may_serve_adapter(self, name: str) -> bool:
         """False only when the replica's metrics list its adapters and `name` is not one."""
         return self.adapters is None or name in self.adapters
+
+    def has_adapter_loaded(self, name: str) -> bool:
+        """True only when the replica's metrics list `name` as in memory now."""
+        return self.loaded_adapters is not None and name in self.loaded_adapters
 
     def set_retry_after(self, seconds: float) -> None:
         """Honour a `Retry-After`: send nothing to this replica for `seconds`."""

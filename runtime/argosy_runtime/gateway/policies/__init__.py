@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from argosy_runtime.gateway.config import RoutingConfig
+from argosy_runtime.gateway.policies.adapter_affinity import AdapterAffinityPolicy
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
 from argosy_runtime.gateway.policies.least_load import LeastLoadPolicy
 from argosy_runtime.gateway.policies.prefix_affinity import PrefixAffinityPolicy
 from argosy_runtime.gateway.policies.round_robin import RoundRobinPolicy
 
 __all__ = [
+    "AdapterAffinityPolicy",
     "LeastLoadPolicy",
     "Policy",
     "PrefixAffinityPolicy",
@@ -19,12 +21,16 @@ __all__ = [
 
 
 def make_policy(name: str, routing: RoutingConfig | None = None) -> Policy:
-    """Build the policy called `name` ("round-robin", "least-load", "prefix-affinity")."""
+    """Build the policy called `name` ("round-robin", "least-load", "prefix-affinity"), which
+    sends a LoRA adapter's requests to replicas with the adapter loaded first (within bounds)."""
     routing = routing or RoutingConfig()
+    policy: Policy
     if name == "round-robin":
-        return RoundRobinPolicy()
-    if name == "least-load":
-        return LeastLoadPolicy(routing)
-    if name == "prefix-affinity":
-        return PrefixAffinityPolicy(routing, fallback=LeastLoadPolicy(routing))
-    raise ValueError(f"policy: unknown routing policy {name!r}")
+        policy = RoundRobinPolicy()
+    elif name == "least-load":
+        policy = LeastLoadPolicy(routing)
+    elif name == "prefix-affinity":
+        policy = PrefixAffinityPolicy(routing, fallback=LeastLoadPolicy(routing))
+    else:
+        raise ValueError(f"policy: unknown routing policy {name!r}")
+    return AdapterAffinityPolicy(policy, routing)

@@ -11,9 +11,11 @@ from argosy_runtime.gateway.backends.replica import Replica
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What routing sees of a request: the leading text of its prompt (or flattened chat)."""
+    """What routing sees of a request: the leading text of its prompt (or flattened chat),
+    and the LoRA adapter it names (None for a base model)."""
 
     prefix: str = ""
+    adapter: str | None = None
 
 
 class Policy(ABC):

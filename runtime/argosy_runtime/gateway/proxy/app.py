@@ -354,7 +354,9 @@ class Gateway:
             if held is not None:
                 self.metrics.requests.labels(model, "", str(held.status)).inc()
                 return held
-        route = RouteRequest(prefix=prompt_text(path, body)[: self.config.routing.max_prefix_chars])
+        route = RouteRequest(
+            prefix=prompt_text(path, body)[: self.config.routing.max_prefix_chars], adapter=adapter
+        )
         result = await send(
             session=self.session,
             config=self.config,
