@@ -125,6 +125,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._pending_adds: collections.Counter[int] = collections.Counter()  # by priority
+        # Adds waiting for their LoRA adapter (max_loaded_loras: loading it, or every loaded
+        # slot held) before they are posted, by priority: waiting requests like any other.
+        self._lora_waits: collections.Counter[int] = collections.Counter()
         self._streams: dict[str, RequestStream] = {}
         self._trackers: dict[str, _Tracker] = {}  # worker thread only
         self._stats = EngineStats()
@@ -164,7 +167,8 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests that cannot join the running batch at the next step: the engine's waiting
-        queue plus adds not yet applied, less the batch's free slots."""
+        queue plus adds not yet applied, less the batch's free slots, plus adds waiting for
+        their LoRA adapter (`argosy:num_requests_waiting`)."""
         return self.num_waiting_ahead_of(None)
 
     def num_waiting_ahead_of(self, priority: int | None) -> int:
@@ -176,9 +180,10 @@ class AsyncEngine:
             return sum(n for p, n in by_priority.items() if priority is None or p <= priority)
 
         queued = count(stats.num_waiting_by_priority) + count(self._pending_adds)
-        if self.max_num_seqs is None:
-            return queued
-        return max(0, queued - max(0, self.max_num_seqs - stats.num_requests_running))
+        if self.max_num_seqs is not None:
+            queued = max(0, queued - max(0, self.max_num_seqs - stats.num_requests_running))
+        # Free batch slots do not help these: their adapter is not theirs yet.
+        return queued + count(self._lora_waits)
 
     @property
     def num_active(self) -> int:
@@ -193,27 +198,34 @@ class AsyncEngine:
         priority already wait (less urgent ones, such as batch requests, would wait behind
         it, so they never keep it out), ValueError when the engine rejects the request (its
         message names the field).
+
+        With max_loaded_loras, a request on an adapter that is not loaded first holds it
+        (loading it, or waiting for a free slot; `_hold_lora`) and counts as waiting
+        meanwhile; it is posted to the engine once it holds the adapter.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         arrival = time.monotonic()
-        # With max_loaded_loras, hold the adapter (loading it, or waiting for a free slot,
-        # off the event loop and the engine thread) until the engine has taken the request.
+        ahead = self.num_waiting_ahead_of(priority)
+        if self.max_waiting and ahead >= self.max_waiting:
+            raise QueueFullError(f"{ahead} requests are already waiting")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream  # abort_all reaches it while it waits for an adapter
         held = lora_name if lora_name is not None and self._lazy_loras() else None
         if held is not None:
-            await self._hold_lora(held)
-        try:
-            ahead = self.num_waiting_ahead_of(priority)
-            if self.max_waiting and ahead >= self.max_waiting:
-                raise QueueFullError(f"{ahead} requests are already waiting")
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-        except BaseException:
-            if held is not None:
-                self.engine.lora_registry.release(held)
-            raise
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream
+            self._lora_waits[priority] += 1
+            try:
+                await self._hold_lora(held, stream.added)
+            except BaseException:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+                raise
+            finally:
+                # No await from here to the post below: the request never drops out of
+                # num_waiting on its way from this count to _pending_adds.
+                self._lora_waits[priority] -= 1
         with self._cond:
             self._pending_adds[priority] += 1
             self._commands.append(("add", (request_id, prompt, params, arrival, priority,
@@ -233,11 +245,13 @@ class AsyncEngine:
         registry = getattr(self.engine, "lora_registry", None)
         return registry is not None and registry.is_lazy
 
-    async def _hold_lora(self, name: str) -> None:
+    async def _hold_lora(self, name: str, ended: asyncio.Future[None]) -> None:
         """Hold adapter `name` once (registry.acquire): at once when it is loaded, else on a
         new short-lived thread (a thread running torch ops keeps an OpenMP pool as long as it
         lives; see server/lora_admin.py), which loads it or waits for a slot. ValueError: not
-        registered, or its load failed. A caller cancelled meanwhile leaves nothing held."""
+        registered, or its load failed. `ended` fails when the server ends the request
+        meanwhile (abort_all, a dead engine): its error is raised. A caller cancelled or
+        ended meanwhile leaves nothing held."""
         registry = self.engine.lora_registry
         if registry.acquire(name, wait=False, load=False) is not None:
             return
@@ -245,7 +259,7 @@ class AsyncEngine:
         future: asyncio.Future[None] = loop.create_future()
 
         def settle(error: BaseException | None) -> None:
-            if future.cancelled():  # the request went away while it waited
+            if future.done():  # cancelled: the request went away while it waited
                 if error is None:
                     registry.release(name)
             elif error is not None:
@@ -265,7 +279,17 @@ class AsyncEngine:
                 pass
 
         threading.Thread(target=target, name="argosy-lora", daemon=True).start()
-        await future
+        try:
+            await asyncio.wait((future, ended), return_when=asyncio.FIRST_COMPLETED)
+            if ended.done():
+                ended.result()  # the server ended the request: raises why
+            future.result()  # raises a failed load's error
+        except BaseException:
+            if not future.done():
+                future.cancel()  # settle gives the hold back when the thread gets it
+            elif not future.cancelled() and future.exception() is None:
+                registry.release(name)  # held, but nobody will post the request
+            raise
 
     def abort(self, request_id: str) -> None:
         """Abort a request (frees its KV blocks before the next step)."""

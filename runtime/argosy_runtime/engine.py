@@ -11,6 +11,7 @@ AsyncEngine funnels everything through its engine thread).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -376,8 +377,12 @@ class LLMEngine:
         """A snapshot (a copy: the engine keeps updating its own counters)."""
         s = self.stats
         s.num_requests_running = self.scheduler.num_running
-        s.num_requests_waiting = self.scheduler.num_waiting
-        s.num_waiting_by_priority = self.scheduler.num_waiting_by_priority()
+        # Sequences waiting for a LoRA adapter slot (outside the scheduler) wait too.
+        lora_waiting = [child for _, children in self._lora_waiting for child in children]
+        s.num_requests_waiting = self.scheduler.num_waiting + len(lora_waiting)
+        by_priority = collections.Counter(self.scheduler.num_waiting_by_priority())
+        by_priority.update(child.priority for child in lora_waiting)
+        s.num_waiting_by_priority = dict(by_priority)
         s.kv_cache_usage = self.kv_cache.usage()
         s.prefix_cache_queries = self.kv_cache.prefix_cache_queries
         s.prefix_cache_hits = self.kv_cache.prefix_cache_hits

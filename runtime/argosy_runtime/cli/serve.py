@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Require 'Authorization: Bearer KEY' on /v1/* "
                              "(default: $ARGOSY_API_KEY; /health, /ready, /metrics stay open).")
     server.add_argument("--max-waiting", type=int, default=1024,
-                        help="Most requests waiting for the running batch; more get 429 with "
+                        help="Most requests waiting for the running batch (or for their "
+                             "LoRA adapter, with --max-loaded-loras); more get 429 with "
                              "Retry-After. Counted per priority: a request waits only behind "
                              "those of its own or a more urgent priority, so less urgent ones "
                              "(batch requests) never keep it out (0: unbounded; default: "
