@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
 from argosy_operator.conditions import condition, find_condition, now_rfc3339
@@ -200,6 +201,65 @@ async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
     return live is not None and (live.get("metadata") or {}).get("uid") == meta.get("uid")
 
 
+# Seconds between the attempts of a reapply that failed; the last one repeats until it
+# succeeds or the owner is gone. kopf retries create/update/resume handlers (TemporaryError)
+# but never event handlers, so the reapply retries itself. It waits in the worker kopf runs
+# for the deleted child, which gets no other event (a re-created child has another uid);
+# kopf cancels it at shutdown, and the resume reconcile after a restart covers it.
+REAPPLY_RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def reapply_retry_delay(attempt: int) -> float:
+    """Seconds to wait after failed try number `attempt` (0-based) of a reapply."""
+    return REAPPLY_RETRY_DELAYS[min(attempt, len(REAPPLY_RETRY_DELAYS) - 1)]
+
+
+async def _reapply(client: KubeClient, namespace: str, owner: str) -> None:
+    """Reconcile the owner's current spec after one of its children was deleted, retrying
+    with backoff until it succeeds or the owner is gone; then refresh its status."""
+    attempt = 0
+    while not await _try_reapply(client, namespace, owner, first_try=attempt == 0):
+        await asyncio.sleep(reapply_retry_delay(attempt))
+        attempt += 1
+
+
+async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
+                       first_try: bool) -> bool:
+    """One try of `_reapply`: True when done (reconciled, or the owner is gone); False when
+    it failed in a way a later try may get past (an API error, an unreachable API server, a
+    foreign object in a child's place)."""
+    # Read the spec under the lock: a reconcile of a newer spec finishes first.
+    async with _reconcile_lock(namespace, owner):
+        llmd: dict[str, Any] | None = None
+        try:
+            llmd = await _live_owner(client, namespace, owner)
+            if llmd is None:
+                return True
+            generation = (llmd.get("metadata") or {}).get("generation")
+            try:
+                result = await reconcile(client, llmd)
+            except ChildConflictError as exc:
+                # Someone put their own object where the deleted child was: say so on the
+                # owner, as a create or update would (a Warning event when it changes).
+                await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
+                return False
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            if first_try and llmd is not None:
+                kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
+            _log.warning("re-creating a deleted child of %s/%s failed (retrying): %s",
+                         namespace, owner, exc)
+            return False
+        for action in result.actions:
+            kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
+                       message=action)
+        # A full reconcile of this generation: it clears a ChildConflict reported by an
+        # earlier try (a status-only refresh keeps reconcile failures). Under the lock, so
+        # that this generation's status never lands after a newer one's reconcile.
+        patch, base = await refresh_status(client, llmd, observed_generation=generation)
+        _post_degraded_event(llmd, patch, base)
+        return True
+
+
 async def _refresh_owner(namespace: str | None, owner: str | None, *,
                          reapply: bool = False) -> None:
     """Recompute the owner's status; with `reapply`, reconcile its children first."""
@@ -207,31 +267,11 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
         return
     client = get_client()
     if reapply:
-        # Read the spec under the lock: a reconcile of a newer spec finishes first.
-        async with _reconcile_lock(namespace, owner):
-            llmd = await _live_owner(client, namespace, owner)
-            if llmd is None:
-                return
-            try:
-                result = await reconcile(client, llmd)
-            except ChildConflictError as exc:
-                # Someone put their own object where the deleted child was: say so on the
-                # owner, as a create or update would (an event handler is not retried).
-                generation = (llmd.get("metadata") or {}).get("generation")
-                await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
-                return
-            except ApiError as exc:
-                kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
-                _log.warning("re-creating a deleted child of %s/%s failed: %s", namespace,
-                             owner, exc)
-                return
-        for action in result.actions:
-            kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
-                       message=action)
-    else:
-        llmd = await _live_owner(client, namespace, owner)
-        if llmd is None:
-            return
+        await _reapply(client, namespace, owner)
+        return
+    llmd = await _live_owner(client, namespace, owner)
+    if llmd is None:
+        return
     patch, base = await refresh_status(client, llmd)
     _post_degraded_event(llmd, patch, base)
 

@@ -478,13 +478,17 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
         kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Service deleted by hand and someone else's Service created under its name: the
     reapply leaves the foreign object alone and reports Degraded=ChildConflict on the owner
-    (an event handler is not retried, so an exception would only reach the log)."""
+    (an event handler is not retried by kopf, so an exception would only reach the log). It
+    keeps trying: once the foreign Service is gone, ours comes back and Degraded clears."""
+    import asyncio
+
     import kopf
     from argosy_operator import handlers
     from argosy_operator.kube import KubeClient
 
     events: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
+    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.05,))
     client = KubeClient(str(kube.url))
     monkeypatch.setitem(handlers._state, "client", client)
     try:
@@ -496,15 +500,123 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
                    "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
                    "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
         await api.call("POST", SVC_PATH, foreign, "application/json")
+        reapply = asyncio.create_task(handlers._refresh_owner(NS, "chat", reapply=True))
+
+        async def conflict() -> Any:
+            degraded = _cond(await _status(api), "Degraded")
+            return degraded if degraded.get("reason") == "ChildConflict" else None
+
+        degraded = await eventually(conflict, what="Degraded=ChildConflict")
+        assert degraded["status"] == "True"
+        assert "Service chat exists and is not managed by argosy-operator" in \
+            degraded["message"]
+        svc = await api.get_or_none(f"{SVC_PATH}/chat")
+        assert svc["spec"]["selector"] == {"app": "web"}
+        assert "ownerReferences" not in svc["metadata"]
+        assert not reapply.done()  # still retrying
+        await api.call("DELETE", f"{SVC_PATH}/chat")  # the foreign Service goes away
+        await asyncio.wait_for(reapply, timeout=15)
+    finally:
+        await client.close()
+    ours = await api.get_or_none(f"{SVC_PATH}/chat")
+    assert ours["metadata"]["ownerReferences"][0]["name"] == "chat"
+    assert _cond(await _status(api), "Degraded").get("reason") != "ChildConflict"
+    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["ChildConflict"]
+    assert "created Service chat" in [e["message"] for e in events]
+
+
+def _fail_service_creates(kube: Any, monkeypatch: pytest.MonkeyPatch, times: float) -> list[int]:
+    """The emulated API server answers the next `times` Service creates with 503 (before
+    storing anything, as an API server whose etcd is down would); returns a list that grows
+    by one entry per failure served."""
+    import kmock
+
+    failed: list[int] = []
+    prepare = kube._prepare_create
+
+    def failing_prepare(request: Any) -> None:
+        if request.resource.plural == "services" and len(failed) < times:
+            failed.append(503)
+            raise kmock.KubernetesError(status=503, reason="ServiceUnavailable",
+                                        message="etcdserver: request timed out")
+        prepare(request)
+
+    monkeypatch.setattr(kube, "_prepare_create", failing_prepare)
+    return failed
+
+
+async def test_a_failed_reapply_is_retried_until_it_succeeds(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Service deleted by hand while the API server fails writes: kopf does not retry
+    event handlers, so the reapply retries itself with backoff (one ApplyFailed Warning, not
+    one per try) and the Service comes back once the API server recovers, with no spec change,
+    restart or other event."""
+    import kopf
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
+    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.01, 0.02))
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    try:
+        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
+                                               logger=logging.getLogger("test"))
+        first = await api.get_or_none(f"{SVC_PATH}/chat")
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        failed = _fail_service_creates(kube, monkeypatch, times=3)
         await handlers._refresh_owner(NS, "chat", reapply=True)
     finally:
         await client.close()
-    degraded = _cond(await _status(api), "Degraded")
-    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
-    assert "Service chat exists and is not managed by argosy-operator" in degraded["message"]
-    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["ChildConflict"]
+    assert len(failed) == 3
     svc = await api.get_or_none(f"{SVC_PATH}/chat")
-    assert svc["spec"]["selector"] == {"app": "web"} and "ownerReferences" not in svc["metadata"]
+    assert svc is not None and svc["spec"] == first["spec"]
+    assert [(e["reason"], "503" in e["message"]) for e in events if e["type"] == "Warning"] \
+        == [("ApplyFailed", True)]
+    assert "created Service chat" in [e["message"] for e in events]
+
+
+async def test_a_failing_reapply_stops_when_its_owner_is_deleted(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries end with the LLMDeployment: nothing is re-created for an owner that is gone."""
+    import asyncio
+
+    import kopf
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    monkeypatch.setattr(kopf, "event", lambda *args, **kwargs: None)
+    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.05,))
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    try:
+        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
+                                               logger=logging.getLogger("test"))
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        failed = _fail_service_creates(kube, monkeypatch, times=float("inf"))
+        reapply = asyncio.create_task(handlers._refresh_owner(NS, "chat", reapply=True))
+
+        async def tried_twice() -> bool:
+            return len(failed) >= 2
+
+        await eventually(tried_twice, what="two failed tries")
+        await api.call("DELETE", f"{LLMD_PATH}/chat")
+        await asyncio.wait_for(reapply, timeout=15)
+    finally:
+        await client.close()
+    assert await api.get_or_none(f"{SVC_PATH}/chat") is None
+
+
+def test_reapply_retries_back_off_then_repeat_the_longest_wait() -> None:
+    from argosy_operator.handlers import REAPPLY_RETRY_DELAYS, reapply_retry_delay
+
+    delays = [reapply_retry_delay(attempt) for attempt in range(8)]
+    assert delays[:len(REAPPLY_RETRY_DELAYS)] == list(REAPPLY_RETRY_DELAYS)
+    assert delays == sorted(delays) and delays[0] < delays[-1]
+    assert delays[-3:] == [max(REAPPLY_RETRY_DELAYS)] * 3
 
 
 async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api: Api,
