@@ -115,6 +115,65 @@ def test_the_longest_wait_decides_retry_after() -> None:
     assert refusal.limit == TOKENS and refusal.retry_after_s == 61
 
 
+def tenant(**limits: int) -> TenantConfig:
+    return TenantConfig(name="a", api_keys=("k",), **limits)
+
+
+def test_new_limits_keep_what_was_used() -> None:
+    clock = FakeClock()
+    lim = limiter(clock, requests_per_minute=60, tokens_per_minute=600)
+    requests, tokens = lim.requests, lim.tokens
+    for _ in range(10):
+        lease = lim.admit()
+        assert isinstance(lease, Lease)
+    lease.charge(900)  # 300 tokens of debt
+    lim.set_limits(tenant(requests_per_minute=60, tokens_per_minute=600))  # the same: no-op
+    assert requests is not None and tokens is not None
+    assert (requests.level, tokens.level) == (50, -300)
+    # Raised: 10 requests and 900 tokens used, of 120 and 1200 now.
+    lim.set_limits(tenant(requests_per_minute=120, tokens_per_minute=1200))
+    assert lim.requests is requests and lim.tokens is tokens  # the same buckets
+    assert (requests.level, requests.capacity, requests.rate) == (110, 120, 2)
+    assert tokens.level == 300
+    # Lowered below what was used: the requests bucket is empty, not in debt (the next request
+    # in one refill), and a debt stays as deep as it was, no deeper.
+    tokens.take(700)  # -400
+    lim.set_limits(tenant(requests_per_minute=6, tokens_per_minute=60))
+    assert (requests.level, tokens.level) == (0, -400)
+    assert refused(lim.admit()).retry_after_s == 401  # the tokens' debt, at 1 token/s
+    tokens.take(-401)
+    assert refused(lim.admit()).retry_after_s == 10  # one request every 10 s
+    clock.advance(10)
+    assert isinstance(lim.admit(), Lease)
+    assert lim.headers()["x-ratelimit-limit-requests"] == "6"
+
+
+def test_a_limit_added_starts_full_and_a_removed_one_is_gone() -> None:
+    clock = FakeClock()
+    lim = limiter(clock, requests_per_minute=1)
+    first = lim.admit()
+    assert isinstance(first, Lease) and isinstance(lim.admit(), Refusal)
+    lim.set_limits(tenant(tokens_per_minute=100))
+    assert lim.requests is None and lim.tokens is not None and lim.tokens.level == 100
+    assert isinstance(lim.admit(), Lease)
+    first.charge(30)  # a lease taken before the change charges the new bucket
+    assert lim.tokens.level == 70
+
+
+def test_a_lowered_max_concurrent_lets_requests_in_flight_finish() -> None:
+    lim = limiter(FakeClock(), max_concurrent=3)
+    leases = [lim.admit() for _ in range(3)]
+    lim.set_limits(tenant(max_concurrent=1))
+    assert lim.in_flight == 3 and refused(lim.admit()).limit == CONCURRENCY
+    for lease in leases[:2]:
+        assert isinstance(lease, Lease)
+        lease.release()
+    assert isinstance(lim.admit(), Refusal)  # one still in flight: the new limit's 1
+    assert isinstance(leases[2], Lease)
+    leases[2].release()
+    assert isinstance(lim.admit(), Lease)
+
+
 def test_no_limits_admit_everything() -> None:
     lim = limiter(FakeClock())
     leases = [lim.admit() for _ in range(1000)]

@@ -11,6 +11,11 @@ second, so a tenant may burst its whole minute at once and then proceeds at the 
   known only afterwards);
 - concurrency: at most `max_concurrent` requests admitted and not yet released.
 
+When the tenants config is reloaded (proxy/tenant_gate.py), a tenant that stays keeps its
+limiter and `set_limits` applies its new numbers to it: what the tenant used of its old
+budget counts against the new one (`TokenBucket.set_per_minute`), its requests in flight
+keep their slots, and a limit it did not have before starts with a full bucket.
+
 The clock is injectable, so tests drive refills without sleeping.
 """
 
@@ -46,6 +51,17 @@ class TokenBucket:
         self._level = min(self.capacity, self._level + (now - self._updated) * self.rate)
         self._updated = now
         return self._level
+
+    def set_per_minute(self, per_minute: int) -> None:
+        """A new limit. What was used of the old one (capacity - level) stays used: raising
+        the limit gives the difference at once, lowering it may leave the bucket empty but
+        never deeper in debt than it already was (for a requests bucket: never in debt, so a
+        lowered limit never locks a tenant out for longer than one request's refill)."""
+        level = self.level  # refilled at the old rate up to now
+        used = self.capacity - level
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self._level = max(self.capacity - used, min(level, 0.0))
 
     def take(self, amount: float) -> None:
         """Remove `amount`; the level may go below zero (debt)."""
@@ -99,12 +115,27 @@ class TenantLimiter:
 
     def __init__(self, tenant: TenantConfig, clock: Clock = time.monotonic) -> None:
         self.tenant = tenant.name
-        self.requests = (TokenBucket(tenant.requests_per_minute, clock)
-                         if tenant.requests_per_minute else None)
-        self.tokens = (TokenBucket(tenant.tokens_per_minute, clock)
-                       if tenant.tokens_per_minute else None)
-        self.max_concurrent = tenant.max_concurrent
+        self._clock = clock
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
         self.in_flight = 0
+        self.set_limits(tenant)
+
+    def set_limits(self, tenant: TenantConfig) -> None:
+        """Apply `tenant`'s limits (a reloaded config), keeping what was used (module
+        docstring). Requests in flight keep their slots; when `max_concurrent` drops below
+        their number, new requests wait until enough of them end."""
+        self.requests = self._bucket(self.requests, tenant.requests_per_minute)
+        self.tokens = self._bucket(self.tokens, tenant.tokens_per_minute)
+        self.max_concurrent = tenant.max_concurrent
+
+    def _bucket(self, bucket: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+        if not per_minute:
+            return None
+        if bucket is None:
+            return TokenBucket(per_minute, self._clock)
+        bucket.set_per_minute(per_minute)
+        return bucket
 
     def admit(self) -> Lease | Refusal:
         """A Lease when every limit allows one more request now (it takes one request from
