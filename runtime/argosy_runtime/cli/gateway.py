@@ -4,7 +4,9 @@
     argosy gateway --backend smollm2-135m=http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8080
 
 Flags override the file's host, port, drain timeout and default policy; `--backend` adds static routes.
-See docs/gateway.md for the YAML schema. Never imports torch.
+See docs/gateway.md for the YAML schema. While the gateway runs, the file's `tenants` section
+is re-read every few seconds and applies without a restart; other changes need one.
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -46,17 +48,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def build_config(args: argparse.Namespace):  # -> GatewayConfig (import kept inside)
-    """The GatewayConfig from --config plus flag overrides, validated once as a whole (a
-    cascade in the file may name a model that only a --backend flag adds)."""
+def build_config(args: argparse.Namespace, config_text: str | None = None):  # -> GatewayConfig
+    """The GatewayConfig from --config (its content `config_text` when given, else read from
+    the file) plus flag overrides, validated once as a whole (a cascade in the file may name
+    a model that only a --backend flag adds)."""
     import yaml
 
     from argosy_runtime.gateway.config import GatewayConfig, parse_backend_flag
 
     data: dict = {}
     if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+        if config_text is None:
+            with open(args.config, encoding="utf-8") as f:
+                config_text = f.read()
+        data = yaml.safe_load(config_text) or {}
         if not isinstance(data, dict):
             raise ValueError("config: expected a mapping at the top level")
     if args.host is not None:
@@ -76,6 +81,20 @@ def build_config(args: argparse.Namespace):  # -> GatewayConfig (import kept ins
     return config
 
 
+def load(args: argparse.Namespace):  # -> (GatewayConfig, ConfigFile | None)
+    """The config to start with, and the file to re-read its `tenants` from while running
+    (None without --config). Both are built by `build_config` from the same flags, so a
+    reloaded file is read exactly as the first one was."""
+    from argosy_runtime.gateway.tenants.config_file import ConfigFile
+
+    if not args.config:
+        return build_config(args), None
+    with open(args.config, encoding="utf-8") as f:
+        text = f.read()
+    config = build_config(args, text)
+    return config, ConfigFile(args.config, text, config, lambda new: build_config(args, new))
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -86,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = build_config(args)
-    except ValueError as exc:
+        config, config_file = load(args)
+    except (OSError, ValueError) as exc:
         print(f"argosy gateway: {exc}")
         return 2
     try:
-        asyncio.run(run_gateway(config))
+        asyncio.run(run_gateway(config, config_file))
     except KeyboardInterrupt:
         pass
     return 0

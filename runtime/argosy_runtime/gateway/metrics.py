@@ -161,6 +161,12 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        self.config_reload_failures = Counter(
+            "argosy:gateway_config_reload_failures",
+            "Changes to the config file's tenants section that could not apply (unreadable, "
+            "invalid): the gateway kept its previous tenants. Each problem counts once.",
+            registry=r,
+        )
         r.register(_ReplicaCollector(pools, activators))
 
     def render(self) -> bytes:

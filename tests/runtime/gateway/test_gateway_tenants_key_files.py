@@ -215,7 +215,7 @@ async def test_the_gate_reloads_on_its_poll_and_keeps_the_tenants_limiter(tmp_pa
                       GatewayMetrics(list, list), keys_poll_s=0.02)
     limiter = gate.limiters["a"]
     assert isinstance(limiter.admit(), Lease)
-    watch = asyncio.get_running_loop().create_task(gate.key_files.watch(gate.keys_poll_s))
+    watch = asyncio.get_running_loop().create_task(gate.watch())
     try:
         write(path, "sk-a-2")
         for _ in range(200):

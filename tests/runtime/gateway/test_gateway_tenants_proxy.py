@@ -36,8 +36,8 @@ async def metric(s: aiohttp.ClientSession, url: str, name: str, **labels: str) -
         text = await resp.text()
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
-        m = re.match(r"^([^\s{]+)\{([^}]*)\}\s+(\S+)$", line)
-        if m and m.group(1) == name and ",".join(sorted(m.group(2).split(","))) == wanted:
+        m = re.match(r"^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)  # labels optional
+        if m and m.group(1) == name and ",".join(sorted((m.group(2) or "").split(","))) == wanted:
             return float(m.group(3))
     return 0.0
 

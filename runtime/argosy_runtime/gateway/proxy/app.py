@@ -55,6 +55,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
 from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.tenants.config_file import ConfigFile
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,11 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class Gateway:
     """Pools, policies, health checks and metrics behind one aiohttp application."""
 
-    def __init__(self, config: GatewayConfig, *, keys_poll_s: float = POLL_SECONDS) -> None:
-        """`keys_poll_s`: how often the tenants' `api_keys_file`s are re-read (tests shorten
-        it)."""
+    def __init__(self, config: GatewayConfig, *, keys_poll_s: float = POLL_SECONDS,
+                 config_file: ConfigFile | None = None) -> None:
+        """`config_file`: the file `config` was read from, whose `tenants` section applies
+        while the gateway runs; `keys_poll_s`: how often it and the tenants' `api_keys_file`s
+        are re-read (tests shorten it)."""
         self.config = config
         self.pools: dict[str, ReplicaPool] = {m.name: ReplicaPool(m.name) for m in config.models}
         self.policies: dict[str, Policy] = {
@@ -85,7 +88,7 @@ class Gateway:
         )
         # API keys and per-tenant limits (a no-op without `tenants`).
         self.tenants = TenantGate(config.tenants, self.metrics, config.replica_api_key,
-                                  keys_poll_s=keys_poll_s)
+                                  keys_poll_s=keys_poll_s, config_file=config_file)
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
@@ -475,12 +478,13 @@ async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.App
     return runner, int(bound)
 
 
-async def run_gateway(config: GatewayConfig) -> None:
+async def run_gateway(config: GatewayConfig, config_file: ConfigFile | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain: refuse new connections, let the answers in
-    flight finish (at most `drain_timeout_s`), close upstream connections cleanly."""
+    flight finish (at most `drain_timeout_s`), close upstream connections cleanly.
+    `config_file`: where `config` came from, re-read for its `tenants` while serving."""
     import signal
 
-    gateway = Gateway(config)
+    gateway = Gateway(config, config_file=config_file)
     runner, port = await start_gateway(gateway, config.host, config.port)
     logger.info("argosy gateway on http://%s:%d", config.host, port)
     stop = asyncio.Event()

@@ -17,16 +17,24 @@ For every `/v1/*` request it
 A tenant's `priority` becomes its generation requests' scheduling priority
 (`apply_priority`). The relay charges each answer's tokens through `meter()`, and every
 answer to a tenant gets OpenAI's `x-ratelimit-*` headers as the limits stood when the request
-arrived. While the app runs, the tenants' `api_keys_file`s are re-read every few seconds
-(tenants/key_files.py). Without tenants nothing is installed: clients' headers pass through
-as before, and a `replica_api_key` is only sent on the gateway's own calls
-(`replica_headers`).
+arrived. Without tenants nothing is installed: clients' headers pass through as before, and
+a `replica_api_key` is only sent on the gateway's own calls (`replica_headers`).
+
+While the app runs, one watcher re-reads every few seconds the config file's `tenants`
+section (tenants/config_file.py, when the gateway was started from a file) and then the
+tenants' `api_keys_file`s (tenants/key_files.py). Files are read on a worker thread; a new
+tenants section is applied here on the event loop in one step (`apply`, no await inside), so
+a request sees either the old tenants or the new ones, never a mix: keys, limiters and
+priorities are swapped together. A tenant that stays keeps its limiter (its buckets' usage
+and its requests in flight) with the new limits applied to it; a removed tenant's requests
+already admitted finish, their leases holding its old limiter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -38,10 +46,13 @@ from argosy_runtime.gateway.config import TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
 from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
 from argosy_runtime.gateway.tenants.limiter import Clock, Lease, Refusal, TenantLimiter
 from argosy_runtime.gateway.tenants.usage import UsageMeter
+
+logger = logging.getLogger(__name__)
 
 # Requests that generate tokens: admitted against the limits and charged.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -106,11 +117,18 @@ UNCHARGED = _Uncharged()
 class TenantGate:
     def __init__(self, tenants: Iterable[TenantConfig], metrics: GatewayMetrics,
                  replica_api_key: str | None = None, clock: Clock = time.monotonic,
-                 keys_poll_s: float = POLL_SECONDS) -> None:
-        tenants = list(tenants)
+                 keys_poll_s: float = POLL_SECONDS,
+                 config_file: ConfigFile | None = None) -> None:
+        """`config_file`: the file the gateway was started from, whose `tenants` section is
+        re-read while it runs (None: only the keys files are); `keys_poll_s`: how often the
+        files are re-read."""
+        tenants = tuple(tenants)
+        self.tenants = tenants  # as configured now (the last applied reload)
         self.keys = KeyRing(tenants)
         self.key_files = KeyFiles(tenants, self.keys)
-        self.keys_poll_s = keys_poll_s  # how often the keys files are re-read
+        self.config_file = config_file
+        self.keys_poll_s = keys_poll_s
+        self.clock = clock
         self.limiters = {t.name: TenantLimiter(t, clock) for t in tenants}
         self.priorities = {t.name: t.priority for t in tenants if t.priority is not None}
         self.metrics = metrics
@@ -128,18 +146,75 @@ class TenantGate:
         if self.limiters:
             app.middlewares.append(self._middleware)
             app.on_response_prepare.append(_add_ratelimit_headers)
-        if self.key_files.paths:
-            app.cleanup_ctx.append(self._watching_key_files)
+        if self.key_files.paths or self.config_file is not None:
+            app.cleanup_ctx.append(self._watching)
 
-    async def _watching_key_files(self, _: web.Application) -> AsyncIterator[None]:
-        """While the app runs, re-read the tenants' keys files every `keys_poll_s`."""
-        task = asyncio.get_running_loop().create_task(self.key_files.watch(self.keys_poll_s))
+    async def _watching(self, _: web.Application) -> AsyncIterator[None]:
+        """While the app runs, re-read the files every `keys_poll_s`."""
+        task = asyncio.get_running_loop().create_task(self.watch())
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def watch(self) -> None:
+        """`reload` every `keys_poll_s` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.keys_poll_s)
+            await self.reload()
+
+    async def reload(self) -> None:
+        """One round: the config file's tenants section first (a new section brings its own
+        keys files), then the keys files. Never raises: one bad round must not stop the
+        watching."""
+        if self.config_file is not None:
+            try:
+                tenants = await asyncio.to_thread(self.config_file.reread)
+            except ConfigRefused as exc:
+                logger.error("%s; the gateway keeps serving its previous tenants (%s)", exc,
+                             ", ".join(t.name for t in self.tenants) or "none")
+                self.metrics.config_reload_failures.inc()
+            except Exception:
+                logger.exception("%s: reload failed", self.config_file.path)
+                self.metrics.config_reload_failures.inc()
+            else:
+                if tenants is not None:
+                    self.apply(tenants)
+        try:
+            await asyncio.to_thread(self.key_files.sync)
+        except Exception:
+            logger.exception("tenants' api_keys_file: reload failed")
+
+    def apply(self, tenants: tuple[TenantConfig, ...]) -> None:
+        """Serve `tenants` (a reloaded, validated config) from the next request on. Runs on
+        the event loop without awaiting, so no request sees half of it."""
+        before = {t.name: t for t in self.tenants}
+        after = {t.name: t for t in tenants}
+        added = [name for name in after if name not in before]
+        removed = [name for name in before if name not in after]
+        changed = [name for name in after
+                   if name in before and after[name] != before[name]]
+        if not (added or removed or changed):
+            return  # only formatting, comments or the order moved
+        limiters = {}
+        for tenant in tenants:
+            limiter = self.limiters.get(tenant.name)
+            if limiter is None:
+                limiter = TenantLimiter(tenant, self.clock)
+            else:
+                limiter.set_limits(tenant)
+            limiters[tenant.name] = limiter
+        self.key_files = KeyFiles(tenants, self.keys)
+        self.keys.set_digests(self.key_files.digests)
+        self.limiters = limiters
+        self.priorities = {t.name: t.priority for t in tenants if t.priority is not None}
+        self.tenants = tenants
+        where = self.config_file.path if self.config_file is not None else "config"
+        logger.info("%s: tenants reloaded (added: %s; removed: %s; changed: %s)", where,
+                    ", ".join(added) or "none", ", ".join(removed) or "none",
+                    ", ".join(changed) or "none")
 
     def apply_priority(self, request: web.Request, body: dict[str, Any]) -> bool:
         """Give a generation request its tenant's scheduling priority: the tenant's value when

@@ -3,7 +3,8 @@
 A tenant's keys file is usually a mounted Kubernetes Secret. When the Secret changes, kubelet
 writes the new files into a fresh timestamped folder and swaps the mount's `..data` symlink
 to it, so the file's path stays the same while its content (and, oddly, not always its mtime)
-changes. Every POLL_SECONDS `sync` reads each file again and compares the keys in it with the
+changes. Every POLL_SECONDS the gate's watcher (proxy/tenant_gate.py) calls `sync`, which
+reads each file again and compares the keys in it with the
 ones served (as digests, never by mtime); when they differ, the tenant's keys are replaced in
 the KeyRing at once: new keys work and removed ones get a 401 from the next request on. The
 tenant's limiter (its buckets and in-flight count) is kept by tenant name, not by key, so it
@@ -12,13 +13,13 @@ carries on untouched.
 A file that cannot be read, holds no key or an invalid one, is logged once (a warning, not one
 every poll) and the tenant keeps the keys it had: a half-written Secret must not lock every
 user out. So is a change that would give a key to two tenants (the warning names both tenants,
-never the key). Once the file is valid again, it applies. Inline `api_keys` come from the
-config file, which is read only at start-up.
+never the key). Once the file is valid again, it applies. Inline `api_keys`, and which file
+a tenant reads, come from the config file's `tenants` section (tenants/config_file.py); when
+that changes, the gate builds a new KeyFiles for the new tenants.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -27,8 +28,8 @@ from argosy_runtime.gateway.tenants.keys import KeyRing, key_digest
 
 logger = logging.getLogger(__name__)
 
-# How often the gateway re-reads the keys files (kubelet refreshes a mounted Secret within
-# about a minute of its change anyway).
+# How often the gateway re-reads its config file's tenants and the keys files (kubelet
+# refreshes a mounted Secret or ConfigMap within about a minute of its change anyway).
 POLL_SECONDS = 5.0
 
 
@@ -107,13 +108,3 @@ class KeyFiles:
                     if one in changed:
                         refused.setdefault(one, two)
         return refused
-
-    async def watch(self, poll_s: float = POLL_SECONDS) -> None:
-        """Sync every `poll_s` seconds, until cancelled. Files are read on a worker thread,
-        so a slow volume never stalls requests."""
-        while True:
-            await asyncio.sleep(poll_s)
-            try:
-                await asyncio.to_thread(self.sync)
-            except Exception:  # never stop watching over one bad round
-                logger.exception("tenants' api_keys_file: reload failed")
