@@ -26,6 +26,7 @@ from argosy_runtime.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -119,13 +120,23 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
         return await lora.unload(body.lora_name)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
+        """The model object of a served name: the base model, or a LoRA adapter (a model
+        too, listed with its parent as vLLM lists it)."""
         base = {"id": model_name, "object": "model", "created": ctx.created,
                 "owned_by": "argosy", "max_model_len": ctx.max_model_len}
-        # LoRA adapters are models too (vLLM lists them the same way, with their parent).
-        return {"object": "list", "data": [base] + [
-            {**base, "id": name, "parent": model_name} for name in ctx.lora_names]}
+        return base if name == model_name else {**base, "id": name, "parent": model_name}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict[str, Any]:
+        return {"object": "list",
+                "data": [model_card(name) for name in (model_name, *ctx.lora_names)]}
+
+    # `:path`: a served name may hold slashes ("org/model"; the openai client sends %2F).
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        # Unknown (or unloaded adapter): the 404 model_not_found a request naming it gets.
+        return model_card(ctx.check_model(model))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -99,7 +99,8 @@ class _EngineStatsCollector(Collector):
 
 # The `path` label of argosy:http_requests: route templates, so ids never become series.
 _ROUTES = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/tokenize",
+    "/detokenize",
     "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
     "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
     "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
@@ -108,6 +109,8 @@ _ROUTES = frozenset({
 
 
 def route_label(path: str) -> str:
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"  # a model id may hold slashes
     parts = path.split("/")
     if len(parts) >= 4 and parts[1] == "v1" and parts[2] in ("files", "batches", "responses"):
         parts[3] = "{id}"
