@@ -155,6 +155,11 @@ def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
     with httpx.Client(timeout=60) as client:
         models = client.get(fleet.url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == [MODEL]
+        # models.retrieve through the gateway: the replica's own entry, and its 404 shape.
+        assert client.get(f"{fleet.url}/v1/models/{MODEL}").json() == models["data"][0]
+        via, direct = (client.get(f"{base}/v1/models/no-such-model") for base in (fleet.url, replica))
+        assert via.status_code == direct.status_code == 404
+        assert via.json()["error"]["code"] == direct.json()["error"]["code"] == "model_not_found"
         cases = [
             {"json": {"model": "no-such-model", "prompt": "x"}},
             {"json": {"model": MODEL, "prompt": "x", "bogus_field": 1}},

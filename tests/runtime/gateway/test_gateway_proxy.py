@@ -7,6 +7,7 @@ import json
 import time
 
 import aiohttp
+import yarl
 import pytest
 from argosy_runtime.gateway.config import (
     CascadeConfig,
@@ -97,9 +98,25 @@ async def test_models_merged_across_backends_and_cascades(fake_replicas, gateway
             data = await resp.json()
     assert sorted(m["id"] for m in data["data"]) == ["auto", "big", "tiny"]
     async with aiohttp.ClientSession() as s:
+        # GET /v1/models/{id} (models.retrieve) answers each listed entry, cascades included.
+        for entry in data["data"]:
+            async with s.get(f"{url}/v1/models/{entry['id']}") as resp:
+                assert resp.status == 200 and await resp.json() == entry
+        async with s.get(f"{url}/v1/models/nope") as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 404 and error["code"] == "model_not_found"
         # Several models: `model` is required.
         async with s.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+
+
+async def test_a_model_id_with_a_slash_is_retrieved_as_the_openai_client_sends_it(
+        fake_replicas, gateway) -> None:
+    (a,) = await fake_replicas(1, model="org/tiny")
+    _, url = await gateway(config(("org/tiny", [a.url])))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(yarl.URL(f"{url}/v1/models/org%2Ftiny", encoded=True)) as resp:
+            assert resp.status == 200 and (await resp.json())["id"] == "org/tiny"
 
 
 async def test_refused_replica_is_retried_elsewhere_and_taken_out(fake_replicas, gateway) -> None:
@@ -350,6 +367,8 @@ async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, 
         async with s.get(f"{url}/v1/models") as resp:
             models = {m["id"]: m for m in (await resp.json())["data"]}
         assert models["sql"]["parent"] == "tiny"
+        async with s.get(f"{url}/v1/models/sql") as resp:  # an adapter, from its replica
+            assert resp.status == 200 and await resp.json() == models["sql"]
         async with s.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
             assert resp.status == 404
 

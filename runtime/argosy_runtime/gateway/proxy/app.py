@@ -134,6 +134,8 @@ class Gateway:
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
+        # `.+`: a model id may hold slashes (org/model); clients send them as %2F.
+        app.router.add_get("/v1/models/{model:.+}", self.handle_model)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -209,11 +211,10 @@ class Gateway:
                     self._adapter_parents[str(m.get("id"))] = parent
         return self._adapter_parents.get(model)
 
-    async def handle_models(self, request: web.Request) -> web.Response:
+    async def _models(self) -> dict[str, dict[str, Any]]:
         """Union of every in-rotation replica's /v1/models, plus every configured model (one
         scaled to zero has no replica to list it, and a client that picks models from this
         list would otherwise never send the request that wakes it) and the cascade routes."""
-
         merged: dict[str, dict[str, Any]] = {}
         for m in await self._replica_models():
             merged.setdefault(str(m.get("id")), m)
@@ -222,7 +223,20 @@ class Gateway:
                 name,
                 {"id": name, "object": "model", "created": 0, "owned_by": "argosy-gateway"},
             )
-        return web.json_response({"object": "list", "data": list(merged.values())})
+        return merged
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        models = await self._models()
+        return web.json_response({"object": "list", "data": list(models.values())})
+
+    async def handle_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the openai client's models.retrieve): the same entry the
+        list holds, or the 404 a request naming an unknown model gets."""
+        model = request.match_info["model"]
+        models = await self._models()
+        if model not in models:
+            return model_not_found(model, [*self.pools, *self.cascades])
+        return web.json_response(models[model])
 
     # -- generation --------------------------------------------------------------------------
 
