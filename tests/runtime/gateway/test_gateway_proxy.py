@@ -7,8 +7,8 @@ import json
 import time
 
 import aiohttp
-import yarl
 import pytest
+import yarl
 from argosy_runtime.gateway.config import (
     CascadeConfig,
     GatewayConfig,
