@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from argosy_runtime.background_tasks import cancel_and_wait
 from argosy_runtime.gateway.backends.kube_api import KubeAPI, resolve
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.config import ActivationConfig, KubernetesBackendConfig
@@ -102,9 +103,7 @@ class Activator:
             logger.warning("model %s: %s", self.pool.model, self.unreachable)
 
     async def close(self) -> None:
-        if self._signal_task is not None and not self._signal_task.done():
-            self._signal_task.cancel()
-            await asyncio.gather(self._signal_task, return_exceptions=True)
+        await cancel_and_wait(self._signal_task)
 
 
 def kubernetes_signal(config: KubernetesBackendConfig, session: aiohttp.ClientSession) -> Signal:

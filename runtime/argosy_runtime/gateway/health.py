@@ -9,7 +9,6 @@ at once, without waiting for the next probe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +17,7 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from argosy_runtime.background_tasks import cancel_and_wait
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import HealthConfig
@@ -132,8 +132,5 @@ class HealthChecker:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from argosy_runtime.background_tasks import running
 from argosy_runtime.lora.modules_file import POLL_SECONDS
 from argosy_runtime.server.errors import APIError
 
@@ -113,10 +114,5 @@ class LoRAAdmin:
                     except Exception:  # never stop watching over one bad round
                         logger.exception("LoRA modules file %s: sync failed", modules_file.path)
 
-        task = asyncio.get_running_loop().create_task(poll())
-        try:
+        async with running(poll(), name="LoRA modules file watcher"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -10,7 +10,6 @@ terminating gets no traffic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -18,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from argosy_runtime.background_tasks import cancel_and_wait
 from argosy_runtime.gateway.backends.kube_api import KubeAPI, resolve
 from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.config import KubernetesBackendConfig
@@ -219,11 +219,8 @@ class KubernetesDiscovery:
             self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 def _url(address: str, port: int) -> str:

@@ -33,7 +33,6 @@ already admitted finish, their leases holding its old limiter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -42,6 +41,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from argosy_runtime.background_tasks import running
 from argosy_runtime.gateway.config import TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
@@ -151,13 +151,8 @@ class TenantGate:
 
     async def _watching(self, _: web.Application) -> AsyncIterator[None]:
         """While the app runs, re-read the files every `keys_poll_s`."""
-        task = asyncio.get_running_loop().create_task(self.watch())
-        try:
+        async with running(self.watch(), name="tenant files watcher"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def watch(self) -> None:
         """`reload` every `keys_poll_s` seconds, until cancelled."""
