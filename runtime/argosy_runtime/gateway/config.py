@@ -116,6 +116,9 @@ class RoutingConfig:
     w_in_flight: float = 1.0
     w_waiting: float = 1.0
     w_kv: float = 2.0
+    # Requests naming a LoRA adapter go to replicas with it loaded, else to one replica picked
+    # by the adapter's name (policies/adapter_affinity.py); false leaves them to the policy.
+    adapter_affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -133,6 +136,10 @@ class RoutingConfig:
         _positive("routing.kv_high_watermark", self.kv_high_watermark)
         for name in ("w_in_flight", "w_waiting", "w_kv"):
             _positive(f"routing.{name}", getattr(self, name), allow_zero=True)
+        if not isinstance(self.adapter_affinity, bool):
+            raise ValueError(
+                f"routing.adapter_affinity: expected true or false, got {self.adapter_affinity!r}"
+            )
 
 
 @dataclass(frozen=True)

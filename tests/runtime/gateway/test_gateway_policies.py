@@ -8,14 +8,16 @@ from collections import Counter
 
 import pytest
 from argosy_runtime.gateway.backends.replica import Replica
-from argosy_runtime.gateway.config import RoutingConfig
+from argosy_runtime.gateway.config import GatewayConfig, RoutingConfig
 from argosy_runtime.gateway.policies import (
     LeastLoadPolicy,
+    Policy,
     PrefixAffinityPolicy,
     RoundRobinPolicy,
     RouteRequest,
     make_policy,
 )
+from argosy_runtime.gateway.policies.bounded_load import capacity
 from argosy_runtime.gateway.policies.prefix_affinity import HashRing
 
 
@@ -240,12 +242,99 @@ def test_adapter_affinity_gives_way_when_the_loaded_replica_is_far_busier(name: 
 
 def test_adapter_affinity_leaves_other_requests_to_the_policy() -> None:
     policy = make_policy("round-robin")
-    rs = with_adapter(replicas(2), loaded={0})
-    # The base model, and an adapter loaded nowhere (every replica pays the load): rotation.
-    for request in (RouteRequest(prefix="x"), RouteRequest(prefix="x", adapter="new")):
+    rs = with_adapter(replicas(2), loaded={0, 1})
+    # The base model, and an adapter every replica has loaded: rotation.
+    for request in (RouteRequest(prefix="x"), RouteRequest(prefix="x", adapter="sql")):
         seq = [policy.choose(rs, request) for _ in range(4)]
         assert seq[0] is not seq[1] and seq[:2] == seq[2:]
-    # A replica whose metrics list no adapters (an older server) is never "loaded".
-    bare = replicas(2)
-    assert [policy.choose(bare, RouteRequest(adapter="sql")) for _ in range(2)] == bare
     assert make_policy("least-load").name == "least-load"
+
+
+def adapter_names(n: int) -> list[str]:
+    return [f"tenant-{i}-sql" for i in range(n)]
+
+
+def serving(rs: list[Replica], names: list[str], loaded: frozenset[str] = frozenset()
+            ) -> list[Replica]:
+    """Every replica serves every adapter in `names`, with only `loaded` in memory."""
+    for r in rs:
+        r.adapters, r.loaded_adapters = frozenset(names), loaded
+    return rs
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_an_adapter_loaded_nowhere_goes_to_one_replica(name: str) -> None:
+    """Left to the policy, its requests would spread and every replica would load it."""
+    policy = make_policy(name)
+    rs = serving(replicas(4), adapter_names(8))
+    for adapter in adapter_names(8):
+        picks = {policy.choose(rs, RouteRequest(prefix=p, adapter=adapter)).url for p in keys(12)}
+        assert len(picks) == 1, (adapter, picks)
+    # A replica whose metrics list no adapters (an older server) is never "loaded": the same.
+    bare = replicas(4)
+    picks = {policy.choose(bare, RouteRequest(prefix=p, adapter="sql")).url for p in keys(8)}
+    assert len(picks) == 1
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_past_the_loaded_replicas_bound_one_registered_replica_loads_it(name: str) -> None:
+    policy = make_policy(name, RoutingConfig(min_capacity=4))
+    rs = with_adapter(replicas(4), loaded={0})
+    rs[0].in_flight = 4  # at its bound: another replica must load the adapter
+    picks = {policy.choose(rs, RouteRequest(prefix=p, adapter="sql")).url for p in keys(12)}
+    assert len(picks) == 1 and rs[0].url not in picks
+
+
+def homes(policy: Policy, rs: list[Replica], names: list[str]) -> dict[str, str]:
+    return {a: policy.choose(rs, RouteRequest(prefix="p" * 40, adapter=a)).url for a in names}
+
+
+def test_adapters_loaded_nowhere_spread_over_the_replicas() -> None:
+    policy, rs = make_policy("least-load"), replicas(4)
+    assert len(set(homes(policy, serving(rs, adapter_names(8)), adapter_names(8)).values())) > 1
+    # Many adapters: close to an even share each (rendezvous weights are uniform).
+    spread = Counter(homes(policy, serving(rs, adapter_names(400)), adapter_names(400)).values())
+    assert set(spread) == {r.url for r in rs} and all(60 < n < 140 for n in spread.values())
+
+
+def test_removing_a_replica_moves_only_its_adapters() -> None:
+    policy, names = make_policy("prefix-affinity"), adapter_names(60)
+    rs = serving(replicas(4), names)
+    before = homes(policy, rs, names)
+    gone = rs.pop(2)
+    after = homes(policy, rs, names)
+    moved = {a for a in names if before[a] != after[a]}
+    assert moved == {a for a in names if before[a] == gone.url} != set()
+    # It comes back: its adapters return to it, the others stay.
+    assert homes(policy, serving(replicas(4), names), names) == before
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_an_unloaded_adapter_spills_past_its_replicas_bound(name: str) -> None:
+    """Requests that do not finish: the adapter's replica takes them up to the bound (never
+    below min_capacity), then the next replica in the adapter's order, and so on."""
+    routing = RoutingConfig(min_capacity=2, load_factor=1.25)
+    policy, rs = make_policy(name, routing), serving(replicas(4), ["sql"])
+    picks: list[Replica] = []
+    for prompt in keys(16):
+        cap = capacity(rs, routing)
+        r = policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql"))
+        assert r.in_flight < cap
+        r.in_flight += 1
+        picks.append(r)
+    home, second = picks[0], picks[2]
+    assert picks[:4] == [home, home, second, second] and second is not home
+    # As the bound grows with the total, the adapter's replica is filled first again.
+    assert home.in_flight == max(r.in_flight for r in rs) and all(r.in_flight for r in rs)
+
+
+def test_adapter_affinity_can_be_turned_off() -> None:
+    policy = make_policy("round-robin", RoutingConfig(adapter_affinity=False))
+    rs = with_adapter(replicas(2), loaded={0})
+    seq = [policy.choose(rs, RouteRequest(adapter="sql")) for _ in range(4)]
+    assert seq == rs + rs  # rotation, as for a base-model request
+    config = GatewayConfig.from_dict(
+        {"routing": {"adapter_affinity": False}, "models": [{"name": "m", "backends": ["http://x"]}]})
+    assert config.routing.adapter_affinity is False and RoutingConfig().adapter_affinity
+    with pytest.raises(ValueError, match="adapter_affinity"):
+        RoutingConfig(adapter_affinity="no")  # type: ignore[arg-type]

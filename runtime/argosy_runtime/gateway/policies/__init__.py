@@ -22,7 +22,8 @@ __all__ = [
 
 def make_policy(name: str, routing: RoutingConfig | None = None) -> Policy:
     """Build the policy called `name` ("round-robin", "least-load", "prefix-affinity"), which
-    sends a LoRA adapter's requests to replicas with the adapter loaded first (within bounds)."""
+    sends a LoRA adapter's requests to replicas with the adapter loaded first (within bounds),
+    unless `routing.adapter_affinity` is off."""
     routing = routing or RoutingConfig()
     policy: Policy
     if name == "round-robin":
@@ -33,4 +34,6 @@ def make_policy(name: str, routing: RoutingConfig | None = None) -> Policy:
         policy = PrefixAffinityPolicy(routing, fallback=LeastLoadPolicy(routing))
     else:
         raise ValueError(f"policy: unknown routing policy {name!r}")
+    if not routing.adapter_affinity:
+        return policy
     return AdapterAffinityPolicy(policy, routing)

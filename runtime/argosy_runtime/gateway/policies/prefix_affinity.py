@@ -27,12 +27,7 @@ from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import RoutingConfig
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
 from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
-
-
-def hash64(text: str) -> int:
-    """A stable 64-bit hash (Python's hash() is salted per process; rings must agree across
-    gateway restarts and replicas of the gateway)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+from argosy_runtime.gateway.policies.hashing import hash64
 
 
 def block_hashes(text: str, block_chars: int) -> list[bytes]:
