@@ -400,7 +400,8 @@ def test_prometheus_rule_structure() -> None:
         text = " ".join(rule["annotations"].values())
         used = set(re.findall(r"\$labels\.(\w+)", text))
         assert used <= carried, (rule["alert"], used - carried)
-        assert used & {"model_name", "model", "job"}, f"{rule['alert']} names no model"
+        # Where to look: a model, or the one gateway pod whose config is at fault.
+        assert used & {"model_name", "model", "job", "pod"}, f"{rule['alert']} names no model"
         if "model_name" in carried:
             assert {"model_name", "pod"} <= used, rule["alert"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -165,6 +165,12 @@ class GatewayMetrics:
             "argosy:gateway_config_reload_failures",
             "Changes to the config file's tenants section that could not apply (unreadable, "
             "invalid): the gateway kept its previous tenants. Each problem counts once.",
+            registry=r,
+        )
+        self.config_refused = Gauge(
+            "argosy:gateway_config_refused",
+            "1 while the config file on disk is refused (unreadable, invalid) and the gateway "
+            "serves its previous tenants; 0 once a valid file applies.",
             registry=r,
         )
         r.register(_ReplicaCollector(pools, activators))

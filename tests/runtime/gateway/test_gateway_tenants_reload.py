@@ -31,6 +31,7 @@ KEY_A, KEY_A2, KEY_B, KEY_C = "sk-a-reload", "sk-a2-reload", "sk-b-reload", "sk-
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 LOGGER = "argosy_runtime.gateway"
 FAILURES = "argosy:gateway_config_reload_failures_total"
+REFUSED = "argosy:gateway_config_refused"
 
 
 def gateway_yaml(backend: str, tenants: list[dict[str, Any]] | None, **extra: Any) -> str:
@@ -173,9 +174,11 @@ async def test_an_invalid_file_keeps_the_previous_tenants(started, caplog) -> No
             await until(failures_are(s, url, failures))
             assert await status_of(s, url, KEY_A) == 200
             assert await status_of(s, url, KEY_A2) == 401
+            assert await metric(s, url, REFUSED) == 1  # for as long as the file stays so
         mount.write(gateway_yaml(replica.url, new_tenants))  # valid again
         await until(answers(s, url, KEY_A2, 200))
         assert await status_of(s, url, KEY_A) == 401
+        assert await metric(s, url, REFUSED) == 0
         # Each broken file counted (and logged) once, however many polls it stayed.
         assert await metric(s, url, FAILURES) == len(broken)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

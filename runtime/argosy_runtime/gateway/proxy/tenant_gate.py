@@ -177,6 +177,7 @@ class TenantGate:
             else:
                 if tenants is not None:
                     self.apply(tenants)
+            self.metrics.config_refused.set(1 if self.config_file.refused else 0)
         try:
             await asyncio.to_thread(self.key_files.sync)
         except Exception:

@@ -47,6 +47,11 @@ class ConfigFile:
         self._text = text  # the last text that was applied, or settled as not applicable
         self._refused: tuple[str | None, str] | None = None  # the last (text, problem) raised
 
+    @property
+    def refused(self) -> bool:
+        """Whether the file as last read is refused (the gateway serves older tenants)."""
+        return self._refused is not None
+
     def reread(self) -> tuple[TenantConfig, ...] | None:
         """(Blocking: call it on a worker thread.) The file's tenants when its text changed
         and it is valid, else None; ConfigRefused the first time a problem is met."""
