@@ -71,6 +71,11 @@ class LoRAAdmin:
         """The adapters in memory now (all of them without --max-loaded-loras)."""
         return tuple(getattr(self.engine, "lora_adapters", None) or ())
 
+    def num_loads(self) -> int:
+        """Adapters loaded by a request so far (--max-loaded-loras loads on first use)."""
+        registry = getattr(self.engine, "lora_registry", None)
+        return registry.num_loads if registry is not None else 0
+
     def _check_allowed(self) -> None:
         if not self.allow_http_updates:
             raise APIError(404, "runtime LoRA updates are off; start the server with "

@@ -36,13 +36,15 @@ class _EngineStatsCollector(Collector):
     def __init__(self, model_name: str, get_stats: Callable[[], EngineStats],
                  get_waiting: Callable[[], int], cache_info: dict[str, str],
                  get_adapters: Callable[[], Iterable[str]],
-                 get_registered: Callable[[], Iterable[str]]) -> None:
+                 get_registered: Callable[[], Iterable[str]],
+                 get_adapter_loads: Callable[[], int]) -> None:
         self.model_name = model_name
         self.get_stats = get_stats
         self.get_waiting = get_waiting
         self.cache_info = cache_info
         self.get_adapters = get_adapters
         self.get_registered = get_registered
+        self.get_adapter_loads = get_adapter_loads
 
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
@@ -77,6 +79,11 @@ class _EngineStatsCollector(Collector):
                       s.spec_decode_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       s.spec_decode_num_accepted_tokens)
+        # Each one read weights and, at the --max-loaded-loras cap, evicted another adapter:
+        # how often a replica's adapters thrash.
+        yield counter("lora_adapter_loads", "LoRA adapters loaded by a request naming one "
+                      "(--max-loaded-loras); not those loaded at start-up.",
+                      self.get_adapter_loads())
         info = GaugeMetricFamily("argosy:cache_config_info", "KV-cache configuration.",
                                  labels=sorted(self.cache_info))
         info.add_metric([self.cache_info[k] for k in sorted(self.cache_info)], 1.0)
@@ -151,12 +158,15 @@ class ServerMetrics:
     def attach_engine(self, get_stats: Callable[[], EngineStats],
                       get_waiting: Callable[[], int], cache_info: dict[str, str],
                       get_adapters: Callable[[], Iterable[str]] = tuple,
-                      get_registered: Callable[[], Iterable[str]] | None = None) -> None:
+                      get_registered: Callable[[], Iterable[str]] | None = None,
+                      get_adapter_loads: Callable[[], int] = lambda: 0) -> None:
         """`get_adapters`: the LoRA adapters in memory; `get_registered`: every adapter
-        served (default: the same, as without --max-loaded-loras)."""
+        served (default: the same, as without --max-loaded-loras); `get_adapter_loads`: how
+        many adapters requests have loaded so far."""
         self.registry.register(_EngineStatsCollector(self.model_name, get_stats, get_waiting,
                                                      cache_info, get_adapters,
-                                                     get_registered or get_adapters))
+                                                     get_registered or get_adapters,
+                                                     get_adapter_loads))
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
     def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:

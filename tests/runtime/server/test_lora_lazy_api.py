@@ -52,6 +52,12 @@ def adapter_series(server: ServerProcess, family: str) -> set[str]:
                           text, re.MULTILINE))
 
 
+def adapter_loads(server: ServerProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(re.search(rf'^argosy:lora_adapter_loads_total{{model_name="{MODEL}"}} (\S+)$',
+                           text, re.MULTILINE).group(1))
+
+
 def test_adapters_load_on_first_use_one_at_a_time(lazy_server: ServerProcess,
                                                   peft_model) -> None:  # noqa: F811
     from argosy_runtime.model_loader import load_checkpoint
@@ -72,12 +78,15 @@ def test_adapters_load_on_first_use_one_at_a_time(lazy_server: ServerProcess,
         assert list(pool.map(greedy, ["colors"] * 6)) == [expected] * 6
     assert lazy_server.log_text().count("LoRA adapter colors loaded on demand") == 1
     assert adapter_series(lazy_server, "lora_adapter_loaded") == {"colors"}
+    assert adapter_loads(lazy_server) == 1
 
     # Two adapters, one slot: requests for the second wait for the first's to finish.
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(greedy, ["hues", "colors"] * 3)) == [expected] * 6
     assert len(adapter_series(lazy_server, "lora_adapter_loaded")) == 1
     assert "evicted (least recently used" in lazy_server.log_text()
+    # Every load counted, reloads after an eviction too.
+    assert adapter_loads(lazy_server) == lazy_server.log_text().count("loaded on demand") >= 2
 
     # A broken adapter: a 400 naming the problem, to each request, and the rest still serve.
     for _ in range(2):
