@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+import pytest
 from argosy_runtime.cli.operator_cmd import add_parser, kopf_argv
 from conftest import NS, Api, eventually
 
@@ -26,11 +27,28 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags_map_to_kopf_run() -> None:
     assert kopf_argv(parse()) == ["run", "--standalone", "--all-namespaces", "-m",
                                   "argosy_operator.handlers"]
-    assert kopf_argv(parse("-n", "ml", "-n", "dev-*", "--liveness",
+    assert kopf_argv(parse("-n", "ml", "-n", "dev-2", "--liveness",
                            "http://0.0.0.0:8080/healthz", "--verbose")) == [
-        "run", "--standalone", "--namespace", "ml", "--namespace", "dev-*",
+        "run", "--standalone", "--namespace", "ml", "--namespace", "dev-2",
         "--liveness=http://0.0.0.0:8080/healthz", "--verbose", "-m",
         "argosy_operator.handlers"]
+
+
+@pytest.mark.parametrize("value", ["dev-*", "ml-?", "!kube-system", "a,b", "ML", "ml-"])
+def test_a_namespace_pattern_is_refused_not_silently_unwatched(value: str, capsys) -> None:
+    """Scanning is off (handlers.py), so kopf keeps only exact names: `-n 'dev-*'` would
+    leave the operator watching nothing, without an error."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse("-n", value)
+    assert exit_info.value.code == 2
+    assert "not a namespace name" in capsys.readouterr().err
+
+
+def test_kopf_drops_patterns_when_it_does_not_scan_namespaces() -> None:
+    """Why the patterns above are refused (kopf's own fallback without scanning)."""
+    from kopf._cogs.structs.references import select_specific_namespaces
+
+    assert select_specific_namespaces(["ml", "dev-*", "ml-?", "!kube-system", "a,b"]) == {"ml"}
 
 
 async def test_argosy_operator_reconciles_without_torch(kube: Any, kubeconfig: str, api: Api

@@ -11,8 +11,21 @@ else $KUBECONFIG or ~/.kube/config. Never imports torch.
 from __future__ import annotations
 
 import argparse
+import re
 
 HANDLERS_MODULE = "argosy_operator.handlers"
+# A namespace name (DNS-1123 label). The operator turns off kopf's namespace scanning (no RBAC
+# to list namespaces), and kopf then serves only exact names: a pattern such as 'ml-*' would be
+# dropped without a word and nothing watched, so it is refused here instead.
+NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def namespace_name(value: str) -> str:
+    if not NAMESPACE_NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a namespace name (lowercase letters, digits and '-', at most "
+            "63); patterns like 'ml-*' are not supported: give each namespace with its own -n")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,7 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "-n", "--namespace", action="append", default=[], metavar="NAMESPACE",
-        help="Watch only this namespace (repeatable; globs like 'ml-*' work). "
+        type=namespace_name,
+        help="Watch only this namespace (repeatable; exact names, not patterns). "
              "Default: all namespaces.")
     parser.add_argument(
         "--liveness", metavar="URL",
