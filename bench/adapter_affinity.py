@@ -143,19 +143,11 @@ def loads(urls: list[str]) -> list[float]:
 
 
 def wait_for_adapters(gateway: str, names: list[str], timeout: float = 60) -> None:
-    """Until the gateway routes every adapter.
-
-    It learns an adapter's base model from the replicas' /v1/models on the first request
-    naming an unknown model, and while that lookup runs (or within a second of it) other
-    unknown names get a 404, so concurrent first requests for different adapters would fail.
-    A request for a name no replica serves makes the lookup without loading any adapter.
-    """
+    """Until the gateway lists every adapter (its replicas are up and serve them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         listed = {m["id"] for m in httpx.get(gateway + "/v1/models", timeout=10).json()["data"]}
         if listed >= set(names):
-            httpx.post(gateway + "/v1/completions", timeout=10,
-                       json={"model": "no-such-adapter", "prompt": "x", "max_tokens": 1})
             return
         time.sleep(0.2)
     raise TimeoutError(f"the gateway does not list {sorted(set(names) - listed)}")

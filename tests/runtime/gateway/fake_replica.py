@@ -51,6 +51,7 @@ class FakeReplica:
     ready: bool = True
     first_byte_delay: float = 0.0  # after the headers, before the first body byte
     chunk_delay: float = 0.01
+    models_delay: float = 0.0  # before answering /v1/models
     num_chunks: int = 4
     logprob: float = -0.1  # per-token logprob reported when asked
     prompt_tokens: int = 10  # the usage reported: this many prompt tokens, one per chunk
@@ -106,6 +107,7 @@ class FakeReplica:
         return web.json_response({"ok": True})
 
     async def _models(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.models_delay)
         base = {"id": self.model, "object": "model", "owned_by": "argosy"}
         adapters = [{**base, "id": name, "parent": self.model}
                     for name in (*self.adapters, *self.registered_adapters)]

@@ -373,6 +373,25 @@ async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, 
             assert resp.status == 404
 
 
+async def test_new_adapters_requested_together_all_find_their_replica(fake_replicas,
+                                                                      gateway) -> None:
+    """Adapters loaded after the last health check are looked up in /v1/models; requests
+    for several new names that arrive during one lookup wait for it (before, all but the
+    first were answered 404 for the next second)."""
+    (a,) = await fake_replicas(1, model="tiny")
+    _, url = await gateway(config(("tiny", [a.url])))
+    a.adapters = [f"new-{i}" for i in range(6)]  # after the gateway's first scrape
+    a.models_delay = 0.2
+    async with aiohttp.ClientSession() as s:
+        async def status(model: str) -> int:
+            async with s.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"}) as r:
+                await r.read()
+                return r.status
+
+        assert await asyncio.gather(*(status(name) for name in a.adapters)) == [200] * 6
+        assert await status("never-served") == 404
+
+
 @pytest.mark.parametrize("listed_as", ["adapters", "registered_adapters"])
 async def test_adapter_requests_go_to_the_replicas_that_serve_the_adapter(
         fake_replicas, gateway, listed_as: str) -> None:

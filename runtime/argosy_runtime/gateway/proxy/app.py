@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from argosy_runtime.background_tasks import cancel_and_wait
 from argosy_runtime.gateway import cascade as cascade_rules
 from argosy_runtime.gateway.activation import Activator, kubernetes_signal
 from argosy_runtime.gateway.backends.discovery import Discovery, make_discovery
@@ -93,6 +94,7 @@ class Gateway:
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
         self._adapter_parents: dict[str, str] = {}  # LoRA adapter name -> configured model
+        self._adapter_lookup: asyncio.Task[None] | None = None  # the last /v1/models round
         self._adapters_seen_at = 0.0
         # Replicas holding Batch API files and batches, and stored responses, by id.
         self.id_owners = IdOwners(self)
@@ -125,6 +127,7 @@ class Gateway:
             await self.health.stop()
         for discovery in self._discoveries:
             await discovery.stop()
+        await cancel_and_wait(self._adapter_lookup)
         if self.session is not None:
             await self.session.close()
 
@@ -201,15 +204,33 @@ class Gateway:
         return sorted({r.url for pool in self.pools.values() for r in pool.available()})
 
     async def _adapter_parent(self, model: str) -> str | None:
-        """The configured model behind a LoRA adapter name: replicas list each adapter in
-        /v1/models with its `parent`. Looked up on a miss, at most once a second."""
-        if model not in self._adapter_parents and time.monotonic() - self._adapters_seen_at > 1.0:
-            self._adapters_seen_at = time.monotonic()
-            for m in await self._replica_models():
-                parent = m.get("parent")
-                if isinstance(parent, str) and parent in self.pools:
-                    self._adapter_parents[str(m.get("id"))] = parent
+        """The configured model behind a LoRA adapter name: the pool one of whose replicas
+        lists it in its metrics, else (an adapter added since the last health check) what the
+        replicas' /v1/models say, each adapter listed with its `parent`."""
+        for name, pool in self.pools.items():
+            if any(model in (replica.adapters or ()) for replica in pool.replicas):
+                return name
+        if model not in self._adapter_parents:
+            await self._look_up_adapters()
         return self._adapter_parents.get(model)
+
+    async def _look_up_adapters(self) -> None:
+        """Read every replica's /v1/models into `_adapter_parents`. A round in progress is
+        shared by the requests that arrive meanwhile (they wait for it, rather than being
+        told their adapter does not exist); a new one starts at most once a second."""
+        lookup = self._adapter_lookup
+        if lookup is None or (lookup.done() and time.monotonic() - self._adapters_seen_at > 1.0):
+            self._adapters_seen_at = time.monotonic()
+            lookup = self._adapter_lookup = asyncio.get_running_loop().create_task(
+                self._read_adapter_parents())
+        # Shielded: a client that goes away must not cancel the round the others wait on.
+        await asyncio.shield(lookup)
+
+    async def _read_adapter_parents(self) -> None:
+        for m in await self._replica_models():
+            parent = m.get("parent")
+            if isinstance(parent, str) and parent in self.pools:
+                self._adapter_parents[str(m.get("id"))] = parent
 
     async def _models(self) -> dict[str, dict[str, Any]]:
         """Union of every in-rotation replica's /v1/models, plus every configured model (one
