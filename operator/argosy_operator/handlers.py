@@ -66,8 +66,12 @@ def get_client() -> KubeClient:
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # One operator replica (the Deployment uses the Recreate strategy): no peering objects.
     settings.peering.standalone = True
-    # Watch only what the handlers name; no CRD/namespace scanning (and no RBAC for it).
-    settings.scanning.disabled = True
+    # Scanning, when clusterwide (`-A`, the in-cluster Deployment): kopf watches CRDs, so a
+    # CRD installed later (the ServiceMonitor's) is watched without a restart; clusterwide,
+    # kopf never lists namespaces. With `-n NS` scanning would list and watch namespaces
+    # (no RBAC for that), so it stays off and kopf serves the exact names given. kopf sets
+    # settings.peering.clusterwide from the command line before the startup handlers run.
+    settings.scanning.disabled = not settings.peering.clusterwide
     # Events only for what the operator did (posted explicitly), not for every log line.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = OPERATOR_NAME
@@ -288,9 +292,9 @@ async def deployment_changed(event: kopf.RawEvent, meta: kopf.Meta, namespace: s
                          reapply=event.get("type") == "DELETED")
 
 
-# The other children, watched for deletion only. The ServiceMonitor watch exists when its CRD
-# was installed before the operator started (kopf resolves resources once, at startup: see
-# `configure`); without the CRD kopf logs one warning and watches the rest.
+# The other children, watched for deletion only. Without the ServiceMonitor CRD kopf logs one
+# warning and watches the rest; a CRD installed later starts its watch when the operator runs
+# clusterwide (CRD scanning, see `configure`), else at the next operator restart.
 _WATCHED_CHILDREN = tuple((res.group or res.version, res.plural)
                           for res in (SERVICES, PDBS, CONFIGMAPS, SERVICEMONITORS))
 

@@ -5,7 +5,9 @@ on in a real API server: uid / resourceVersion / generation / creationTimestamp,
 no-op patches that change nothing (no resourceVersion bump, no watch event), resourceVersion
 preconditions (409 Conflict), the status subresource (status-only patches on /status, status
 ignored on the main resource), label selectors on list/watch, watches that resume from a
-resourceVersion, and the garbage collector's cascading deletion by owner references.
+resourceVersion, the garbage collector's cascading deletion by owner references, and a
+CustomResourceDefinition created through the API serving its resource (discovery, objects) at
+once; deleting a CRD is not emulated.
 The Deployment controller, scheduler and kubelet are not emulated: tests write the children's
 status and the pods themselves.
 """
@@ -47,6 +49,17 @@ RESOURCES: dict[str, dict[str, Any]] = {
 SERVICEMONITORS = {"monitoring.coreos.com/v1/servicemonitors": dict(
     kind="ServiceMonitor", namespaced=True,
     verbs={"list", "watch", "get", "create", "patch", "delete"})}
+# The Prometheus Operator's CRD object (schema left out), for a test that installs it while
+# the operator runs; SERVICEMONITORS declares the same resource at the emulator's start.
+SERVICEMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+             "names": {"plural": "servicemonitors", "singular": "servicemonitor",
+                       "kind": "ServiceMonitor", "listKind": "ServiceMonitorList"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {
+                               "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
 def _now() -> str:
@@ -168,6 +181,21 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
         if self._has_status(request.resource):
             request.data.pop("status", None)
         request.data.update(self._admit(request, request.data))
+        if request.resource.plural == "customresourcedefinitions":
+            self._establish(request.data)
+
+    def _establish(self, crd: Mapping[str, Any]) -> None:
+        """Serve a new CRD's resource, before its ADDED event goes out: a watcher that reacts
+        to the event (kopf's CRD scanning) finds the resource in discovery, as it does once the
+        API server has established the CRD."""
+        spec, names = crd["spec"], crd["spec"]["names"]
+        for version in spec["versions"]:
+            if version.get("served", True):
+                key = f"{spec['group']}/{version['name']}/{names['plural']}"
+                self.declare({key: dict(
+                    kind=names["kind"], namespaced=spec["scope"] == "Namespaced",
+                    subresources=set(version.get("subresources") or ()),
+                    verbs={"list", "watch", "get", "create", "patch", "delete"})})
 
     def _prepare_patch(self, request: rendering.Request) -> dict[str, Any] | None:
         """Rewrite the merge patch like the API server would; return the object for a no-op."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from conftest import NS, Api, eventually, settle
+from kube_emulator import SERVICEMONITOR_CRD
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
 DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
@@ -387,6 +388,46 @@ async def test_child_deleted_by_hand_is_recreated(kube: Any, api: Api, run_opera
     assert owner["metadata"]["generation"] == 1
     assert "created " + second["kind"] + " chat" in [
         r.data["message"] for r in writes(kube, EVENT_PATH)][-3:]
+
+
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def _watches(kube: Any, plural: str) -> list[Any]:
+    return [r for r in list(kube) if r.method == "GET" and r.params.get("watch") == "true"
+            and r.resource is not None and r.resource.plural == plural]
+
+
+@pytest.mark.no_servicemonitor
+async def test_a_servicemonitor_crd_installed_later_is_watched_without_a_restart(
+        kube: Any, api: Api, run_operator: Any) -> None:
+    """The Prometheus Operator installed while the operator runs (clusterwide, as in the
+    cluster): the next reconcile creates the ServiceMonitor, and one deleted by hand comes back
+    at once, as when the CRD was there at startup (kopf's CRD scanning starts the watch)."""
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await eventually(lambda: _observed(api, 1), what="status")
+        assert await api.get_or_none(f"{SM_PATH}/chat") is None
+        await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+        first = await eventually(lambda: api.get_or_none(f"{SM_PATH}/chat"), what="ServiceMonitor")
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        # Delete only once kopf's watch is streaming: a watch started later would not see
+        # the deletion (nor would a real one).
+        async def watching() -> bool:
+            return bool(_watches(kube, "servicemonitors"))
+
+        await eventually(watching, what="a ServiceMonitor watch")
+        await settle(kube)
+        await api.call("DELETE", f"{SM_PATH}/chat")
+
+        async def recreated() -> Any:
+            sm = await api.get_or_none(f"{SM_PATH}/chat")
+            return sm if sm and sm["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+        second = await eventually(recreated, what="ServiceMonitor re-created")
+        await settle(kube)
+    assert second["spec"] == first["spec"] and second["spec"]["endpoints"][0]["interval"] == "30s"
 
 
 async def test_children_the_spec_drops_stay_deleted(kube: Any, api: Api, run_operator: Any
