@@ -142,6 +142,8 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "")
+            if "(default" not in help_text and "; default" not in help_text:
+                help_text += " (default: %(default)s)"  # unless the help says it in words
             if f.type in ("bool", bool):
                 parser.add_argument(
                     *flags, dest=f.name, action=argparse.BooleanOptionalAction,
@@ -150,7 +152,7 @@ class EngineArgs:
                 continue
             parser.add_argument(
                 *flags, dest=f.name, type=_cli_type(f.name, str(f.type)),
-                default=f.default, help=help_text + " (default: %(default)s)",
+                default=f.default, help=help_text,
             )
 
     @classmethod

@@ -15,7 +15,7 @@ import sys
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "autoscale-sim",
-        help="replay a recorded metrics trace through the autoscaling policy",
+        help="Replay a recorded metrics trace through the autoscaling policy.",
         description="Replay a JSON-lines metrics trace through the LLMDeployment autoscaler and "
                     "print one JSON decision per line (see docs/autoscaling.md).",
     )

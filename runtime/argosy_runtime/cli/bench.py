@@ -19,8 +19,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         module = importlib.import_module(f"argosy_runtime.benchmarks.{module_name}")
         sub = kinds.add_parser(kind, help=help_text, description=help_text)
         module.add_arguments(sub)
+        _show_defaults(sub)
         sub.set_defaults(_bench_run=module.run)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to each option's help that does not name its default yet, so
+    `argosy bench KIND --help` says what an option left out means (--json, for one, writes a
+    file unasked). Secrets (--api-key, from $ARGOSY_API_KEY) are never printed."""
+    for action in parser._actions:
+        text = action.help or ""
+        if (not action.option_strings or action.help == argparse.SUPPRESS
+                or "default" in text or action.default in (None, [], argparse.SUPPRESS)
+                or "key" in action.dest):
+            continue
+        action.help = f"{text} (default: %(default)s)".lstrip()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="smollm2-135m", help="Model for every replica.")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="Model for every replica (default: %(default)s).")
     parser.add_argument("--served-model-name", help="Name clients use (default: --model).")
     parser.add_argument(
         "--replicas",
@@ -34,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="Replicas to start (default 2; with --min, --min or at least 1).",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="Gateway listen address.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Gateway listen address (default: %(default)s).")
     parser.add_argument("--port", type=int, default=8080, help="Gateway port (default 8080).")
     parser.add_argument(
         "--policy",
@@ -52,7 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="Do not replace a replica process that exits on its own.",
     )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
-    parser.add_argument("--log-level", default="info", help="Python logging level.")
+    parser.add_argument("--log-level", default="info",
+                        help="Python logging level (default: %(default)s).")
     parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
     return parser
 

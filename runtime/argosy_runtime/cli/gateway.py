@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "most this long before cutting them (default 30). In Kubernetes, put a preStop sleep "
         "in front and set terminationGracePeriodSeconds above both (docs/deploy.md).",
     )
-    parser.add_argument("--log-level", default="info", help="Python logging level.")
+    parser.add_argument("--log-level", default="info",
+                        help="Python logging level (default: %(default)s).")
     return parser
 
 

@@ -24,13 +24,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "perplexity", help="Perplexity of a model on a text file (sliding window).",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", metavar="FILE", help="UTF-8 text file to score.")
-    parser.add_argument("--model", default="smollm2-135m", help="Model (as for `argosy serve`).")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="Model (as for `argosy serve`; default: %(default)s).")
     parser.add_argument("--quantization", default=None, help="int8 or int4 (default: none).")
     parser.add_argument("--quantization-group-size", type=int, default=128,
                         help="int4 group size: 32, 64 or 128 (default: %(default)s).")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or int8.")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16.")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto.")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto or int8 (default: %(default)s).")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto, float32, float16, bfloat16 (default: %(default)s).")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda or auto (default: %(default)s).")
     parser.add_argument("--window", type=int, default=512, help="Tokens per window (default: %(default)s).")
     parser.add_argument("--stride", type=int, default=256,
                         help="Tokens the window advances by (default: %(default)s).")

@@ -1,8 +1,12 @@
 """`argosy serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) for one model.
 
-Every engine option is a flag (from `EngineArgs`); the server adds --host, --port, --api-key
-(or ARGOSY_API_KEY), --max-waiting, --request-timeout, --drain-timeout and --log-level.
-SIGTERM drains: /ready turns 503, running requests finish (up to --drain-timeout), exit 0.
+    argosy serve --model smollm2-135m                      # http://127.0.0.1:8000
+    argosy serve --model /models/llama --served-model-name llama-3-8b --host 0.0.0.0
+
+Every engine option is a flag (from `EngineArgs`, the "engine" group below); the "server"
+group holds the HTTP server's own (listen address, API key, queue bound, timeouts, tool-call
+parser, runtime LoRA updates, Batch API folder). SIGTERM drains: /ready turns 503, running
+requests finish (up to --drain-timeout), exit 0. See docs/server.md.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
-                        help="Address to listen on (0.0.0.0 in a container).")
+                        help="Address to listen on (default: 127.0.0.1; 0.0.0.0 in a container).")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000).")
     server.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1/* "
-                             "(default: $ARGOSY_API_KEY; /health, /ready, /metrics stay open).")
+                        help="Require 'Authorization: Bearer KEY' on every route but "
+                             "/health, /ready, /metrics and the schema (/docs, /openapi.json) "
+                             "(default: $ARGOSY_API_KEY, else no key).")
     server.add_argument("--max-waiting", type=int, default=1024,
                         help="Most requests waiting for the running batch (or for their "
                              "LoRA adapter, with --max-loaded-loras); more get 429 with "
@@ -53,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="On SIGTERM, seconds to let running requests finish before "
                              "aborting them (default: %(default)s).")
     server.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"])
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="Server log level (default: %(default)s).")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="Read tool calls the model writes in this format and return them "
                              "as tool_calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5 "
@@ -61,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"parameters\"} JSON, Llama 3.1+): enables tool_choice 'auto', "
                              "also the default when a request has tools.")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="Accepted for vLLM compatibility; --tool-call-parser is what "
-                             "enables tool_choice 'auto'.")
+                        help="Accepted for vLLM compatibility (and, as there, an error "
+                             "without --tool-call-parser); --tool-call-parser is what enables "
+                             "tool_choice 'auto'.")
     server.add_argument("--allow-runtime-lora-updates", action="store_true",
                         help="Serve vLLM's POST /v1/load_lora_adapter and "
                              "/v1/unload_lora_adapter (off by default: they load any folder "
