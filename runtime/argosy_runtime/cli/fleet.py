@@ -17,6 +17,7 @@ after `--` go to every `argosy serve`. Ctrl-C or SIGTERM drains every replica an
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             restart=args.restart,
         )
     except ValueError as exc:
-        print(f"argosy fleet: {exc}")
+        print(f"argosy fleet: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> int:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             url = await fleet.start()
         except RuntimeError as exc:
-            print(f"argosy fleet: {exc}")
+            print(f"argosy fleet: {exc}", file=sys.stderr)
             return 1
         for proc in fleet.processes:
             pid = proc.process.pid if proc.process else None

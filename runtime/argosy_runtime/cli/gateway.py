@@ -12,6 +12,7 @@ Never imports torch.
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, config_file = load(args)
     except (OSError, ValueError) as exc:
-        print(f"argosy gateway: {exc}")
+        print(f"argosy gateway: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(run_gateway(config, config_file))

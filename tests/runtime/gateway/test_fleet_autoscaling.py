@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,13 @@ def test_config_validation() -> None:
     # The policy is checked up front (it used to fail inside the autoscaler task, unseen).
     with pytest.raises(ValueError, match="panicWindowSeconds"):
         FleetConfig(min_replicas=1, max_replicas=2, autoscaling={"stableWindowSeconds": 5})
+
+
+def test_the_cli_reports_a_bad_config_on_stderr() -> None:
+    proc = subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", "fleet",
+                           "--autoscaling", "[1]"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "argosy fleet: --autoscaling" in proc.stderr and not proc.stdout
 
 
 async def test_fleet_scales_to_zero_when_idle_and_a_request_wakes_it(tmp_path: Path) -> None:

@@ -61,10 +61,11 @@ async def test_gateway_rejects_bad_config(tmp_path: Path) -> None:
     cfg.write_text("models: [{name: tiny, backends: [http://x], policy: fastest}]\n")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "argosy_runtime.cli.main", "gateway", "--config", str(cfg),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 2 and b"models[tiny].policy" in out
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    # On stderr, like every CLI error (`argosy gateway ... > log` must still show it).
+    assert proc.returncode == 2 and b"models[tiny].policy" in err and not out
 
 
 async def _start_gateway(backend: str, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
