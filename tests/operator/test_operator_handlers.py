@@ -334,6 +334,16 @@ async def test_no_servicemonitor_without_its_crd(kube: Any, api: Api, run_operat
     assert not [r for r in writes(kube) if "servicemonitors" in str(r.url)]
 
 
+async def recreated(api: Api, url: str, first: dict[str, Any], what: str) -> dict[str, Any]:
+    """The object at `url` once it exists again as a new object (another uid than `first`)."""
+
+    async def new_object() -> Any:
+        obj = await api.get_or_none(url)
+        return obj if obj and obj["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+    return await eventually(new_object, what=f"{what} re-created")
+
+
 async def test_deployment_deleted_by_hand_is_recreated(kube: Any, api: Api, run_operator: Any
                                                        ) -> None:
     with run_operator():
@@ -342,11 +352,7 @@ async def test_deployment_deleted_by_hand_is_recreated(kube: Any, api: Api, run_
         await eventually(lambda: _observed(api, 1), what="status")
         await api.call("DELETE", f"{DEP_PATH}/chat")
 
-        async def recreated() -> Any:
-            dep = await api.get_or_none(f"{DEP_PATH}/chat")
-            return dep if dep and dep["metadata"]["uid"] != first["metadata"]["uid"] else None
-
-        second = await eventually(recreated, what="Deployment re-created")
+        second = await recreated(api, f"{DEP_PATH}/chat", first, "Deployment")
         await settle(kube)
     assert second["spec"] == first["spec"]
 
@@ -375,12 +381,7 @@ async def test_child_deleted_by_hand_is_recreated(kube: Any, api: Api, run_opera
         await eventually(lambda: _observed(api, 1), what="status")
         await api.call("DELETE", f"{path}/chat")
 
-        async def recreated() -> Any:
-            child = await api.get_or_none(f"{path}/chat")
-            return child if child and child["metadata"]["uid"] != first["metadata"]["uid"] \
-                else None
-
-        second = await eventually(recreated, what="child re-created")
+        second = await recreated(api, f"{path}/chat", first, "child")
         await settle(kube)
     assert _content(second) == _content(first)
     assert second["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
@@ -421,11 +422,7 @@ async def test_a_servicemonitor_crd_installed_later_is_watched_without_a_restart
         await settle(kube)
         await api.call("DELETE", f"{SM_PATH}/chat")
 
-        async def recreated() -> Any:
-            sm = await api.get_or_none(f"{SM_PATH}/chat")
-            return sm if sm and sm["metadata"]["uid"] != first["metadata"]["uid"] else None
-
-        second = await eventually(recreated, what="ServiceMonitor re-created")
+        second = await recreated(api, f"{SM_PATH}/chat", first, "ServiceMonitor")
         await settle(kube)
     assert second["spec"] == first["spec"] and second["spec"]["endpoints"][0]["interval"] == "30s"
 
