@@ -17,7 +17,9 @@ from argosy_runtime.gateway.policies import (
     RouteRequest,
     make_policy,
 )
+from argosy_runtime.gateway.policies.adapter_affinity import RECENT_S, AdapterAffinityPolicy
 from argosy_runtime.gateway.policies.bounded_load import capacity
+from argosy_runtime.gateway.policies.hashing import rendezvous_order
 from argosy_runtime.gateway.policies.prefix_affinity import HashRing
 
 
@@ -210,7 +212,8 @@ def test_adapter_requests_go_to_replicas_with_the_adapter_loaded(name: str) -> N
         rs[1].in_flight = i % 3  # under min_capacity: still preferred
         assert policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")) is rs[1]
     # Loaded on two: both share the adapter's requests, the registered-only one gets none.
-    rs = with_adapter(replicas(3), loaded={0, 2})
+    # (A new policy: this one sent "sql" to the replica at rs[1]'s URL, which now holds it.)
+    policy, rs = make_policy(name), with_adapter(replicas(3), loaded={0, 2})
     picks = Counter(
         policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")).url for prompt in keys(40)
     )
@@ -221,23 +224,28 @@ def test_adapter_requests_go_to_replicas_with_the_adapter_loaded(name: str) -> N
 def test_adapter_affinity_gives_way_when_the_loaded_replica_is_far_busier(name: str) -> None:
     """The bound prefix affinity uses: ceil(load_factor * (in-flight + 1) / replicas), never
     below min_capacity, and the KV high-watermark."""
-    policy = make_policy(name, RoutingConfig(min_capacity=4, load_factor=1.25))
     loaded, registered = with_adapter(replicas(2), loaded={0})
     request = RouteRequest(prefix="a prompt long enough to have a prefix", adapter="sql")
+
+    def choose() -> Replica:
+        # A new policy each time: one that sent "sql" to `registered` counts it as a holder.
+        policy = make_policy(name, RoutingConfig(min_capacity=4, load_factor=1.25))
+        return policy.choose([loaded, registered], request)
+
     loaded.in_flight = 3  # cap = max(4, ceil(1.25 * 4 / 2)) = 4: room for one more
-    assert policy.choose([loaded, registered], request) is loaded
+    assert choose() is loaded
     loaded.in_flight = 4  # at its bound while the other is idle: the load is worth paying
-    assert policy.choose([loaded, registered], request) is registered
+    assert choose() is registered
     # The bound grows with the total: busy everywhere, the loaded one keeps up to 25% more.
     loaded.in_flight, registered.in_flight = 12, 10  # cap = ceil(1.25 * 23 / 2) = 15
-    assert policy.choose([loaded, registered], request) is loaded
+    assert choose() is loaded
     loaded.in_flight = 18  # cap = ceil(1.25 * 29 / 2) = 19: still within
-    assert policy.choose([loaded, registered], request) is loaded
+    assert choose() is loaded
     loaded.in_flight = 30  # cap = ceil(1.25 * 41 / 2) = 26: over
-    assert policy.choose([loaded, registered], request) is registered
+    assert choose() is registered
     loaded.in_flight = registered.in_flight = 0
     loaded.kv_cache_usage = 0.96  # KV nearly full: a load elsewhere beats queueing here
-    assert policy.choose([loaded, registered], request) is registered
+    assert choose() is registered
 
 
 def test_adapter_affinity_leaves_other_requests_to_the_policy() -> None:
@@ -292,9 +300,9 @@ def homes(policy: Policy, rs: list[Replica], names: list[str]) -> dict[str, str]
 def test_adapters_loaded_nowhere_spread_over_the_replicas() -> None:
     policy, rs = make_policy("least-load"), replicas(4)
     assert len(set(homes(policy, serving(rs, adapter_names(8)), adapter_names(8)).values())) > 1
-    # Many adapters: close to an even share each (rendezvous weights are uniform).
+    # Many adapters: an even share each (the next one goes where the fewest are).
     spread = Counter(homes(policy, serving(rs, adapter_names(400)), adapter_names(400)).values())
-    assert set(spread) == {r.url for r in rs} and all(60 < n < 140 for n in spread.values())
+    assert set(spread) == {r.url for r in rs} and set(spread.values()) == {100}
 
 
 def test_removing_a_replica_moves_only_its_adapters() -> None:
@@ -305,8 +313,8 @@ def test_removing_a_replica_moves_only_its_adapters() -> None:
     after = homes(policy, rs, names)
     moved = {a for a in names if before[a] != after[a]}
     assert moved == {a for a in names if before[a] == gone.url} != set()
-    # It comes back: its adapters return to it, the others stay.
-    assert homes(policy, serving(replicas(4), names), names) == before
+    # Its 15 go to the other three by how many adapters each holds (15 each): 5 to each.
+    assert sorted(Counter(after.values()).values()) == [20, 20, 20]
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -338,3 +346,91 @@ def test_adapter_affinity_can_be_turned_off() -> None:
     assert config.routing.adapter_affinity is False and RoutingConfig().adapter_affinity
     with pytest.raises(ValueError, match="adapter_affinity"):
         RoutingConfig(adapter_affinity="no")  # type: ignore[arg-type]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_few_new_adapters_split_evenly(name: str) -> None:
+    """By name alone, 4 adapters over 2 replicas split 3 and 1 (the bench's case): that
+    replica thrashed among its three while the other idled with one."""
+    names, rs = adapter_names(4), serving(replicas(2), adapter_names(4))
+    by_name = Counter(rendezvous_order(a, [r.url for r in rs])[0] for a in names)
+    assert sorted(by_name.values()) == [1, 3]
+    assert sorted(Counter(homes(make_policy(name), rs, names).values()).values()) == [2, 2]
+    names, rs = adapter_names(6), serving(replicas(4), adapter_names(6))
+    assert sorted(Counter(homes(make_policy(name), rs, names).values()).values()) == [1, 1, 2, 2]
+    # Scraped adapters count too: a replica with two loaded gets no new one until the other
+    # holds as many.
+    rs = serving(replicas(2), adapter_names(6), loaded=frozenset(adapter_names(2)))
+    rs[1].loaded_adapters = frozenset()
+    placed = homes(make_policy(name), rs, adapter_names(6)[2:])
+    new = [placed[a] for a in adapter_names(6)[2:]]
+    assert new[:2] == [rs[1].url, rs[1].url] and sorted(new[2:]) == [rs[0].url, rs[1].url]
+
+
+def test_equal_adapters_held_the_fewest_in_flight_then_the_name_decide() -> None:
+    policy, (a, b) = make_policy("least-load"), serving(replicas(2), ["sql"])
+    assert rendezvous_order("sql", [a.url, b.url])[0] == a.url
+    a.in_flight = 1
+    assert policy.choose([a, b], RouteRequest(adapter="sql")) is b
+    a.in_flight = 0
+    assert make_policy("least-load").choose([a, b], RouteRequest(adapter="sql")) is a
+
+
+def test_a_new_adapter_stays_on_its_replica_before_the_scrape_shows_it() -> None:
+    clock = FakeClock()
+    policy = AdapterAffinityPolicy(LeastLoadPolicy(), clock=clock)
+    a, b = rs = serving(replicas(2), ["sql", "x", "y"])
+    a.loaded_adapters = frozenset({"x"})  # a holds one adapter, b none: b loads "sql"
+    request = RouteRequest(prefix="p" * 40, adapter="sql")
+    assert rendezvous_order("sql", [a.url, b.url])[0] == a.url  # by name alone: a
+    assert policy.choose(rs, request) is b
+    # b now holds more adapters and more requests than a, and no scrape lists "sql" yet: its
+    # requests stay on b (which has it in memory), each one renewing the record.
+    b.loaded_adapters, b.in_flight = frozenset({"x", "y"}), 3  # within min_capacity 4
+    for _ in range(5):
+        clock.now += RECENT_S / 2
+        assert policy.choose(rs, request) is b
+    # No request for it in RECENT_S and still not listed loaded on b: the record is gone and
+    # "sql" goes where the fewest adapters are, now a.
+    clock.now += RECENT_S
+    assert policy.choose(rs, request) is a
+    assert policy.sent == {"sql": {a.url: clock.now}}  # b's old record was dropped
+
+
+def test_the_scraped_state_decides_once_the_record_runs_out() -> None:
+    clock = FakeClock()
+    policy = AdapterAffinityPolicy(LeastLoadPolicy(), clock=clock)
+    a, b = rs = serving(replicas(2), ["sql"])
+    a.in_flight = 1
+    request = RouteRequest(prefix="p" * 40, adapter="sql")
+    assert policy.choose(rs, request) is b
+    # The scrape lists "sql" loaded on a (another gateway placed it there) and not on b
+    # (evicted): while its record lasts b holds it too, and both take the requests.
+    a.in_flight, a.loaded_adapters = 0, frozenset({"sql"})
+    assert {policy.choose(rs, request).url for _ in range(4)} == {a.url, b.url}
+    clock.now += RECENT_S
+    assert all(policy.choose(rs, request) is a for _ in range(6))
+
+
+def test_a_spilled_adapter_stays_on_the_replica_it_spilled_to() -> None:
+    clock = FakeClock()
+    policy = AdapterAffinityPolicy(LeastLoadPolicy(), RoutingConfig(min_capacity=2), clock=clock)
+    rs = serving(replicas(3), ["sql", "x"])
+    rs[0].loaded_adapters = frozenset({"sql"})
+    rs[1].loaded_adapters = frozenset({"x"})  # busier in adapters than rs[2]
+    rs[0].in_flight = 2  # at its bound
+    request = RouteRequest(prefix="p" * 40, adapter="sql")
+    assert policy.choose(rs, request) is rs[2]
+    rs[2].in_flight = 1
+    assert policy.choose(rs, request) is rs[2]
+    # Back within the bound, the loaded replica shares the adapter with the one it spilled to.
+    rs[0].in_flight = rs[2].in_flight = 0
+    assert {policy.choose(rs, request).url for _ in range(4)} == {rs[0].url, rs[2].url}
