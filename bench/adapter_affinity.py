@@ -12,8 +12,8 @@ what the previous one left loaded.
 
 Reported per arm: adapter loads per replica (the change of each replica's
 `argosy:lora_adapter_loads_total`; every load at the cap evicts another adapter), how many
-replicas each adapter's requests went to (the gateway's `x-argosy-backend`), TTFT p50/p90 and
-the wall time of the mix. Loads are the robust number; latencies move with the machine.
+replicas each adapter's requests went to (the gateway's `x-argosy-backend`) and how many
+adapters each replica served most of, TTFT p50/p90 and the wall time of the mix. Loads are the robust number; latencies move with the machine.
 
     python bench/adapter_affinity.py --json docs/benchmarks/lora/adapter_affinity.json
     python bench/adapter_affinity.py --replicas 2 --max-loaded-loras 1 --adapters 4
@@ -115,7 +115,8 @@ def write_adapters(folder: Path, model: str, names: list[str], rank: int, seed: 
 
 def adapter_homes(names: list[str], replica_urls: list[str]) -> dict[str, int]:
     """How many adapters each replica is first for in the gateway's rendezvous order: where
-    affinity sends an adapter no replica has loaded (hashing splits few adapters unevenly)."""
+    affinity sent an adapter no replica had loaded before it counted the adapters each replica
+    holds (hashing splits few adapters unevenly); now only its last tie-break."""
     from argosy_runtime.gateway.policies.hashing import rendezvous_order
 
     homes = Counter(rendezvous_order(n, replica_urls)[0] for n in names)
@@ -206,6 +207,8 @@ def run_arm(arm: str, round_: int, args: argparse.Namespace, replica_urls: list[
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     per_replica = [a - b for a, b in zip(after, before, strict=True)]
+    # The replica that served most of each adapter's requests: the split affinity made.
+    mostly_on = Counter(c.most_common(1)[0][0] for c in backends.values())
 
     def ms(q: float) -> float | None:
         v = percentile(ttfts, q)
@@ -217,6 +220,7 @@ def run_arm(arm: str, round_: int, args: argparse.Namespace, replica_urls: list[
         "loads_per_replica": per_replica, "loads": sum(per_replica),
         "replicas_per_adapter": {a: len(c) for a, c in sorted(backends.items())},
         "requests_per_replica": dict(sum(backends.values(), Counter())),
+        "adapters_mostly_on": {u: mostly_on[u] for u in replica_urls},
         "ttft_p50_ms": ms(50), "ttft_p90_ms": ms(90), "wall_s": wall,
         "load_avg": os.getloadavg()[0],
     }
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     replica_urls = [f"http://127.0.0.1:{p}" for p in ports]
     print(f"logs, adapters and configs in {logs}; load average {os.getloadavg()}", flush=True)
     homes = adapter_homes(names, replica_urls)
-    print(f"adapters per replica by rendezvous hashing (affinity on, before spills): {homes}")
+    print(f"adapters per replica by rendezvous hashing alone (the tie-break): {homes}")
     replicas = []
     rows: list[dict[str, Any]] = []
     try:
