@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import random
 import re
-import shlex
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ from typing import Any
 import httpx
 import yaml
 from argosy_runtime.benchmarks.processes import start_process, stop_process
+from argosy_runtime.benchmarks.results import utc_now, write_results
 from argosy_runtime.benchmarks.serve import (
     RequestResult,
     make_requests,
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="adapter_affinity."))
     logs.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = utc_now()
     names = adapter_names(args.adapters)
     write_adapters(logs / "adapters", args.model, names, args.rank, args.seed)
     modules = ",".join(f"{n}={logs / 'adapters' / n}" for n in names)
@@ -277,13 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "command": shlex.join(["python", "bench/adapter_affinity.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-            "started_utc": started, "cpus": os.cpu_count(), "args": vars(args),
-            "adapter_homes": homes, "rows": rows}, indent=1) + "\n")
+        write_results(args.json, "bench/adapter_affinity.py",
+                      sys.argv[1:] if argv is None else argv, started, args,
+                      adapter_homes=homes, rows=rows)
     return 0
 
 

@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import re
-import shlex
 import sys
 import tempfile
 import time
@@ -54,6 +52,7 @@ from typing import Any
 import httpx
 import yaml
 from argosy_runtime.benchmarks.processes import start_process, stop_process
+from argosy_runtime.benchmarks.results import utc_now, write_results
 from argosy_runtime.benchmarks.serve import (
     RequestResult,
     arrival_times,
@@ -391,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     replica_url = f"http://127.0.0.1:{args.replica_port}"
     gateway = f"http://127.0.0.1:{args.gateway_port}"
     argosy = [sys.executable, "-m", "argosy_runtime.cli.main"]
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = utc_now()
     print(f"logs and configs in {logs}; load average {os.getloadavg()}", flush=True)
     serve = ["serve", "--model", args.model, "--dtype", args.dtype,
              "--port", str(args.replica_port), "--max-num-seqs", str(args.max_num_seqs)]
@@ -426,13 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     if r:
         print(", ".join(f"{k} = {v:.2f}" for k, v in r.items() if v is not None))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "command": shlex.join(["python", "bench/tenant_priority.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-            "started_utc": started, "cpus": os.cpu_count(), "args": vars(args),
-            "rows": rows, "ratios": r}, indent=1) + "\n")
+        write_results(args.json, "bench/tenant_priority.py",
+                      sys.argv[1:] if argv is None else argv, started, args,
+                      rows=rows, ratios=r)
     return 0
 
 
