@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -512,6 +514,30 @@ async def test_reapply_waits_for_a_spec_change_in_flight(kube: Any, api: Api,
     assert [r.method for r in writes(kube, f"{PDB_PATH}/chat")] == ["DELETE"]
 
 
+@contextlib.asynccontextmanager
+async def reconciled_by_the_handlers(kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch,
+                                     retry_delays: tuple[float, ...]
+                                     ) -> AsyncIterator[list[dict[str, Any]]]:
+    """The handlers called directly (no kopf) on a client of the emulated API server, with
+    an LLMDeployment created and reconciled once; yields the events they post."""
+    import kopf
+    from argosy_operator import handlers
+    from argosy_operator.kube import KubeClient
+
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
+    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", retry_delays)
+    client = KubeClient(str(kube.url))
+    monkeypatch.setitem(handlers._state, "client", client)
+    try:
+        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
+                                               logger=logging.getLogger("test"))
+        yield events
+    finally:
+        await client.close()
+
+
 async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
         kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Service deleted by hand and someone else's Service created under its name: the
@@ -520,19 +546,9 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
     keeps trying: once the foreign Service is gone, ours comes back and Degraded clears."""
     import asyncio
 
-    import kopf
     from argosy_operator import handlers
-    from argosy_operator.kube import KubeClient
 
-    events: list[dict[str, Any]] = []
-    monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
-    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.05,))
-    client = KubeClient(str(kube.url))
-    monkeypatch.setitem(handlers._state, "client", client)
-    try:
-        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
-        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
-                                               logger=logging.getLogger("test"))
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)) as events:
         await api.call("DELETE", f"{SVC_PATH}/chat")
         foreign = {"apiVersion": "v1", "kind": "Service",
                    "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
@@ -554,8 +570,6 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
         assert not reapply.done()  # still retrying
         await api.call("DELETE", f"{SVC_PATH}/chat")  # the foreign Service goes away
         await asyncio.wait_for(reapply, timeout=15)
-    finally:
-        await client.close()
     ours = await api.get_or_none(f"{SVC_PATH}/chat")
     assert ours["metadata"]["ownerReferences"][0]["name"] == "chat"
     assert _cond(await _status(api), "Degraded").get("reason") != "ChildConflict"
@@ -589,25 +603,13 @@ async def test_a_failed_reapply_is_retried_until_it_succeeds(
     event handlers, so the reapply retries itself with backoff (one ApplyFailed Warning, not
     one per try) and the Service comes back once the API server recovers, with no spec change,
     restart or other event."""
-    import kopf
     from argosy_operator import handlers
-    from argosy_operator.kube import KubeClient
 
-    events: list[dict[str, Any]] = []
-    monkeypatch.setattr(kopf, "event", lambda _obj, **kw: events.append(kw))
-    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.01, 0.02))
-    client = KubeClient(str(kube.url))
-    monkeypatch.setitem(handlers._state, "client", client)
-    try:
-        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
-        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
-                                               logger=logging.getLogger("test"))
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.01, 0.02)) as events:
         first = await api.get_or_none(f"{SVC_PATH}/chat")
         await api.call("DELETE", f"{SVC_PATH}/chat")
         failed = _fail_service_creates(kube, monkeypatch, times=3)
         await handlers._refresh_owner(NS, "chat", reapply=True)
-    finally:
-        await client.close()
     assert len(failed) == 3
     svc = await api.get_or_none(f"{SVC_PATH}/chat")
     assert svc is not None and svc["spec"] == first["spec"]
@@ -621,18 +623,9 @@ async def test_a_failing_reapply_stops_when_its_owner_is_deleted(
     """Retries end with the LLMDeployment: nothing is re-created for an owner that is gone."""
     import asyncio
 
-    import kopf
     from argosy_operator import handlers
-    from argosy_operator.kube import KubeClient
 
-    monkeypatch.setattr(kopf, "event", lambda *args, **kwargs: None)
-    monkeypatch.setattr(handlers, "REAPPLY_RETRY_DELAYS", (0.05,))
-    client = KubeClient(str(kube.url))
-    monkeypatch.setitem(handlers._state, "client", client)
-    try:
-        v1 = await api.call("POST", LLMD_PATH, llmd(), "application/json")
-        await handlers.reconcile_llmdeployment(body=v1, meta=v1["metadata"],
-                                               logger=logging.getLogger("test"))
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
         await api.call("DELETE", f"{SVC_PATH}/chat")
         failed = _fail_service_creates(kube, monkeypatch, times=float("inf"))
         reapply = asyncio.create_task(handlers._refresh_owner(NS, "chat", reapply=True))
@@ -643,8 +636,6 @@ async def test_a_failing_reapply_stops_when_its_owner_is_deleted(
         await eventually(tried_twice, what="two failed tries")
         await api.call("DELETE", f"{LLMD_PATH}/chat")
         await asyncio.wait_for(reapply, timeout=15)
-    finally:
-        await client.close()
     assert await api.get_or_none(f"{SVC_PATH}/chat") is None
 
 
