@@ -21,6 +21,9 @@ import httpx
 
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 300.0
+# The servers' logs live for the test session (tests read them after a server stopped) and go
+# with it: the folder is removed when the interpreter exits.
+_LOGS = tempfile.TemporaryDirectory(prefix="argosy-serve-logs-")
 
 
 def free_port() -> int:
@@ -35,7 +38,8 @@ class ServerProcess:
     def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="argosy-serve-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix="argosy-serve-", suffix=".log",
+                                                dir=_LOGS.name)[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         cmd = [sys.executable, "-m", "argosy_runtime.cli.main", "serve", "--model", MODEL,
                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
