@@ -6,7 +6,9 @@ Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy oper
 - events of the Deployments and pods the operator manages -> `refresh_status` of their owner,
   so conditions follow the pods (image pull failures, unschedulable GPU requests, readiness);
 - a child deleted by someone else (a Deployment, Service, PodDisruptionBudget, LoRA ConfigMap
-  or ServiceMonitor) -> `reconcile` of its owner, which re-creates it if the spec still wants it.
+  or ServiceMonitor) -> `reconcile` of its owner, which re-creates it if the spec still wants it;
+- the ServiceMonitor CRD established while the operator runs (clusterwide only) -> `reconcile`
+  of every LLMDeployment that asks for a ServiceMonitor.
 
 There are no deletion handlers and no finalizers: every child carries an owner reference, and
 Kubernetes' garbage collector deletes the children with their LLMDeployment.
@@ -42,8 +44,10 @@ from argosy_operator.kube import (
     SERVICES,
     ApiError,
     KubeClient,
+    Resource,
 )
 from argosy_operator.reconcile import ChildConflictError, reconcile
+from argosy_operator.spec import DEFAULTS
 from argosy_operator.status import patch_status, refresh_status, status_patch
 
 KOPF_PREFIX = "kopf.argosy.dev"
@@ -72,6 +76,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (no RBAC for that), so it stays off and kopf serves the exact names given. kopf sets
     # settings.peering.clusterwide from the command line before the startup handlers run.
     settings.scanning.disabled = not settings.peering.clusterwide
+    if settings.peering.clusterwide:
+        # Registered here rather than by a decorator: with `-n` kopf would list and watch
+        # CRDs for this handler too (not granted there). kopf reads its handlers and starts
+        # its watches only after the startup handlers; a repeated registration (several runs
+        # in one process, as in the tests) is deduplicated by the handler's id.
+        _established_crds.clear()
+        kopf.on.event(CRDS.group, CRDS.version, CRDS.plural, id="servicemonitor_crd",
+                      field="metadata.name", value=SERVICEMONITOR_CRD)(servicemonitor_crd_changed)
     # Events only for what the operator did (posted explicitly), not for every log line.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = OPERATOR_NAME
@@ -312,6 +324,55 @@ async def child_deleted(event: kopf.RawEvent, meta: kopf.Meta, namespace: str | 
     status reads, so they cost no request."""
     if event.get("type") == "DELETED":
         await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD), reapply=True)
+
+
+CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)
+SERVICEMONITOR_CRD = f"{SERVICEMONITORS.plural}.{SERVICEMONITORS.group}"
+# uids of ServiceMonitor CRDs seen established in this run (one per install of the CRD).
+_established_crds: set[str] = set()
+
+
+def _established(crd: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Established" and c.get("status") == "True"
+               for c in (crd.get("status") or {}).get("conditions") or [])
+
+
+def _wants_servicemonitor(llmd: Mapping[str, Any]) -> bool:
+    monitoring = (llmd.get("spec") or {}).get("monitoring") or {}
+    return bool(monitoring.get("serviceMonitor", DEFAULTS["monitoring"]["serviceMonitor"]))
+
+
+async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.Meta,
+                                     **_: Any) -> None:
+    """The ServiceMonitor CRD established while the operator runs (the Prometheus Operator
+    installed after Argosy; clusterwide only, registered in `configure`): reconcile every
+    LLMDeployment that asks for a ServiceMonitor, so each gets one now rather than at its next
+    spec change. Once per install of the CRD (its uid): later edits of the CRD change nothing.
+    The CRD found at startup (kopf's initial listing, no event type) is marked seen without a
+    reconcile: the resume reconciles of the startup already create the ServiceMonitors."""
+    uid = meta.get("uid") or ""
+    if event.get("type") == "DELETED":
+        _established_crds.discard(uid)
+        return
+    if uid in _established_crds or not _established(body):
+        return  # created but not yet served: its status update comes as another event
+    _established_crds.add(uid)
+    if event.get("type") is None:
+        return
+    client = get_client()
+    # The API server lists a CRD in discovery (what reconcile checks) just after it marks it
+    # Established: wait for that, briefly.
+    for attempt in range(len(REAPPLY_RETRY_DELAYS)):
+        if await client.has_resource(SERVICEMONITORS):
+            break
+        await asyncio.sleep(reapply_retry_delay(attempt))
+    owners = [(o["metadata"]["namespace"], o["metadata"]["name"])
+              for o in await client.list(LLMDEPLOYMENTS, None) if _wants_servicemonitor(o)]
+    _log.info("the ServiceMonitor CRD is established: reconciling %d LLMDeployments",
+              len(owners))
+    # Concurrently: one owner whose reapply keeps failing (a foreign ServiceMonitor in the
+    # way) must not hold up the others.
+    await asyncio.gather(*(_refresh_owner(ns, name, reapply=True) for ns, name in owners))
 
 
 @kopf.on.event("", "v1", "pods", labels=_CHILD_LABELS)

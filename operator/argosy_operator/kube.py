@@ -145,8 +145,9 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, res: Resource, namespace: str, *, label_selector: str | None = None
-                   ) -> list[dict[str, Any]]:
+    async def list(self, res: Resource, namespace: str | None, *,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        """The objects in `namespace` (None: in every namespace)."""
         params = {"labelSelector": label_selector} if label_selector else None
         payload = await self.request("GET", res.path(namespace), params=params)
         return list(payload.get("items", []))

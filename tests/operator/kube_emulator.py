@@ -6,8 +6,8 @@ no-op patches that change nothing (no resourceVersion bump, no watch event), res
 preconditions (409 Conflict), the status subresource (status-only patches on /status, status
 ignored on the main resource), label selectors on list/watch, watches that resume from a
 resourceVersion, the garbage collector's cascading deletion by owner references, and a
-CustomResourceDefinition created through the API serving its resource (discovery, objects) at
-once; deleting a CRD is not emulated.
+CustomResourceDefinition created through the API established and serving its resource
+(discovery, objects) at once; deleting a CRD is not emulated.
 The Deployment controller, scheduler and kubelet are not emulated: tests write the children's
 status and the pods themselves.
 """
@@ -184,10 +184,13 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
         if request.resource.plural == "customresourcedefinitions":
             self._establish(request.data)
 
-    def _establish(self, crd: Mapping[str, Any]) -> None:
-        """Serve a new CRD's resource, before its ADDED event goes out: a watcher that reacts
-        to the event (kopf's CRD scanning) finds the resource in discovery, as it does once the
-        API server has established the CRD."""
+    def _establish(self, crd: dict[str, Any]) -> None:
+        """Serve a new CRD's resource and mark it Established, before its ADDED event goes
+        out: a watcher that reacts to the event (kopf's CRD scanning, the operator's handler)
+        finds the resource in discovery, as it does once the API server has established the
+        CRD (which a real one reports in a later MODIFIED event)."""
+        crd["status"] = {"conditions": [{"type": "NamesAccepted", "status": "True"},
+                                        {"type": "Established", "status": "True"}]}
         spec, names = crd["spec"], crd["spec"]["names"]
         for version in spec["versions"]:
             if version.get("served", True):

@@ -71,7 +71,8 @@ async def test_argosy_operator_reconciles_without_torch(kube: Any, kubeconfig: s
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == ["argosy"]
     assert proc.returncode == 0, output.decode()[-3000:]
     # With -n, kopf's scanning stays off (handlers.configure): with it, kopf would list and
-    # watch namespaces, which the ClusterRole does not grant (nor CRDs there: not needed).
+    # watch namespaces, which the ClusterRole does not grant (nor CRDs there: not needed), and
+    # the ServiceMonitor CRD handler is registered only clusterwide (its watch would list CRDs).
     scans = [str(r.url) for r in list(kube) if r.resource is not None
              and r.resource.plural in ("namespaces", "customresourcedefinitions")]
     assert scans == []

@@ -138,8 +138,8 @@ async def test_spec_change_patches_deployment_in_place(kube: Any, api: Api, run_
     assert all("replicas" not in p.data.get("spec", {}) for p in dep_patches)
 
 
-async def _observed(api: Api, generation: int) -> bool:
-    return (await _status(api)).get("observedGeneration") == generation
+async def _observed(api: Api, generation: int, name: str = "chat") -> bool:
+    return (await _status(api, name)).get("observedGeneration") == generation
 
 
 async def _make_pod(api: Api, name: str, **status: Any) -> None:
@@ -402,19 +402,30 @@ def _watches(kube: Any, plural: str) -> list[Any]:
 
 
 @pytest.mark.no_servicemonitor
-async def test_a_servicemonitor_crd_installed_later_is_watched_without_a_restart(
+async def test_a_servicemonitor_crd_installed_later_is_used_without_a_spec_change(
         kube: Any, api: Api, run_operator: Any) -> None:
     """The Prometheus Operator installed while the operator runs (clusterwide, as in the
-    cluster): the next reconcile creates the ServiceMonitor, and one deleted by hand comes back
-    at once, as when the CRD was there at startup (kopf's CRD scanning starts the watch)."""
+    cluster): the LLMDeployments that ask for a ServiceMonitor (in any namespace) get one at
+    once, with no change to them, and one without monitoring gets none; a ServiceMonitor
+    deleted by hand then comes back at once, as when the CRD was there at startup (kopf's CRD
+    scanning starts the watch)."""
+    elsewhere = llmd()
+    elsewhere["metadata"]["namespace"] = "team-b"
+    other_sm_path = SM_PATH.replace(f"/namespaces/{NS}/", "/namespaces/team-b/")
     with run_operator():
         await api.call("POST", LLMD_PATH, llmd(), "application/json")
-        await eventually(lambda: _observed(api, 1), what="status")
+        await api.call("POST", LLMD_PATH, llmd("plain", monitoring={"serviceMonitor": False}),
+                       "application/json")
+        await api.call("POST", LLMD_PATH.replace(f"/namespaces/{NS}/", "/namespaces/team-b/"),
+                       elsewhere, "application/json")
+        for name in ("chat", "plain"):
+            await eventually(lambda n=name: _observed(api, 1, n), what=f"{name} status")
+        await settle(kube)
         assert await api.get_or_none(f"{SM_PATH}/chat") is None
         await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
-        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
         first = await eventually(lambda: api.get_or_none(f"{SM_PATH}/chat"), what="ServiceMonitor")
-        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        await eventually(lambda: api.get_or_none(f"{other_sm_path}/chat"),
+                         what="ServiceMonitor in team-b")
         # Delete only once kopf's watch is streaming: a watch started later would not see
         # the deletion (nor would a real one).
         async def watching() -> bool:
@@ -422,11 +433,48 @@ async def test_a_servicemonitor_crd_installed_later_is_watched_without_a_restart
 
         await eventually(watching, what="a ServiceMonitor watch")
         await settle(kube)
+        assert await api.get_or_none(f"{SM_PATH}/plain") is None
         await api.call("DELETE", f"{SM_PATH}/chat")
 
         second = await recreated(api, f"{SM_PATH}/chat", first, "ServiceMonitor")
         await settle(kube)
-    assert second["spec"] == first["spec"] and second["spec"]["endpoints"][0]["interval"] == "30s"
+    assert second["spec"] == first["spec"]
+    assert first["metadata"]["ownerReferences"][0]["name"] == "chat"
+    for name in ("chat", "plain"):
+        owner = await api.get_or_none(f"{LLMD_PATH}/{name}")
+        assert owner["metadata"]["generation"] == 1, name
+    assert not [r for r in writes(kube, f"{SM_PATH}/plain")]
+    assert "created ServiceMonitor chat" in [r.data["message"] for r in writes(kube, EVENT_PATH)]
+
+
+@pytest.mark.no_servicemonitor
+async def test_the_servicemonitor_crd_found_at_startup_adds_no_reconcile(
+        kube: Any, api: Api, run_operator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the CRD already installed, kopf's first listing of CRDs reaches the operator's
+    CRD handler too: the startup's resume reconcile alone creates the ServiceMonitor, the
+    handler does not reconcile every LLMDeployment a second time."""
+    from argosy_operator import handlers
+
+    reconciled: list[str] = []
+    real_reconcile = handlers.reconcile
+
+    async def counted(client: Any, owner: Any) -> Any:
+        reconciled.append(owner["metadata"]["name"])
+        return await real_reconcile(client, owner)
+
+    monkeypatch.setattr(handlers, "reconcile", counted)
+    await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+    await api.call("POST", LLMD_PATH, llmd(), "application/json")
+    with run_operator():
+        await eventually(lambda: api.get_or_none(f"{SM_PATH}/chat"), what="ServiceMonitor")
+        await eventually(lambda: _observed(api, 1), what="status")
+
+        async def crds_watched() -> bool:  # the handler's watch, besides kopf's scanning one
+            return len(_watches(kube, "customresourcedefinitions")) >= 2
+
+        await eventually(crds_watched, what="two CRD watches")
+        await settle(kube, quiet=1.5)
+    assert reconciled == ["chat"]
 
 
 async def test_children_the_spec_drops_stay_deleted(kube: Any, api: Api, run_operator: Any
