@@ -321,6 +321,7 @@ def test_dashboard_shows_what_an_sre_watches() -> None:
                  "argosy:kv_cache_usage_perc", "argosy:prefix_cache_hits_total",
                  "argosy:prefix_cache_queries_total", "argosy:num_preemptions_total",
                  "argosy:batch_requests_pending", "argosy:lora_adapter_loaded",
+                 "argosy:lora_adapter_loads_total", "argosy:gateway_config_refused",
                  "argosy:gateway_requests_total", "argosy:gateway_retries_total",
                  "argosy:gateway_tenant_requests_total",
                  "argosy:gateway_tenant_rate_limited_total", "argosy:gateway_requests_held"):
