@@ -68,9 +68,13 @@ class TorchAttentionBackend:
                                           k_scale=k_scale, v_scale=v_scale, out=out[start:end])
                 start = end
                 continue
-            if num_context == 0:
+            if num_context == 0 and k_scale is None:
                 k, v = key[start:end], value[start:end]
             else:
+                # The chunk's own K/V are read back from the cache with the prefix: an int8
+                # cache then gives a prompt the same quantized values whether its first tokens
+                # were computed in this chunk, an earlier one, or found in the prefix cache, so
+                # neither a cache hit nor the chunk size changes outputs.
                 blocks = meta.prefill_block_tables[i, : -(-seq_len // block_size)].long()
                 k = key_cache[blocks].flatten(0, 1)[:seq_len]
                 v = value_cache[blocks].flatten(0, 1)[:seq_len]

@@ -4,9 +4,9 @@ The file's tokens are scored in sliding windows of `--window` tokens advancing b
 `--stride`: each window is one prompt run with `prompt_logprobs=0` (the engine returns the
 log-probability of every prompt token after the first), and only tokens that no earlier
 window scored are counted, so every token after the first is scored exactly once, with up
-to `window - stride` tokens of context ahead of it. Prompts are prefilled in small chunks
-(`--chunk-tokens`) so attention reads earlier tokens from the KV cache, as in decoding: that
-is what makes `--kv-cache-dtype int8` measurable. Prints one JSON line:
+to `window - stride` tokens of context ahead of it. Prompts are prefilled in chunks
+(`--chunk-tokens`); attention reads every token's K/V back from the KV cache, as in decoding,
+so `--kv-cache-dtype int8` is measured at every position. Prints one JSON line:
 {"perplexity", "tokens", "weight_bytes", "kv_bytes_per_token", ...}.
 """
 
@@ -41,11 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="Score only the first N tokens of the file.")
     parser.add_argument("--chunk-tokens", type=int, default=32,
-                        help="Prefill chunk (engine token budget per step). Small chunks make "
-                             "most positions read K/V back from the KV cache, as decoding "
-                             "does, so an int8 cache's rounding is measured; a window "
-                             "prefilled in one chunk attends only to fresh K/V "
-                             "(default: %(default)s).")
+                        help="Prefill chunk (engine token budget per step; the result does "
+                             "not depend on it beyond float rounding) (default: %(default)s).")
     return parser
 
 

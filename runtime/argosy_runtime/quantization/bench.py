@@ -65,8 +65,7 @@ def bench_modes(args: argparse.Namespace) -> list[dict]:
     for mode in args.modes:
         started = time.perf_counter()
         try:
-            # budget 64: decode of 32 fits in a step, and prefill chunks read K/V back from the
-            # cache (see argosy perplexity --chunk-tokens)
+            # budget 64: a decode of 32 sequences fits in a step
             llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory=args.kv_memory,
                       enable_prefix_caching=False, max_num_batched_tokens=64, **MODES[mode])
             llm.generate("warm up", None)

@@ -176,3 +176,45 @@ def test_prefill_chunks_after_cached_prefixes_equal_reference(dtype: torch.dtype
     want = paged_prefill_attention_ref(query, kc, vc, tables, starts,
                                        torch.tensor(seq_lens, dtype=torch.int32), 0.125)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_fresh_prompt_on_an_int8_cache_attends_to_what_a_cache_hit_would_read() -> None:
+    """With an int8 KV cache, a prompt computed with nothing cached (one chunk) must attend to
+    the same quantized K/V as when its first tokens come from the prefix cache (or an earlier
+    chunk): else a prefix-cache hit, or another chunk size, changes greedy outputs. Both equal
+    the paged reference over the int8 cache; before, the fresh prompt used the unquantized K/V."""
+    from argosy_kernels.paged_prefill_attention import paged_prefill_attention_ref
+    from argosy_kernels.reshape_and_cache import reshape_and_cache_ref
+
+    gen = torch.Generator().manual_seed(23)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 16, 8
+    n, cached = 40, 32  # a prompt of 40 tokens; a hit covers its first 2 blocks
+    query = torch.randn(n, num_heads, head_dim, generator=gen)
+    key, value = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    table = torch.tensor([[4, 1, 6]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // block_size]) * block_size + p % block_size
+                          for p in range(n)])
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, 0.125)
+
+    def run(first: int) -> torch.Tensor:
+        """Attention of tokens first..n-1 with tokens 0..first-1 already in the cache."""
+        kq = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.int8)
+        vq = torch.zeros_like(kq)
+        ks = torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float16)
+        vs = torch.zeros_like(ks)
+        reshape_and_cache_ref(key[:first], value[:first], kq, vq, slots[:first],
+                              k_scale=ks, v_scale=vs)
+        meta = AttentionMetadata(
+            slot_mapping=slots[first:], num_decodes=0, decode_block_tables=table[:0],
+            decode_context_lens=torch.zeros(0, dtype=torch.int32),
+            prefill_query_lens=[n - first], prefill_seq_lens=[n], prefill_block_tables=table)
+        got = backend.forward(query[first:], key[first:], value[first:], kq, vq, meta,
+                              k_scale=ks, v_scale=vs)
+        want = paged_prefill_attention_ref(
+            query[first:], kq, vq, table, torch.tensor([0, n - first], dtype=torch.int32),
+            torch.tensor([n], dtype=torch.int32), 0.125, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return got
+
+    fresh, after_hit = run(0), run(cached)
+    torch.testing.assert_close(fresh[cached:], after_hit, rtol=1e-5, atol=1e-5)
