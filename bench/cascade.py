@@ -97,8 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-quantization", default="int4",
                    help="the small replica's --quantization (default int4)")
     p.add_argument("--small-kv-cache-dtype", default="auto",
-                   help="the small replica's --kv-cache-dtype (default auto; int8 makes a "
-                        "prompt's greedy answer change once its prefix is cached)")
+                   help="the small replica's --kv-cache-dtype (default auto)")
     p.add_argument("--large-dtype", default="float32",
                    help="the large replica's --dtype (default float32)")
     p.add_argument("--thresholds", type=parse_thresholds, default=[-0.6, -0.7, -0.9],
