@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -50,3 +51,15 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[tuple[Gateway, str]
     yield make
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest) -> Any:
+    """The test module's bench/ script (its `SCRIPT`), imported: the scripts are not a package."""
+    script = request.module.SCRIPT
+    spec = importlib.util.spec_from_file_location(f"{script.stem}_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]

@@ -5,24 +5,14 @@ gateway: see docs/benchmarks/lora.md."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 from argosy_runtime.gateway.config import load_config
 
+# The `bench` fixture (conftest.py) imports it.
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "adapter_affinity.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("adapter_affinity_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def test_arguments(bench) -> None:
