@@ -14,7 +14,6 @@ from argosy_runtime.gateway.config import load_config
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "adapter_affinity.py"
 
 
-
 def test_arguments(bench) -> None:
     args = bench.parse_args([])
     assert args.replicas == 2 and args.max_loaded_loras == 1 and args.adapters == 4

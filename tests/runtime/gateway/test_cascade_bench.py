@@ -14,7 +14,6 @@ from argosy_runtime.gateway.config import load_config
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "cascade.py"
 
 
-
 def test_arguments(bench) -> None:
     args = bench.parse_args([])
     assert args.small_quantization == "int4" and args.large_dtype == "float32"

@@ -14,7 +14,6 @@ from argosy_runtime.gateway.config import load_config
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "tenant_priority.py"
 
 
-
 def test_arguments(bench) -> None:
     args = bench.parse_args([])
     assert args.bulk_streams >= args.max_num_seqs and args.bulk_priority > 0
