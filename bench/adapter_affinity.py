@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 import httpx
 import yaml
 from argosy_runtime.benchmarks.processes import start_process, stop_process
+from argosy_runtime.benchmarks.prometheus_text import metric_sum
 from argosy_runtime.benchmarks.results import utc_now, write_results
 from argosy_runtime.benchmarks.serve import (
     RequestResult,
@@ -132,14 +132,8 @@ def gateway_config(args: argparse.Namespace, replica_urls: list[str],
     }
 
 
-def metric_value(text: str, name: str) -> float:
-    """The sum over label sets of Prometheus sample `name` (0 when absent)."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
-    return sum(float(v) for v in pattern.findall(text))
-
-
 def loads(urls: list[str]) -> list[float]:
-    return [metric_value(httpx.get(u + "/metrics", timeout=10).text, LOADS) for u in urls]
+    return [metric_sum(httpx.get(u + "/metrics", timeout=10).text, LOADS) or 0.0 for u in urls]
 
 
 def wait_for_adapters(gateway: str, names: list[str], timeout: float = 60) -> None:

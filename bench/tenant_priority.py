@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from typing import Any
 import httpx
 import yaml
 from argosy_runtime.benchmarks.processes import start_process, stop_process
+from argosy_runtime.benchmarks.prometheus_text import metric_sum
 from argosy_runtime.benchmarks.results import utc_now, write_results
 from argosy_runtime.benchmarks.serve import (
     RequestResult,
@@ -141,13 +141,6 @@ def write_gateway_config(path: Path, args: argparse.Namespace, replica_url: str,
     path.write_text(yaml.safe_dump(gateway_config(args, replica_url, bulk_priority),
                                    sort_keys=False))
     return path
-
-
-def metric_sum(text: str, name: str) -> float | None:
-    """The sum over label sets of a Prometheus sample `name` (None when absent)."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
-    values = [float(v) for v in pattern.findall(text)]
-    return sum(values) if values else None
 
 
 def cpu_busy_s() -> float:
