@@ -116,8 +116,8 @@ class RoutingConfig:
     w_in_flight: float = 1.0
     w_waiting: float = 1.0
     w_kv: float = 2.0
-    # Requests naming a LoRA adapter go to replicas with it loaded, else to one replica picked
-    # by the adapter's name (policies/adapter_affinity.py); false leaves them to the policy.
+    # Requests naming a LoRA adapter go to replicas holding it, else to one replica that loads
+    # it and keeps it (policies/adapter_affinity.py); false leaves them to the policy.
     adapter_affinity: bool = True
 
     def __post_init__(self) -> None:

@@ -115,9 +115,6 @@ class PrefixAffinityPolicy(Policy):
         """Most in-flight requests one replica may hold, counting the one being placed."""
         return capacity(candidates, self.routing)
 
-    def _fits(self, replica: Replica, cap: int) -> bool:
-        return within_bound(replica, cap, self.routing)
-
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if not candidates:
             return None
@@ -131,12 +128,12 @@ class PrefixAffinityPolicy(Policy):
         for digest in reversed(hashes):  # longest known prefix first
             url = self._affinity.get(digest)
             if url is not None and url in by_url:
-                if self._fits(by_url[url], cap):
+                if within_bound(by_url[url], cap, self.routing):
                     chosen = by_url[url]
                 break  # shorter prefixes of the same prompt live on the same replica or older
         if chosen is None:
             for url in self.ring(list(by_url)).walk(text[: self.routing.prefix_chars]):
-                if self._fits(by_url[url], cap):
+                if within_bound(by_url[url], cap, self.routing):
                     chosen = by_url[url]
                     break
         if chosen is None:
