@@ -51,18 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def build_config(args: argparse.Namespace, config_text: str | None = None):  # -> GatewayConfig
-    """The GatewayConfig from --config (its content `config_text` when given, else read from
-    the file) plus flag overrides, validated once as a whole (a cascade in the file may name
-    a model that only a --backend flag adds)."""
+    """The GatewayConfig from `config_text` (the --config file's content, read by `load`;
+    None: no file) plus flag overrides, validated once as a whole (a cascade in the file may
+    name a model that only a --backend flag adds)."""
     import yaml
 
     from argosy_runtime.gateway.config import GatewayConfig, parse_backend_flag
 
     data: dict = {}
-    if args.config:
-        if config_text is None:
-            with open(args.config, encoding="utf-8") as f:
-                config_text = f.read()
+    if config_text is not None:
         data = yaml.safe_load(config_text) or {}
         if not isinstance(data, dict):
             raise ValueError("config: expected a mapping at the top level")

@@ -123,7 +123,7 @@ def test_flags_override_and_add(tmp_path: Path) -> None:
         config=str(path), host="0.0.0.0", port=1234, policy="prefix-affinity",
         backend=["other=http://127.0.0.1:9001,http://127.0.0.1:9002"], drain_timeout=2.5,
     )
-    cfg = cli.build_config(args)
+    cfg, _ = cli.load(args)
     assert (cfg.host, cfg.port, cfg.routing.policy) == ("0.0.0.0", 1234, "prefix-affinity")
     assert cfg.drain_timeout_s == 2.5
     assert cfg.routing.prefix_chars == 128  # untouched fields survive the override
