@@ -107,8 +107,7 @@ class _EngineStatsCollector(Collector):
 # The `path` label of argosy:http_requests: route templates, so ids never become series.
 _ROUTES = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/tokenize",
-    "/detokenize",
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
+    "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
     "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
     "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
     "/v1/responses/{id}/cancel",

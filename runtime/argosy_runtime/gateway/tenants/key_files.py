@@ -4,9 +4,8 @@ A tenant's keys file is usually a mounted Kubernetes Secret. When the Secret cha
 writes the new files into a fresh timestamped folder and swaps the mount's `..data` symlink
 to it, so the file's path stays the same while its content (and, oddly, not always its mtime)
 changes. Every POLL_SECONDS the gate's watcher (proxy/tenant_gate.py) calls `sync`, which
-reads each file again and compares the keys in it with the
-ones served (as digests, never by mtime); when they differ, the tenant's keys are replaced in
-the KeyRing at once: new keys work and removed ones get a 401 from the next request on. The
+reads each file again and compares the keys in it with the ones served (as digests, never by
+mtime); when they differ, the tenant's keys are replaced in the KeyRing at once: new keys work and removed ones get a 401 from the next request on. The
 tenant's limiter (its buckets and in-flight count) is kept by tenant name, not by key, so it
 carries on untouched.
 
