@@ -5,9 +5,9 @@ writes the new files into a fresh timestamped folder and swaps the mount's `..da
 to it, so the file's path stays the same while its content (and, oddly, not always its mtime)
 changes. Every POLL_SECONDS the gate's watcher (proxy/tenant_gate.py) calls `sync`, which
 reads each file again and compares the keys in it with the ones served (as digests, never by
-mtime); when they differ, the tenant's keys are replaced in the KeyRing at once: new keys work and removed ones get a 401 from the next request on. The
-tenant's limiter (its buckets and in-flight count) is kept by tenant name, not by key, so it
-carries on untouched.
+mtime); when they differ, the tenant's keys are replaced in the KeyRing at once: new keys
+work and removed ones get a 401 from the next request on. The tenant's limiter (its buckets
+and in-flight count) is kept by tenant name, not by key, so it carries on untouched.
 
 A file that cannot be read, holds no key or an invalid one, is logged once (a warning, not one
 every poll) and the tenant keeps the keys it had: a half-written Secret must not lock every
