@@ -45,6 +45,10 @@ def _parse() -> argparse.Namespace:
                    help="toy shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
     p.add_argument("--skip", default="", help="comma-separated sections to skip "
                    "(device,correctness,decode_attention,matmul,engine,e2e)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model of the engine section (an alias, HF folder or .gguf; default: "
+                   "the embedded smollm2-135m; bench/truncate_gguf.py makes one small enough "
+                   "to carry to a lent GPU machine)")
     p.add_argument("--budget-s", type=float, default=460.0,
                    help="stop starting optional measurements after this many seconds")
     return p.parse_args()
@@ -377,18 +381,36 @@ def matmul_section() -> dict:
 
 
 # ---- 5. engine: Triton vs torch attention, greedy, float32 --------------------------------
+def _logprobs(outputs: list[Any]) -> list[float]:
+    """Each request's prompt and generated tokens' logprobs, in order, one flat list."""
+    flat: list[float] = []
+    for o in outputs:
+        ids = [*o.prompt_token_ids[1:], *o.outputs[0].token_ids]
+        positions = [*o.prompt_logprobs[1:], *o.outputs[0].logprobs]
+        flat += [pos[tok].logprob for tok, pos in zip(ids, positions, strict=True)]
+    return flat
+
+
 @section("engine")
 def engine_section() -> dict:
     from argosy_runtime import LLM, SamplingParams
     from argosy_runtime.attention.torch_backend import TorchAttentionBackend
     from argosy_runtime.attention.triton_backend import TritonAttentionBackend
 
+    # The last prompt spans several KV blocks, so prefill reads paged context too.
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
-               "List three colors:"]
+               "List three colors:",
+               "Kubernetes schedules pods onto nodes. A deployment keeps a number of replicas "
+               "running, a service gives them one address, and an operator reconciles custom "
+               "resources into such objects. Explain, step by step, what happens when a user "
+               "applies a manifest that asks for three replicas of a model server:"]
     # Smoke: one prompt, a few tokens, on the CPU under the interpreter (slow, but the path).
     prompts = prompts[:1] if SMOKE else prompts
-    params = SamplingParams(temperature=0.0, max_tokens=3 if SMOKE else 48, ignore_eos=True)
-    llm = LLM(model="smollm2-135m", dtype="float32", device=DEV.type, enforce_eager=True)
+    # prompt_logprobs: every prompt token's logprob depends on attention over its context, so
+    # the two paths are compared on numbers, not only on argmaxes.
+    params = SamplingParams(temperature=0.0, max_tokens=3 if SMOKE else 48, ignore_eos=True,
+                            logprobs=0, prompt_logprobs=0)
+    llm = LLM(model=ARGS.model, dtype="float32", device=DEV.type, enforce_eager=True)
     runner = llm.engine.runner
     dims = (runner.backend.num_heads, runner.backend.num_kv_heads, runner.backend.head_dim,
             runner.backend.scale)
@@ -397,19 +419,29 @@ def engine_section() -> dict:
     model = llm.engine.model
     runner.backend = TorchAttentionBackend(*dims)
     model.use_triton_ops(False)
-    torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    torch_res = llm.generate(prompts, params)
     backends, layer_ops = [type(runner.backend).__name__], [model.ops]
     runner.backend = TritonAttentionBackend(*dims)
     model.use_triton_ops()
-    triton_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    triton_res = llm.generate(prompts, params)
     backends.append(type(runner.backend).__name__)
     layer_ops.append(model.ops)
-    same = [a == b for a, b in zip(torch_out, triton_out, strict=True)]
-    row("engine", "greedy tokens, torch vs Triton (fp32)", f"{sum(same)}/{len(same)} identical")
+    same = [a.outputs[0].token_ids == b.outputs[0].token_ids
+            for a, b in zip(torch_res, triton_res, strict=True)]
+    # Compared only where both paths saw the same tokens (all of them when the greedy
+    # outputs agree).
+    pairs = [(a, b) for a, b, s in zip(torch_res, triton_res, same, strict=True) if s]
+    diff = max((abs(x - y) for x, y in zip(_logprobs([a for a, _ in pairs]),
+                                         _logprobs([b for _, b in pairs]), strict=True)),
+               default=float("nan"))
+    row("engine", f"greedy tokens, torch vs Triton (fp32, {ARGS.model})",
+        f"{sum(same)}/{len(same)} identical")
+    row("engine", "max |logprob torch - Triton|", f"{diff:.2e} (<= 1e-03)")
     del llm, model
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
-    return {"identical": all(same), "per_prompt": same, "backends": backends,
+    return {"model": ARGS.model, "identical": all(same), "per_prompt": same,
+            "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3, "backends": backends,
             "layer_ops": layer_ops}
 
 
