@@ -11,6 +11,11 @@ Packing layout (the quantizer produces it with `pack_int4`):
           units of the 4-bit code (asymmetric: an integer 0..15, or fractional for AWQ-style).
   dequantized weight: w[n, k] = (w_int[n, k] - zeros[n, k // g]) * scales[n, k // g]
   out = x @ w.T, in x's dtype. group_size in {32, 64, 128} (any multiple of 8 dividing K works).
+
+Below DENSE_MIN_M rows of x (decode, small batches) the fused kernel reads each packed word
+once and dequantizes it in registers (matmul_config.py). From DENSE_MIN_M rows on,
+dequantizing per tile of M costs more than the bytes it saves: the launcher dequantizes the
+whole weight once into x's dtype and hands the product to cuBLAS.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from argosy_kernels._triton import check_device, interpret_mode, num_sms, triton_jit
+from argosy_kernels._triton import check_device, interpret_mode, triton_jit
+from argosy_kernels.matmul_config import MatmulConfig, choose_split_k
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -103,6 +109,7 @@ def _w4a16_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K8: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -140,15 +147,95 @@ def _w4a16_matmul_kernel(
                 z = tl.load(zeros_ptr + rn64[None, :] * stride_zn + grp[:, None], mask=jn_mask,
                             other=0.0)
                 w = (q - z.to(tl.float32)) * s.to(tl.float32)
-            if UPCAST_DOT:
-                x = x.to(tl.float32)
-            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+            if USE_DOT:
+                if UPCAST_DOT:
+                    x = x.to(tl.float32)
+                acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+@triton_jit
+def _w4a16_dequantize_kernel(
+    out_ptr,  # [N, K] in the activations' dtype
+    qweight_ptr,  # int32 [N, K8]
+    scales_ptr,  # [N, K // GROUP_SIZE]
+    zeros_ptr,  # [N, K // GROUP_SIZE]
+    N,
+    K8,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K8: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.program_id(1) * BLOCK_K8 + tl.arange(0, BLOCK_K8)
+    rn64 = rn.to(tl.int64)
+    mask = (rn < N)[:, None] & (rj < K8)[None, :]
+    words = tl.load(qweight_ptr + rn64[:, None] * stride_qn + rj[None, :], mask=mask, other=0)
+    for i in tl.static_range(8):
+        rk = i * K8 + rj
+        grp = rk // GROUP_SIZE
+        s = tl.load(scales_ptr + rn64[:, None] * stride_sn + grp[None, :], mask=mask, other=0.0)
+        z = tl.load(zeros_ptr + rn64[:, None] * stride_zn + grp[None, :], mask=mask, other=0.0)
+        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
+        tl.store(out_ptr + rn64[:, None] * (8 * K8) + rk[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Triton: the [N, K] weights of the packed layout, in `dtype` (w4a16_dequantize_ref's
+    values, rounded once)."""
+    n, k8 = qweight.shape
+    out = torch.empty(n, 8 * k8, dtype=dtype, device=qweight.device)
+    # 8 warps: 80 registers a thread for sm_90 where 4 warps took 189 (tiles spread over
+    # more threads), so more programs fit an SM to keep this memory-bound copy busy.
+    block_n, block_k8 = 32, 64
+    _w4a16_dequantize_kernel[(-(-n // block_n), -(-k8 // block_k8))](
+        out, qweight, scales, zeros, n, k8,
+        qweight.stride(0), scales.stride(0), zeros.stride(0),
+        GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K8=block_k8, num_warps=8,
+    )
+    return out
+
+
+# From this many rows of x on (prefill, large batches), dequantize once and call cuBLAS. On an
+# H200 (docs/benchmarks/gpu.md, 2026-12-04) the fused kernel took 305 us at M=256 for
+# 4096->14336 where bf16 cuBLAS took 45 us: it dequantizes every weight tile once per
+# 64-row tile of M. Dequantizing once writes 117 MB of bf16, about 30-60 us at 2-4 TB/s, so
+# dense wins by bytes alone from a little over 100 rows. The crossover has not been measured
+# yet (bench/gpu_matmul_tune.py times both).
+DENSE_MIN_M = 128
+
+
+def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
+    """The fused kernel's launch parameters for M rows of x on a GPU (M < DENSE_MIN_M).
+
+    Tensor cores at every M: the FMA path (use_dot=False) is there for
+    bench/gpu_matmul_tune.py to compare, and becomes the default for small M only once a
+    GPU run shows it faster."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
+    # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
+    block_n = 64 if m <= 64 or dtype == torch.float32 else 128
+    num_warps = 4 if block_m * block_n <= 16 * 64 and dtype != torch.float32 else 8
+    # Words per tile <= group_size: a tile of one nibble then never straddles groups when
+    # K8 is a multiple of group_size.
+    return MatmulConfig(block_m=block_m, block_n=block_n, block_k=min(32, group_size),
+                        num_warps=num_warps)
+
+
+# Under the interpreter (CPU tests) small tiles keep the simulated programs cheap.
+INTERPRET_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=16, split_k=1)
 
 
 def w4a16_matmul(
@@ -159,7 +246,7 @@ def w4a16_matmul(
     group_size: int,
     *,
     out: torch.Tensor | None = None,
-    split_k: int | None = None,
+    config: MatmulConfig | None = None,  # None: by M (the module docstring)
 ) -> torch.Tensor:
     """Triton x @ dequant(qweight).T in x's dtype; contract of `w4a16_matmul_ref`."""
     if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
@@ -185,22 +272,18 @@ def w4a16_matmul(
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
     interp = interpret_mode()
-    block_m = 16 if (interp or M <= 16) else (32 if M <= 32 else 64)
-    # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
-    # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
-    block_n = 32 if interp else (64 if M <= 64 or x.dtype == torch.float32 else 128)
-    # Words per tile; <= group_size so that a tile of one nibble never straddles groups
-    # when K8 is a multiple of group_size.
-    block_k8 = 16 if interp else min(32, group_size)
+    if config is None:
+        if not interp and M >= DENSE_MIN_M:
+            w = w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype)
+            return torch.matmul(x, w.T, out=out)
+        config = INTERPRET_CONFIG if interp else default_config(M, x.dtype, group_size)
+    block_k8 = config.block_k
     uniform = K8 % group_size == 0 and group_size % block_k8 == 0
-    grid_mn = (-(-M // block_m), -(-N // block_n))
+    grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
     k_blocks = -(-K8 // block_k8)
-    if split_k is None:
-        programs = grid_mn[0] * grid_mn[1]
-        target = 2 * num_sms(x.device)
-        split_k = 1 if interp or programs >= target else max(
-            1, min(-(-target // programs), k_blocks // 2, 16))
-    j_per_split = -(-k_blocks // max(1, split_k)) * block_k8
+    split_k = choose_split_k(config, grid_mn[0] * grid_mn[1], k_blocks, x.device,
+                             min_blocks_per_split=2)
+    j_per_split = -(-k_blocks // split_k) * block_k8
     split_k = -(-K8 // j_per_split)
     dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
                                                device=x.device)
@@ -210,16 +293,17 @@ def w4a16_matmul(
         j_per_split,
         GROUP_SIZE=group_size,
         UNIFORM_GROUP=uniform,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         BLOCK_K8=block_k8,
         SPLIT_K=split_k,
+        USE_DOT=config.use_dot,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * block_n <= 16 * 64 and x.dtype != torch.float32 else 8,
+        num_warps=config.num_warps,
         # The gathered scale/zero tiles of the non-uniform path and float32 tiles are large:
         # two pipeline stages keep shared memory under the sm_90 limit.
-        num_stages=3 if uniform and x.dtype != torch.float32 else 2,
+        num_stages=min(config.num_stages, 3 if uniform and x.dtype != torch.float32 else 2),
     )
     if split_k > 1:
         out.copy_(dst.sum(0))
@@ -227,9 +311,12 @@ def w4a16_matmul(
 
 
 __all__ = [
+    "DENSE_MIN_M",
     "pack_int4",
     "unpack_int4",
     "quantize_int4",
+    "default_config",
+    "w4a16_dequantize",
     "w4a16_dequantize_ref",
     "w4a16_matmul",
     "w4a16_matmul_ref",

@@ -3,8 +3,9 @@
 Weights are stored like a torch Linear's, [out_features N, in_features K], one float scale per
 output channel (symmetric, per-channel). The kernel reads int8 tiles (half the bytes of bf16),
 converts them to x's dtype in registers, accumulates in float32 and applies the scale per
-output column at the end. For small M (decode) the K loop is split across programs so the GPU
-fills up; partial sums land in a float32 buffer that is summed afterwards.
+output column at the end. For small M (decode) the K loop is split across programs when the
+N tiles alone would not fill the GPU; partial sums land in a float32 buffer that is summed
+afterwards (matmul_config.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from argosy_kernels._triton import check_device, interpret_mode, num_sms, triton_jit
+from argosy_kernels._triton import check_device, interpret_mode, triton_jit
+from argosy_kernels.matmul_config import MatmulConfig, choose_split_k
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -46,6 +48,7 @@ def _w8a16_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -66,10 +69,12 @@ def _w8a16_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0)  # int8 [BLOCK_K, BLOCK_N]
-        if UPCAST_DOT:
-            x = x.to(tl.float32)
-        w = w.to(tl.float32).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PREC)
+        if USE_DOT:
+            if UPCAST_DOT:
+                x = x.to(tl.float32)
+            acc += tl.dot(x, w.to(tl.float32).to(x.dtype), input_precision=DOT_PREC)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -80,12 +85,19 @@ def _w8a16_matmul_kernel(
         tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
 
 
-def _split_k(programs: int, k_blocks: int, device: torch.device) -> int:
-    """K splits so that small-M launches still put two programs on every SM."""
-    target = 2 * num_sms(device)
-    if programs >= target:
-        return 1
-    return max(1, min(-(-target // programs), k_blocks // 4, 16))
+def default_config(m: int, dtype: torch.dtype) -> MatmulConfig:
+    """The launch parameters for M rows of x on a GPU: tensor cores at every M (the FMA path,
+    use_dot=False, is for bench/gpu_matmul_tune.py to compare until a GPU run favours it)."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
+    # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
+    block_n = 64 if m <= 64 or dtype == torch.float32 else 128
+    num_warps = 4 if block_m * block_n <= 16 * 64 and dtype != torch.float32 else 8
+    return MatmulConfig(block_m=block_m, block_n=block_n, block_k=64, num_warps=num_warps)
+
+
+# Under the interpreter (CPU tests) small tiles keep the simulated programs cheap.
+INTERPRET_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=32, split_k=1)
 
 
 def w8a16_matmul(
@@ -94,7 +106,7 @@ def w8a16_matmul(
     scales: torch.Tensor,  # [N]
     *,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
-    split_k: int | None = None,
+    config: MatmulConfig | None = None,  # None: default_config(M), or the interpreter's
 ) -> torch.Tensor:
     """Triton x @ (w_int8 * scales[:, None]).T in x's dtype; contract of `w8a16_matmul_ref`."""
     if x.dim() != 2 or w_int8.dim() != 2 or x.shape[1] != w_int8.shape[1]:
@@ -116,33 +128,32 @@ def w8a16_matmul(
     x = x if x.stride(1) == 1 else x.contiguous()
     w_int8 = w_int8 if w_int8.stride(1) == 1 else w_int8.contiguous()
     interp = interpret_mode()
-    block_m = 16 if (interp or M <= 16) else (32 if M <= 32 else 64)
-    # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
-    # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
-    block_n = 32 if interp else (64 if M <= 64 or x.dtype == torch.float32 else 128)
-    block_k = 32 if interp else 64
-    grid_mn = (-(-M // block_m), -(-N // block_n))
-    k_blocks = -(-K // block_k)
-    if split_k is None:
-        split_k = 1 if interp else _split_k(grid_mn[0] * grid_mn[1], k_blocks, x.device)
-    k_per_split = -(-k_blocks // max(1, split_k)) * block_k
+    if config is None:
+        config = INTERPRET_CONFIG if interp else default_config(M, x.dtype)
+    grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
+    k_blocks = -(-K // config.block_k)
+    split_k = choose_split_k(config, grid_mn[0] * grid_mn[1], k_blocks, x.device,
+                             min_blocks_per_split=4)
+    k_per_split = -(-k_blocks // split_k) * config.block_k
     split_k = -(-K // k_per_split)
     dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
                                                device=x.device)
     _w8a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
         k_per_split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         SPLIT_K=split_k,
+        USE_DOT=config.use_dot,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m * block_n <= 16 * 64 and x.dtype != torch.float32 else 8,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if split_k > 1:
         out.copy_(dst.sum(0))
     return out
 
 
-__all__ = ["w8a16_matmul", "w8a16_matmul_ref"]
+__all__ = ["default_config", "w8a16_matmul", "w8a16_matmul_ref"]

@@ -13,6 +13,7 @@ replaced by a recorder, and each recorded launch is compiled with `triton.compil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import torch  # noqa: E402
 import triton  # noqa: E402
 from argosy_kernels import _triton  # noqa: E402
+from argosy_kernels.matmul_config import MatmulConfig  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -133,13 +135,17 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         qkv = torch.randn(3, (h + 2 * kvh) * d, dtype=dt)
         ro.rotary_embedding(torch.arange(3), qkv[:, : (h + kvh) * d].view(3, h + kvh, d), None,
                             ro.build_cos_sin_cache(d, 16))
-        for rows in (1, 100):
+        # Rows: decode (1), a small batch (16), a medium one (100) and prefill (200, the
+        # dequantize-then-cuBLAS path of w4a16), plus the FMA path at M = 1.
+        fma = MatmulConfig(block_m=1, block_n=32, block_k=32, use_dot=False)
+        for rows, config in ((1, None), (16, None), (100, None), (200, None), (1, fma)):
             xm = torch.randn(rows, 4096, dtype=dt)
+            w8_config = config and dataclasses.replace(config, block_k=4 * config.block_k)
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),
-                                           torch.ones(4096, dtype=dt))
+                                           torch.ones(4096, dtype=dt), config=w8_config)
             m["w4a16_matmul"].w4a16_matmul(xm, torch.zeros(4096, 512, dtype=torch.int32),
                                            torch.ones(4096, 32, dtype=dt),
-                                           torch.ones(4096, 32, dtype=dt), 128)
+                                           torch.ones(4096, 32, dtype=dt), 128, config=config)
 
 
 def main() -> int:

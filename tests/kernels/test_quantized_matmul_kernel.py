@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from argosy_kernels import w4a16_matmul as w4a16_module
+from argosy_kernels.matmul_config import MatmulConfig
 from argosy_kernels.w4a16_matmul import (
+    DENSE_MIN_M,
     pack_int4,
     quantize_int4,
     unpack_int4,
+    w4a16_dequantize,
     w4a16_dequantize_ref,
     w4a16_matmul,
     w4a16_matmul_ref,
@@ -19,17 +23,24 @@ from kernel_test_utils import DEVICE, DTYPES, assert_close, generator, randn
 # tile to the activation dtype before the tensor-core dot.
 MM_SCALE = 4.0
 
+# Both inner products (tensor cores, FMA), K split or not; None: the launcher's choice.
+FMA = MatmulConfig(block_m=1, block_n=16, block_k=32, use_dot=False, split_k=1)
+FMA_M4_SPLIT = MatmulConfig(block_m=4, block_n=32, block_k=16, use_dot=False, split_k=3)
+DOT_SPLIT = MatmulConfig(block_m=16, block_n=32, block_k=32, split_k=3)
+FMA_M2_SPLIT = MatmulConfig(block_m=2, block_n=16, block_k=32, use_dot=False, split_k=2)
+CONFIGS = [None, FMA, FMA_M4_SPLIT, FMA_M2_SPLIT, DOT_SPLIT]
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 40, 96, None), (20, 64, 128, 3),
-                                                      (33, 16, 64, 1)])
-def test_w8a16_matches_reference(dtype, m, n, k, split_k):
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (5, 64, 128), (33, 16, 64)])
+def test_w8a16_matches_reference(dtype, m, n, k, config):
     g = generator(m + n)
     x = randn(m, k, dtype=dtype, gen=g)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
     scales = (torch.rand(n, generator=g) * 0.02).to(dtype=dtype, device=DEVICE)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    got = w8a16_matmul(x, w, scales, out=out, split_k=split_k)
+    got = w8a16_matmul(x, w, scales, out=out, config=config)
     assert got is out
     want = w8a16_matmul_ref(x, w, scales)
     assert_close(got, want, dtype, scale=MM_SCALE)
@@ -66,25 +77,60 @@ def test_quantize_int4_round_trip():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize(
-    ("m", "n", "k", "group_size", "split_k"),
+    ("m", "n", "k", "group_size"),
     [
-        (1, 40, 256, 32, None),  # decode-like M=1; each (nibble, tile) inside one group
-        (20, 48, 384, 64, 2),  # groups straddle tiles (K/8 = 48 not a multiple of 64), split K
-        (3, 32, 1024, 128, None),
+        (1, 40, 256, 32),  # decode-like M=1; each (nibble, tile) inside one group
+        (20, 48, 384, 64),  # groups straddle tiles (K/8 = 48 not a multiple of 64)
+        (3, 32, 1024, 128),
     ],
 )
-def test_w4a16_matches_reference(dtype, m, n, k, group_size, split_k):
+def test_w4a16_matches_reference(dtype, m, n, k, group_size, config):
     g = generator(k + m)
     x = randn(m, k, dtype=dtype, gen=g)
     qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g)).to(DEVICE)
     scales = (torch.rand(n, k // group_size, generator=g) * 0.02).to(dtype=dtype, device=DEVICE)
     zeros = torch.randint(0, 16, (n, k // group_size), generator=g).to(dtype=dtype, device=DEVICE)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    got = w4a16_matmul(x, qweight, scales, zeros, group_size, out=out, split_k=split_k)
+    got = w4a16_matmul(x, qweight, scales, zeros, group_size, out=out, config=config)
     assert got is out
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group_size)
     assert_close(got, want, dtype, scale=MM_SCALE)
+
+
+def _random_int4(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int):
+    g = generator(seed)
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g)).to(DEVICE)
+    scales = (torch.rand(n, k // group_size, generator=g) * 0.02).to(dtype=dtype, device=DEVICE)
+    zeros = (torch.rand(n, k // group_size, generator=g) * 15).to(dtype=dtype, device=DEVICE)
+    return qweight, scales, zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4a16_dequantize_matches_reference(dtype):
+    # N and K8 not multiples of the kernel's tiles; groups straddle its word tiles.
+    qweight, scales, zeros = _random_int4(40, 8 * 72, 96, dtype, seed=7)
+    got = w4a16_dequantize(qweight, scales, zeros, 96, dtype)
+    want = w4a16_dequantize_ref(qweight, scales, zeros, 96)
+    assert got.dtype == dtype
+    assert_close(got, want.to(dtype), dtype)
+
+
+def test_w4a16_many_rows_dequantize_once(monkeypatch):
+    # On a GPU, M >= DENSE_MIN_M goes through w4a16_dequantize and a dense matmul: the
+    # interpreter switch reads False here so the launcher routes as on a GPU.
+    monkeypatch.setattr(w4a16_module, "interpret_mode", lambda: False)
+    calls = []
+    real = w4a16_module.w4a16_dequantize
+    monkeypatch.setattr(w4a16_module, "w4a16_dequantize",
+                        lambda *a: calls.append(a) or real(*a))
+    qweight, scales, zeros = _random_int4(24, 128, 32, torch.float32, seed=8)
+    x = randn(DENSE_MIN_M, 128, dtype=torch.float32, gen=generator(9))
+    got = w4a16_matmul(x, qweight, scales, zeros, 32)
+    assert len(calls) == 1
+    assert_close(got, w4a16_matmul_ref(x, qweight, scales, zeros, 32), torch.float32,
+                 scale=MM_SCALE)
 
 
 def test_w4a16_reference_matches_unpacked_weights():

@@ -1,0 +1,44 @@
+"""Launch parameters of the quantized matmul kernels (w8a16_matmul, w4a16_matmul).
+
+Each launcher picks a config from M (the rows of x) on its own; tests and the GPU tuning script
+(bench/gpu_matmul_tune.py) pass one to reach every path. Two inner products:
+- tensor cores (`use_dot`): a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] `tl.dot`, whose M is at
+  least 16: the right choice once a batch has a dozen rows or more;
+- FMA (`use_dot=False`): broadcast-multiply and sum over K in float32 registers, BLOCK_M as
+  small as 1. A decode step's M is the batch size; at M = 1 a dot would compute 15 padding
+  rows and stage every dequantized weight tile through shared memory for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from argosy_kernels._triton import num_sms
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # K elements per tile (w8a16), or packed int32 words, 8 K each (w4a16)
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+    # K splits (partial sums in float32, added afterwards); None: enough to give every SM two
+    # programs when the M x N tiles alone would not.
+    split_k: int | None = None
+
+
+def choose_split_k(config: MatmulConfig, programs: int, k_blocks: int, device: torch.device,
+                   min_blocks_per_split: int) -> int:
+    """config.split_k, or the automatic choice: small-M launches of a few N tiles otherwise
+    leave most SMs idle while each program walks all of K. Each split keeps at least
+    `min_blocks_per_split` K tiles, so a program still has a loop to pipeline."""
+    if config.split_k is not None:
+        return max(1, config.split_k)
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))
