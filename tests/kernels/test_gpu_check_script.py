@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPT = BENCH / "gpu_check.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
@@ -21,6 +22,43 @@ def test_exits_with_a_clear_message_without_a_gpu(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_matmul_tune_exits_with_a_clear_message_without_a_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_matmul_tune.py"), "--out",
+                           str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
+
+
+def test_matmul_tune_candidates_run_and_match_the_reference():
+    # Every config the tuning script would time on a GPU, on small shapes under the
+    # interpreter: a config the launchers reject or compute wrongly fails here, not in a lease.
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_matmul_tune as tune
+    finally:
+        sys.path.remove(str(BENCH))
+    from argosy_kernels.w4a16_matmul import pack_int4, w4a16_matmul, w4a16_matmul_ref
+    from argosy_kernels.w8a16_matmul import w8a16_matmul, w8a16_matmul_ref
+
+    g = torch.Generator().manual_seed(0)
+    k, n = 1024, 48
+    qw = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    s4, z4 = torch.rand(n, k // 128, generator=g) * 0.01, torch.rand(n, k // 128, generator=g) * 15
+    w8, s8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n) * 1e-3
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, generator=g)
+        for kind in ("w4", "w8"):
+            for name, cfg in tune.candidates(kind, m):
+                if cfg == "dense":
+                    continue
+                if kind == "w4":
+                    got = w4a16_matmul(x, qw, s4, z4, 128, config=cfg)
+                    want = w4a16_matmul_ref(x, qw, s4, z4, 128)
+                else:
+                    got, want = w8a16_matmul(x, w8, s8, config=cfg), w8a16_matmul_ref(x, w8, s8)
+                assert float((got - want).norm() / want.norm()) < 1e-4, (kind, m, name)
 
 
 @pytest.mark.slow
@@ -39,6 +77,42 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert sections["engine"]["backends"] == ["TorchAttentionBackend", "TritonAttentionBackend"]
     assert sections["engine"]["layer_ops"] == ["torch", "triton"]
     assert sections["engine"]["identical"] is True
+    assert sections["engine"]["logprobs_ok"] is True
     # Every weight kind through the end-to-end section (int4 was once skipped here, which hid
     # a bug that would have failed it on the GPU: the layer's CPU fast path left on).
     assert {r["weights"] for r in sections["e2e"]["runs"]} == {"bf16", "int8", "int4"}
+
+
+def test_truncate_gguf_keeps_the_first_layers_byte_for_byte(tmp_path):
+    import gguf
+    from argosy_runtime import LLM, SamplingParams
+    from argosy_runtime.model_loader.resolve import resolve_model_path
+
+    src, _ = resolve_model_path("smollm2-135m")
+    dst = tmp_path / "two.gguf"
+    proc = subprocess.run([sys.executable, str(BENCH / "truncate_gguf.py"), "smollm2-135m",
+                           str(dst), "--layers", "2"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    full, cut = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert int(cut.fields["llama.block_count"].contents()) == 2
+    kept = {t.name: t for t in full.tensors
+            if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < 2}
+    assert {t.name for t in cut.tensors} == set(kept)
+    for t in cut.tensors:
+        assert t.tensor_type == kept[t.name].tensor_type
+        assert bytes(t.data) == bytes(kept[t.name].data), t.name
+    # Every other field (tokenizer, chat template) is copied: the runtime loads and runs it.
+    assert cut.fields["tokenizer.chat_template"].contents() == \
+        full.fields["tokenizer.chat_template"].contents()
+    llm = LLM(model=str(dst), dtype="float32")
+    assert llm.engine.model.spec.num_hidden_layers == 2
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_truncate_gguf_refuses_more_layers_than_the_file_has(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "truncate_gguf.py"), "smollm2-135m",
+                           str(tmp_path / "x.gguf"), "--layers", "31"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "--layers must be in 1..30" in proc.stderr

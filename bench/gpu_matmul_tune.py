@@ -1,0 +1,202 @@
+"""Time launch configurations of the quantized matmul kernels on one CUDA GPU (a few minutes).
+
+For w8a16 and w4a16 (group 128) at Llama-3-8B's shapes and M = 1, 4, 16, 64, 256, every
+candidate is checked against the float32 reference on fresh random inputs (output poisoned
+with NaN first) and timed against bf16 torch.matmul: "default" (the fused kernel as
+default_config launches it), the FMA inner product for M <= 8 and tensor-core tile shapes from
+M = 16 (matmul_config.MatmulConfig), and "dense" (dequantize the whole weight once, then
+cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows). Weights rotate over enough copies to
+exceed the L2 cache several times, as a model's layers do. Set default_config and DENSE_MIN_M
+from its table and record it in docs/benchmarks/gpu.md. Not yet run on a GPU.
+
+    python bench/gpu_matmul_tune.py --out gpu_matmul_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+BF16 = torch.bfloat16
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
+GROUP = 128
+L2_MULTIPLE_BYTES = 256 * 2**20  # rotate over this many weight bytes (H200 L2: 60 MB)
+
+# (block_n, block_k, num_warps): configs that compile for sm_90 without spilling registers
+# (tests/kernels/sm90_compile_check.py's compiler, read before the run). block_k counts int32
+# words for w4a16 (8 K each) and K elements for w8a16.
+FMA = {
+    ("w4", 1): [(16, 16, 4), (16, 32, 4), (16, 32, 8), (16, 64, 8), (32, 16, 4), (32, 32, 4),
+                (32, 64, 8), (64, 16, 8), (64, 32, 8), (16, 128, 8)],
+    ("w8", 1): [(16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 64, 8), (32, 128, 8),
+                (32, 256, 8), (64, 64, 8), (64, 128, 8), (16, 512, 8)],
+    ("w4", 4): [(16, 16, 4), (16, 32, 4), (16, 64, 8), (32, 16, 8), (32, 32, 8), (32, 64, 8),
+                (64, 16, 8), (64, 32, 8)],
+    ("w8", 4): [(16, 64, 4), (16, 128, 8), (16, 256, 8), (32, 64, 8), (32, 128, 8),
+                (64, 64, 8)],
+}
+# (block_n, block_k, num_warps, num_stages) for the tensor-core path.
+DOT = {
+    "w4": [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 4),
+           (128, 32, 8, 3)],
+    "w8": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 128, 8, 4),
+           (128, 64, 8, 3)],
+}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_matmul_tune.json")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="stop starting new (kind, shape, M) cases after this many seconds")
+    return p.parse_args()
+
+
+def time_rotating(calls: list[Callable[[], Any]], passes: int = 3, reps: int = 5) -> float:
+    """Median seconds per call: `passes` rounds over `calls` (one per weight copy) captured in
+    one CUDA graph, replayed `reps` times between events."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(passes):
+            for c in calls:
+                c()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / (passes * len(calls)))
+    return statistics.median(times)
+
+
+def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
+    from argosy_kernels.matmul_config import MatmulConfig
+    from argosy_kernels.w4a16_matmul import default_config as w4_default
+    from argosy_kernels.w8a16_matmul import default_config as w8_default
+
+    default = w4_default(m, BF16, GROUP) if kind == "w4" else w8_default(m, BF16)
+    out: list[tuple[str, Any]] = [("default", default), ("dense", "dense")]
+    if m <= 8:
+        bm = 1 if m == 1 else 4
+        for bn, bk, warps in FMA[(kind, bm)]:
+            # Split K as the launcher would; unsplit too where N / bn alone fills the SMs
+            # (each split is its own compile: the sweep must fit a short lease).
+            for split in (None, 1) if bn <= 32 else (None,):
+                out.append((f"fma bn{bn} bk{bk} w{warps} split{split or 'auto'}",
+                            MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                         use_dot=False, split_k=split)))
+    else:
+        bm = 16 if m <= 16 else 64
+        for bn, bk, warps, stages in DOT[kind]:
+            out.append((f"dot bm{bm} bn{bn} bk{bk} w{warps} s{stages}",
+                        MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                     num_stages=stages)))
+    return out
+
+
+def make_call(kind: str, cfg: Any, x: torch.Tensor, ws: tuple, out: torch.Tensor
+              ) -> Callable[[], Any]:
+    """out = x @ W.T for one weight copy `ws`, by `kind` ("bf16", "w4", "w8") and config."""
+    from argosy_kernels.w4a16_matmul import w4a16_dequantize, w4a16_matmul
+    from argosy_kernels.w8a16_matmul import w8a16_matmul
+
+    if kind == "bf16":
+        return lambda: torch.matmul(x, ws[0].T, out=out)
+    if cfg == "dense" and kind == "w4":
+        return lambda: torch.matmul(x, w4a16_dequantize(*ws, GROUP, BF16).T, out=out)
+    if cfg == "dense":
+        return lambda: torch.matmul(x, (ws[0].to(BF16) * ws[1][:, None]).T, out=out)
+    if kind == "w4":
+        return lambda: w4a16_matmul(x, *ws, GROUP, out=out, config=cfg)
+    return lambda: w8a16_matmul(x, *ws, out=out, config=cfg)
+
+
+def main() -> int:
+    args = parse()
+    if not torch.cuda.is_available():
+        print("gpu_matmul_tune: no CUDA GPU visible", file=sys.stderr)
+        return 2
+    from argosy_kernels.w4a16_matmul import pack_int4, w4a16_dequantize_ref
+
+    dev = torch.device("cuda")
+    t0 = time.monotonic()
+    results: list[dict[str, Any]] = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for n, k in SHAPES:
+        copies = max(2, -(-L2_MULTIPLE_BYTES // (n * k // 2)))
+        w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev)),
+               (torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01).to(BF16),
+               (torch.rand(n, k // GROUP, generator=g, device=dev) * 15).to(BF16))
+              for _ in range(copies)]
+        w8 = [(torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8),
+               (torch.rand(n, generator=g, device=dev) * 1e-3).to(BF16))
+              for _ in range(max(2, copies // 2))]
+        wbf = [torch.randn(n, k, generator=g, device=dev).to(BF16)
+               for _ in range(max(2, copies // 4))]
+        for m in (1, 4, 16, 64, 256):
+            if time.monotonic() - t0 > args.budget_s:
+                print(f"budget: skipped {n}x{k} M={m}", flush=True)
+                continue
+            x = torch.randn(m, k, generator=g, device=dev).to(BF16)
+            out = torch.empty(m, n, dtype=BF16, device=dev)
+            t_bf16 = time_rotating([make_call("bf16", None, x, (w,), out) for w in wbf])
+            want = {"w4": (x.float() @ w4a16_dequantize_ref(*w4[0], GROUP).T),
+                    "w8": (x.float() @ (w8[0][0].float() * w8[0][1].float()[:, None]).T)}
+            for kind in ("w4", "w8"):
+                weights = w4 if kind == "w4" else w8
+                for name, cfg in candidates(kind, m):
+                    row = {"kind": kind, "n": n, "k": k, "m": m, "config": name,
+                           "bf16_us": round(t_bf16 * 1e6, 2)}
+                    try:
+                        out.fill_(float("nan"))
+                        make_call(kind, cfg, x, weights[0], out)()
+                        err = float((out.float() - want[kind]).norm() / want[kind].norm())
+                        row["rel_err"] = err
+                        if not err < 2e-2:
+                            row["error"] = f"rel err {err:.2e}"
+                        else:
+                            t = time_rotating([make_call(kind, cfg, x, ws, out)
+                                               for ws in weights])
+                            row["us"] = round(t * 1e6, 2)
+                            row["speedup_vs_bf16"] = round(t_bf16 / t, 3)
+                    except Exception as e:  # noqa: BLE001 - record it, try the next config
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    results.append(row)
+            print(f"[{time.monotonic() - t0:6.1f}s] {n}x{k} M={m} done", flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\n== best per case (speedup vs bf16 torch.matmul, rotating weights) ==")
+    cases: dict[tuple, list[dict]] = {}
+    for r in results:
+        cases.setdefault((r["kind"], r["n"], r["k"], r["m"]), []).append(r)
+    for (kind, n, k, m), rows in cases.items():
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        default = next((r for r in rows if r["config"] == "default"), {})
+        errors = sum(1 for r in rows if "error" in r)
+        best = " | ".join(f"{r['config']} {r['us']:.1f}us {r['speedup_vs_bf16']:.2f}x"
+                          for r in ok[:3])
+        print(f"{kind} {k}->{n} M={m:<3d} bf16 {rows[0]['bf16_us']:.1f}us default "
+              f"{default.get('us', 'ERR')}us | {best} | errors {errors}")
+    print(f"wrote {args.out} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
