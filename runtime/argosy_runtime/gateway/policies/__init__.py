@@ -20,10 +20,13 @@ __all__ = [
 ]
 
 
-def make_policy(name: str, routing: RoutingConfig | None = None) -> Policy:
+def make_policy(name: str, routing: RoutingConfig | None = None,
+                previous: Policy | None = None) -> Policy:
     """Build the policy called `name` ("round-robin", "least-load", "prefix-affinity"), which
     sends a LoRA adapter's requests to replicas with the adapter loaded first (within bounds),
-    unless `routing.adapter_affinity` is off."""
+    unless `routing.adapter_affinity` is off. `previous`: the policy it replaces when the
+    routing settings are reloaded, whose learned state it takes over where that still holds
+    (`Policy.adopt`)."""
     routing = routing or RoutingConfig()
     policy: Policy
     if name == "round-robin":
@@ -34,6 +37,11 @@ def make_policy(name: str, routing: RoutingConfig | None = None) -> Policy:
         policy = PrefixAffinityPolicy(routing, fallback=LeastLoadPolicy(routing))
     else:
         raise ValueError(f"policy: unknown routing policy {name!r}")
+    if previous is not None:
+        policy.adopt(previous.inner if isinstance(previous, AdapterAffinityPolicy) else previous)
     if not routing.adapter_affinity:
         return policy
-    return AdapterAffinityPolicy(policy, routing)
+    wrapped = AdapterAffinityPolicy(policy, routing)
+    if previous is not None:
+        wrapped.adopt(previous)
+    return wrapped

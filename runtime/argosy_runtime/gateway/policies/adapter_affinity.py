@@ -63,6 +63,14 @@ class AdapterAffinityPolicy(Policy):
         # about the adapters in use, times the replicas each one is on.
         self.sent: dict[str, dict[str, float]] = {}
 
+    def adopt(self, previous: Policy) -> None:
+        """Keep the record of the policy these settings replace, whatever the inner policy
+        was and is now: where this gateway just sent each adapter is where it is being
+        loaded, which new settings do not change. (make_policy hands the inner policies
+        over.)"""
+        if isinstance(previous, AdapterAffinityPolicy):
+            self.sent = previous.sent
+
     def holds(self, replica: Replica, adapter: str, now: float) -> bool:
         """Whether `replica` has `adapter` in memory, as far as this gateway knows."""
         if replica.has_adapter_loaded(adapter):

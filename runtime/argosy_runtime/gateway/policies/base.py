@@ -30,3 +30,10 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         """The replica to try, or None when `candidates` is empty."""
+
+    def adopt(self, previous: Policy) -> None:
+        """Take over what `previous` learned, where it still holds under this policy's
+        settings: `previous` is the policy this one replaces when the gateway reloads its
+        routing settings (gateway/routing.py). Only the same kind of policy has anything to
+        give; nothing by default."""
+        return None  # a stateless policy keeps nothing

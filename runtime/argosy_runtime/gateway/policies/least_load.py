@@ -34,6 +34,10 @@ class LeastLoadPolicy(Policy):
             + r.w_kv * replica.kv_cache_usage
         )
 
+    def adopt(self, previous: Policy) -> None:
+        if isinstance(previous, LeastLoadPolicy):
+            self._tie = previous._tie  # ties keep rotating where they were
+
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if not candidates:
             return None

@@ -111,6 +111,22 @@ class PrefixAffinityPolicy(Policy):
             self._rings.move_to_end(key)
         return ring
 
+    def adopt(self, previous: Policy) -> None:
+        """Keep the prefix table of the policy these settings replace: it records where
+        prompts went, which new settings do not change, and its keys digest a prompt's first
+        k characters whatever `block_chars` cut them (one running hash), so every entry stays
+        true; with a new `block_chars`, entries off the new boundaries just stop matching and
+        age out. A smaller `affinity_entries` drops the oldest at once. The rings are kept
+        only when `virtual_nodes` is unchanged (a ring is built for one count)."""
+        if not isinstance(previous, PrefixAffinityPolicy):
+            return
+        self._affinity = previous._affinity
+        self._trim()
+        if previous.routing.virtual_nodes == self.routing.virtual_nodes:
+            self._rings = previous._rings
+        if self.fallback is not None and previous.fallback is not None:
+            self.fallback.adopt(previous.fallback)
+
     def capacity(self, candidates: Sequence[Replica]) -> int:
         """Most in-flight requests one replica may hold, counting the one being placed."""
         return capacity(candidates, self.routing)
@@ -146,6 +162,11 @@ class PrefixAffinityPolicy(Policy):
         for digest in hashes:
             table[digest] = url
             table.move_to_end(digest)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the least recently used entries past `affinity_entries`."""
+        table = self._affinity
         while len(table) > self.routing.affinity_entries:
             table.popitem(last=False)
 

@@ -20,6 +20,10 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._next = 0
 
+    def adopt(self, previous: Policy) -> None:
+        if isinstance(previous, RoundRobinPolicy):
+            self._next = previous._next  # the cycle goes on where it was
+
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Replica | None:
         if not candidates:
             return None
