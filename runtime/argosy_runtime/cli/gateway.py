@@ -4,8 +4,9 @@
     argosy gateway --backend smollm2-135m=http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8080
 
 Flags override the file's host, port, drain timeout and default policy; `--backend` adds static routes.
-See docs/gateway.md for the YAML schema. While the gateway runs, the file's `tenants` section
-is re-read every few seconds and applies without a restart; other changes need one.
+See docs/gateway.md for the YAML schema. While the gateway runs, the file is re-read every few
+seconds: its `tenants`, `routing` and the models' `policy` apply without a restart; other changes
+need one.
 Never imports torch.
 """
 
@@ -81,8 +82,8 @@ def build_config(args: argparse.Namespace, config_text: str | None = None):  # -
 
 
 def load(args: argparse.Namespace):  # -> (GatewayConfig, ConfigFile | None)
-    """The config to start with, and the file to re-read its `tenants` from while running
-    (None without --config). Both are built by `build_config` from the same flags, so a
+    """The config to start with, and the file to re-read its `tenants` and `routing` from
+    while running (None without --config). Both are built by `build_config` from the same flags, so a
     reloaded file is read exactly as the first one was."""
     from argosy_runtime.gateway.tenants.config_file import ConfigFile
 

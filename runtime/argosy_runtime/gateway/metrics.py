@@ -163,14 +163,14 @@ class GatewayMetrics:
         )
         self.config_reload_failures = Counter(
             "argosy:gateway_config_reload_failures",
-            "Changes to the config file's tenants section that could not apply (unreadable, "
-            "invalid): the gateway kept its previous tenants. Each problem counts once.",
+            "Changes to the config file that could not apply (unreadable, invalid): the "
+            "gateway kept its previous tenants and routing. Each problem counts once.",
             registry=r,
         )
         self.config_refused = Gauge(
             "argosy:gateway_config_refused",
             "1 while the config file on disk is refused (unreadable, invalid) and the gateway "
-            "serves its previous tenants; 0 once a valid file applies.",
+            "serves its previous tenants and routing; 0 once a valid file applies.",
             registry=r,
         )
         r.register(_ReplicaCollector(pools, activators))

@@ -196,9 +196,10 @@ async def test_other_sections_need_a_restart_and_are_not_half_applied(fake_repli
     caplog.set_level(logging.INFO, LOGGER)
     mount, replica, url = await started([{"name": "a", "api_keys": [KEY_A]}])
     (other,) = await fake_replicas(1)
-    # The backend and the routing policy change along with the tenants.
+    # The backend and the health checks change along with the tenants (the routing section
+    # applies live: test_gateway_routing_reload.py).
     mount.write(gateway_yaml(other.url, [{"name": "a", "api_keys": [KEY_A2]}],
-                             routing={"policy": "round-robin"}))
+                             health={"interval_s": 30}))
     async with aiohttp.ClientSession() as s:
         await until(answers(s, url, KEY_A2, 200))  # the tenants applied...
         async with s.post(f"{url}/v1/completions", json=BODY, headers=auth(KEY_A2)) as resp:
@@ -212,7 +213,7 @@ async def test_other_sections_need_a_restart_and_are_not_half_applied(fake_repli
         assert await metric(s, url, FAILURES) == 0  # not failures: valid files
     (restart, _) = [r.getMessage() for r in caplog.records
                     if r.levelno == logging.WARNING and r.name.endswith("config_file")]
-    assert "models, routing changed" in restart and "restart (roll) the gateway" in restart
+    assert "models, health changed" in restart and "restart (roll) the gateway" in restart
 
 
 async def test_requests_in_flight_finish_when_their_tenant_is_removed(fake_replicas, started

@@ -38,7 +38,7 @@ from argosy_runtime.gateway.backends.pool import ReplicaPool
 from argosy_runtime.gateway.config import GatewayConfig
 from argosy_runtime.gateway.health import HealthChecker
 from argosy_runtime.gateway.metrics import GatewayMetrics
-from argosy_runtime.gateway.policies import Policy, RouteRequest, make_policy
+from argosy_runtime.gateway.policies import RouteRequest
 from argosy_runtime.gateway.proxy.batch_routes import BatchRoutes
 from argosy_runtime.gateway.proxy.errors import (
     bad_request,
@@ -56,6 +56,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
 from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.routing import Routing
 from argosy_runtime.gateway.tenants.config_file import ConfigFile
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
 
@@ -69,14 +70,14 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, *, keys_poll_s: float = POLL_SECONDS,
                  config_file: ConfigFile | None = None) -> None:
-        """`config_file`: the file `config` was read from, whose `tenants` section applies
-        while the gateway runs; `keys_poll_s`: how often it and the tenants' `api_keys_file`s
-        are re-read (tests shorten it)."""
-        self.config = config
+        """`config_file`: the file `config` was read from, whose `tenants` and `routing`
+        (with the models' `policy`) apply while the gateway runs; `keys_poll_s`: how often it
+        and the tenants' `api_keys_file`s are re-read (tests shorten it)."""
+        self.config = config  # as started: its tenants and routing may have been reloaded since
+        self.config_file = config_file
         self.pools: dict[str, ReplicaPool] = {m.name: ReplicaPool(m.name) for m in config.models}
-        self.policies: dict[str, Policy] = {
-            name: make_policy(config.policy_for(name), config.routing) for name in self.pools
-        }
+        # The routing settings and policies in force (replaced whole by `apply_routing`).
+        self.routing = Routing.of(config)
         self.cascades = {c.name: c for c in config.cascades}
         # Scale from zero: models whose requests wait for a replica instead of a 503.
         self.activators: dict[str, Activator] = {
@@ -89,7 +90,8 @@ class Gateway:
         )
         # API keys and per-tenant limits (a no-op without `tenants`).
         self.tenants = TenantGate(config.tenants, self.metrics, config.replica_api_key,
-                                  keys_poll_s=keys_poll_s, config_file=config_file)
+                                  keys_poll_s=keys_poll_s, config_file=config_file,
+                                  apply_config=self.apply_routing)
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
@@ -155,6 +157,18 @@ class Gateway:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+    def apply_routing(self, config: GatewayConfig) -> None:
+        """Route with a reloaded config's `routing` and models' `policy` from the next request
+        on (gateway/routing.py says what carries over). One assignment, no await: requests
+        already routing finish with the snapshot they started with."""
+        new = self.routing.reloaded(config)
+        if new is self.routing:
+            return
+        changes = self.routing.changes(new)
+        self.routing = new
+        where = self.config_file.path if self.config_file is not None else "config"
+        logger.info("%s: routing reloaded (%s)", where, "; ".join(changes))
 
     # -- small endpoints ---------------------------------------------------------------------
 
@@ -392,15 +406,16 @@ class Gateway:
             if held is not None:
                 self.metrics.requests.labels(model, "", str(held.status)).inc()
                 return held
+        routing = self.routing  # one snapshot for all of this request's tries
         route = RouteRequest(
-            prefix=prompt_text(path, body)[: self.config.routing.max_prefix_chars], adapter=adapter
+            prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter
         )
         result = await send(
             session=self.session,
             config=self.config,
             metrics=self.metrics,
             pool=self.pools[model],
-            policy=self.policies[model] if pin is None else PinnedPolicy(pin),
+            policy=routing.policies[model] if pin is None else PinnedPolicy(pin),
             route=route,
             path=path,
             body=raw,
@@ -516,7 +531,8 @@ async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.App
 async def run_gateway(config: GatewayConfig, config_file: ConfigFile | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain: refuse new connections, let the answers in
     flight finish (at most `drain_timeout_s`), close upstream connections cleanly.
-    `config_file`: where `config` came from, re-read for its `tenants` while serving."""
+    `config_file`: where `config` came from, re-read for its `tenants` and `routing` while
+    serving."""
     import signal
 
     gateway = Gateway(config, config_file=config_file)

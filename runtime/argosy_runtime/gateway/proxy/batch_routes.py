@@ -42,7 +42,7 @@ LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page
 class BatchRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self._least_load = LeastLoadPolicy(gateway.config.routing)  # where uploads go
+        self._least_load = LeastLoadPolicy(gateway.routing.config)  # where uploads go
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload_file)
@@ -52,6 +52,15 @@ class BatchRoutes:
         for path in ("/v1/files/{id}", "/v1/files/{id}/content", "/v1/batches/{id}",
                      "/v1/batches/{id}/cancel"):
             app.router.add_route("*", path, self.by_id)
+
+    def _uploads_policy(self) -> LeastLoadPolicy:
+        """Least-load with the routing settings in force (its weights follow a reload)."""
+        routing = self.gateway.routing.config
+        if self._least_load.routing is not routing:
+            policy = LeastLoadPolicy(routing)
+            policy.adopt(self._least_load)
+            self._least_load = policy
+        return self._least_load
 
     # -- creating ----------------------------------------------------------------------------
     async def upload_file(self, request: web.Request) -> web.StreamResponse:
@@ -75,8 +84,8 @@ class BatchRoutes:
             pool = await self._pool_for(model)
             if isinstance(pool, web.Response):
                 return pool
-            replica = self._least_load.choose(self.gateway.pools[pool].available(),
-                                              RouteRequest())
+            replica = self._uploads_policy().choose(self.gateway.pools[pool].available(),
+                                                    RouteRequest())
             if replica is None:
                 return error_response(503, f"no replica of {pool!r} is available")
             spool.seek(0)

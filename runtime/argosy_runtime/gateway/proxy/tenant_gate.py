@@ -20,12 +20,13 @@ answer to a tenant gets OpenAI's `x-ratelimit-*` headers as the limits stood whe
 arrived. Without tenants nothing is installed: clients' headers pass through as before, and
 a `replica_api_key` is only sent on the gateway's own calls (`replica_headers`).
 
-While the app runs, one watcher re-reads every few seconds the config file's `tenants`
-section (tenants/config_file.py, when the gateway was started from a file) and then the
-tenants' `api_keys_file`s (tenants/key_files.py). Files are read on a worker thread; a new
-tenants section is applied here on the event loop in one step (`apply`, no await inside), so
-a request sees either the old tenants or the new ones, never a mix: keys, limiters and
-priorities are swapped together. A tenant that stays keeps its limiter (its buckets' usage
+While the app runs, one watcher re-reads every few seconds the config file
+(tenants/config_file.py, when the gateway was started from a file) and then the tenants'
+`api_keys_file`s (tenants/key_files.py). Files are read on a worker thread; a new valid
+config file is applied on the event loop in one step (`apply_reloaded`, no await inside): its
+tenants here (`apply`), its routing through `apply_config` (the gateway's), so a request sees
+either the old tenants and routing or the new ones, never a mix: keys, limiters, priorities
+and policies are swapped together. A tenant that stays keeps its limiter (its buckets' usage
 and its requests in flight) with the new limits applied to it; a removed tenant's requests
 already admitted finish, their leases holding its old limiter.
 """
@@ -42,11 +43,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from argosy_runtime.background_tasks import running
-from argosy_runtime.gateway.config import TenantConfig
+from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
 from argosy_runtime.gateway.request_text import prompt_text
-from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused
+from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused, Reloaded
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
 from argosy_runtime.gateway.tenants.limiter import Clock, Lease, Refusal, TenantLimiter
@@ -118,15 +119,18 @@ class TenantGate:
     def __init__(self, tenants: Iterable[TenantConfig], metrics: GatewayMetrics,
                  replica_api_key: str | None = None, clock: Clock = time.monotonic,
                  keys_poll_s: float = POLL_SECONDS,
-                 config_file: ConfigFile | None = None) -> None:
-        """`config_file`: the file the gateway was started from, whose `tenants` section is
-        re-read while it runs (None: only the keys files are); `keys_poll_s`: how often the
-        files are re-read."""
+                 config_file: ConfigFile | None = None,
+                 apply_config: Callable[[GatewayConfig], None] | None = None) -> None:
+        """`config_file`: the file the gateway was started from, re-read while it runs (None:
+        only the keys files are); `apply_config`: applies the rest of a reloaded file that
+        may change live (the gateway's routing), called right after its tenants;
+        `keys_poll_s`: how often the files are re-read."""
         tenants = tuple(tenants)
         self.tenants = tenants  # as configured now (the last applied reload)
         self.keys = KeyRing(tenants)
         self.key_files = KeyFiles(tenants, self.keys)
         self.config_file = config_file
+        self.apply_config = apply_config
         self.keys_poll_s = keys_poll_s
         self.clock = clock
         self.limiters = {t.name: TenantLimiter(t, clock) for t in tenants}
@@ -161,27 +165,36 @@ class TenantGate:
             await self.reload()
 
     async def reload(self) -> None:
-        """One round: the config file's tenants section first (a new section brings its own
-        keys files), then the keys files. Never raises: one bad round must not stop the
+        """One round: the config file first (a new tenants section brings its own keys
+        files), then the keys files. Never raises: one bad round must not stop the
         watching."""
         if self.config_file is not None:
             try:
-                tenants = await asyncio.to_thread(self.config_file.reread)
+                reloaded = await asyncio.to_thread(self.config_file.reread_config)
             except ConfigRefused as exc:
-                logger.error("%s; the gateway keeps serving its previous tenants (%s)", exc,
-                             ", ".join(t.name for t in self.tenants) or "none")
+                logger.error("%s; the gateway keeps serving its previous tenants (%s) and "
+                             "routing", exc, ", ".join(t.name for t in self.tenants) or "none")
                 self.metrics.config_reload_failures.inc()
             except Exception:
                 logger.exception("%s: reload failed", self.config_file.path)
                 self.metrics.config_reload_failures.inc()
             else:
-                if tenants is not None:
-                    self.apply(tenants)
+                if reloaded is not None:
+                    self.apply_reloaded(reloaded)
             self.metrics.config_refused.set(1 if self.config_file.refused else 0)
         try:
             await asyncio.to_thread(self.key_files.sync)
         except Exception:
             logger.exception("tenants' api_keys_file: reload failed")
+
+    def apply_reloaded(self, reloaded: Reloaded) -> None:
+        """Serve a reloaded, validated config file from the next request on: its tenants
+        (when they may apply) and, through `apply_config`, its routing. No await inside: a
+        request sees all of it or none."""
+        if reloaded.tenants is not None:
+            self.apply(reloaded.tenants)
+        if self.apply_config is not None:
+            self.apply_config(reloaded.config)
 
     def apply(self, tenants: tuple[TenantConfig, ...]) -> None:
         """Serve `tenants` (a reloaded, validated config) from the next request on. Runs on
