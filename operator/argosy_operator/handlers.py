@@ -7,6 +7,8 @@ Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy oper
   so conditions follow the pods (image pull failures, unschedulable GPU requests, readiness);
 - a child deleted by someone else (a Deployment, Service, PodDisruptionBudget, LoRA ConfigMap
   or ServiceMonitor) -> `reconcile` of its owner, which re-creates it if the spec still wants it;
+- a child edited by someone else on a field the operator manages (`drift`, decided from the
+  event's object alone) -> `reconcile` of its owner, which puts the operator's fields back;
 - the ServiceMonitor CRD established while the operator runs (clusterwide only) -> `reconcile`
   of every LLMDeployment that asks for a ServiceMonitor.
 
@@ -26,6 +28,7 @@ from typing import Any
 import aiohttp
 import kopf
 
+from argosy_operator import drift
 from argosy_operator.conditions import condition, find_condition, now_rfc3339
 from argosy_operator.constants import (
     COND_DEGRADED,
@@ -220,8 +223,11 @@ async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
 # Seconds between the attempts of a reapply that failed; the last one repeats until it
 # succeeds or the owner is gone. kopf retries create/update/resume handlers (TemporaryError)
 # but never event handlers, so the reapply retries itself. It waits in the worker kopf runs
-# for the deleted child, which gets no other event (a re-created child has another uid);
-# kopf cancels it at shutdown, and the resume reconcile after a restart covers it.
+# for the deleted child, which gets no other event (a re-created child has another uid), or
+# for the edited one, whose later events kopf holds meanwhile and then hands over as one (the
+# latest: the owner's status catches up then; only API errors fail a revert, and while the API
+# server fails, status writes would fail too); kopf cancels it at shutdown, and the resume
+# reconcile after a restart covers it.
 REAPPLY_RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -231,8 +237,9 @@ def reapply_retry_delay(attempt: int) -> float:
 
 
 async def _reapply(client: KubeClient, namespace: str, owner: str) -> None:
-    """Reconcile the owner's current spec after one of its children was deleted, retrying
-    with backoff until it succeeds or the owner is gone; then refresh its status."""
+    """Reconcile the owner's current spec after one of its children was deleted or edited
+    (drift), retrying with backoff until it succeeds or the owner is gone; then refresh its
+    status."""
     attempt = 0
     while not await _try_reapply(client, namespace, owner, first_try=attempt == 0):
         await asyncio.sleep(reapply_retry_delay(attempt))
@@ -262,7 +269,7 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             if first_try and llmd is not None:
                 kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
-            _log.warning("re-creating a deleted child of %s/%s failed (retrying): %s",
+            _log.warning("reapplying the children of %s/%s failed (retrying): %s",
                          namespace, owner, exc)
             return False
         for action in result.actions:
@@ -295,18 +302,45 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
 _CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}
 
 
+async def _needs_reapply(event: kopf.RawEvent, body: Mapping[str, Any], namespace: str | None,
+                         owner: str | None) -> bool:
+    """Whether a child's watch event calls for reapplying its owner: the child was deleted, or
+    edited on a field the operator manages. The operator's own writes and status updates are
+    no drift (see `drift`): deciding that reads only the event's object, no API request."""
+    if event.get("type") == "DELETED":
+        drift.forget(body)
+        return True
+    if not namespace or not owner:
+        return False
+    field = drift.drifted(body)
+    if field is not None:
+        # A reconcile of the owner in flight may have written this very object and not noted
+        # it yet (the watch can deliver a write before its response arrives): look again once
+        # it is done, rather than reapply for nothing.
+        async with _reconcile_lock(namespace, owner):
+            field = drift.drifted(body)
+    if field is None:
+        return False
+    meta = body.get("metadata") or {}
+    _log.info("%s %s/%s was changed outside the operator (%s differs from what it applied): "
+              "reverting it from LLMDeployment %s/%s", body.get("kind", "child"), namespace,
+              meta.get("name"), field, namespace, owner)
+    return True
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=_CHILD_LABELS)
-async def deployment_changed(event: kopf.RawEvent, meta: kopf.Meta, namespace: str | None,
-                             **_: Any) -> None:
+async def deployment_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.Meta,
+                             namespace: str | None, **_: Any) -> None:
     """Rollout progress and replica counts flow into the owner's status; a Deployment deleted
-    by hand (its owner still there) is re-created at once."""
-    await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD),
-                         reapply=event.get("type") == "DELETED")
+    or edited by hand (its owner still there) is re-created or reverted at once."""
+    owner = meta.get("labels", {}).get(LABEL_LLMD)
+    await _refresh_owner(namespace, owner,
+                         reapply=await _needs_reapply(event, dict(body), namespace, owner))
 
 
-# The other children, watched for deletion only. Without the ServiceMonitor CRD kopf logs one
-# warning and watches the rest; a CRD installed later starts its watch when the operator runs
-# clusterwide (CRD scanning, see `configure`), else at the next operator restart.
+# The other children, watched for deletion and drift. Without the ServiceMonitor CRD kopf logs
+# one warning and watches the rest; a CRD installed later starts its watch when the operator
+# runs clusterwide (CRD scanning, see `configure`), else at the next operator restart.
 _WATCHED_CHILDREN = tuple((res.group or res.version, res.plural)
                           for res in (SERVICES, PDBS, CONFIGMAPS, SERVICEMONITORS))
 
@@ -316,14 +350,16 @@ _WATCHED_CHILDREN = tuple((res.group or res.version, res.plural)
 @kopf.on.event(CONFIGMAPS.group, CONFIGMAPS.version, CONFIGMAPS.plural, labels=_CHILD_LABELS)
 @kopf.on.event(SERVICEMONITORS.group, SERVICEMONITORS.version, SERVICEMONITORS.plural,
                labels=_CHILD_LABELS)
-async def child_deleted(event: kopf.RawEvent, meta: kopf.Meta, namespace: str | None,
-                        **_: Any) -> None:
+async def child_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.Meta,
+                        namespace: str | None, **_: Any) -> None:
     """A child deleted by hand (or pruned by a GitOps tool) while its owner stays is re-created
     at once, from the owner's current spec: a child the operator deleted itself because the
-    spec no longer asks for it stays deleted. Other events of these kinds change nothing the
+    spec no longer asks for it stays deleted. A child edited by hand on a field the operator
+    manages is reverted at once, the same way. Other events of these kinds change nothing the
     status reads, so they cost no request."""
-    if event.get("type") == "DELETED":
-        await _refresh_owner(namespace, meta.get("labels", {}).get(LABEL_LLMD), reapply=True)
+    owner = meta.get("labels", {}).get(LABEL_LLMD)
+    if await _needs_reapply(event, dict(body), namespace, owner):
+        await _refresh_owner(namespace, owner, reapply=True)
 
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from argosy_operator import drift
 from argosy_operator.builders import (
     build_deployment,
     build_lora_configmap,
@@ -83,16 +84,26 @@ def _check_ours(res: Resource, live: Mapping[str, Any]) -> None:
             "rename the LLMDeployment or delete that object")
 
 
-async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, Any]
-                      ) -> tuple[str | None, dict[str, Any]]:
-    """Create or three-way-patch one child. Returns ("created" | "updated" | None, object)."""
+async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, Any], *,
+                      keeps_replicas: bool = False) -> tuple[str | None, dict[str, Any]]:
+    """Create or three-way-patch one child. Returns ("created" | "updated" | None, object).
+
+    The object is noted for drift detection (`drift.remember`); `keeps_replicas`: the operator
+    keeps the desired spec.replicas (autoscaling off), so another count is drift.
+    """
     ns = desired["metadata"]["namespace"]
     name = desired["metadata"]["name"]
     body = with_last_applied(desired)
+    replicas = (desired.get("spec") or {}).get("replicas") if keeps_replicas else None
+
+    def applied(action: str | None, obj: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        drift.remember(obj, replicas=replicas)
+        return action, dict(obj)
+
     live = await client.get(res, ns, name)
     if live is None:
         try:
-            return "created", await client.create(res, ns, body)
+            return applied("created", await client.create(res, ns, body))
         except ApiError as exc:
             if exc.status != 409:
                 raise
@@ -100,16 +111,10 @@ async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, A
             if live is None:
                 raise
     _check_ours(res, live)
-    annotations = (live.get("metadata") or {}).get("annotations") or {}
-    raw_last = annotations.get(ANNOTATION_LAST_APPLIED)
-    try:
-        last = json.loads(raw_last) if raw_last else None
-    except json.JSONDecodeError:
-        last = None
-    patch = three_way_merge_patch(last, body, live)
+    patch = three_way_merge_patch(drift.last_applied(live), body, live)
     if not patch:
-        return None, dict(live)
-    return "updated", await client.patch(res, ns, name, patch)
+        return applied(None, live)
+    return applied("updated", await client.patch(res, ns, name, patch))
 
 
 async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str) -> bool:
@@ -156,7 +161,8 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
     else:
         replicas = int(spec["replicas"])
     action, result.deployment = await apply_child(
-        client, DEPLOYMENTS, build_deployment(llmd, spec, replicas))
+        client, DEPLOYMENTS, build_deployment(llmd, spec, replicas),
+        keeps_replicas=not autoscaling_enabled(spec))
     note(action, "Deployment")
     if lora is None and await delete_child(client, CONFIGMAPS, ns, name):
         # After the Deployment, whose patch above took the mount off the pod template.

@@ -393,6 +393,151 @@ async def test_child_deleted_by_hand_is_recreated(kube: Any, api: Api, run_opera
         r.data["message"] for r in writes(kube, EVENT_PATH)][-3:]
 
 
+def _container_edit(**fields: Any) -> Any:
+    """A hand edit of the runtime container (containers is a list: a merge patch sends it
+    whole, as `kubectl edit` does)."""
+    def edit(obj: dict[str, Any]) -> dict[str, Any]:
+        container = {**obj["spec"]["template"]["spec"]["containers"][0], **fields}
+        return {"spec": {"template": {"spec": {"containers": [container]}}}}
+    return edit
+
+
+def _managed(obj: dict[str, Any]) -> Any:
+    """What the operator writes of a child: its content, labels and annotations."""
+    meta = obj["metadata"]
+    return _content(obj), meta.get("labels"), meta.get("annotations")
+
+
+# A hand edit of each child kind on a field the operator manages, as a function of the live
+# object that returns a merge patch.
+HAND_EDITS = {
+    "deployment-image": (DEP_PATH, _container_edit(image="ghcr.io/someone/else:latest")),
+    "deployment-args": (DEP_PATH, _container_edit(args=["serve", "--model", "other"])),
+    "deployment-replicas": (DEP_PATH, lambda _: {"spec": {"replicas": 7}}),
+    "deployment-label": (DEP_PATH, lambda _: {"metadata": {"labels": {
+        "app.kubernetes.io/component": None}}}),
+    "deployment-record": (DEP_PATH, lambda _: {"metadata": {"annotations": {
+        "argosy.dev/last-applied": None}}}),
+    "service": (SVC_PATH, lambda obj: {"spec": {"ports": [
+        {**obj["spec"]["ports"][0], "port": 9999}]}}),
+    "pdb": (PDB_PATH, lambda _: {"spec": {"maxUnavailable": 0}}),
+    "configmap": (CM_PATH, lambda _: {"data": {"adapters.json": "[]"}}),
+    "servicemonitor": (SM_PATH, lambda _: {"spec": {"endpoints": []}}),
+}
+
+
+@pytest.mark.parametrize("edit", list(HAND_EDITS))
+async def test_child_edited_by_hand_is_reverted(kube: Any, api: Api, run_operator: Any,
+                                                edit: str) -> None:
+    """`kubectl edit` / `label` / `annotate` on a field the operator manages (the image, the
+    args, the replicas it keeps with autoscaling off, a label, its last-applied record, a
+    port, the budget, the LoRA list, the scrape endpoints) is put back at once, with no change
+    to the LLMDeployment: the same object patched, not re-created."""
+    path, change = HAND_EDITS[edit]
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(runtime=LORA), "application/json")
+        first = await eventually(lambda: api.get_or_none(f"{path}/chat"), what="child")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await settle(kube)
+        first = await api.get_or_none(f"{path}/chat")
+        edited = await api.call("PATCH", f"{path}/chat", change(first))
+        assert _managed(edited) != _managed(first)
+
+        async def reverted() -> Any:
+            obj = await api.get_or_none(f"{path}/chat")
+            return obj if _managed(obj) == _managed(first) else None
+
+        second = await eventually(reverted, what="the hand edit reverted")
+        await settle(kube)
+        final = await api.get_or_none(f"{path}/chat")
+    assert _managed(final) == _managed(first)
+    assert final["metadata"]["uid"] == first["metadata"]["uid"]
+    assert int(second["metadata"]["resourceVersion"]) > int(edited["metadata"]["resourceVersion"])
+    owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+    assert owner["metadata"]["generation"] == 1
+    # One patch put it back (the Event the operator posts for any write it makes), no loop.
+    operator_patches = [r for r in writes(kube, f"{path}/chat") if r.method == "PATCH"
+                        and r.headers.get("User-Agent", "").startswith("argosy-operator/")]
+    assert len(operator_patches) == 1
+    assert "updated " + first["kind"] + " chat" in [
+        r.data["message"] for r in writes(kube, EVENT_PATH)]
+
+
+def _store_cpu_as_the_api_server_spells_it(kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deployments store a CPU quantity of "0.5" as "500m" (a real API server canonicalizes
+    quantities): the live object then never holds the record of what the operator sent."""
+    def canonical(data: Any) -> None:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key == "cpu" and value == "0.5":
+                    data[key] = "500m"
+                else:
+                    canonical(value)
+        elif isinstance(data, list):
+            for value in data:
+                canonical(value)
+
+    def wrap(real: Any) -> Any:
+        def prepare(request: Any) -> Any:
+            if request.resource.plural == "deployments":
+                canonical(request.data)
+            return real(request)
+        return prepare
+
+    for method in ("_prepare_create", "_prepare_patch"):
+        monkeypatch.setattr(kube, method, wrap(getattr(kube, method)))
+
+
+async def test_own_writes_and_status_updates_reapply_nothing(
+        kube: Any, api: Api, run_operator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only hand edits are drift: the operator's own create and patch (a spec change that
+    also changes the replicas it keeps), and the Deployment controller's status updates all
+    through a rollout, reconcile nothing more, also when the API server stores a field in its
+    own spelling (cpu "0.5" as "500m") so that the child never holds the record literally."""
+    from argosy_operator import handlers
+
+    reconciled: list[int] = []
+    real_reconcile = handlers.reconcile
+
+    async def counted(client: Any, owner: Any) -> Any:
+        reconciled.append(owner["metadata"]["generation"])
+        return await real_reconcile(client, owner)
+
+    monkeypatch.setattr(handlers, "reconcile", counted)
+    _store_cpu_as_the_api_server_spells_it(kube, monkeypatch)
+
+    async def rollout(replicas: int, generation: int) -> None:
+        for ready in range(replicas + 1):
+            await api.call("PATCH", f"{DEP_PATH}/chat/status", {"status": {
+                "observedGeneration": generation, "replicas": replicas,
+                "updatedReplicas": replicas, "readyReplicas": ready}})
+
+        async def seen() -> bool:
+            return (await _status(api)).get("readyReplicas") == replicas
+
+        await eventually(seen, what=f"{replicas} ready replicas in the status")
+
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(resources={"cpu": "0.5", "memory": "4Gi"}),
+                       "application/json")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await rollout(2, 1)
+        await settle(kube)
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "replicas": 3, "runtime": {"maxNumSeqs": 64}}})
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        await rollout(3, 2)
+        await settle(kube, quiet=1.5)
+    dep = await api.get_or_none(f"{DEP_PATH}/chat")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"][
+        "cpu"] == "500m"
+    assert dep["spec"]["replicas"] == 3
+    assert reconciled == [1, 2]  # the create and the spec change, no reapply
+    dep_patches = [r for r in writes(kube, f"{DEP_PATH}/chat") if r.method == "PATCH"
+                   and r.headers.get("User-Agent", "").startswith("argosy-operator/")]
+    assert len(dep_patches) == 1  # the spec change's
+
+
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
