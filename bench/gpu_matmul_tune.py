@@ -5,7 +5,9 @@ candidate is checked against the float32 reference on fresh random inputs (outpu
 with NaN first) and timed against bf16 torch.matmul: "default" (the fused kernel as
 default_config launches it), the FMA inner product for M <= 8 and tensor-core tile shapes from
 M = 16 (matmul_config.MatmulConfig), and "dense" (dequantize the whole weight once, then
-cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows). Weights rotate over enough copies to
+cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows); w4a16 also with its scales and zeros
+stored group-major ("w4gn": [K // 128, N] contiguous, so neighbouring columns' scales are
+neighbours in memory and a warp's scale loads coalesce). Weights rotate over enough copies to
 exceed the L2 cache several times, as a model's layers do. Set default_config and DENSE_MIN_M
 from its table and record it in docs/benchmarks/gpu.md. Not yet run on a GPU.
 
@@ -87,6 +89,11 @@ def time_rotating(calls: list[Callable[[], Any]], passes: int = 3, reps: int = 5
 
 
 def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
+    """(name, config) to time for `kind` ("w4", "w8", or "w4gn": w4a16 with group-major
+    scales and zeros, for which a few of w4's configs are enough to compare the layouts)."""
+    if kind == "w4gn":
+        w4 = candidates("w4", m)
+        return w4[:2] + [c for c in w4[2:] if not c[0].endswith("split1")][:4]
     from argosy_kernels.matmul_config import MatmulConfig
     from argosy_kernels.w4a16_matmul import default_config as w4_default
     from argosy_kernels.w8a16_matmul import default_config as w8_default
@@ -119,11 +126,11 @@ def make_call(kind: str, cfg: Any, x: torch.Tensor, ws: tuple, out: torch.Tensor
 
     if kind == "bf16":
         return lambda: torch.matmul(x, ws[0].T, out=out)
-    if cfg == "dense" and kind == "w4":
+    if cfg == "dense" and kind in ("w4", "w4gn"):
         return lambda: torch.matmul(x, w4a16_dequantize(*ws, GROUP, BF16).T, out=out)
     if cfg == "dense":
         return lambda: torch.matmul(x, (ws[0].to(BF16) * ws[1][:, None]).T, out=out)
-    if kind == "w4":
+    if kind in ("w4", "w4gn"):
         return lambda: w4a16_matmul(x, *ws, GROUP, out=out, config=cfg)
     return lambda: w8a16_matmul(x, *ws, out=out, config=cfg)
 
@@ -145,6 +152,8 @@ def main() -> int:
                (torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01).to(BF16),
                (torch.rand(n, k // GROUP, generator=g, device=dev) * 15).to(BF16))
               for _ in range(copies)]
+        # The same values with scales and zeros stored group-major ([G, N] contiguous).
+        w4gn = [(qw, s.T.contiguous().T, z.T.contiguous().T) for qw, s, z in w4]
         w8 = [(torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8),
                (torch.rand(n, generator=g, device=dev) * 1e-3).to(BF16))
               for _ in range(max(2, copies // 2))]
@@ -159,15 +168,16 @@ def main() -> int:
             t_bf16 = time_rotating([make_call("bf16", None, x, (w,), out) for w in wbf])
             want = {"w4": (x.float() @ w4a16_dequantize_ref(*w4[0], GROUP).T),
                     "w8": (x.float() @ (w8[0][0].float() * w8[0][1].float()[:, None]).T)}
-            for kind in ("w4", "w8"):
-                weights = w4 if kind == "w4" else w8
+            for kind in ("w4", "w4gn", "w8"):
+                weights = {"w4": w4, "w4gn": w4gn, "w8": w8}[kind]
                 for name, cfg in candidates(kind, m):
                     row = {"kind": kind, "n": n, "k": k, "m": m, "config": name,
                            "bf16_us": round(t_bf16 * 1e6, 2)}
                     try:
                         out.fill_(float("nan"))
                         make_call(kind, cfg, x, weights[0], out)()
-                        err = float((out.float() - want[kind]).norm() / want[kind].norm())
+                        ref = want[kind[:2]]
+                        err = float((out.float() - ref).norm() / ref.norm())
                         row["rel_err"] = err
                         if not err < 2e-2:
                             row["error"] = f"rel err {err:.2e}"

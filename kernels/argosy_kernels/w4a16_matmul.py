@@ -9,6 +9,9 @@ Packing layout (the quantizer produces it with `pack_int4`):
           loaded once and no shuffle needed.
   scales  [N, K // group_size]  float (fp16/bf16/fp32), zeros [N, K // group_size] float, in
           units of the 4-bit code (asymmetric: an integer 0..15, or fractional for AWQ-style).
+          Any strides: [N, K // group_size] contiguous is what the quantizer writes; the
+          transpose of a contiguous [K // group_size, N] lets the kernels load a tile's
+          columns' scales as one vector.
   dequantized weight: w[n, k] = (w_int[n, k] - zeros[n, k // g]) * scales[n, k // g]
   out = x @ w.T, in x's dtype. group_size in {32, 64, 128} (any multiple of 8 dividing K works).
 
@@ -100,7 +103,9 @@ def _w4a16_matmul_kernel(
     stride_xm,
     stride_qn,
     stride_sn,
-    stride_zn,
+    stride_sg,  # scales/zeros may be either [N, G] contiguous or the transpose of a [G, N]
+    stride_zn,  # one (group-major: a tile's columns then load as one vector)
+    stride_zg,
     stride_om,
     j_per_split,  # words per K split, a multiple of BLOCK_K8
     GROUP_SIZE: tl.constexpr,
@@ -137,15 +142,17 @@ def _w4a16_matmul_kernel(
             q = ((words >> (4 * i)) & 0xF).to(tl.float32)  # [BK8, BN]
             if UNIFORM_GROUP:
                 grp = (i * K8 + j0) // GROUP_SIZE
-                s = tl.load(scales_ptr + rn64 * stride_sn + grp, mask=n_mask, other=0.0)
-                z = tl.load(zeros_ptr + rn64 * stride_zn + grp, mask=n_mask, other=0.0)
+                s = tl.load(scales_ptr + rn64 * stride_sn + grp * stride_sg, mask=n_mask,
+                            other=0.0)
+                z = tl.load(zeros_ptr + rn64 * stride_zn + grp * stride_zg, mask=n_mask,
+                            other=0.0)
                 w = (q - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
             else:
                 grp = rk // GROUP_SIZE
-                s = tl.load(scales_ptr + rn64[None, :] * stride_sn + grp[:, None], mask=jn_mask,
-                            other=0.0)
-                z = tl.load(zeros_ptr + rn64[None, :] * stride_zn + grp[:, None], mask=jn_mask,
-                            other=0.0)
+                s = tl.load(scales_ptr + rn64[None, :] * stride_sn + grp[:, None] * stride_sg,
+                            mask=jn_mask, other=0.0)
+                z = tl.load(zeros_ptr + rn64[None, :] * stride_zn + grp[:, None] * stride_zg,
+                            mask=jn_mask, other=0.0)
                 w = (q - z.to(tl.float32)) * s.to(tl.float32)
             if USE_DOT:
                 if UPCAST_DOT:
@@ -171,8 +178,11 @@ def _w4a16_dequantize_kernel(
     K8,
     stride_qn,
     stride_sn,
+    stride_sg,
     stride_zn,
+    stride_zg,
     GROUP_SIZE: tl.constexpr,
+    UNIFORM_GROUP: tl.constexpr,  # each (nibble, word tile) lies in one group
     BLOCK_N: tl.constexpr,
     BLOCK_K8: tl.constexpr,
 ):
@@ -183,10 +193,20 @@ def _w4a16_dequantize_kernel(
     words = tl.load(qweight_ptr + rn64[:, None] * stride_qn + rj[None, :], mask=mask, other=0)
     for i in tl.static_range(8):
         rk = i * K8 + rj
-        grp = rk // GROUP_SIZE
-        s = tl.load(scales_ptr + rn64[:, None] * stride_sn + grp[None, :], mask=mask, other=0.0)
-        z = tl.load(zeros_ptr + rn64[:, None] * stride_zn + grp[None, :], mask=mask, other=0.0)
-        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
+        if UNIFORM_GROUP:  # one scale and zero per row for this nibble's run of K
+            grp = (i * K8 + tl.program_id(1) * BLOCK_K8) // GROUP_SIZE
+            n_mask = rn < N
+            s = tl.load(scales_ptr + rn64 * stride_sn + grp * stride_sg, mask=n_mask,
+                        other=0.0).to(tl.float32)[:, None]
+            z = tl.load(zeros_ptr + rn64 * stride_zn + grp * stride_zg, mask=n_mask,
+                        other=0.0).to(tl.float32)[:, None]
+        else:
+            grp = rk // GROUP_SIZE
+            s = tl.load(scales_ptr + rn64[:, None] * stride_sn + grp[None, :] * stride_sg,
+                        mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + rn64[:, None] * stride_zn + grp[None, :] * stride_zg,
+                        mask=mask, other=0.0).to(tl.float32)
+        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s
         tl.store(out_ptr + rn64[:, None] * (8 * K8) + rk[None, :],
                  w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -199,11 +219,15 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     out = torch.empty(n, 8 * k8, dtype=dtype, device=qweight.device)
     # 8 warps: 80 registers a thread for sm_90 where 4 warps took 189 (tiles spread over
     # more threads), so more programs fit an SM to keep this memory-bound copy busy.
-    block_n, block_k8 = 32, 64
+    # Words per tile: up to a group's worth, so that a tile of one nibble lies in one group.
+    block_n = 32
+    block_k8 = group_size if group_size < 64 and group_size & (group_size - 1) == 0 else 64
     _w4a16_dequantize_kernel[(-(-n // block_n), -(-k8 // block_k8))](
         out, qweight, scales, zeros, n, k8,
-        qweight.stride(0), scales.stride(0), zeros.stride(0),
-        GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K8=block_k8, num_warps=8,
+        qweight.stride(0), *scales.stride(), *zeros.stride(),
+        GROUP_SIZE=group_size,
+        UNIFORM_GROUP=k8 % group_size == 0 and group_size % block_k8 == 0,
+        BLOCK_N=block_n, BLOCK_K8=block_k8, num_warps=8,
     )
     return out
 
@@ -259,9 +283,9 @@ def w4a16_matmul(
         raise ValueError(f"group_size must be a positive multiple of 8 dividing K={K}, "
                          f"got {group_size}")
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.shape != (N, K // group_size) or t.stride(1) != 1:
+        if t.shape != (N, K // group_size):
             raise ValueError(f"{name} must be [N, K // group_size] = {(N, K // group_size)}, "
-                             f"contiguous in its last dim, got {tuple(t.shape)}")
+                             f"got {tuple(t.shape)}")
     check_device(x, qweight, scales, zeros)
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -289,7 +313,7 @@ def w4a16_matmul(
                                                device=x.device)
     _w4a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, qweight, scales, zeros, M, N, K8,
-        x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        x.stride(0), qweight.stride(0), *scales.stride(), *zeros.stride(), out.stride(0),
         j_per_split,
         GROUP_SIZE=group_size,
         UNIFORM_GROUP=uniform,

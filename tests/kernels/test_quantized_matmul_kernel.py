@@ -107,14 +107,38 @@ def _random_int4(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int)
     return qweight, scales, zeros
 
 
+def _group_major(t: torch.Tensor) -> torch.Tensor:
+    """The same [N, G] values, stored as the transpose of a contiguous [G, N]."""
+    return t.T.contiguous().T
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_w4a16_dequantize_matches_reference(dtype):
-    # N and K8 not multiples of the kernel's tiles; groups straddle its word tiles.
-    qweight, scales, zeros = _random_int4(40, 8 * 72, 96, dtype, seed=7)
-    got = w4a16_dequantize(qweight, scales, zeros, 96, dtype)
-    want = w4a16_dequantize_ref(qweight, scales, zeros, 96)
+@pytest.mark.parametrize("group_major", [False, True])
+@pytest.mark.parametrize(("n", "k", "group_size"), [
+    (40, 8 * 72, 96),  # N and K8 not multiples of the tiles; groups straddle word tiles
+    (40, 8 * 256, 128),  # each (nibble, word tile) inside one group: one scale per row
+    (24, 8 * 64, 32),  # groups smaller than the kernel's usual word tile
+])
+def test_w4a16_dequantize_matches_reference(dtype, group_major, n, k, group_size):
+    qweight, scales, zeros = _random_int4(n, k, group_size, dtype, seed=7)
+    if group_major:
+        scales, zeros = _group_major(scales), _group_major(zeros)
+    got = w4a16_dequantize(qweight, scales, zeros, group_size, dtype)
+    want = w4a16_dequantize_ref(qweight, scales, zeros, group_size)
     assert got.dtype == dtype
     assert_close(got, want.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("config", [None, FMA, DOT_SPLIT])
+@pytest.mark.parametrize(("m", "n", "k", "group_size"), [(1, 40, 256, 32), (5, 48, 384, 64)])
+def test_w4a16_group_major_scales(config, m, n, k, group_size):
+    # Scales and zeros as transposed views: the same values, other strides, same answer.
+    qweight, scales, zeros = _random_int4(n, k, group_size, torch.bfloat16, seed=m + n)
+    x = randn(m, k, dtype=torch.bfloat16, gen=generator(3))
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, group_size)
+    got = w4a16_matmul(x, qweight, _group_major(scales), _group_major(zeros), group_size,
+                       config=config)
+    assert_close(got, want, torch.bfloat16, scale=MM_SCALE)
 
 
 def test_w4a16_many_rows_dequantize_once(monkeypatch):
