@@ -8,7 +8,8 @@ Sections, in order (each is timed and recorded; a failing section is recorded, n
      against the measured copy bandwidth;
   4. matmul: w4a16 / w8a16 against bf16 torch.matmul at M = 1/16/64/256, 4096x4096,
      4096->14336 and 14336->4096;
-  5. engine: greedy tokens of the embedded model in float32, torch attention vs Triton;
+  5. engine: greedy tokens of the embedded model in float32, torch attention vs Triton, and
+     vs the engine as served on CUDA (its own kernels, CUDA graphs);
   6. end to end: decode tokens/s of a random-weight Llama-3-8B-shaped model (runtime classes,
      Triton attention, CUDA graphs) in bf16 / int8 / int4 at batch 1 and 64, against the
      roofline (weight + KV bytes read per step / measured bandwidth).
@@ -452,24 +453,43 @@ def engine_section() -> dict:
     triton_res = llm.generate(prompts, params)
     backends.append(type(runner.backend).__name__)
     layer_ops.append(model.ops)
-    same = [a.outputs[0].token_ids == b.outputs[0].token_ids
-            for a, b in zip(torch_res, triton_res, strict=True)]
-    # Compared only where both paths saw the same tokens (all of them when the greedy
-    # outputs agree).
-    pairs = [(a, b) for a, b, s in zip(torch_res, triton_res, same, strict=True) if s]
-    diff = max((abs(x - y) for x, y in zip(_logprobs([a for a, _ in pairs]),
-                                         _logprobs([b for _, b in pairs]), strict=True)),
-               default=float("nan"))
+    same, diff = _compare(torch_res, triton_res)
     row("engine", f"greedy tokens, torch vs Triton (fp32, {ARGS.model})",
         f"{sum(same)}/{len(same)} identical")
     row("engine", "max |logprob torch - Triton|", f"{diff:.2e} (<= 1e-03)")
     del llm, model, runner
     gc.collect()
+    out = {"model": ARGS.model, "identical": all(same), "per_prompt": same,
+           "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3, "backends": backends,
+           "layer_ops": layer_ops}
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
-    return {"model": ARGS.model, "identical": all(same), "per_prompt": same,
-            "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3, "backends": backends,
-            "layer_ops": layer_ops}
+        # The engine as served: its own choice of kernels on CUDA, decode steps replayed from
+        # CUDA graphs (batches padded to a captured size), same prompts.
+        llm = LLM(model=ARGS.model, dtype="float32", device="cuda", kv_cache_memory=1 << 30)
+        graphs = llm.engine.runner.graph_runner is not None
+        same, diff = _compare(torch_res, llm.generate(prompts, params))
+        row("engine", "greedy tokens, torch vs engine with CUDA graphs",
+            f"{sum(same)}/{len(same)} identical, max |logprob diff| {diff:.2e}"
+            f"{'' if graphs else ' (NO graphs captured)'}")
+        out["cuda_graphs"] = {"captured": graphs, "identical": all(same), "per_prompt": same,
+                              "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3}
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def _compare(ref: list[Any], got: list[Any]) -> tuple[list[bool], float]:
+    """Per request, whether the greedy tokens are the same; and the largest logprob
+    difference over the requests whose tokens are the same (every prompt and output token)."""
+    same = [a.outputs[0].token_ids == b.outputs[0].token_ids
+            for a, b in zip(ref, got, strict=True)]
+    pairs = [(a, b) for a, b, s in zip(ref, got, same, strict=True) if s]
+    diff = max((abs(x - y) for x, y in zip(_logprobs([a for a, _ in pairs]),
+                                         _logprobs([b for _, b in pairs]), strict=True)),
+               default=float("nan"))
+    return same, diff
 
 
 # ---- 6. end-to-end decode --------------------------------------------------------------------
