@@ -29,6 +29,7 @@ from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
+from argosy_runtime.models.build import build_model
 from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
@@ -122,17 +123,7 @@ class LLMEngine:
 
     # ---- construction helpers -------------------------------------------------------------
     def _load_model(self, checkpoint: Any, quant_config: Any) -> LlamaForCausalLM:
-        model = LlamaForCausalLM(self.spec, self.dtype, max_positions=self.max_model_len)
-        if quant_config is None:
-            loaded = model.load_weights(checkpoint.iter_weights())
-            model.check_all_loaded(loaded)
-        else:
-            from argosy_runtime.quantization import load_quantized_weights
-
-            load_quantized_weights(model, checkpoint, quant_config)
-        model = model.to(self.device).eval()
-        model.use_device_kernels()
-        return model
+        return build_model(checkpoint, self.dtype, self.device, self.max_model_len, quant_config)
 
     def _quantization_config(self, checkpoint: Any) -> Any:
         """The requested quantization, or the checkpoint's own (GPTQ/AWQ), or None."""

@@ -180,7 +180,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.spec = spec
         # Build on the meta device and allocate uninitialized storage afterwards: random
@@ -191,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
             self.model = LlamaModel(spec)
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.to(dtype)
-        self.to_empty(device="cpu")
+        self.to_empty(device=device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from argosy_runtime.attention.batch import build_batch, decode_rows_first
+from argosy_runtime.models.build import build_model
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
@@ -100,17 +101,14 @@ class DraftProposer:
                 f"speculative model {config.model!r} has vocab_size {spec.vocab_size}, but the "
                 f"target has {engine.spec.vocab_size}: the draft must share the target's tokenizer"
             )
-        model = LlamaForCausalLM(spec, engine.dtype,
-                                 max_positions=min(engine.max_model_len, spec.max_position_embeddings))
-        if config.quantization is None:
-            model.check_all_loaded(model.load_weights(checkpoint.iter_weights()))
-        else:
-            from argosy_runtime.quantization import QuantizationConfig, load_quantized_weights
+        quant_config = None
+        if config.quantization is not None:
+            from argosy_runtime.quantization import QuantizationConfig
 
-            load_quantized_weights(model, checkpoint, QuantizationConfig(method=config.quantization))
-        model = model.to(engine.device).eval()
-        model.use_device_kernels()  # the target's kernels: a draft is only worth it if cheap
-        return model
+            quant_config = QuantizationConfig(method=config.quantization)
+        # On the target's device with the same fast kernels: a draft is only worth it if cheap.
+        return build_model(checkpoint, engine.dtype, engine.device,
+                           min(engine.max_model_len, spec.max_position_embeddings), quant_config)
 
     # ---- proposing ------------------------------------------------------------------------
     @torch.inference_mode()
