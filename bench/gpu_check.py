@@ -47,7 +47,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="toy shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
     p.add_argument("--skip", default="", help="comma-separated sections to skip "
-                   "(device,correctness,decode_attention,matmul,engine,e2e)")
+                   "(device,correctness,decode_attention,matmul,engine,engine_graphs,e2e)")
     p.add_argument("--model", default="smollm2-135m",
                    help="model of the engine section (an alias, HF folder or .gguf; default: "
                    "the embedded smollm2-135m; bench/truncate_gguf.py makes one small enough "
@@ -405,6 +405,29 @@ def matmul_section() -> dict:
 
 
 # ---- 5. engine: Triton vs torch attention, greedy, float32 --------------------------------
+# The last prompt spans several KV blocks, so prefill reads paged context too. Smoke: one
+# prompt, a few tokens, on the CPU under the interpreter (slow, but the path).
+ENGINE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+                  "List three colors:",
+                  "Kubernetes schedules pods onto nodes. A deployment keeps a number of replicas "
+                  "running, a service gives them one address, and an operator reconciles "
+                  "custom resources into such objects. Explain, step by step, what happens "
+                  "when a user applies a manifest that asks for three replicas of a model "
+                  "server:"][: 1 if SMOKE else None]
+
+
+ENGINE_REFERENCE: list[Any] = []  # the engine section's torch-path outputs
+
+
+def _engine_params() -> Any:
+    from argosy_runtime import SamplingParams
+
+    # prompt_logprobs: every prompt token's logprob depends on attention over its context,
+    # so the paths are compared on numbers, not only on argmaxes.
+    return SamplingParams(temperature=0.0, max_tokens=3 if SMOKE else 48, ignore_eos=True,
+                          logprobs=0, prompt_logprobs=0)
+
+
 def _logprobs(outputs: list[Any]) -> list[float]:
     """Each request's prompt and generated tokens' logprobs, in order, one flat list."""
     flat: list[float] = []
@@ -417,23 +440,11 @@ def _logprobs(outputs: list[Any]) -> list[float]:
 
 @section("engine")
 def engine_section() -> dict:
-    from argosy_runtime import LLM, SamplingParams
+    from argosy_runtime import LLM
     from argosy_runtime.attention.torch_backend import TorchAttentionBackend
     from argosy_runtime.attention.triton_backend import TritonAttentionBackend
 
-    # The last prompt spans several KV blocks, so prefill reads paged context too.
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
-               "List three colors:",
-               "Kubernetes schedules pods onto nodes. A deployment keeps a number of replicas "
-               "running, a service gives them one address, and an operator reconciles custom "
-               "resources into such objects. Explain, step by step, what happens when a user "
-               "applies a manifest that asks for three replicas of a model server:"]
-    # Smoke: one prompt, a few tokens, on the CPU under the interpreter (slow, but the path).
-    prompts = prompts[:1] if SMOKE else prompts
-    # prompt_logprobs: every prompt token's logprob depends on attention over its context, so
-    # the two paths are compared on numbers, not only on argmaxes.
-    params = SamplingParams(temperature=0.0, max_tokens=3 if SMOKE else 48, ignore_eos=True,
-                            logprobs=0, prompt_logprobs=0)
+    prompts, params = ENGINE_PROMPTS, _engine_params()
     # A small KV cache: by default it would take most of the GPU, and the next section
     # needs the memory for an 8B model.
     llm = LLM(model=ARGS.model, dtype="float32", device=DEV.type, enforce_eager=True,
@@ -459,25 +470,34 @@ def engine_section() -> dict:
     row("engine", "max |logprob torch - Triton|", f"{diff:.2e} (<= 1e-03)")
     del llm, model, runner
     gc.collect()
-    out = {"model": ARGS.model, "identical": all(same), "per_prompt": same,
-           "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3, "backends": backends,
-           "layer_ops": layer_ops}
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
-        # The engine as served: its own choice of kernels on CUDA, decode steps replayed from
-        # CUDA graphs (batches padded to a captured size), same prompts.
-        llm = LLM(model=ARGS.model, dtype="float32", device="cuda", kv_cache_memory=1 << 30)
-        graphs = llm.engine.runner.graph_runner is not None
-        same, diff = _compare(torch_res, llm.generate(prompts, params))
-        row("engine", "greedy tokens, torch vs engine with CUDA graphs",
-            f"{sum(same)}/{len(same)} identical, max |logprob diff| {diff:.2e}"
-            f"{'' if graphs else ' (NO graphs captured)'}")
-        out["cuda_graphs"] = {"captured": graphs, "identical": all(same), "per_prompt": same,
-                              "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3}
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    return out
+    ENGINE_REFERENCE[:] = torch_res  # for the next section
+    return {"model": ARGS.model, "identical": all(same), "per_prompt": same,
+            "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3, "backends": backends,
+            "layer_ops": layer_ops}
+
+
+@section("engine_graphs")
+def engine_graphs_section() -> dict:
+    """The engine as served on CUDA (its own kernel choice, decode steps replayed from CUDA
+    graphs, batches padded to a captured size) against the engine section's torch path."""
+    from argosy_runtime import LLM
+
+    torch_res = list(ENGINE_REFERENCE)
+    if DEV.type != "cuda" or not torch_res:
+        return {"skipped": "needs CUDA and the engine section's outputs"}
+    llm = LLM(model=ARGS.model, dtype="float32", device="cuda", kv_cache_memory=1 << 30)
+    graphs = llm.engine.runner.graph_runner is not None
+    same, diff = _compare(torch_res, llm.generate(ENGINE_PROMPTS, _engine_params()))
+    row("engine_graphs", "greedy tokens, torch vs engine with CUDA graphs",
+        f"{sum(same)}/{len(same)} identical, max |logprob diff| {diff:.2e}"
+        f"{'' if graphs else ' (NO graphs captured)'}")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"captured": graphs, "identical": all(same), "per_prompt": same,
+            "max_logprob_diff": diff, "logprobs_ok": diff <= 1e-3}
 
 
 def _compare(ref: list[Any], got: list[Any]) -> tuple[list[bool], float]:
@@ -642,7 +662,7 @@ def main() -> int:
               "numbers below check the script, they are not measurements.")
     RESULTS["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     for run in (device_section, correctness_section, decode_attention_section, matmul_section,
-                engine_section, e2e_section):
+                engine_section, engine_graphs_section, e2e_section):
         run()
     RESULTS["total_seconds"] = round(elapsed(), 1)
     print("\n== gpu_check summary" + (" (SMOKE: not measurements)" if SMOKE else "") + " ==")
