@@ -73,12 +73,30 @@ def with_last_applied(desired: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_ours(res: Resource, live: Mapping[str, Any]) -> None:
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The uid in `obj`'s controller owner reference, or None."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def _is_ours(live: Mapping[str, Any], owner_uid: str | None) -> bool:
+    """Whether `live` is the operator's: its managed-by label, or (that label removed by hand,
+    `kubectl label ... app.kubernetes.io/managed-by-`) a controller reference to the owner
+    being reconciled. The reference alone is enough: only the operator sets it, and an
+    object someone else made under the child's name has none to this owner's uid."""
+    if ((live.get("metadata") or {}).get("labels") or {}).get(LABEL_MANAGED_BY) == OPERATOR_NAME:
+        return True
+    return owner_uid is not None and _controller_uid(live) == owner_uid
+
+
+def _check_ours(res: Resource, live: Mapping[str, Any], owner_uid: str | None) -> None:
     meta = live.get("metadata") or {}
     kind = live.get("kind", res.plural)
     if meta.get("deletionTimestamp"):
         raise ChildConflictError(f"{kind} {meta.get('name')} is being deleted; retrying")
-    if (meta.get("labels") or {}).get(LABEL_MANAGED_BY) != OPERATOR_NAME:
+    if not _is_ours(live, owner_uid):
         raise ChildConflictError(
             f"{kind} {meta.get('name')} exists and is not managed by {OPERATOR_NAME}; "
             "rename the LLMDeployment or delete that object")
@@ -110,24 +128,26 @@ async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, A
             live = await client.get(res, ns, name)  # created meanwhile: patch it instead
             if live is None:
                 raise
-    _check_ours(res, live)
+    # The three-way patch below puts back any of the operator's labels removed by hand.
+    _check_ours(res, live, _controller_uid(desired))
     patch = three_way_merge_patch(drift.last_applied(live), body, live)
     if not patch:
         return applied(None, live)
     return applied("updated", await client.patch(res, ns, name, patch))
 
 
-async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str) -> bool:
-    """Delete a child the spec no longer asks for, only if it exists and is ours.
+async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str, *,
+                       owner_uid: str | None = None) -> bool:
+    """Delete a child the spec no longer asks for, only if it exists and is ours (its label,
+    or a controller reference to `owner_uid`).
 
     An object of that name that the operator does not manage is left alone without a
     conflict: the spec does not want the child, so nothing clashes (a user's own ConfigMap
     named like the LLMDeployment is common).
     """
     live = await client.get(res, namespace, name)
-    meta = (live or {}).get("metadata") or {}
-    if (live is None or meta.get("deletionTimestamp")
-            or (meta.get("labels") or {}).get(LABEL_MANAGED_BY) != OPERATOR_NAME):
+    if (live is None or (live.get("metadata") or {}).get("deletionTimestamp")
+            or not _is_ours(live, owner_uid)):
         return False
     return await client.delete(res, namespace, name)
 
@@ -141,7 +161,7 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
     """
     spec = normalize_spec(llmd.get("spec") or {})
     meta = llmd["metadata"]
-    ns, name = meta["namespace"], meta["name"]
+    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
     result = ReconcileResult()
 
     def note(action: str | None, kind: str) -> None:
@@ -164,7 +184,7 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
         client, DEPLOYMENTS, build_deployment(llmd, spec, replicas),
         keeps_replicas=not autoscaling_enabled(spec))
     note(action, "Deployment")
-    if lora is None and await delete_child(client, CONFIGMAPS, ns, name):
+    if lora is None and await delete_child(client, CONFIGMAPS, ns, name, owner_uid=uid):
         # After the Deployment, whose patch above took the mount off the pod template.
         note("deleted", "ConfigMap")
     action, _ = await apply_child(client, SERVICES, build_service(llmd, spec))
@@ -174,7 +194,7 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
     if pdb is not None:
         action, _ = await apply_child(client, PDBS, pdb)
         note(action, "PodDisruptionBudget")
-    elif await delete_child(client, PDBS, ns, name):
+    elif await delete_child(client, PDBS, ns, name, owner_uid=uid):
         note("deleted", "PodDisruptionBudget")
 
     if await client.has_resource(SERVICEMONITORS):
@@ -182,6 +202,6 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
         if monitor is not None:
             action, _ = await apply_child(client, SERVICEMONITORS, monitor)
             note(action, "ServiceMonitor")
-        elif await delete_child(client, SERVICEMONITORS, ns, name):
+        elif await delete_child(client, SERVICEMONITORS, ns, name, owner_uid=uid):
             note("deleted", "ServiceMonitor")
     return result

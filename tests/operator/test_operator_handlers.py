@@ -770,6 +770,98 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
     assert "created Service chat" in [e["message"] for e in events]
 
 
+OPERATOR_LABELS = ("app.kubernetes.io/managed-by", "argosy.dev/llmdeployment")
+
+
+@pytest.mark.parametrize("path", [DEP_PATH, SVC_PATH], ids=["deployment", "service"])
+@pytest.mark.parametrize("label", OPERATOR_LABELS)
+async def test_a_child_whose_operator_label_was_removed_gets_it_back(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch, path: str, label: str) -> None:
+    """`kubectl label deploy chat app.kubernetes.io/managed-by-`: the child leaves the
+    operator's label-filtered watch, and the owner's next reconcile (here the reapply path)
+    recognises it by its controller reference and patches the label back: the same object,
+    no ChildConflict."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)) as events:
+        first = await api.get_or_none(f"{path}/chat")
+        edited = await api.call("PATCH", f"{path}/chat", {"metadata": {"labels": {label: None}}})
+        assert label not in edited["metadata"]["labels"]
+        assert await handlers._try_reapply(handlers.get_client(), NS, "chat", first_try=True)
+    final = await api.get_or_none(f"{path}/chat")
+    assert final["metadata"]["uid"] == first["metadata"]["uid"]
+    assert final["metadata"]["labels"] == first["metadata"]["labels"]
+    assert final["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
+    assert _cond(await _status(api), "Degraded").get("reason") != "ChildConflict"
+    assert not [e for e in events if e["type"] == "Warning"]
+    assert "updated " + first["kind"] + " chat" in [e["message"] for e in events]
+
+
+async def test_a_child_without_its_labels_is_restored_on_a_spec_change(
+        kube: Any, api: Api, run_operator: Any) -> None:
+    """Both operator labels removed from the Deployment by hand (no watch event reaches the
+    operator), then a spec change: the reconcile patches the Deployment, labels included,
+    in place, and reports no conflict."""
+    with run_operator():
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await eventually(lambda: _observed(api, 1), what="status")
+        await settle(kube)
+        first = await api.get_or_none(f"{DEP_PATH}/chat")
+        await api.call("PATCH", f"{DEP_PATH}/chat", {"metadata": {"labels": dict.fromkeys(
+            OPERATOR_LABELS)}})
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"runtime": {"maxNumSeqs": 64}}})
+        await eventually(lambda: _observed(api, 2), what="observedGeneration 2")
+        await settle(kube)
+    final = await api.get_or_none(f"{DEP_PATH}/chat")
+    assert final["metadata"]["uid"] == first["metadata"]["uid"]
+    assert final["metadata"]["labels"] == first["metadata"]["labels"]
+    assert "--max-num-seqs" in final["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert _cond(await _status(api), "Degraded").get("status") == "False"
+    assert not [r for r in writes(kube, EVENT_PATH) if r.data["type"] == "Warning"]
+
+
+async def test_a_dropped_child_without_its_label_is_still_deleted(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PDB's managed-by label removed by hand, then a scale to one replica: the PDB is
+    still the operator's (its controller reference) and goes, as it would with the label."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await api.call("PATCH", f"{PDB_PATH}/chat", {"metadata": {"labels": {
+            OPERATOR_LABELS[0]: None}}})
+        v2 = await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"replicas": 1}})
+        await handlers.reconcile_llmdeployment(body=v2, meta=v2["metadata"],
+                                               logger=logging.getLogger("test"))
+    assert await api.get_or_none(f"{PDB_PATH}/chat") is None
+
+
+async def test_an_object_controlled_by_something_else_is_still_a_conflict(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object in a child's place with a controller reference, but to another owner (not
+    this LLMDeployment's uid), is someone else's: ChildConflict, left as it is."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)) as events:
+        other = await api.call("POST", CM_PATH, {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "web-owner", "namespace": NS}}, "application/json")
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "web-owner",
+               "uid": other["metadata"]["uid"], "controller": True}
+        await api.call("POST", SVC_PATH, {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "chat", "namespace": NS, "ownerReferences": [ref]},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}},
+            "application/json")
+        assert not await handlers._try_reapply(handlers.get_client(), NS, "chat",
+                                               first_try=True)
+    svc = await api.get_or_none(f"{SVC_PATH}/chat")
+    assert svc["metadata"]["ownerReferences"] == [ref]
+    assert svc["spec"]["selector"] == {"app": "web"}
+    assert _cond(await _status(api), "Degraded").get("reason") == "ChildConflict"
+    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["ChildConflict"]
+
+
 def _fail_service_creates(kube: Any, monkeypatch: pytest.MonkeyPatch, times: float) -> list[int]:
     """The emulated API server answers the next `times` Service creates with 503 (before
     storing anything, as an API server whose etcd is down would); returns a list that grows
