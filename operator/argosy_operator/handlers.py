@@ -10,7 +10,9 @@ Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy oper
 - a child edited by someone else on a field the operator manages (`drift`, decided from the
   event's object alone) -> `reconcile` of its owner, which puts the operator's fields back;
 - the ServiceMonitor CRD established while the operator runs (clusterwide only) -> `reconcile`
-  of every LLMDeployment that asks for a ServiceMonitor.
+  of every LLMDeployment that asks for a ServiceMonitor;
+- namespaced (`-n`), a timer on each LLMDeployment that asks for a ServiceMonitor: once the
+  CRD is served and the ServiceMonitor is missing -> `reconcile` of that LLMDeployment.
 
 There are no deletion handlers and no finalizers: every child carries an owner reference, and
 Kubernetes' garbage collector deletes the children with their LLMDeployment.
@@ -56,7 +58,7 @@ from argosy_operator.status import patch_status, refresh_status, status_patch
 KOPF_PREFIX = "kopf.argosy.dev"
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={OPERATOR_NAME},{LABEL_LLMD}"
 
-_state: dict[str, Any] = {"info": None, "client": None}
+_state: dict[str, Any] = {"info": None, "client": None, "clusterwide": True}
 
 
 def get_client() -> KubeClient:
@@ -79,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (no RBAC for that), so it stays off and kopf serves the exact names given. kopf sets
     # settings.peering.clusterwide from the command line before the startup handlers run.
     settings.scanning.disabled = not settings.peering.clusterwide
+    _state["clusterwide"] = settings.peering.clusterwide  # read by `_recheck_servicemonitor`
     if settings.peering.clusterwide:
         # Registered here rather than by a decorator: with `-n` kopf would list and watch
         # CRDs for this handler too (not granted there). kopf reads its handlers and starts
@@ -340,7 +343,8 @@ async def deployment_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.M
 
 # The other children, watched for deletion and drift. Without the ServiceMonitor CRD kopf logs
 # one warning and watches the rest; a CRD installed later starts its watch when the operator
-# runs clusterwide (CRD scanning, see `configure`), else at the next operator restart.
+# runs clusterwide (CRD scanning, see `configure`), else at the next operator restart
+# (meanwhile `servicemonitor_recheck` re-creates a missing ServiceMonitor).
 _WATCHED_CHILDREN = tuple((res.group or res.version, res.plural)
                           for res in (SERVICES, PDBS, CONFIGMAPS, SERVICEMONITORS))
 
@@ -386,6 +390,8 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
     spec change. Once per install of the CRD (its uid): later edits of the CRD change nothing.
     The CRD found at startup (kopf's initial listing, no event type) is marked seen without a
     reconcile: the resume reconciles of the startup already create the ServiceMonitors."""
+    if not _state["clusterwide"]:
+        return  # a registration left from a clusterwide run in this process (tests)
     uid = meta.get("uid") or ""
     if event.get("type") == "DELETED":
         _established_crds.discard(uid)
@@ -409,6 +415,43 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
     # Concurrently: one owner whose reapply keeps failing (a foreign ServiceMonitor in the
     # way) must not hold up the others.
     await asyncio.gather(*(_refresh_owner(ns, name, reapply=True) for ns, name in owners))
+
+
+# Seconds between two checks of the namespaced timer below (and before the first: the resume
+# reconcile at startup covers a CRD already there).
+SERVICEMONITOR_RECHECK_SECONDS = float(os.environ.get("ARGOSY_SERVICEMONITOR_RECHECK_SECONDS",
+                                                      "120"))
+
+
+def _recheck_servicemonitor(body: kopf.Body, **_: Any) -> bool:
+    """kopf `when` filter of the timer below: namespaced runs only (clusterwide, the CRD
+    watch does this job), LLMDeployments that ask for a ServiceMonitor only."""
+    return not _state["clusterwide"] and _wants_servicemonitor(body)
+
+
+# Namespaced (`-n`) the operator may not list or watch CRDs (cluster-scoped objects: the
+# shipped ClusterRole grants that for its clusterwide Deployment, and an install restricted to
+# namespaces may well lack it), so it does not watch for the ServiceMonitor CRD as
+# `servicemonitor_crd_changed` does clusterwide. A timer per
+# LLMDeployment that wants a ServiceMonitor asks API discovery instead (readable by every
+# user): while the CRD is absent that one request is all a tick costs; once it is served, a
+# GET of the ServiceMonitor, and a reconcile only when it is missing (the CRD installed after
+# the operator started, or, with no ServiceMonitor watch until a restart, one deleted by hand).
+@kopf.timer(GROUP, VERSION, PLURAL, id="servicemonitor_recheck",
+            interval=SERVICEMONITOR_RECHECK_SECONDS,
+            initial_delay=SERVICEMONITOR_RECHECK_SECONDS, when=_recheck_servicemonitor)
+async def servicemonitor_recheck(meta: kopf.Meta, namespace: str | None, **_: Any) -> None:
+    """Reconcile an LLMDeployment whose wanted ServiceMonitor is missing although the CRD is
+    now served (namespaced runs only, see above); otherwise do nothing."""
+    client = get_client()
+    name = meta.get("name")
+    if not namespace or not name or not await client.has_resource(SERVICEMONITORS):
+        return
+    if await client.get(SERVICEMONITORS, namespace, name) is not None:
+        return  # ours, or someone else's: a conflict is the reconciles' to report
+    _log.info("the ServiceMonitor CRD is served and ServiceMonitor %s/%s is missing: "
+              "reconciling its LLMDeployment", namespace, name)
+    await _refresh_owner(namespace, name, reapply=True)
 
 
 @kopf.on.event("", "v1", "pods", labels=_CHILD_LABELS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -16,6 +17,10 @@ from kopf.testing import KopfRunner
 from kube_emulator import RESOURCES, SERVICEMONITORS, ArgosyKubeEmulator
 
 NS = "ml"
+# The namespaced operator's ServiceMonitor recheck timer (its interval is fixed when
+# argosy_operator.handlers is imported, after this conftest): short enough for a test to see
+# a tick, long enough for `settle` to find the API quiet between two.
+os.environ.setdefault("ARGOSY_SERVICEMONITOR_RECHECK_SECONDS", "2")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,13 +81,16 @@ async def api(kube: ArgosyKubeEmulator) -> AsyncIterator[Api]:
 
 
 @pytest.fixture
-def run_operator(kubeconfig: str) -> Callable[[], contextlib.AbstractContextManager[KopfRunner]]:
+def run_operator(kubeconfig: str
+                 ) -> Callable[..., contextlib.AbstractContextManager[KopfRunner]]:
     """`with run_operator(): ...` runs `kopf run -A --standalone -m argosy_operator.handlers`
-    in a thread (the test's event loop keeps serving the emulated API meanwhile)."""
+    in a thread (the test's event loop keeps serving the emulated API meanwhile);
+    `run_operator(namespace=NS)` runs it with `-n NS` instead of `-A`."""
 
     @contextlib.contextmanager
-    def runner() -> Iterator[KopfRunner]:
-        with KopfRunner(["run", "-A", "--standalone", "-m", "argosy_operator.handlers"],
+    def runner(namespace: str | None = None) -> Iterator[KopfRunner]:
+        scope = ["-n", namespace] if namespace else ["-A"]
+        with KopfRunner(["run", *scope, "--standalone", "-m", "argosy_operator.handlers"],
                         timeout=30) as kopf_runner:
             yield kopf_runner
         assert kopf_runner.exception is None, kopf_runner.output

@@ -622,6 +622,123 @@ async def test_the_servicemonitor_crd_found_at_startup_adds_no_reconcile(
     assert reconciled == ["chat"]
 
 
+def _discovery_reads(kube: Any) -> list[Any]:
+    """The operator's discovery requests for the ServiceMonitor API group."""
+    return [r for r in list(kube) if r.method == "GET"
+            and r.url.path == "/apis/monitoring.coreos.com/v1"
+            and r.headers.get("User-Agent", "").startswith("argosy-operator/")]
+
+
+@pytest.mark.no_servicemonitor
+async def test_namespaced_a_servicemonitor_crd_installed_later_is_used_without_a_restart(
+        kube: Any, api: Api, run_operator: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With `-n` (no CRD watch) the recheck timer notices the CRD: while it is absent a tick
+    reads discovery and does nothing else; once it is installed, the LLMDeployment that asks
+    for a ServiceMonitor gets one (no spec change, no restart), the one that does not gets
+    none, and later ticks write nothing."""
+    from argosy_operator import handlers
+
+    assert handlers.SERVICEMONITOR_RECHECK_SECONDS <= 2, "set before handlers was imported"
+    reconciled: list[str] = []
+    real_reconcile = handlers.reconcile
+
+    async def counted(client: Any, owner: Any) -> Any:
+        reconciled.append(owner["metadata"]["name"])
+        return await real_reconcile(client, owner)
+
+    monkeypatch.setattr(handlers, "reconcile", counted)
+    caplog.set_level(logging.INFO, logger="argosy.operator")
+    with run_operator(namespace=NS):
+        await api.call("POST", LLMD_PATH, llmd(), "application/json")
+        await api.call("POST", LLMD_PATH, llmd("plain", monitoring={"serviceMonitor": False}),
+                       "application/json")
+        for name in ("chat", "plain"):
+            await eventually(lambda n=name: _observed(api, 1, n), what=f"{name} status")
+        await settle(kube)
+        before = len(_discovery_reads(kube))
+        count = len(writes(kube))
+
+        async def ticked() -> bool:
+            return len(_discovery_reads(kube)) > before
+
+        await eventually(ticked, what="a timer tick without the CRD")
+        await settle(kube)
+        assert len(writes(kube)) == count  # the tick wrote nothing
+        assert sorted(reconciled) == ["chat", "plain"]
+        assert await api.get_or_none(f"{SM_PATH}/chat") is None
+
+        await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        sm = await eventually(lambda: api.get_or_none(f"{SM_PATH}/chat"), what="ServiceMonitor")
+        await settle(kube)
+        count = len(writes(kube))
+        before = len(_discovery_reads(kube))
+        await eventually(ticked, what="a timer tick with the ServiceMonitor there")
+        await settle(kube)
+        assert len(writes(kube)) == count
+    assert sorted(reconciled) == ["chat", "chat", "plain"]
+    assert sm["metadata"]["ownerReferences"][0]["name"] == "chat"
+    assert await api.get_or_none(f"{SM_PATH}/plain") is None
+    for name in ("chat", "plain"):
+        owner = await api.get_or_none(f"{LLMD_PATH}/{name}")
+        assert owner["metadata"]["generation"] == 1, name
+    assert "created ServiceMonitor chat" in [r.data["message"] for r in writes(kube, EVENT_PATH)]
+    # The timer did it (a CRD handler left registered by a clusterwide run in this process
+    # may watch CRDs here, but does nothing in a namespaced run).
+    assert "ServiceMonitor ml/chat is missing" in caplog.text
+
+
+@pytest.mark.no_servicemonitor
+async def test_the_servicemonitor_recheck_costs_one_request_until_it_has_work(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tick of the timer, called directly: without the CRD, one discovery request and
+    nothing else; with the CRD and no ServiceMonitor, a reconcile that creates it; with the
+    ServiceMonitor there, two reads and no reconcile."""
+    from argosy_operator import handlers
+
+    reconciled: list[str] = []
+    real_reconcile = handlers.reconcile
+
+    async def counted(client: Any, owner: Any) -> Any:
+        reconciled.append(owner["metadata"]["name"])
+        return await real_reconcile(client, owner)
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)) as events:
+        monkeypatch.setattr(handlers, "reconcile", counted)
+        owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+
+        async def tick() -> list[Any]:
+            seen = len(list(kube))
+            await handlers.servicemonitor_recheck(meta=owner["metadata"], namespace=NS)
+            return list(kube)[seen:]
+
+        requests = await tick()
+        assert [(r.method, r.url.path) for r in requests] == [
+            ("GET", "/apis/monitoring.coreos.com/v1")]
+        assert reconciled == []
+        await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        await tick()
+        assert reconciled == ["chat"]
+        sm = await api.get_or_none(f"{SM_PATH}/chat")
+        assert sm is not None and sm["metadata"]["ownerReferences"][0]["name"] == "chat"
+        assert "created ServiceMonitor chat" in [e["message"] for e in events]
+        requests = await tick()
+        assert [r.method for r in requests] == ["GET", "GET"]
+        assert reconciled == ["chat"]
+
+
+def test_the_servicemonitor_recheck_runs_only_namespaced_and_where_wanted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from argosy_operator import handlers
+
+    wants, plain = llmd(), llmd(monitoring={"serviceMonitor": False})
+    monkeypatch.setitem(handlers._state, "clusterwide", True)
+    assert not handlers._recheck_servicemonitor(body=wants)
+    monkeypatch.setitem(handlers._state, "clusterwide", False)
+    assert handlers._recheck_servicemonitor(body=wants)
+    assert not handlers._recheck_servicemonitor(body=plain)
+
+
 async def test_children_the_spec_drops_stay_deleted(kube: Any, api: Api, run_operator: Any
                                                     ) -> None:
     """The operator's own deletions (a spec change dropping the PDB, the ServiceMonitor and
