@@ -488,22 +488,30 @@ def _store_cpu_as_the_api_server_spells_it(kube: Any, monkeypatch: pytest.Monkey
         monkeypatch.setattr(kube, method, wrap(getattr(kube, method)))
 
 
+def _count_reconciles(monkeypatch: pytest.MonkeyPatch, field: str) -> list[Any]:
+    """Spy on the handlers' reconcile: the list gets each reconciled owner's
+    metadata[`field`] (its name, or its generation), in call order."""
+    from argosy_operator import handlers
+
+    reconciled: list[Any] = []
+    real_reconcile = handlers.reconcile
+
+    async def counted(client: Any, owner: Any) -> Any:
+        reconciled.append(owner["metadata"][field])
+        return await real_reconcile(client, owner)
+
+    monkeypatch.setattr(handlers, "reconcile", counted)
+    return reconciled
+
+
 async def test_own_writes_and_status_updates_reapply_nothing(
         kube: Any, api: Api, run_operator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only hand edits are drift: the operator's own create and patch (a spec change that
     also changes the replicas it keeps), and the Deployment controller's status updates all
     through a rollout, reconcile nothing more, also when the API server stores a field in its
     own spelling (cpu "0.5" as "500m") so that the child never holds the record literally."""
-    from argosy_operator import handlers
 
-    reconciled: list[int] = []
-    real_reconcile = handlers.reconcile
-
-    async def counted(client: Any, owner: Any) -> Any:
-        reconciled.append(owner["metadata"]["generation"])
-        return await real_reconcile(client, owner)
-
-    monkeypatch.setattr(handlers, "reconcile", counted)
+    reconciled = _count_reconciles(monkeypatch, "generation")
     _store_cpu_as_the_api_server_spells_it(kube, monkeypatch)
 
     async def rollout(replicas: int, generation: int) -> None:
@@ -598,16 +606,8 @@ async def test_the_servicemonitor_crd_found_at_startup_adds_no_reconcile(
     """With the CRD already installed, kopf's first listing of CRDs reaches the operator's
     CRD handler too: the startup's resume reconcile alone creates the ServiceMonitor, the
     handler does not reconcile every LLMDeployment a second time."""
-    from argosy_operator import handlers
 
-    reconciled: list[str] = []
-    real_reconcile = handlers.reconcile
-
-    async def counted(client: Any, owner: Any) -> Any:
-        reconciled.append(owner["metadata"]["name"])
-        return await real_reconcile(client, owner)
-
-    monkeypatch.setattr(handlers, "reconcile", counted)
+    reconciled = _count_reconciles(monkeypatch, "name")
     await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
     await api.call("POST", LLMD_PATH, llmd(), "application/json")
     with run_operator():
@@ -640,14 +640,7 @@ async def test_namespaced_a_servicemonitor_crd_installed_later_is_used_without_a
     from argosy_operator import handlers
 
     assert handlers.SERVICEMONITOR_RECHECK_SECONDS <= 2, "set before handlers was imported"
-    reconciled: list[str] = []
-    real_reconcile = handlers.reconcile
-
-    async def counted(client: Any, owner: Any) -> Any:
-        reconciled.append(owner["metadata"]["name"])
-        return await real_reconcile(client, owner)
-
-    monkeypatch.setattr(handlers, "reconcile", counted)
+    reconciled = _count_reconciles(monkeypatch, "name")
     caplog.set_level(logging.INFO, logger="argosy.operator")
     with run_operator(namespace=NS):
         await api.call("POST", LLMD_PATH, llmd(), "application/json")
@@ -696,15 +689,8 @@ async def test_the_servicemonitor_recheck_costs_one_request_until_it_has_work(
     ServiceMonitor there, two reads and no reconcile."""
     from argosy_operator import handlers
 
-    reconciled: list[str] = []
-    real_reconcile = handlers.reconcile
-
-    async def counted(client: Any, owner: Any) -> Any:
-        reconciled.append(owner["metadata"]["name"])
-        return await real_reconcile(client, owner)
-
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)) as events:
-        monkeypatch.setattr(handlers, "reconcile", counted)
+        reconciled = _count_reconciles(monkeypatch, "name")
         owner = await api.get_or_none(f"{LLMD_PATH}/chat")
 
         async def tick() -> list[Any]:
