@@ -650,6 +650,12 @@ def e2e_section() -> dict:
             if target else None}
 
 
+def _write_results() -> None:
+    RESULTS["total_seconds"] = round(elapsed(), 1)
+    with open(ARGS.out, "w") as f:
+        json.dump(RESULTS, f, indent=2, default=str)
+
+
 def main() -> int:
     if not SMOKE and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False), so "
@@ -664,13 +670,11 @@ def main() -> int:
     for run in (device_section, correctness_section, decode_attention_section, matmul_section,
                 engine_section, engine_graphs_section, e2e_section):
         run()
-    RESULTS["total_seconds"] = round(elapsed(), 1)
+        _write_results()  # after every section: a run cut short keeps what it measured
     print("\n== gpu_check summary" + (" (SMOKE: not measurements)" if SMOKE else "") + " ==")
     width = max((len(i) for _, i, _ in ROWS), default=10)
     for sec, item, value in ROWS:
         print(f"{sec:17s} {item:{width}s} {value}")
-    with open(ARGS.out, "w") as f:
-        json.dump(RESULTS, f, indent=2, default=str)
     print(f"wrote {ARGS.out} ({RESULTS['total_seconds']} s)")
     return 0
 
