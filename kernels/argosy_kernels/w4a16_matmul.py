@@ -10,8 +10,8 @@ Packing layout (the quantizer produces it with `pack_int4`):
   scales  [N, K // group_size]  float (fp16/bf16/fp32), zeros [N, K // group_size] float, in
           units of the 4-bit code (asymmetric: an integer 0..15, or fractional for AWQ-style).
           Any strides: [N, K // group_size] contiguous is what the quantizer writes; the
-          transpose of a contiguous [K // group_size, N] lets the kernels load a tile's
-          columns' scales as one vector.
+          transpose of a contiguous [K // group_size, N] puts neighbouring columns' scales
+          side by side, so a warp's scale loads coalesce.
   dequantized weight: w[n, k] = (w_int[n, k] - zeros[n, k // g]) * scales[n, k // g]
   out = x @ w.T, in x's dtype. group_size in {32, 64, 128} (any multiple of 8 dividing K works).
 
@@ -103,8 +103,8 @@ def _w4a16_matmul_kernel(
     stride_xm,
     stride_qn,
     stride_sn,
-    stride_sg,  # scales/zeros may be either [N, G] contiguous or the transpose of a [G, N]
-    stride_zn,  # one (group-major: a tile's columns then load as one vector)
+    stride_sg,  # scales/zeros may be [N, G] contiguous or the transpose of a [G, N] one
+    stride_zn,  # (group-major: neighbouring columns' scales side by side, loads coalesce)
     stride_zg,
     stride_om,
     j_per_split,  # words per K split, a multiple of BLOCK_K8
