@@ -21,7 +21,7 @@ import pytest
 import yaml
 from argosy_runtime.cli import gateway as cli
 from argosy_runtime.fleet.replica_process import free_port
-from argosy_runtime.gateway.config import GatewayConfig
+from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused
 from test_gateway_cli import _wait_ready
 from test_gateway_tenants_key_files import kubelet_mount
@@ -276,15 +276,21 @@ def config_file(tmp_path: Path, text: str) -> tuple[ConfigFile, list[str]]:
     return ConfigFile(str(path), text, parse(text), parse), parsed
 
 
+def reread_tenants(file: ConfigFile) -> tuple[TenantConfig, ...] | None:
+    """The tenants a reread applies: None when the text is unchanged or they may not apply."""
+    reloaded = file.reread_config()
+    return None if reloaded is None else reloaded.tenants
+
+
 def test_an_unchanged_file_is_not_parsed_again(tmp_path) -> None:
     text = gateway_yaml("http://127.0.0.1:9", [{"name": "a", "api_keys": [KEY_A]}])
     file, parsed = config_file(tmp_path, text)
-    assert [file.reread() for _ in range(3)] == [None, None, None]
+    assert [reread_tenants(file) for _ in range(3)] == [None, None, None]
     assert len(parsed) == 1  # at start-up only
     Path(file.path).write_text(text + "# a comment\n")
-    tenants = file.reread()  # the same tenants: the gate finds nothing to apply
+    tenants = reread_tenants(file)  # the same tenants: the gate finds nothing to apply
     assert tenants is not None and [t.name for t in tenants] == ["a"]
-    assert file.reread() is None and len(parsed) == 2
+    assert reread_tenants(file) is None and len(parsed) == 2
 
 
 def test_a_refusal_is_raised_once_per_problem_and_retried_until_valid(tmp_path) -> None:
@@ -296,16 +302,16 @@ def test_a_refusal_is_raised_once_per_problem_and_retried_until_valid(tmp_path) 
     Path(file.path).write_text(gateway_yaml("http://127.0.0.1:9", [
         {"name": "a", "api_keys": [KEY_A]}, {"name": "c", "api_keys_file": str(keys)}]))
     with pytest.raises(ConfigRefused, match=r"tenants\[c\]\.api_keys_file: cannot read"):
-        file.reread()
-    assert file.reread() is None and file.reread() is None  # the same problem: once
+        reread_tenants(file)
+    assert reread_tenants(file) is None and reread_tenants(file) is None  # the same problem: once
     keys.write_text(f"{KEY_C}\n")
-    tenants = file.reread()
+    tenants = reread_tenants(file)
     assert tenants is not None and [t.name for t in tenants] == ["a", "c"]
     assert tenants[1].keys == (KEY_C,)
     Path(file.path).unlink()
     with pytest.raises(ConfigRefused, match="cannot read it"):
-        file.reread()
-    assert file.reread() is None
+        reread_tenants(file)
+    assert reread_tenants(file) is None
     assert len(parsed) == 5  # start-up, three tries of the refused file, the valid one
 
 
@@ -314,6 +320,6 @@ def test_turning_tenants_on_needs_a_restart(tmp_path, caplog) -> None:
     file, _ = config_file(tmp_path, gateway_yaml("http://127.0.0.1:9", None))
     Path(file.path).write_text(gateway_yaml("http://127.0.0.1:9", [
         {"name": "a", "api_keys": [KEY_A]}]))
-    assert file.reread() is None and file.reread() is None
+    assert reread_tenants(file) is None and reread_tenants(file) is None
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "'tenants' was added; turning API keys on needs a restart" in warning

@@ -69,12 +69,6 @@ class ConfigFile:
         """Whether the file as last read is refused (the gateway serves older tenants)."""
         return self._refused is not None
 
-    def reread(self) -> tuple[TenantConfig, ...] | None:
-        """(Blocking.) The tenants part of `reread_config`: the file's tenants when its text
-        changed, it is valid and they may apply, else None."""
-        reloaded = self.reread_config()
-        return None if reloaded is None else reloaded.tenants
-
     def reread_config(self) -> Reloaded | None:
         """(Blocking: call it on a worker thread.) The file's config when its text changed
         and it is valid, else None; ConfigRefused the first time a problem is met."""
