@@ -66,13 +66,18 @@ def _patch_modules() -> dict[str, Any]:
     return {m.__name__.rsplit(".", 1)[1]: m for m in mods}
 
 
-def _usage(cubin: bytes) -> dict[str, int]:
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """The output of Triton's bundled cuobjdump `option` on `cubin`."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     for line in out.splitlines():
         if "REG:" in line:
             fields = dict(p.split(":", 1) for p in line.split() if ":" in p)
@@ -122,12 +127,7 @@ def _compile(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 def _global_loads(cubin: bytes) -> dict[str, dict[str, int]]:
     """Global load instructions of the cubin by width (LDG.E.U8 moves one byte,
     LDG.E.128 sixteen), and the asynchronous copies into shared memory (LDGSTS)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    sass = _cuobjdump(cubin, "--dump-sass")
     return {"loads": dict(collections.Counter(re.findall(r"\b(LDG\.E[.\w]*|LDGSTS[.\w]*)", sass)))}
 
 
