@@ -32,7 +32,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -62,6 +61,10 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402  (TRITON_INTERPRET must be set first)
+from argosy_runtime.benchmarks.cuda_timing import (  # noqa: E402
+    copies_beyond_l2,
+    cuda_seconds_per_call,
+)
 
 SMOKE = ARGS.smoke
 T0 = time.monotonic()
@@ -92,39 +95,13 @@ def time_fn(fn: Callable[[], Any], iters: int = 20, reps: int = 5, capture: bool
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = None
-    try:
-        if not capture:
-            raise RuntimeError("capture disabled")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-    except Exception:  # noqa: BLE001 - some callables cannot be captured: time them eagerly
-        graph = None
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(iters):
-                fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / iters)
-    return statistics.median(times)
+    calls = [fn] * iters
+    if capture:
+        try:
+            return cuda_seconds_per_call(calls, reps)
+        except Exception:  # noqa: BLE001 - some callables cannot be captured: time them eagerly
+            torch.cuda.synchronize()
+    return cuda_seconds_per_call(calls, reps, capture=False)
 
 
 def section(name: str) -> Callable[[Callable[[], dict]], Callable[[], None]]:
@@ -377,7 +354,7 @@ def matmul_section() -> dict:
         # Weights rotate over copies that together exceed the L2 cache (60 MB on an H200)
         # several times, as a model's layers do: one matrix timed over and over is read from
         # the L2, not from memory.
-        copies = 2 if SMOKE else max(2, -(-(256 << 20) // (n * k // 2)))
+        copies = 2 if SMOKE else copies_beyond_l2(n * k // 2)
         w = [torch.randn(n, k, generator=g, device=DEV).to(BF16)
              for _ in range(max(2, copies // 4))]
         w8 = [(torch.randint(-127, 128, (n, k), generator=g, device=DEV, dtype=torch.int8),

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from argosy_runtime.benchmarks.cuda_timing import copies_beyond_l2, cuda_seconds_per_call
 
 BF16 = torch.bfloat16
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
-L2_MULTIPLE_BYTES = 256 * 2**20  # rotate over this many weight bytes (H200 L2: 60 MB)
 
 # (block_n, block_k, num_warps): configs that compile for sm_90 without spilling registers
 # (tests/kernels/sm90_compile_check.py's compiler, read before the run). block_k counts int32
@@ -59,33 +58,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="stop starting new (kind, shape, M) cases after this many seconds")
     return p.parse_args()
-
-
-def time_rotating(calls: list[Callable[[], Any]], passes: int = 3, reps: int = 5) -> float:
-    """Median seconds per call: `passes` rounds over `calls` (one per weight copy) captured in
-    one CUDA graph, replayed `reps` times between events."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(passes):
-            for c in calls:
-                c()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / (passes * len(calls)))
-    return statistics.median(times)
 
 
 def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
@@ -147,7 +119,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     g = torch.Generator(device=dev).manual_seed(0)
     for n, k in SHAPES:
-        copies = max(2, -(-L2_MULTIPLE_BYTES // (n * k // 2)))
+        copies = copies_beyond_l2(n * k // 2)
         w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev)),
                (torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01).to(BF16),
                (torch.rand(n, k // GROUP, generator=g, device=dev) * 15).to(BF16))
@@ -165,7 +137,9 @@ def main() -> int:
                 continue
             x = torch.randn(m, k, generator=g, device=dev).to(BF16)
             out = torch.empty(m, n, dtype=BF16, device=dev)
-            t_bf16 = time_rotating([make_call("bf16", None, x, (w,), out) for w in wbf])
+            # Three rounds over the weight copies per captured graph.
+            t_bf16 = cuda_seconds_per_call([make_call("bf16", None, x, (w,), out)
+                                            for w in wbf] * 3)
             want = {"w4": (x.float() @ w4a16_dequantize_ref(*w4[0], GROUP).T),
                     "w8": (x.float() @ (w8[0][0].float() * w8[0][1].float()[:, None]).T)}
             for kind in ("w4", "w4gn", "w8"):
@@ -182,8 +156,8 @@ def main() -> int:
                         if not err < 2e-2:
                             row["error"] = f"rel err {err:.2e}"
                         else:
-                            t = time_rotating([make_call(kind, cfg, x, ws, out)
-                                               for ws in weights])
+                            t = cuda_seconds_per_call([make_call(kind, cfg, x, ws, out)
+                                                       for ws in weights] * 3)
                             row["us"] = round(t * 1e6, 2)
                             row["speedup_vs_bf16"] = round(t_bf16 / t, 3)
                     except Exception as e:  # noqa: BLE001 - record it, try the next config
