@@ -6,7 +6,8 @@ Each launcher picks a config from M (the rows of x) on its own; tests and the GP
   least 16: the right choice once a batch has a dozen rows or more;
 - FMA (`use_dot=False`): broadcast-multiply and sum over K in float32 registers, BLOCK_M as
   small as 1. A decode step's M is the batch size; at M = 1 a dot would compute 15 padding
-  rows and stage every dequantized weight tile through shared memory for them.
+  rows and stage every dequantized weight tile through shared memory for them. (w4a16 has a
+  kernel of its own for this: one row of x and one warp per program, see w4a16_matmul.py.)
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ class MatmulConfig:
 
 
 def choose_split_k(config: MatmulConfig, programs: int, k_blocks: int, device: torch.device,
-                   min_blocks_per_split: int) -> int:
+                   min_blocks_per_split: int, programs_per_sm: int = 2) -> int:
     """config.split_k, or the automatic choice: small-M launches of a few N tiles otherwise
     leave most SMs idle while each program walks all of K. Each split keeps at least
     `min_blocks_per_split` K tiles, so a program still has a loop to pipeline."""
     if config.split_k is not None:
         return max(1, config.split_k)
-    target = 2 * num_sms(device)
+    target = programs_per_sm * num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))

@@ -15,8 +15,9 @@ Packing layout (the quantizer produces it with `pack_int4`):
   dequantized weight: w[n, k] = (w_int[n, k] - zeros[n, k // g]) * scales[n, k // g]
   out = x @ w.T, in x's dtype. group_size in {32, 64, 128} (any multiple of 8 dividing K works).
 
-Below DENSE_MIN_M rows of x (decode, small batches) the fused kernel reads each packed word
-once and dequantizes it in registers (matmul_config.py). From DENSE_MIN_M rows on,
+One row of x (decode of one sequence): `_w4a16_gemv_kernel`, FMA in float32 on one warp per
+program. Up to DENSE_MIN_M rows (small batches): the fused tensor-core kernel, which reads
+each packed word once per tile of rows and dequantizes it in registers. From DENSE_MIN_M on,
 dequantizing per tile of M costs more than the bytes it saves: the launcher dequantizes the
 whole weight once into x's dtype and hands the product to cuBLAS.
 """
@@ -114,7 +115,6 @@ def _w4a16_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K8: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -154,18 +154,100 @@ def _w4a16_matmul_kernel(
                 z = tl.load(zeros_ptr + rn64[None, :] * stride_zn + grp[:, None] * stride_zg,
                             mask=jn_mask, other=0.0)
                 w = (q - z.to(tl.float32)) * s.to(tl.float32)
-            if USE_DOT:
-                if UPCAST_DOT:
-                    x = x.to(tl.float32)
-                acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
-            else:
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            if UPCAST_DOT:
+                x = x.to(tl.float32)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+@triton_jit
+def _w4a16_gemv_kernel(
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N]
+    x_ptr,  # [M, K]
+    qweight_ptr,  # int32 [N, K8]
+    scales_ptr,  # [N, K // GROUP_SIZE]
+    zeros_ptr,  # [N, K // GROUP_SIZE]
+    M,
+    N,
+    K8,  # K // 8
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    j_per_split,  # words per K split, a multiple of 32 * VEC
+    float_bits,  # 0x4B000000, see below
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,  # 32 * VEC divides GROUP_SIZE and K8
+    GROUPS_PER_STEP: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """One row of x (program axis 2) against BLOCK_N rows of the weight, on one warp.
+
+    Each tile is [BLOCK_N, 32, VEC] words: thread t holds words t * VEC .. t * VEC + VEC - 1
+    of every row and the x values they multiply, so nothing crosses threads before the final
+    sum. With 32 * VEC dividing the group size, each nibble's run of a tile lies in one group:
+    sum_k x (q - z) s = s sum_k x q - sum_k x z s, the first per tile and nibble, the second
+    once per row from each group's sum of x."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    rj_tile = tl.arange(0, 32)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    j_lo = pid_k * j_per_split
+    j_hi = tl.minimum(K8, j_lo + j_per_split)
+    acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    for j0 in range(j_lo, j_hi, 32 * VEC):
+        rj = j0 + rj_tile
+        j_mask = rj < j_hi
+        words = tl.load(qweight_ptr + rn64[:, None, None] * stride_qn + rj[None, :, :],
+                        mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
+        high = words >> 16
+        for i in tl.static_range(8):
+            # Nibble i where it sits in its 16-bit half (p = i % 4), as a float:
+            # 0x4B000000 | (q << 4p) is 2^23 + q * 16^p exactly, so one LOP3 and a
+            # subtraction replace a shift, a mask and an int-to-float conversion. (The
+            # constant comes in as an argument: as a literal, ptxas rebuilt it in a register
+            # before most LOP3s, a tenth more instructions in this loop.)
+            half = words if i < 4 else high
+            q = ((half & (0xF << (4 * (i % 4)))) | float_bits).to(tl.float32, bitcast=True)
+            q = q - 8388608.0
+            x = tl.load(x_row + i * K8 + rj, mask=j_mask, other=0.0).to(tl.float32)
+            qx = tl.sum(q * x[None, :, :], axis=2)  # [BLOCK_N, 32]: 16^p * sum_k q x
+            grp = (i * K8 + j0) // GROUP_SIZE
+            s = tl.load(scales_ptr + rn64 * stride_sn + grp * stride_sg, mask=n_mask,
+                        other=0.0).to(tl.float32)
+            acc += (s * (1.0 / 16.0 ** (i % 4)))[:, None] * qx
+    res = tl.sum(acc, axis=1)
+    if pid_k == 0:  # the zero points' part, for all of K, by the first split only
+        for g0 in range(0, 8 * K8 // GROUP_SIZE, GROUPS_PER_STEP):
+            rg = g0 + tl.arange(0, GROUPS_PER_STEP)
+            g_mask = rg < 8 * K8 // GROUP_SIZE
+            rk = rg[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+            x_sums = tl.sum(tl.load(x_row + rk, mask=g_mask[:, None], other=0.0)
+                            .to(tl.float32), axis=1)  # [GROUPS_PER_STEP]
+            sz_mask = n_mask[:, None] & g_mask[None, :]
+            s = tl.load(scales_ptr + rn64[:, None] * stride_sn + rg[None, :] * stride_sg,
+                        mask=sz_mask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + rn64[:, None] * stride_zn + rg[None, :] * stride_zg,
+                        mask=sz_mask, other=0.0).to(tl.float32)
+            res -= tl.sum(s * z * x_sums[None, :], axis=1)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + pid_m * stride_om + rn, res.to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + pid_m) * N + rn, res, mask=n_mask)
 
 
 @triton_jit
@@ -242,11 +324,16 @@ DENSE_MIN_M = 128
 
 
 def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
-    """The fused kernel's launch parameters for M rows of x on a GPU (M < DENSE_MIN_M).
+    """Launch parameters for M rows of x on a GPU (M < DENSE_MIN_M).
 
-    Tensor cores at every M: the FMA path (use_dot=False) is there for
-    bench/gpu_matmul_tune.py to compare, and becomes the default for small M only once a
-    GPU run shows it faster."""
+    One row (decode of one sequence): the FMA kernel (`_w4a16_gemv_kernel`), 8 weight rows
+    and up to 128 words a tile. Compiled for sm_90, its loop issues ~45 instructions per
+    packed word where the tensor-core kernel at M = 1 issues ~60 (16-row dots for one row,
+    staged through shared memory), and it holds no shared memory at 128 registers a thread.
+    Chosen from that count: not yet timed on a GPU (bench/gpu_matmul_tune.py compares both).
+    More rows: tensor cores."""
+    if m == 1:
+        return MatmulConfig(block_m=1, block_n=8, block_k=128, num_warps=1, use_dot=False)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
     # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
@@ -260,6 +347,18 @@ def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
 
 # Under the interpreter (CPU tests) small tiles keep the simulated programs cheap.
 INTERPRET_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=16, split_k=1)
+INTERPRET_GEMV_CONFIG = MatmulConfig(block_m=1, block_n=8, block_k=32, num_warps=1,
+                                     use_dot=False, split_k=1)
+
+
+def gemv_vec(block_k: int, group_size: int, k8: int) -> int | None:
+    """Words each thread of the FMA kernel takes at once (its tile is 32 of them per row),
+    the most of 4, 2, 1 that fits block_k with 32 * vec dividing both the group size and
+    K // 8; None when even 32 words do not (the tensor-core kernel takes those shapes)."""
+    for vec in (4, 2, 1):
+        if 32 * vec <= block_k and group_size % (32 * vec) == 0 and k8 % (32 * vec) == 0:
+            return vec
+    return None
 
 
 def w4a16_matmul(
@@ -272,7 +371,11 @@ def w4a16_matmul(
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,  # None: by M (the module docstring)
 ) -> torch.Tensor:
-    """Triton x @ dequant(qweight).T in x's dtype; contract of `w4a16_matmul_ref`."""
+    """Triton x @ dequant(qweight).T in x's dtype; contract of `w4a16_matmul_ref`.
+
+    `config.use_dot=False` runs the FMA kernel, one row of x and one warp per program
+    (block_m and num_warps do not apply), where its tile fits the shapes (`gemv_vec`); other
+    shapes fall back to the tensor-core kernel."""
     if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ValueError("x must be [M, K] and qweight int32 [N, K // 8]")
     M, K = x.shape
@@ -300,7 +403,58 @@ def w4a16_matmul(
         if not interp and M >= DENSE_MIN_M:
             w = w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype)
             return torch.matmul(x, w.T, out=out)
-        config = INTERPRET_CONFIG if interp else default_config(M, x.dtype, group_size)
+        if interp:
+            config = INTERPRET_GEMV_CONFIG if M == 1 else INTERPRET_CONFIG
+        else:
+            config = default_config(M, x.dtype, group_size)
+    vec = None if config.use_dot else gemv_vec(config.block_k, group_size, K8)
+    if not config.use_dot and vec is None:
+        config = INTERPRET_CONFIG if interp else default_config(max(M, 2), x.dtype, group_size)
+    args = (x, qweight, scales, zeros, group_size, out, config)
+    dst = _launch_gemv(*args, vec) if vec else _launch_dot(*args, interp)
+    if dst is not out:
+        out.copy_(dst.sum(0))
+    return out
+
+
+def _split_k_buffer(out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """Where the kernels write: `out`, or float32 partial sums [split_k, M, N] to add."""
+    if split_k == 1:
+        return out
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, group_size: int, out: torch.Tensor,
+                 config: MatmulConfig, vec: int) -> torch.Tensor:
+    (M, _), (N, K8) = x.shape, qweight.shape
+    words = 32 * vec
+    k_tiles = K8 // words
+    # One-warp programs: split K until each SM has about eight of them.
+    split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
+                             min_blocks_per_split=1, programs_per_sm=8)
+    j_per_split = -(-k_tiles // split_k) * words
+    split_k = -(-K8 // j_per_split)
+    dst = _split_k_buffer(out, split_k)
+    _w4a16_gemv_kernel[(-(-N // config.block_n), split_k, M)](
+        dst, x, qweight, scales, zeros, M, N, K8,
+        x.stride(0), qweight.stride(0), *scales.stride(), *zeros.stride(), out.stride(0),
+        j_per_split, 0x4B000000,
+        GROUP_SIZE=group_size,
+        BLOCK_N=config.block_n,
+        VEC=vec,
+        # x tiles of the zero-point sums: 4096 values, 128 a thread.
+        GROUPS_PER_STEP=max(1, 4096 // group_size),
+        SPLIT_K=split_k,
+        num_warps=1,
+    )
+    return dst
+
+
+def _launch_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor, group_size: int, out: torch.Tensor, config: MatmulConfig,
+                interp: bool) -> torch.Tensor:
+    (M, _), (N, K8) = x.shape, qweight.shape
     block_k8 = config.block_k
     uniform = K8 % group_size == 0 and group_size % block_k8 == 0
     grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
@@ -309,8 +463,7 @@ def w4a16_matmul(
                              min_blocks_per_split=2)
     j_per_split = -(-k_blocks // split_k) * block_k8
     split_k = -(-K8 // j_per_split)
-    dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
-                                               device=x.device)
+    dst = _split_k_buffer(out, split_k)
     _w4a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, qweight, scales, zeros, M, N, K8,
         x.stride(0), qweight.stride(0), *scales.stride(), *zeros.stride(), out.stride(0),
@@ -321,7 +474,6 @@ def w4a16_matmul(
         BLOCK_N=config.block_n,
         BLOCK_K8=block_k8,
         SPLIT_K=split_k,
-        USE_DOT=config.use_dot,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
@@ -329,9 +481,7 @@ def w4a16_matmul(
         # two pipeline stages keep shared memory under the sm_90 limit.
         num_stages=min(config.num_stages, 3 if uniform and x.dtype != torch.float32 else 2),
     )
-    if split_k > 1:
-        out.copy_(dst.sum(0))
-    return out
+    return dst
 
 
 __all__ = [
@@ -340,6 +490,7 @@ __all__ = [
     "unpack_int4",
     "quantize_int4",
     "default_config",
+    "gemv_vec",
     "w4a16_dequantize",
     "w4a16_dequantize_ref",
     "w4a16_matmul",

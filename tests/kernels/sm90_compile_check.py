@@ -14,7 +14,6 @@ replaced by a recorder, and each recorded launch is compiled with `triton.compil
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -124,11 +123,23 @@ def _compile(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
                        if k not in jitted.arg_names or k.isupper() or k.startswith("num_")}}
 
 
-def _global_loads(cubin: bytes) -> dict[str, dict[str, int]]:
+def _global_loads(cubin: bytes) -> dict[str, Any]:
     """Global load instructions of the cubin by width (LDG.E.U8 moves one byte,
-    LDG.E.128 sixteen), and the asynchronous copies into shared memory (LDGSTS)."""
+    LDG.E.128 sixteen), and the asynchronous copies into shared memory (LDGSTS); and each
+    loop (a backward branch) with its instruction count and how many of those move data
+    between threads (shuffles, shared memory, barriers)."""
     sass = _cuobjdump(cubin, "--dump-sass")
-    return {"loads": dict(collections.Counter(re.findall(r"\b(LDG\.E[.\w]*|LDGSTS[.\w]*)", sass)))}
+    loads = collections.Counter(re.findall(r"\b(LDG\.E[.\w]*|LDGSTS[.\w]*)", sass))
+    code = [(int(a, 16), op, target) for a, op, target in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(?:\s+0x([0-9a-f]+))?", sass)]
+    loops = []
+    for end, op, target in code:
+        if op == "BRA" and target and int(target, 16) < end:
+            body = [o.split(".")[0] for a, o, _ in code if int(target, 16) <= a <= end]
+            loops.append({"instructions": len(body),
+                          "between_threads": sum(o in ("SHFL", "BAR", "STS", "LDS", "LDSM",
+                                                       "STSM") for o in body)})
+    return {"loads": dict(loads), "loops": loops}
 
 
 def _launch_all(m: dict[str, Any], full: bool) -> None:
@@ -164,17 +175,21 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         qkv = torch.randn(3, (h + 2 * kvh) * d, dtype=dt)
         ro.rotary_embedding(torch.arange(3), qkv[:, : (h + kvh) * d].view(3, h + kvh, d), None,
                             ro.build_cos_sin_cache(d, 16))
-        # Rows: decode (1), a small batch (16), a medium one (100) and prefill (200, the
-        # dequantize-then-cuBLAS path of w4a16), plus the FMA path at M = 1.
-        fma = MatmulConfig(block_m=1, block_n=32, block_k=32, use_dot=False)
-        for rows, config in ((1, None), (16, None), (100, None), (200, None), (1, fma)):
+        # Rows: decode (1: w4a16's FMA kernel), a small batch (16), a medium one (100) and
+        # prefill (200, the dequantize-then-cuBLAS path of w4a16), plus w8a16's FMA path and
+        # w4a16's tensor-core kernel at M = 1. Scales as the engine keeps them: w4a16's in
+        # float32 (Int4Linear's kernel_scales), w8a16's in the activations' dtype.
+        fma = MatmulConfig(block_m=1, block_n=32, block_k=128, use_dot=False)
+        dot = MatmulConfig(block_m=16, block_n=64, block_k=32)
+        for rows, w8_config, w4_config in ((1, None, None), (16, None, None),
+                                           (100, None, None), (200, None, None),
+                                           (1, fma, dot)):
             xm = torch.randn(rows, 4096, dtype=dt)
-            w8_config = config and dataclasses.replace(config, block_k=4 * config.block_k)
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),
                                            torch.ones(4096, dtype=dt), config=w8_config)
             m["w4a16_matmul"].w4a16_matmul(xm, torch.zeros(4096, 512, dtype=torch.int32),
-                                           torch.ones(4096, 32, dtype=dt),
-                                           torch.ones(4096, 32, dtype=dt), 128, config=config)
+                                           torch.ones(4096, 32), torch.ones(4096, 32), 128,
+                                           config=w4_config)
 
 
 def main() -> int:

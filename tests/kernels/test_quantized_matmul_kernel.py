@@ -29,6 +29,11 @@ FMA_M4_SPLIT = MatmulConfig(block_m=4, block_n=32, block_k=16, use_dot=False, sp
 DOT_SPLIT = MatmulConfig(block_m=16, block_n=32, block_k=32, split_k=3)
 FMA_M2_SPLIT = MatmulConfig(block_m=2, block_n=16, block_k=32, use_dot=False, split_k=2)
 CONFIGS = [None, FMA, FMA_M4_SPLIT, FMA_M2_SPLIT, DOT_SPLIT]
+# w4a16's FMA kernel: one row of x per program, tiles of 32 * vec words (block_k at most).
+GEMV = MatmulConfig(block_m=1, block_n=8, block_k=128, num_warps=1, use_dot=False, split_k=1)
+GEMV_SPLIT = MatmulConfig(block_m=1, block_n=16, block_k=64, num_warps=1, use_dot=False,
+                          split_k=3)
+W4_CONFIGS = [None, GEMV, GEMV_SPLIT, DOT_SPLIT]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,13 +82,14 @@ def test_quantize_int4_round_trip():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", W4_CONFIGS)
 @pytest.mark.parametrize(
     ("m", "n", "k", "group_size"),
     [
         (1, 40, 256, 32),  # decode-like M=1; each (nibble, tile) inside one group
         (20, 48, 384, 64),  # groups straddle tiles (K/8 = 48 not a multiple of 64)
         (3, 32, 1024, 128),
+        (2, 20, 2048, 64),  # FMA kernel: 2-word vectors, several tiles per split, N % 8 != 0
     ],
 )
 def test_w4a16_matches_reference(dtype, m, n, k, group_size, config):
@@ -129,8 +135,9 @@ def test_w4a16_dequantize_matches_reference(dtype, group_major, n, k, group_size
     assert_close(got, want.to(dtype), dtype)
 
 
-@pytest.mark.parametrize("config", [None, FMA, DOT_SPLIT])
-@pytest.mark.parametrize(("m", "n", "k", "group_size"), [(1, 40, 256, 32), (5, 48, 384, 64)])
+@pytest.mark.parametrize("config", [None, GEMV_SPLIT, DOT_SPLIT])
+@pytest.mark.parametrize(("m", "n", "k", "group_size"), [(1, 40, 256, 32), (5, 48, 384, 64),
+                                                         (1, 24, 1024, 128)])
 def test_w4a16_group_major_scales(config, m, n, k, group_size):
     # Scales and zeros as transposed views: the same values, other strides, same answer.
     qweight, scales, zeros = _random_int4(n, k, group_size, torch.bfloat16, seed=m + n)
@@ -157,6 +164,39 @@ def test_w4a16_many_rows_dequantize_once(monkeypatch):
                  scale=MM_SCALE)
 
 
+@pytest.mark.parametrize(("k", "group_size", "vec"), [(1024, 128, 4), (512, 64, 2),
+                                                      (256, 32, 1), (576, 32, None)])
+def test_w4a16_one_row_runs_the_fma_kernel_where_its_tile_fits(monkeypatch, k, group_size, vec):
+    # Decode's one row goes to the FMA kernel (one warp, 32 * vec words a tile, each inside one
+    # group: 32 * vec divides the group size and K / 8); K / 8 = 72 has no such tile, and the
+    # tensor-core kernel takes it. Fractional zero points: the kernel subtracts their part
+    # from sums of x per group.
+    monkeypatch.setattr(w4a16_module, "interpret_mode", lambda: False)
+    launched = []
+    for name in ("_w4a16_gemv_kernel", "_w4a16_matmul_kernel"):
+        kernel = getattr(w4a16_module, name)
+        monkeypatch.setattr(w4a16_module, name, _Spy(kernel, name, launched))
+    qweight, scales, zeros = _random_int4(24, k, group_size, torch.float32, seed=k)
+    x = randn(1, k, dtype=torch.float32, gen=generator(5))
+    got = w4a16_matmul(x, qweight, scales, zeros, group_size)
+    assert launched == ["_w4a16_gemv_kernel" if vec else "_w4a16_matmul_kernel"]
+    assert w4a16_module.gemv_vec(128, group_size, k // 8) == vec
+    assert_close(got, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), torch.float32,
+                 scale=MM_SCALE)
+
+
+class _Spy:
+    """Records which kernel a launcher starts; the launch itself runs as before (under the
+    interpreter: the test's switch only changes which configuration the launcher picks)."""
+
+    def __init__(self, kernel, name: str, launched: list[str]) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 def test_w4a16_reference_matches_unpacked_weights():
     g = generator(4)
     w_int = torch.randint(0, 16, (6, 64), generator=g)
@@ -180,3 +220,24 @@ def test_empty_and_bad_inputs():
         w4a16_matmul(x, qw, s, s, 24)
     with pytest.raises(ValueError, match="scales"):
         w8a16_matmul(x, w, torch.ones(4, device=DEVICE))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_linear_cuda_layout_through_the_kernels(m):
+    # What the engine hands the kernel on a GPU: Int4Linear's "cuda" layout, float32 scales
+    # and zero points in the kernel's convention, activations in bfloat16. One row takes the
+    # FMA kernel, three the tensor-core one; both equal the layer's own CPU product.
+    from argosy_runtime.quantization.int4_linear import Int4Linear
+
+    g = generator(11)
+    lin = torch.nn.Linear(1024, 48, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 1024, generator=g) * 0.05)
+    layer = Int4Linear.from_linear(lin, 128)
+    x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
+    want = layer(x.float())
+    layer.repack("cuda")
+    assert layer.kernel_scales.dtype == torch.float32
+    got = w4a16_matmul(x.to(DEVICE), layer.qweight.to(DEVICE), layer.kernel_scales.to(DEVICE),
+                       layer.kernel_zeros.to(DEVICE), 128)
+    assert_close(got.float().cpu(), want, torch.bfloat16, scale=MM_SCALE)
