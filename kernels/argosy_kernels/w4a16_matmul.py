@@ -327,9 +327,10 @@ def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
     """Launch parameters for M rows of x on a GPU (M < DENSE_MIN_M).
 
     One row (decode of one sequence): the FMA kernel (`_w4a16_gemv_kernel`), 8 weight rows
-    and up to 128 words a tile. Compiled for sm_90, its loop issues ~45 instructions per
-    packed word where the tensor-core kernel at M = 1 issues ~60 (16-row dots for one row,
-    staged through shared memory), and it holds no shared memory at 128 registers a thread.
+    and up to 128 words a tile. Compiled for sm_90 (float32 scales, group-major), its loop
+    issues ~42 instructions per packed word where the tensor-core kernel at M = 1 issues ~63
+    (16-row dots for one row, staged through shared memory), at 87 registers a thread and no
+    shared memory.
     Chosen from that count: not yet timed on a GPU (bench/gpu_matmul_tune.py compares both).
     More rows: tensor cores."""
     if m == 1:

@@ -178,7 +178,7 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         # Rows: decode (1: w4a16's FMA kernel), a small batch (16), a medium one (100) and
         # prefill (200, the dequantize-then-cuBLAS path of w4a16), plus w8a16's FMA path and
         # w4a16's tensor-core kernel at M = 1. Scales as the engine keeps them: w4a16's in
-        # float32 (Int4Linear's kernel_scales), w8a16's in the activations' dtype.
+        # float32, group-major (Int4Linear's kernel_scales), w8a16's in the activations' dtype.
         fma = MatmulConfig(block_m=1, block_n=32, block_k=128, use_dot=False)
         dot = MatmulConfig(block_m=16, block_n=64, block_k=32)
         for rows, w8_config, w4_config in ((1, None, None), (16, None, None),
@@ -188,8 +188,8 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),
                                            torch.ones(4096, dtype=dt), config=w8_config)
             m["w4a16_matmul"].w4a16_matmul(xm, torch.zeros(4096, 512, dtype=torch.int32),
-                                           torch.ones(4096, 32), torch.ones(4096, 32), 128,
-                                           config=w4_config)
+                                           torch.ones(32, 4096).T, torch.ones(32, 4096).T,
+                                           128, config=w4_config)
 
 
 def main() -> int:

@@ -237,7 +237,9 @@ def test_int4_linear_cuda_layout_through_the_kernels(m):
     x = torch.randn(m, 1024, generator=g).to(torch.bfloat16)
     want = layer(x.float())
     layer.repack("cuda")
-    assert layer.kernel_scales.dtype == torch.float32
+    # Group-major: neighbouring rows' scales side by side (what the one-row kernel wants).
+    assert layer.kernel_scales.dtype == torch.float32 and layer.kernel_scales.stride(0) == 1
+    assert layer.kernel_zeros.stride(0) == 1
     got = w4a16_matmul(x.to(DEVICE), layer.qweight.to(DEVICE), layer.kernel_scales.to(DEVICE),
                        layer.kernel_zeros.to(DEVICE), 128)
     assert_close(got.float().cpu(), want, torch.bfloat16, scale=MM_SCALE)
