@@ -283,7 +283,9 @@ def correctness_section() -> dict:
     gs = 128 if not SMOKE else 32
     check(f"w4a16 M=16 {HIDDEN}->{INTER} g{128 if not SMOKE else 32}", _max_rel(w4a16_matmul(x, qw, s4, z4, gs),
                                                    w4a16_matmul_ref(x, qw, s4, z4, gs)), tol[BF16])
-    # One row: decode's FMA kernel (w4a16_matmul's own choice at M = 1).
+    # One row: decode's FMA kernels (each launcher's own choice at M = 1).
+    check(f"w8a16 M=1 {HIDDEN}x{HIDDEN}", _max_rel(w8a16_matmul(x[:1], w8, s8),
+                                                   w8a16_matmul_ref(x[:1], w8, s8)), tol[BF16])
     check(f"w4a16 M=1 {HIDDEN}->{INTER} g{gs}", _max_rel(w4a16_matmul(x[:1], qw, s4, z4, gs),
                                                          w4a16_matmul_ref(x[:1], qw, s4, z4, gs)),
           tol[BF16])

@@ -3,8 +3,8 @@
 For w8a16 and w4a16 (group 128) at Llama-3-8B's shapes and M = 1, 4, 16, 64, 256, every
 candidate is checked against the float32 reference on fresh random inputs (output poisoned
 with NaN first) and timed against bf16 torch.matmul: "default" (the fused kernel as
-default_config launches it), for M <= 8 the FMA inner product (w4a16: its one-warp kernel, and
-the tensor-core kernel for comparison), tensor-core tile shapes from M = 16
+default_config launches it), for M <= 8 the one-warp FMA kernels' tiles and the tensor-core
+kernel for comparison, tensor-core tile shapes from M = 16
 (matmul_config.MatmulConfig), and "dense" (dequantize the whole weight once, then
 cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows); w4a16 also with its scales and zeros
 stored group-major ("w4gn": [K // 128, N] contiguous, so neighbouring columns' scales are
@@ -31,17 +31,10 @@ BF16 = torch.bfloat16
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (N, K)
 GROUP = 128
 
-# (block_n, block_k, num_warps): configs that compile for sm_90 without spilling registers
-# (tests/kernels/sm90_compile_check.py's compiler, read before the run). block_k counts int32
-# words for w4a16 (8 K each) and K elements for w8a16.
-FMA = {
-    ("w8", 1): [(16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 64, 8), (32, 128, 8),
-                (32, 256, 8), (64, 64, 8), (64, 128, 8), (16, 512, 8)],
-    ("w8", 4): [(16, 64, 4), (16, 128, 8), (16, 256, 8), (32, 64, 8), (32, 128, 8),
-                (64, 64, 8)],
-}
-# w4a16's FMA kernel (one warp, one row of x per program): (block_n, words per tile).
-GEMV = [(4, 128), (8, 128), (16, 128), (8, 64)]
+# The one-row FMA kernels (one warp, one row of x per program): (block_n, block_k), block_k
+# in int32 words for w4a16 (8 K each), in K for w8a16.
+GEMV = {"w4": [(4, 128), (8, 128), (16, 128), (8, 64)],
+        "w8": [(8, 256), (16, 256), (32, 256), (8, 512)]}
 # (block_n, block_k, num_warps, num_stages) for the tensor-core path.
 DOT = {
     "w4": [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 4),
@@ -71,23 +64,15 @@ def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
 
     default = w4_default(m, BF16, GROUP) if kind == "w4" else w8_default(m, BF16)
     out: list[tuple[str, Any]] = [("default", default), ("dense", "dense")]
-    if m <= 8 and kind == "w4":
-        # The tensor-core kernel at 16 rows (the default before the FMA kernel), and the FMA
+    if m <= 8:
+        # The tensor-core kernel at 16 rows (the default before the FMA kernels), and the FMA
         # kernel's tiles, its K split automatic, none, or 4.
-        out.append(("dot bm16 bn64 bk32 w4 s3", MatmulConfig(block_m=16, block_n=64, block_k=32)))
-        for bn, bk in GEMV:
+        dot = (16, 64, 32) if kind == "w4" else (16, 64, 64)
+        out.append((f"dot bm{dot[0]} bn{dot[1]} bk{dot[2]} w4 s3", MatmulConfig(*dot)))
+        for bn, bk in GEMV[kind]:
             for split in (None, 1, 4):
                 out.append((f"gemv bn{bn} bk{bk} split{split or 'auto'}",
                             MatmulConfig(block_m=1, block_n=bn, block_k=bk, num_warps=1,
-                                         use_dot=False, split_k=split)))
-    elif m <= 8:
-        bm = 1 if m == 1 else 4
-        for bn, bk, warps in FMA[(kind, bm)]:
-            # Split K as the launcher would; unsplit too where N / bn alone fills the SMs
-            # (each split is its own compile: the sweep must fit a short lease).
-            for split in (None, 1) if bn <= 32 else (None,):
-                out.append((f"fma bn{bn} bk{bk} w{warps} split{split or 'auto'}",
-                            MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
                                          use_dot=False, split_k=split)))
     else:
         bm = 16 if m <= 16 else 64

@@ -43,3 +43,11 @@ def choose_split_k(config: MatmulConfig, programs: int, k_blocks: int, device: t
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))
+
+
+def split_k_buffer(out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """Where a matmul kernel writes: `out`, or float32 partial sums [split_k, M, N] that the
+    launcher adds into `out` afterwards."""
+    if split_k == 1:
+        return out
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from argosy_kernels._triton import check_device, interpret_mode, triton_jit
-from argosy_kernels.matmul_config import MatmulConfig, choose_split_k
+from argosy_kernels.matmul_config import MatmulConfig, choose_split_k, split_k_buffer
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -418,13 +418,6 @@ def w4a16_matmul(
     return out
 
 
-def _split_k_buffer(out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """Where the kernels write: `out`, or float32 partial sums [split_k, M, N] to add."""
-    if split_k == 1:
-        return out
-    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
-
-
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, out: torch.Tensor,
                  config: MatmulConfig, vec: int) -> torch.Tensor:
@@ -436,7 +429,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                              min_blocks_per_split=1, programs_per_sm=8)
     j_per_split = -(-k_tiles // split_k) * words
     split_k = -(-K8 // j_per_split)
-    dst = _split_k_buffer(out, split_k)
+    dst = split_k_buffer(out, split_k)
     _w4a16_gemv_kernel[(-(-N // config.block_n), split_k, M)](
         dst, x, qweight, scales, zeros, M, N, K8,
         x.stride(0), qweight.stride(0), *scales.stride(), *zeros.stride(), out.stride(0),
@@ -464,7 +457,7 @@ def _launch_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                              min_blocks_per_split=2)
     j_per_split = -(-k_blocks // split_k) * block_k8
     split_k = -(-K8 // j_per_split)
-    dst = _split_k_buffer(out, split_k)
+    dst = split_k_buffer(out, split_k)
     _w4a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, qweight, scales, zeros, M, N, K8,
         x.stride(0), qweight.stride(0), *scales.stride(), *zeros.stride(), out.stride(0),

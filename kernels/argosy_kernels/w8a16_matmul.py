@@ -3,7 +3,8 @@
 Weights are stored like a torch Linear's, [out_features N, in_features K], one float scale per
 output channel (symmetric, per-channel). The kernel reads int8 tiles (half the bytes of bf16),
 converts them to x's dtype in registers, accumulates in float32 and applies the scale per
-output column at the end. For small M (decode) the K loop is split across programs when the
+output column at the end: on tensor cores, or for one row of x (decode of one sequence) in an
+FMA kernel of one warp per program. For small M the K loop is split across programs when the
 N tiles alone would not fill the GPU; partial sums land in a float32 buffer that is summed
 afterwards (matmul_config.py).
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from argosy_kernels._triton import check_device, interpret_mode, triton_jit
-from argosy_kernels.matmul_config import MatmulConfig, choose_split_k
+from argosy_kernels.matmul_config import MatmulConfig, choose_split_k, split_k_buffer
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -48,7 +49,6 @@ def _w8a16_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -69,12 +69,9 @@ def _w8a16_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0)  # int8 [BLOCK_K, BLOCK_N]
-        if USE_DOT:
-            if UPCAST_DOT:
-                x = x.to(tl.float32)
-            acc += tl.dot(x, w.to(tl.float32).to(x.dtype), input_precision=DOT_PREC)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+        acc += tl.dot(x, w.to(tl.float32).to(x.dtype), input_precision=DOT_PREC)
     scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -85,9 +82,64 @@ def _w8a16_matmul_kernel(
         tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
 
 
+@triton_jit
+def _w8a16_gemv_kernel(
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N]
+    x_ptr,  # [M, K]
+    w_ptr,  # int8 [N, K]
+    scales_ptr,  # [N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,  # multiple of 32 * VEC
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """One row of x (program axis 2) against BLOCK_N rows of the weight, on one warp: a tile
+    is [BLOCK_N, 32, VEC] weights, thread t holding the same VEC of every row and the x
+    values they multiply, so nothing crosses threads before the final sum."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk_tile = tl.arange(0, 32)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    for k0 in range(k_lo, k_hi, 32 * VEC):
+        rk = k0 + rk_tile
+        k_mask = rk < k_hi
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn + rk[None, :, :],
+                    mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
+        x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+    scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    res = tl.sum(acc, axis=1) * scale
+    if SPLIT_K == 1:
+        tl.store(out_ptr + pid_m * stride_om + rn, res.to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + pid_m) * N + rn, res, mask=n_mask)
+
+
 def default_config(m: int, dtype: torch.dtype) -> MatmulConfig:
-    """The launch parameters for M rows of x on a GPU: tensor cores at every M (the FMA path,
-    use_dot=False, is for bench/gpu_matmul_tune.py to compare until a GPU run favours it)."""
+    """Launch parameters for M rows of x on a GPU.
+
+    One row (decode of one sequence): the FMA kernel (`_w8a16_gemv_kernel`), 16 weight rows and
+    256 K a tile, 8 bytes a thread and row (16 would put a thread's 16 bf16 x values in two
+    threads' hands: shuffles in every iteration). Compiled for sm_90 its loop issues 505
+    instructions per 128 weight bytes a thread with nothing between threads, at 80
+    registers, against the tensor-core kernel's 16-row dots for one row staged through shared
+    memory. Chosen from that: not yet timed on a GPU (bench/gpu_matmul_tune.py compares
+    both). More rows: tensor cores."""
+    if m == 1:
+        return MatmulConfig(block_m=1, block_n=16, block_k=256, num_warps=1, use_dot=False)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
     # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
@@ -98,6 +150,8 @@ def default_config(m: int, dtype: torch.dtype) -> MatmulConfig:
 
 # Under the interpreter (CPU tests) small tiles keep the simulated programs cheap.
 INTERPRET_CONFIG = MatmulConfig(block_m=16, block_n=32, block_k=32, split_k=1)
+INTERPRET_GEMV_CONFIG = MatmulConfig(block_m=1, block_n=8, block_k=64, num_warps=1,
+                                     use_dot=False, split_k=1)
 
 
 def w8a16_matmul(
@@ -108,7 +162,10 @@ def w8a16_matmul(
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
     config: MatmulConfig | None = None,  # None: default_config(M), or the interpreter's
 ) -> torch.Tensor:
-    """Triton x @ (w_int8 * scales[:, None]).T in x's dtype; contract of `w8a16_matmul_ref`."""
+    """Triton x @ (w_int8 * scales[:, None]).T in x's dtype; contract of `w8a16_matmul_ref`.
+
+    `config.use_dot=False` runs the FMA kernel: one row of x and one warp per program
+    (block_m and num_warps do not apply), tiles of block_k (a power of two, 32 to 512) of K."""
     if x.dim() != 2 or w_int8.dim() != 2 or x.shape[1] != w_int8.shape[1]:
         raise ValueError(f"x must be [M, K] and w_int8 [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w_int8.shape)}")
@@ -129,15 +186,52 @@ def w8a16_matmul(
     w_int8 = w_int8 if w_int8.stride(1) == 1 else w_int8.contiguous()
     interp = interpret_mode()
     if config is None:
-        config = INTERPRET_CONFIG if interp else default_config(M, x.dtype)
+        if interp:
+            config = INTERPRET_GEMV_CONFIG if M == 1 else INTERPRET_CONFIG
+        else:
+            config = default_config(M, x.dtype)
+    launch = _launch_dot if config.use_dot else _launch_gemv
+    dst = launch(x, w_int8, scales, out, config, interp)
+    if dst is not out:
+        out.copy_(dst.sum(0))
+    return out
+
+
+def _launch_gemv(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
+                 out: torch.Tensor, config: MatmulConfig, interp: bool) -> torch.Tensor:
+    (M, K), N = x.shape, w_int8.shape[0]
+    vec = min(16, max(1, config.block_k // 32))
+    if vec & (vec - 1):
+        raise ValueError(f"block_k must be a power of two for the FMA kernel, got "
+                         f"{config.block_k}")
+    k_tiles = -(-K // (32 * vec))
+    # One-warp programs: split K until each SM has about eight of them.
+    split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
+                             min_blocks_per_split=1, programs_per_sm=8)
+    k_per_split = -(-k_tiles // split_k) * 32 * vec
+    split_k = -(-K // k_per_split)
+    dst = split_k_buffer(out, split_k)
+    _w8a16_gemv_kernel[(-(-N // config.block_n), split_k, M)](
+        dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
+        k_per_split,
+        BLOCK_N=config.block_n,
+        VEC=vec,
+        SPLIT_K=split_k,
+        num_warps=1,
+    )
+    return dst
+
+
+def _launch_dot(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
+                out: torch.Tensor, config: MatmulConfig, interp: bool) -> torch.Tensor:
+    (M, K), N = x.shape, w_int8.shape[0]
     grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
     k_blocks = -(-K // config.block_k)
     split_k = choose_split_k(config, grid_mn[0] * grid_mn[1], k_blocks, x.device,
                              min_blocks_per_split=4)
     k_per_split = -(-k_blocks // split_k) * config.block_k
     split_k = -(-K // k_per_split)
-    dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32,
-                                               device=x.device)
+    dst = split_k_buffer(out, split_k)
     _w8a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
         k_per_split,
@@ -145,15 +239,12 @@ def w8a16_matmul(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
-        USE_DOT=config.use_dot,
         UPCAST_DOT=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split_k > 1:
-        out.copy_(dst.sum(0))
-    return out
+    return dst
 
 
 __all__ = ["default_config", "w8a16_matmul", "w8a16_matmul_ref"]

@@ -28,7 +28,6 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import torch  # noqa: E402
 import triton  # noqa: E402
 from argosy_kernels import _triton  # noqa: E402
-from argosy_kernels.matmul_config import MatmulConfig  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -175,21 +174,17 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         qkv = torch.randn(3, (h + 2 * kvh) * d, dtype=dt)
         ro.rotary_embedding(torch.arange(3), qkv[:, : (h + kvh) * d].view(3, h + kvh, d), None,
                             ro.build_cos_sin_cache(d, 16))
-        # Rows: decode (1: w4a16's FMA kernel), a small batch (16), a medium one (100) and
-        # prefill (200, the dequantize-then-cuBLAS path of w4a16), plus w8a16's FMA path and
-        # w4a16's tensor-core kernel at M = 1. Scales as the engine keeps them: w4a16's in
-        # float32, group-major (Int4Linear's kernel_scales), w8a16's in the activations' dtype.
-        fma = MatmulConfig(block_m=1, block_n=32, block_k=128, use_dot=False)
-        dot = MatmulConfig(block_m=16, block_n=64, block_k=32)
-        for rows, w8_config, w4_config in ((1, None, None), (16, None, None),
-                                           (100, None, None), (200, None, None),
-                                           (1, fma, dot)):
+        # Rows: decode (1: the FMA kernels), a small batch (16), a medium one (100) and
+        # prefill (200, the dequantize-then-cuBLAS path of w4a16). The tensor-core kernels
+        # compile the same at M = 1 as at 16 (M is a runtime argument). Scales as the engine
+        # keeps them: w4a16's in float32, group-major (Int4Linear's kernel_scales), w8a16's
+        # in the activations' dtype.
+        for rows in (1, 16, 100, 200):
             xm = torch.randn(rows, 4096, dtype=dt)
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),
-                                           torch.ones(4096, dtype=dt), config=w8_config)
+                                           torch.ones(4096, dtype=dt))
             m["w4a16_matmul"].w4a16_matmul(xm, torch.zeros(4096, 512, dtype=torch.int32),
-                                           torch.ones(32, 4096).T, torch.ones(32, 4096).T,
-                                           128, config=w4_config)
+                                           torch.ones(32, 4096).T, torch.ones(32, 4096).T, 128)
 
 
 def main() -> int:

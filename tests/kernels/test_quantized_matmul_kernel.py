@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_kernels import w4a16_matmul as w4a16_module
+from argosy_kernels import w8a16_matmul as w8a16_module
 from argosy_kernels.matmul_config import MatmulConfig
 from argosy_kernels.w4a16_matmul import (
     DENSE_MIN_M,
@@ -36,9 +37,17 @@ GEMV_SPLIT = MatmulConfig(block_m=1, block_n=16, block_k=64, num_warps=1, use_do
 W4_CONFIGS = [None, GEMV, GEMV_SPLIT, DOT_SPLIT]
 
 
+# w8a16's FMA kernel (use_dot=False; the configs above reach it too): tiles of block_k of K.
+W8_GEMV = MatmulConfig(block_m=1, block_n=16, block_k=256, num_warps=1, use_dot=False,
+                       split_k=1)
+W8_GEMV_SPLIT = MatmulConfig(block_m=1, block_n=8, block_k=512, num_warps=1, use_dot=False,
+                             split_k=3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (5, 64, 128), (33, 16, 64)])
+@pytest.mark.parametrize("config", CONFIGS + [W8_GEMV, W8_GEMV_SPLIT])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (5, 64, 128), (33, 16, 64),
+                                           (2, 20, 1000)])  # K not a multiple of any tile
 def test_w8a16_matches_reference(dtype, m, n, k, config):
     g = generator(m + n)
     x = randn(m, k, dtype=dtype, gen=g)
@@ -183,6 +192,26 @@ def test_w4a16_one_row_runs_the_fma_kernel_where_its_tile_fits(monkeypatch, k, g
     assert w4a16_module.gemv_vec(128, group_size, k // 8) == vec
     assert_close(got, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), torch.float32,
                  scale=MM_SCALE)
+
+
+def test_w8a16_one_row_runs_the_fma_kernel(monkeypatch):
+    # Decode's one row goes to the FMA kernel, more rows to tensor cores.
+    monkeypatch.setattr(w8a16_module, "interpret_mode", lambda: False)
+    launched = []
+    for name in ("_w8a16_gemv_kernel", "_w8a16_matmul_kernel"):
+        kernel = getattr(w8a16_module, name)
+        monkeypatch.setattr(w8a16_module, name, _Spy(kernel, name, launched))
+    g = generator(6)
+    w = torch.randint(-127, 128, (24, 512), generator=g, dtype=torch.int8).to(DEVICE)
+    scales = (torch.rand(24, generator=g) * 0.02).to(DEVICE)
+    for m in (1, 2):
+        x = randn(m, 512, dtype=torch.float32, gen=g)
+        assert_close(w8a16_matmul(x, w, scales), w8a16_matmul_ref(x, w, scales), torch.float32,
+                     scale=MM_SCALE)
+    assert launched == ["_w8a16_gemv_kernel", "_w8a16_matmul_kernel"]
+    with pytest.raises(ValueError, match="power of two"):
+        w8a16_matmul(randn(1, 512, dtype=torch.float32, gen=g), w, scales,
+                     config=MatmulConfig(block_m=1, block_n=8, block_k=96, use_dot=False))
 
 
 class _Spy:

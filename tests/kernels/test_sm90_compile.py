@@ -30,7 +30,7 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "_paged_decode_attention_kernel", "_paged_decode_attention_reduce_kernel",
         "_paged_prefill_attention_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel",
         "_rotary_embedding_kernel", "_w8a16_matmul_kernel", "_w4a16_matmul_kernel",
-        "_w4a16_dequantize_kernel", "_w4a16_gemv_kernel",
+        "_w4a16_dequantize_kernel", "_w4a16_gemv_kernel", "_w8a16_gemv_kernel",
     }
     errors = [r for r in results if "error" in r]
     assert not errors, errors
@@ -46,8 +46,8 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         # of them were what an unspecialized compile showed before specializations were
         # modelled. The big operand of each kernel has a 128-bit load or copy.
         assert any("128" in op for op in r["loads"]), r
-        # w4a16's FMA kernel keeps each thread's words, x values and partial sums in its own
-        # registers: its main loop (the first) must not shuffle or touch shared memory, which
-        # is what a layout Triton picked differently would add to every iteration.
-        if r["kernel"] == "_w4a16_gemv_kernel":
+        # The one-row FMA kernels keep each thread's weights, x values and partial sums in its
+        # own registers: their main loop (the first) must not shuffle or touch shared memory,
+        # which is what a layout Triton picked differently would add to every iteration.
+        if r["kernel"] in ("_w4a16_gemv_kernel", "_w8a16_gemv_kernel"):
             assert r["stack"] == 0 and r["loops"][0]["between_threads"] == 0, r
