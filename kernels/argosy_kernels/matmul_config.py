@@ -4,10 +4,10 @@ Each launcher picks a config from M (the rows of x) on its own; tests and the GP
 (bench/gpu_matmul_tune.py) pass one to reach every path. Two inner products:
 - tensor cores (`use_dot`): a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] `tl.dot`, whose M is at
   least 16: the right choice once a batch has a dozen rows or more;
-- FMA (`use_dot=False`): broadcast-multiply and sum over K in float32 registers, BLOCK_M as
-  small as 1. A decode step's M is the batch size; at M = 1 a dot would compute 15 padding
-  rows and stage every dequantized weight tile through shared memory for them. (w4a16 has a
-  kernel of its own for this: one row of x and one warp per program, see w4a16_matmul.py.)
+- FMA (`use_dot=False`): each launcher's one-row kernel (one warp and one row of x per
+  program, block_m and num_warps do not apply), multiply and sum in float32 registers. A
+  decode step's M is the batch size; at M = 1 a dot would compute 15 padding rows and stage
+  every dequantized weight tile through shared memory for them.
 """
 
 from __future__ import annotations
