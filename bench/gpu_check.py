@@ -535,8 +535,9 @@ def _quantize_linears(model: Any, kind: str) -> None:
                 np_, ng = new.padded_out_features, new.num_groups
                 new.qweight = pack_int4(torch.randint(0, 16, (np_, new.padded_in_features),
                                                       device=DEV))
-                new.kernel_scales = torch.full((np_, ng), 0.02 / 8, device=DEV)
-                new.kernel_zeros = torch.full((np_, ng), 8.0, device=DEV)
+                # Group-major, as Int4Linear.repack("cuda") stores them.
+                new.kernel_scales = torch.full((ng, np_), 0.02 / 8, device=DEV).t()
+                new.kernel_zeros = torch.full((ng, np_), 8.0, device=DEV).t()
                 new.scales_and_zeros = new.scales_and_zeros.to(DEV)
                 # Through _set_layout: a bare `layout = "cuda"` left the layer's CPU fast path
                 # on, which hands CUDA tensors to the C++ CPU op.
