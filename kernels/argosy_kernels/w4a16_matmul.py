@@ -146,7 +146,11 @@ def _w4a16_matmul_kernel(
                             other=0.0)
                 z = tl.load(zeros_ptr + rn64 * stride_zn + grp * stride_zg, mask=n_mask,
                             other=0.0)
-                w = (q - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+                # (q - z) s as q s - (z s), z s once per column: an FFMA a weight where the
+                # subtraction and product were two (sm_90 loop at M = 16: 889 instructions
+                # instead of 1001).
+                s = s.to(tl.float32)[None, :]
+                w = q * s - z.to(tl.float32)[None, :] * s
             else:
                 grp = rk // GROUP_SIZE
                 s = tl.load(scales_ptr + rn64[None, :] * stride_sn + grp[:, None] * stride_sg,
@@ -328,7 +332,7 @@ def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
 
     One row (decode of one sequence): the FMA kernel (`_w4a16_gemv_kernel`), 8 weight rows
     and up to 128 words a tile. Compiled for sm_90 (float32 scales, group-major), its loop
-    issues ~42 instructions per packed word where the tensor-core kernel at M = 1 issues ~63
+    issues ~42 instructions per packed word where the tensor-core kernel at M = 1 issues ~56
     (16-row dots for one row, staged through shared memory), at 87 registers a thread and no
     shared memory.
     Chosen from that count: not yet timed on a GPU (bench/gpu_matmul_tune.py compares both).
