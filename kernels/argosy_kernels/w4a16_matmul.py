@@ -212,11 +212,19 @@ def _w4a16_gemv_kernel(
     j_lo = pid_k * j_per_split
     j_hi = tl.minimum(K8, j_lo + j_per_split)
     acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    # The next tile's words load while this one is summed: with a few one-warp programs per
+    # SM (N = 4096 makes 512 of them) nothing else would hide the memory latency.
+    w_rows = qweight_ptr + rn64[:, None, None] * stride_qn
+    rj = j_lo + rj_tile
+    next_words = tl.load(w_rows + rj[None, :, :],
+                         mask=n_mask[:, None, None] & (rj < j_hi)[None, :, :], other=0)
     for j0 in range(j_lo, j_hi, 32 * VEC):
         rj = j0 + rj_tile
         j_mask = rj < j_hi
-        words = tl.load(qweight_ptr + rn64[:, None, None] * stride_qn + rj[None, :, :],
-                        mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
+        words = next_words
+        next_words = tl.load(w_rows + 32 * VEC + rj[None, :, :],
+                             mask=n_mask[:, None, None] & (rj + 32 * VEC < j_hi)[None, :, :],
+                             other=0)
         high = words >> 16
         for i in tl.static_range(8):
             # Nibble i where it sits in its 16-bit half (p = i % 4), as a float:
@@ -333,7 +341,7 @@ def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
     One row (decode of one sequence): the FMA kernel (`_w4a16_gemv_kernel`), 8 weight rows
     and up to 128 words a tile. Compiled for sm_90 (float32 scales, group-major), its loop
     issues ~42 instructions per packed word where the tensor-core kernel at M = 1 issues ~56
-    (16-row dots for one row, staged through shared memory), at 87 registers a thread and no
+    (16-row dots for one row, staged through shared memory), at 119 registers a thread and no
     shared memory.
     Chosen from that count: not yet timed on a GPU (bench/gpu_matmul_tune.py compares both).
     More rows: tensor cores."""

@@ -112,11 +112,18 @@ def _w8a16_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    # The next tile loads while this one is summed (few one-warp programs per SM: nothing
+    # else would hide the memory latency).
+    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
+    rk = k_lo + rk_tile
+    next_w = tl.load(w_rows + rk[None, :, :], mask=n_mask[:, None, None] & (rk < k_hi)[None, :, :],
+                     other=0)
     for k0 in range(k_lo, k_hi, 32 * VEC):
         rk = k0 + rk_tile
         k_mask = rk < k_hi
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn + rk[None, :, :],
-                    mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
+        w = next_w
+        next_w = tl.load(w_rows + 32 * VEC + rk[None, :, :],
+                         mask=n_mask[:, None, None] & (rk + 32 * VEC < k_hi)[None, :, :], other=0)
         x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
     scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -131,15 +138,15 @@ def _w8a16_gemv_kernel(
 def default_config(m: int, dtype: torch.dtype) -> MatmulConfig:
     """Launch parameters for M rows of x on a GPU.
 
-    One row (decode of one sequence): the FMA kernel (`_w8a16_gemv_kernel`), 16 weight rows and
+    One row (decode of one sequence): the FMA kernel (`_w8a16_gemv_kernel`), 8 weight rows and
     256 K a tile, 8 bytes a thread and row (16 would put a thread's 16 bf16 x values in two
-    threads' hands: shuffles in every iteration). Compiled for sm_90 its loop issues 505
-    instructions per 128 weight bytes a thread with nothing between threads, at 80
-    registers, against the tensor-core kernel's 16-row dots for one row staged through shared
-    memory. Chosen from that: not yet timed on a GPU (bench/gpu_matmul_tune.py compares
-    both). More rows: tensor cores."""
+    threads' hands: shuffles in every iteration; 16 rows with the next tile in flight take
+    156 registers). Compiled for sm_90 its loop issues 322 instructions per 64 weight bytes a
+    thread with nothing between threads, at 71 registers, against the tensor-core kernel's
+    16-row dots for one row staged through shared memory. Chosen from that: not yet timed on
+    a GPU (bench/gpu_matmul_tune.py compares both). More rows: tensor cores."""
     if m == 1:
-        return MatmulConfig(block_m=1, block_n=16, block_k=256, num_warps=1, use_dot=False)
+        return MatmulConfig(block_m=1, block_n=8, block_k=256, num_warps=1, use_dot=False)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     # float32 tiles are twice the bytes: narrower N keeps the pipelined shared memory within
     # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
