@@ -33,13 +33,13 @@ class MatmulConfig:
 
 
 def choose_split_k(config: MatmulConfig, programs: int, k_blocks: int, device: torch.device,
-                   min_blocks_per_split: int, programs_per_sm: int = 2) -> int:
+                   min_blocks_per_split: int) -> int:
     """config.split_k, or the automatic choice: small-M launches of a few N tiles otherwise
     leave most SMs idle while each program walks all of K. Each split keeps at least
     `min_blocks_per_split` K tiles, so a program still has a loop to pipeline."""
     if config.split_k is not None:
         return max(1, config.split_k)
-    target = programs_per_sm * num_sms(device)
+    target = 2 * num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))

@@ -212,9 +212,11 @@ def _launch_gemv(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"block_k must be a power of two for the FMA kernel, got "
                          f"{config.block_k}")
     k_tiles = -(-K // (32 * vec))
-    # One-warp programs: split K until each SM has about eight of them.
+    # Split K only below two programs per SM: a split costs a float32 buffer and two more
+    # launches (sum, copy) per matmul in every decode step, while the next tile in flight
+    # keeps each program's loads outstanding (unmeasured: the sweep times split 1 and 4).
     split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
-                             min_blocks_per_split=1, programs_per_sm=8)
+                             min_blocks_per_split=1)
     k_per_split = -(-k_tiles // split_k) * 32 * vec
     split_k = -(-K // k_per_split)
     dst = split_k_buffer(out, split_k)
