@@ -50,11 +50,12 @@ def _patch_modules() -> dict[str, Any]:
         reshape_and_cache,
         rms_norm,
         rotary_embedding,
+        silu_and_mul,
         w4a16_matmul,
         w8a16_matmul,
     )
     mods = [paged_attention, paged_prefill_attention, reshape_and_cache, rms_norm,
-            rotary_embedding, w4a16_matmul, w8a16_matmul]
+            rotary_embedding, silu_and_mul, w4a16_matmul, w8a16_matmul]
     for m in mods:
         if hasattr(m, "interpret_mode"):
             m.interpret_mode = lambda: False
@@ -167,6 +168,7 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         rc(k, k, kq, kq.clone(), torch.arange(5), k_scale=ks, v_scale=ks.clone())
         x = torch.randn(3, 4096, dtype=dt)
         m["rms_norm"].rms_norm(x, torch.ones(4096, dtype=dt), 1e-5, x.clone())
+        m["silu_and_mul"].silu_and_mul(torch.randn(3, 2 * 14336, dtype=dt))
         ro = m["rotary_embedding"]
         ro.rotary_embedding(torch.arange(3), torch.randn(3, h, d, dtype=dt),
                             torch.randn(3, kvh, d, dtype=dt), ro.build_cos_sin_cache(d, 16))

@@ -29,7 +29,8 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     assert kernels >= {
         "_paged_decode_attention_kernel", "_paged_decode_attention_reduce_kernel",
         "_paged_prefill_attention_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel",
-        "_rotary_embedding_kernel", "_w8a16_matmul_kernel", "_w4a16_matmul_kernel",
+        "_rotary_embedding_kernel", "_silu_and_mul_kernel", "_w8a16_matmul_kernel",
+        "_w4a16_matmul_kernel",
         "_w4a16_dequantize_kernel", "_w4a16_gemv_kernel", "_w8a16_gemv_kernel",
     }
     errors = [r for r in results if "error" in r]

@@ -1,4 +1,5 @@
-"""The model's norms, residual adds and rotary through the Triton kernels (`use_triton_ops`).
+"""The model's norms, residual adds, rotary and SiLU through the Triton kernels
+(`use_triton_ops`).
 
 This is the CUDA engine's path; on the CPU the kernels run under the interpreter. The hidden
 states must match the eager ops' over prefill chunks, mixed steps and decodes, with either
@@ -112,13 +113,28 @@ def test_cos_sin_cache_holds_the_eager_tables_frequencies():
     torch.testing.assert_close(bf16.rotary.cos_sin_cache, cache, atol=0, rtol=0)
 
 
+def test_triton_ops_run_each_layer_silu_as_one_kernel(monkeypatch):
+    from argosy_runtime.models import llama
+
+    calls = []
+    real = llama.triton_silu_and_mul
+    monkeypatch.setattr(llama, "triton_silu_and_mul", lambda x: calls.append(x.shape) or real(x))
+    (eager, fused), ((_, caches_e), (_, caches_f)) = _eager_and_triton(SPEC, 5, 12)
+    backend = _backend(TorchAttentionBackend)
+    step = build_step(_steps()[0], DEVICE)
+    _assert_within(forward(fused, backend, caches_f, step), forward(eager, backend, caches_e, step))
+    assert calls == [(27, 2 * SPEC.intermediate_size)] * SPEC.num_hidden_layers
+
+
 def test_switching_back_to_eager_ops_restores_them():
     model = random_model(SPEC, torch.float32, DEVICE)
     model.use_triton_ops()
     layer = model.model.layers[0]
-    assert (model.ops, layer.self_attn.ops, layer.input_layernorm.ops) == ("triton",) * 3
+    assert (model.ops, layer.self_attn.ops, layer.input_layernorm.ops, layer.mlp.ops) == \
+        ("triton",) * 4
     model.use_triton_ops(False)
-    assert (model.ops, layer.self_attn.ops, model.model.norm.ops) == ("torch",) * 3
+    assert (model.ops, layer.self_attn.ops, model.model.norm.ops, layer.mlp.ops) == \
+        ("torch",) * 4
 
 
 def test_graph_runner_padded_decode_with_triton_ops():

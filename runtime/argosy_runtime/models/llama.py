@@ -9,8 +9,9 @@ through the fused C++ kernels of argosy_kernels.cpu_ops: one call each instead o
 PyTorch ops. The engine turns it on for bfloat16 on the CPU; float32 keeps the eager ops,
 which equal transformers' bit for bit.
 
-`use_triton_ops(True)` does the same for norms, residual adds and rotary with the Triton
-kernels (`argosy_kernels.rms_norm`, `.rotary_embedding`); the engine turns it on on CUDA.
+`use_triton_ops(True)` does the same for norms, residual adds, rotary and SiLU with the Triton
+kernels (`argosy_kernels.rms_norm`, `.rotary_embedding`, `.silu_and_mul`); the engine turns
+it on on CUDA.
 They compute in float32 and round once, so in float32 they agree with the eager ops to an ulp
 and in half precision they are at least as exact (eager rounds after every multiply).
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from argosy_kernels import cpu_ops
 from argosy_kernels.rms_norm import rms_norm as triton_rms_norm
 from argosy_kernels.rotary_embedding import rotary_embedding as triton_rotary_embedding
+from argosy_kernels.silu_and_mul import silu_and_mul as triton_silu_and_mul
 from torch import nn
 
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
@@ -112,7 +114,7 @@ class MLP(nn.Module):
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.ops = "torch"  # "cpu_ops": SiLU x up in one C++ call (no Triton kernel for it)
+        self.ops = "torch"  # "cpu_ops" / "triton": SiLU x up in one kernel
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -120,6 +122,8 @@ class MLP(nn.Module):
             lora.apply(gate_up, x, self.layer_idx, "gate_up_proj")
         if self.ops == "cpu_ops":
             act = cpu_ops.silu_and_mul(gate_up)
+        elif self.ops == "triton":
+            act = triton_silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
@@ -208,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
     def use_device_kernels(self) -> None:
         """The fastest kernels for where the weights now are (call after moving the model):
         on the CPU in bfloat16, oneDNN-prepacked linears and the fused C++ ops (float32 keeps
-        the eager ops, which equal transformers' bit for bit); on CUDA, the Triton norms and
-        rotary. The engine does this for its model and the draft proposer for a draft model."""
+        the eager ops, which equal transformers' bit for bit); on CUDA, the Triton norms,
+        rotary and SiLU. The engine does this for its model and the draft proposer for a draft model."""
         weight = self.model.norm.weight  # plain in every mode (embeddings may be int8)
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
@@ -230,8 +234,8 @@ class LlamaForCausalLM(nn.Module):
         return enabled
 
     def use_triton_ops(self, enabled: bool = True) -> None:
-        """Route norms, residual adds and rotary through the Triton kernels (CUDA, or the CPU
-        under TRITON_INTERPRET=1). Graph safe: no host reads of device values. Call it after
+        """Route norms, residual adds, rotary and SiLU through the Triton kernels (CUDA, or the
+        CPU under TRITON_INTERPRET=1). Graph safe: no host reads of device values. Call it after
         moving the model to its device."""
         if enabled and self.cpu_decode is not None:
             raise ValueError("use_fused_cpu_ops is on: turn it off before use_triton_ops")
