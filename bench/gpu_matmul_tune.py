@@ -8,7 +8,7 @@ kernel for comparison, tensor-core tile shapes from M = 16
 (matmul_config.MatmulConfig), and "dense" (dequantize the whole weight once, then
 cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows); w4a16 also with its scales and zeros
 stored group-major ("w4gn": [K // 128, N] contiguous, so neighbouring columns' scales are
-neighbours in memory and a warp's scale loads coalesce). Weights rotate over enough copies to
+neighbours in memory and a warp's scale loads coalesce; what Int4Linear keeps on CUDA). Weights rotate over enough copies to
 exceed the L2 cache several times, as a model's layers do. Set default_config and DENSE_MIN_M
 from its table and record it in docs/benchmarks/gpu.md. Not yet run on a GPU.
 
@@ -57,7 +57,7 @@ def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
     scales and zeros, for which a few of w4's configs are enough to compare the layouts)."""
     if kind == "w4gn":
         w4 = candidates("w4", m)
-        return w4[:2] + [c for c in w4[2:] if not c[0].endswith("split1")][:4]
+        return w4[:2] + [c for c in w4[2:] if "split" not in c[0] or c[0].endswith("split1")][:5]
     from argosy_kernels.matmul_config import MatmulConfig
     from argosy_kernels.w4a16_matmul import default_config as w4_default
     from argosy_kernels.w8a16_matmul import default_config as w8_default
@@ -66,12 +66,12 @@ def candidates(kind: str, m: int) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("default", default), ("dense", "dense")]
     if m <= 8:
         # The tensor-core kernel at 16 rows (the default before the FMA kernels), and the FMA
-        # kernel's tiles, its K split automatic, none, or 4.
+        # kernel's tiles, K in 1, 2 or 4 splits ("default" has the launcher's choice).
         dot = (16, 64, 32) if kind == "w4" else (16, 64, 64)
         out.append((f"dot bm{dot[0]} bn{dot[1]} bk{dot[2]} w4 s3", MatmulConfig(*dot)))
         for bn, bk in GEMV[kind]:
-            for split in (None, 1, 4):
-                out.append((f"gemv bn{bn} bk{bk} split{split or 'auto'}",
+            for split in (1, 2, 4):
+                out.append((f"gemv bn{bn} bk{bk} split{split}",
                             MatmulConfig(block_m=1, block_n=bn, block_k=bk, num_warps=1,
                                          use_dot=False, split_k=split)))
     else:
