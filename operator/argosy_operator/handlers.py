@@ -392,6 +392,9 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
     reconcile: the resume reconciles of the startup already create the ServiceMonitors."""
     if not _state["clusterwide"]:
         return  # a registration left from a clusterwide run in this process (tests)
+    client = get_client()
+    # The CRD changed (deleted, say): reconciles must not go on with a cached discovery answer.
+    client.forget_discovery(SERVICEMONITORS)
     uid = meta.get("uid") or ""
     if event.get("type") == "DELETED":
         _established_crds.discard(uid)
@@ -401,11 +404,10 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
     _established_crds.add(uid)
     if event.get("type") is None:
         return
-    client = get_client()
     # The API server lists a CRD in discovery (what reconcile checks) just after it marks it
-    # Established: wait for that, briefly.
+    # Established: wait for that, briefly. Fresh answers, which the reconciles below then use.
     for attempt in range(len(REAPPLY_RETRY_DELAYS)):
-        if await client.has_resource(SERVICEMONITORS):
+        if await client.has_resource(SERVICEMONITORS, fresh=True):
             break
         await asyncio.sleep(reapply_retry_delay(attempt))
     owners = [(o["metadata"]["namespace"], o["metadata"]["name"])
@@ -445,7 +447,8 @@ async def servicemonitor_recheck(meta: kopf.Meta, namespace: str | None, **_: An
     now served (namespaced runs only, see above); otherwise do nothing."""
     client = get_client()
     name = meta.get("name")
-    if not namespace or not name or not await client.has_resource(SERVICEMONITORS):
+    # Fresh: a cached "absent" (from a reconcile) would delay noticing the CRD by its TTL.
+    if not namespace or not name or not await client.has_resource(SERVICEMONITORS, fresh=True):
         return
     if await client.get(SERVICEMONITORS, namespace, name) is not None:
         return  # ours, or someone else's: a conflict is the reconciles' to report

@@ -11,6 +11,7 @@ import base64
 import json
 import ssl
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,14 @@ class Resource:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
+    @property
+    def discovery_path(self) -> str:
+        """The group-version's discovery document, which lists the resources served there."""
+        return f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+
     def path(self, namespace: str | None = None, name: str | None = None,
              subresource: str | None = None) -> str:
-        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        parts = [base]
+        parts = [self.discovery_path]
         if self.namespaced and namespace:
             parts.append(f"namespaces/{namespace}")
         parts.append(self.plural)
@@ -54,6 +59,13 @@ SERVICEMONITORS = Resource("monitoring.coreos.com", "v1", "servicemonitors")
 LLMDEPLOYMENTS = Resource("argosy.dev", "v1alpha1", "llmdeployments")
 
 USER_AGENT = "argosy-operator/0.1.0"
+
+# Seconds a discovery answer (one group-version document) is reused. Every reconcile asks
+# whether the ServiceMonitor API is served; uncached, a burst of reconciles (a restart resumes
+# every LLMDeployment) would send the API server one discovery GET each. Short, because a
+# reconcile acts on a stale answer until it expires; the handlers that watch for the CRD to
+# appear ask with `fresh=True` and so are never delayed by it.
+DISCOVERY_CACHE_SECONDS = 30.0
 
 
 class ApiError(Exception):
@@ -104,6 +116,8 @@ class KubeClient:
         self._headers = {"User-Agent": USER_AGENT, **dict(headers or {})}
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
+        # Discovery path -> (when it was asked, the resource names served there).
+        self._discovery: dict[str, tuple[float, frozenset[str]]] = {}
 
     @classmethod
     def from_connection_info(cls, info: Any) -> KubeClient:
@@ -173,14 +187,30 @@ class KubeClient:
                 return False
             raise
 
-    async def has_resource(self, res: Resource) -> bool:
+    async def has_resource(self, res: Resource, *, fresh: bool = False) -> bool:
         """API discovery (no RBAC needed): is this resource type served, e.g. is the
-        ServiceMonitor CRD installed?"""
-        base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+        ServiceMonitor CRD installed? An answer is reused for DISCOVERY_CACHE_SECONDS;
+        `fresh` asks the API server anyway (and keeps that answer for the next callers)."""
+        base = res.discovery_path
+        cached = self._discovery.get(base)
+        if (not fresh and cached is not None
+                and time.monotonic() - cached[0] < DISCOVERY_CACHE_SECONDS):
+            return res.plural in cached[1]
+        asked_at = time.monotonic()
         try:
             payload = await self.request("GET", base)
+            served = frozenset(r.get("name") for r in payload.get("resources", []))
         except ApiError as exc:
-            if exc.status in (404, 503):
-                return False
-            raise
-        return any(r.get("name") == res.plural for r in payload.get("resources", []))
+            if exc.status not in (404, 503):
+                raise  # not cached: the next call asks again
+            served = frozenset()
+        # A slow answer to an earlier question must not replace a fresher one (a reconcile's
+        # "absent" landing after the CRD handler's fresh "served").
+        latest = self._discovery.get(base)
+        if latest is None or latest[0] <= asked_at:
+            self._discovery[base] = (asked_at, served)
+        return res.plural in served
+
+    def forget_discovery(self, res: Resource) -> None:
+        """Drop the cached discovery answer for `res`'s group-version (its CRD changed)."""
+        self._discovery.pop(res.discovery_path, None)

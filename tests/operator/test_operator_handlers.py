@@ -713,6 +713,56 @@ async def test_the_servicemonitor_recheck_costs_one_request_until_it_has_work(
         assert reconciled == ["chat"]
 
 
+async def test_reconciles_share_one_discovery_request(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reconciles within DISCOVERY_CACHE_SECONDS ask discovery once between them, not once
+    each (a restart resumes every LLMDeployment at once)."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+        for _ in range(4):
+            await handlers.reconcile_llmdeployment(body=owner, meta=owner["metadata"],
+                                                   logger=logging.getLogger("test"))
+    assert len(_discovery_reads(kube)) == 1
+    assert await api.get_or_none(f"{SM_PATH}/chat") is not None
+
+
+@pytest.mark.no_servicemonitor
+@pytest.mark.parametrize("path", ["recheck-timer", "crd-handler"])
+async def test_a_cached_absent_answer_does_not_delay_noticing_the_crd(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Reconciles cached "no ServiceMonitor API"; then the CRD is installed. The namespaced
+    recheck timer and the clusterwide CRD handler ask discovery afresh and create the
+    ServiceMonitor at once, not a cache lifetime later; the CRD handler drops the cached
+    answer on the CRD's DELETED event."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+        await handlers.reconcile_llmdeployment(body=owner, meta=owner["metadata"],
+                                               logger=logging.getLogger("test"))
+        assert len(_discovery_reads(kube)) == 1  # "absent", cached for the second reconcile
+        crd = await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        reconciled = _count_reconciles(monkeypatch, "name")
+        if path == "recheck-timer":
+            await handlers.servicemonitor_recheck(meta=owner["metadata"], namespace=NS)
+        else:
+            monkeypatch.setitem(handlers._state, "clusterwide", True)
+            monkeypatch.setattr(handlers, "_established_crds", set())
+            await handlers.servicemonitor_crd_changed(
+                event={"type": "ADDED", "object": crd}, body=crd, meta=crd["metadata"])
+        assert reconciled == ["chat"]
+        assert await api.get_or_none(f"{SM_PATH}/chat") is not None
+        assert len(_discovery_reads(kube)) == 2  # the fresh one; the reconcile reused it
+        if path == "crd-handler":
+            await handlers.servicemonitor_crd_changed(
+                event={"type": "DELETED", "object": crd}, body=crd, meta=crd["metadata"])
+            await handlers.reconcile_llmdeployment(body=owner, meta=owner["metadata"],
+                                                   logger=logging.getLogger("test"))
+            assert len(_discovery_reads(kube)) == 3
+
+
 def test_the_servicemonitor_recheck_runs_only_namespaced_and_where_wanted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from argosy_operator import handlers

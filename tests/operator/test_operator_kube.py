@@ -5,13 +5,16 @@ from __future__ import annotations
 import base64
 import pathlib
 import ssl
+from types import SimpleNamespace
 from typing import Any
 
 import kopf
 import pytest
 from argosy_operator.kube import (
     DEPLOYMENTS,
+    DISCOVERY_CACHE_SECONDS,
     LLMDEPLOYMENTS,
+    PDBS,
     SERVICEMONITORS,
     ApiError,
     KubeClient,
@@ -78,5 +81,118 @@ async def test_has_resource_is_false_without_the_crd(kube: Any) -> None:
     client = KubeClient(str(kube.url))
     try:
         assert not await client.has_resource(SERVICEMONITORS)
+    finally:
+        await client.close()
+
+
+def _discovery_gets(kube: Any, path: str) -> int:
+    return sum(1 for r in list(kube) if r.method == "GET" and r.url.path == path)
+
+
+async def test_discovery_answers_are_reused_until_they_expire(
+        kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request per group-version document while the answer is younger than
+    DISCOVERY_CACHE_SECONDS (other resources of the same group-version included); after that,
+    or with `fresh`, the API server is asked again."""
+    from argosy_operator import kube as kube_module
+
+    now = [1000.0]
+    monkeypatch.setattr(kube_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    pdbs_path = "/apis/policy/v1"
+    client = KubeClient(str(kube.url))
+    try:
+        for _ in range(5):
+            assert await client.has_resource(SERVICEMONITORS)
+            assert await client.has_resource(PDBS)
+        assert not await client.has_resource(Resource("policy", "v1", "nonesuch"))
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 1
+        assert _discovery_gets(kube, pdbs_path) == 1
+
+        now[0] += DISCOVERY_CACHE_SECONDS - 1
+        assert await client.has_resource(SERVICEMONITORS)
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 1
+        now[0] += 1  # expired
+        assert await client.has_resource(SERVICEMONITORS)
+        assert await client.has_resource(SERVICEMONITORS)
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 2
+
+        assert await client.has_resource(SERVICEMONITORS, fresh=True)
+        assert await client.has_resource(SERVICEMONITORS)  # the fresh answer, reused
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 3
+        client.forget_discovery(SERVICEMONITORS)
+        assert await client.has_resource(SERVICEMONITORS)
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 4
+        assert _discovery_gets(kube, pdbs_path) == 1
+    finally:
+        await client.close()
+
+
+@pytest.mark.no_servicemonitor
+async def test_an_absent_api_is_cached_and_an_error_is_not(
+        kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """404 (the CRD not installed) is an answer and is reused; a 500 raises and is not kept:
+    the next call asks again."""
+    import kmock
+
+    client = KubeClient(str(kube.url))
+    try:
+        assert not await client.has_resource(SERVICEMONITORS)
+        assert not await client.has_resource(SERVICEMONITORS)
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 1
+
+        handle, failures = kube._handle, [1]
+
+        async def failing_once(request: Any) -> Any:
+            if request.url.path == PDBS.discovery_path and failures:
+                failures.pop()
+                raise kmock.KubernetesError(status=500, reason="InternalError",
+                                            message="etcdserver: leader changed")
+            return await handle(request)
+
+        monkeypatch.setattr(kube, "_handle", failing_once)
+        with pytest.raises(ApiError) as err:
+            await client.has_resource(PDBS)
+        assert err.value.status == 500
+        assert await client.has_resource(PDBS)
+        assert await client.has_resource(PDBS)
+        assert _discovery_gets(kube, PDBS.discovery_path) == 2
+    finally:
+        await client.close()
+
+
+@pytest.mark.no_servicemonitor
+async def test_a_late_answer_does_not_replace_a_fresher_one(
+        kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reconcile's discovery request answered "absent" but slow to arrive, the CRD
+    installed and seen by a fresh request meanwhile: the cache keeps the fresher answer."""
+    import asyncio
+
+    from kube_emulator import SERVICEMONITOR_CRD
+
+    handle, gate, held = kube._handle, asyncio.Event(), []
+
+    async def holding_the_first(request: Any) -> Any:
+        try:
+            return await handle(request)  # raises the 404 while the CRD is absent
+        finally:
+            if request.url.path == SERVICEMONITORS.discovery_path and not held:
+                held.append(request)
+                await gate.wait()
+
+    monkeypatch.setattr(kube, "_handle", holding_the_first)
+    client = KubeClient(str(kube.url))
+    try:
+        slow = asyncio.create_task(client.has_resource(SERVICEMONITORS))
+        for _ in range(500):
+            if held:
+                break
+            await asyncio.sleep(0.01)
+        await client.create(Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+                                     namespaced=False), "", SERVICEMONITOR_CRD)
+        assert await client.has_resource(SERVICEMONITORS, fresh=True)
+        gate.set()
+        assert not await slow
+        assert await client.has_resource(SERVICEMONITORS)
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 2
     finally:
         await client.close()
