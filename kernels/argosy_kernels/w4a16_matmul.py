@@ -326,13 +326,14 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
-# From this many rows of x on (prefill, large batches), dequantize once and call cuBLAS. On an
-# H200 (docs/benchmarks/gpu.md, 2026-12-04) the fused kernel took 305 us at M=256 for
-# 4096->14336 where bf16 cuBLAS took 45 us: it dequantizes every weight tile once per
-# 64-row tile of M. Dequantizing once writes 117 MB of bf16, about 30-60 us at 2-4 TB/s, so
-# dense wins by bytes alone from a little over 100 rows. The crossover has not been measured
-# yet (bench/gpu_matmul_tune.py times both).
-DENSE_MIN_M = 128
+# From this many rows of x on (prefill, batches of 64 sequences and more), dequantize once and
+# call cuBLAS. On an H200 (docs/benchmarks/gpu.md, 2026-12-04) the fused kernel took 113-125 us
+# at M=64 for 4096->14336 and 14336->4096 (35 us for 4096^2), where bf16 cuBLAS took 34-37 us
+# (8 us): dequantizing once moves 146 MB (29 MB read, 117 MB of bf16 written; 42 MB for
+# 4096^2), 37-55 us at 2.7-4 TB/s, so dense should take 71-92 us (20-25 us) there; at M=16 the
+# fused kernel took 15-39 us, less than dequantizing alone. The crossover lies between; it is
+# not measured yet (bench/gpu_matmul_tune.py times both at M = 16, 64, 256).
+DENSE_MIN_M = 64
 
 
 def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:

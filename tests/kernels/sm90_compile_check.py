@@ -176,12 +176,12 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         qkv = torch.randn(3, (h + 2 * kvh) * d, dtype=dt)
         ro.rotary_embedding(torch.arange(3), qkv[:, : (h + kvh) * d].view(3, h + kvh, d), None,
                             ro.build_cos_sin_cache(d, 16))
-        # Rows: decode (1: the FMA kernels), a small batch (16), a medium one (100) and
-        # prefill (200, the dequantize-then-cuBLAS path of w4a16). The tensor-core kernels
-        # compile the same at M = 1 as at 16 (M is a runtime argument). Scales as the engine
-        # keeps them: w4a16's in float32, group-major (Int4Linear's kernel_scales), w8a16's
-        # in the activations' dtype.
-        for rows in (1, 16, 100, 200):
+        # Rows: decode (1: the FMA kernels), small batches (16, 48), a larger one (100: w8a16's
+        # widest tiles, w4a16's dequantize-then-cuBLAS path). The tensor-core kernels compile
+        # the same at M = 1 as at 16 (M is a runtime argument). Scales as the engine keeps
+        # them: w4a16's in float32, group-major (Int4Linear's kernel_scales), w8a16's in the
+        # activations' dtype.
+        for rows in (1, 16, 48, 100):
             xm = torch.randn(rows, 4096, dtype=dt)
             m["w8a16_matmul"].w8a16_matmul(xm, torch.zeros(4096, 4096, dtype=torch.int8),
                                            torch.ones(4096, dtype=dt))
