@@ -188,6 +188,7 @@ def correctness_section() -> dict:
         rotary_embedding,
         rotary_embedding_ref,
     )
+    from argosy_kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
     from argosy_kernels.w4a16_matmul import quantize_int4, w4a16_matmul, w4a16_matmul_ref
     from argosy_kernels.w8a16_matmul import w8a16_matmul, w8a16_matmul_ref
 
@@ -264,6 +265,9 @@ def correctness_section() -> dict:
     o1, _ = rms_norm(x, w, 1e-5, r1)
     o2, _ = rms_norm_ref(x, w, 1e-5, r2)
     check("rms_norm + residual bf16", max(_max_rel(o1, o2), _max_rel(r1, r2)), tol[BF16])
+    gate_up = rnd(5, 2 * INTER)
+    check("silu_and_mul bf16", _max_rel(silu_and_mul(gate_up), silu_and_mul_ref(gate_up)),
+          tol[BF16])
 
     cs = build_cos_sin_cache(D, 8192, 500000.0, device=DEV)
     pos = torch.randint(0, 8192, (ntok,), generator=g, device=DEV)
