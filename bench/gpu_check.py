@@ -369,9 +369,10 @@ def matmul_section() -> dict:
              for _ in range(max(2, copies // 4))]
         w8 = [(torch.randint(-127, 128, (n, k), generator=g, device=DEV, dtype=torch.int8),
                torch.full((n,), 1e-3, dtype=BF16, device=DEV)) for _ in range(max(2, copies // 2))]
+        # Scales and zero points as Int4Linear keeps them on CUDA: float32, group-major.
         w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=DEV)),
-               torch.full((n, k // gs), 1e-2, dtype=BF16, device=DEV),
-               torch.full((n, k // gs), 8.0, dtype=BF16, device=DEV)) for _ in range(copies)]
+               torch.full((k // gs, n), 1e-2, device=DEV).t(),
+               torch.full((k // gs, n), 8.0, device=DEV).t()) for _ in range(copies)]
         for m in ms:
             if over_budget():
                 row("matmul", f"M={m} {k}->{n}", "skipped (time budget)")

@@ -8,7 +8,8 @@ kernel for comparison, tensor-core tile shapes from M = 16
 (matmul_config.MatmulConfig), and "dense" (dequantize the whole weight once, then
 cuBLAS: what w4a16_matmul does from DENSE_MIN_M rows); w4a16 also with its scales and zeros
 stored group-major ("w4gn": [K // 128, N] contiguous, so neighbouring columns' scales are
-neighbours in memory and a warp's scale loads coalesce; what Int4Linear keeps on CUDA). Weights rotate over enough copies to
+neighbours in memory and a warp's scale loads coalesce; what Int4Linear keeps on CUDA), both
+in float32 as Int4Linear keeps them. Weights rotate over enough copies to
 exceed the L2 cache several times, as a model's layers do. Set default_config and DENSE_MIN_M
 from its table and record it in docs/benchmarks/gpu.md. Not yet run on a GPU.
 
@@ -113,9 +114,10 @@ def main() -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     for n, k in SHAPES:
         copies = copies_beyond_l2(n * k // 2)
+        # float32 scales and zero points, as Int4Linear keeps them on CUDA.
         w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev)),
-               (torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01).to(BF16),
-               (torch.rand(n, k // GROUP, generator=g, device=dev) * 15).to(BF16))
+               torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01,
+               torch.rand(n, k // GROUP, generator=g, device=dev) * 15)
               for _ in range(copies)]
         # The same values with scales and zeros stored group-major ([G, N] contiguous).
         w4gn = [(qw, s.T.contiguous().T, z.T.contiguous().T) for qw, s, z in w4]
