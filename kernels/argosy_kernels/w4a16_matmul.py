@@ -422,7 +422,7 @@ def w4a16_matmul(
         else:
             config = default_config(M, x.dtype, group_size)
     vec = None if config.use_dot else gemv_vec(config.block_k, group_size, K8)
-    if not config.use_dot and vec is None:
+    if not config.use_dot and vec is None:  # no FMA tile divides the groups and K / 8
         config = INTERPRET_CONFIG if interp else default_config(max(M, 2), x.dtype, group_size)
     args = (x, qweight, scales, zeros, group_size, out, config)
     dst = _launch_gemv(*args, vec) if vec else _launch_dot(*args, interp)
@@ -439,7 +439,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     k_tiles = K8 // words
     # Split K only below two programs per SM: a split costs a float32 buffer and two more
     # launches (sum, copy) per matmul in every decode step, while the next tile in flight
-    # keeps each program's loads outstanding (unmeasured: the sweep times split 1 and 4).
+    # keeps each program's loads outstanding (unmeasured: the sweep times 1, 2 and 4 splits).
     split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
                              min_blocks_per_split=1)
     j_per_split = -(-k_tiles // split_k) * words

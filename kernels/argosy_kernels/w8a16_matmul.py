@@ -197,15 +197,17 @@ def w8a16_matmul(
             config = INTERPRET_GEMV_CONFIG if M == 1 else INTERPRET_CONFIG
         else:
             config = default_config(M, x.dtype)
-    launch = _launch_dot if config.use_dot else _launch_gemv
-    dst = launch(x, w_int8, scales, out, config, interp)
+    if config.use_dot:
+        dst = _launch_dot(x, w_int8, scales, out, config, interp)
+    else:
+        dst = _launch_gemv(x, w_int8, scales, out, config)
     if dst is not out:
         out.copy_(dst.sum(0))
     return out
 
 
 def _launch_gemv(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
-                 out: torch.Tensor, config: MatmulConfig, interp: bool) -> torch.Tensor:
+                 out: torch.Tensor, config: MatmulConfig) -> torch.Tensor:
     (M, K), N = x.shape, w_int8.shape[0]
     vec = min(16, max(1, config.block_k // 32))
     if vec & (vec - 1):
@@ -214,7 +216,7 @@ def _launch_gemv(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
     k_tiles = -(-K // (32 * vec))
     # Split K only below two programs per SM: a split costs a float32 buffer and two more
     # launches (sum, copy) per matmul in every decode step, while the next tile in flight
-    # keeps each program's loads outstanding (unmeasured: the sweep times split 1 and 4).
+    # keeps each program's loads outstanding (unmeasured: the sweep times 1, 2 and 4 splits).
     split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
                              min_blocks_per_split=1)
     k_per_split = -(-k_tiles // split_k) * 32 * vec
