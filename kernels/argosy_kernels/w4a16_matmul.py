@@ -208,23 +208,27 @@ def _w4a16_gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
-    rj_tile = tl.arange(0, 32)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     j_lo = pid_k * j_per_split
     j_hi = tl.minimum(K8, j_lo + j_per_split)
     acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    # Loads are of whole rows of the tile, [BLOCK_N, 32 * VEC] and [32 * VEC], reshaped to
+    # [BLOCK_N, 32, VEC] and [32, VEC]: a 2D load is contiguous along its rows, so every
+    # Triton lays it out with thread t on words t * VEC .. t * VEC + VEC - 1 (a 3D load left
+    # the order of its other two axes to the version: Triton 3.6 spread rows over threads
+    # and moved x through shared memory in every iteration).
+    rj_tile = tl.arange(0, 32 * VEC)
     # The next tile's words load while this one is summed: with a few one-warp programs per
     # SM (N = 4096 makes 512 of them) nothing else would hide the memory latency.
-    w_rows = qweight_ptr + rn64[:, None, None] * stride_qn
+    w_rows = qweight_ptr + rn64[:, None] * stride_qn
     rj = j_lo + rj_tile
-    next_words = tl.load(w_rows + rj[None, :, :],
-                         mask=n_mask[:, None, None] & (rj < j_hi)[None, :, :], other=0)
+    next_words = tl.load(w_rows + rj[None, :], mask=n_mask[:, None] & (rj < j_hi)[None, :],
+                         other=0)
     for j0 in range(j_lo, j_hi, 32 * VEC):
         rj = j0 + rj_tile
         j_mask = rj < j_hi
-        words = next_words
-        next_words = tl.load(w_rows + 32 * VEC + rj[None, :, :],
-                             mask=n_mask[:, None, None] & (rj + 32 * VEC < j_hi)[None, :, :],
-                             other=0)
+        words = tl.reshape(next_words, (BLOCK_N, 32, VEC))
+        next_words = tl.load(w_rows + 32 * VEC + rj[None, :],
+                             mask=n_mask[:, None] & (rj + 32 * VEC < j_hi)[None, :], other=0)
         high = words >> 16
         for i in tl.static_range(8):
             # Nibble i where it sits in its 16-bit half (p = i % 4), as a float:
@@ -235,7 +239,8 @@ def _w4a16_gemv_kernel(
             half = words if i < 4 else high
             q = ((half & (0xF << (4 * (i % 4)))) | float_bits).to(tl.float32, bitcast=True)
             q = q - 8388608.0
-            x = tl.load(x_row + i * K8 + rj, mask=j_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + i * K8 + rj, mask=j_mask, other=0.0)
+            x = tl.reshape(x, (32, VEC)).to(tl.float32)
             qx = tl.sum(q * x[None, :, :], axis=2)  # [BLOCK_N, 32]: 16^p * sum_k q x
             grp = (i * K8 + j0) // GROUP_SIZE
             s = tl.load(scales_ptr + rn64 * stride_sn + grp * stride_sg, mask=n_mask,

@@ -108,24 +108,27 @@ def _w8a16_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    rk_tile = tl.arange(0, 32)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_N, 32], tl.float32)
-    # The next tile loads while this one is summed (few one-warp programs per SM: nothing
-    # else would hide the memory latency).
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
-    rk = k_lo + rk_tile
-    next_w = tl.load(w_rows + rk[None, :, :], mask=n_mask[:, None, None] & (rk < k_hi)[None, :, :],
-                     other=0)
+    # Rows of the tile load as [BLOCK_N, 32 * VEC] and [32 * VEC], then reshape: see
+    # _w4a16_gemv_kernel. The next tile loads while this one is summed (few one-warp
+    # programs per SM: nothing else would hide the memory latency).
+    rk_tile = tl.arange(0, 32 * VEC)
+    # Weights are VEC bytes a thread, as many as its x values: their loads must not widen to
+    # 16 bytes (then one thread's weights would meet two threads' x values).
+    rk_w = tl.max_contiguous(rk_tile, VEC)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rk = k_lo + rk_w
+    next_w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < k_hi)[None, :], other=0)
     for k0 in range(k_lo, k_hi, 32 * VEC):
         rk = k0 + rk_tile
-        k_mask = rk < k_hi
-        w = next_w
-        next_w = tl.load(w_rows + 32 * VEC + rk[None, :, :],
-                         mask=n_mask[:, None, None] & (rk + 32 * VEC < k_hi)[None, :, :], other=0)
-        x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+        w = tl.reshape(next_w, (BLOCK_N, 32, VEC))
+        rk_next = k0 + 32 * VEC + rk_w
+        next_w = tl.load(w_rows + rk_next[None, :],
+                         mask=n_mask[:, None] & (rk_next < k_hi)[None, :], other=0)
+        x = tl.reshape(tl.load(x_row + rk, mask=rk < k_hi, other=0.0), (32, VEC))
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2)
     scale = tl.load(scales_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     res = tl.sum(acc, axis=1) * scale
     if SPLIT_K == 1:
