@@ -212,10 +212,10 @@ def _w4a16_gemv_kernel(
     j_hi = tl.minimum(K8, j_lo + j_per_split)
     acc = tl.zeros([BLOCK_N, 32], tl.float32)
     # Loads are of whole rows of the tile, [BLOCK_N, 32 * VEC] and [32 * VEC], reshaped to
-    # [BLOCK_N, 32, VEC] and [32, VEC]: a 2D load is contiguous along its rows, so every
-    # Triton lays it out with thread t on words t * VEC .. t * VEC + VEC - 1 (a 3D load left
-    # the order of its other two axes to the version: Triton 3.6 spread rows over threads
-    # and moved x through shared memory in every iteration).
+    # [BLOCK_N, 32, VEC] and [32, VEC]: a 2D load is contiguous along its rows, so Triton
+    # (3.6 and 3.9 checked) lays it out with thread t on words t * VEC .. t * VEC + VEC - 1
+    # (a 3D load left the order of its other two axes to the version: Triton 3.6 spread rows
+    # over threads and moved x through shared memory in every iteration).
     rj_tile = tl.arange(0, 32 * VEC)
     # The next tile's words load while this one is summed: with a few one-warp programs per
     # SM (N = 4096 makes 512 of them) nothing else would hide the memory latency.
