@@ -21,7 +21,8 @@
 # run: uses the machine's own python3/torch/triton with runtime/ and kernels/ on PYTHONPATH;
 # prints the versions, then bench/gpu_check.py (CHECK_BUDGET_S, default 240 s) on the whole
 # model when both halves are there, else on the 8 layers, then bench/gpu_matmul_tune.py
-# (TUNE_BUDGET_S, default 200 s); logs and JSON go to the folder given (the tool's $OUT).
+# (TUNE_BUDGET_S, default: what is left of 600 s less a minute); logs and JSON go to the
+# folder given (the tool's $OUT).
 # Give the call timeout_s 600. Record the results in docs/benchmarks/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +77,10 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
         --out "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
     echo "gpu_check exit $?"
     sed -n '/== gpu_check summary/,$p' "$out/gpu_check.log"
-    python3 bench/gpu_matmul_tune.py --budget-s "${TUNE_BUDGET_S:-200}" \
+    # What is left of a 600 s call, less a minute for the case running at the budget's end
+    # (up to ~40 configurations) and the final table.
+    left=$(( 600 - SECONDS - 60 ))
+    python3 bench/gpu_matmul_tune.py --budget-s "${TUNE_BUDGET_S:-$(( left > 30 ? left : 30 ))}" \
         --out "$out/gpu_matmul_tune.json" 2>&1 | tee "$out/gpu_matmul_tune.log" \
         | grep -v ' done$'
     ;;

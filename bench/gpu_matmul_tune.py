@@ -102,44 +102,58 @@ def make_call(kind: str, cfg: Any, x: torch.Tensor, ws: tuple, out: torch.Tensor
     return lambda: w8a16_matmul(x, *ws, out=out, config=cfg)
 
 
+def _weights(n: int, k: int, g: torch.Generator, dev: torch.device) -> dict[str, list]:
+    """Copies of random [n, k] weights per kind, together beyond the L2 several times."""
+    from argosy_kernels.w4a16_matmul import pack_int4
+
+    copies = copies_beyond_l2(n * k // 2)
+    # float32 scales and zero points, as Int4Linear keeps them on CUDA.
+    w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev)),
+           torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01,
+           torch.rand(n, k // GROUP, generator=g, device=dev) * 15)
+          for _ in range(copies)]
+    return {
+        "w4": w4,
+        # The same values with scales and zeros stored group-major ([G, N] contiguous).
+        "w4gn": [(qw, s.T.contiguous().T, z.T.contiguous().T) for qw, s, z in w4],
+        "w8": [(torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8),
+                (torch.rand(n, generator=g, device=dev) * 1e-3).to(BF16))
+               for _ in range(max(2, copies // 2))],
+        "bf16": [torch.randn(n, k, generator=g, device=dev).to(BF16)
+                 for _ in range(max(2, copies // 4))],
+    }
+
+
 def main() -> int:
     args = parse()
     if not torch.cuda.is_available():
         print("gpu_matmul_tune: no CUDA GPU visible", file=sys.stderr)
         return 2
-    from argosy_kernels.w4a16_matmul import pack_int4, w4a16_dequantize_ref
+    from argosy_kernels.w4a16_matmul import w4a16_dequantize_ref
 
     dev = torch.device("cuda")
     t0 = time.monotonic()
     results: list[dict[str, Any]] = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for n, k in SHAPES:
-        copies = copies_beyond_l2(n * k // 2)
-        # float32 scales and zero points, as Int4Linear keeps them on CUDA.
-        w4 = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev)),
-               torch.rand(n, k // GROUP, generator=g, device=dev) * 0.01,
-               torch.rand(n, k // GROUP, generator=g, device=dev) * 15)
-              for _ in range(copies)]
-        # The same values with scales and zeros stored group-major ([G, N] contiguous).
-        w4gn = [(qw, s.T.contiguous().T, z.T.contiguous().T) for qw, s, z in w4]
-        w8 = [(torch.randint(-127, 128, (n, k), generator=g, device=dev, dtype=torch.int8),
-               (torch.rand(n, generator=g, device=dev) * 1e-3).to(BF16))
-              for _ in range(max(2, copies // 2))]
-        wbf = [torch.randn(n, k, generator=g, device=dev).to(BF16)
-               for _ in range(max(2, copies // 4))]
-        for m in (1, 4, 16, 64, 256):
+    weights_of = {shape: _weights(*shape, g, dev) for shape in SHAPES}
+    # One row first (the issue's target), then the batch sizes that decide DENSE_MIN_M, each
+    # over every shape, so a budget that runs out cuts rows of M, not whole shapes.
+    for m in (1, 16, 64, 4, 256):
+        for n, k in SHAPES:
             if time.monotonic() - t0 > args.budget_s:
                 print(f"budget: skipped {n}x{k} M={m}", flush=True)
                 continue
+            weights_of_kind = weights_of[n, k]
             x = torch.randn(m, k, generator=g, device=dev).to(BF16)
             out = torch.empty(m, n, dtype=BF16, device=dev)
             # Three rounds over the weight copies per captured graph.
             t_bf16 = cuda_seconds_per_call([make_call("bf16", None, x, (w,), out)
-                                            for w in wbf] * 3)
-            want = {"w4": (x.float() @ w4a16_dequantize_ref(*w4[0], GROUP).T),
-                    "w8": (x.float() @ (w8[0][0].float() * w8[0][1].float()[:, None]).T)}
+                                            for w in weights_of_kind["bf16"]] * 3)
+            w4, w8 = weights_of_kind["w4"][0], weights_of_kind["w8"][0]
+            want = {"w4": (x.float() @ w4a16_dequantize_ref(*w4, GROUP).T),
+                    "w8": (x.float() @ (w8[0].float() * w8[1].float()[:, None]).T)}
             for kind in ("w4", "w4gn", "w8"):
-                weights = {"w4": w4, "w4gn": w4gn, "w8": w8}[kind]
+                weights = weights_of_kind[kind]
                 for name, cfg in candidates(kind, m):
                     row = {"kind": kind, "n": n, "k": k, "m": m, "config": name,
                            "bf16_us": round(t_bf16 * 1e6, 2)}
