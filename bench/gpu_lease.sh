@@ -27,6 +27,24 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# The GGUF gpu_check should load: the two halves joined when both are here and match their
+# sha256 (into $GPU_LEASE_JOINED), else the 8-layer file if carried, else nothing; why on
+# stderr.
+pick_model() {
+    local joined=${GPU_LEASE_JOINED:-/tmp/smollm2.gguf}
+    if [ -f .gpu_stash/smollm2.gguf.part1 ] && [ -f .gpu2/smollm2.gguf.part2 ]; then
+        cat .gpu_stash/smollm2.gguf.part1 .gpu2/smollm2.gguf.part2 > "$joined"
+        if [ "$(sha256sum < "$joined" | cut -d' ' -f1)" = "$(cat .gpu2/smollm2.gguf.sha256)" ]; then
+            echo "$joined"
+            return
+        fi
+        echo "gpu_lease: the joined halves do not match their sha256" >&2
+    elif [ -f .gpu2/smollm2.gguf.part2 ]; then
+        echo "gpu_lease: no stashed first half: this call landed on a fresh machine" >&2
+    fi
+    if [ -f .gpu/smollm2-8l.gguf ]; then echo .gpu/smollm2-8l.gguf; fi
+}
+
 case "${1:-}" in
 prepare)
     PY=${PY:-.venv/bin/python}
@@ -50,6 +68,9 @@ stash)
     mkdir -p .gpu_stash && cp .gpu1/smollm2.gguf.part1 .gpu_stash/ || exit 1
     ls -l .gpu_stash
     ;;
+model)  # what run would hand gpu_check (tests/kernels/test_gpu_check_script.py)
+    pick_model
+    ;;
 run)
     out=${2:?usage: gpu_lease.sh run OUT_DIR}
     mkdir -p "$out"
@@ -63,16 +84,10 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
         | tee -a "$out/versions.txt"
     # The check first (the issue's numbers; it writes its JSON after every section), then
     # the tuning sweep with what is left of the call.
+    path=$(pick_model 2> >(tee -a "$out/versions.txt" >&2))
     model=()
-    if [ -f .gpu_stash/smollm2.gguf.part1 ] && [ -f .gpu2/smollm2.gguf.part2 ]; then
-        cat .gpu_stash/smollm2.gguf.part1 .gpu2/smollm2.gguf.part2 > /tmp/smollm2.gguf
-        if [ "$(sha256sum < /tmp/smollm2.gguf | cut -d' ' -f1)" = "$(cat .gpu2/smollm2.gguf.sha256)" ]
-        then model=(--model /tmp/smollm2.gguf); fi
-    elif [ -f .gpu/smollm2-8l.gguf ]; then
-        model=(--model .gpu/smollm2-8l.gguf)
-    fi
-    echo "model: ${model[*]:-none (the engine sections will fail: no stash, no 8-layer file)}" \
-        | tee -a "$out/versions.txt"
+    [ -n "$path" ] && model=(--model "$path")
+    echo "model: ${path:-none (the engine sections will fail)}" | tee -a "$out/versions.txt"
     python3 bench/gpu_check.py "${model[@]}" --budget-s "${CHECK_BUDGET_S:-240}" \
         --out "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
     echo "gpu_check exit $?"
@@ -85,7 +100,7 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
         | grep -v ' done$'
     ;;
 *)
-    echo "usage: bash bench/gpu_lease.sh prepare | stash | run OUT_DIR" >&2
+    echo "usage: bash bench/gpu_lease.sh prepare | stash | run OUT_DIR | model" >&2
     exit 2
     ;;
 esac

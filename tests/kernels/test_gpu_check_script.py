@@ -116,3 +116,40 @@ def test_truncate_gguf_refuses_more_layers_than_the_file_has(tmp_path):
                            str(tmp_path / "x.gguf"), "--layers", "31"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "--layers must be in 1..30" in proc.stderr
+
+
+def test_gpu_lease_joins_the_stashed_halves_of_the_model(tmp_path):
+    # The two-call route to a lent GPU: the first call stashes one half of the GGUF on the
+    # machine, the second carries the other; `run` hands gpu_check the joined file only when
+    # it matches its sha256, else the 8-layer file, saying why.
+    import hashlib
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "bench").mkdir(parents=True)
+    shutil.copy(BENCH / "gpu_lease.sh", root / "bench")
+    data = bytes(range(256)) * 37
+    for folder, name, part in ((".gpu1", "smollm2.gguf.part1", data[:4000]),
+                               (".gpu2", "smollm2.gguf.part2", data[4000:])):
+        (root / folder).mkdir()
+        (root / folder / name).write_bytes(part)
+    (root / ".gpu2" / "smollm2.gguf.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    joined = tmp_path / "joined.gguf"
+    env = {"PATH": "/usr/bin:/bin", "GPU_LEASE_JOINED": str(joined)}
+
+    def lease(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(root / "bench" / "gpu_lease.sh"), *args],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    # A fresh machine: no stash yet, nothing to load.
+    fresh = lease("model")
+    assert fresh.stdout == "" and "fresh machine" in fresh.stderr
+    assert lease("stash").returncode == 0
+    assert lease("model").stdout.strip() == str(joined)
+    assert joined.read_bytes() == data
+    # A damaged half: not loaded; the 8-layer file instead where it was carried.
+    (root / ".gpu2" / "smollm2.gguf.part2").write_bytes(data[4000:-1])
+    (root / ".gpu").mkdir()
+    (root / ".gpu" / "smollm2-8l.gguf").write_bytes(b"8 layers")
+    damaged = lease("model")
+    assert damaged.stdout.strip() == ".gpu/smollm2-8l.gguf" and "sha256" in damaged.stderr
