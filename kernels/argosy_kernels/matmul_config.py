@@ -32,17 +32,25 @@ class MatmulConfig:
     split_k: int | None = None
 
 
-def choose_split_k(config: MatmulConfig, programs: int, k_blocks: int, device: torch.device,
-                   min_blocks_per_split: int) -> int:
-    """config.split_k, or the automatic choice: small-M launches of a few N tiles otherwise
-    leave most SMs idle while each program walks all of K. Each split keeps at least
-    `min_blocks_per_split` K tiles, so a program still has a loop to pipeline."""
+def choose_split_k(config: MatmulConfig, programs: int, k_len: int, tile: int,
+                   device: torch.device, min_blocks_per_split: int) -> tuple[int, int]:
+    """(splits, K per split: a multiple of `tile`) for a launch of `programs` M x N tiles
+    over `k_len` of K (elements, or int32 words for w4a16). config.split_k, or the automatic
+    choice: small-M launches of a few N tiles otherwise leave most SMs idle while each program
+    walks all of K; the rule splits only below two programs per SM, since a split costs a
+    float32 buffer and two more launches (sum, copy) per matmul in every decode step. Each
+    split keeps at least `min_blocks_per_split` K tiles, so a program still has a loop to
+    pipeline."""
+    k_blocks = -(-k_len // tile)
     if config.split_k is not None:
-        return max(1, config.split_k)
-    target = 2 * num_sms(device)
-    if programs >= target:
-        return 1
-    return max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))
+        split_k = max(1, config.split_k)
+    elif programs >= 2 * num_sms(device):
+        split_k = 1
+    else:
+        target = 2 * num_sms(device)
+        split_k = max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))
+    per_split = -(-k_blocks // split_k) * tile
+    return -(-k_len // per_split), per_split
 
 
 def split_k_buffer(out: torch.Tensor, split_k: int) -> torch.Tensor:

@@ -440,15 +440,10 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, out: torch.Tensor,
                  config: MatmulConfig, vec: int) -> torch.Tensor:
     (M, _), (N, K8) = x.shape, qweight.shape
-    words = 32 * vec
-    k_tiles = K8 // words
-    # Split K only below two programs per SM: a split costs a float32 buffer and two more
-    # launches (sum, copy) per matmul in every decode step, while the next tile in flight
-    # keeps each program's loads outstanding (unmeasured: the sweep times 1, 2 and 4 splits).
-    split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
-                             min_blocks_per_split=1)
-    j_per_split = -(-k_tiles // split_k) * words
-    split_k = -(-K8 // j_per_split)
+    # The next tile in flight keeps each program's loads outstanding, so K splits only as the
+    # tensor-core kernels' (unmeasured: the sweep times 1, 2 and 4 splits).
+    split_k, j_per_split = choose_split_k(config, M * -(-N // config.block_n), K8, 32 * vec,
+                                          x.device, min_blocks_per_split=1)
     dst = split_k_buffer(out, split_k)
     _w4a16_gemv_kernel[(-(-N // config.block_n), split_k, M)](
         dst, x, qweight, scales, zeros, M, N, K8,
@@ -472,11 +467,8 @@ def _launch_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     block_k8 = config.block_k
     uniform = K8 % group_size == 0 and group_size % block_k8 == 0
     grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
-    k_blocks = -(-K8 // block_k8)
-    split_k = choose_split_k(config, grid_mn[0] * grid_mn[1], k_blocks, x.device,
-                             min_blocks_per_split=2)
-    j_per_split = -(-k_blocks // split_k) * block_k8
-    split_k = -(-K8 // j_per_split)
+    split_k, j_per_split = choose_split_k(config, grid_mn[0] * grid_mn[1], K8, block_k8,
+                                          x.device, min_blocks_per_split=2)
     dst = split_k_buffer(out, split_k)
     _w4a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, qweight, scales, zeros, M, N, K8,

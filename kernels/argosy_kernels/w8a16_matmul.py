@@ -216,14 +216,9 @@ def _launch_gemv(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
     if vec & (vec - 1):
         raise ValueError(f"block_k must be a power of two for the FMA kernel, got "
                          f"{config.block_k}")
-    k_tiles = -(-K // (32 * vec))
-    # Split K only below two programs per SM: a split costs a float32 buffer and two more
-    # launches (sum, copy) per matmul in every decode step, while the next tile in flight
-    # keeps each program's loads outstanding (unmeasured: the sweep times 1, 2 and 4 splits).
-    split_k = choose_split_k(config, M * -(-N // config.block_n), k_tiles, x.device,
-                             min_blocks_per_split=1)
-    k_per_split = -(-k_tiles // split_k) * 32 * vec
-    split_k = -(-K // k_per_split)
+    # K splits as in w4a16's one-row launcher.
+    split_k, k_per_split = choose_split_k(config, M * -(-N // config.block_n), K, 32 * vec,
+                                          x.device, min_blocks_per_split=1)
     dst = split_k_buffer(out, split_k)
     _w8a16_gemv_kernel[(-(-N // config.block_n), split_k, M)](
         dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
@@ -240,11 +235,8 @@ def _launch_dot(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor,
                 out: torch.Tensor, config: MatmulConfig, interp: bool) -> torch.Tensor:
     (M, K), N = x.shape, w_int8.shape[0]
     grid_mn = (-(-M // config.block_m), -(-N // config.block_n))
-    k_blocks = -(-K // config.block_k)
-    split_k = choose_split_k(config, grid_mn[0] * grid_mn[1], k_blocks, x.device,
-                             min_blocks_per_split=4)
-    k_per_split = -(-k_blocks // split_k) * config.block_k
-    split_k = -(-K // k_per_split)
+    split_k, k_per_split = choose_split_k(config, grid_mn[0] * grid_mn[1], K, config.block_k,
+                                          x.device, min_blocks_per_split=4)
     dst = split_k_buffer(out, split_k)
     _w8a16_matmul_kernel[(grid_mn[0], grid_mn[1], split_k)](
         dst, x, w_int8, scales, M, N, K, x.stride(0), w_int8.stride(0), out.stride(0),
