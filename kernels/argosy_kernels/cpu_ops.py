@@ -143,6 +143,30 @@ def prefill_attention(
     return out
 
 
+def varlen_attention(
+    query: torch.Tensor,  # [tokens, num_heads, head_dim] bfloat16, rows may be strided
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16 or int8
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]: sequence s's rows start..end
+    seq_lens: torch.Tensor,  # int32 [num_seqs]: tokens in cache after this step, chunk included
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # contiguous, like query
+) -> torch.Tensor:
+    """`prefill_attention` for the chunks of several sequences in one call (a decode row is a
+    chunk of one query). Each query's output depends only on its own row and keys, bit for
+    bit: not on the chunking, the other sequences, or the threads (the batch-invariant mode,
+    docs/engine.md)."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.argosy_cpu.varlen_attention(out, query, key_cache, value_cache, block_tables,
+                                          query_start_loc, seq_lens, scale, k_scale, v_scale)
+    return out
+
+
 # The ops below are called once or twice per layer per step: thin aliases keep the call cost
 # at one dispatcher hop. Each op's reference is named in its line.
 

@@ -1109,14 +1109,21 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 }
 
 // ---- Paged prefill attention (bfloat16, AVX512-BF16) -----------------------------------------
-// A prompt chunk of one sequence: queries [q_len, H, D] at positions seq_len - q_len ..
-// seq_len - 1 against the sequence's cached tokens 0 .. seq_len - 1 (the chunk's own K/V are
-// written first), causal. Flash attention: one task per (kv head, block of 16 query
-// positions), key tiles of 32 tokens read straight from the cache blocks, online softmax in
-// float32, nothing gathered.
+// Chunks of queries of one or more sequences: sequence s's queries [q_len, H, D] sit at
+// positions seq_len - q_len .. seq_len - 1 and attend causally to its cached tokens
+// 0 .. seq_len - 1 (the chunk's own K/V are written first). Flash attention: a task is (sequence,
+// kv head, block of up to 16 query rows); key tiles of 32 tokens are read straight from the
+// cache blocks; online softmax in float32; nothing gathered.
 //
-// Registers hold 16 query rows in their lanes, so a score tile is 32 registers (one per key)
-// and the softmax max and sum run down the registers, never across lanes:
+// A register's 16 lanes hold 16 (query row, query head) pairs of the task, row-major: 16 rows
+// of one head for GQA group 1, or a decode row's `group` heads in one register. Lane i does the
+// same arithmetic in the same order whichever pairs share its register, and its key tiles
+// always start at key 0, 32, 64, ...; a tile past a lane's position is all masked and leaves it
+// exactly as it was. So a query's output depends only on its own row and keys: not on how its
+// prompt was cut into chunks, on the other sequences of the call, or on a prefix-cache hit (a
+// decode row is a chunk of one query). The batch-invariant mode rests on that.
+//
+// The max and sum of the softmax run down the registers, never across lanes:
 //   scores: lane i += q_i pair p . k_j pair p: q's pairs transposed once per task, each key
 //           pair broadcast from the tile (vdpbf16ps, 32 products of bf16 each);
 //   output: out[d] lane i += p_i pair j . v pair j [d]: probabilities rounded to bf16 and
@@ -1124,7 +1131,8 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 // PyTorch's CPU flash kernel rounds the probabilities to bf16 the same way; it ran at ~100
 // GFLOP/s here on SmolLM2's heads, this kernel at ~190 (docs/benchmarks/offline.md).
 #if defined(__AVX512BF16__)
-constexpr int64_t kPrefillRows = 16;  // query positions per task: one register's lanes
+constexpr int64_t kLanes = 16;  // (query row, head) pairs per register
+constexpr int64_t kPrefillRows = 16;  // query rows per task
 constexpr int64_t kPrefillKeys = 32;  // keys per tile
 constexpr float kMaskedScore = -1e30f;  // finite: the file is built with -ffast-math
 
@@ -1171,13 +1179,15 @@ void load_kv_tile(const int32_t** k_rows, uint32_t* v_pairs, c10::BFloat16* k_bu
     }
 }
 
-// One query head's 16 rows against one key tile: update the running max m, sum l and the
-// unnormalized output o ([D] registers of 16 rows, in memory) with keys [0, valid_keys) of the
-// tile; key j of the tile is masked for row i when key_pos + j > query_pos + i (causal).
+// One register of 16 lanes against one key tile: update the running max m, sum l and the
+// unnormalized output o ([D] registers of 16 lanes, in memory) with keys [0, valid_keys) of the
+// tile; key j is masked for lane i when key_pos + j > positions[i] (causal). min_pos is the
+// smallest of the positions.
 template <int64_t D>
 void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const int32_t* const* k_rows,
-                  const uint32_t* v_pairs, int64_t valid_keys, int64_t key_pos, int64_t query_pos, float scale) {
-  alignas(64) float s[kPrefillKeys][kPrefillRows];
+                  const uint32_t* v_pairs, int64_t valid_keys, int64_t key_pos, __m512i positions,
+                  int64_t min_pos, float scale) {
+  alignas(64) float s[kPrefillKeys][kLanes];
   for (int64_t j0 = 0; j0 < valid_keys; j0 += 8) {  // 8 keys' scores at a time
     __m512 acc[8];
     for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_ps();
@@ -1188,27 +1198,27 @@ void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const in
     }
     for (int k = 0; k < 8; ++k) _mm512_store_ps(s[j0 + k], _mm512_mul_ps(acc[k], _mm512_set1_ps(scale)));
   }
-  const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(query_pos)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   __m512 mx = _mm512_loadu_ps(m);
   for (int64_t j = 0; j < kPrefillKeys; ++j) {
     __m512 sj = _mm512_load_ps(s[j]);
     if (j >= valid_keys) {
       sj = _mm512_set1_ps(kMaskedScore);
-    } else if (key_pos + j > query_pos) {  // past some row's position: mask those rows
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j)));
+    } else if (key_pos + j > min_pos) {  // past some lane's position: mask those lanes
+      const __mmask16 seen = _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j)));
       sj = _mm512_mask_mov_ps(_mm512_set1_ps(kMaskedScore), seen, sj);
     }
     _mm512_store_ps(s[j], sj);
     mx = _mm512_max_ps(mx, sj);
   }
-  // Every row sees key 0 in the first tile, so from then on its max is a real score and its
-  // masked keys get exp(-1e30 - max) = 0; so does the first tile's alpha (m starts masked).
-  alignas(64) float mxa[kPrefillRows], alpha[kPrefillRows];
+  // Every lane sees key 0 in the first tile, so from then on its max is a real score and its
+  // masked keys get exp(-1e30 - max) = 0; so does the first tile's alpha (m starts masked). A
+  // lane whose max did not move keeps alpha = 1 exactly (not a vector expf's idea of exp(0)):
+  // an all-masked tile must leave it bit for bit as it was.
+  alignas(64) float mxa[kLanes], alpha[kLanes];
   _mm512_store_ps(mxa, mx);
   for (int64_t j = 0; j < kPrefillKeys; ++j)
-    for (int64_t i = 0; i < kPrefillRows; ++i) s[j][i] = std::exp(s[j][i] - mxa[i]);
-  for (int64_t i = 0; i < kPrefillRows; ++i) alpha[i] = std::exp(m[i] - mxa[i]);
+    for (int64_t i = 0; i < kLanes; ++i) s[j][i] = std::exp(s[j][i] - mxa[i]);
+  for (int64_t i = 0; i < kLanes; ++i) alpha[i] = m[i] == mxa[i] ? 1.f : std::exp(m[i] - mxa[i]);
   __m512 sum = _mm512_setzero_ps();
   __m512i p_pairs[kPrefillKeys / 2];
   for (int64_t j = 0; j < kPrefillKeys / 2; ++j) {
@@ -1224,24 +1234,30 @@ void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const in
   const int64_t pairs = (valid_keys + 1) / 2;
   for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 dims' accumulators at a time
     __m512 acc[8];
-    for (int k = 0; k < 8; ++k) acc[k] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * kPrefillRows), alpha_v);
+    for (int k = 0; k < 8; ++k) acc[k] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * kLanes), alpha_v);
     for (int64_t j = 0; j < pairs; ++j) {
       const uint32_t* vp = v_pairs + j * D + d0;
       for (int k = 0; k < 8; ++k)
         acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)p_pairs[j], (__m512bh)_mm512_set1_epi32(vp[k]));
     }
-    for (int k = 0; k < 8; ++k) _mm512_storeu_ps(o + (d0 + k) * kPrefillRows, acc[k]);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_ps(o + (d0 + k) * kLanes, acc[k]);
   }
 }
 
+// One sequence's part of a varlen call: its query rows [q_start, q_start + q_len) of the
+// flattened batch, the tokens in its cache after this step, its block table row.
+struct AttentionSeq {
+  int64_t q_start, q_len, seq_len;
+  const int32_t* blocks;
+};
+
 template <typename cache_t, int64_t D>
-void prefill_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                            const Tensor& block_table, int64_t seq_len, double scale,
-                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
-  const int64_t q_len = query.size(0), num_heads = query.size(1);
+void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                           const std::vector<AttentionSeq>& seqs, double scale,
+                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+  const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, first_pos = seq_len - q_len;
-  const int64_t q_blocks = (q_len + kPrefillRows - 1) / kPrefillRows;
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t q_stride = query.stride(0);
   const auto* q_ptr = query.data_ptr<c10::BFloat16>();
   auto* out_ptr = out.data_ptr<c10::BFloat16>();
@@ -1249,52 +1265,78 @@ void prefill_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_
   const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
   const c10::Half* ks_ptr = k_scale ? k_scale->data_ptr<c10::Half>() : nullptr;
   const c10::Half* vs_ptr = v_scale ? v_scale->data_ptr<c10::Half>() : nullptr;
-  const int32_t* blocks = block_table.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
-  // Later query blocks see more keys: tasks alternate from both ends, so every thread's
-  // contiguous range of tasks gets a similar amount of work.
-  at::parallel_for(0, num_kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> q_pairs(group * D / 2);
+  struct Task {
+    int64_t seq, kvh, row0, rows, cost;
+  };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s)
+    for (int64_t row0 = 0; row0 < seqs[s].q_len; row0 += kPrefillRows) {
+      const int64_t rows = std::min(kPrefillRows, seqs[s].q_len - row0);
+      const int64_t keys = seqs[s].seq_len - seqs[s].q_len + row0 + rows;
+      const int64_t registers = (rows * group + kLanes - 1) / kLanes;
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) tasks.push_back({s, kvh, row0, rows, keys * registers});
+    }
+  // Costliest first, dealt round-robin to the threads: later query blocks see more keys, and
+  // a long chunk's tasks beside decode rows' differ by hundreds of times.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  if (threads == 0) return;
+  constexpr int64_t kMaxRegisters = kPrefillRows * 16 / kLanes;  // group <= 16
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> q_pairs(kMaxRegisters * D / 2);
     const int32_t* k_rows[kPrefillKeys];
     alignas(64) c10::BFloat16 k_buf[kPrefillKeys * D], v_buf[kPrefillKeys * D];  // int8 caches
     alignas(64) uint32_t v_pairs[kPrefillKeys / 2 * D];
-    std::vector<float> o(group * D * kPrefillRows), m(group * kPrefillRows), l(group * kPrefillRows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kvh = task % num_kv_heads, zigzag = task / num_kv_heads;
-      const int64_t qb = zigzag % 2 ? q_blocks - 1 - zigzag / 2 : zigzag / 2;
-      const int64_t row0 = qb * kPrefillRows, rows = std::min(kPrefillRows, q_len - row0);
-      const int64_t query_pos = first_pos + row0;
-      for (int64_t g = 0; g < group; ++g) {  // q pairs of head g, transposed: lanes = rows
-        const int64_t h = kvh * group + g;
-        for (int64_t p = 0; p < D / 2; ++p) {
-          alignas(64) int32_t lanes[kPrefillRows] = {0};
-          for (int64_t i = 0; i < rows; ++i)
-            lanes[i] = reinterpret_cast<const int32_t*>(q_ptr + (row0 + i) * q_stride + h * D)[p];
-          q_pairs[g * D / 2 + p] = _mm512_load_si512(lanes);
+    std::vector<float> o(kMaxRegisters * D * kLanes), m(kMaxRegisters * kLanes), l(kMaxRegisters * kLanes);
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t t = worker; t < num_tasks; t += threads) {
+        const Task& task = tasks[t];
+        const AttentionSeq& seq = seqs[task.seq];
+        const int64_t first_pos = seq.seq_len - seq.q_len + task.row0;  // of the task's row 0
+        const int64_t pairs = task.rows * group, registers = (pairs + kLanes - 1) / kLanes;
+        // Lane i of register r holds pair r * 16 + i = (row, head g of this kv head); lanes
+        // past the last pair repeat it (computed, never written).
+        __m512i positions[kMaxRegisters];
+        int64_t min_pos[kMaxRegisters];
+        for (int64_t r = 0; r < registers; ++r) {
+          alignas(64) int32_t pos[kLanes];
+          for (int64_t p = 0; p < D / 2; ++p) {
+            alignas(64) int32_t lanes[kLanes];
+            for (int64_t i = 0; i < kLanes; ++i) {
+              const int64_t pair = std::min(r * kLanes + i, pairs - 1), row = pair / group;
+              const int64_t h = task.kvh * group + pair % group;
+              lanes[i] = reinterpret_cast<const int32_t*>(q_ptr + (seq.q_start + task.row0 + row) * q_stride + h * D)[p];
+              pos[i] = static_cast<int32_t>(first_pos + row);
+            }
+            q_pairs[r * D / 2 + p] = _mm512_load_si512(lanes);
+          }
+          positions[r] = _mm512_load_si512(pos);
+          min_pos[r] = pos[0];
+        }
+        std::fill(o.begin(), o.begin() + registers * D * kLanes, 0.f);
+        std::fill(m.begin(), m.begin() + registers * kLanes, kMaskedScore);
+        std::fill(l.begin(), l.begin() + registers * kLanes, 0.f);
+        const int64_t keys = first_pos + task.rows;  // causal: the last row sees keys < keys
+        for (int64_t key_pos = 0; key_pos < keys; key_pos += kPrefillKeys) {
+          const int64_t valid = std::min(kPrefillKeys, keys - key_pos);
+          load_kv_tile<cache_t, D>(k_rows, v_pairs, k_buf, v_buf, k_ptr, v_ptr, ks_ptr, vs_ptr, seq.blocks,
+                                   block_size, num_kv_heads, task.kvh, key_pos, valid);
+          for (int64_t r = 0; r < registers; ++r)
+            prefill_tile<D>(o.data() + r * D * kLanes, m.data() + r * kLanes, l.data() + r * kLanes,
+                            q_pairs.data() + r * D / 2, k_rows, v_pairs, valid, key_pos, positions[r],
+                            min_pos[r], fscale);
+        }
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+          const int64_t r = pair / kLanes, i = pair % kLanes, row = pair / group;
+          const int64_t h = task.kvh * group + pair % group;
+          const float* orr = o.data() + r * D * kLanes;
+          const float inv = 1.f / l[r * kLanes + i];
+          c10::BFloat16* dst = out_ptr + ((seq.q_start + task.row0 + row) * num_heads + h) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(orr[d * kLanes + i] * inv);
         }
       }
-      std::fill(o.begin(), o.end(), 0.f);
-      std::fill(m.begin(), m.end(), kMaskedScore);
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t keys = query_pos + rows;  // causal: the last row sees keys < keys
-      for (int64_t key_pos = 0; key_pos < keys; key_pos += kPrefillKeys) {
-        const int64_t valid = std::min(kPrefillKeys, keys - key_pos);
-        load_kv_tile<cache_t, D>(k_rows, v_pairs, k_buf, v_buf, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks,
-                                 block_size, num_kv_heads, kvh, key_pos, valid);
-        for (int64_t g = 0; g < group; ++g)
-          prefill_tile<D>(o.data() + g * D * kPrefillRows, m.data() + g * kPrefillRows,
-                          l.data() + g * kPrefillRows, q_pairs.data() + g * D / 2, k_rows, v_pairs, valid,
-                          key_pos, query_pos, fscale);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float* og = o.data() + g * D * kPrefillRows;
-        for (int64_t i = 0; i < rows; ++i) {
-          const float inv = 1.f / l[g * kPrefillRows + i];
-          c10::BFloat16* dst = out_ptr + ((row0 + i) * num_heads + kvh * group + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(og[d * kPrefillRows + i] * inv);
-        }
-      }
-    }
   });
 }
 #endif
@@ -1304,6 +1346,27 @@ bool has_avx512_bf16() {
   return true;
 #else
   return false;
+#endif
+}
+
+// Both attention ops below: check the operands, then run varlen_attention_impl for the cache
+// dtype and head size.
+void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                          const std::vector<AttentionSeq>& seqs, double scale,
+                          const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                          bool int8_cache) {
+#if defined(__AVX512BF16__)
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill attention supports head_dim 64 and 128");
+  TORCH_CHECK(query.size(1) / key_cache.size(2) <= 16, "prefill attention supports up to 16 query heads per kv head");
+  auto run = [&]<typename cache_t>() {
+    if (head_dim == 64)
+      varlen_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale);
+    else
+      varlen_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale);
+  };
+  if (int8_cache) run.template operator()<int8_t>();
+  else run.template operator()<c10::BFloat16>();
 #endif
 }
 
@@ -1319,19 +1382,41 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
               "block_table must be one contiguous int32 row");
   TORCH_CHECK(seq_len >= query.size(0) && seq_len <= block_table.size(0) * key_cache.size(1),
               "seq_len ", seq_len, " is shorter than the chunk or exceeds the block table");
-#if defined(__AVX512BF16__)
   if (query.size(0) == 0) return;
-  const int64_t head_dim = query.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill_attention supports head_dim 64 and 128");
-  auto run = [&]<typename cache_t>() {
-    if (head_dim == 64)
-      prefill_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_len, scale, k_scale, v_scale);
-    else
-      prefill_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, block_table, seq_len, scale, k_scale, v_scale);
-  };
-  if (int8_cache) run.template operator()<int8_t>();
-  else run.template operator()<c10::BFloat16>();
-#endif
+  const std::vector<AttentionSeq> seqs{{0, query.size(0), seq_len, block_table.data_ptr<int32_t>()}};
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache);
+}
+
+// The same for several sequences in one call: sequence s's queries are rows
+// query_start_loc[s] .. query_start_loc[s + 1] - 1, its tokens in cache seq_lens[s], its blocks
+// block_tables[s]. A decode row is a sequence with one query.
+void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
+                      double scale, const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+  TORCH_CHECK(has_avx512_bf16(), "varlen_attention needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be bfloat16");
+  const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.size(0) == num_seqs,
+              "block_tables must be contiguous int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
+              "seq_lens must be int32 [num_seqs] and query_start_loc int32 [num_seqs + 1]");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0),
+              "query_start_loc must run from 0 to the number of query rows");
+  std::vector<AttentionSeq> seqs;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && lens[s] >= q_len && lens[s] <= block_tables.size(1) * key_cache.size(1),
+                "sequence ", s, ": ", q_len, " queries, seq_len ", lens[s],
+                " (must be >= the queries and fit the block table)");
+    if (q_len > 0) seqs.push_back({starts[s], q_len, lens[s], block_tables.data_ptr<int32_t>() + s * block_tables.size(1)});
+  }
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache);
 }
 
 // ---- One decoder layer of a decode step ----------------------------------------------------------
@@ -1344,7 +1429,15 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 //   1: int4 in cpu_ops layout (Int4Linear): {qweight, scales_and_zeros}, param = group size;
 //   2: int8 per channel (Int8Linear): {qweight, scales}, param = its packed_max_tokens
 //      (int8_linear picks the kernel, as for Int8Linear.forward).
-Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param) {
+// min_rows: the batch-invariant mode's 2 (models/cpu_linear.py PackedLinear.min_rows): fewer
+// rows are padded with zero rows, as PackedLinear pads them, so both paths give the same bits.
+Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param, int64_t min_rows = 1) {
+  if (kind == 0 && x.size(0) < min_rows) {
+    Tensor padded = at::empty({min_rows, x.size(1)}, x.options());
+    padded.narrow(0, 0, x.size(0)).copy_(x);
+    padded.narrow(0, x.size(0), min_rows - x.size(0)).zero_();
+    return apply_linear(padded, w, kind, param).narrow(0, 0, x.size(0));
+  }
   if (kind == 0) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     torch::jit::Stack stack{x, w[0], param ? c10::IValue(w[1]) : c10::IValue(), std::string("none"),
@@ -1439,31 +1532,41 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
                   const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
                   const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& context_lens,
                   const Tensor& cos, const Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads,
-                  double scale, at::TensorList lora, at::ArrayRef<double> lora_scales) {
+                  double scale, at::TensorList lora, at::ArrayRef<double> lora_scales,
+                  const c10::optional<Tensor>& query_start_loc) {
   TORCH_CHECK(kinds.size() == 4 && params.size() == 4, "decode_layer: one kind and param per linear");
   TORCH_CHECK(lora.size() == lora_scales.size() * kLoraStride,
               "decode_layer: lora needs rows and 4 (A, B) pairs per adapter");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be a contiguous [tokens, hidden]");
   const int64_t tokens = hidden.size(0), head_dim = key_cache.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Batch-invariant mode (models/cpu_decode.py): the rows are chunks of sequences (block_tables
+  // and context_lens per sequence, query_start_loc their rows), attention is varlen_attention
+  // and the linears see at least 2 rows: the module path's kernels, so the same bits.
+  const bool invariant = query_start_loc.has_value();
+  const int64_t min_rows = invariant ? 2 : 1;
   Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
-  Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0]);
+  Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0], min_rows);
   add_lora(qkv, x, lora, lora_scales, 0);
   Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, signed_sin);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   reshape_and_cache(qk.narrow(1, num_heads, num_kv_heads), v, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
-  decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
-                   scale, k_scale, v_scale);
+  if (invariant)
+    varlen_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, *query_start_loc,
+                     context_lens, scale, k_scale, v_scale);
+  else
+    decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
+                     scale, k_scale, v_scale);
   const Tensor attn_flat = attn.view({tokens, q_size});
-  Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1]);
+  Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], min_rows);
   add_lora(o, attn_flat, lora, lora_scales, 1);
   x = rms_norm(o, post_norm, eps, hidden);  // hidden += o first
-  Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2]);
+  Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2], min_rows);
   add_lora(gate_up, x, lora, lora_scales, 2);
   const Tensor act = silu_and_mul(gate_up);
-  Tensor down = apply_linear(act, down_w, kinds[3], params[3]);
+  Tensor down = apply_linear(act, down_w, kinds[3], params[3], min_rows);
   add_lora(down, act, lora, lora_scales, 3);
   hidden.add_(down);
 }
@@ -1486,12 +1589,15 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);  // no tensor: a catch-all kernel
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale) -> ()");
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor signed_sin, int num_heads, "
-        "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales) -> ()");
+        "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales, Tensor? query_start_loc=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
@@ -1505,6 +1611,7 @@ TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("decode_attention", &decode_attention);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("varlen_attention", &varlen_attention);
   m.impl("decode_layer", &decode_layer);
   m.impl("lora_add", &lora_add);
 }
