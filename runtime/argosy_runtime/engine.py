@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 
+from argosy_runtime.batch_invariance import (
+    check_batch_invariant_model,
+    check_batch_invariant_options,
+)
 from argosy_runtime.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
@@ -51,6 +55,8 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
         self.cpu_threads = configure_cpu_threads(args.cpu_threads)
+        if args.batch_invariant:
+            check_batch_invariant_options(args, self.device, self.dtype)
         started = time.monotonic()
 
         from argosy_runtime.model_loader import load_checkpoint
@@ -70,6 +76,9 @@ class LLMEngine:
         quant_config = self._quantization_config(checkpoint)
         self.quantization = quant_config.method if quant_config is not None else "none"
         self.model = self._load_model(checkpoint, quant_config)
+        if args.batch_invariant:
+            check_batch_invariant_model(self.spec)
+            self.model.use_batch_invariant_kernels()
 
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
@@ -91,7 +100,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
                                   self.spec.vocab_size, seed=args.seed,
                                   max_model_len=self.max_model_len,
-                                  enable_cuda_graphs=not args.enforce_eager)
+                                  enable_cuda_graphs=not args.enforce_eager,
+                                  batch_invariant=args.batch_invariant)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.proposer = self._build_proposer()
 
@@ -108,11 +118,11 @@ class LLMEngine:
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
             "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
-            "layer_ops=%s attention=%s dtype=%s "
+            "layer_ops=%s attention=%s batch_invariant=%s dtype=%s "
             "quantization=%s kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
             time.monotonic() - started, args.model, self.device, self.cpu_threads,
             getattr(self.runner.backend, "fused_cpu_ops", False), self.model.ops,
-            type(self.runner.backend).__name__, self.dtype, self.quantization,
+            type(self.runner.backend).__name__, args.batch_invariant, self.dtype, self.quantization,
             cache_dtype, self.cache_config.num_blocks, args.block_size,
             self.cache_config.num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
@@ -195,6 +205,9 @@ class LLMEngine:
         if not isinstance(name, str) or not name or name == self.served_model_name:
             raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
                              "the base model's own name)")
+        if self.args.batch_invariant:
+            raise ValueError("LoRA adapters are not served in the batch-invariant mode "
+                             "(--batch-invariant): their fused kernel serves only small batches")
         return self.lora_registry.register(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:

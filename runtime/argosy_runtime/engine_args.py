@@ -118,6 +118,13 @@ class EngineArgs:
         default=None,
     )
     enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
+    batch_invariant: bool = _opt(
+        "Make each request's tokens and logprobs independent of the rest of the batch, bit "
+        "for bit: the same answer alone or under load, however its prompt is chunked, after a "
+        "prefix-cache hit or a preemption (slower: see docs/engine.md). CPU, bfloat16, no "
+        "quantization or LoRA; anything else is refused at startup.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         # Checked here too (not only in SchedulerConfig) so a bad flag fails before the model

@@ -52,7 +52,8 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dty
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, kv_cache: KVCacheManager,
                  device: torch.device, vocab_size: int, seed: int = 0,
-                 max_model_len: int = 0, enable_cuda_graphs: bool = False) -> None:
+                 max_model_len: int = 0, enable_cuda_graphs: bool = False,
+                 batch_invariant: bool = False) -> None:
         self.model = model
         self.spec = model.spec
         self.cache_config = cache_config
@@ -65,8 +66,9 @@ class ModelRunner:
             from argosy_runtime.attention.triton_backend import TritonAttentionBackend
 
             backend_cls = TritonAttentionBackend
+        kwargs = {"batch_invariant": True} if batch_invariant else {}
         self.backend = backend_cls(
-            s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5
+            s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5, **kwargs
         )
         shape = (s.num_hidden_layers, 2, cache_config.num_blocks, self.block_size,
                  s.num_key_value_heads, s.head_dim)

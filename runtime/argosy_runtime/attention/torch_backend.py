@@ -3,6 +3,7 @@
 Where the fused C++ kernels build (argosy_kernels.cpu_ops): cache writes and decode attention
 through them, and bfloat16 prompt chunks through `cpu_ops.prefill_attention` where the CPU has
 AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per prompt chunk.
+In the batch-invariant mode every query goes through `cpu_ops.varlen_attention`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from argosy_runtime.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 fused_cpu_ops: bool | None = None) -> None:
+                 fused_cpu_ops: bool | None = None, batch_invariant: bool = False) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -27,6 +28,10 @@ class TorchAttentionBackend:
         # bfloat16 prompt chunks through the C++ flash kernel where the CPU has AVX512-BF16.
         self.bf16_prefill_kernel = (self.fused_cpu_ops and cpu_ops.has_avx512_bf16()
                                     and head_dim in (64, 128))
+        # Every query, decode rows included, through the one kernel whose result for a query
+        # does not depend on the rest of the batch (argosy_runtime/batch_invariance.py); the
+        # batch then has no decode rows (the model's decode_rows_up_to is 0).
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -48,6 +53,14 @@ class TorchAttentionBackend:
             reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
                                   k_scale=k_scale, v_scale=v_scale)
         nd = meta.num_decodes
+        if self.batch_invariant:
+            if nd:
+                raise ValueError("batch-invariant attention takes no decode rows: build the "
+                                 "batch with decode_rows_up_to=0")
+            return cpu_ops.varlen_attention(query, key_cache, value_cache,
+                                            meta.prefill_block_tables, meta.prefill_query_start_loc,
+                                            meta.prefill_seq_lens_t, self.scale,
+                                            k_scale=k_scale, v_scale=v_scale)
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
             return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale)
         out = torch.empty_like(query)

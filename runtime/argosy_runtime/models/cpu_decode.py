@@ -55,6 +55,11 @@ class CpuDecodeLayers:
         self.eps = eps
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        # Set by LlamaForCausalLM.use_batch_invariant_kernels: every row of a step is then a
+        # chunk row (no decode rows), attention is varlen_attention and the linears see at
+        # least 2 rows, as on the module path in that mode; steps of up to MAX_TOKENS rows of
+        # any kind take this path, with the module path's bits.
+        self.batch_invariant = False
 
     @classmethod
     def build(cls, model: LlamaModel) -> CpuDecodeLayers | None:
@@ -80,8 +85,10 @@ class CpuDecodeLayers:
         """Whether this step can take the C++ path: decodes only, on the fused CPU backend
         (LoRA rows included: the C++ layer adds their deltas as LoRABatch.apply does)."""
         n = hidden.shape[0]
-        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == n
-                and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False))
+        rows = 0 if self.batch_invariant else n  # decode rows the step must consist of
+        return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == rows
+                and hidden.dtype == torch.bfloat16 and getattr(ctx.backend, "fused_cpu_ops", False)
+                and getattr(ctx.backend, "batch_invariant", False) == self.batch_invariant)
 
     def __call__(self, hidden: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
                  ) -> torch.Tensor:
@@ -89,12 +96,17 @@ class CpuDecodeLayers:
         norm); `hidden` is updated in place, as the module path's residual adds do."""
         meta, (cos, signed_sin), scale = ctx.meta, ctx.rope_tables, ctx.backend.scale
         decode_layer = torch.ops.argosy_cpu.decode_layer
+        if self.batch_invariant:  # per sequence: its block table, tokens in cache, rows
+            tables, lens, starts = (meta.prefill_block_tables, meta.prefill_seq_lens_t,
+                                    meta.prefill_query_start_loc)
+        else:  # per row
+            tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
         for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args[:num_layers]):
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
             lora, lora_scales = ([], []) if ctx.lora is None else ctx.lora.decode_layer_args(i)
             decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,
                          key_cache, value_cache, k_scale, v_scale, meta.slot_mapping,
-                         meta.decode_block_tables, meta.decode_context_lens, cos, signed_sin,
-                         self.num_heads, self.num_kv_heads, scale, lora, lora_scales)
+                         tables, lens, cos, signed_sin, self.num_heads, self.num_kv_heads, scale,
+                         lora, lora_scales, starts)
         return hidden

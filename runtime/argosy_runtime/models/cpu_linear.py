@@ -28,8 +28,16 @@ class PackedLinear(nn.Module):
         self.weight_nbytes = weight.numel() * weight.element_size()  # for memory reports
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # The batch-invariant mode sets 2: oneDNN computes a single row with another kernel
+        # (a GEMV) than 2 or more rows, and the two round some outputs differently; from 2 rows
+        # on, a row's result is the same for any row count (tests/runtime/engine/
+        # test_batch_invariance.py checks the model's shapes).
+        self.min_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] < self.min_rows:
+            padded = torch.cat([x, x.new_zeros(self.min_rows - x.shape[0], x.shape[1])])
+            return self.forward(padded)[: x.shape[0]]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -233,6 +233,24 @@ class LlamaForCausalLM(nn.Module):
         self.decode_rows_up_to = CpuDecodeLayers.CHUNK_AS_DECODE_ROWS if self.cpu_decode else 1
         return enabled
 
+    def use_batch_invariant_kernels(self) -> None:
+        """Kernels whose result for a token does not depend on the batch (batch_invariance.py):
+        every token a chunk row for varlen attention (decode rows would take the decode
+        attention kernel, which splits long contexts by batch size), every linear computed
+        with at least 2 rows, and the C++ layers (for steps of up to 256 rows) doing the same."""
+        from argosy_runtime.models.cpu_linear import PackedLinear
+
+        plain = [name for name, m in self.named_modules() if type(m) is nn.Linear]
+        if plain:
+            raise ValueError(f"batch_invariant needs oneDNN-packed bfloat16 linears; {plain[0]} "
+                             "is not packed (torch.backends.mkldnn unavailable?)")
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.min_rows = 2
+        if self.cpu_decode is not None:
+            self.cpu_decode.batch_invariant = True
+        self.decode_rows_up_to = 0
+
     def use_triton_ops(self, enabled: bool = True) -> None:
         """Route norms, residual adds, rotary and SiLU through the Triton kernels (CUDA, or the
         CPU under TRITON_INTERPRET=1). Graph safe: no host reads of device values. Call it after

@@ -1,0 +1,134 @@
+"""The batch-invariant mode: a request's tokens and logprobs are the same bits alone, in a busy
+batch, with its prompt cut into other chunks, after a prefix-cache hit, after a preemption and
+under speculative decoding (the embedded SmolLM2-135M in bfloat16, its real weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from argosy_kernels import cpu_ops
+from argosy_runtime import LLM, SamplingParams
+from argosy_runtime.batch_invariance import check_batch_invariant_options
+from argosy_runtime.engine_args import EngineArgs
+from argosy_runtime.models.cpu_decode import CpuDecodeLayers
+from argosy_runtime.models.cpu_linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
+                                reason="the batch-invariant mode needs AVX512-BF16")
+
+TARGET = ("Summarize the following in one sentence. The Roman Empire grew from a city state on "
+          "the Tiber into a power that ruled the Mediterranean for centuries, and its roads, "
+          "laws and language shaped Europe long after its fall.")
+OTHERS = [("Write a short poem about the sea. " * k).strip() for k in range(1, 4)] + [
+    "List three prime numbers:", "def fibonacci(n):", "1, 2, 3, 4, 5, 6, 7, 8,",
+    "The capital of France is", "Translate to French: good morning, my friend.",
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def _result(output) -> tuple[list[int], list[float]]:
+    """(tokens, their logprobs) of a RequestOutput: what must match bit for bit."""
+    c = output.outputs[0]
+    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def alone(llm) -> tuple[list[int], list[float]]:
+    return _result(llm.generate([TARGET], GREEDY)[0])
+
+
+def test_same_bits_in_a_batch_and_after_a_prefix_hit(llm, alone) -> None:
+    outs = llm.generate(OTHERS[:4] + [TARGET] + OTHERS[4:], GREEDY)
+    assert _result(outs[4]) == alone
+    # Again: now the prompt's blocks come from the prefix cache, computed in the first call.
+    hits = llm.engine.get_stats().prefix_cache_hits
+    assert _result(llm.generate([TARGET], GREEDY)[0]) == alone
+    assert llm.engine.get_stats().prefix_cache_hits > hits
+
+
+def test_same_bits_chunked_beside_others_and_preempted(alone) -> None:
+    """16 tokens a step: the prompt is prefilled in chunks beside other requests' chunks and
+    decodes; 12 blocks of KV cache for 9 requests: some are preempted and recomputed."""
+    busy = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
+               max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 23_040, max_model_len=128)
+    outs = busy.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)
+    assert busy.engine.get_stats().num_preemptions > 0
+    assert _result(outs[2]) == alone
+
+
+def test_same_bits_with_speculative_decoding(alone) -> None:
+    """n-gram proposals verified in chunks of 1 + k tokens give the one-at-a-time bits."""
+    spec = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, speculative="ngram")
+    assert _result(spec.generate([TARGET], GREEDY)[0]) == alone
+    drafted = spec.engine.get_stats().spec_decode_num_draft_tokens
+    assert drafted > 0, "no n-gram proposal was verified: the test would not cover the path"
+
+
+def test_cpp_layers_give_the_module_paths_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of up to 256 rows, chunks included, run each layer as one C++ call in this mode;
+    longer ones take the module path. Both must give the same bits, or a request's result
+    would depend on how many rows its steps had."""
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
+              enable_prefix_caching=False, max_num_batched_tokens=64)
+    calls = []
+    original = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__",
+                        lambda self, h, ctx, n=None: calls.append(h.shape[0]) or original(self, h, ctx, n))
+    prompts = [TARGET, *OTHERS[:3]]
+    fast = [_result(o) for o in llm.generate(prompts, GREEDY)]
+    assert max(calls) > len(prompts), "chunk rows took the C++ layers"
+    llm.engine.model.cpu_decode = None
+    calls.clear()
+    assert [_result(o) for o in llm.generate(prompts, GREEDY)] == fast
+    assert not calls
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch(llm) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, logprobs=0)
+    first = _result(llm.generate([TARGET], params)[0])
+    batch = llm.generate(OTHERS[:3] + [TARGET], [GREEDY] * 3 + [params])
+    assert _result(batch[3]) == first
+
+
+def test_each_linear_gives_a_row_the_same_bits_for_any_row_count(llm) -> None:
+    """The premise for the linears: with at least 2 rows (PackedLinear.min_rows), oneDNN's
+    result for a row does not depend on how many rows share the call. A torch or oneDNN
+    upgrade that breaks it fails here, not in a user's outputs."""
+    seen = set()
+    gen = torch.Generator().manual_seed(0)
+    for module in llm.engine.model.modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        assert module.min_rows == 2
+        shape = (module.in_features, module.out_features)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        x = torch.randn(600, module.in_features, generator=gen).bfloat16()
+        full = module(x)
+        for rows in (1, 2, 3, 7, 16, 33, 64, 129, 300):
+            start = int(torch.randint(0, 600 - rows, (), generator=gen))
+            assert torch.equal(module(x[start : start + rows]), full[start : start + rows]), (shape, rows)
+    assert len(seen) >= 5  # qkv, o, gate_up, down, lm_head
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dtype": "float32"}, "dtype float32: it needs bfloat16"),
+    ({"quantization": "int4"}, "quantization int4"),
+    ({"lora_modules": {"a": "/nowhere"}}, "LoRA adapters"),
+])
+def test_refuses_what_it_cannot_honour_before_loading(change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(model="/does/not/exist", batch_invariant=True, **{"dtype": "bfloat16", **change})
+
+
+def test_refuses_cuda_and_runtime_lora(llm) -> None:
+    with pytest.raises(ValueError, match="device cuda: it runs on the CPU only"):
+        check_batch_invariant_options(EngineArgs(), torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="not served in the batch-invariant mode"):
+        llm.engine.load_lora_adapter("adapter", "/nowhere")
