@@ -29,3 +29,18 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_query_lens)
+
+    def prefill_sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables, query_start_loc, seq_lens) of the multi-token sequences as the varlen
+        kernels take them: contiguous int32, the optional fields filled in from the lists."""
+        device = self.prefill_block_tables.device
+        if self.prefill_query_start_loc is None:
+            starts = [0]
+            for q_len in self.prefill_query_lens:
+                starts.append(starts[-1] + q_len)
+            self.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        if self.prefill_seq_lens_t is None:
+            self.prefill_seq_lens_t = torch.tensor(self.prefill_seq_lens, dtype=torch.int32,
+                                                   device=device)
+        return (self.prefill_block_tables.contiguous(), self.prefill_query_start_loc,
+                self.prefill_seq_lens_t)

@@ -1,8 +1,8 @@
 """The CPU attention backend (also the torch reference for the Triton backend on CUDA).
 
 Where the fused C++ kernels build (argosy_kernels.cpu_ops): cache writes and decode attention
-through them, and bfloat16 prompt chunks through `cpu_ops.prefill_attention` where the CPU has
-AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per prompt chunk.
+through them, and a step's bfloat16 prompt chunks through one `cpu_ops.varlen_attention` call
+where the CPU has AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per prompt chunk.
 In the batch-invariant mode every query goes through `cpu_ops.varlen_attention`.
 """
 
@@ -58,8 +58,7 @@ class TorchAttentionBackend:
                 raise ValueError("batch-invariant attention takes no decode rows: build the "
                                  "batch with decode_rows_up_to=0")
             return cpu_ops.varlen_attention(query, key_cache, value_cache,
-                                            meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                            meta.prefill_seq_lens_t, self.scale,
+                                            *meta.prefill_sequences(), self.scale,
                                             k_scale=k_scale, v_scale=v_scale)
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
             return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale)
@@ -67,20 +66,17 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = self._decode_attention(query[:nd], key_cache, value_cache, meta,
                                               k_scale, v_scale)
+        if (self.bf16_prefill_kernel and query.dtype == torch.bfloat16
+                and query.device.type == "cpu" and key_cache.dtype in (torch.bfloat16, torch.int8)):
+            # Every chunk in one call, straight over the cache blocks, their own K/V included.
+            cpu_ops.varlen_attention(query[nd:], key_cache, value_cache, *meta.prefill_sequences(),
+                                     self.scale, k_scale=k_scale, v_scale=v_scale, out=out[nd:])
+            return out
         start = nd
         block_size = key_cache.shape[1]
-        prefill_kernel = (self.bf16_prefill_kernel and query.dtype == torch.bfloat16
-                          and query.device.type == "cpu"
-                          and key_cache.dtype in (torch.bfloat16, torch.int8))
         for i, (q_len, seq_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
             end = start + q_len
             num_context = seq_len - q_len
-            if prefill_kernel:  # straight over the cache blocks, this chunk's K/V included
-                cpu_ops.prefill_attention(query[start:end], key_cache, value_cache,
-                                          meta.prefill_block_tables[i], seq_len, self.scale,
-                                          k_scale=k_scale, v_scale=v_scale, out=out[start:end])
-                start = end
-                continue
             if num_context == 0 and k_scale is None:
                 k, v = key[start:end], value[start:end]
             else:

@@ -97,8 +97,7 @@ class CpuDecodeLayers:
         meta, (cos, signed_sin), scale = ctx.meta, ctx.rope_tables, ctx.backend.scale
         decode_layer = torch.ops.argosy_cpu.decode_layer
         if self.batch_invariant:  # per sequence: its block table, tokens in cache, rows
-            tables, lens, starts = (meta.prefill_block_tables, meta.prefill_seq_lens_t,
-                                    meta.prefill_query_start_loc)
+            tables, starts, lens = meta.prefill_sequences()
         else:  # per row
             tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
         for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args[:num_layers]):
