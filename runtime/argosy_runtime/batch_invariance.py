@@ -15,6 +15,8 @@ mode"):
 - the module path for every step (the C++ decode layers use the decode attention kernel);
 - bfloat16 linears, whose oneDNN kernels compute each row the same way for any number of
   rows (tests/runtime/engine/test_batch_invariance.py checks the model's shapes);
+- LoRA deltas always through `lora_add`'s fused pass (by default larger batches switch to
+  GEMMs), which computes each row on its own;
 - row-wise norms, rotary, SiLU and sampling, with each seeded request on its own generator.
 
 What is not covered is refused with the reason, rather than served with a silent exception.
@@ -41,8 +43,6 @@ def check_batch_invariant_options(args: Any, device: torch.device, dtype: torch.
     if args.quantization is not None:
         problems.append(f"quantization {args.quantization}: the int8/int4 kernels pick their "
                         "inner loop by the number of rows")
-    if args.lora_modules or args.lora_modules_file:
-        problems.append("LoRA adapters: their fused kernel serves only small batches")
     if problems:
         raise ValueError("batch_invariant (--batch-invariant) cannot be honoured: "
                          + "; ".join(problems))

@@ -205,9 +205,6 @@ class LLMEngine:
         if not isinstance(name, str) or not name or name == self.served_model_name:
             raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
                              "the base model's own name)")
-        if self.args.batch_invariant:
-            raise ValueError("LoRA adapters are not served in the batch-invariant mode "
-                             "(--batch-invariant): their fused kernel serves only small batches")
         return self.lora_registry.register(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:

@@ -122,7 +122,7 @@ class EngineArgs:
         "Make each request's tokens and logprobs independent of the rest of the batch, bit "
         "for bit: the same answer alone or under load, however its prompt is chunked, after a "
         "prefix-cache hit or a preemption (slower: see docs/engine.md). CPU, bfloat16, no "
-        "quantization or LoRA; anything else is refused at startup.",
+        "quantization; anything else is refused at startup.",
         default=False,
     )
 

@@ -66,6 +66,7 @@ class ModelRunner:
             from argosy_runtime.attention.triton_backend import TritonAttentionBackend
 
             backend_cls = TritonAttentionBackend
+        self.batch_invariant = batch_invariant
         kwargs = {"batch_invariant": True} if batch_invariant else {}
         self.backend = backend_cls(
             s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5, **kwargs
@@ -120,7 +121,7 @@ class ModelRunner:
         if not groups:
             return None
         return LoRABatch([(adapter, torch.tensor(rows, dtype=torch.long, device=self.device))
-                          for adapter, rows in groups.values()])
+                          for adapter, rows in groups.values()], self.batch_invariant)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -466,3 +466,24 @@ def test_lora_add_matches_the_torch_reference(tokens: int, rows: list[int] | Non
     got, want = out[picked].double(), expected[picked]
     # bfloat16 storage: one rounding of the result (two for the at::linear fallback).
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (got - want).abs().max()
+
+
+def test_lora_add_fused_for_any_row_count_gives_each_row_the_same_bits() -> None:
+    """fused_max_rows=-1 (the batch-invariant mode): 40 rows take the fused pass, and each
+    row's result equals that row computed alone or among 3, bit for bit; the default switches
+    to at::linear past 16 rows, which rounds twice more."""
+    assert cpu_ops.available()
+    gen = torch.Generator().manual_seed(SEED + 7)
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    a = (torch.randn(16, 576, generator=gen) * 0.05).bfloat16()
+    b = (torch.randn(960, 16, generator=gen) * 0.05).bfloat16()
+    base = torch.randn(40, 960, generator=gen).bfloat16()
+    every = base.clone()
+    torch.ops.argosy_cpu.lora_add(every, x, torch.empty(0, dtype=torch.long), a, b, 0.5, -1)
+    for rows in ([7], [0, 20, 39]):
+        some = base.clone()
+        torch.ops.argosy_cpu.lora_add(some, x, torch.tensor(rows), a, b, 0.5, -1)
+        assert torch.equal(some[rows], every[rows])
+    default = base.clone()
+    torch.ops.argosy_cpu.lora_add(default, x, torch.empty(0, dtype=torch.long), a, b, 0.5)
+    assert not torch.equal(default, every)  # the GEMM path: another rounding

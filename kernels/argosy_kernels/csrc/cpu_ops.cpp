@@ -1455,14 +1455,15 @@ Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t par
 // the module path (lora/batch.py) and decode_layer call this, so they agree exactly. Up to
 // kLoraFusedMaxRows bfloat16 rows it is one pass in float32 (one rounding, at the end): at
 // decode sizes the ~5 ATen ops per projection cost more in dispatch than in FLOPs. Larger
-// batches (prefill chunks) use at::linear, whose GEMMs are faster there.
+// batches (prefill chunks) use at::linear, whose GEMMs are faster there. The batch-invariant
+// mode passes fused_max_rows = -1 (no limit): a row's fused result does not depend on the others.
 constexpr int64_t kLoraFusedMaxRows = 16;
 
 void lora_add(Tensor out, const Tensor& x, const Tensor& rows, const Tensor& a, const Tensor& b,
-              double scale) {
+              double scale, int64_t fused_max_rows = kLoraFusedMaxRows) {
   const bool all_rows = !rows.defined() || rows.numel() == 0;
   const int64_t n = all_rows ? x.size(0) : rows.numel();
-  if (n > kLoraFusedMaxRows || x.scalar_type() != at::kBFloat16) {
+  if ((fused_max_rows >= 0 && n > fused_max_rows) || x.scalar_type() != at::kBFloat16) {
     if (all_rows) {
       out.add_(at::linear(at::linear(x, a), b).mul(scale));
     } else {
@@ -1514,14 +1515,14 @@ void lora_add(Tensor out, const Tensor& x, const Tensor& rows, const Tensor& a, 
 constexpr int64_t kLoraStride = 9;
 
 void add_lora(Tensor& out, const Tensor& x, at::TensorList lora, at::ArrayRef<double> scales,
-              int64_t projection) {
+              int64_t projection, int64_t fused_max_rows) {
   for (size_t g = 0; g < scales.size(); ++g) {
     const Tensor& rows = lora[g * kLoraStride];
     const Tensor& a = lora[g * kLoraStride + 1 + 2 * projection];
     const Tensor& b = lora[g * kLoraStride + 2 + 2 * projection];
     if (a.numel() == 0) continue;
     // Every row on this adapter: no gather/scatter (an empty `rows` says so).
-    lora_add(out, x, rows.numel() == x.size(0) ? Tensor() : rows, a, b, scales[g]);
+    lora_add(out, x, rows.numel() == x.size(0) ? Tensor() : rows, a, b, scales[g], fused_max_rows);
   }
 }
 
@@ -1541,13 +1542,15 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   const int64_t tokens = hidden.size(0), head_dim = key_cache.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   // Batch-invariant mode (models/cpu_decode.py): the rows are chunks of sequences (block_tables
-  // and context_lens per sequence, query_start_loc their rows), attention is varlen_attention
-  // and the linears see at least 2 rows: the module path's kernels, so the same bits.
+  // and context_lens per sequence, query_start_loc their rows), attention is varlen_attention,
+  // the linears see at least 2 rows and LoRA deltas always take the fused pass: the module
+  // path's kernels, so the same bits.
   const bool invariant = query_start_loc.has_value();
   const int64_t min_rows = invariant ? 2 : 1;
+  const int64_t lora_fused_max_rows = invariant ? -1 : kLoraFusedMaxRows;
   Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
   Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0], min_rows);
-  add_lora(qkv, x, lora, lora_scales, 0);
+  add_lora(qkv, x, lora, lora_scales, 0, lora_fused_max_rows);
   Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, signed_sin);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -1561,13 +1564,13 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
                      scale, k_scale, v_scale);
   const Tensor attn_flat = attn.view({tokens, q_size});
   Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], min_rows);
-  add_lora(o, attn_flat, lora, lora_scales, 1);
+  add_lora(o, attn_flat, lora, lora_scales, 1, lora_fused_max_rows);
   x = rms_norm(o, post_norm, eps, hidden);  // hidden += o first
   Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2], min_rows);
-  add_lora(gate_up, x, lora, lora_scales, 2);
+  add_lora(gate_up, x, lora, lora_scales, 2, lora_fused_max_rows);
   const Tensor act = silu_and_mul(gate_up);
   Tensor down = apply_linear(act, down_w, kinds[3], params[3], min_rows);
-  add_lora(down, act, lora, lora_scales, 3);
+  add_lora(down, act, lora, lora_scales, 3, lora_fused_max_rows);
   hidden.add_(down);
 }
 
@@ -1592,7 +1595,8 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> ()");
-  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale) -> ()");
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale, "
+        "int fused_max_rows=16) -> ()");  // 16: kLoraFusedMaxRows
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "

@@ -12,8 +12,12 @@ _NO_ROWS = torch.empty(0, dtype=torch.long)  # lora_add: every row
 
 
 class LoRABatch:
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]]) -> None:
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]],
+                 batch_invariant: bool = False) -> None:
         self.groups = groups  # (adapter, row indices [n] int64), one entry per adapter
+        # lora_add's fused pass serves up to 16 rows by default; the batch-invariant mode takes
+        # it for every row count (-1), since a row's result there depends on no other row.
+        self._fused_max_rows = (-1,) if batch_invariant else ()
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """out[rows] += (x[rows] A^T) B^T * scale for each adapter's rows, in place; rows of
@@ -29,7 +33,8 @@ class LoRABatch:
             every_row = rows.numel() == x.shape[0]  # no gather/scatter needed
             if fused:
                 torch.ops.argosy_cpu.lora_add(out, x, _NO_ROWS if every_row else rows,
-                                              weights.a, weights.b, adapter.scale)
+                                              weights.a, weights.b, adapter.scale,
+                                              *self._fused_max_rows)
             elif every_row:
                 out += F.linear(F.linear(x, weights.a), weights.b) * adapter.scale
             else:

@@ -120,15 +120,12 @@ def test_each_linear_gives_a_row_the_same_bits_for_any_row_count(llm) -> None:
 @pytest.mark.parametrize("change, message", [
     ({"dtype": "float32"}, "dtype float32: it needs bfloat16"),
     ({"quantization": "int4"}, "quantization int4"),
-    ({"lora_modules": {"a": "/nowhere"}}, "LoRA adapters"),
 ])
 def test_refuses_what_it_cannot_honour_before_loading(change, message) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(model="/does/not/exist", batch_invariant=True, **{"dtype": "bfloat16", **change})
 
 
-def test_refuses_cuda_and_runtime_lora(llm) -> None:
+def test_refuses_cuda() -> None:
     with pytest.raises(ValueError, match="device cuda: it runs on the CPU only"):
         check_batch_invariant_options(EngineArgs(), torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(ValueError, match="not served in the batch-invariant mode"):
-        llm.engine.load_lora_adapter("adapter", "/nowhere")
