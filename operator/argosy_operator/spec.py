@@ -25,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
         "maxNumSeqs": 256,
         "blockSize": 16,
         "prefixCaching": True,
+        "batchInvariant": False,
         "drainTimeoutSeconds": 30,
         "preStopSleepSeconds": 5,
         "startupTimeoutSeconds": 1800,
@@ -98,6 +99,8 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("spec.runtime.maxLoras: must be <= runtime.maxLoadedLoras")
     if out["runtime"].get("quantization") == "int4" and out["runtime"]["dtype"] == "float32":
         raise ValueError("spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
+    if out["runtime"]["batchInvariant"]:
+        _check_batch_invariant(out)
     autoscaling = out["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         raise ValueError("spec.autoscaling.minReplicas: must be <= maxReplicas")
@@ -107,6 +110,23 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if out["replicas"] < 0:
         raise ValueError("spec.replicas: must be >= 0")
     return out
+
+
+def _check_batch_invariant(spec: Mapping[str, Any]) -> None:
+    """The combinations the runtime refuses at startup with --batch-invariant
+    (argosy_runtime.batch_invariance.check_batch_invariant_options); the CRD's CEL rules
+    reject the same ones at apply time."""
+    runtime = spec["runtime"]
+    if runtime.get("quantization"):
+        raise ValueError("spec.runtime.batchInvariant: cannot be combined with "
+                         "runtime.quantization (the int8/int4 kernels round differently by "
+                         "batch size)")
+    if runtime["dtype"] not in ("auto", "bfloat16"):
+        raise ValueError("spec.runtime.batchInvariant: needs runtime.dtype auto or bfloat16 "
+                         "(not float32 or float16)")
+    if spec["resources"]["gpus"] > 0:
+        raise ValueError("spec.runtime.batchInvariant: runs on CPUs only: resources.gpus "
+                         "must be 0")
 
 
 def runtime_image(spec: Mapping[str, Any]) -> str:

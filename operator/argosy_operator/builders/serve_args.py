@@ -53,6 +53,8 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
     args += ["--block-size", str(runtime["blockSize"])]
     args.append("--enable-prefix-caching" if runtime["prefixCaching"]
                 else "--no-enable-prefix-caching")
+    if runtime["batchInvariant"]:
+        args.append("--batch-invariant")
     if runtime.get("speculative"):
         args += ["--speculative", speculative_json(runtime["speculative"])]
     if serves_lora_adapters(spec):
