@@ -61,6 +61,14 @@ def test_same_bits_chunked_beside_others_and_preempted(alone) -> None:
     assert _result(outs[2]) == alone
 
 
+def test_same_bits_with_an_int8_kv_cache() -> None:
+    """The int8 cache's tiles are dequantized per key, the same for any batch."""
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, kv_cache_dtype="int8",
+              max_num_batched_tokens=32)
+    alone = _result(llm.generate([TARGET], GREEDY)[0])
+    assert _result(llm.generate(OTHERS[:5] + [TARGET] + OTHERS[5:], GREEDY)[5]) == alone
+
+
 def test_same_bits_with_speculative_decoding(alone) -> None:
     """n-gram proposals verified in chunks of 1 + k tokens give the one-at-a-time bits."""
     spec = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, speculative="ngram")
