@@ -1,5 +1,5 @@
 """spec.runtime.batchInvariant: the `--batch-invariant` flag, and the combinations the runtime
-refuses at startup (GPUs, float32/float16, quantization) rejected at apply time by the
+refuses at startup (GPUs, float32/float16, quantization, LoRA) rejected at apply time by the
 CRD's CEL rules and by `normalize_spec`."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ ADAPTERS = [{"name": "sql", "path": "/adapters/sql"}]
 MESSAGES = {
     "quantization": "runtime.batchInvariant cannot be combined with runtime.quantization",
     "dtype": "runtime.batchInvariant needs runtime.dtype auto or bfloat16",
+    "lora": "runtime.batchInvariant cannot be combined with runtime.loraAdapters",
     "gpus": "runtime.batchInvariant runs on CPUs only: resources.gpus must be 0",
 }
 
@@ -80,6 +81,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      MESSAGES["quantization"]),
     ("float32", llmd(runtime={"batchInvariant": True, "dtype": "float32"}), MESSAGES["dtype"]),
     ("float16", llmd(runtime={"batchInvariant": True, "dtype": "float16"}), MESSAGES["dtype"]),
+    ("lora adapters", llmd(runtime={"batchInvariant": True, "loraAdapters": ADAPTERS}),
+     MESSAGES["lora"]),
+    # An empty list still mounts the file and passes --lora-modules-file, which the runtime
+    # refuses with --batch-invariant too.
+    ("empty lora list", llmd(runtime={"batchInvariant": True, "loraAdapters": []}),
+     MESSAGES["lora"]),
     ("gpus", llmd(runtime={"batchInvariant": True}, resources={"gpus": 1}), MESSAGES["gpus"]),
 ]
 
