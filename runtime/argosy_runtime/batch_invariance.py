@@ -13,8 +13,10 @@ mode"):
 - attention: every query, decode rows included, through `cpu_ops.varlen_attention`, whose
   per-query arithmetic does not depend on the chunking or on the other queries;
 - the module path for every step (the C++ decode layers use the decode attention kernel);
-- bfloat16 linears, whose oneDNN kernels compute each row the same way for any number of
-  rows (tests/runtime/engine/test_batch_invariance.py checks the model's shapes);
+- linears through kernels that compute each row the same way for any number of rows: oneDNN
+  from 2 rows on for bfloat16 (a single row is padded), int4's many-row kernel and
+  int8_matmul for any row count (tests/runtime/engine/test_batch_invariance.py checks the
+  model's shapes);
 - LoRA deltas always through `lora_add`'s fused pass (by default larger batches switch to
   GEMMs), which computes each row on its own;
 - row-wise norms, rotary, SiLU and sampling, with each seeded request on its own generator.
@@ -40,9 +42,6 @@ def check_batch_invariant_options(args: Any, device: torch.device, dtype: torch.
         problems.append(f"dtype {str(dtype).removeprefix('torch.')}: it needs bfloat16 "
                         "(float32 matmuls go through MKL, whose result for a row depends on "
                         "the number of rows)")
-    if args.quantization is not None:
-        problems.append(f"quantization {args.quantization}: the int8/int4 kernels pick their "
-                        "inner loop by the number of rows")
     if problems:
         raise ValueError("batch_invariant (--batch-invariant) cannot be honoured: "
                          + "; ".join(problems))

@@ -121,8 +121,8 @@ class EngineArgs:
     batch_invariant: bool = _opt(
         "Make each request's tokens and logprobs independent of the rest of the batch, bit "
         "for bit: the same answer alone or under load, however its prompt is chunked, after a "
-        "prefix-cache hit or a preemption (slower: see docs/engine.md). CPU, bfloat16, no "
-        "quantization; anything else is refused at startup.",
+        "prefix-cache hit or a preemption (slower: see docs/engine.md). CPU and bfloat16 "
+        "only (int8/int4 weights included); anything else is refused at startup.",
         default=False,
     )
 

@@ -655,12 +655,14 @@ void int4_tile(float* out, const T* x, const float* xsum, const uint8_t* tile, c
   }
 }
 
-#if defined(__AVX512BF16__)
 // Many token rows, bfloat16: a tile's 16 rows are dequantized once, w = q s + (z - 8 s)
 // rounded to bfloat16, into a buffer where the pair (row r, input pair p) is the int32 at
 // [p * 16 + r], and every token runs through it with int8_matmul's broadcast kernel. From
 // 16 rows that beats unpacking each block again per 4 token rows (1.4-2.7x at 24-256 rows).
+// A token's result there depends on no other token: the batch-invariant mode takes this path
+// for any row count (many_rows_from = 1).
 constexpr int64_t kInt4ManyRows = 16;
+#if defined(__AVX512BF16__)
 void dequantize_int4_tile(c10::BFloat16* buf, const uint8_t* tile, const c10::BFloat16* sz, int64_t N,
                           int64_t K, int64_t group) {
   const __m512i mask = _mm512_set1_epi16(0x000F);
@@ -713,14 +715,15 @@ Tensor int4_matmul_many_rows(const Tensor& x, const Tensor& qweight, const Tenso
 // y [M, N] = x [M, Kp] @ w.T: the weight is read once per call (a quarter of bf16's bytes);
 // below 16 rows (decode) each 64-byte block is unpacked once for up to 4 rows, from 16
 // bfloat16 rows int4_matmul_many_rows takes over.
-Tensor int4_matmul(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group) {
+Tensor int4_matmul(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group,
+                   int64_t many_rows_from = kInt4ManyRows) {
   const int64_t ng = int4_groups(qweight, sz, group, "int4_matmul");
   check_cpu_float(x, "x");
   const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1) * 2;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous(), "int4_matmul: x must be a contiguous [M, ", K, "]");
   TORCH_CHECK(sz.scalar_type() == x.scalar_type(), "int4_matmul: scales_and_zeros must have x's dtype");
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16 && M >= kInt4ManyRows) return int4_matmul_many_rows(x, qweight, sz, group);
+  if (x.scalar_type() == at::kBFloat16 && M >= many_rows_from) return int4_matmul_many_rows(x, qweight, sz, group);
 #endif
   Tensor out = at::empty({M, N}, x.options());
   dispatch_float(x.scalar_type(), [&]<typename T>() {
@@ -1429,13 +1432,15 @@ void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, 
 //   1: int4 in cpu_ops layout (Int4Linear): {qweight, scales_and_zeros}, param = group size;
 //   2: int8 per channel (Int8Linear): {qweight, scales}, param = its packed_max_tokens
 //      (int8_linear picks the kernel, as for Int8Linear.forward).
-// min_rows: the batch-invariant mode's 2 (models/cpu_linear.py PackedLinear.min_rows): fewer
-// rows are padded with zero rows, as PackedLinear pads them, so both paths give the same bits.
-Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param, int64_t min_rows = 1) {
-  if (kind == 0 && x.size(0) < min_rows) {
-    Tensor padded = at::empty({min_rows, x.size(1)}, x.options());
+// invariant: the batch-invariant mode's kernels, whose result for a row does not depend on
+// the number of rows, as the module path runs them: a single bf16 row padded with a zero row
+// (models/cpu_linear.py PackedLinear.min_rows), int4's many-row path and int8_matmul for any
+// row count (quantization/int4_linear.py, int8_linear.py).
+Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t param, bool invariant = false) {
+  if (kind == 0 && invariant && x.size(0) < 2) {
+    Tensor padded = at::empty({2, x.size(1)}, x.options());
     padded.narrow(0, 0, x.size(0)).copy_(x);
-    padded.narrow(0, x.size(0), min_rows - x.size(0)).zero_();
+    padded.narrow(0, x.size(0), 2 - x.size(0)).zero_();
     return apply_linear(padded, w, kind, param).narrow(0, 0, x.size(0));
   }
   if (kind == 0) {
@@ -1445,9 +1450,9 @@ Tensor apply_linear(const Tensor& x, at::TensorList w, int64_t kind, int64_t par
     op.callBoxed(&stack);
     return stack[0].toTensor();
   }
-  if (kind == 1) return int4_matmul(x, w[0], w[1], param);
+  if (kind == 1) return int4_matmul(x, w[0], w[1], param, invariant ? 1 : kInt4ManyRows);
   TORCH_CHECK(kind == 2, "decode_layer: unknown linear kind ", kind);
-  return int8_linear(x, w[0], w[1], param);
+  return invariant ? int8_matmul(x, w[0], w[1]) : int8_linear(x, w[0], w[1], param);
 }
 
 // ---- LoRA delta of one adapter after one projection ------------------------------------------
@@ -1543,13 +1548,12 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   // Batch-invariant mode (models/cpu_decode.py): the rows are chunks of sequences (block_tables
   // and context_lens per sequence, query_start_loc their rows), attention is varlen_attention,
-  // the linears see at least 2 rows and LoRA deltas always take the fused pass: the module
-  // path's kernels, so the same bits.
+  // the linears take their row-count-independent kernels (apply_linear) and LoRA deltas the
+  // fused pass: the module path's kernels, so the same bits.
   const bool invariant = query_start_loc.has_value();
-  const int64_t min_rows = invariant ? 2 : 1;
   const int64_t lora_fused_max_rows = invariant ? -1 : kLoraFusedMaxRows;
   Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
-  Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0], min_rows);
+  Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0], invariant);
   add_lora(qkv, x, lora, lora_scales, 0, lora_fused_max_rows);
   Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, signed_sin);
@@ -1563,13 +1567,13 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
     decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
                      scale, k_scale, v_scale);
   const Tensor attn_flat = attn.view({tokens, q_size});
-  Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], min_rows);
+  Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], invariant);
   add_lora(o, attn_flat, lora, lora_scales, 1, lora_fused_max_rows);
   x = rms_norm(o, post_norm, eps, hidden);  // hidden += o first
-  Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2], min_rows);
+  Tensor gate_up = apply_linear(x, gate_up_w, kinds[2], params[2], invariant);
   add_lora(gate_up, x, lora, lora_scales, 2, lora_fused_max_rows);
   const Tensor act = silu_and_mul(gate_up);
-  Tensor down = apply_linear(act, down_w, kinds[3], params[3], min_rows);
+  Tensor down = apply_linear(act, down_w, kinds[3], params[3], invariant);
   add_lora(down, act, lora, lora_scales, 3, lora_fused_max_rows);
   hidden.add_(down);
 }
@@ -1582,7 +1586,8 @@ TORCH_LIBRARY(argosy_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int packed_max_tokens) -> Tensor");
-  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales_and_zeros, int group_size) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales_and_zeros, int group_size, "
+        "int many_rows_from=16) -> Tensor");  // 16: kInt4ManyRows
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");

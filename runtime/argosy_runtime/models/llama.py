@@ -236,17 +236,26 @@ class LlamaForCausalLM(nn.Module):
     def use_batch_invariant_kernels(self) -> None:
         """Kernels whose result for a token does not depend on the batch (batch_invariance.py):
         every token a chunk row for varlen attention (decode rows would take the decode
-        attention kernel, which splits long contexts by batch size), every linear computed
-        with at least 2 rows, and the C++ layers (for steps of up to 256 rows) doing the same."""
+        attention kernel, which splits long contexts by batch size), every linear through a
+        kernel whose result for a row does not depend on the row count (bf16 with at least 2
+        rows, int4's many-row kernel, int8_matmul), and the C++ layers (for steps of up to 256
+        rows) doing the same."""
         from argosy_runtime.models.cpu_linear import PackedLinear
+        from argosy_runtime.quantization.int4_linear import Int4Linear
+        from argosy_runtime.quantization.int8_linear import Int8Linear
 
-        plain = [name for name, m in self.named_modules() if type(m) is nn.Linear]
-        if plain:
-            raise ValueError(f"batch_invariant needs oneDNN-packed bfloat16 linears; {plain[0]} "
-                             "is not packed (torch.backends.mkldnn unavailable?)")
-        for module in self.modules():
+        for name, module in self.named_modules():
+            if type(module) is nn.Linear:
+                raise ValueError(f"batch_invariant needs oneDNN-packed bfloat16 linears; {name} is "
+                                 "not packed (torch.backends.mkldnn unavailable?)")
+            if isinstance(module, Int4Linear) and not module._plain_cpu_ops:
+                raise ValueError(f"batch_invariant: int4 layer {name} is not in the plain cpu_ops "
+                                 "layout (act-order, padding or a bias), which has no "
+                                 "row-count-independent kernel")
             if isinstance(module, PackedLinear):
                 module.min_rows = 2
+            elif isinstance(module, (Int4Linear, Int8Linear)):
+                module.batch_invariant = True
         if self.cpu_decode is not None:
             self.cpu_decode.batch_invariant = True
         self.decode_rows_up_to = 0

@@ -117,6 +117,11 @@ class Int4Linear(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:  # the many-row kernel for any row count (batch_invariance.py)
+            out = torch.ops.argosy_cpu.int4_matmul(x.reshape(-1, self.in_features).contiguous(),
+                                                   self.qweight, self.scales_and_zeros,
+                                                   self.group_size, 1)
+            return out.view(*x.shape[:-1], self.out_features)
         if (self._plain_cpu_ops and x.dim() == 2 and x.shape[0] <= self.packed_max_tokens
                 and x.dtype == self.scales_and_zeros.dtype and x.is_contiguous()):
             # Decode's case, checked first: each layer calls this 4 times per step, and the
@@ -195,6 +200,8 @@ class Int4Linear(nn.Module):
         self._plain_cpu_ops = (layout == "cpu_ops" and self.input_perm is None and self.bias is None
                                and self.padded_in_features == self.in_features
                                and self.padded_out_features == self.out_features)
+        # Set by LlamaForCausalLM.use_batch_invariant_kernels (plain cpu_ops layers only).
+        self.batch_invariant = False
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
         # A packed layout means nothing to another device's kernels: repack on device moves.

@@ -51,6 +51,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
                              if bias else None)
+        # Set by LlamaForCausalLM.use_batch_invariant_kernels: int8_matmul for every row count
+        # (int8_linear picks a GEMV for one row and another kernel up to packed_max_tokens).
+        self.batch_invariant = False
 
     @classmethod
     def from_weight(cls, weight: Int8Weight, bias: torch.Tensor | None = None,
@@ -82,6 +85,8 @@ class Int8Linear(nn.Module):
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         if x.device.type == "cuda":
             out = self._forward_cuda(x2, scales)
+        elif self.batch_invariant:  # a token's result independent of the row count
+            out = cpu_ops.int8_matmul(x2.contiguous(), self.qweight, scales)
         elif x.dtype in _CPU_OPS_DTYPES and cpu_ops.available():
             out = cpu_ops.int8_linear(x2.contiguous(), self.qweight, scales, self.packed_max_tokens)
         elif x2.shape[0] <= self.packed_max_tokens:

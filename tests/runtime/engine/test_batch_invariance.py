@@ -61,6 +61,17 @@ def test_same_bits_chunked_beside_others_and_preempted(alone) -> None:
     assert _result(outs[2]) == alone
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_same_bits_with_quantized_weights(quantization: str) -> None:
+    """int4's many-row kernel and int8_matmul serve every row count in this mode (by default
+    one row, a few rows and many rows take three different kernels)."""
+    llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
+              quantization=quantization, max_num_batched_tokens=32)
+    alone = _result(llm.generate([TARGET], GREEDY)[0])
+    assert _result(llm.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)[2]) == alone
+    assert llm.engine.model.cpu_decode is not None  # the C++ layers ran the quantized kinds
+
+
 def test_same_bits_with_an_int8_kv_cache() -> None:
     """The int8 cache's tiles are dequantized per key, the same for any batch."""
     llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, kv_cache_dtype="int8",
@@ -127,7 +138,6 @@ def test_each_linear_gives_a_row_the_same_bits_for_any_row_count(llm) -> None:
 
 @pytest.mark.parametrize("change, message", [
     ({"dtype": "float32"}, "dtype float32: it needs bfloat16"),
-    ({"quantization": "int4"}, "quantization int4"),
 ])
 def test_refuses_what_it_cannot_honour_before_loading(change, message) -> None:
     with pytest.raises(ValueError, match=message):

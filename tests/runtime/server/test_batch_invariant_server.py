@@ -51,8 +51,8 @@ def test_same_answer_alone_and_under_concurrent_load() -> None:
 def test_refused_configuration_stops_at_startup() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "argosy_runtime.cli.main", "serve", "--model", "smollm2-135m",
-         "--batch-invariant", "--quantization", "int4", "--port", "0"],
+         "--batch-invariant", "--dtype", "float32", "--port", "0"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "batch_invariant (--batch-invariant) cannot be honoured: quantization int4" in (
+    assert "batch_invariant (--batch-invariant) cannot be honoured: dtype float32" in (
         result.stdout + result.stderr)
