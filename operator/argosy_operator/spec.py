@@ -124,9 +124,6 @@ def _check_batch_invariant(spec: Mapping[str, Any]) -> None:
     if runtime["dtype"] not in ("auto", "bfloat16"):
         raise ValueError("spec.runtime.batchInvariant: needs runtime.dtype auto or bfloat16 "
                          "(not float32 or float16)")
-    if serves_lora_adapters(spec):
-        raise ValueError("spec.runtime.batchInvariant: cannot be combined with "
-                         "runtime.loraAdapters (the LoRA kernel is not batch-invariant)")
     if spec["resources"]["gpus"] > 0:
         raise ValueError("spec.runtime.batchInvariant: runs on CPUs only: resources.gpus "
                          "must be 0")

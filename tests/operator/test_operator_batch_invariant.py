@@ -1,5 +1,5 @@
 """spec.runtime.batchInvariant: the `--batch-invariant` flag, and the combinations the runtime
-refuses at startup (GPUs, float32/float16, quantization, LoRA) rejected at apply time by the
+refuses at startup (GPUs, float32/float16, quantization) rejected at apply time by the
 CRD's CEL rules and by `normalize_spec`."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ ADAPTERS = [{"name": "sql", "path": "/adapters/sql"}]
 MESSAGES = {
     "quantization": "runtime.batchInvariant cannot be combined with runtime.quantization",
     "dtype": "runtime.batchInvariant needs runtime.dtype auto or bfloat16",
-    "lora": "runtime.batchInvariant cannot be combined with runtime.loraAdapters",
     "gpus": "runtime.batchInvariant runs on CPUs only: resources.gpus must be 0",
 }
 
@@ -81,12 +80,6 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      MESSAGES["quantization"]),
     ("float32", llmd(runtime={"batchInvariant": True, "dtype": "float32"}), MESSAGES["dtype"]),
     ("float16", llmd(runtime={"batchInvariant": True, "dtype": "float16"}), MESSAGES["dtype"]),
-    ("lora adapters", llmd(runtime={"batchInvariant": True, "loraAdapters": ADAPTERS}),
-     MESSAGES["lora"]),
-    # An empty list still mounts the file and passes --lora-modules-file, which the runtime
-    # refuses with --batch-invariant too.
-    ("empty lora list", llmd(runtime={"batchInvariant": True, "loraAdapters": []}),
-     MESSAGES["lora"]),
     ("gpus", llmd(runtime={"batchInvariant": True}, resources={"gpus": 1}), MESSAGES["gpus"]),
 ]
 
@@ -145,13 +138,17 @@ def test_the_rules_are_null_safe() -> None:
     ({"batchInvariant": True, "dtype": "auto"}, {"gpus": 0, "cpu": 4, "memory": "4Gi"}),
     ({"batchInvariant": True, "dtype": "bfloat16", "kvCacheDtype": "int8",
       "speculative": {"method": "ngram"}}, None),
+    # The runtime serves LoRA adapters in this mode (lora_add's fused pass for every row
+    # count), so the CRD must not refuse them.
+    ({"batchInvariant": True, "loraAdapters": ADAPTERS}, None),
     # Off: every combination stays allowed.
     ({"batchInvariant": False, "dtype": "float32", "quantization": "int8",
       "loraAdapters": ADAPTERS}, {"gpus": 1}),
-], ids=["cpu-defaults", "cpu-auto", "cpu-bfloat16", "off"])
+], ids=["cpu-defaults", "cpu-auto", "cpu-bfloat16", "cpu-lora", "off"])
 def test_valid_combinations_are_accepted(runtime: dict[str, Any],
                                          resources: dict[str, Any] | None) -> None:
     defaulted, errors = validate(llmd(runtime=runtime, resources=resources))
     assert errors == []
     args = serve_args_of(defaulted["spec"])
     assert ("--batch-invariant" in args) == runtime["batchInvariant"]
+    assert ("--lora-modules-file" in args) == ("loraAdapters" in runtime)
