@@ -117,10 +117,6 @@ def _check_batch_invariant(spec: Mapping[str, Any]) -> None:
     (argosy_runtime.batch_invariance.check_batch_invariant_options); the CRD's CEL rules
     reject the same ones at apply time."""
     runtime = spec["runtime"]
-    if runtime.get("quantization"):
-        raise ValueError("spec.runtime.batchInvariant: cannot be combined with "
-                         "runtime.quantization (the int8/int4 kernels round differently by "
-                         "batch size)")
     if runtime["dtype"] not in ("auto", "bfloat16"):
         raise ValueError("spec.runtime.batchInvariant: needs runtime.dtype auto or bfloat16 "
                          "(not float32 or float16)")

@@ -1,5 +1,5 @@
 """spec.runtime.batchInvariant: the `--batch-invariant` flag, and the combinations the runtime
-refuses at startup (GPUs, float32/float16, quantization) rejected at apply time by the
+refuses at startup (GPUs, float32/float16) rejected at apply time by the
 CRD's CEL rules and by `normalize_spec`."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ BASE: dict[str, Any] = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeploym
 ADAPTERS = [{"name": "sql", "path": "/adapters/sql"}]
 
 MESSAGES = {
-    "quantization": "runtime.batchInvariant cannot be combined with runtime.quantization",
     "dtype": "runtime.batchInvariant needs runtime.dtype auto or bfloat16",
     "gpus": "runtime.batchInvariant runs on CPUs only: resources.gpus must be 0",
 }
@@ -74,10 +73,6 @@ def test_false_or_absent_adds_no_flag(runtime: dict[str, Any]) -> None:
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
-    ("int8", llmd(runtime={"batchInvariant": True, "quantization": "int8"}),
-     MESSAGES["quantization"]),
-    ("int4", llmd(runtime={"batchInvariant": True, "quantization": "int4"}),
-     MESSAGES["quantization"]),
     ("float32", llmd(runtime={"batchInvariant": True, "dtype": "float32"}), MESSAGES["dtype"]),
     ("float16", llmd(runtime={"batchInvariant": True, "dtype": "float16"}), MESSAGES["dtype"]),
     ("gpus", llmd(runtime={"batchInvariant": True}, resources={"gpus": 1}), MESSAGES["gpus"]),
@@ -124,10 +119,10 @@ def test_the_rules_are_null_safe() -> None:
     assert cel_errors(defaulted_without(ok, "resources.gpus")) == []
     assert cel_errors(defaulted_without(llmd(resources={"gpus": 2}),
                                         "runtime.batchInvariant")) == []
-    obj = defaulted_without(ok, "resources", "runtime.dtype")
-    obj["spec"]["runtime"]["quantization"] = "int8"
+    obj = defaulted_without(ok, "resources")
+    obj["spec"]["runtime"]["dtype"] = "float32"
     [error] = cel_errors(obj)
-    assert error.startswith(f"spec.runtime: {MESSAGES['quantization']}")
+    assert error.startswith(f"spec.runtime: {MESSAGES['dtype']}")
     obj = defaulted_without(ok, "runtime.dtype")
     obj["spec"]["resources"]["gpus"] = 2
     assert cel_errors(obj) == [f"spec: {MESSAGES['gpus']}"]
@@ -141,10 +136,14 @@ def test_the_rules_are_null_safe() -> None:
     # The runtime serves LoRA adapters in this mode (lora_add's fused pass for every row
     # count), so the CRD must not refuse them.
     ({"batchInvariant": True, "loraAdapters": ADAPTERS}, None),
+    # Likewise int8 and int4 weights (their kernels run every row count the same way there).
+    ({"batchInvariant": True, "quantization": "int8"}, None),
+    ({"batchInvariant": True, "quantization": "int4", "dtype": "bfloat16"}, None),
     # Off: every combination stays allowed.
     ({"batchInvariant": False, "dtype": "float32", "quantization": "int8",
       "loraAdapters": ADAPTERS}, {"gpus": 1}),
-], ids=["cpu-defaults", "cpu-auto", "cpu-bfloat16", "cpu-lora", "off"])
+], ids=["cpu-defaults", "cpu-auto", "cpu-bfloat16", "cpu-lora", "cpu-int8", "cpu-int4",
+        "off"])
 def test_valid_combinations_are_accepted(runtime: dict[str, Any],
                                          resources: dict[str, Any] | None) -> None:
     defaulted, errors = validate(llmd(runtime=runtime, resources=resources))
