@@ -250,6 +250,25 @@ def test_int4_matmul_matches_the_dequantized_product(dtype: torch.dtype, group: 
         _assert_close(out, expected, dtype)
 
 
+@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="the many-row path needs AVX512-BF16")
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_many_row_path_gives_each_row_the_same_bits_for_any_row_count(group: int) -> None:
+    """many_rows_from=1 (the batch-invariant mode): up to 4 rows take the rows-in-lanes loop,
+    more the token-lane kernel; a row's result is the same bits either way, and matches the
+    product with w rounded to bfloat16. 65 tiles: the side-by-side groups of 4 end uneven;
+    4096 inputs: another summation order would cross some bfloat16 rounding boundary."""
+    g = _gen(group + 99)
+    n, kp = 1040, 4096
+    q, sz, w = _int4_weight(n, kp, group, torch.bfloat16, g)
+    packed = cpu_ops.pack_int4(q)
+    x = _randn(40, kp, dtype=torch.bfloat16, gen=g)
+    every = torch.ops.argosy_cpu.int4_matmul(x, packed, sz, group, 1)
+    _assert_close(every, x.double() @ w.to(torch.bfloat16).double().t(), torch.bfloat16)
+    for start, rows in [(0, 1), (5, 2), (9, 3), (20, 4), (30, 5), (3, 17)]:
+        part = torch.ops.argosy_cpu.int4_matmul(x[start : start + rows], packed, sz, group, 1)
+        assert torch.equal(part, every[start : start + rows]), (start, rows)
+
+
 def test_int4_matmul_rejects_bad_inputs() -> None:
     q, sz, _ = _int4_weight(32, 128, 32, torch.bfloat16, _gen())
     packed = cpu_ops.pack_int4(q)

@@ -692,20 +692,70 @@ void dequantize_int4_tile(c10::BFloat16* buf, const uint8_t* tile, const c10::BF
   }
 }
 
+// A few tokens (the batch-invariant mode's decode rows): a tile's 16 weight rows in the lanes
+// and one token pair broadcast, instead of 16 token lanes of which all but M idle. Each (token,
+// row) sum is the same chain of vdpbf16ps as multiply_row_block's, pair 0 first, so the bits
+// are; kRowLaneTiles tiles run side by side, as independent chains, to hide its latency.
+constexpr int64_t kInt4RowLaneTokens = 4, kRowLaneTiles = 4;
+template <int T>
+void multiply_rows_in_lanes(c10::BFloat16* o, const int32_t* x32, const int32_t* const* w, int64_t n0,
+                            int64_t N, int64_t M, int64_t pairs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int32_t* xm = x32 + m * pairs;
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xm[p]);
+      for (int t = 0; t < T; ++t)
+        acc[t] = _mm512_dpbf16_ps(acc[t], xb, (__m512bh)_mm512_loadu_si512(w[t] + p * 16));
+    }
+    for (int t = 0; t < T; ++t) {
+      alignas(64) float sums[kInt4Tile];
+      _mm512_store_ps(sums, acc[t]);
+      for (int64_t r = 0; r < kInt4Tile; ++r)
+        o[m * N + n0 + t * kInt4Tile + r] = static_cast<c10::BFloat16>(sums[r]);
+    }
+  }
+}
+
 Tensor int4_matmul_many_rows(const Tensor& x, const Tensor& qweight, const Tensor& sz, int64_t group) {
   using BF16 = c10::BFloat16;
-  const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1) * 2;
-  const int32_t* tokens = token_pairs(x);
+  const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1) * 2, tiles = N / kInt4Tile;
   Tensor out = at::empty({M, N}, x.options());
-  at::parallel_for(0, N / kInt4Tile, 1, [&](int64_t begin, int64_t end) {
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const BF16* s = sz.data_ptr<BF16>();
+  if (M <= kInt4RowLaneTokens) {
+    const auto* x32 = reinterpret_cast<const int32_t*>(x.data_ptr<BF16>());
+    const int64_t groups = (tiles + kRowLaneTiles - 1) / kRowLaneTiles;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<BF16> dequantized(kRowLaneTiles * kInt4Tile * K);
+      const int32_t* w[kRowLaneTiles];
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = g * kRowLaneTiles, count = std::min(kRowLaneTiles, tiles - first);
+        for (int64_t t = 0; t < count; ++t) {
+          BF16* buf = dequantized.data() + t * kInt4Tile * K;
+          const int64_t n0 = (first + t) * kInt4Tile;
+          dequantize_int4_tile(buf, q + n0 * (K / 2), s + n0 * 2, N, K, group);
+          w[t] = reinterpret_cast<const int32_t*>(buf);
+        }
+        BF16* o = out.data_ptr<BF16>();
+        const int64_t n0 = first * kInt4Tile;
+        if (count == 4) multiply_rows_in_lanes<4>(o, x32, w, n0, N, M, K / 2);
+        else if (count == 3) multiply_rows_in_lanes<3>(o, x32, w, n0, N, M, K / 2);
+        else if (count == 2) multiply_rows_in_lanes<2>(o, x32, w, n0, N, M, K / 2);
+        else multiply_rows_in_lanes<1>(o, x32, w, n0, N, M, K / 2);
+      }
+    });
+    return out;
+  }
+  const int32_t* tokens = token_pairs(x);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<BF16> dequantized(kInt4Tile * K);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kInt4Tile;
-      dequantize_int4_tile(dequantized.data(), qweight.data_ptr<uint8_t>() + n0 * (K / 2),
-                           sz.data_ptr<BF16>() + n0 * 2, N, K, group);
-      multiply_row_block(out.data_ptr<BF16>(), tokens,
-                         reinterpret_cast<const int32_t*>(dequantized.data()), 1, kInt4Tile, kInt4Tile,
-                         n0, N, M, K / 2, nullptr);
+      dequantize_int4_tile(dequantized.data(), q + n0 * (K / 2), s + n0 * 2, N, K, group);
+      multiply_row_block(out.data_ptr<BF16>(), tokens, reinterpret_cast<const int32_t*>(dequantized.data()),
+                         1, kInt4Tile, kInt4Tile, n0, N, M, K / 2, nullptr);
     }
   });
   return out;
