@@ -12,7 +12,8 @@ prefix-cache hit or after a preemption. What makes it so (docs/engine.md, "Batch
 mode"):
 - attention: every query, decode rows included, through `cpu_ops.varlen_attention`, whose
   per-query arithmetic does not depend on the chunking or on the other queries;
-- the module path for every step (the C++ decode layers use the decode attention kernel);
+- the C++ decode layers (steps of up to 256 rows of any kind) and the module path (longer
+  steps) running the same kernels, so both give the same bits;
 - linears through kernels that compute each row the same way for any number of rows: oneDNN
   from 2 rows on for bfloat16 (a single row is padded), int4's many-row kernel and
   int8_matmul for any row count (tests/runtime/engine/test_batch_invariance.py checks the

@@ -2,8 +2,8 @@
 
 Where the fused C++ kernels build (argosy_kernels.cpu_ops): cache writes and decode attention
 through them, and a step's bfloat16 prompt chunks through one `cpu_ops.varlen_attention` call
-where the CPU has AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per prompt chunk.
-In the batch-invariant mode every query goes through `cpu_ops.varlen_attention`.
+where the CPU has AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per
+prompt chunk. In the batch-invariant mode every query goes through `cpu_ops.varlen_attention`.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ At batch 1 a small model's decode step on the CPU spends about as long in Python
 ~3 of ~10 ms). `cpu_ops.decode_layer` runs the same fused kernels in the same order from C++
 (argosy_kernels/csrc/cpu_ops.cpp), so the outputs are the Python path's, token for token
 (tests/runtime/engine/test_cpu_decode_layers.py). It is used for steps whose tokens are all
-decodes, when every layer runs the fused CPU ops and every linear has a C++ path; any other
-step, layer or model takes the module path.
+decodes (in the batch-invariant mode: any step of up to MAX_TOKENS rows), when every layer
+runs the fused CPU ops and every linear has a C++ path; any other step, layer or model takes
+the module path.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ class CpuDecodeLayers:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         # Set by LlamaForCausalLM.use_batch_invariant_kernels: every row of a step is then a
-        # chunk row (no decode rows), attention is varlen_attention and the linears see at
-        # least 2 rows, as on the module path in that mode; steps of up to MAX_TOKENS rows of
-        # any kind take this path, with the module path's bits.
+        # chunk row (no decode rows), and decode_layer runs varlen_attention and the linears'
+        # row-count-independent kernels, as the module path does in that mode; steps of up to
+        # MAX_TOKENS rows of any kind take this path, with the module path's bits.
         self.batch_invariant = False
 
     @classmethod
@@ -82,8 +83,9 @@ class CpuDecodeLayers:
                    first.self_attn.num_kv_heads)
 
     def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Whether this step can take the C++ path: decodes only, on the fused CPU backend
-        (LoRA rows included: the C++ layer adds their deltas as LoRABatch.apply does)."""
+        """Whether this step can take the C++ path: decodes only (any rows in the
+        batch-invariant mode), on the fused CPU backend of the same mode (LoRA rows included:
+        the C++ layer adds their deltas as LoRABatch.apply does)."""
         n = hidden.shape[0]
         rows = 0 if self.batch_invariant else n  # decode rows the step must consist of
         return (0 < n <= self.MAX_TOKENS and ctx.meta.num_decodes == rows

@@ -59,6 +59,9 @@ class Int4Linear(nn.Module):
         # CUDA layout only (see module docstring); derived, so not saved in state dicts.
         self.register_buffer("kernel_scales", None, persistent=False)
         self.register_buffer("kernel_zeros", None, persistent=False)
+        # Set by LlamaForCausalLM.use_batch_invariant_kernels (plain cpu_ops layers only):
+        # cpu_ops' many-row kernel for every row count.
+        self.batch_invariant = False
         self._set_layout(preferred_cpu_layout())
 
     # ---- construction ----------------------------------------------------------------------
@@ -200,8 +203,6 @@ class Int4Linear(nn.Module):
         self._plain_cpu_ops = (layout == "cpu_ops" and self.input_perm is None and self.bias is None
                                and self.padded_in_features == self.in_features
                                and self.padded_out_features == self.out_features)
-        # Set by LlamaForCausalLM.use_batch_invariant_kernels (plain cpu_ops layers only).
-        self.batch_invariant = False
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Int4Linear:  # type: ignore[override]
         # A packed layout means nothing to another device's kernels: repack on device moves.
