@@ -112,6 +112,9 @@ def test_seeded_sampling_same_alone_and_in_a_batch(llm) -> None:
     first = _result(llm.generate([TARGET], params)[0])
     batch = llm.generate(OTHERS[:3] + [TARGET], [GREEDY] * 3 + [params])
     assert _result(batch[3]) == first
+    several = SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=3)  # siblings share a prefix
+    alone = [c.token_ids for c in llm.generate([TARGET], several)[0].outputs]
+    assert [c.token_ids for c in llm.generate([OTHERS[0], TARGET], several)[1].outputs] == alone
 
 
 def test_each_linear_gives_a_row_the_same_bits_for_any_row_count(llm) -> None:
