@@ -187,6 +187,25 @@ def test_int8_matmul_matches_the_dequantized_product(dtype: torch.dtype, m: int,
         cpu_ops.int8_matmul(x, qweight, scales[:-1])
 
 
+@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="the bf16 int8 kernel needs AVX512-BF16")
+@pytest.mark.parametrize("n,k", [(1040, 4096), (200, 578)])  # 65 and 13 row blocks; 289 pairs
+def test_int8_matmul_gives_each_row_the_same_bits_for_any_row_count(n: int, k: int) -> None:
+    """bfloat16 (the batch-invariant mode's int8 kernel): up to 4 tokens take the rows-in-lanes
+    loop (gathered weight rows), more the token-lane kernel; a row's result is the same bits
+    either way. 4096 inputs: another summation order would cross a bf16 rounding boundary."""
+    g = _gen(n + k)
+    qweight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) / 50).bfloat16()
+    x = _randn(40, k, dtype=torch.bfloat16, gen=g)
+    every = cpu_ops.int8_matmul(x, qweight, scales)
+    _assert_close(every, (x.double() @ qweight.double().t()) * scales.double(), torch.bfloat16)
+    alone = torch.cat([cpu_ops.int8_matmul(x[i : i + 1], qweight, scales) for i in range(40)])
+    assert torch.equal(alone, every)  # all 40 x n values: a reordered sum flips a few
+    for start, rows in [(5, 2), (9, 3), (20, 4), (30, 5), (3, 17)]:
+        assert torch.equal(cpu_ops.int8_matmul(x[start : start + rows], qweight, scales),
+                           every[start : start + rows]), (start, rows)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [2, 3, 5, 8, 9, 13, 16])  # passes of up to 8 tokens
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (1, 24)])  # row and k tails, a lone row
