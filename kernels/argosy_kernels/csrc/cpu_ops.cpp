@@ -1402,8 +1402,16 @@ bool has_avx512_bf16() {
 #endif
 }
 
-// Both attention ops below: check the operands, then run varlen_attention_impl for the cache
-// dtype and head size.
+// Both attention ops below: check the operands shared by them (`op` names the caller in the
+// errors), then run varlen_attention_impl for the cache dtype and head size.
+bool check_varlen_operands(const char* op, const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                           const Tensor& value_cache, const c10::optional<Tensor>& k_scale,
+                           const c10::optional<Tensor>& v_scale) {
+  TORCH_CHECK(has_avx512_bf16(), op, " needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be bfloat16");
+  return check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
+}
+
 void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                           const std::vector<AttentionSeq>& seqs, double scale,
                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
@@ -1428,9 +1436,7 @@ void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_ca
 void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_table, int64_t seq_len, double scale,
                        const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
-  TORCH_CHECK(has_avx512_bf16(), "prefill_attention needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be bfloat16");
-  const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
+  const bool int8_cache = check_varlen_operands("prefill_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be one contiguous int32 row");
   TORCH_CHECK(seq_len >= query.size(0) && seq_len <= block_table.size(0) * key_cache.size(1),
@@ -1446,9 +1452,7 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
                       double scale, const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
-  TORCH_CHECK(has_avx512_bf16(), "varlen_attention needs AVX512-BF16 (see cpu_ops.has_avx512_bf16)");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be bfloat16");
-  const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
+  const bool int8_cache = check_varlen_operands("varlen_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.size(0) == num_seqs,
