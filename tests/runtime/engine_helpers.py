@@ -13,6 +13,13 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert kv.req_to_blocks == {}
 
 
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    """(token ids, the logprob of each) of a RequestOutput's first sequence: what the
+    batch-invariant mode must reproduce bit for bit."""
+    c = output.outputs[0]
+    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+
+
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                       abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Add prompts as r0, r1, ...; step until done, aborting `{request_id: at_step}`.

@@ -12,6 +12,7 @@ from argosy_runtime.batch_invariance import check_batch_invariant_options
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from argosy_runtime.models.cpu_linear import PackedLinear
+from engine_helpers import tokens_and_logprobs  # tests/runtime, on sys.path via conftest.py
 
 pytestmark = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
                                 reason="the batch-invariant mode needs AVX512-BF16")
@@ -26,12 +27,6 @@ OTHERS = [("Write a short poem about the sea. " * k).strip() for k in range(1, 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
 
 
-def _result(output) -> tuple[list[int], list[float]]:
-    """(tokens, their logprobs) of a RequestOutput: what must match bit for bit."""
-    c = output.outputs[0]
-    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True)
@@ -39,15 +34,15 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def alone(llm) -> tuple[list[int], list[float]]:
-    return _result(llm.generate([TARGET], GREEDY)[0])
+    return tokens_and_logprobs(llm.generate([TARGET], GREEDY)[0])
 
 
 def test_same_bits_in_a_batch_and_after_a_prefix_hit(llm, alone) -> None:
     outs = llm.generate(OTHERS[:4] + [TARGET] + OTHERS[4:], GREEDY)
-    assert _result(outs[4]) == alone
+    assert tokens_and_logprobs(outs[4]) == alone
     # Again: now the prompt's blocks come from the prefix cache, computed in the first call.
     hits = llm.engine.get_stats().prefix_cache_hits
-    assert _result(llm.generate([TARGET], GREEDY)[0]) == alone
+    assert tokens_and_logprobs(llm.generate([TARGET], GREEDY)[0]) == alone
     assert llm.engine.get_stats().prefix_cache_hits > hits
 
 
@@ -58,7 +53,7 @@ def test_same_bits_chunked_beside_others_and_preempted(alone) -> None:
                max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 23_040, max_model_len=128)
     outs = busy.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)
     assert busy.engine.get_stats().num_preemptions > 0
-    assert _result(outs[2]) == alone
+    assert tokens_and_logprobs(outs[2]) == alone
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -67,8 +62,8 @@ def test_same_bits_with_quantized_weights(quantization: str) -> None:
     one row, a few rows and many rows take three different kernels)."""
     llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
               quantization=quantization, max_num_batched_tokens=32)
-    alone = _result(llm.generate([TARGET], GREEDY)[0])
-    assert _result(llm.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)[2]) == alone
+    alone = tokens_and_logprobs(llm.generate([TARGET], GREEDY)[0])
+    assert tokens_and_logprobs(llm.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)[2]) == alone
     assert llm.engine.model.cpu_decode is not None  # the C++ layers ran the quantized kinds
 
 
@@ -76,14 +71,14 @@ def test_same_bits_with_an_int8_kv_cache() -> None:
     """The int8 cache's tiles are dequantized per key, the same for any batch."""
     llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, kv_cache_dtype="int8",
               max_num_batched_tokens=32)
-    alone = _result(llm.generate([TARGET], GREEDY)[0])
-    assert _result(llm.generate(OTHERS[:5] + [TARGET] + OTHERS[5:], GREEDY)[5]) == alone
+    alone = tokens_and_logprobs(llm.generate([TARGET], GREEDY)[0])
+    assert tokens_and_logprobs(llm.generate(OTHERS[:5] + [TARGET] + OTHERS[5:], GREEDY)[5]) == alone
 
 
 def test_same_bits_with_speculative_decoding(alone) -> None:
     """n-gram proposals verified in chunks of 1 + k tokens give the one-at-a-time bits."""
     spec = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True, speculative="ngram")
-    assert _result(spec.generate([TARGET], GREEDY)[0]) == alone
+    assert tokens_and_logprobs(spec.generate([TARGET], GREEDY)[0]) == alone
     drafted = spec.engine.get_stats().spec_decode_num_draft_tokens
     assert drafted > 0, "no n-gram proposal was verified: the test would not cover the path"
 
@@ -99,19 +94,19 @@ def test_cpp_layers_give_the_module_paths_bits(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(CpuDecodeLayers, "__call__",
                         lambda self, h, ctx, n=None: calls.append(h.shape[0]) or original(self, h, ctx, n))
     prompts = [TARGET, *OTHERS[:3]]
-    fast = [_result(o) for o in llm.generate(prompts, GREEDY)]
+    fast = [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)]
     assert max(calls) > len(prompts), "chunk rows took the C++ layers"
     llm.engine.model.cpu_decode = None
     calls.clear()
-    assert [_result(o) for o in llm.generate(prompts, GREEDY)] == fast
+    assert [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)] == fast
     assert not calls
 
 
 def test_seeded_sampling_same_alone_and_in_a_batch(llm) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, logprobs=0)
-    first = _result(llm.generate([TARGET], params)[0])
+    first = tokens_and_logprobs(llm.generate([TARGET], params)[0])
     batch = llm.generate(OTHERS[:3] + [TARGET], [GREEDY] * 3 + [params])
-    assert _result(batch[3]) == first
+    assert tokens_and_logprobs(batch[3]) == first
     several = SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=3)  # siblings share a prefix
     alone = [c.token_ids for c in llm.generate([TARGET], several)[0].outputs]
     assert [c.token_ids for c in llm.generate([OTHERS[0], TARGET], several)[1].outputs] == alone

@@ -14,6 +14,7 @@ from argosy_runtime import LLM, SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
+from engine_helpers import tokens_and_logprobs  # noqa: E402
 from model_factory import make_random_model_dir  # noqa: E402
 from test_lora_engine import ALL, make_adapter  # noqa: E402
 
@@ -36,15 +37,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str
     return model, adapters
 
 
-def _result(output) -> tuple[list[int], list[float]]:
-    c = output.outputs[0]
-    return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-
-
 def test_adapter_request_same_bits_alone_and_in_a_mixed_batch(setup) -> None:
     model, adapters = setup
     common = dict(model=str(model), dtype="bfloat16", batch_invariant=True, lora_modules=adapters)
-    alone = _result(LLM(**common).generate([TARGET], PARAMS, lora_name="a")[0])
+    alone = tokens_and_logprobs(LLM(**common).generate([TARGET], PARAMS, lora_name="a")[0])
     # 16 tokens a step: the 48-token prompt in chunks beside others' chunks and decodes; the
     # default mode would switch the adapter's delta from the fused pass to GEMMs past 16 rows.
     busy = LLM(**common, max_num_batched_tokens=16).engine
@@ -56,5 +52,5 @@ def test_adapter_request_same_bits_alone_and_in_a_mixed_batch(setup) -> None:
         for out in busy.step():
             if out.finished:
                 done[out.request_id] = out
-    assert _result(done["target"]) == alone
-    assert _result(done["o2"]) != alone  # another prompt on the same adapter: not trivially equal
+    assert tokens_and_logprobs(done["target"]) == alone
+    assert tokens_and_logprobs(done["o2"]) != alone  # another prompt on the same adapter: not trivially equal
