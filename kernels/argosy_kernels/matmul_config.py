@@ -42,12 +42,12 @@ def choose_split_k(config: MatmulConfig, programs: int, k_len: int, tile: int,
     split keeps at least `min_blocks_per_split` K tiles, so a program still has a loop to
     pipeline."""
     k_blocks = -(-k_len // tile)
+    target = 2 * num_sms(device)
     if config.split_k is not None:
         split_k = max(1, config.split_k)
-    elif programs >= 2 * num_sms(device):
+    elif programs >= target:
         split_k = 1
     else:
-        target = 2 * num_sms(device)
         split_k = max(1, min(-(-target // programs), k_blocks // min_blocks_per_split, 16))
     per_split = -(-k_blocks // split_k) * tile
     return -(-k_len // per_split), per_split
