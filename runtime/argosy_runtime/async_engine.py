@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from argosy_runtime.outputs import EngineStats, RequestOutput
+from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("argosy.async_engine")
@@ -190,7 +191,8 @@ class AsyncEngine:
         return len(self._streams)
 
     # ------------------------------------------------------------------ requests
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add(self, request_id: str, prompt: str | list[int],
+                  params: SamplingParams | PoolingParams,
                   priority: int = 0, lora_name: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it.
 
@@ -399,7 +401,8 @@ class AsyncEngine:
                 tracker.last_token = now
             tracker.num_tokens = num_tokens
             if out.finished:
-                reasons = {c.finish_reason for c in out.outputs}
+                # An embedding request has no sequences: it finished by producing its vector.
+                reasons = {c.finish_reason for c in out.outputs} or {"stop"}
                 self.observer.on_finished(now - tracker.arrival, len(out.prompt_token_ids),
                                           num_tokens, "stop" if "stop" in reasons
                                           else next(iter(reasons)))

@@ -35,6 +35,7 @@ from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.models.build import build_model
 from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
+from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.scheduler import Scheduler
@@ -44,6 +45,8 @@ logger = logging.getLogger("argosy.engine")
 
 _CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 _KV_CACHE_DTYPES = ("auto", "int8")
+# The params an embedding request's Request carries: it never samples, so none apply.
+_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class LLMEngine:
@@ -221,22 +224,28 @@ class LLMEngine:
         return build_proposer(self, self.args.speculative)
 
     # ---- public API --------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_name: str | None = None) -> None:
-        """Queue a request, on the base model or the LoRA adapter `lora_name`. Raises
-        ValueError (naming the field) for input that can never run."""
+        """Queue a request, on the base model or the LoRA adapter `lora_name`: a generation
+        (SamplingParams) or an embedding (PoolingParams: its output has `embedding` and no
+        tokens). Raises ValueError (naming the field) for input that can never run."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise ValueError("params must be a SamplingParams or a PoolingParams")
         if lora_name is not None and lora_name not in self.lora_paths:
             raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
                              f"{sorted(self.lora_paths) or 'none'}")
         prompt_text, prompt_ids = self._tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            self._add_embedding_request(request_id, prompt_text, prompt_ids, params,
+                                        arrival_time, priority, lora_name)
+            return
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -287,6 +296,31 @@ class LLMEngine:
             for child in children:
                 self.scheduler.add_request(child)
         self._groups[request_id] = children
+        self.stats.prompt_tokens += len(prompt_ids)
+
+    def _add_embedding_request(self, request_id: str, prompt_text: str | None,
+                               prompt_ids: list[int], params: PoolingParams,
+                               arrival_time: float | None, priority: int,
+                               lora_name: str | None) -> None:
+        """Queue a request that runs its prompt and pools its hidden states (pooler.py):
+        one sequence, no output tokens, so only the prompt needs room."""
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
+        blocks_needed = -(-len(prompt_ids) // self.cache_config.block_size)
+        if blocks_needed > self.cache_config.num_blocks:
+            raise ValueError(
+                f"prompt needs {blocks_needed} KV-cache blocks but the whole pool has "
+                f"{self.cache_config.num_blocks}; raise kv_cache_memory")
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
+                          params=_NO_SAMPLING, max_tokens=0, prompt=prompt_text,
+                          arrival_time=arrival_time, priority=priority)
+        request.pooling = params
+        if lora_name is not None and not self._hold_lora(lora_name, [request]):
+            self._lora_waiting.append((lora_name, [request]))  # all loaded adapters held
+        else:
+            self.scheduler.add_request(request)
+        self._groups[request_id] = [request]
         self.stats.prompt_tokens += len(prompt_ids)
 
     def _hold_lora(self, name: str, children: list[Request]) -> bool:
@@ -361,6 +395,14 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+            if req.pooling is not None:
+                req.num_computed_tokens += sr.num_new_tokens
+                if req.request_id in result.embeddings:
+                    req.embedding = result.embeddings[req.request_id]
+                    req.metrics.finished_time = now
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)
+                    progressed[req.parent_id] = None
+                continue
             if sr.num_spec_tokens:
                 tokens, logprobs = self.proposer.verify(sr, result.spec_logits[req.request_id])
             else:
@@ -481,6 +523,12 @@ class LLMEngine:
     def _make_output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
         first = children[0]
+        if first.pooling is not None:  # an embedding request: finished once it has one
+            del self._groups[parent_id]
+            return RequestOutput(request_id=parent_id, prompt=first.prompt,
+                                 prompt_token_ids=first.prompt_token_ids, outputs=[],
+                                 finished=True, num_cached_tokens=max(first.num_cached_tokens, 0),
+                                 metrics=first.metrics, embedding=first.embedding)
         outputs = [
             CompletionOutput(
                 index=c.index,

@@ -9,6 +9,7 @@ from typing import Any
 from argosy_runtime.engine import LLMEngine
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
+from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class LLM:
         llm = LLM(model="smollm2-135m")
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
         print(outs[0].outputs[0].text)
+        vectors = [o.embedding for o in llm.embed(["Hello", "Bonjour"])]
     """
 
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
@@ -35,15 +37,31 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (a str or a list of token ids counts as one),
         on the base model or the LoRA adapter `lora_name` (one of `lora_modules`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return self._run(prompts, params, lora_name)
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
+              params: PoolingParams | None = None,
+              lora_name: str | None = None) -> list[RequestOutput]:
+        """Embeddings in the order of `prompts`: each output's `embedding` is the pooled
+        (default: last token), L2-normalized final hidden state (pooling_params.py)."""
+        prompts = self._prompt_list(prompts)
+        return self._run(prompts, [params or PoolingParams()] * len(prompts), lora_name)
+
+    @staticmethod
+    def _prompt_list(prompts: str | Sequence[str] | Sequence[list[int]]) -> list[Any]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            return [prompts]  # a str or a list of token ids counts as one
+        return list(prompts)
+
+    def _run(self, prompts: list[Any], params: Sequence[SamplingParams | PoolingParams],
+             lora_name: str | None) -> list[RequestOutput]:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:

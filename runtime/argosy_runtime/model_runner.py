@@ -20,6 +20,7 @@ from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.lora import LoRAAdapter, LoRABatch
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.outputs import PositionLogprobs
+from argosy_runtime.pooler import pool_embeddings
 from argosy_runtime.sampler import Sampler, compute_logprobs
 from argosy_runtime.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -34,6 +35,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request_id -> float32 logits [num_spec + 1, vocab] for speculative verification
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request_id -> the embedding of an embedding request whose prompt ended this step
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
@@ -140,8 +143,11 @@ class ModelRunner:
             ctx.lora = lora
             hidden = self.model(input_ids, positions, ctx)
 
+        out = ModelRunnerOutput()
+        out.embeddings = pool_embeddings(scheduled, hidden)
         # Which rows need logits: the last row of each sequence that samples, every draft row
         # plus the bonus row of speculative sequences, and prompt rows for prompt_logprobs.
+        # Embedding requests need none.
         rows: list[int] = []
         sample_rows: list[tuple[ScheduledRequest, int]] = []
         spec_rows: list[tuple[ScheduledRequest, int, int]] = []
@@ -150,6 +156,9 @@ class ModelRunner:
         for sr in scheduled:
             req = sr.request
             n = sr.num_new_tokens
+            if req.pooling is not None:
+                offset += n
+                continue
             if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; the first row of this chunk is at
                 # position num_computed_tokens.
@@ -167,7 +176,6 @@ class ModelRunner:
                 sample_rows.append((sr, len(rows)))
                 rows.append(offset + n - 1)
             offset += n
-        out = ModelRunnerOutput()
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])

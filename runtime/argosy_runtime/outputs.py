@@ -49,7 +49,8 @@ class RequestOutput:
     """The state of one request after an engine step.
 
     `outputs[i].token_ids` / `.text` are cumulative; a streaming caller diffs against what it
-    already sent. `finished` is True once every sequence has a finish_reason.
+    already sent. `finished` is True once every sequence has a finish_reason. An embedding
+    request (PoolingParams) has no `outputs`; its single, finished output holds `embedding`.
     """
 
     request_id: str
@@ -60,6 +61,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from argosy_runtime.detokenizer import IncrementalDetokenizer
     from argosy_runtime.lora import LoRAAdapter
+    from argosy_runtime.pooling_params import PoolingParams
     from argosy_runtime.structured_output.grammar import RequestGrammar
 
 
@@ -81,6 +82,11 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         self.lora: LoRAAdapter | None = None  # the adapter this request runs with, if any
+        # Set for an embedding request: it runs its prompt, samples nothing, and finishes with
+        # `embedding` (pooler.py; `pooled_sum` is mean pooling's running sum).
+        self.pooling: PoolingParams | None = None
+        self.pooled_sum: torch.Tensor | None = None
+        self.embedding: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -252,8 +252,11 @@ def _prefix_lookup_limit(req: Request) -> int | None:
     A cached block has no logits: prompt tokens still to be scored for `prompt_logprobs`
     must be recomputed. Scoring prompt token p needs the hidden state of token p - 1, so a
     request holding scores up to position L - 1 may reuse at most L - 1 tokens (none at
-    first; after a preemption, the part it already scored).
+    first; after a preemption, the part it already scored). Mean pooling for an embedding
+    needs every position's hidden state: none.
     """
+    if req.pooling is not None and req.pooling.pooling == "mean":
+        return 0
     scored = req.prompt_logprobs
     if scored is None or len(scored) >= req.num_prompt_tokens:
         return None

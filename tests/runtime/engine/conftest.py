@@ -35,6 +35,12 @@ class HFReference:
         logits = self.model(torch.tensor([prompt_ids])).logits[0].float()
         return torch.log_softmax(logits[:-1], dim=-1)
 
+    @torch.no_grad()
+    def hidden_states(self, prompt_ids: list[int]) -> torch.Tensor:
+        """[len(prompt), hidden]: the base model's last_hidden_state (after the final norm),
+        what embeddings are pooled from."""
+        return self.model.model(torch.tensor([prompt_ids])).last_hidden_state[0].float()
+
     def _generate(self, prompt_ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy decoding with transformers' own forward and KV cache, step by step.
 
