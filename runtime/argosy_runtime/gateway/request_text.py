@@ -27,10 +27,11 @@ def _content_text(content: Any) -> str:
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str:
-    """The prompt of a completion, or the chat history flattened turn by turn.
+    """The prompt of a completion, the `input` of an embeddings request, or the chat history
+    flattened turn by turn.
 
     A token-id prompt becomes its ids as text (equal id prefixes give equal text prefixes).
-    For a batch of prompts, the first one speaks for the batch.
+    For a batch of prompts (or of embeddings inputs), the first one speaks for the batch.
 
     A Responses API request reads as the chat conversation it becomes (`instructions` a system
     turn, a string `input` a user turn), so both APIs route the same conversation alike.
@@ -40,7 +41,16 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         return _turns(messages) if isinstance(messages, list) else ""
-    prompt = body.get("prompt")
+    if path.endswith("/embeddings"):
+        # `input` has the shapes of a completion's `prompt`: a string, strings, token ids,
+        # lists of token ids. An embedding's prefill fills the replica's prefix cache as a
+        # prompt's does, so it is routed by the same text.
+        return _first_prompt(body.get("input"))
+    return _first_prompt(body.get("prompt"))
+
+
+def _first_prompt(prompt: Any) -> str:
+    """A completion prompt (or embeddings input) as text: the first of a batch."""
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) for t in prompt):
             return " ".join(map(str, prompt))
@@ -48,6 +58,19 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
         if isinstance(prompt, list):
             return " ".join(map(str, prompt))
     return prompt if isinstance(prompt, str) else ""
+
+
+def prompt_chars(path: str, body: dict[str, Any]) -> int:
+    """How many characters of prompt a request sends, for the token estimate of an answer
+    that reports no usage (tenants/usage.py). Every input of an embeddings batch counts: a
+    batch is often hundreds of inputs, and its answer (a vector per input) is the one most
+    likely too large for the meter to read its `usage` from, so its first input alone would
+    undercharge it. Other requests: the length of `prompt_text`."""
+    inputs = body.get("input")
+    is_batch = isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs)
+    if path.endswith("/embeddings") and is_batch:
+        return sum(len(_first_prompt([item])) for item in inputs)
+    return len(prompt_text(path, body))
 
 
 def _turns(messages: list[Any]) -> str:

@@ -8,7 +8,9 @@ with Retry-After, stall before the first byte, go unready). End-to-end tests use
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,9 @@ KNOWN_FIELDS = {
     "top_p", "stream", "stop", "n", "logprobs", "top_logprobs", "seed", "ignore_eos",
     "stream_options", "presence_penalty", "frequency_penalty", "user", "priority",
 }
+# OpenAI's embeddings fields: anything else (a `priority` too) is refused, as the server does.
+EMBEDDINGS_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+EMBEDDING_DIMENSIONS = 4
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
@@ -73,6 +78,7 @@ class FakeReplica:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/ready", self._ready)
@@ -157,16 +163,9 @@ class FakeReplica:
         temperature = body.get("temperature", 1.0)
         if not isinstance(temperature, int | float) or temperature < 0:
             return _error(400, "temperature must be >= 0", "BadRequestError", "temperature")
-        if self.fail_next > 0:
-            self.fail_next -= 1
-            resp = _error(self.fail_status, "injected failure", "InternalServerError")
-            if self.fail_retry_after is not None:
-                resp.headers["Retry-After"] = str(self.fail_retry_after)
-            return resp
-        if self.rate_limited is not None:
-            resp = _error(429, "queue full", "RateLimitError")
-            resp.headers["Retry-After"] = str(int(self.rate_limited))
-            return resp
+        failure = self._injected_failure()
+        if failure is not None:
+            return failure
         # A toy prefix cache: the first 32 characters of the prompt.
         is_chat = request.path.endswith("/chat/completions")
         prompt = json.dumps(body.get("messages")) if is_chat else str(body.get("prompt"))
@@ -199,6 +198,65 @@ class FakeReplica:
         except asyncio.CancelledError:
             self.disconnects += 1
             raise
+
+    def _injected_failure(self) -> web.Response | None:
+        """The failure the knobs ask for (`fail_next`, `rate_limited`), else None."""
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            resp = _error(self.fail_status, "injected failure", "InternalServerError")
+            if self.fail_retry_after is not None:
+                resp.headers["Retry-After"] = str(self.fail_retry_after)
+            return resp
+        if self.rate_limited is not None:
+            resp = _error(429, "queue full", "RateLimitError")
+            resp.headers["Retry-After"] = str(int(self.rate_limited))
+            return resp
+        return None
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's embeddings: one vector per input (made of its index), floats or base64
+        (little-endian float32 bytes), with prompt tokens only in `usage`."""
+        try:
+            body = json.loads(await request.read())
+        except json.JSONDecodeError:
+            return _error(400, "Invalid JSON", "BadRequestError")
+        self.requests.append(body)
+        self.headers_seen.append(request.headers.copy())
+        unknown = sorted(set(body) - EMBEDDINGS_FIELDS)
+        if unknown:
+            return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
+        if body.get("model", self.model) not in (self.model, *self.adapters,
+                                                 *self.registered_adapters):
+            return _error(404, f"The model `{body.get('model')}` does not exist.",
+                          "NotFoundError", "model")
+        failure = self._injected_failure()
+        if failure is not None:
+            return failure
+        inputs = body.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs
+                                        and all(isinstance(t, int) for t in inputs)):
+            inputs = [inputs]  # one string, or one token-id input
+        if not isinstance(inputs, list) or not inputs:
+            return _error(400, "input must be a string or a non-empty list", "BadRequestError",
+                          "input")
+        # The toy prefix cache, as for completions: the first input speaks for the batch.
+        self.prefix_queries += 1
+        if str(inputs[0])[:32] in self._seen_prefixes:
+            self.prefix_hits += 1
+        self._seen_prefixes.add(str(inputs[0])[:32])
+        dimensions = body.get("dimensions") or EMBEDDING_DIMENSIONS
+        data = []
+        for index in range(len(inputs)):
+            vector = [index + d / 8 for d in range(dimensions)]  # exact in float32
+            embedding: Any = vector
+            if body.get("encoding_format") == "base64":
+                embedding = base64.b64encode(struct.pack(f"<{dimensions}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        self.completed += 1
+        tokens = self.prompt_tokens * len(inputs)
+        return web.json_response({"object": "list", "data": data,
+                                  "model": body.get("model", self.model),
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def _usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_chunks,

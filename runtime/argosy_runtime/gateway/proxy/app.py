@@ -3,14 +3,15 @@
     POST /v1/completions, /v1/chat/completions   routed (cascade, then policy), streamed through
     POST /v1/responses                           the same; a previous_response_id follow-up, and
     GET/DELETE /v1/responses/{id}                calls on a stored response, go to its replica
+    POST /v1/embeddings                          routed by model and policy (no cascade), relayed
     GET  /v1/models                              merged across all replicas and cascade routes
     /v1/files, /v1/batches                       the Batch API, to the replica holding each id
     GET  /health                                 the gateway process is up
     GET  /ready                                  every model has a replica in rotation
     GET  /metrics                                the gateway's Prometheus metrics
 
-With `tenants` configured, every /v1/* request needs a tenant's key and generation requests
-are admitted against the tenant's limits first (tenant_gate.py).
+With `tenants` configured, every /v1/* request needs a tenant's key and generation (and
+embeddings) requests are admitted against the tenant's limits first (tenant_gate.py).
 
 Answers are relayed chunk by chunk as they arrive (SSE events are never re-parsed or buffered).
 The app runs with handler cancellation on: when a client disconnects, its handler is cancelled,
@@ -138,6 +139,7 @@ class Gateway:
         self.tenants.install(app)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_post("/v1/embeddings", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
         # `.+`: a model id may hold slashes (org/model); clients send them as %2F.
         app.router.add_get("/v1/models/{model:.+}", self.handle_model)
@@ -278,8 +280,9 @@ class Gateway:
     async def handle_generate(
         self, request: web.Request, pin: str | None = None
     ) -> web.StreamResponse:
-        """Route and relay one generation request; `pin`: the URL of the only replica that
-        may answer (a Responses API follow-up goes where its history is stored)."""
+        """Route and relay one generation (or embeddings) request; `pin`: the URL of the only
+        replica that may answer (a Responses API follow-up goes where its history is
+        stored)."""
         started = time.monotonic()
         raw = await request.read()
         try:
@@ -320,6 +323,15 @@ class Gateway:
                 f"previous_response_id: {route_name!r} is a cascade route; continue a stored "
                 "response with the model that made it",
                 param="previous_response_id",
+            )
+        if path == "/v1/embeddings":
+            # Vectors of two models live in different spaces: a cascade's answers, some from
+            # the small model and some from the large, could not be compared with each other.
+            return bad_request(
+                f"model: {route_name!r} is a cascade route, which answers generation requests "
+                f"only; ask for embeddings with one model ({cascade.small!r} or "
+                f"{cascade.large!r})",
+                param="model",
             )
 
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)

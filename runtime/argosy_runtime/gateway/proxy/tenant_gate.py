@@ -4,12 +4,12 @@ and keys themselves are in gateway/tenants/).
 For every `/v1/*` request it
 
 1. finds the tenant whose key the `Authorization: Bearer` header carries (else a 401);
-2. for a generation request (POST /v1/completions, /v1/chat/completions, /v1/responses),
-   admits it against the tenant's limits before any replica is picked (else a 429 with
-   Retry-After) and holds its lease until the handler ends, however it ends (answered,
-   failed, client gone): retries on other replicas happen inside the handler, so a retried
-   request counts once. The Batch API, `/v1/models` and calls on stored responses only need
-   the key;
+2. for a generation request (POST /v1/completions, /v1/chat/completions, /v1/responses)
+   or an embeddings request (POST /v1/embeddings), admits it against the tenant's limits
+   before any replica is picked (else a 429 with Retry-After) and holds its lease until the
+   handler ends, however it ends (answered, failed, client gone): retries on other replicas
+   happen inside the handler, so a retried request counts once. The Batch API, `/v1/models`
+   and calls on stored responses only need the key;
 3. hands the handler a copy of the request whose `Authorization` is the gateway's
    `replica_api_key` (or none): the tenant's key never reaches a replica, and every path that
    forwards client headers (headers.to_replica) forwards the replica key instead.
@@ -46,7 +46,7 @@ from argosy_runtime.background_tasks import running
 from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
-from argosy_runtime.gateway.request_text import prompt_text
+from argosy_runtime.gateway.request_text import prompt_chars
 from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused, Reloaded
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
@@ -55,8 +55,14 @@ from argosy_runtime.gateway.tenants.usage import UsageMeter
 
 logger = logging.getLogger(__name__)
 
-# Requests that generate tokens: admitted against the limits and charged.
+# Requests that generate tokens: they take a tenant's `priority` (the runtime's field).
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# Requests admitted against the limits and charged: generation, and embeddings, whose inputs
+# cost a replica a prefill each. Token limits need no special case for embeddings: admission
+# never counts `max_tokens` (an answer's tokens are known only afterwards, limiter.py), and an
+# embeddings answer's `usage` has prompt tokens only, so it is charged those and 0 completion
+# tokens (tenants/usage.py).
+ADMITTED_PATHS = (*GENERATION_PATHS, "/v1/embeddings")
 CLIENT_CLOSED = "499"  # the `code` of a request whose client went away (nginx's convention)
 
 
@@ -230,7 +236,9 @@ class TenantGate:
         the body has none or a more urgent (lower) one, else the body's. True when `body`
         changed. A non-integer `priority` is left for the replica to refuse (400)."""
         floor = self.priorities.get(request.get(_TENANT, ""))
-        if floor is None:
+        if floor is None or request.path not in GENERATION_PATHS:
+            # Embeddings take no `priority` (OpenAI's fields only): adding one would make
+            # the replica refuse the request as an unknown field.
             return False
         sent = body.get("priority")
         if sent is not None and (isinstance(sent, bool) or not isinstance(sent, int)
@@ -246,7 +254,7 @@ class TenantGate:
         lease = request.get(_LEASE)
         if lease is None:
             return UNCHARGED
-        meter = UsageMeter(len(prompt_text(path, body)), status=status,
+        meter = UsageMeter(prompt_chars(path, body), status=status,
                            streamed=content_type == "text/event-stream")
         return ChargedAnswer(request[_TENANT], lease, meter, self.metrics)
 
@@ -259,7 +267,7 @@ class TenantGate:
             return invalid_api_key()
         limiter = self.limiters[tenant]
         lease: Lease | None = None
-        if request.method == "POST" and request.path in GENERATION_PATHS:
+        if request.method == "POST" and request.path in ADMITTED_PATHS:
             admitted = limiter.admit()
             if isinstance(admitted, Refusal):
                 self.metrics.tenant_rate_limited.labels(tenant, admitted.limit).inc()

@@ -2,7 +2,8 @@
 tokenizer).
 
 - A non-streamed answer carries `usage` in its JSON body (`prompt_tokens` /
-  `completion_tokens`; `input_tokens` / `output_tokens` on the Responses API).
+  `completion_tokens`; `input_tokens` / `output_tokens` on the Responses API; only
+  `prompt_tokens` on embeddings, which generate nothing).
 - A stream carries it in its usage chunk when the client asked for
   `stream_options.include_usage` (the Responses API always sends it, in its
   `response.completed` event). Without it the gateway estimates: one token per content chunk
@@ -41,8 +42,8 @@ NO_USAGE = Usage(0, 0)
 
 
 def usage_of(answer: Any) -> Usage | None:
-    """The usage in a chat/completions answer or stream chunk, or in a Responses API object
-    or stream event (under `response`); None when it has none."""
+    """The usage in a chat/completions or embeddings answer or stream chunk, or in a
+    Responses API object or stream event (under `response`); None when it has none."""
     if not isinstance(answer, dict):
         return None
     usage = answer.get("usage")
@@ -51,7 +52,9 @@ def usage_of(answer: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    # An embeddings answer reports only `prompt_tokens` (and `total_tokens`): it generated
+    # nothing, so its completion tokens are 0 and the tenant pays for its inputs alone.
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                for n in (prompt, completion)):
         return None
