@@ -4,7 +4,9 @@
 transformers and our loader both read: config.json + safetensors (single file, or sharded with
 `max_shard_size`) + generation_config.json from transformers' `save_pretrained`, plus the real
 tokenizer of the embedded SmolLM2 model (converted from its GGUF by transformers), so the
-vocabulary (49152 ids) and the chat template are those of a real model.
+vocabulary (49152 ids) and the chat template are those of a real model. `headless=True` saves
+the bare decoder instead (`LlamaModel` / `MistralModel` / `Qwen2Model`: no lm_head, weight names
+without the `model.` prefix), the way decoder-based embedding models are published.
 
 Weights are random with a large init scale (`init_std`, default 0.5) so that greedy decoding
 is not a sequence of near-ties. Measured with the defaults (2 layers, hidden 64, 4x32 random
@@ -29,10 +31,10 @@ EMBEDDED_VOCAB_SIZE = 49152
 EMBEDDED_BOS_ID = 1
 EMBEDDED_EOS_ID = 2
 
-_ARCH_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+_ARCH_CLASSES = {  # arch -> (config class, causal LM class, headless decoder class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaModel"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model"),
 }
 
 
@@ -83,13 +85,16 @@ def make_random_model_dir(
     max_shard_size: str | None = None,
     eos_token_id: int | list[int] = EMBEDDED_EOS_ID,
     seed: int = 0,
+    headless: bool = False,
 ) -> Path:
-    """Write a random-weight `arch` model folder under `tmp_path` and return its path."""
+    """Write a random-weight `arch` model folder under `tmp_path` and return its path
+    (`headless`: the bare decoder, as embedding models are saved)."""
     import transformers
 
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch must be one of {sorted(_ARCH_CLASSES)}, got {arch!r}")
-    config_cls_name, model_cls_name = _ARCH_CLASSES[arch]
+    config_cls_name, causal_lm_cls_name, headless_cls_name = _ARCH_CLASSES[arch]
+    model_cls_name = headless_cls_name if headless else causal_lm_cls_name
     config_cls = getattr(transformers, config_cls_name)
     model_cls = getattr(transformers, model_cls_name)
     kwargs: dict = dict(
@@ -125,7 +130,7 @@ def make_random_model_dir(
             elif param_name.endswith(".bias"):
                 param.copy_(init_std * torch.randn(param.shape, generator=generator))
 
-    folder = Path(tmp_path) / (name or f"random-{arch}")
+    folder = Path(tmp_path) / (name or f"random-{arch}{'-headless' if headless else ''}")
     folder.mkdir(parents=True, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **save_kwargs)

@@ -82,13 +82,23 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
                 names.append(f"{p}self_attn.{proj}_proj.bias")
         names += [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
     names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
+    if spec.has_lm_head and not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
 
 
+def model_weight_name(stored_name: str) -> str:
+    """The name the model expects for a tensor as stored: a headless checkpoint (`LlamaModel`,
+    `MistralModel`, `Qwen2Model`) saves the decoder's own names, without the `model.` prefix
+    a `*ForCausalLM` puts in front of them (`layers.0.mlp.up_proj.weight`)."""
+    if stored_name.startswith("model.") or stored_name.startswith("lm_head."):
+        return stored_name
+    return "model." + stored_name
+
+
 def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each model weight, in checkpoint dtype, file by file.
+    """(name, tensor) for each model weight, in checkpoint dtype, file by file, named as the
+    model expects (`model_weight_name`) whether or not the file has the `model.` prefix.
 
     Raises ValueError for a tensor the architecture does not have, and, at the end, for any
     weight that never appeared (a truncated or mismatched checkpoint).
@@ -97,15 +107,22 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
     seen: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+            for stored in f.keys():
+                if stored.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name == "lm_head.weight" and spec.tie_word_embeddings:
+                if stored == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: the forward reuses embed_tokens
+                name = model_weight_name(stored)
                 if name not in expected:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {spec.architecture} model")
+                    what = "a headless (no lm_head) " if not spec.has_lm_head else "a "
+                    raise ValueError(f"{file.name}: unexpected tensor {stored!r} for "
+                                     f"{what}{spec.architecture} model")
+                if name in seen:  # both `x` and `model.x`: which one would win is arbitrary
+                    raise ValueError(f"{file.name}: tensor {stored!r} appears twice "
+                                     f"(as {name!r} too)")
                 seen.add(name)
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(stored)
     missing = expected - seen
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        note = "" if spec.has_lm_head else " (a headless checkpoint may store them without 'model.')"
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}{note}")

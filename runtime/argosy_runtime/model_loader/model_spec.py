@@ -15,7 +15,14 @@ HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
 }
+# The bare decoders, without a language-model head: how decoder-based embedding models are
+# published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
+# hidden state; their weights are named without the `model.` prefix.
+HEADLESS_HF_ARCHITECTURES: frozenset[str] = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"})
 # HF `model_type` -> our architecture name, for configs that omit `architectures`.
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2")
@@ -29,6 +36,9 @@ class ModelSpec:
     `rope_scaling` is the HF config's rope scaling dict (always with a `rope_type` key), or None
     for plain rotary embeddings. `checkpoint_dtype` is the dtype of the floating point tensors
     `Checkpoint.iter_weights` yields ("float32" for GGUF, which is dequantized).
+    `has_lm_head` is False for a headless checkpoint (`LlamaModel`, `MistralModel`,
+    `Qwen2Model`: an embedding model): no lm_head weight, no logits, hidden states only; such
+    a spec is never `tie_word_embeddings` (there is no head to tie).
     """
 
     architecture: str
@@ -48,6 +58,7 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str
+    has_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,6 +92,8 @@ class ModelSpec:
             raise ValueError(
                 f"checkpoint_dtype must be one of {_FLOAT_DTYPES}, got {self.checkpoint_dtype!r}"
             )
+        if not self.has_lm_head and self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -100,7 +113,7 @@ class ModelSpec:
         `generation_config` (the folder's `generation_config.json`) contributes extra EOS ids:
         instruct models often stop on a token (e.g. `<|eot_id|>`) that config.json lacks.
         """
-        architecture = _hf_architecture(config)
+        architecture, has_lm_head = _hf_architecture(config)
         hidden_size = _require_int(config, "hidden_size")
         num_heads = _require_int(config, "num_attention_heads")
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
@@ -138,21 +151,25 @@ class ModelSpec:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Headless configs may still say tie_word_embeddings (a transformers default):
+            # without a head there is nothing to tie.
+            tie_word_embeddings=has_lm_head and bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             checkpoint_dtype=checkpoint_dtype,
+            has_lm_head=has_lm_head,
         )
 
 
-def _hf_architecture(config: dict[str, Any]) -> str:
+def _hf_architecture(config: dict[str, Any]) -> tuple[str, bool]:
+    """(our architecture name, whether the checkpoint has an lm_head)."""
     names = config.get("architectures") or []
     for name in names:
         if name in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[name]
+            return HF_ARCHITECTURES[name], name not in HEADLESS_HF_ARCHITECTURES
     if not names and config.get("model_type") in HF_MODEL_TYPES:
-        return HF_MODEL_TYPES[config["model_type"]]
+        return HF_MODEL_TYPES[config["model_type"]], True
     found = names[0] if names else config.get("model_type")
     raise ValueError(
         f"config.json: unsupported architecture {found!r}; supported: "

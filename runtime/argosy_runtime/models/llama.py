@@ -194,10 +194,14 @@ class LlamaForCausalLM(nn.Module):
         # a float32 pass first faulted in twice the bytes (a 1B-shaped model: 3.1 s -> 0.75 s).
         with torch.device("meta"):
             self.model = LlamaModel(spec)
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            # A headless checkpoint (an embedding model) has no head: its output is `forward`'s
+            # hidden states, and no vocab x hidden matrix is allocated, packed or quantized.
+            self.lm_head: nn.Module | None = (
+                nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if spec.has_lm_head else None
+            )
         self.to(dtype)
         self.to_empty(device=device)
-        if spec.tie_word_embeddings:
+        if spec.tie_word_embeddings:  # never for a headless spec (ModelSpec checks)
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
         # Chunks up to this long are decode rows (attention/batch.py build_batch): set by
@@ -296,7 +300,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab] float32 for the sampler
+        """[n, vocab] float32 logits for the sampler. Raises RuntimeError for a model without
+        an lm_head (spec.has_lm_head False), which cannot generate."""
+        if self.lm_head is None:
+            raise RuntimeError(
+                f"this {self.spec.architecture} model has no language-model head (a headless "
+                "embedding checkpoint): it serves embeddings only"
+            )
+        return self.lm_head(hidden).float()
 
     # ---- weights ------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index within the fused parameter)

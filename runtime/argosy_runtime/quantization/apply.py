@@ -6,7 +6,8 @@ quantized as it arrives (both formats are row-wise, so quantizing q/k/v separate
 stacking the rows equals quantizing the fused qkv matrix), and every other weight goes
 straight to `model.load_weights`. Then the lm_head becomes int8 per output channel (in both
 modes: at batch 1 its 49152 x 576 bfloat16 matrix was the largest single read of SmolLM2's
-int4 decode step), and an embedding tied to it reads its rows from that int8 table.
+int4 decode step), and an embedding tied to it reads its rows from that int8 table. A
+headless model (no lm_head: an embedding checkpoint) skips that last part.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
     if config.algorithm == "gptq" and config.source == "rtn":
         _load_with_gptq(model, checkpoint, config, dtype)
         quantize_output_layer(model)
-        logger.info("quantized decoder linears to %s with GPTQ, lm_head to int8: weights %.1f MiB -> %.1f MiB",
-                    config.describe(), before / 2**20, weight_bytes(model) / 2**20)
+        logger.info("quantized decoder linears to %s with GPTQ%s: weights %.1f MiB -> %.1f MiB",
+                    config.describe(), _head_note(model), before / 2**20, weight_bytes(model) / 2**20)
         return
     pending: dict[str, dict[int, Int8Weight | Int4Weight]] = {}
 
@@ -93,13 +94,20 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
         setattr(model.get_submodule(parent_name), child, quantized)
     model.check_all_loaded(loaded)
     quantize_output_layer(model)
-    logger.info("quantized decoder linears to %s, lm_head to int8: weights %.1f MiB -> %.1f MiB",
-                config.describe(), before / 2**20, weight_bytes(model) / 2**20)
+    logger.info("quantized decoder linears to %s%s: weights %.1f MiB -> %.1f MiB",
+                config.describe(), _head_note(model), before / 2**20, weight_bytes(model) / 2**20)
+
+
+def _head_note(model: nn.Module) -> str:
+    return ", lm_head to int8" if model.lm_head is not None else " (no lm_head: headless)"
 
 
 def quantize_output_layer(model: nn.Module) -> None:
-    """lm_head -> Int8Linear (per output channel); a tied embedding -> Int8Embedding on it."""
+    """lm_head -> Int8Linear (per output channel); a tied embedding -> Int8Embedding on it.
+    A headless model (no lm_head) keeps its embedding as it is."""
     head = model.lm_head
+    if head is None:
+        return
     if not isinstance(head, nn.Linear):
         raise ValueError(f"lm_head is a {type(head).__name__}, not an nn.Linear (already quantized?)")
     tied = head.weight is model.model.embed_tokens.weight
