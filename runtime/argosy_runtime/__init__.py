@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "EngineArgs"]
 
 _LAZY = {
     "LLM": "argosy_runtime.llm",
     "LLMEngine": "argosy_runtime.engine",
     "SamplingParams": "argosy_runtime.sampling_params",
+    "PoolingParams": "argosy_runtime.pooling_params",
     "StructuredOutputsParams": "argosy_runtime.structured_output",
     "RequestOutput": "argosy_runtime.outputs",
     "CompletionOutput": "argosy_runtime.outputs",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from argosy_runtime.engine_args import EngineArgs
     from argosy_runtime.llm import LLM
     from argosy_runtime.outputs import CompletionOutput, RequestOutput
+    from argosy_runtime.pooling_params import PoolingParams
     from argosy_runtime.sampling_params import SamplingParams
     from argosy_runtime.structured_output import StructuredOutputsParams
 

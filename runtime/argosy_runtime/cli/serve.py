@@ -5,7 +5,7 @@
 
 Every engine option is a flag (from `EngineArgs`, the "engine" group below); the "server"
 group holds the HTTP server's own (listen address, API key, queue bound, timeouts, tool-call
-parser, runtime LoRA updates, Batch API folder). SIGTERM drains: /ready turns 503, running
+parser, runtime LoRA updates, Batch API folder, embedding pooling). SIGTERM drains: /ready turns 503, running
 requests finish (up to --drain-timeout), exit 0. See docs/server.md.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.server.config import TOOL_CALL_PARSERS
+from argosy_runtime.server.config import EMBEDDING_POOLINGS, TOOL_CALL_PARSERS
 
 T = TypeVar("T")
 
@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ReadWriteMany volume) see each other's files and batches and "
                              "take over the batches of a replica that stopped (default: a "
                              "temporary folder, removed at exit).")
+    server.add_argument("--embedding-pooling", choices=EMBEDDING_POOLINGS, default="last",
+                        help="How POST /v1/embeddings turns a prompt into one vector: the "
+                             "final hidden state of its last token (last: how decoder "
+                             "embedding models such as e5-mistral-7b-instruct and gte-Qwen2 are "
+                             "trained) or the mean over its tokens; L2-normalized either way "
+                             "(default: %(default)s).")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
 
 
@@ -93,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, request_timeout=args.request_timeout,
             drain_timeout=args.drain_timeout, log_level=args.log_level,
             allow_runtime_lora_updates=args.allow_runtime_lora_updates,
-            tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir)
+            tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir,
+            embedding_pooling=args.embedding_pooling)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)

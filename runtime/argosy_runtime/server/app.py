@@ -24,6 +24,7 @@ from argosy_runtime.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -37,6 +38,7 @@ from argosy_runtime.server.responses import BackgroundRuns, ResponseStore, add_r
 from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
+from argosy_runtime.server.serving_embedding import create_embedding
 from argosy_runtime.server.serving_tokenize import detokenize, tokenize
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -59,7 +61,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                           _cache_info(engine), lora.loaded_names, lora.names, lora.num_loads)
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
-                         lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names)
+                         lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names,
+                         embedding_size=engine.spec.hidden_size)
     # Without --batch-dir, batches live in a temporary folder removed at exit.
     batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
     files = FileStore(batch_root)
@@ -101,6 +104,10 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await create_chat_completion(request, body, ctx)
+
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
+        return await create_embedding(request, body, ctx)
 
     add_responses_routes(app, ctx, ResponseStore(), background)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Tool-call formats for tool_choice "auto" (server/tool_parsers.py has one stream for each).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# How /v1/embeddings pools a prompt's hidden states (pooling_params.py).
+EMBEDDING_POOLINGS = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class ServerConfig:
     batch_dir: where the Batch API keeps its files and batches; an unfinished batch resumes
         when the server starts again on the same folder (None: a temporary folder, removed
         at exit).
+    embedding_pooling: how /v1/embeddings turns a prompt's hidden states into one vector:
+        "last" (the last token's, as decoder embedding models such as e5-mistral and gte-Qwen2
+        are trained) or "mean".
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +45,7 @@ class ServerConfig:
     allow_runtime_lora_updates: bool = False
     tool_call_parser: str | None = None
     batch_dir: str | None = None
+    embedding_pooling: str = "last"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,6 +61,9 @@ class ServerConfig:
                              f"got {self.log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
+                             f"got {self.embedding_pooling!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

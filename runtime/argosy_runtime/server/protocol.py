@@ -112,6 +112,18 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's), plus vLLM's `priority`."""
+
+    model_config = _FORBID
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+
+
 class ContentPart(BaseModel):
     model_config = _FORBID
     type: Literal["text"]

@@ -44,6 +44,7 @@ class ServingContext:
     metrics: ServerMetrics
     # The LoRA adapters served now, beside the base model (they can change while serving).
     adapter_names: Callable[[], tuple[str, ...]] = tuple
+    embedding_size: int = 0  # the length of /v1/embeddings' vectors (the hidden size)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -198,7 +199,7 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
     for t in token_ids:
         if isinstance(t, bool) or not 0 <= t < vocab:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param)
-    need = len(token_ids) + (max_tokens or 1)
+    need = len(token_ids) + (1 if max_tokens is None else max_tokens)
     if need > ctx.max_model_len:
         what = f" + max_tokens {max_tokens}" if max_tokens else ""
         raise bad_request(

@@ -35,7 +35,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
-def normalize_prompts(ctx: ServingContext, prompt: Any) -> tuple[list[str | None], list[list[int]]]:
+def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prompt",
+                      max_items: int = MAX_PROMPTS_PER_REQUEST
+                      ) -> tuple[list[str | None], list[list[int]]]:
     """str | list[str] | list[int] | list[list[int]] -> (texts, token id lists)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -44,9 +46,9 @@ def normalize_prompts(ctx: ServingContext, prompt: Any) -> tuple[list[str | None
     else:
         items = list(prompt)
     if not items:
-        raise bad_request("prompt must not be empty", "prompt")
-    if len(items) > MAX_PROMPTS_PER_REQUEST:
-        raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        raise bad_request(f"{param} must not be empty", param)
+    if len(items) > max_items:
+        raise bad_request(f"at most {max_items} {param}s per request", param)
     texts: list[str | None] = []
     ids: list[list[int]] = []
     for item in items:

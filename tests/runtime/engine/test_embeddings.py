@@ -14,8 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from argosy_runtime import LLM, LLMEngine, SamplingParams
-from argosy_runtime.pooling_params import PoolingParams
+from argosy_runtime import LLM, LLMEngine, PoolingParams, SamplingParams
 from engine_helpers import assert_no_leaks
 
 TEXTS = [

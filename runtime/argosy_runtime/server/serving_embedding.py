@@ -1,0 +1,80 @@
+"""POST /v1/embeddings: OpenAI's embeddings API over the engine's embedding requests.
+
+Each input runs as its own engine request (PoolingParams: `--embedding-pooling`, L2-normalized)
+beside whatever else is running, so embeddings join the continuous batch like prompts do.
+`encoding_format: "base64"` (the official openai client's default) returns each vector as the
+base64 of its little-endian float32 bytes, a quarter of the JSON text of the floats.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+from argosy_runtime.outputs import RequestOutput
+from argosy_runtime.pooling_params import PoolingParams
+from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.protocol import EmbeddingRequest, new_id
+from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_common import (
+    ClientGone,
+    ServingContext,
+    check_prompt,
+    run_to_completion,
+    start_streams,
+)
+from argosy_runtime.server.serving_completion import normalize_prompts
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+# Inputs of one request admitted to the engine at a time: a long list (LangChain sends up to
+# 1000) then waits its turn in slices instead of filling the waiting queue (`--max-waiting`)
+# by itself and being refused.
+INPUTS_IN_FLIGHT = 256
+
+
+async def create_embedding(request: Request, req: EmbeddingRequest,
+                           ctx: ServingContext) -> Response:
+    ctx.check_accepting()
+    model_name = ctx.check_model(req.model)
+    hidden_size = ctx.embedding_size
+    if req.dimensions is not None and req.dimensions != hidden_size:
+        raise bad_request(
+            f"dimensions: this model's embeddings have {hidden_size} dimensions and it was not "
+            f"trained to shorten them; leave dimensions out (or send {hidden_size})",
+            "dimensions")
+    _, prompts = normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
+    for ids in prompts:
+        check_prompt(ctx, ids, 0, param="input")
+    params = PoolingParams(pooling=ctx.config.embedding_pooling)
+    prompt_tokens = sum(len(p) for p in prompts)
+    log = request_log(request.scope)
+    log.update(model=model_name, prompt_tokens=prompt_tokens, inputs=len(prompts))
+    base_id = f"{new_id('embd')}-{request_id_of(request.scope)}"
+    finals: list[RequestOutput] = []
+    ctx.lifecycle.enter()
+    try:
+        for start in range(0, len(prompts), INPUTS_IN_FLIGHT):
+            streams = await start_streams(ctx, f"{base_id}-{start}",
+                                          prompts[start : start + INPUTS_IN_FLIGHT], params,
+                                          model_name, req.priority)
+            finals.extend(await run_to_completion(request, ctx, streams))
+    except ClientGone:
+        log.update(finish_reason="client_disconnected")
+        return Response(status_code=499)
+    finally:
+        ctx.lifecycle.exit()
+    log.update(finish_reason="stop")
+    data = [{"object": "embedding", "index": i, "embedding": _encode(out.embedding or [],
+                                                                    req.encoding_format)}
+            for i, out in enumerate(finals)]
+    return JSONResponse({"object": "list", "data": data, "model": model_name,
+                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
