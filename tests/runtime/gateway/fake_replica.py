@@ -22,8 +22,8 @@ KNOWN_FIELDS = {
     "top_p", "stream", "stop", "n", "logprobs", "top_logprobs", "seed", "ignore_eos",
     "stream_options", "presence_penalty", "frequency_penalty", "user", "priority",
 }
-# OpenAI's embeddings fields: anything else (a `priority` too) is refused, as the server does.
-EMBEDDINGS_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+# The server's embeddings fields (OpenAI's and `priority`): anything else is refused, as there.
+EMBEDDINGS_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
 EMBEDDING_DIMENSIONS = 4
 
 

@@ -170,7 +170,7 @@ async def test_a_cascade_route_is_refused(fake_replicas, gateway) -> None:
 async def test_tenants_keys_and_limits_apply_and_usage_is_charged(fake_replicas,
                                                                   gateway) -> None:
     (r,) = await fake_replicas(1, prompt_tokens=7)
-    # With a priority: embeddings take no `priority` field, so none may be added to them.
+    # With a priority: embeddings take the tenant's, like generation requests.
     tenant = TenantConfig(name="a", api_keys=(KEY,), requests_per_minute=2,
                           tokens_per_minute=1000, priority=5)
     _, url = await gateway(config(("tiny", [r.url]), tenants=(tenant,),
@@ -186,7 +186,7 @@ async def test_tenants_keys_and_limits_apply_and_usage_is_charged(fake_replicas,
             status, headers, raw = await embed(s, url, body, auth)
             assert status == 200, raw
             assert headers["x-ratelimit-remaining-requests"] == remaining
-        assert r.requests[-1] == body  # no priority added
+        assert r.requests[-1] == {**body, "priority": 5}
         assert r.headers_seen[-1]["Authorization"] == "Bearer replica-secret"
         status, headers, raw = await embed(s, url, body, auth)
         assert status == 429 and json.loads(raw)["error"]["code"] == "rate_limit_exceeded"

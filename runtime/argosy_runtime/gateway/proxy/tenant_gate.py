@@ -14,7 +14,7 @@ For every `/v1/*` request it
    `replica_api_key` (or none): the tenant's key never reaches a replica, and every path that
    forwards client headers (headers.to_replica) forwards the replica key instead.
 
-A tenant's `priority` becomes its generation requests' scheduling priority
+A tenant's `priority` becomes its generation and embeddings requests' scheduling priority
 (`apply_priority`). The relay charges each answer's tokens through `meter()`, and every
 answer to a tenant gets OpenAI's `x-ratelimit-*` headers as the limits stood when the request
 arrived. Without tenants nothing is installed: clients' headers pass through as before, and
@@ -55,14 +55,13 @@ from argosy_runtime.gateway.tenants.usage import UsageMeter
 
 logger = logging.getLogger(__name__)
 
-# Requests that generate tokens: they take a tenant's `priority` (the runtime's field).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-# Requests admitted against the limits and charged: generation, and embeddings, whose inputs
-# cost a replica a prefill each. Token limits need no special case for embeddings: admission
+# Requests admitted against the limits, charged, and given a tenant's `priority` (the
+# runtime's field): generation, and embeddings, whose inputs cost a replica a prefill each. Token limits need no special case for embeddings: admission
 # never counts `max_tokens` (an answer's tokens are known only afterwards, limiter.py), and an
 # embeddings answer's `usage` has prompt tokens only, so it is charged those and 0 completion
 # tokens (tenants/usage.py).
-ADMITTED_PATHS = (*GENERATION_PATHS, "/v1/embeddings")
+ADMITTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                  "/v1/embeddings")
 CLIENT_CLOSED = "499"  # the `code` of a request whose client went away (nginx's convention)
 
 
@@ -232,13 +231,11 @@ class TenantGate:
                     ", ".join(changed) or "none")
 
     def apply_priority(self, request: web.Request, body: dict[str, Any]) -> bool:
-        """Give a generation request its tenant's scheduling priority: the tenant's value when
+        """Give a generation or embeddings request its tenant's scheduling priority: the tenant's value when
         the body has none or a more urgent (lower) one, else the body's. True when `body`
         changed. A non-integer `priority` is left for the replica to refuse (400)."""
         floor = self.priorities.get(request.get(_TENANT, ""))
-        if floor is None or request.path not in GENERATION_PATHS:
-            # Embeddings take no `priority` (OpenAI's fields only): adding one would make
-            # the replica refuse the request as an unknown field.
+        if floor is None or request.path not in ADMITTED_PATHS:
             return False
         sent = body.get("priority")
         if sent is not None and (isinstance(sent, bool) or not isinstance(sent, int)
