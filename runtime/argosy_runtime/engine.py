@@ -219,6 +219,9 @@ class LLMEngine:
     def _build_proposer(self) -> Any:
         if self.args.speculative is None:
             return None
+        if not self.spec.has_lm_head:
+            raise ValueError("speculative: a headless embedding checkpoint generates nothing "
+                             "to speculate on; leave speculative out")
         from argosy_runtime.spec_decode import build_proposer
 
         return build_proposer(self, self.args.speculative)
@@ -238,6 +241,10 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise ValueError("params must be a SamplingParams or a PoolingParams")
+        if isinstance(params, SamplingParams) and not self.spec.has_lm_head:
+            raise ValueError(f"model: {self.served_model_name} has no language-model head (a "
+                             "headless embedding checkpoint): it serves embeddings only "
+                             "(LLM.embed, POST /v1/embeddings), not generation")
         if lora_name is not None and lora_name not in self.lora_paths:
             raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
                              f"{sorted(self.lora_paths) or 'none'}")

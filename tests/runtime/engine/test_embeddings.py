@@ -199,3 +199,30 @@ def test_bad_requests_raise_value_errors(embedded_llm: LLM) -> None:
         engine.add_request("adapter", "hi", PoolingParams(), lora_name="nope")
     assert not engine.has_unfinished_requests()
     assert_no_leaks(engine)
+
+
+@pytest.fixture(scope="module")
+def headless_mistral_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from model_factory import make_random_model_dir
+
+    return make_random_model_dir(tmp_path_factory.mktemp("models"), "mistral",
+                                 num_hidden_layers=2, headless=True)
+
+
+def test_headless_checkpoint_serves_embeddings_only(headless_mistral_dir) -> None:  # noqa: ANN001
+    # A folder saved as transformers' MistralModel (no lm_head), as e5-mistral is published.
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(str(headless_mistral_dir), dtype=torch.float32).eval()
+    llm = LLM(model=str(headless_mistral_dir), dtype="float32", block_size=4)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    for p, o in zip(prompts, llm.embed(prompts)):
+        with torch.no_grad():
+            hidden = hf(torch.tensor([p])).last_hidden_state[0].float()
+        assert_close(o.embedding, F.normalize(hidden[-1], dim=0))
+    with pytest.raises(ValueError, match="^model: .* serves embeddings only"):
+        llm.generate(prompts[0], SamplingParams(max_tokens=2))
+    assert_no_leaks(llm.engine)
+    with pytest.raises(ValueError, match="^speculative: a headless"):
+        LLM(model=str(headless_mistral_dir), dtype="float32", speculative="ngram")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import struct
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,10 @@ import torch
 from argosy_runtime import PoolingParams, SamplingParams
 from openai import OpenAI
 from serve_harness import MODEL, ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from model_factory import make_random_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
@@ -146,3 +152,34 @@ def test_mean_pooling_server_with_an_api_key(mean_server: ServerProcess, offline
     # Not the last-token vector: the flag really changed the pooling.
     last = offline_llm.embed(TEXTS[:1])[0].embedding
     assert (torch.tensor(reply.data[0].embedding) - torch.tensor(last)).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def headless_server(tmp_path_factory: pytest.TempPathFactory):
+    # A folder saved as transformers' MistralModel (no lm_head), as e5-mistral is published.
+    folder = make_random_model_dir(tmp_path_factory.mktemp("models"), "mistral",
+                                   num_hidden_layers=2, headless=True)
+    proc = ServerProcess("--model", str(folder), "--served-model-name", "embedder")
+    try:
+        yield proc.wait_ready(), folder
+    finally:
+        proc.stop()
+
+
+def test_a_headless_checkpoint_serves_embeddings_and_refuses_generation(headless_server) -> None:  # noqa: ANN001
+    from argosy_runtime import LLM
+
+    server, folder = headless_server
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.embeddings.create(model="embedder", input=TEXTS)
+    offline = LLM(model=str(folder), dtype="float32").embed(TEXTS)
+    for d, e in zip(reply.data, offline):
+        assert len(d.embedding) == len(e.embedding) == 64
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(e.embedding),
+                                   atol=1e-5, rtol=1e-5)
+    resp = httpx.post(server.url + "/v1/completions",
+                      json={"model": "embedder", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "model" and "serves embeddings only" in error["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
