@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import base64
+import io
+import json
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -183,3 +186,30 @@ def test_a_headless_checkpoint_serves_embeddings_and_refuses_generation(headless
     error = resp.json()["error"]
     assert error["param"] == "model" and "serves embeddings only" in error["message"]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_batch_of_embeddings(client: OpenAI, offline_llm) -> None:
+    # OpenAI's Batch API runs /v1/embeddings lines too (at batch priority, on the same server).
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": MODEL, "input": text, "encoding_format": "float"}}
+             for i, text in enumerate(TEXTS)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": MODEL, "input": ""}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    input_id = client.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=input_id, endpoint="/v1/embeddings",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    records = [json.loads(line)
+               for line in client.files.content(batch.output_file_id).text.splitlines()]
+    by_id = {r["custom_id"]: r["response"]["body"] for r in records}
+    for i, expected in enumerate(offline_llm.embed(TEXTS)):
+        assert_vectors_equal(by_id[f"e{i}"]["data"][0]["embedding"], expected.embedding)
+    errors = client.files.content(batch.error_file_id).text
+    assert '"bad"' in errors
