@@ -68,6 +68,8 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
         args += ["--max-loaded-loras", str(runtime["maxLoadedLoras"])]
     if runtime.get("toolCallParser"):
         args += ["--tool-call-parser", runtime["toolCallParser"]]
+    if runtime.get("embeddingPooling"):
+        args += ["--embedding-pooling", runtime["embeddingPooling"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     args += ["--batch-dir", batch_dir(name, spec)]
     if runtime.get("maxWaiting") is not None:
