@@ -1,0 +1,181 @@
+"""Embeddings throughput: argosy `LLM.embed` vs transformers, and vLLM's pooling runner.
+
+The same token-id inputs (mixed lengths, fixed seed) go to every system, last-token pooling,
+L2-normalized, in the same dtype:
+  argosy        `LLM.embed(inputs)`: continuous batching over the paged KV cache, prompts
+                chunked by the token budget (the engine's defaults);
+  transformers  `AutoModel` the way sentence-transformers' `encode` runs it: inputs sorted by
+                length, batches of `--hf-batch-size` (32, its default), right padding with an
+                attention mask, the last real token's hidden state;
+  vllm          (with `--vllm-python`) `vllm.LLM(model, runner="pooling").embed(...)` in a
+                subprocess, on an HF folder (`--hf-model`, from bench/export_hf.py).
+Systems take turns, round after round, so a noisy shared machine slows them alike; the table
+reports each system's median seconds and inputs/s, and ratios to argosy. Vectors are checked
+against argosy's (minimum cosine over the inputs), so all compute the same thing.
+
+    .venv/bin/python bench/export_hf.py smollm2-135m /tmp/smollm2-hf
+    .venv/bin/python bench/embeddings.py --num-inputs 128 --min-len 16 --max-len 256 \
+        --rounds 3 --hf-model /tmp/smollm2-hf --vllm-python /tmp/vllm/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM
+from vllm.inputs import TokensPrompt
+cfg = json.load(open(sys.argv[1]))
+if __name__ == "__main__":
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], runner="pooling", seed=0,
+              gpu_memory_utilization=0.25, max_model_len=2048)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["inputs"]]
+    llm.embed(prompts[:4])  # warm-up
+    times = []
+    for _ in range(cfg["rounds"]):
+        start = time.perf_counter()
+        out = llm.embed(prompts)
+        times.append(time.perf_counter() - start)
+    vectors = [o.outputs.embedding for o in out]
+    print("RESULT " + json.dumps({"times": times, "vectors": vectors}))
+"""
+
+
+def make_inputs(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(n)]
+
+
+def time_argosy(llm: Any, inputs: list[list[int]]) -> tuple[float, torch.Tensor]:
+    llm.engine.kv_cache.pool.reset_prefix_cache()  # every round computes every token
+    start = time.perf_counter()
+    outs = llm.embed(inputs)
+    elapsed = time.perf_counter() - start
+    return elapsed, torch.tensor([o.embedding for o in outs])
+
+
+@torch.inference_mode()
+def time_transformers(model: Any, inputs: list[list[int]], batch_size: int
+                      ) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    vectors: list[torch.Tensor | None] = [None] * len(inputs)
+    for b in range(0, len(order), batch_size):
+        batch = [inputs[i] for i in order[b : b + batch_size]]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, : len(p)] = torch.tensor(p)
+            mask[row, : len(p)] = 1
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        last = hidden[torch.arange(len(batch)), mask.sum(dim=1) - 1].float()
+        for row, i in enumerate(order[b : b + batch_size]):
+            vectors[i] = F.normalize(last[row], dim=0)
+    elapsed = time.perf_counter() - start
+    return elapsed, torch.stack(vectors)  # type: ignore[arg-type]
+
+
+def run_vllm(args: argparse.Namespace, inputs: list[list[int]]
+             ) -> tuple[list[float], torch.Tensor] | None:
+    probe = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True)
+    if probe.returncode != 0:
+        print(f"vLLM: not importable with {args.vllm_python}; skipped", file=sys.stderr)
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as cfg:
+        json.dump({"model": args.hf_model, "dtype": args.dtype, "rounds": args.rounds,
+                   "inputs": inputs}, cfg)
+        cfg.flush()
+        proc = subprocess.run([args.vllm_python, "-c", _VLLM_SCRIPT, cfg.name],
+                              capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+            return result["times"], torch.tensor(result["vectors"])
+    print(f"vLLM failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--hf-model", default=None,
+                        help="HF folder of the same weights, for transformers and vLLM "
+                             "(default: transformers reads the embedded GGUF; vLLM needs it)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-inputs", type=int, default=128)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args()
+
+    from argosy_runtime import LLM
+    from argosy_runtime.model_loader import resolve_model_path
+    from transformers import AutoModel
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    inputs = make_inputs(args.num_inputs, args.min_len, args.max_len,
+                         llm.engine.spec.vocab_size, args.seed)
+    num_tokens = sum(map(len, inputs))
+    dtype = getattr(torch, args.dtype)
+    if args.hf_model:
+        hf = AutoModel.from_pretrained(args.hf_model, dtype=dtype)
+    else:
+        path, _ = resolve_model_path(args.model)
+        hf = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    hf.eval()
+    llm.embed(inputs[:4])  # warm-up (first-use kernel builds, allocator)
+    time_transformers(hf, inputs[:4], args.hf_batch_size)
+
+    times: dict[str, list[float]] = {"argosy": [], "transformers": []}
+    vectors: dict[str, torch.Tensor] = {}
+    for _ in range(args.rounds):
+        elapsed, vectors["argosy"] = time_argosy(llm, inputs)
+        times["argosy"].append(elapsed)
+        elapsed, vectors["transformers"] = time_transformers(hf, inputs, args.hf_batch_size)
+        times["transformers"].append(elapsed)
+    if args.vllm_python:
+        del hf
+        vllm = run_vllm(args, inputs)  # its own process: after ours, not interleaved
+        if vllm is not None:
+            times["vllm"], vectors["vllm"] = vllm
+
+    print(f"{args.num_inputs} inputs, {num_tokens} tokens ({args.min_len}-{args.max_len} "
+          f"each), {args.dtype}, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print("| system | median s | inputs/s | tokens/s | argosy / system | min cosine to argosy |")
+    print("|---|---|---|---|---|---|")
+    ours = statistics.median(times["argosy"])
+    rows = []
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        cosine = F.cosine_similarity(vectors[name].float(), vectors["argosy"].float()).min()
+        rows.append({"system": name, "seconds": ts, "median_s": median,
+                     "inputs_per_s": args.num_inputs / median, "tokens_per_s": num_tokens / median,
+                     "speedup_of_argosy": median / ours, "min_cosine": float(cosine)})
+        print(f"| {name} | {median:.2f} | {args.num_inputs / median:.1f} | "
+              f"{num_tokens / median:.0f} | {median / ours:.2f}x | {float(cosine):.4f} |")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"args": vars(args), "num_tokens": num_tokens, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
