@@ -78,12 +78,13 @@ def detect_prequantized(checkpoint: Any) -> QuantizationConfig | None:
 
 def iter_prequantized(checkpoint: Any, config: QuantizationConfig
                       ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-    """(HF name, tensor or Int4Weight) for every weight of a GPTQ/AWQ folder.
+    """(HF name, tensor or Int4Weight) for every weight of a GPTQ/AWQ folder, named as the
+    model expects (`model.` in front of a headless checkpoint's names).
 
     Quantized projections come as `<module>.weight` -> Int4Weight. All-zero biases that
     AutoGPTQ writes for layers without one are dropped; a non-zero one is an error.
     """
-    from argosy_runtime.model_loader.hf_checkpoint import safetensors_files
+    from argosy_runtime.model_loader.hf_checkpoint import model_weight_name, safetensors_files
 
     spec = checkpoint.spec
     qc = read_quantization_config(checkpoint) or {}
@@ -93,7 +94,8 @@ def iter_prequantized(checkpoint: Any, config: QuantizationConfig
     for file in safetensors_files(checkpoint.path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                module, _, leaf = key.rpartition(".")
+                name = model_weight_name(key)  # a headless checkpoint has no `model.` prefix
+                module, _, leaf = name.rpartition(".")
                 proj = module.rsplit(".", 1)[-1]
                 if leaf in suffixes and proj in _PROJ_SHAPES:
                     parts.setdefault(module, {})[leaf] = f.get_tensor(key)
@@ -110,7 +112,7 @@ def iter_prequantized(checkpoint: Any, config: QuantizationConfig
                     continue
                 if key.endswith(".rotary_emb.inv_freq"):
                     continue
-                yield key, f.get_tensor(key)
+                yield name, f.get_tensor(key)
     for module, tensors in parts.items():
         in_f, out_f = _PROJ_SHAPES[module.rsplit(".", 1)[-1]](spec)
         if config.source == "gptq":

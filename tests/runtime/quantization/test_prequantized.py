@@ -183,3 +183,23 @@ def test_rtn_on_a_float_checkpoint_and_missing_config(float_dir: Path) -> None:
     model = LlamaForCausalLM(ckpt.spec, torch.float32)
     with pytest.raises(ValueError, match="needs a QuantizationConfig"):
         load_quantized_weights(model, ckpt, None)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_headless_prequantized_checkpoint(tmp_path: Path, method: str) -> None:
+    # An embedding model quantized as published: a bare decoder (`Qwen2Model`), whose tensor
+    # names have no `model.` prefix, and no lm_head.
+    float_dir = make_random_model_dir(tmp_path / "float", "qwen2", hidden_size=96,
+                                      intermediate_size=160, num_attention_heads=3,
+                                      num_key_value_heads=1, init_std=0.1, headless=True)
+    qdir, ref_dir = write_quantized(float_dir, tmp_path / method, method, GROUP)
+    model = _load(qdir)
+    ref = _reference_weights(ref_dir)
+    assert model.lm_head is None
+    for i, layer in enumerate(model.model.layers):
+        down = layer.mlp.down_proj
+        assert isinstance(down, Int4Linear)
+        assert torch.allclose(down.dequantize(), ref[f"model.layers.{i}.mlp.down_proj.weight"],
+                              atol=1e-6)
+    params = dict(model.named_parameters())
+    assert torch.equal(params["model.norm.weight"], ref["model.norm.weight"])
