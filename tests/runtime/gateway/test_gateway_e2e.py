@@ -182,6 +182,23 @@ def test_models_and_errors_match_the_server(fleet: FleetHandle) -> None:
         assert "argosy:gateway_backend_healthy" in metrics
 
 
+def test_embeddings_through_the_gateway_equal_the_replica(fleet: FleetHandle) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+    texts = ["The capital of France is Paris.", "Hi"]
+    raw = client.embeddings.with_raw_response.create(model=MODEL, input=texts)
+    backend = raw.headers["x-argosy-backend"]
+    via = raw.parse()
+    direct = openai.OpenAI(base_url=backend + "/v1", api_key="unused").embeddings.create(
+        model=MODEL, input=texts)
+    assert [d.embedding for d in via.data] == [d.embedding for d in direct.data]
+    assert len(via.data[0].embedding) == 576 and via.usage.prompt_tokens > 0
+    with httpx.Client(timeout=60) as http:  # the replica's own 400, relayed
+        resp = http.post(fleet.url + "/v1/embeddings", json={"model": MODEL, "input": ""})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "input"
+
+
 def test_batch_api_through_the_gateway(fleet: FleetHandle) -> None:
     """Files and batches live on one replica; every call through the gateway finds it."""
     import openai
