@@ -51,22 +51,22 @@ def _eager_and_triton(spec, seed: int, num_blocks: int):
     return (eager, fused), [kv_caches(spec, num_blocks, torch.float32, DEVICE) for _ in "ef"]
 
 
-def _compare(spec, backend_cls):
+def _compare(spec, backend_cls, tol: float = 1e-6):
     """Run the same steps with the eager ops and with the Triton ops: the largest difference
-    within 1e-6 of the largest value."""
+    within `tol` of the largest value."""
     (eager, fused), ((kv_e, caches_e), (kv_f, caches_f)) = _eager_and_triton(spec, 3, 12)
     backend = _backend(backend_cls)
     for seqs in _steps():
         step = build_step(seqs, DEVICE)
         want = forward(eager, backend, caches_e, step)
         got = forward(fused, backend, caches_f, step)
-        _assert_within(got, want)
-    _assert_within(kv_f, kv_e)  # keys rotated alike
+        _assert_within(got, want, tol)
+    _assert_within(kv_f, kv_e, tol)  # keys rotated alike
 
 
-def _assert_within(got: torch.Tensor, want: torch.Tensor) -> None:
+def _assert_within(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-6) -> None:
     err = ((got - want).abs().max() / want.abs().max()).item()
-    assert err <= 1e-6, f"max difference {err:.2e} of the largest value"
+    assert err <= tol, f"max difference {err:.2e} of the largest value"
 
 
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])
@@ -156,3 +156,11 @@ def test_graph_runner_padded_decode_with_triton_ops():
     got = runner.run(*decode).clone()  # padded: replayed on a GPU, eager here
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_f, kv_e, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_ops_match_eager_ops_with_qwen3_qk_norms():
+    # The per-head q/k RMSNorms through the Triton norm kernel (rows of head_dim). Two more
+    # float32 roundings per layer than Llama: measured 1.1e-6 here, so 4e-6.
+    spec = dataclasses.replace(SPEC, architecture="qwen3")
+    assert spec.qk_norm
+    _compare(spec, TorchAttentionBackend, tol=4e-6)

@@ -35,6 +35,7 @@ _ARCH_CLASSES = {  # arch -> (config class, causal LM class, headless decoder cl
     "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaModel"),
     "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3Model"),
 }
 
 
@@ -151,6 +152,8 @@ _GGUF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -194,8 +197,8 @@ def _llamacpp_permute(weights, n_head: int):
 def write_gguf_from_hf_dir(
     hf_dir: Path, out_path: Path, *, float16: bool = False, pre: str | None = None
 ) -> Path:
-    """Convert a (random) HF folder to a GGUF file as llama.cpp does: llama.* or qwen2.*
-    metadata, q/k rows permuted for Llama (not Qwen2), output.weight omitted when tied,
+    """Convert a (random) HF folder to a GGUF file as llama.cpp does: llama.*, qwen2.* or
+    qwen3.* metadata, q/k rows permuted for Llama (not Qwen), output.weight omitted when tied,
     tokenizer metadata copied from the embedded SmolLM2 GGUF (same vocabulary).
     Tensors are F32, or F16 for matrices with `float16` (norms and biases stay F32, as in
     llama.cpp). `pre` overrides `tokenizer.ggml.pre` (the pre-tokenizer name). Returns `out_path`."""
@@ -206,7 +209,8 @@ def write_gguf_from_hf_dir(
     from safetensors.torch import load_file
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}[config["architectures"][0]]
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
@@ -223,7 +227,10 @@ def write_gguf_from_hf_dir(
     writer.add_head_count_kv(n_kv)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(config["hidden_size"] // n_head)
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     # Tokenizer: the embedded model's, field by field.
     for key, (kind, value) in _embedded_tokenizer_metadata().items():
         if kind == GGUFValueType.ARRAY:

@@ -20,7 +20,7 @@ from argosy_runtime.model_loader.gguf_metadata import read_field
 from argosy_runtime.model_loader.model_spec import ModelSpec
 
 # general.architecture values we read, and whether their q/k rows are rope-permuted.
-_GGUF_ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
+_GGUF_ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,6 +37,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",

@@ -76,6 +76,8 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         for proj in ("q", "k", "v", "o"):
             names.append(f"{p}self_attn.{proj}_proj.weight")
             if spec.attention_bias and proj != "o":

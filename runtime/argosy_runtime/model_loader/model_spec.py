@@ -15,17 +15,21 @@ HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "LlamaModel": "llama",
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 # The bare decoders, without a language-model head: how decoder-based embedding models are
 # published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
 # hidden state; their weights are named without the `model.` prefix.
-HEADLESS_HF_ARCHITECTURES: frozenset[str] = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"})
+HEADLESS_HF_ARCHITECTURES: frozenset[str] = frozenset(
+    {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 # HF `model_type` -> our architecture name, for configs that omit `architectures`.
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+                                  "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -94,6 +98,12 @@ class ModelSpec:
             )
         if not self.has_lm_head and self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalizes each query and key head (RMSNorm over head_dim, its own weight
+        per layer) before the rotary embedding; the other architectures do not."""
+        return self.architecture == "qwen3"
 
     @property
     def num_queries_per_kv(self) -> int:

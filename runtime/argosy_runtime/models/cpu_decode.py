@@ -70,6 +70,8 @@ class CpuDecodeLayers:
             attn, mlp = layer.self_attn, layer.mlp
             if not all(m.ops == "cpu_ops" for m in (attn, mlp, layer.input_layernorm)):
                 return None
+            if attn.q_norm is not None:  # Qwen3's per-head q/k norms: no C++ path (yet)
+                return None
             linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(lin is None for lin in linears):
                 return None

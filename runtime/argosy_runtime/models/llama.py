@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
 
 No padding: the batch is every scheduled token of every request, one after another
 ([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
@@ -81,6 +81,9 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        # Qwen3: each query and key head RMS-normalized (over head_dim) before the rotary.
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -90,7 +93,9 @@ class Attention(nn.Module):
         # q and k are adjacent in qkv: rotate both heads at once (one pass, half the ops).
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.ops == "cpu_ops":  # in place, inside qkv
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
+        if self.ops == "cpu_ops":  # in place, inside qkv (or the normalized copy)
             cpu_ops.rotary_embedding(qk, *ctx.rope_tables)
         elif self.ops == "triton":  # in place, inside qkv
             triton_rotary_embedding(ctx.positions, qk, None, ctx.rotary.cos_sin_cache)
@@ -105,6 +110,15 @@ class Attention(nn.Module):
         if ctx.lora is not None:
             ctx.lora.apply(o, out, self.layer_idx, "o_proj")
         return o
+
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads + kv_heads, head_dim] -> the same with every query head through
+        q_norm and every key head through k_norm (a new tensor; the norms read 2-D rows)."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return torch.cat([q, k], dim=1)
 
 
 class MLP(nn.Module):
