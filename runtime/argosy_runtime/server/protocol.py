@@ -2,8 +2,8 @@
 
 Requests forbid unknown fields (`extra="forbid"`): a misspelled option is a 400, never silently
 ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids` (see DESIGN.md) and `priority` (scheduling order), so
-clients written for vLLM work unchanged. OpenAI fields we accept but do not act on (`user`,
+`repetition_penalty`, `stop_token_ids` (see DESIGN.md), `priority` (scheduling order) and, on
+chat, `chat_template_kwargs`, so clients written for vLLM work unchanged. OpenAI fields we accept but do not act on (`user`,
 `store`, `metadata`, ...) are listed explicitly; OpenAI fields we cannot honour (`suffix`,
 `tool_choice: "auto"`, ...) are rejected with a 400 naming them (see
 `serving_common.reject_unsupported`). `structured_outputs` is vLLM's constrained-decoding
@@ -186,6 +186,8 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: str | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
+    # vLLM's: extra variables for the chat template (Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -198,6 +200,7 @@ class TokenizeRequest(BaseModel):
     tools: list[ChatTool] | None = None
     add_generation_prompt: StrictBool = True  # messages only
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only, as chat's
 
 
 class DetokenizeRequest(BaseModel):

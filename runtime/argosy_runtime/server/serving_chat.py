@@ -48,16 +48,30 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
+# Template variables a request sets through its own fields, never through chat_template_kwargs.
+_TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
+
+
 def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
-                    tools: list[ChatTool] | None = None) -> list[int]:
+                    tools: list[ChatTool] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt token ids of a conversation, through the model's chat template."""
-    text = render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True)
+    text = render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True,
+                            template_kwargs=template_kwargs)
     # The template already holds any BOS it wants; adding special tokens would double it.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
-                     tools: list[ChatTool] | None, add_generation_prompt: bool) -> str:
+                     tools: list[ChatTool] | None, add_generation_prompt: bool,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
+    """The conversation through the model's chat template; `template_kwargs` (vLLM's
+    chat_template_kwargs) are extra template variables, such as Qwen3's enable_thinking."""
+    for key in template_kwargs or ():
+        if key in _TEMPLATE_VARIABLES_OF_THE_REQUEST:
+            raise bad_request(f"chat_template_kwargs: {key!r} is set by the request itself "
+                              f"(its messages, tools or add_generation_prompt)",
+                              "chat_template_kwargs")
     messages: list[dict[str, Any]] = []
     for m in chat_messages:
         content = m.content
@@ -74,6 +88,7 @@ def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
         messages.append(msg)
     # Templates that know tools (Llama 3.1, Qwen2.5, ...) show them to the model.
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+    extra.update(template_kwargs or {})
     try:
         return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
     except ValueError as exc:
@@ -121,7 +136,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     tool_parser = (ctx.config.tool_call_parser
                    if may_call_tools(req, ctx.config.tool_call_parser) else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    prompt = render_messages(ctx, req.messages, req.tools)
+    prompt = render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs)
     check_prompt(ctx, prompt, max_tokens, param="messages")
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:

@@ -15,8 +15,11 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
+    if req.chat_template_kwargs is not None and req.messages is None:
+        raise bad_request("chat_template_kwargs applies to messages only", "chat_template_kwargs")
     if req.messages is not None:  # as chat completions does: the template holds any BOS
-        text = render_chat_text(ctx, req.messages, req.tools, req.add_generation_prompt)
+        text = render_chat_text(ctx, req.messages, req.tools, req.add_generation_prompt,
+                                req.chat_template_kwargs)
         add_special = bool(req.add_special_tokens)
     else:  # as completions does
         text = req.prompt

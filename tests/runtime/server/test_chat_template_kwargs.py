@@ -1,0 +1,77 @@
+"""vLLM's `chat_template_kwargs` (chat completions and /tokenize) reach the chat template, on a
+real `argosy serve` of a tiny model whose template reads `enable_thinking` as Qwen3's does."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_harness import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from model_factory import make_random_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+# Qwen3's switch, reduced to what it does to the prompt: an empty think block when off.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    folder = make_random_model_dir(tmp_path_factory.mktemp("models"), "llama")
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    proc = ServerProcess("--model", str(folder), "--served-model-name", "tiny")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def _prompt(server: ServerProcess, **body) -> str:  # noqa: ANN003
+    resp = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return httpx.post(server.url + "/detokenize", json={"tokens": resp.json()["tokens"]},
+                      timeout=60).json()["prompt"]
+
+
+def test_template_variables_reach_the_template(server: ServerProcess) -> None:
+    assert "<think>" not in _prompt(server)
+    assert "<think>" not in _prompt(server, chat_template_kwargs={"enable_thinking": True})
+    assert _prompt(server, chat_template_kwargs={"enable_thinking": False}).endswith(
+        "assistant\n<think>\n\n</think>\n\n")
+
+
+def test_chat_completion_counts_the_rendered_prompt(server: ServerProcess) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    off = httpx.post(server.url + "/v1/chat/completions",
+                     json={**body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert plain.status_code == off.status_code == 200, (plain.text, off.text)
+    think_tokens = len(httpx.post(server.url + "/tokenize", json={
+        "prompt": "<think>\n\n</think>\n\n", "add_special_tokens": False}, timeout=60).json()["tokens"])
+    assert off.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] + think_tokens
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
+    {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
+    {"messages": MESSAGES, "chat_template_kwargs": "enable_thinking"},
+    {"prompt": "Hi", "chat_template_kwargs": {"enable_thinking": False}},
+])
+def test_misuse_is_a_400_naming_the_field(server: ServerProcess, body: dict) -> None:
+    for path in ("/tokenize", "/v1/chat/completions"):
+        if path != "/tokenize" and "prompt" in body:
+            continue
+        resp = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "chat_template_kwargs", resp.text
