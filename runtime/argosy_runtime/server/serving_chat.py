@@ -47,7 +47,6 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-
 # Template variables a request sets through its own fields, never through chat_template_kwargs.
 _TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
 
