@@ -267,3 +267,37 @@ def write_gguf_from_hf_dir(
     writer.write_tensors_to_file()
     writer.close()
     return Path(out_path)
+
+
+def make_scripted_model_dir(tmp_path: Path, after: int, script: list[int],
+                            eos: int = EMBEDDED_EOS_ID) -> Path:
+    """A llama folder (embedded tokenizer) whose greedy reply to any prompt ending in token
+    `after` is exactly `script`, then `eos`: a real checkpoint with a known output, for
+    testing what the server does with a reply (reasoning, tool calls) end to end.
+
+    Every layer's output projections are zero, so each position's hidden state is its own
+    token's embedding through the final norm, h(t); the lm_head row of the token that must
+    follow t is 10 * h(t) / |h(t)|, every other row zero. The wanted token's logit is then
+    10 |h(t)| = 80 (hidden 64), the other script rows' at most ~30 (random 64-d directions).
+    The tokens of `after` + `script` must all differ (each one decides the next)."""
+    from safetensors.torch import load_file, save_file
+
+    chain = [after, *script, eos]
+    if len(set(chain[:-1])) != len(chain) - 1:
+        raise ValueError("after + script must not repeat a token")
+    folder = make_random_model_dir(tmp_path, "llama", name="scripted", hidden_size=64,
+                                   tie_word_embeddings=False)
+    path = folder / "model.safetensors"
+    weights = load_file(str(path))
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(tensor)
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    embed = weights["model.embed_tokens.weight"]
+    head = torch.zeros_like(weights["lm_head.weight"])
+    for token, following in zip(chain, chain[1:]):
+        direction = embed[token] / embed[token].norm()
+        head[following] = 10 * direction
+    weights["lm_head.weight"] = head
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return folder

@@ -5,8 +5,9 @@
 
 Every engine option is a flag (from `EngineArgs`, the "engine" group below); the "server"
 group holds the HTTP server's own (listen address, API key, queue bound, timeouts, tool-call
-parser, runtime LoRA updates, Batch API folder, embedding pooling). SIGTERM drains: /ready turns 503, running
-requests finish (up to --drain-timeout), exit 0. See docs/server.md.
+and reasoning parsers, runtime LoRA updates, Batch API folder, embedding pooling). SIGTERM
+drains: /ready turns 503, running requests finish (up to --drain-timeout), exit 0. See
+docs/server.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.server.config import EMBEDDING_POOLINGS, TOOL_CALL_PARSERS
+from argosy_runtime.server.config import EMBEDDING_POOLINGS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 T = TypeVar("T")
 
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and others; llama3_json: a reply that is {\"name\", "
                              "\"parameters\"} JSON, Llama 3.1+): enables tool_choice 'auto', "
                              "also the default when a request has tools.")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="The model's thinking format: chat replies then carry the text "
+                             "between <think> and </think> in reasoning_content and only the "
+                             "answer in content (qwen3: the model opens <think> itself, Qwen3 "
+                             "and QwQ; deepseek_r1: the template opens it, DeepSeek-R1 and "
+                             "Qwen3 *-Thinking-2507). Default: none, the reply is all content.")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="Accepted for vLLM compatibility (and, as there, an error "
                              "without --tool-call-parser); --tool-call-parser is what enables "
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout, log_level=args.log_level,
             allow_runtime_lora_updates=args.allow_runtime_lora_updates,
             tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir,
-            embedding_pooling=args.embedding_pooling)
+            embedding_pooling=args.embedding_pooling, reasoning_parser=args.reasoning_parser)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)

@@ -10,6 +10,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # How /v1/embeddings pools a prompt's hidden states (pooling_params.py).
 EMBEDDING_POOLINGS = ("last", "mean")
+# Thinking formats chat replies are split by (server/reasoning_parser.py).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class ServerConfig:
     embedding_pooling: how /v1/embeddings turns a prompt's hidden states into one vector:
         "last" (the last token's, as decoder embedding models such as e5-mistral and gte-Qwen2
         are trained) or "mean".
+    reasoning_parser: the model's thinking format ("qwen3", "deepseek_r1"): chat replies then
+        carry the thinking in `reasoning_content` and only the answer in `content`.
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +50,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     batch_dir: str | None = None
     embedding_pooling: str = "last"
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +69,9 @@ class ServerConfig:
         if self.embedding_pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
                              f"got {self.embedding_pooling!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

@@ -140,6 +140,9 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     refusal: str | None = None
+    # An assistant reply's thinking as a reasoning parser returned it, sent back with the
+    # history: accepted and not shown to the model (templates drop earlier turns' thinking).
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(BaseModel):

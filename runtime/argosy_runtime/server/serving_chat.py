@@ -15,6 +15,7 @@ from argosy_runtime.server.protocol import (
     new_id,
     now,
 )
+from argosy_runtime.server.reasoning_parser import ReasoningStream, split_reasoning
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
     SSE_DONE,
@@ -142,6 +143,9 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     params = make_sampling_params(req, max_tokens, k)
     await compile_grammar(ctx, req, params)
+    # A constrained reply (forced tool calls, response_format) cannot think: nothing to split.
+    reasoning_parser = (ctx.config.reasoning_parser
+                        if params.structured_outputs is None else None)
     log = request_log(request.scope)
     log.update(model=model_name, prompt_tokens=len(prompt), stream=bool(req.stream))
     response_id = new_id("chatcmpl")
@@ -169,14 +173,21 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         hold = stop_holdback(params)
         tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
         parsers = [make_stream(tool_parser) for _ in range(n)] if tool_parser else None
+        thinking = ([ReasoningStream(reasoning_parser) for _ in range(n)]
+                    if reasoning_parser else None)
 
         def delta_of(c: int, text: str, seq: CompletionOutput
                      ) -> tuple[dict[str, Any], str | None]:
             if tool_stream is not None:
                 return tool_stream.delta(c, text, seq.finish_reason, seq.text)
+            reasoning = ""
+            if thinking is not None:  # the answer part goes on to the tool-call parser
+                reasoning, text = thinking[c].feed(text, seq.finish_reason is not None)
             if parsers is not None:
-                return parsers[c].step(text, seq.finish_reason)
-            return ({"content": text} if text else {}), seq.finish_reason
+                delta, finish = parsers[c].step(text, seq.finish_reason)
+            else:
+                delta, finish = ({"content": text} if text else {}), seq.finish_reason
+            return ({"reasoning_content": reasoning, **delta} if reasoning else delta), finish
 
         async def events() -> AsyncIterator[str]:
             for c in range(n):  # the role first, as OpenAI does
@@ -196,12 +207,14 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                     text, new_sent = visible_text(seq, sent_chars[c], hold)
                     start, end = sent_tokens[c], len(seq.token_ids)
                     delta, finish = delta_of(c, text, seq)
+                    # The parsers keep what they hold back: this text is theirs either way.
+                    sent_chars[c] = new_sent
                     if not delta and finish is None and (k is None or start == end):
                         continue
                     lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
                     yield chunk([{"index": c, "delta": delta, "logprobs": lp,
                                   "finish_reason": finish}])
-                    sent_chars[c], sent_tokens[c] = new_sent, end
+                    sent_tokens[c] = end
                     done[c] = seq.finish_reason is not None
             usage = _usage(prompt, final)
             log.update(completion_tokens=usage["completion_tokens"],
@@ -233,11 +246,15 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         ctx.lifecycle.exit()
     choices = []
     for seq in sorted(final.outputs, key=lambda s: s.index):
-        message, finish = {"role": "assistant", "content": seq.text}, seq.finish_reason
+        reasoning, answer = (split_reasoning(reasoning_parser, seq.text) if reasoning_parser
+                             else (None, seq.text))
+        message, finish = {"role": "assistant", "content": answer}, seq.finish_reason
         if calls_tools(req):
             message, finish = reply_message(req, seq.text, seq.finish_reason)
         elif tool_parser:
-            message, finish = parse_message(tool_parser, seq.text, seq.finish_reason)
+            message, finish = parse_message(tool_parser, answer, seq.finish_reason)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         choices.append({"index": seq.index, "message": message,
                         "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
                         if k is not None else None,
