@@ -148,18 +148,31 @@ class FakeReplica:
         )
         return web.Response(text=text, content_type="text/plain")
 
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
+    async def _read_request(self, request: web.Request, known_fields: set[str],
+                            default_model: str | None = None
+                            ) -> tuple[dict[str, Any], web.Response | None]:
+        """The body, recorded, and the error a replica answers for it (None if none):
+        malformed JSON, an unknown field, a model it does not serve."""
         try:
             body = json.loads(await request.read())
         except json.JSONDecodeError:
-            return _error(400, "Invalid JSON", "BadRequestError")
+            return {}, _error(400, "Invalid JSON", "BadRequestError")
         self.requests.append(body)
         self.headers_seen.append(request.headers.copy())
-        unknown = sorted(set(body) - KNOWN_FIELDS)
+        unknown = sorted(set(body) - known_fields)
         if unknown:
-            return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
-        if body.get("model") not in (self.model, *self.adapters, *self.registered_adapters):
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+            return body, _error(400, f"Unknown field(s): {unknown}", "BadRequestError",
+                                unknown[0])
+        if body.get("model", default_model) not in (self.model, *self.adapters,
+                                                    *self.registered_adapters):
+            return body, _error(404, f"The model `{body.get('model')}` does not exist.",
+                                "NotFoundError", "model")
+        return body, None
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body, refusal = await self._read_request(request, KNOWN_FIELDS)
+        if refusal is not None:
+            return refusal
         temperature = body.get("temperature", 1.0)
         if not isinstance(temperature, int | float) or temperature < 0:
             return _error(400, "temperature must be >= 0", "BadRequestError", "temperature")
@@ -216,19 +229,9 @@ class FakeReplica:
     async def _embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's embeddings: one vector per input (made of its index), floats or base64
         (little-endian float32 bytes), with prompt tokens only in `usage`."""
-        try:
-            body = json.loads(await request.read())
-        except json.JSONDecodeError:
-            return _error(400, "Invalid JSON", "BadRequestError")
-        self.requests.append(body)
-        self.headers_seen.append(request.headers.copy())
-        unknown = sorted(set(body) - EMBEDDINGS_FIELDS)
-        if unknown:
-            return _error(400, f"Unknown field(s): {unknown}", "BadRequestError", unknown[0])
-        if body.get("model", self.model) not in (self.model, *self.adapters,
-                                                 *self.registered_adapters):
-            return _error(404, f"The model `{body.get('model')}` does not exist.",
-                          "NotFoundError", "model")
+        body, refusal = await self._read_request(request, EMBEDDINGS_FIELDS, self.model)
+        if refusal is not None:
+            return refusal
         failure = self._injected_failure()
         if failure is not None:
             return failure
