@@ -1486,6 +1486,8 @@ void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, 
 //   1: int4 in cpu_ops layout (Int4Linear): {qweight, scales_and_zeros}, param = group size;
 //   2: int8 per channel (Int8Linear): {qweight, scales}, param = its packed_max_tokens
 //      (int8_linear picks the kernel, as for Int8Linear.forward).
+// q_norm/k_norm (Qwen3, both or neither): each query/key head RMS-normalized over head_dim
+// after the qkv projection and its LoRA deltas, before the rotary (norm_heads).
 // invariant: the batch-invariant mode's kernels, whose result for a row does not depend on
 // the number of rows, as the module path runs them: a single bf16 row padded with a zero row
 // (models/cpu_linear.py PackedLinear.min_rows), int4's many-row path and int8_matmul for any
@@ -1585,6 +1587,36 @@ void add_lora(Tensor& out, const Tensor& x, at::TensorList lora, at::ArrayRef<do
   }
 }
 
+// Qwen3's per-head q/k norms, in place inside qkv [tokens, (heads + 2 kv_heads) * head_dim]:
+// every query head through q_norm and every key head through k_norm (RMSNorm over head_dim).
+// The module path (models/llama.py Attention._norm_heads) runs rms_norm on a copy of the heads
+// as [tokens * heads, head_dim] rows; this calls the same rms_norm_rows on each token's heads,
+// rows head_dim apart, with out == x (it reads a row into floats before writing it), so the
+// bits are the same.
+void norm_heads(Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, int64_t num_heads,
+                int64_t num_kv_heads, int64_t head_dim, double eps) {
+  for (const Tensor* w : {&q_norm, &k_norm})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == head_dim && w->is_contiguous() &&
+                w->scalar_type() == qkv.scalar_type(),
+                "decode_layer: q_norm/k_norm must be contiguous [head_dim] of hidden's dtype");
+  TORCH_CHECK(qkv.stride(1) == 1, "decode_layer: qkv must have unit stride in its columns");
+  const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), q_size = num_heads * head_dim;
+  const float feps = static_cast<float>(eps);
+  dispatch_float(qkv.scalar_type(), [&]<typename T>() {
+    T* base = qkv.data_ptr<T>();
+    const T* qw = q_norm.data_ptr<T>();
+    const T* kw = k_norm.data_ptr<T>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        T* q = base + t * row_stride;
+        T* k = q + q_size;
+        rms_norm_rows<T>(q, nullptr, q, qw, num_heads, head_dim, head_dim, feps);
+        rms_norm_rows<T>(k, nullptr, k, kw, num_kv_heads, head_dim, head_dim, feps);
+      }
+    });
+  });
+}
+
 // hidden [tokens, hidden] is updated in place to the layer's output.
 void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_norm, double eps,
                   at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
@@ -1593,7 +1625,8 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
                   const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& context_lens,
                   const Tensor& cos, const Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads,
                   double scale, at::TensorList lora, at::ArrayRef<double> lora_scales,
-                  const c10::optional<Tensor>& query_start_loc) {
+                  const c10::optional<Tensor>& query_start_loc, const c10::optional<Tensor>& q_norm,
+                  const c10::optional<Tensor>& k_norm) {
   TORCH_CHECK(kinds.size() == 4 && params.size() == 4, "decode_layer: one kind and param per linear");
   TORCH_CHECK(lora.size() == lora_scales.size() * kLoraStride,
               "decode_layer: lora needs rows and 4 (A, B) pairs per adapter");
@@ -1605,10 +1638,12 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   // the linears take their row-count-independent kernels (apply_linear) and LoRA deltas the
   // fused pass: the module path's kernels, so the same bits.
   const bool invariant = query_start_loc.has_value();
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_layer: q_norm and k_norm come together");
   const int64_t lora_fused_max_rows = invariant ? -1 : kLoraFusedMaxRows;
   Tensor x = rms_norm(hidden, input_norm, eps, c10::nullopt);
   Tensor qkv = apply_linear(x, qkv_w, kinds[0], params[0], invariant);
   add_lora(qkv, x, lora, lora_scales, 0, lora_fused_max_rows);
+  if (q_norm) norm_heads(qkv, *q_norm, *k_norm, num_heads, num_kv_heads, head_dim, eps);  // Qwen3
   Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, signed_sin);
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -1660,7 +1695,8 @@ TORCH_LIBRARY(argosy_cpu, m) {
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, int[] params, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor signed_sin, int num_heads, "
-        "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales, Tensor? query_start_loc=None) -> ()");
+        "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales, Tensor? query_start_loc=None, "
+        "Tensor? q_norm=None, Tensor? k_norm=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {

@@ -7,7 +7,8 @@ At batch 1 a small model's decode step on the CPU spends about as long in Python
 (tests/runtime/engine/test_cpu_decode_layers.py). It is used for steps whose tokens are all
 decodes (in the batch-invariant mode: any step of up to MAX_TOKENS rows), when every layer
 runs the fused CPU ops and every linear has a C++ path; any other step, layer or model takes
-the module path.
+the module path. Qwen3's per-head q/k norms run inside the C++ layer too (rms_norm_rows on each
+head, in place in the qkv output, before the rotary).
 """
 
 from __future__ import annotations
@@ -70,8 +71,14 @@ class CpuDecodeLayers:
             attn, mlp = layer.self_attn, layer.mlp
             if not all(m.ops == "cpu_ops" for m in (attn, mlp, layer.input_layernorm)):
                 return None
-            if attn.q_norm is not None:  # Qwen3's per-head q/k norms: no C++ path (yet)
-                return None
+            # Qwen3's per-head q/k norms (bf16 [head_dim]); decode_layer applies them with the
+            # layers' eps, so a model whose head norms had another eps keeps the module path.
+            head_norms = (None, None)
+            if attn.q_norm is not None:
+                head_norms = (attn.q_norm.weight, attn.k_norm.weight)
+                if (any(w.dtype != torch.bfloat16 for w in head_norms)
+                        or {attn.q_norm.eps, attn.k_norm.eps} != {layer.input_layernorm.eps}):
+                    return None
             linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(lin is None for lin in linears):
                 return None
@@ -79,7 +86,7 @@ class CpuDecodeLayers:
             if any(w.dtype != torch.bfloat16 for w in norms):
                 return None
             layer_args.append((*norms, [lin[0] for lin in linears], [lin[1] for lin in linears],
-                               [lin[2] for lin in linears]))
+                               [lin[2] for lin in linears], *head_norms))
         first = model.layers[0]
         return cls(layer_args, first.input_layernorm.eps, first.self_attn.num_heads,
                    first.self_attn.num_kv_heads)
@@ -104,12 +111,13 @@ class CpuDecodeLayers:
             tables, starts, lens = meta.prefill_sequences()
         else:  # per row
             tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
-        for i, (input_norm, post_norm, weights, kinds, params) in enumerate(self.layer_args[:num_layers]):
+        for i, (input_norm, post_norm, weights, kinds, params, q_norm, k_norm) in enumerate(
+                self.layer_args[:num_layers]):
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
             lora, lora_scales = ([], []) if ctx.lora is None else ctx.lora.decode_layer_args(i)
             decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,
                          key_cache, value_cache, k_scale, v_scale, meta.slot_mapping,
                          tables, lens, cos, signed_sin, self.num_heads, self.num_kv_heads, scale,
-                         lora, lora_scales, starts)
+                         lora, lora_scales, starts, q_norm, k_norm)
         return hidden

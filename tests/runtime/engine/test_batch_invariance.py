@@ -102,6 +102,33 @@ def test_cpp_layers_give_the_module_paths_bits(monkeypatch: pytest.MonkeyPatch) 
     assert not calls
 
 
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8"}], ids=["bf16", "int8"])
+def test_qwen3_cpp_layers_give_the_module_paths_bits(
+        options: dict, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Qwen3's per-head q/k norms inside the C++ layers of this mode (chunk rows included):
+    the module path's bits, and a request's bits alone equal its bits in a batch."""
+    from model_factory import make_random_model_dir
+
+    # 4 query heads of 64 (the mode's attention takes head_dim 64 or 128), 2 kv heads.
+    folder = make_random_model_dir(tmp_path, "qwen3", hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64)
+    llm = LLM(model=str(folder), dtype="bfloat16", batch_invariant=True, block_size=4,
+              enable_prefix_caching=False, max_num_batched_tokens=64, **options)
+    assert llm.engine.model.cpu_decode is not None, "the q/k norms have a C++ path"
+    calls = []
+    original = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__",
+                        lambda self, h, ctx, n=None: calls.append(h.shape[0]) or original(self, h, ctx, n))
+    prompts = [TARGET, *OTHERS[:3]]
+    fast = [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)]
+    assert max(calls) > len(prompts), "chunk rows took the C++ layers"
+    assert tokens_and_logprobs(llm.generate([TARGET], GREEDY)[0]) == fast[0]
+    llm.engine.model.cpu_decode = None
+    calls.clear()
+    assert [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)] == fast
+    assert not calls
+
+
 def test_seeded_sampling_same_alone_and_in_a_batch(llm) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, logprobs=0)
     first = tokens_and_logprobs(llm.generate([TARGET], params)[0])
