@@ -31,6 +31,11 @@ EMBEDDED_VOCAB_SIZE = 49152
 EMBEDDED_BOS_ID = 1
 EMBEDDED_EOS_ID = 2
 
+# A small Qwen3 whose head_dim is not hidden / heads (4 query heads of 32 make q 128 wide at
+# hidden 64) with GQA 2: the shapes that catch a q/k-norm or head_dim mix-up.
+QWEN3_TEST_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32)
+
 _ARCH_CLASSES = {  # arch -> (config class, causal LM class, headless decoder class)
     "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaModel"),
     "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel"),

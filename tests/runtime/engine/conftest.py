@@ -10,7 +10,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
 
-from model_factory import embedded_gguf_path, make_random_model_dir  # noqa: E402
+from model_factory import (  # noqa: E402
+    QWEN3_TEST_SHAPE,
+    embedded_gguf_path,
+    make_random_model_dir,
+)
 
 
 class HFReference:
@@ -105,3 +109,13 @@ def random_llama_hf(random_llama_dir: Path) -> HFReference:
 def random_qwen2_hf(random_qwen2_dir: Path) -> HFReference:
     return HFReference(_load_hf(random_qwen2_dir))
 
+
+
+@pytest.fixture(scope="module")
+def random_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model_dir(tmp_path_factory.mktemp("models"), "qwen3", **QWEN3_TEST_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def random_qwen3_hf(random_qwen3_dir: Path) -> HFReference:
+    return HFReference(_load_hf(random_qwen3_dir))

@@ -9,7 +9,6 @@ import shutil
 import pytest
 from argosy_runtime import LLM, SamplingParams
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
-from model_factory import make_random_model_dir  # tests/runtime, on sys.path via conftest.py
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler: the fused kernels are off")
@@ -45,25 +44,15 @@ def test_cpu_decode_layers_equal_the_module_path(options: dict, monkeypatch: pyt
     assert _generate(llm) == fast
 
 
-# Qwen3: hidden 64, 4 query heads of 32 (q 128 wide) and 2 kv heads, as tests/runtime/engine/
-# test_qwen3.py; its q/k norm weights are random (model_factory), so a skipped or misplaced
-# head norm changes the tokens.
-QWEN3_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    return make_random_model_dir(tmp_path_factory.mktemp("models"), "qwen3", **QWEN3_SHAPE)
-
-
+# Qwen3 (conftest's random_qwen3_dir, model_factory.QWEN3_TEST_SHAPE): its q/k norm weights
+# are random, so a skipped or misplaced head norm changes the tokens.
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8"}, {"kv_cache_dtype": "int8"}],
                          ids=["bf16", "int8", "int8-kv"])
 def test_qwen3_cpu_decode_layers_equal_the_module_path(
-        qwen3_dir, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        random_qwen3_dir, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """decode_layer applies Qwen3's per-head q/k norms (after the qkv linear, before the
     rotary) as Attention._norm_heads does: the C++ path runs and gives the same bits."""
-    llm = LLM(model=str(qwen3_dir), dtype="bfloat16", kv_cache_memory=8 << 20, block_size=4,
+    llm = LLM(model=str(random_qwen3_dir), dtype="bfloat16", kv_cache_memory=8 << 20, block_size=4,
               enable_prefix_caching=False, **options)
     model = llm.engine.model
     assert model.spec.qk_norm and model.cpu_decode is not None, "the q/k norms have a C++ path"

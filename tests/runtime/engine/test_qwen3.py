@@ -7,30 +7,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 import torch.nn.functional as F
 from argosy_runtime import LLM, SamplingParams
 from engine_helpers import assert_no_leaks
-from model_factory import make_random_model_dir, write_gguf_from_hf_dir
-
-# hidden 64 with 4 query heads of 32 (q is 128 wide, not 64) and 2 kv heads (GQA 2).
-SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    return make_random_model_dir(tmp_path_factory.mktemp("models"), "qwen3", **SHAPE)
-
-
-@pytest.fixture(scope="module")
-def qwen3_hf(qwen3_dir):  # noqa: ANN001, ANN201
-    from conftest import HFReference
-    from transformers import AutoModelForCausalLM
-
-    return HFReference(AutoModelForCausalLM.from_pretrained(str(qwen3_dir),
-                                                            dtype=torch.float32).eval())
+from model_factory import QWEN3_TEST_SHAPE, make_random_model_dir, write_gguf_from_hf_dir
 
 
 def prompts(seed: int, count: int = 6) -> list[list[int]]:
@@ -42,34 +23,34 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def test_greedy_tokens_and_logprobs_equal_transformers(qwen3_dir, qwen3_hf) -> None:  # noqa: ANN001
-    llm = LLM(model=str(qwen3_dir), dtype="float32", block_size=4, max_num_batched_tokens=16)
+def test_greedy_tokens_and_logprobs_equal_transformers(random_qwen3_dir, random_qwen3_hf) -> None:  # noqa: ANN001
+    llm = LLM(model=str(random_qwen3_dir), dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert llm.engine.spec.architecture == "qwen3" and llm.engine.spec.qk_norm
     for p, o in zip(prompts(1), llm.generate(prompts(1), greedy(16))):
         seq = o.outputs[0]
-        assert seq.token_ids == qwen3_hf.greedy(p, 16)
-        expected = qwen3_hf.greedy_logprobs(p, 16)
+        assert seq.token_ids == random_qwen3_hf.greedy(p, 16)
+        expected = random_qwen3_hf.greedy_logprobs(p, 16)
         for pos, token in enumerate(seq.token_ids):
             assert abs(seq.logprobs[pos][token].logprob - expected[pos][token].item()) < 1e-4
     assert_no_leaks(llm.engine)
 
 
-def test_gguf_file_equals_transformers(qwen3_dir, qwen3_hf, tmp_path) -> None:  # noqa: ANN001
-    gguf = write_gguf_from_hf_dir(qwen3_dir, tmp_path / "qwen3.gguf")
+def test_gguf_file_equals_transformers(random_qwen3_dir, random_qwen3_hf, tmp_path) -> None:  # noqa: ANN001
+    gguf = write_gguf_from_hf_dir(random_qwen3_dir, tmp_path / "qwen3.gguf")
     llm = LLM(model=str(gguf), dtype="float32", block_size=4)
     assert llm.engine.spec.architecture == "qwen3" and llm.engine.spec.head_dim == 32
     for p, o in zip(prompts(2), llm.generate(prompts(2), greedy(12))):
-        assert o.outputs[0].token_ids == qwen3_hf.greedy(p, 12)
+        assert o.outputs[0].token_ids == random_qwen3_hf.greedy(p, 12)
 
 
-def test_bfloat16_with_the_fused_cpu_ops_stays_close(qwen3_dir, qwen3_hf) -> None:  # noqa: ANN001
+def test_bfloat16_with_the_fused_cpu_ops_stays_close(random_qwen3_dir, random_qwen3_hf) -> None:  # noqa: ANN001
     # bf16 takes the fused C++ norms and rotary (q/k norms included) on the module path.
-    llm = LLM(model=str(qwen3_dir), dtype="bfloat16", block_size=4)
+    llm = LLM(model=str(random_qwen3_dir), dtype="bfloat16", block_size=4)
     model = llm.engine.model
     assert model.model.layers[0].self_attn.q_norm.ops == model.ops
     agree = total = 0
     for p, o in zip(prompts(3), llm.generate(prompts(3), greedy(1))):
-        expected = qwen3_hf.greedy_logprobs(p, 1)[0]
+        expected = random_qwen3_hf.greedy_logprobs(p, 1)[0]
         got = o.outputs[0]
         total += 1
         agree += got.token_ids[0] == int(expected.argmax())
@@ -81,7 +62,7 @@ def test_bfloat16_with_the_fused_cpu_ops_stays_close(qwen3_dir, qwen3_hf) -> Non
 def test_headless_qwen3_embeddings_equal_transformers(tmp_path) -> None:  # noqa: ANN001
     from transformers import AutoModel
 
-    folder = make_random_model_dir(tmp_path, "qwen3", headless=True, **SHAPE)
+    folder = make_random_model_dir(tmp_path, "qwen3", headless=True, **QWEN3_TEST_SHAPE)
     hf = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
     llm = LLM(model=str(folder), dtype="float32", block_size=4)
     for p, o in zip(prompts(4), llm.embed(prompts(4))):
