@@ -319,6 +319,8 @@ class LLMEngine:
             raise ValueError(
                 f"prompt needs {blocks_needed} KV-cache blocks but the whole pool has "
                 f"{self.cache_config.num_blocks}; raise kv_cache_memory")
+        # max_tokens 0: nothing to generate, so a speculative proposer never drafts for it
+        # (not even when a chunk leaves one prompt token for the next step).
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
                           params=_NO_SAMPLING, max_tokens=0, prompt=prompt_text,
                           arrival_time=arrival_time, priority=priority)

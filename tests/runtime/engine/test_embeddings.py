@@ -226,3 +226,20 @@ def test_headless_checkpoint_serves_embeddings_only(headless_mistral_dir) -> Non
     assert_no_leaks(llm.engine)
     with pytest.raises(ValueError, match="^speculative: a headless"):
         LLM(model=str(headless_mistral_dir), dtype="float32", speculative="ngram")
+
+
+def test_speculative_engine_never_drafts_for_an_embedding(embedded_hf) -> None:  # noqa: ANN001
+    # A budget one token short of the prompt leaves exactly one prompt token for the second
+    # step: the state speculation drafts from (and the prompt repeats itself, so n-gram
+    # lookup finds drafts). An embedding request must get none: its last row would be a
+    # draft's, not the prompt's.
+    from argosy_runtime.model_loader import load_checkpoint
+
+    prompt = load_checkpoint("smollm2-135m").tokenizer.encode(TEXTS[3] * 3)
+    llm = LLM(model="smollm2-135m", dtype="float32", speculative="ngram",
+              max_num_batched_tokens=len(prompt) - 1, enable_prefix_caching=False)
+    for pooling in ("last", "mean"):
+        [emb] = llm.embed(prompt, PoolingParams(pooling=pooling))
+        assert_close(emb.embedding, reference(embedded_hf, prompt, pooling))
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens == 0
+    assert_no_leaks(llm.engine)

@@ -272,8 +272,10 @@ async def test_killing_a_replica_loses_no_request_that_had_not_started_streaming
         return i % 4 < 2
 
     async def call(s: aiohttp.ClientSession, i: int, stream: bool) -> tuple[int, bool, str]:
+        # 64 tokens: still running when the kill comes 0.5 s in (24 tokens on an idle
+        # machine finished in about that long, so the kill could hit nothing in flight).
         body = {"model": MODEL, "prompt": f"Request {i}: count slowly from one to twenty.",
-                "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": stream}
+                "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": stream}
         try:
             async with s.post(fleet.url + "/v1/completions", json=body) as resp:
                 backend = resp.headers.get("x-argosy-backend", "")

@@ -141,7 +141,7 @@ def test_an_unusable_input_file_fails_the_batch_with_its_lines(client: openai.Op
 def test_bad_batch_and_file_requests_are_clear_4xx(client: openai.OpenAI) -> None:
     input_id = _upload(client, [_chat_line("a", "hi")])
     with pytest.raises(openai.BadRequestError, match="endpoint must be one of"):
-        client.batches.create(input_file_id=input_id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=input_id, endpoint="/v1/moderations",
                               completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=input_id, endpoint=CHAT, completion_window="1h")
