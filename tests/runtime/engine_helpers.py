@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from argosy_runtime import LLMEngine, SamplingParams
+from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
@@ -37,3 +38,13 @@ def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Sampl
             if steps == at:
                 engine.abort_request(rid)
     return done
+
+
+def record_cpp_layer_calls(monkeypatch) -> list[int]:  # noqa: ANN001
+    """From now on, the row count of every step that runs the C++ decode layers
+    (CpuDecodeLayers), for tests that must prove the C++ path ran or did not."""
+    calls: list[int] = []
+    original = CpuDecodeLayers.__call__
+    monkeypatch.setattr(CpuDecodeLayers, "__call__",
+                        lambda self, h, *args: calls.append(h.shape[0]) or original(self, h, *args))
+    return calls

@@ -10,9 +10,11 @@ from argosy_kernels import cpu_ops
 from argosy_runtime import LLM, SamplingParams
 from argosy_runtime.batch_invariance import check_batch_invariant_options
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from argosy_runtime.models.cpu_linear import PackedLinear
-from engine_helpers import tokens_and_logprobs  # tests/runtime, on sys.path via conftest.py
+from engine_helpers import (  # tests/runtime, on sys.path via conftest.py
+    record_cpp_layer_calls,
+    tokens_and_logprobs,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
                                 reason="the batch-invariant mode needs AVX512-BF16")
@@ -89,10 +91,7 @@ def test_cpp_layers_give_the_module_paths_bits(monkeypatch: pytest.MonkeyPatch) 
     would depend on how many rows its steps had."""
     llm = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
               enable_prefix_caching=False, max_num_batched_tokens=64)
-    calls = []
-    original = CpuDecodeLayers.__call__
-    monkeypatch.setattr(CpuDecodeLayers, "__call__",
-                        lambda self, h, ctx, n=None: calls.append(h.shape[0]) or original(self, h, ctx, n))
+    calls = record_cpp_layer_calls(monkeypatch)
     prompts = [TARGET, *OTHERS[:3]]
     fast = [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)]
     assert max(calls) > len(prompts), "chunk rows took the C++ layers"
@@ -115,10 +114,7 @@ def test_qwen3_cpp_layers_give_the_module_paths_bits(
     llm = LLM(model=str(folder), dtype="bfloat16", batch_invariant=True, block_size=4,
               enable_prefix_caching=False, max_num_batched_tokens=64, **options)
     assert llm.engine.model.cpu_decode is not None, "the q/k norms have a C++ path"
-    calls = []
-    original = CpuDecodeLayers.__call__
-    monkeypatch.setattr(CpuDecodeLayers, "__call__",
-                        lambda self, h, ctx, n=None: calls.append(h.shape[0]) or original(self, h, ctx, n))
+    calls = record_cpp_layer_calls(monkeypatch)
     prompts = [TARGET, *OTHERS[:3]]
     fast = [tokens_and_logprobs(o) for o in llm.generate(prompts, GREEDY)]
     assert max(calls) > len(prompts), "chunk rows took the C++ layers"

@@ -9,6 +9,7 @@ import shutil
 import pytest
 from argosy_runtime import LLM, SamplingParams
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
+from engine_helpers import record_cpp_layer_calls  # tests/runtime, on sys.path via conftest.py
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler: the fused kernels are off")
@@ -34,10 +35,7 @@ def test_cpu_decode_layers_equal_the_module_path(options: dict, monkeypatch: pyt
               enable_prefix_caching=False, **options)
     model = llm.engine.model
     assert model.cpu_decode is not None, "every linear of this mode has a C++ path"
-    calls = []
-    original = CpuDecodeLayers.__call__
-    monkeypatch.setattr(CpuDecodeLayers, "__call__",
-                        lambda self, h, *args: calls.append(h.shape[0]) or original(self, h, *args))
+    calls = record_cpp_layer_calls(monkeypatch)
     fast = _generate(llm)
     assert sorted(set(calls)) == [1, 2, 3], "decode steps of 3, 2 and 1 sequences took the C++ path"
     model.cpu_decode = None
@@ -56,10 +54,7 @@ def test_qwen3_cpu_decode_layers_equal_the_module_path(
               enable_prefix_caching=False, **options)
     model = llm.engine.model
     assert model.spec.qk_norm and model.cpu_decode is not None, "the q/k norms have a C++ path"
-    calls = []
-    original = CpuDecodeLayers.__call__
-    monkeypatch.setattr(CpuDecodeLayers, "__call__",
-                        lambda self, h, *args: calls.append(h.shape[0]) or original(self, h, *args))
+    calls = record_cpp_layer_calls(monkeypatch)
     fast = _generate(llm)
     assert sorted(set(calls)) == [1, 2, 3], "decode steps of 3, 2 and 1 sequences took the C++ path"
     model.cpu_decode = None
