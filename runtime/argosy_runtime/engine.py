@@ -69,13 +69,7 @@ class LLMEngine:
         self.spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
         self.served_model_name = args.served_model_name or args.model
-        self.max_model_len = min(args.max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings)
-        if args.max_model_len is not None and args.max_model_len > self.spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({args.max_model_len}) exceeds the model's context length "
-                f"({self.spec.max_position_embeddings})"
-            )
+        self.max_model_len = self._max_model_len(args.max_model_len)
         quant_config = self._quantization_config(checkpoint)
         self.quantization = quant_config.method if quant_config is not None else "none"
         self.model = self._load_model(checkpoint, quant_config)
@@ -137,6 +131,30 @@ class LLMEngine:
     # ---- construction helpers -------------------------------------------------------------
     def _load_model(self, checkpoint: Any, quant_config: Any) -> LlamaForCausalLM:
         return build_model(checkpoint, self.dtype, self.device, self.max_model_len, quant_config)
+
+    def _max_model_len(self, requested: int | None) -> int:
+        """`--max-model-len`, or the model's own limit when unset; a request beyond what the
+        model runs exactly (its trained context, its attention window) is refused."""
+        spec = self.spec
+        limit = spec.context_limit
+        if requested is None:
+            if limit < spec.max_position_embeddings:
+                logger.info("max_model_len %d: the model's attention window (sliding_window); "
+                            "longer sequences would need windowed attention", limit)
+            return limit
+        if requested > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds the model's context length "
+                f"({spec.max_position_embeddings})"
+            )
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds the model's sliding attention window "
+                f"({limit}): Argosy attends to the whole context, which equals this model's "
+                f"windowed attention only up to {limit} tokens; set --max-model-len {limit} "
+                "or less"
+            )
+        return requested
 
     def _quantization_config(self, checkpoint: Any) -> Any:
         """The requested quantization, or the checkpoint's own (GPTQ/AWQ), or None."""

@@ -43,6 +43,9 @@ class ModelSpec:
     `has_lm_head` is False for a headless checkpoint (`LlamaModel`, `MistralModel`,
     `Qwen2Model`: an embedding model): no lm_head weight, no logits, hidden states only; such
     a spec is never `tie_word_embeddings` (there is no head to tie).
+    `sliding_window` is the attention window of a sliding-window checkpoint (Mistral-7B v0.1,
+    Qwen2 with `use_sliding_window`), or None. Argosy attends to the whole context; that equals
+    the window while a sequence fits in it, so `context_limit` stops there.
     """
 
     architecture: str
@@ -63,6 +66,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str
     has_lm_head: bool = True
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -96,6 +100,9 @@ class ModelSpec:
             raise ValueError(
                 f"checkpoint_dtype must be one of {_FLOAT_DTYPES}, got {self.checkpoint_dtype!r}"
             )
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not self.has_lm_head and self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
 
@@ -104,6 +111,16 @@ class ModelSpec:
         """Qwen3 normalizes each query and key head (RMSNorm over head_dim, its own weight
         per layer) before the rotary embedding; the other architectures do not."""
         return self.architecture == "qwen3"
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this model runs exactly: its trained context, and no more than
+        its attention window. A token at position p of a sliding-window model sees only the
+        last `sliding_window` positions (p - window, p]; Argosy's attention sees all of them,
+        which is the same thing only while p < window."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -169,6 +186,7 @@ class ModelSpec:
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             checkpoint_dtype=checkpoint_dtype,
             has_lm_head=has_lm_head,
+            sliding_window=_hf_sliding_window(config, architecture),
         )
 
 
@@ -185,6 +203,31 @@ def _hf_architecture(config: dict[str, Any]) -> tuple[str, bool]:
         f"config.json: unsupported architecture {found!r}; supported: "
         f"{', '.join(HF_ARCHITECTURES)} (model_type {', '.join(HF_MODEL_TYPES)})"
     )
+
+
+def _hf_sliding_window(config: dict[str, Any], architecture: str) -> int | None:
+    """The attention window if any layer of this checkpoint attends through one, else None.
+
+    Mistral windows every layer when `sliding_window` is set (v0.1: 4096; v0.2 on: null).
+    Qwen2/Qwen3 window only with `use_sliding_window`, and then only layers from
+    `max_window_layers` on. An explicit `layer_types` list (transformers 5) says it per layer.
+    Llama has no window.
+    """
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list):
+        slides = "sliding_attention" in layer_types
+    elif architecture == "mistral":
+        slides = True
+    elif architecture in ("qwen2", "qwen3"):
+        num_layers = int(config.get("num_hidden_layers", 0))
+        slides = bool(config.get("use_sliding_window")) and int(
+            config.get("max_window_layers", num_layers)) < num_layers
+    else:
+        slides = False
+    return int(window) if slides else None
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:

@@ -135,3 +135,33 @@ def test_llama3_scaling_recovered_from_gguf_rope_freqs() -> None:
     assert recovered == LLAMA32_CONFIG["rope_scaling"]
     with pytest.raises(ValueError, match="llama3"):
         _llama3_scaling_from_factors(factors * 1.5, head_dim, theta)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "extra", "window"),
+    [
+        # Mistral-7B v0.1 windows every layer; v0.2 on publish sliding_window: null.
+        ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
+        ("MistralForCausalLM", {"sliding_window": None}, None),
+        # Qwen2.5 configs carry a sliding_window but use_sliding_window false: no window.
+        ("Qwen2ForCausalLM", {"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 8}, None),
+        ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 8}, 4096),
+        # Windowing starts at layer max_window_layers: from 16 on, none of 16 layers slides.
+        ("Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 16}, None),
+        # transformers 5 spells it per layer.
+        ("Qwen2ForCausalLM", {"sliding_window": 1024, "layer_types": ["full_attention"] * 15 + ["sliding_attention"]}, 1024),
+        ("Qwen2ForCausalLM", {"sliding_window": 1024, "layer_types": ["full_attention"] * 16}, None),
+        ("LlamaForCausalLM", {"sliding_window": 4096}, None),
+    ],
+)
+def test_sliding_window_caps_the_context(architecture: str, extra: dict, window: int | None) -> None:
+    config = {**LLAMA32_CONFIG, "architectures": [architecture], "rope_scaling": None, **extra}
+    spec = ModelSpec.from_hf_config(config, checkpoint_dtype="bfloat16")
+    assert spec.sliding_window == window
+    assert spec.context_limit == (window or 131072)
+
+
+def test_sliding_window_must_be_positive() -> None:
+    spec = ModelSpec.from_hf_config(LLAMA32_CONFIG, checkpoint_dtype="bfloat16")
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        dataclasses.replace(spec, sliding_window=0)
