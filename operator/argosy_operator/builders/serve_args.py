@@ -70,6 +70,8 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
         args += ["--tool-call-parser", runtime["toolCallParser"]]
     if runtime.get("embeddingPooling"):
         args += ["--embedding-pooling", runtime["embeddingPooling"]]
+    if runtime.get("reasoningParser"):
+        args += ["--reasoning-parser", runtime["reasoningParser"]]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     args += ["--batch-dir", batch_dir(name, spec)]
     if runtime.get("maxWaiting") is not None:

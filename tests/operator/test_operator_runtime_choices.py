@@ -1,5 +1,7 @@
-"""spec.runtime.embeddingPooling: how /v1/embeddings pools a prompt's hidden states
-(`--embedding-pooling last|mean`), left to the runtime's default when unset."""
+"""The optional runtime choices of spec.runtime, each one `argosy serve` flag with a fixed set
+of values: `embeddingPooling` (--embedding-pooling), `toolCallParser` (--tool-call-parser),
+`reasoningParser` (--reasoning-parser). Unset, the flag is left out and the runtime's own
+default applies; the CRD's enum is exactly what the runtime's parser accepts."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import pytest
 from argosy_operator.builders import build_deployment
 from argosy_operator.spec import DEFAULTS, normalize_spec
+from argosy_runtime.server.config import EMBEDDING_POOLINGS, REASONING_PARSERS, TOOL_CALL_PARSERS
 from conftest import NS, Api, eventually, settle
 from crd_schema import openapi_schema, validate
 
@@ -18,6 +21,25 @@ BASE: dict[str, Any] = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeploym
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
 DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
+
+
+class Choice:
+    """One field: its CRD name, the serve flag, the parsed attribute, the runtime's choices and
+    the runtime's default when the flag is left out."""
+
+    def __init__(self, field: str, flag: str, choices: tuple[str, ...], default: str | None
+                 ) -> None:
+        self.field, self.flag, self.choices, self.default = field, flag, choices, default
+        self.attr = flag.removeprefix("--").replace("-", "_")
+
+    def __repr__(self) -> str:
+        return self.field
+
+
+CHOICES = [Choice("embeddingPooling", "--embedding-pooling", EMBEDDING_POOLINGS, "last"),
+           Choice("toolCallParser", "--tool-call-parser", TOOL_CALL_PARSERS, None),
+           Choice("reasoningParser", "--reasoning-parser", REASONING_PARSERS, None)]
+each_choice = pytest.mark.parametrize("choice", CHOICES, ids=repr)
 
 
 def llmd(runtime: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -41,65 +63,61 @@ def runtime_server_args(args: list[str]) -> Any:
     return build_parser().parse_args(args)
 
 
-def test_the_crd_field_is_an_optional_last_or_mean_enum() -> None:
+@each_choice
+def test_the_crd_field_is_an_optional_enum_of_the_runtime_choices(choice: Choice) -> None:
     field = openapi_schema()["properties"]["spec"]["properties"]["runtime"]["properties"][
-        "embeddingPooling"]
-    assert field["type"] == "string" and field["enum"] == ["last", "mean"]
+        choice.field]
+    assert field["type"] == "string" and field["enum"] == list(choice.choices)
     assert "default" not in field  # unset: the runtime's own default applies
-    assert "--embedding-pooling" in field["description"]  # what kubectl explain shows
-    assert "embeddingPooling" not in DEFAULTS["runtime"]
+    assert choice.flag in field["description"]  # what kubectl explain shows
+    assert choice.field not in DEFAULTS["runtime"]
     defaulted, errors = validate(llmd())
     assert errors == []
-    assert "embeddingPooling" not in defaulted["spec"]["runtime"]
+    assert choice.field not in defaulted["spec"]["runtime"]
+    for value in choice.choices:
+        defaulted, errors = validate(llmd(runtime={choice.field: value}))
+        assert errors == []
+        assert defaulted["spec"]["runtime"][choice.field] == value
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_the_crd_accepts_last_and_mean(pooling: str) -> None:
-    defaulted, errors = validate(llmd(runtime={"embeddingPooling": pooling}))
-    assert errors == []
-    assert defaulted["spec"]["runtime"]["embeddingPooling"] == pooling
+@each_choice
+@pytest.mark.parametrize("value", ["", "Mean", "QWEN3", "other", 1, True])
+def test_the_crd_rejects_other_values(choice: Choice, value: Any) -> None:
+    _, errors = validate(llmd(runtime={choice.field: value}))
+    assert [e for e in errors if e.startswith(f"spec.runtime.{choice.field}:")] != [], errors
 
 
-@pytest.mark.parametrize("pooling", ["cls", "Mean", "", "max", 1, True])
-def test_the_crd_rejects_other_values(pooling: Any) -> None:
-    _, errors = validate(llmd(runtime={"embeddingPooling": pooling}))
-    assert [e for e in errors if e.startswith("spec.runtime.embeddingPooling:")] != [], errors
+def flag_values(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
 
 
-@pytest.mark.parametrize("runtime,pooling", [
-    ({}, None),
-    ({"embeddingPooling": None}, None),
-    ({"embeddingPooling": "last"}, "last"),
-    ({"embeddingPooling": "mean"}, "mean"),
-], ids=["absent", "null", "last", "mean"])
-def test_the_flag_is_passed_only_when_set(runtime: dict[str, Any], pooling: str | None
-                                          ) -> None:
-    args = serve_args_of({"model": {"name": "m", "path": "/models/m"}, "runtime": runtime})
-    flags = [a for a in args if "embedding-pooling" in a]
-    if pooling is None:
-        assert flags == []
-        # Left out, the runtime's default applies.
-        assert runtime_server_args(args).embedding_pooling == "last"
-    else:
-        assert flags == ["--embedding-pooling"]
-        assert args[args.index("--embedding-pooling") + 1] == pooling
-        assert runtime_server_args(args).embedding_pooling == pooling
-    # Each case against the others: only a set field changes the args.
-    without = serve_args_of({"model": {"name": "m", "path": "/models/m"}})
-    assert (args != without) == (pooling is not None)
-    assert serve_args_of({"model": {"name": "m", "path": "/models/m"},
-                          "runtime": {"embeddingPooling": "mean"}}) != without
+@each_choice
+def test_the_flag_is_passed_only_when_set(choice: Choice) -> None:
+    model = {"name": "m", "path": "/models/m"}
+    without = serve_args_of({"model": model})
+    for runtime in ({}, {choice.field: None}):  # absent or null: the runtime's default
+        args = serve_args_of({"model": model, "runtime": runtime})
+        assert args == without and flag_values(args, choice.flag) == []
+        assert getattr(runtime_server_args(args), choice.attr) == choice.default
+    for value in choice.choices:
+        args = serve_args_of({"model": model, "runtime": {choice.field: value}})
+        assert flag_values(args, choice.flag) == [value]
+        assert getattr(runtime_server_args(args), choice.attr) == value
+        # Only the flag differs from the unset spec.
+        i = args.index(choice.flag)
+        assert args[:i] + args[i + 2:] == without
 
 
-def test_extra_args_come_after_the_field_and_win() -> None:
+@each_choice
+def test_extra_args_come_after_the_field_and_win(choice: Choice) -> None:
     """No deduplication: the field's flag first, extraArgs after, and argparse keeps the
-    last, so a `--embedding-pooling` in extraArgs overrides the field (docs/operator.md)."""
+    last, so the flag in extraArgs overrides the field (docs/operator.md)."""
+    first, last = choice.choices[0], choice.choices[-1]
     args = serve_args_of({"model": {"name": "m", "path": "/models/m"},
-                          "runtime": {"embeddingPooling": "last",
-                                      "extraArgs": ["--embedding-pooling", "mean"]}})
-    assert args[-2:] == ["--embedding-pooling", "mean"]
-    assert [i for i, a in enumerate(args) if a == "--embedding-pooling"][0] < len(args) - 2
-    assert runtime_server_args(args).embedding_pooling == "mean"
+                          "runtime": {choice.field: first, "extraArgs": [choice.flag, last]}})
+    assert args[-2:] == [choice.flag, last]
+    assert flag_values(args, choice.flag) == [first, last]
+    assert getattr(runtime_server_args(args), choice.attr) == last
 
 
 # --- the operator against the emulated API server --------------------------------------------
@@ -125,7 +143,8 @@ def _pooling(dep: dict[str, Any]) -> str | None:
 async def test_changing_the_field_rolls_the_pods(kube: Any, api: Api, run_operator: Any
                                                  ) -> None:
     """The flag is in the pod template's args, so setting, changing or removing the field
-    patches the Deployment's template (a new ReplicaSet: the pods roll)."""
+    patches the Deployment's template (a new ReplicaSet: the pods roll). Shown with
+    embeddingPooling; the other fields are args the same way."""
     with run_operator():
         await api.call("POST", LLMD_PATH, _body(), "application/json")
         await eventually(lambda: _observed(api, 1), what="first reconcile")
