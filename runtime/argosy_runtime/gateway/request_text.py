@@ -12,6 +12,11 @@ _ROLE_SEP = "\x1f"
 _TURN_SEP = "\x1e"
 # chat's text parts, and the Responses API's (input, and earlier output passed back)
 _TEXT_PARTS = ("text", "input_text", "output_text")
+# The runtime's scoring routes (vLLM's paths, Cohere's /v2/rerank), and every route answered
+# from one model's embeddings: routed like /v1/embeddings, never through a cascade.
+SCORE_PATHS = ("/v1/score", "/score")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+EMBEDDING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)
 
 
 def _content_text(content: Any) -> str:
@@ -27,8 +32,9 @@ def _content_text(content: Any) -> str:
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str:
-    """The prompt of a completion, the `input` of an embeddings request, or the chat history
-    flattened turn by turn.
+    """The prompt of a completion, the `input` of an embeddings request, the `text_1` of a
+    score request, the `query` of a rerank request, or the chat history flattened turn by
+    turn.
 
     A token-id prompt becomes its ids as text (equal id prefixes give equal text prefixes).
     For a batch of prompts (or of embeddings inputs), the first one speaks for the batch.
@@ -46,6 +52,13 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
         # lists of token ids. An embedding's prefill fills the replica's prefix cache as a
         # prompt's does, so it is routed by the same text.
         return _first_prompt(body.get("input"))
+    # The query (a score request's first text_1): each text is embedded on its own, and a
+    # query asked again (against other documents) finds its prefill in the same replica's
+    # prefix cache.
+    if path in SCORE_PATHS:
+        return _first_prompt(body.get("text_1"))
+    if path in RERANK_PATHS:
+        return _first_prompt(body.get("query"))
     return _first_prompt(body.get("prompt"))
 
 
@@ -65,12 +78,25 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
     that reports no usage (tenants/usage.py). Every input of an embeddings batch counts: a
     batch is often hundreds of inputs, and its answer (a vector per input) is the one most
     likely too large for the meter to read its `usage` from, so its first input alone would
-    undercharge it. Other requests: the length of `prompt_text`."""
+    undercharge it. Score and rerank requests: every text they send, each one embedded.
+    Other requests: the length of `prompt_text`."""
+    if path in SCORE_PATHS or path in RERANK_PATHS:
+        fields = ("text_1", "text_2") if path in SCORE_PATHS else ("query", "documents")
+        return sum(_all_chars(body.get(f)) for f in fields)
     inputs = body.get("input")
     is_batch = isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs)
     if path.endswith("/embeddings") and is_batch:
         return sum(len(_first_prompt([item])) for item in inputs)
     return len(prompt_text(path, body))
+
+
+def _all_chars(texts: Any) -> int:
+    """The characters of a string, or of every string in a list."""
+    if isinstance(texts, str):
+        return len(texts)
+    if isinstance(texts, list):
+        return sum(len(t) for t in texts if isinstance(t, str))
+    return 0
 
 
 def _turns(messages: list[Any]) -> str:

@@ -39,6 +39,12 @@ from argosy_runtime.server.serving_chat import create_chat_completion
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
 from argosy_runtime.server.serving_embedding import create_embedding
+from argosy_runtime.server.serving_score import (
+    RerankRequest,
+    ScoreRequest,
+    create_rerank,
+    create_score,
+)
 from argosy_runtime.server.serving_tokenize import detokenize, tokenize
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -108,6 +114,18 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", responses=_ERRORS)
     async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
         return await create_embedding(request, body, ctx)
+
+    # vLLM serves these under both prefixes; Cohere's client posts to /v2/rerank.
+    @app.post("/v1/score", responses=_ERRORS)
+    @app.post("/score", responses=_ERRORS)
+    async def score(request: Request, body: ScoreRequest) -> Response:
+        return await create_score(request, body, ctx)
+
+    @app.post("/v1/rerank", responses=_ERRORS)
+    @app.post("/rerank", responses=_ERRORS)
+    @app.post("/v2/rerank", responses=_ERRORS)
+    async def rerank(request: Request, body: RerankRequest) -> Response:
+        return await create_rerank(request, body, ctx)
 
     add_responses_routes(app, ctx, ResponseStore(), background)
 

@@ -110,7 +110,8 @@ _ROUTES = frozenset({
     "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/files/{id}",
     "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
     "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
-    "/v1/responses/{id}/cancel",
+    "/v1/responses/{id}/cancel", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank",
+    "/rerank", "/v2/rerank",
     "/health", "/ready", "/metrics"})
 
 

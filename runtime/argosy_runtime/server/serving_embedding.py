@@ -48,30 +48,43 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
     _, prompts = normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
     for ids in prompts:
         check_prompt(ctx, ids, 0, param="input")
-    params = PoolingParams(pooling=ctx.config.embedding_pooling)
     prompt_tokens = sum(len(p) for p in prompts)
+    request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,
+                                      inputs=len(prompts))
+    vectors = await embed_prompts(request, ctx, prompts, model_name, req.priority, "embd")
+    if vectors is None:
+        return Response(status_code=499)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+            for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": model_name,
+                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
+
+async def embed_prompts(request: Request, ctx: ServingContext, prompts: list[list[int]],
+                        model_name: str, priority: int, kind: str) -> list[list[float]] | None:
+    """The vectors of `prompts` (token ids already checked), in order: one engine request
+    each, pooled as `--embedding-pooling` says, admitted `INPUTS_IN_FLIGHT` at a time at
+    `priority`. None when the client went away (logged; the caller answers 499). Every
+    route that embeds (/v1/embeddings, /v1/score, /v1/rerank) runs through here, so they
+    share pooling, admission, drain accounting and request ids (`kind` prefixes them)."""
+    params = PoolingParams(pooling=ctx.config.embedding_pooling)
     log = request_log(request.scope)
-    log.update(model=model_name, prompt_tokens=prompt_tokens, inputs=len(prompts))
-    base_id = f"{new_id('embd')}-{request_id_of(request.scope)}"
+    base_id = f"{new_id(kind)}-{request_id_of(request.scope)}"
     finals: list[RequestOutput] = []
     ctx.lifecycle.enter()
     try:
         for start in range(0, len(prompts), INPUTS_IN_FLIGHT):
             streams = await start_streams(ctx, f"{base_id}-{start}",
                                           prompts[start : start + INPUTS_IN_FLIGHT], params,
-                                          model_name, req.priority)
+                                          model_name, priority)
             finals.extend(await run_to_completion(request, ctx, streams))
     except ClientGone:
         log.update(finish_reason="client_disconnected")
-        return Response(status_code=499)
+        return None
     finally:
         ctx.lifecycle.exit()
     log.update(finish_reason="stop")
-    data = [{"object": "embedding", "index": i, "embedding": _encode(out.embedding or [],
-                                                                    req.encoding_format)}
-            for i, out in enumerate(finals)]
-    return JSONResponse({"object": "list", "data": data, "model": model_name,
-                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+    return [out.embedding or [] for out in finals]
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -25,6 +25,10 @@ KNOWN_FIELDS = {
 # The server's embeddings fields (OpenAI's and `priority`): anything else is refused, as there.
 EMBEDDINGS_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
 EMBEDDING_DIMENSIONS = 4
+# The server's /v1/score and /v1/rerank fields (vLLM's, plus Jina's `return_documents`).
+SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority"}
+RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents",
+                 "truncate_prompt_tokens", "priority"}
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
@@ -79,6 +83,10 @@ class FakeReplica:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        for path in ("/v1/score", "/score"):
+            app.router.add_post(path, self._score)
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.router.add_post(path, self._rerank)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/ready", self._ready)
@@ -260,6 +268,42 @@ class FakeReplica:
         return web.json_response({"object": "list", "data": data,
                                   "model": body.get("model", self.model),
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _score(self, request: web.Request) -> web.Response:
+        """vLLM's score answer: one score per text_2 (made of its index), prompt tokens only
+        in `usage` (`prompt_tokens` per text sent)."""
+        body, refusal = await self._read_request(request, SCORE_FIELDS, self.model)
+        if refusal is not None:
+            return refusal
+        failure = self._injected_failure()
+        if failure is not None:
+            return failure
+        texts = [t if isinstance(t, list) else [t] for t in (body["text_1"], body["text_2"])]
+        data = [{"index": i, "object": "score", "score": 1 / (i + 1)}
+                for i in range(len(texts[1]))]
+        tokens = self.prompt_tokens * (len(texts[0]) + len(texts[1]))
+        self.completed += 1
+        return web.json_response({"id": "score-x", "object": "list", "created": 0,
+                                  "model": body.get("model", self.model), "data": data,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                                            "completion_tokens": 0}})
+
+    async def _rerank(self, request: web.Request) -> web.Response:
+        """Jina's rerank answer, documents in the order sent (relevance 1, 1/2, ...)."""
+        body, refusal = await self._read_request(request, RERANK_FIELDS, self.model)
+        if refusal is not None:
+            return refusal
+        failure = self._injected_failure()
+        if failure is not None:
+            return failure
+        docs = body["documents"]
+        results = [{"index": i, "document": {"text": d}, "relevance_score": 1 / (i + 1)}
+                   for i, d in enumerate(docs)][: body.get("top_n") or None]
+        tokens = self.prompt_tokens * (1 + len(docs))
+        self.completed += 1
+        return web.json_response({"id": "rerank-x", "model": body.get("model", self.model),
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                                  "results": results})
 
     def _usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_chunks,
