@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 import pytest
 from argosy_runtime.fleet.replica_process import free_port
+from serve_harness import wait_for_batch
 
 MODEL = "smollm2-135m"
 
@@ -215,11 +216,7 @@ def test_batch_api_through_the_gateway(fleet: FleetHandle) -> None:
     assert len(holders) == 1  # one replica holds it; the others do not know the id
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
                                   completion_window="24h")
-    deadline = time.monotonic() + 120
-    while batch.status not in ("completed", "failed", "cancelled", "expired"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-        batch = client.batches.retrieve(batch.id)
+    batch = wait_for_batch(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.completed == 3
     output = client.files.content(batch.output_file_id).text
     records = [json.loads(line) for line in output.splitlines()]

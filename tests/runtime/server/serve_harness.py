@@ -15,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,6 +26,23 @@ STARTUP_TIMEOUT_S = 300.0
 # The servers' logs live for the test session (tests read them after a server stopped) and go
 # with it: the folder is removed when the interpreter exits.
 _LOGS = tempfile.TemporaryDirectory(prefix="argosy-serve-logs-")
+
+
+BATCH_DONE = ("completed", "failed", "cancelled", "expired")
+
+
+def wait_for_batch(client: Any, batch_id: str, until: Callable[[Any], bool] | None = None,
+                   timeout: float = 300.0) -> Any:
+    """Poll `client.batches.retrieve` (an `openai.OpenAI`) until `until(batch)`, by default
+    until the batch reached a final status; the batch then."""
+    until = until or (lambda b: b.status in BATCH_DONE)
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        assert time.monotonic() < deadline, f"batch stuck: {batch}"
+        time.sleep(0.2)
 
 
 def free_port() -> int:

@@ -19,13 +19,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_harness import ServerProcess
+from serve_harness import ServerProcess, wait_for_batch
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-DONE = ("completed", "failed", "cancelled", "expired")
 
 
 def _upload(client: openai.OpenAI, items: list[dict[str, Any]]) -> str:
@@ -45,17 +44,6 @@ def _completion_line(custom_id: str, prompt: str, max_tokens: int) -> dict[str, 
                      "ignore_eos": True}}
 
 
-def _wait(client: openai.OpenAI, batch_id: str, until=lambda b: b.status in DONE,
-          timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck: {batch}"
-        time.sleep(0.2)
-
-
 def _records(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
     if file_id is None:
         return {}
@@ -73,7 +61,7 @@ def test_batch_answers_equal_the_live_endpoint(client: openai.OpenAI) -> None:
     created = client.batches.create(input_file_id=input_id, endpoint=CHAT,
                                     completion_window="24h", metadata={"job": "colours"})
     assert created.status in ("validating", "in_progress")
-    batch = _wait(client, created.id)
+    batch = wait_for_batch(client, created.id)
 
     assert batch.status == "completed"
     assert batch.metadata == {"job": "colours"}
@@ -111,7 +99,7 @@ def test_a_responses_batch_answers_as_the_live_endpoint(client: openai.OpenAI) -
                        "max_output_tokens": 12, "temperature": 0}} for i in range(2)]
     batch = client.batches.create(input_file_id=_upload(client, items), endpoint="/v1/responses",
                                   completion_window="24h")
-    batch = _wait(client, batch.id)
+    batch = wait_for_batch(client, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == 2
     outputs = _records(client, batch.output_file_id)
     output_tokens = 0
@@ -131,7 +119,7 @@ def test_an_unusable_input_file_fails_the_batch_with_its_lines(client: openai.Op
              {**_chat_line("b", "hi"), "url": COMPLETIONS}]
     batch = client.batches.create(input_file_id=_upload(client, items), endpoint=CHAT,
                                   completion_window="24h")
-    batch = _wait(client, batch.id)
+    batch = wait_for_batch(client, batch.id)
     assert batch.status == "failed" and batch.failed_at is not None
     assert [(e.line, e.code) for e in batch.errors.data] == [
         (2, "duplicate_custom_id"), (3, "mismatched_endpoint")]
@@ -175,11 +163,11 @@ def test_cancel_stops_a_batch_and_frees_its_kv_blocks(client: openai.OpenAI,
     items = [_completion_line(f"c{i}", f"Story {i}:", 400) for i in range(12)]
     batch = client.batches.create(input_file_id=_upload(client, items), endpoint=COMPLETIONS,
                                   completion_window="24h")
-    _wait(client, batch.id, until=lambda b: b.status == "in_progress")
+    wait_for_batch(client, batch.id, until=lambda b: b.status == "in_progress")
     assert server.metrics()["argosy:batch_requests_pending"] > 0
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
-    batch = _wait(client, batch.id)
+    batch = wait_for_batch(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
     assert batch.request_counts.completed < 12
     assert len(_records(client, batch.output_file_id)) == batch.request_counts.completed
@@ -240,7 +228,7 @@ def test_live_requests_preempt_batch_requests(own: ServerProcess) -> None:
     assert client.batches.retrieve(batch.id).request_counts.completed == 0  # it did not wait
     assert own.metrics()["argosy:num_preemptions_total"] > preemptions
     client.batches.cancel(batch.id)
-    assert _wait(client, batch.id).status == "cancelled"
+    assert wait_for_batch(client, batch.id).status == "cancelled"
 
 
 def test_a_batch_cut_by_sigterm_resumes_on_the_next_start(own: ServerProcess,
@@ -249,7 +237,7 @@ def test_a_batch_cut_by_sigterm_resumes_on_the_next_start(own: ServerProcess,
     items = [_completion_line(f"r{i}", f"Item {i} is", 40) for i in range(8)]
     batch = client.batches.create(input_file_id=_upload(client, items), endpoint=COMPLETIONS,
                                   completion_window="24h")
-    _wait(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
+    wait_for_batch(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
     assert own.stop() == 0  # SIGTERM: drains, exits 0
     on_disk = json.loads((batch_dir / "batches" / f"{batch.id}.json").read_text())
     assert on_disk["status"] == "in_progress"
@@ -257,7 +245,7 @@ def test_a_batch_cut_by_sigterm_resumes_on_the_next_start(own: ServerProcess,
     again = _own_server(batch_dir)
     try:
         client = _client(again)
-        batch = _wait(client, batch.id)
+        batch = wait_for_batch(client, batch.id)
         assert batch.status == "completed"
         assert (batch.request_counts.completed, batch.request_counts.failed) == (8, 0)
         outputs = _records(client, batch.output_file_id)
@@ -283,12 +271,12 @@ def test_a_replica_sharing_the_folder_finishes_a_batch_whose_replica_stopped(
         items = [_completion_line(f"s{i}", f"Step {i}:", 40) for i in range(8)]
         batch = client.batches.create(input_file_id=_upload(other, items),  # any replica's file
                                       endpoint=COMPLETIONS, completion_window="24h")
-        _wait(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
+        wait_for_batch(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
         assert other.batches.retrieve(batch.id).status == "in_progress"
         assert first.metrics()["argosy:batch_requests_pending"] > 0
         assert second.metrics()["argosy:batch_requests_pending"] == 0  # runs on one replica
         assert first.stop() == 0  # SIGTERM: drains, leaves the rest to the other replica
-        batch = _wait(other, batch.id)
+        batch = wait_for_batch(other, batch.id)
         assert batch.status == "completed"
         assert (batch.request_counts.completed, batch.request_counts.failed) == (8, 0)
         lines = other.files.content(batch.output_file_id).text.splitlines()

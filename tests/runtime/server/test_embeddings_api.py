@@ -9,7 +9,6 @@ import json
 import struct
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 import torch
 from argosy_runtime import PoolingParams, SamplingParams
 from openai import OpenAI
-from serve_harness import MODEL, ServerProcess
+from serve_harness import MODEL, ServerProcess, wait_for_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
@@ -199,11 +198,7 @@ def test_a_batch_of_embeddings(client: OpenAI, offline_llm) -> None:
     input_id = client.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch").id
     batch = client.batches.create(input_file_id=input_id, endpoint="/v1/embeddings",
                                   completion_window="24h")
-    deadline = time.monotonic() + 120
-    while batch.status not in ("completed", "failed", "cancelled", "expired"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-        batch = client.batches.retrieve(batch.id)
+    batch = wait_for_batch(client, batch.id, timeout=120)
     assert batch.status == "completed", batch
     assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
     records = [json.loads(line)
