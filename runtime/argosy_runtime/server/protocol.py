@@ -244,11 +244,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # completion tokens inside the thinking (--reasoning-parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # chat completions on a server with --reasoning-parser only
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
+from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
@@ -15,7 +16,12 @@ from argosy_runtime.server.protocol import (
     new_id,
     now,
 )
-from argosy_runtime.server.reasoning_parser import ReasoningStream, split_reasoning
+from argosy_runtime.server.reasoning_parser import (
+    ReasoningStream,
+    count_reasoning_tokens,
+    split_reasoning,
+    token_ends,
+)
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
     SSE_DONE,
@@ -216,7 +222,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                                   "finish_reason": finish}])
                     sent_tokens[c] = end
                     done[c] = seq.finish_reason is not None
-            usage = _usage(prompt, final)
+            usage = _usage(ctx, prompt, final, params, reasoning_parser)
             log.update(completion_tokens=usage["completion_tokens"],
                        finish_reason=_reasons(final))
             if include_usage:
@@ -259,17 +265,27 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                         "logprobs": chat_logprobs(ctx, seq, 0, len(seq.token_ids), k)
                         if k is not None else None,
                         "finish_reason": finish})
-    usage = _usage(prompt, final)
+    usage = _usage(ctx, prompt, final, params, reasoning_parser)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(final))
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
                          "model": model_name, "choices": choices, "usage": usage})
 
 
-def _usage(prompt: list[int], final: RequestOutput | None) -> dict[str, Any]:
+def _usage(ctx: ServingContext, prompt: list[int], final: RequestOutput | None,
+           params: SamplingParams, reasoning_parser: str | None) -> dict[str, Any]:
+    """Chat's usage; with --reasoning-parser, how many completion tokens are thinking (0 for
+    a constrained reply, which `reasoning_parser` None says: it could not think)."""
+    reasoning: int | None = 0 if ctx.config.reasoning_parser else None
     if final is None:
-        return usage_info(len(prompt), 0, 0)
+        return usage_info(len(prompt), 0, 0, reasoning)
+    if reasoning_parser is not None:
+        prompt_ids = final.prompt_token_ids or prompt
+        reasoning = sum(
+            count_reasoning_tokens(reasoning_parser, seq.text, token_ends(
+                ctx.tokenizer, prompt_ids, seq.token_ids, params.skip_special_tokens))
+            for seq in final.outputs)
     return usage_info(len(prompt), sum(len(s.token_ids) for s in final.outputs),
-                      final.num_cached_tokens)
+                      final.num_cached_tokens, reasoning)
 
 
 def _reasons(final: RequestOutput | None) -> str:

@@ -318,12 +318,18 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int
-               ) -> dict[str, Any]:
-    """OpenAI's `usage`; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's `usage`; `cached_tokens`: prompt tokens served from the prefix cache;
+    `reasoning_tokens` (those of completion_tokens that are thinking) only where a reasoning
+    parser can tell, as vLLM: elsewhere `completion_tokens_details` is left out."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def sse(payload: dict[str, Any]) -> str:

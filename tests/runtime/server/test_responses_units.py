@@ -103,6 +103,49 @@ def test_an_aborted_answer_fails_the_response() -> None:
     assert Response.model_validate(final).error.code == "server_error"
 
 
+def _thinking(text: str, finish: str | None = None) -> str:
+    return _chunk({"choices": [{"index": 0, "delta": {"reasoning_content": text},
+                                "finish_reason": finish}], "usage": None})
+
+
+def test_reasoning_deltas_become_a_reasoning_item_before_the_message() -> None:
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+             "completion_tokens_details": {"reasoning_tokens": 3}}
+    events, done = _translate([_delta(""), _thinking("let me"), _thinking(" see"),
+                               _delta("The"), _delta(" answer", "stop"),
+                               _chunk({"choices": [], "usage": usage}), "data: [DONE]\n\n"])
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert events[2]["item"]["type"] == "reasoning" and events[2]["output_index"] == 0
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    assert events[6]["text"] == "let me see" and events[9]["output_index"] == 1
+    final = Response.model_validate(events[-1]["response"])
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.id == events[2]["item"]["id"] == events[4]["item_id"]
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "let me see")]
+    assert reasoning.summary == [] and reasoning.status == "completed"
+    assert final.output_text == "The answer"  # the thinking is not the answer
+    assert final.usage.output_tokens_details.reasoning_tokens == 3
+    assert done == [events[-1]["response"]]
+
+
+def test_a_reply_cut_off_while_thinking_has_an_incomplete_reasoning_item_only() -> None:
+    events, _ = _translate([_thinking("hmm"), _thinking(" so", "length")])
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("reasoning", "incomplete")]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm so"}]
+
+
 def _entry(i: int) -> StoredResponse:
     return StoredResponse({"id": f"resp_{i}", "output": []}, (), ())
 
@@ -170,6 +213,29 @@ def test_input_items_become_chat_messages() -> None:
         input_messages([])
 
 
+def test_reasoning_items_are_listed_but_not_shown_to_the_model() -> None:
+    # A client sending a reasoning model's output back (input += response.output).
+    reasoning = {"id": "rs_1", "type": "reasoning", "summary": [], "status": "completed",
+                 "content": [{"type": "reasoning_text", "text": "let me see"}]}
+    parsed = parse_input([
+        {"role": "user", "content": "What is it?"}, reasoning,
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "The answer", "annotations": []}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"role": "user", "content": "Again?"}])
+    assert parsed.messages == [
+        {"role": "user", "content": "What is it?"},
+        {"role": "assistant", "content": "The answer", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "Again?"}]
+    items = TypeAdapter(list[ResponseItem]).validate_python(parsed.items)
+    assert [i.type for i in items] == ["message", "reasoning", "message", "reasoning",
+                                       "function_call", "message"]
+    assert parsed.items[1] == reasoning
+    assert items[3].id.startswith("rs_") and items[3].summary[0].text == "s"
+
+
 def test_http_metrics_label_response_routes_by_template() -> None:
     from argosy_runtime.server.metrics import route_label
 
@@ -224,7 +290,13 @@ def test_function_call_items_become_tool_messages() -> None:
     ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1},
      "input[0]: unknown field 'x'"),
     ({"type": "function_call_output", "call_id": "call_1", "output": 3}, "input[0].output"),
-    ({"type": "reasoning", "summary": []}, "input[0].type: input items of type 'reasoning'"),
+    ({"type": "item_reference", "id": "msg_1"},
+     "input[0].type: input items of type 'item_reference'"),
+    ({"type": "reasoning", "summary": [], "encrypted_content": "gAAA"},
+     "input[0].encrypted_content: encrypted reasoning is not supported"),
+    ({"type": "reasoning"}, "input[0].summary: expected a list of summary_text parts"),
+    ({"type": "reasoning", "summary": [], "content": [{"type": "output_text", "text": "x"}]},
+     'input[0].content[0]: expected {"type": "reasoning_text", "text": <string>}'),
 ])
 def test_bad_function_items_name_the_field(item: dict, words: str) -> None:
     with pytest.raises(APIError) as exc:

@@ -11,7 +11,13 @@ Items, in OpenAI's shapes (each 400 names the exact item and part, `input[1].con
   assistant message, share one message, as chat writes them;
 - `{"type": "function_call_output", "call_id", "output"}` -> a `role: "tool"` message with
   `tool_call_id`; its `call_id` must be that of a function call earlier in the conversation
-  (this input or the stored one behind `previous_response_id`), as OpenAI requires.
+  (this input or the stored one behind `previous_response_id`), as OpenAI requires;
+- `{"type": "reasoning", "summary": [...], "content": [{"type": "reasoning_text", "text"}]}`
+  (an earlier output item passed back, `input += response.output`) -> listed, but no chat
+  message: earlier thinking is dropped from the prompt, as chat drops an assistant message's
+  `reasoning_content` (vLLM hands it to the template, whose Qwen3/DeepSeek-R1 versions drop
+  earlier turns' thinking too; the stored conversation behind `previous_response_id` skips
+  reasoning items, as vLLM's). `encrypted_content` is a 400: this server never makes it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ _PART_KEYS = frozenset({"type", "text", "annotations", "logprobs", "refusal"})
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
 _CALL_KEYS = frozenset({"type", "id", "call_id", "name", "arguments", "status"})
 _OUTPUT_KEYS = frozenset({"type", "id", "call_id", "output", "status"})
+_REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
+_REASONING_PARTS = {"summary": "summary_text", "content": "reasoning_text"}
 _JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", dict: "an object",
                str: "a string", list: "a list"}
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -84,9 +92,12 @@ def parse_input(value: Any, history: Iterable[dict[str, Any]] = ()) -> ParsedInp
             messages.append({"role": "tool", "tool_call_id": listed["call_id"],
                              "content": text})
             items.append(listed)
+        elif kind == "reasoning":
+            items.append(_reasoning(item, where))  # not shown to the model (see above)
         else:
             raise bad_request(f"{where}.type: input items of type {kind!r} are not supported "
-                              "(only message, function_call, function_call_output)", "input")
+                              "(only message, function_call, function_call_output, "
+                              "reasoning)", "input")
     return ParsedInput(messages, items)
 
 
@@ -140,6 +151,32 @@ def _function_call_output(item: dict[str, Any], where: str) -> tuple[dict[str, A
               "type": "function_call_output", "call_id": item["call_id"], "output": output,
               "status": "completed"}
     return listed, text
+
+
+def _reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A reasoning item as input_items lists it (its parts checked, as OpenAI's)."""
+    _no_extra(item, _REASONING_KEYS, where)
+    if item.get("encrypted_content") is not None:
+        raise bad_request(f"{where}.encrypted_content: encrypted reasoning is not supported "
+                          "(this server never returns it)", "input")
+    item_id = item.get("id")
+    listed: dict[str, Any] = {"id": item_id if isinstance(item_id, str) and item_id
+                              else new_item_id("rs"), "type": "reasoning"}
+    for key, part_type in _REASONING_PARTS.items():
+        parts = item.get(key)
+        if parts is None and key == "content":
+            continue
+        if not isinstance(parts, list):
+            raise bad_request(f"{where}.{key}: expected a list of {part_type} parts", "input")
+        for j, part in enumerate(parts):
+            if not (isinstance(part, dict) and part.get("type") == part_type
+                    and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
+                raise bad_request(f"{where}.{key}[{j}]: expected "
+                                  f'{{"type": "{part_type}", "text": <string>}}', "input")
+        listed[key] = parts
+    status = item.get("status")
+    return {**listed, "status": status if status in ("in_progress", "incomplete")
+            else "completed"}
 
 
 def _string(item: dict[str, Any], key: str, where: str, empty_ok: bool = False) -> None:

@@ -1,5 +1,6 @@
 """OpenAI's `Response` object, as the official client's `openai.types.responses.Response`
-parses it: the generated message, usage, status, and the request's settings echoed back."""
+parses it: the generated thinking (with --reasoning-parser) and message, usage, status, and the
+request's settings echoed back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from argosy_runtime.server.responses.tools import function_tools
 
 
 def new_item_id(prefix: str) -> str:
-    """OpenAI's ids: `resp_<hex>`, `msg_<hex>`, `fc_<hex>`."""
+    """OpenAI's ids: `resp_<hex>`, `msg_<hex>`, `rs_<hex>`, `fc_<hex>`."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -56,6 +57,17 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
             "content": [] if text is None else [text_part(text)]}
 
 
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The thinking a --reasoning-parser split off (vLLM's and OpenAI's open-weight models'
+    shape: the text in `content`, no `summary`); `text=None`: not started."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if text is None else [reasoning_part(text)]}
+
+
 def function_call_item(call: dict[str, Any], status: str = "completed",
                        item_id: str | None = None) -> dict[str, Any]:
     """A chat tool call (`{"id", "type", "function": {"name", "arguments"}}`) as a Responses
@@ -72,9 +84,12 @@ def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     prompt = int(chat_usage.get("prompt_tokens", 0))
     completion = int(chat_usage.get("completion_tokens", 0))
     cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    # chat has the details only with --reasoning-parser; OpenAI's Responses usage always does
+    reasoning = int((chat_usage.get("completion_tokens_details") or {})
+                    .get("reasoning_tokens", 0))
     return {"input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 

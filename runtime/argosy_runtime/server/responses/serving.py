@@ -5,7 +5,8 @@ message, then the stored conversation of `previous_response_id`, then the input 
 runs through `create_chat_completion` unchanged, so chat templates, sampling, limits,
 priorities, LoRA model names, metrics, disconnect aborts and errors are exactly chat's. Its
 answer (a chat completion, or chat chunks when streaming) is rewritten into a `Response`
-object or Responses stream events (`stream_events.py`).
+object or Responses stream events (`stream_events.py`); with `--reasoning-parser`, chat's
+`reasoning_content` becomes a `reasoning` output item before the message.
 
 A background response (`background: true`) always runs chat streamed, in a task of its own
 (`background.py`) that keeps the events; the request answers at once with the `queued`
@@ -37,6 +38,7 @@ from argosy_runtime.server.responses.response_object import (
     message_item,
     new_item_id,
     outcome_of,
+    reasoning_item,
     response_object,
     usage_of,
 )
@@ -113,9 +115,15 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     outcome = outcome_of(choice.get("finish_reason"))
     text = choice["message"].get("content") or ""
     calls = choice["message"].get("tool_calls") or []
-    # a message item when there is text (or nothing else), then one item per function call
-    output = ([message_item(new_item_id("msg"), text, outcome.item_status)]
-              if text or not calls else [])
+    reasoning = choice["message"].get("reasoning_content")  # --reasoning-parser's split
+    # the thinking first (when there is some: vLLM's rule), a message item when there is text
+    # (or nothing else), then one item per function call; a reply cut off while it thought
+    # has an incomplete reasoning item and no message, as streamed
+    output = ([reasoning_item(new_item_id("rs"), reasoning,
+                              "completed" if text or calls else outcome.item_status)]
+              if reasoning else [])
+    output += ([message_item(new_item_id("msg"), text, outcome.item_status)]
+               if text or not (calls or reasoning) else [])
     output += [function_call_item(call) for call in calls]
     response = response_object(
         req, response_id=response_id, created_at=created_at, model=model,

@@ -5,6 +5,11 @@ OpenAI's order:
 
     response.created (status queued for a background response), response.in_progress,
     then per output item, one after another:
+      the thinking (chat's reasoning_content deltas, with --reasoning-parser), as vLLM:
+        response.output_item.added (a reasoning item), response.content_part.added
+        (reasoning_text), response.reasoning_text.delta (one per chat chunk that carries
+        thinking), response.reasoning_text.done, response.content_part.done,
+        response.output_item.done
       a message (text):
         response.output_item.added, response.content_part.added,
         response.output_text.delta (one per chat chunk that carries text),
@@ -16,8 +21,8 @@ OpenAI's order:
     response.completed | response.incomplete (cut by max_output_tokens) | response.failed
     (the request ran past --request-timeout, or the server cut it short: a drain, an abort)
 
-A reply with neither text nor calls still has one (empty) message item, as unstreamed. Chat
-streams a forced function's arguments as they are generated, so they come as many deltas;
+A reply with neither thinking, text nor calls still has one (empty) message item, as
+unstreamed. Chat streams a forced function's arguments as they are generated, so they come as many deltas;
 calls of tool_choice "required" or parsed by --tool-call-parser come whole, one delta each.
 
 There is no `data: [DONE]` at the end (OpenAI sends none on this endpoint).
@@ -35,6 +40,8 @@ from argosy_runtime.server.responses.response_object import (
     message_item,
     new_item_id,
     outcome_of,
+    reasoning_item,
+    reasoning_part,
     response_object,
     text_part,
     usage_of,
@@ -56,7 +63,7 @@ class ResponseEventStream:
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []  # the output items so far
         self.current: dict[str, Any] | None = None  # the open one
-        self.text: list[str] = []  # the open message's text
+        self.text: list[str] = []  # the open message's (or reasoning item's) text
         self.calls: dict[int, dict[str, Any]] = {}  # chat's tool call index -> its item
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -91,6 +98,9 @@ class ResponseEventStream:
                 usage = data.get("usage") or usage
                 for choice in data.get("choices") or []:
                     delta = choice.get("delta") or {}
+                    if delta.get("reasoning_content"):  # chat sends it before the answer
+                        for event in self._reasoning(delta["reasoning_content"]):
+                            yield event
                     if delta.get("content"):
                         for event in self._text(delta["content"]):
                             yield event
@@ -132,6 +142,21 @@ class ResponseEventStream:
                            item=self.current),
                 self.event("response.content_part.added", **self._where(), content_index=0,
                            part=text_part(""))]
+
+    def _reasoning(self, delta: str) -> list[str]:
+        events = []
+        if self.current is None or self.current["type"] != "reasoning":
+            events = self._close("completed")
+            self.current, self.text = reasoning_item(new_item_id("rs"), None, "in_progress"), []
+            self.output.append(self.current)
+            events += [self.event("response.output_item.added",
+                                  output_index=len(self.output) - 1, item=self.current),
+                       self.event("response.content_part.added", **self._where(),
+                                  content_index=0, part=reasoning_part(""))]
+        self.text.append(delta)
+        events.append(self.event("response.reasoning_text.delta", **self._where(),
+                                 content_index=0, delta=delta))
+        return events
 
     def _text(self, delta: str) -> list[str]:
         events = []
@@ -179,6 +204,15 @@ class ResponseEventStream:
                     self.event("response.output_item.done", output_index=where["output_index"],
                                item=item)]
         text = "".join(self.text)
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], text, status)
+            self.output[where["output_index"]] = done
+            return [self.event("response.reasoning_text.done", **where, content_index=0,
+                               text=text),
+                    self.event("response.content_part.done", **where, content_index=0,
+                               part=reasoning_part(text)),
+                    self.event("response.output_item.done",
+                               output_index=where["output_index"], item=done)]
         done = message_item(item["id"], text, status)
         self.output[where["output_index"]] = done
         return [self.event("response.output_text.done", **where, content_index=0, text=text,
@@ -194,6 +228,8 @@ class ResponseEventStream:
         if self.current is not None:
             if self.current["type"] == "message":
                 out[-1] = message_item(self.current["id"], "".join(self.text), status)
+            elif self.current["type"] == "reasoning":
+                out[-1] = reasoning_item(self.current["id"], "".join(self.text), status)
             else:
                 out[-1] = {**self.current, "status": status}
         return out
