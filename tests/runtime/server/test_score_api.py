@@ -4,6 +4,8 @@ returns for the same texts."""
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from typing import Any
 
@@ -11,6 +13,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_harness import wait_for_batch
 from test_fuzz import JUNK, strategy_for
 
 pytestmark = pytest.mark.slow  # starts an `argosy serve` process
@@ -195,3 +198,27 @@ def test_schema_fuzz_never_5xx(http: httpx.Client, openapi: dict[str, Any], data
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [
+    ("/v1/score", {"text_1": QUERY, "text_2": DOCS}),
+    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2}),
+])
+def test_a_batch_answers_what_the_live_endpoint_answers(client, http: httpx.Client,  # noqa: ANN001
+                                                        endpoint: str, body: dict) -> None:
+    """The Batch API runs /v1/score and /v1/rerank lines too (as vLLM's run_batch does)."""
+    lines = [{"custom_id": "ok", "method": "POST", "url": endpoint, "body": body},
+             {"custom_id": "bad", "method": "POST", "url": endpoint, "body": {**body, "model": "nope"}}]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    input_id = client.files.create(file=("s.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=input_id, endpoint=endpoint,
+                                  completion_window="24h")
+    batch = wait_for_batch(client, batch.id, timeout=120)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    [record] = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    live = score(http, body, endpoint)
+    for answer in (record["response"]["body"], live):  # ids and times differ, nothing else
+        answer.pop("id"), answer.pop("created", None)
+    assert record["response"]["body"] == live
+    assert '"bad"' in client.files.content(batch.error_file_id).text
