@@ -57,6 +57,23 @@ def test_an_empty_file_is_an_error(tmp_path: Path) -> None:
     assert _read(tmp_path, "", "  ")[1][0]["code"] == "empty_file"
 
 
+def test_usage_sums_cached_and_reasoning_tokens_of_chat_and_responses_answers(tmp_path: Path
+                                                                               ) -> None:
+    results = BatchResults.open(tmp_path, "batch_u")
+    results.add("chat", 200, "rid-1", {"usage": {
+        "prompt_tokens": 10, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 5}}})
+    results.add("responses", 200, "rid-2", {"usage": {
+        "input_tokens": 6, "output_tokens": 9, "input_tokens_details": {"cached_tokens": 2},
+        "output_tokens_details": {"reasoning_tokens": 3}}})
+    results.add("plain", 200, "rid-3", {"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    expected = {"input_tokens": 17, "output_tokens": 18, "total_tokens": 35,
+                "input_tokens_details": {"cached_tokens": 6},
+                "output_tokens_details": {"reasoning_tokens": 8}}
+    assert results.usage() == expected
+    assert BatchResults.open(tmp_path, "batch_u").usage() == expected  # read back the same
+
+
 def test_results_are_read_back_and_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
     results = BatchResults.open(tmp_path, "batch_x")
     ok = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}

@@ -25,6 +25,7 @@ class BatchResults:
     input_tokens: int = 0
     cached_tokens: int = 0  # of input_tokens, served from the prefix cache
     output_tokens: int = 0
+    reasoning_tokens: int = 0  # of output_tokens, thinking (servers with --reasoning-parser)
 
     @classmethod
     def open(cls, folder: Path, batch_id: str) -> BatchResults:
@@ -72,12 +73,15 @@ class BatchResults:
         self.cached_tokens += int(details.get("cached_tokens") or 0)
         self.output_tokens += int(usage.get("completion_tokens") or usage.get("output_tokens")
                                   or 0)
+        out_details = (usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+                       or {})
+        self.reasoning_tokens += int(out_details.get("reasoning_tokens") or 0)
 
     def usage(self) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens_details": {"reasoning_tokens": 0}}
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
 
 
 def _read_complete_lines(path: Path) -> list[dict[str, Any]]:
