@@ -17,7 +17,7 @@ from argosy_runtime.model_loader import load_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from engine_helpers import assert_no_leaks  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
+from model_factory import QWEN3_TEST_SHAPE, make_random_model_dir  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 100, 2000, 300, 45, 999, 17, 4242, 8, 31000, 77, 12] * 3,
@@ -101,6 +101,25 @@ def test_adapters_and_base_in_one_batch_equal_peft(model_dir, adapters, referenc
     assert engine.get_stats().num_preemptions > 0
     for (lora, p), out in zip(jobs, outputs, strict=True):
         assert out == references[lora][p], (lora, p)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("arch,shape", [("qwen2", {}), ("qwen3", QWEN3_TEST_SHAPE)],
+                         ids=["qwen2-qkv-bias", "qwen3-qk-norm"])
+def test_adapters_on_qwen_bases_equal_peft(arch, shape, tmp_path) -> None:  # noqa: ANN001
+    """The LoRA deltas land where PEFT puts them on the other architectures too: beside
+    Qwen2's q/k/v biases, and before Qwen3's per-head q/k norms (on a head_dim that is not
+    hidden / heads, so the q/k/v shapes differ from the hidden size)."""
+    model_dir = make_random_model_dir(tmp_path, arch, **shape)
+    adapter = make_adapter(model_dir, tmp_path / "adapter", 3, r=8, lora_alpha=16,
+                           target_modules=ALL)
+    prompts = PROMPTS[:2]
+    base, lora = peft_greedy(model_dir, None, prompts), peft_greedy(model_dir, adapter, prompts)
+    assert base != lora  # the adapter matters
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4,
+                       max_num_batched_tokens=16, lora_modules={"a": str(adapter)})
+    outputs = run(engine, [("a", 0), (None, 0), ("a", 1), (None, 1)])
+    assert outputs == [lora[0], base[0], lora[1], base[1]]
     assert_no_leaks(engine)
 
 
