@@ -7,6 +7,9 @@ tokenizer of the embedded SmolLM2 model (converted from its GGUF by transformers
 vocabulary (49152 ids) and the chat template are those of a real model. `headless=True` saves
 the bare decoder instead (`LlamaModel` / `MistralModel` / `Qwen2Model`: no lm_head, weight names
 without the `model.` prefix), the way decoder-based embedding models are published.
+`num_labels=k` saves a sequence classifier instead (`LlamaForSequenceClassification` etc.:
+the decoder plus a `score` head [k, hidden], no lm_head), the way reward models, classifiers
+and decoder cross-encoders are published; `id2label` names its classes.
 
 Weights are random with a large init scale (`init_std`, default 0.5) so that greedy decoding
 is not a sequence of near-ties. Measured with the defaults (2 layers, hidden 64, 4x32 random
@@ -36,11 +39,12 @@ EMBEDDED_EOS_ID = 2
 QWEN3_TEST_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32)
 
-_ARCH_CLASSES = {  # arch -> (config class, causal LM class, headless decoder class)
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaModel"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3Model"),
+_ARCH_CLASSES = {  # arch -> (config, causal LM, headless decoder, sequence classifier) classes
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaModel", "LlamaForSequenceClassification"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel",
+                "MistralForSequenceClassification"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3Model", "Qwen3ForSequenceClassification"),
 }
 
 
@@ -92,15 +96,19 @@ def make_random_model_dir(
     eos_token_id: int | list[int] = EMBEDDED_EOS_ID,
     seed: int = 0,
     headless: bool = False,
+    num_labels: int | None = None,
+    id2label: dict[int, str] | None = None,
 ) -> Path:
     """Write a random-weight `arch` model folder under `tmp_path` and return its path
-    (`headless`: the bare decoder, as embedding models are saved)."""
+    (`headless`: the bare decoder, as embedding models are saved; `num_labels`: a sequence
+    classifier with that many classes, named by `id2label`)."""
     import transformers
 
     if arch not in _ARCH_CLASSES:
         raise ValueError(f"arch must be one of {sorted(_ARCH_CLASSES)}, got {arch!r}")
-    config_cls_name, causal_lm_cls_name, headless_cls_name = _ARCH_CLASSES[arch]
-    model_cls_name = headless_cls_name if headless else causal_lm_cls_name
+    config_cls_name, causal_lm_cls_name, headless_cls_name, classifier_cls_name = _ARCH_CLASSES[arch]
+    model_cls_name = (classifier_cls_name if num_labels else
+                      headless_cls_name if headless else causal_lm_cls_name)
     config_cls = getattr(transformers, config_cls_name)
     model_cls = getattr(transformers, model_cls_name)
     kwargs: dict = dict(
@@ -119,6 +127,10 @@ def make_random_model_dir(
     )
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
+    if num_labels:
+        kwargs["num_labels"] = num_labels
+        if id2label is not None:
+            kwargs["id2label"] = id2label
     rope = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling is not None:
         rope.update(rope_scaling)
@@ -136,7 +148,8 @@ def make_random_model_dir(
             elif param_name.endswith(".bias"):
                 param.copy_(init_std * torch.randn(param.shape, generator=generator))
 
-    folder = Path(tmp_path) / (name or f"random-{arch}{'-headless' if headless else ''}")
+    kind = f"-cls{num_labels}" if num_labels else "-headless" if headless else ""
+    folder = Path(tmp_path) / (name or f"random-{arch}{kind}")
     folder.mkdir(parents=True, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **save_kwargs)

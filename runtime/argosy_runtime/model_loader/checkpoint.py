@@ -35,7 +35,8 @@ class Checkpoint:
         Names: model.embed_tokens.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
         (+ q/k/v .bias when spec.attention_bias), model.layers.{i}.mlp.{gate,up,down}_proj.weight,
         model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, and
-        lm_head.weight unless spec.tie_word_embeddings or not spec.has_lm_head. A headless
+        lm_head.weight unless spec.tie_word_embeddings or not spec.has_lm_head, and a
+        classifier's score.weight (spec.num_labels > 0) instead of lm_head. A headless
         checkpoint's unprefixed names come with the `model.` prefix too. HF tensors come in
         their stored dtype; GGUF tensors are dequantized to float32 with llama.cpp's q/k row
         permutation undone.

@@ -86,6 +86,8 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     names.append("model.norm.weight")
     if spec.has_lm_head and not spec.tie_word_embeddings:
         names.append("lm_head.weight")
+    if spec.num_labels:
+        names.append("score.weight")  # the classification head: [num_labels, hidden]
     return names
 
 
@@ -93,7 +95,7 @@ def model_weight_name(stored_name: str) -> str:
     """The name the model expects for a tensor as stored: a headless checkpoint (`LlamaModel`,
     `MistralModel`, `Qwen2Model`) saves the decoder's own names, without the `model.` prefix
     a `*ForCausalLM` puts in front of them (`layers.0.mlp.up_proj.weight`)."""
-    if stored_name.startswith("model.") or stored_name.startswith("lm_head."):
+    if stored_name.startswith(("model.", "lm_head.", "score.")):
         return stored_name
     return "model." + stored_name
 
@@ -116,7 +118,9 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                     continue  # tied: the forward reuses embed_tokens
                 name = model_weight_name(stored)
                 if name not in expected:
-                    what = "a headless (no lm_head) " if not spec.has_lm_head else "a "
+                    what = ("a " if spec.has_lm_head else
+                            "a sequence-classification " if spec.num_labels else
+                            "a headless (no lm_head) ")
                     raise ValueError(f"{file.name}: unexpected tensor {stored!r} for "
                                      f"{what}{spec.architecture} model")
                 if name in seen:  # both `x` and `model.x`: which one would win is arbitrary
@@ -126,5 +130,6 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                 yield name, f.get_tensor(stored)
     missing = expected - seen
     if missing:
-        note = "" if spec.has_lm_head else " (a headless checkpoint may store them without 'model.')"
+        headless = not spec.has_lm_head and not spec.num_labels
+        note = " (a headless checkpoint may store them without 'model.')" if headless else ""
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}{note}")

@@ -20,12 +20,21 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
 }
 # The bare decoders, without a language-model head: how decoder-based embedding models are
 # published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
 # hidden state; their weights are named without the `model.` prefix.
 HEADLESS_HF_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# Sequence classifiers (reward models, classifiers, cross-encoder rerankers): the decoder
+# (`model.*`) plus a `score` linear [num_labels, hidden] read at the last token, no lm_head.
+CLASSIFIER_HF_ARCHITECTURES: frozenset[str] = frozenset(
+    {"LlamaForSequenceClassification", "MistralForSequenceClassification",
+     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 # HF `model_type` -> our architecture name, for configs that omit `architectures`.
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                                   "qwen3": "qwen3"}
@@ -43,6 +52,9 @@ class ModelSpec:
     `has_lm_head` is False for a headless checkpoint (`LlamaModel`, `MistralModel`,
     `Qwen2Model`: an embedding model): no lm_head weight, no logits, hidden states only; such
     a spec is never `tie_word_embeddings` (there is no head to tie).
+    `id2label` is set for a sequence-classification checkpoint (`LlamaForSequenceClassification`
+    etc.): its labels in class order, one per row of the `score` head that replaces the lm_head
+    (so `has_lm_head` is False); empty for every other checkpoint.
     `sliding_window` is the attention window of a sliding-window checkpoint (Mistral-7B v0.1,
     Qwen2 with `use_sliding_window`), or None. Argosy attends to the whole context; that equals
     the window while a sequence fits in it, so `context_limit` stops there.
@@ -67,6 +79,7 @@ class ModelSpec:
     checkpoint_dtype: str
     has_lm_head: bool = True
     sliding_window: int | None = None
+    id2label: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -105,6 +118,14 @@ class ModelSpec:
             raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not self.has_lm_head and self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
+        if self.id2label and self.has_lm_head:
+            raise ValueError("id2label (a classification head) replaces the lm_head; "
+                             "has_lm_head must be False")
+
+    @property
+    def num_labels(self) -> int:
+        """Rows of the classification head (0: not a sequence-classification checkpoint)."""
+        return len(self.id2label)
 
     @property
     def qk_norm(self) -> bool:
@@ -140,7 +161,7 @@ class ModelSpec:
         `generation_config` (the folder's `generation_config.json`) contributes extra EOS ids:
         instruct models often stop on a token (e.g. `<|eot_id|>`) that config.json lacks.
         """
-        architecture, has_lm_head = _hf_architecture(config)
+        architecture, has_lm_head, is_classifier = _hf_architecture(config)
         hidden_size = _require_int(config, "hidden_size")
         num_heads = _require_int(config, "num_attention_heads")
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
@@ -187,22 +208,45 @@ class ModelSpec:
             checkpoint_dtype=checkpoint_dtype,
             has_lm_head=has_lm_head,
             sliding_window=_hf_sliding_window(config, architecture),
+            id2label=_hf_labels(config) if is_classifier else (),
         )
 
 
-def _hf_architecture(config: dict[str, Any]) -> tuple[str, bool]:
-    """(our architecture name, whether the checkpoint has an lm_head)."""
+def _hf_architecture(config: dict[str, Any]) -> tuple[str, bool, bool]:
+    """(our architecture name, whether the checkpoint has an lm_head, whether it has a
+    sequence-classification head instead)."""
     names = config.get("architectures") or []
     for name in names:
         if name in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[name], name not in HEADLESS_HF_ARCHITECTURES
+            is_classifier = name in CLASSIFIER_HF_ARCHITECTURES
+            has_lm_head = name not in HEADLESS_HF_ARCHITECTURES and not is_classifier
+            return HF_ARCHITECTURES[name], has_lm_head, is_classifier
     if not names and config.get("model_type") in HF_MODEL_TYPES:
-        return HF_MODEL_TYPES[config["model_type"]], True
+        return HF_MODEL_TYPES[config["model_type"]], True, False
     found = names[0] if names else config.get("model_type")
     raise ValueError(
         f"config.json: unsupported architecture {found!r}; supported: "
         f"{', '.join(HF_ARCHITECTURES)} (model_type {', '.join(HF_MODEL_TYPES)})"
     )
+
+
+def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels in class order. transformers writes `id2label` ({"0": "neg", ...});
+    without it the head has `num_labels` classes (transformers' default: 2) named LABEL_i."""
+    id2label = config.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except ValueError as exc:
+            raise ValueError(f"config.json: id2label keys must be class indices: {exc}") from exc
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"config.json: id2label must number the classes 0..{len(by_index) - 1}, "
+                             f"got {sorted(by_index)}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    num_labels = int(config.get("num_labels") or 2)
+    if num_labels < 1:
+        raise ValueError(f"config.json: num_labels must be positive, got {num_labels}")
+    return tuple(f"LABEL_{i}" for i in range(num_labels))
 
 
 def _hf_sliding_window(config: dict[str, Any], architecture: str) -> int | None:

@@ -213,6 +213,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head: nn.Module | None = (
                 nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if spec.has_lm_head else None
             )
+            # A sequence classifier's head instead (reward models, cross-encoders): the last
+            # token's hidden state -> num_labels logits. Tiny, so quantization leaves it in
+            # float.
+            self.score: nn.Linear | None = (
+                nn.Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.num_labels
+                else None
+            )
         self.to(dtype)
         self.to_empty(device=device)
         if spec.tie_word_embeddings:  # never for a headless spec (ModelSpec checks)
@@ -317,11 +324,24 @@ class LlamaForCausalLM(nn.Module):
         """[n, vocab] float32 logits for the sampler. Raises RuntimeError for a model without
         an lm_head (spec.has_lm_head False), which cannot generate."""
         if self.lm_head is None:
+            if self.score is not None:
+                raise RuntimeError(
+                    f"this {self.spec.architecture} model has a classification head, not a "
+                    "language-model head (a sequence-classification checkpoint): it serves "
+                    "classification and scores only")
             raise RuntimeError(
                 f"this {self.spec.architecture} model has no language-model head (a headless "
                 "embedding checkpoint): it serves embeddings only"
             )
         return self.lm_head(hidden).float()
+
+    def compute_class_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, num_labels] float32 logits of the classification head (`score`), for hidden
+        states [n, hidden]. Raises RuntimeError for a model without one."""
+        if self.score is None:
+            raise RuntimeError(f"this {self.spec.architecture} model has no classification head "
+                               "(not a sequence-classification checkpoint)")
+        return self.score(hidden).float()
 
     # ---- weights ------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index within the fused parameter)
