@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "EngineArgs"]
+           "RequestOutput", "CompletionOutput", "ClassificationOutput", "EngineArgs"]
 
 _LAZY = {
     "LLM": "argosy_runtime.llm",
@@ -20,6 +20,7 @@ _LAZY = {
     "StructuredOutputsParams": "argosy_runtime.structured_output",
     "RequestOutput": "argosy_runtime.outputs",
     "CompletionOutput": "argosy_runtime.outputs",
+    "ClassificationOutput": "argosy_runtime.outputs",
     "EngineArgs": "argosy_runtime.engine_args",
 }
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from argosy_runtime.engine import LLMEngine
     from argosy_runtime.engine_args import EngineArgs
     from argosy_runtime.llm import LLM
-    from argosy_runtime.outputs import CompletionOutput, RequestOutput
+    from argosy_runtime.outputs import ClassificationOutput, CompletionOutput, RequestOutput
     from argosy_runtime.pooling_params import PoolingParams
     from argosy_runtime.sampling_params import SamplingParams
     from argosy_runtime.structured_output import StructuredOutputsParams

@@ -34,7 +34,12 @@ from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.models.build import build_model
-from argosy_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
+from argosy_runtime.outputs import (
+    ClassificationOutput,
+    CompletionOutput,
+    EngineStats,
+    RequestOutput,
+)
 from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
@@ -238,8 +243,9 @@ class LLMEngine:
         if self.args.speculative is None:
             return None
         if not self.spec.has_lm_head:
-            raise ValueError("speculative: a headless embedding checkpoint generates nothing "
-                             "to speculate on; leave speculative out")
+            raise ValueError("speculative: a headless embedding or a classification "
+                             "checkpoint has no language-model head: it generates nothing to "
+                             "speculate on; leave speculative out")
         from argosy_runtime.spec_decode import build_proposer
 
         return build_proposer(self, self.args.speculative)
@@ -250,8 +256,9 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0,
                     lora_name: str | None = None) -> None:
         """Queue a request, on the base model or the LoRA adapter `lora_name`: a generation
-        (SamplingParams) or an embedding (PoolingParams: its output has `embedding` and no
-        tokens). Raises ValueError (naming the field) for input that can never run."""
+        (SamplingParams) or a pooling request (PoolingParams: its output has `embedding`, or
+        `classification` for task "classify", and no tokens). Raises ValueError (naming the
+        field) for input that can never run."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._groups:
@@ -259,10 +266,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise ValueError("params must be a SamplingParams or a PoolingParams")
-        if isinstance(params, SamplingParams) and not self.spec.has_lm_head:
-            raise ValueError(f"model: {self.served_model_name} has no language-model head (a "
-                             "headless embedding checkpoint): it serves embeddings only "
-                             "(LLM.embed, POST /v1/embeddings), not generation")
+        self._check_task(params)
         if lora_name is not None and lora_name not in self.lora_paths:
             raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
                              f"{sorted(self.lora_paths) or 'none'}")
@@ -322,6 +326,25 @@ class LLMEngine:
                 self.scheduler.add_request(child)
         self._groups[request_id] = children
         self.stats.prompt_tokens += len(prompt_ids)
+
+    def _check_task(self, params: SamplingParams | PoolingParams) -> None:
+        """What this checkpoint can do: generate with an lm_head, classify with a
+        classification head, embed with neither (a headless decoder). vLLM refuses
+        embeddings on a classifier too: its hidden state was trained for its head."""
+        name, spec = self.served_model_name, self.spec
+        task = params.task if isinstance(params, PoolingParams) else "generate"
+        if spec.num_labels and task != "classify":
+            raise ValueError(f"model: {name} is a sequence-classification checkpoint: it serves "
+                             "classification and cross-encoder scores only (LLM.classify, POST "
+                             "/v1/classify, /v1/score, /v1/rerank), not "
+                             f"{'generation' if task == 'generate' else 'embeddings'}")
+        if task == "generate" and not spec.has_lm_head:
+            raise ValueError(f"model: {name} has no language-model head (a headless embedding "
+                             "checkpoint): it serves embeddings only (LLM.embed, POST "
+                             "/v1/embeddings), not generation")
+        if task == "classify" and not spec.num_labels:
+            raise ValueError(f"model: {name} has no classification head (not a "
+                             "*ForSequenceClassification checkpoint): it cannot classify")
 
     def _add_embedding_request(self, request_id: str, prompt_text: str | None,
                                prompt_ids: list[int], params: PoolingParams,
@@ -425,7 +448,7 @@ class LLMEngine:
             if req.pooling is not None:
                 req.num_computed_tokens += sr.num_new_tokens
                 if req.request_id in result.embeddings:
-                    req.embedding = result.embeddings[req.request_id]
+                    req.pooled = result.embeddings[req.request_id]
                     req.metrics.finished_time = now
                     self._finish(req, RequestStatus.FINISHED_STOPPED)
                     progressed[req.parent_id] = None
@@ -550,12 +573,16 @@ class LLMEngine:
     def _make_output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
         first = children[0]
-        if first.pooling is not None:  # an embedding request: finished once it has one
+        if first.pooling is not None:  # a pooling request: finished once it has its output
             del self._groups[parent_id]
-            return RequestOutput(request_id=parent_id, prompt=first.prompt,
-                                 prompt_token_ids=first.prompt_token_ids, outputs=[],
-                                 finished=True, num_cached_tokens=max(first.num_cached_tokens, 0),
-                                 metrics=first.metrics, embedding=first.embedding)
+            classify = first.pooling.task == "classify"
+            return RequestOutput(
+                request_id=parent_id, prompt=first.prompt,
+                prompt_token_ids=first.prompt_token_ids, outputs=[], finished=True,
+                num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics,
+                embedding=None if classify else first.pooled,
+                classification=(ClassificationOutput.from_logits(first.pooled, self.spec.id2label)
+                                if classify else None))
         outputs = [
             CompletionOutput(
                 index=c.index,

@@ -20,6 +20,8 @@ class LLM:
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
         print(outs[0].outputs[0].text)
         vectors = [o.embedding for o in llm.embed(["Hello", "Bonjour"])]
+        # a *ForSequenceClassification checkpoint:
+        probs = [o.classification.probs for o in LLM(model=folder).classify(["Great!"])]
     """
 
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
@@ -53,6 +55,15 @@ class LLM:
         (default: last token), L2-normalized final hidden state (pooling_params.py)."""
         prompts = self._prompt_list(prompts)
         return self._run(prompts, [params or PoolingParams()] * len(prompts), lora_name)
+
+    def classify(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 lora_name: str | None = None) -> list[RequestOutput]:
+        """Classes in the order of `prompts`, for a sequence-classification checkpoint
+        (`*ForSequenceClassification`: a classifier, reward model or cross-encoder): each
+        output's `classification` holds the head's `logits` at the last token, `probs`
+        (softmax; sigmoid for one label) and the most probable `label`."""
+        prompts = self._prompt_list(prompts)
+        return self._run(prompts, [PoolingParams(task="classify")] * len(prompts), lora_name)
 
     @staticmethod
     def _prompt_list(prompts: str | Sequence[str] | Sequence[list[int]]) -> list[Any]:

@@ -35,7 +35,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request_id -> float32 logits [num_spec + 1, vocab] for speculative verification
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    # request_id -> the embedding of an embedding request whose prompt ended this step
+    # request_id -> the output of a pooling request whose prompt ended this step: its
+    # embedding, or (task "classify") its classification head's logits
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -144,7 +145,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
 
         out = ModelRunnerOutput()
-        out.embeddings = pool_embeddings(scheduled, hidden)
+        head = self.model.compute_class_logits if self.model.score is not None else None
+        out.embeddings = pool_embeddings(scheduled, hidden, head)
         # Which rows need logits: the last row of each sequence that samples, every draft row
         # plus the bonus row of speculative sequences, and prompt rows for prompt_logprobs.
         # Embedding requests need none.

@@ -34,6 +34,31 @@ class CompletionOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """What a classify request (PoolingParams(task="classify")) returns: the head's `logits`
+    at the last token, `probs` (softmax over the labels; for a one-label head, a reward model
+    or cross-encoder, the sigmoid of its logit, as vLLM's classify activation) and `label`,
+    the most probable class's name (config.json `id2label`)."""
+
+    logits: list[float]
+    probs: list[float]
+    label: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    @classmethod
+    def from_logits(cls, logits: list[float], labels: tuple[str, ...]) -> ClassificationOutput:
+        import torch  # here, not at the top: outputs.py is plain dataclasses, light to import
+
+        values = torch.tensor(logits, dtype=torch.float32)
+        probs = values.sigmoid() if len(logits) == 1 else values.softmax(dim=0)
+        return cls(logits=list(logits), probs=probs.tolist(),
+                   label=labels[int(probs.argmax())])
+
+
+@dataclass
 class RequestMetrics:
     """Monotonic timestamps (time.monotonic()) of one request's life."""
 
@@ -49,8 +74,9 @@ class RequestOutput:
     """The state of one request after an engine step.
 
     `outputs[i].token_ids` / `.text` are cumulative; a streaming caller diffs against what it
-    already sent. `finished` is True once every sequence has a finish_reason. An embedding
-    request (PoolingParams) has no `outputs`; its single, finished output holds `embedding`.
+    already sent. `finished` is True once every sequence has a finish_reason. A pooling
+    request (PoolingParams) has no `outputs`; its single, finished output holds `embedding`
+    (task "embed") or `classification` (task "classify").
     """
 
     request_id: str
@@ -62,6 +88,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None
+    classification: ClassificationOutput | None = None
 
 
 @dataclass

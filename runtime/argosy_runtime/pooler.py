@@ -1,13 +1,19 @@
-"""Turns the hidden states of embedding requests' prompt rows into their embeddings.
+"""Turns the hidden states of pooling requests' prompt rows into their output vectors.
 
-A prompt may take several steps (chunked prefill), so mean pooling keeps a running float32
-sum on the request; a chunk that starts at position 0 starts it afresh (a preempted request is
-recomputed from the start). Mean pooling needs every position's hidden state, so such a
-request takes nothing from the prefix cache (scheduler `_prefix_lookup_limit`); last pooling
-needs only the last position, which is always computed.
+An embedding request (task "embed") gets its pooled hidden state. A prompt may take several
+steps (chunked prefill), so mean pooling keeps a running float32 sum on the request; a chunk
+that starts at position 0 starts it afresh (a preempted request is recomputed from the start).
+Mean pooling needs every position's hidden state, so such a request takes nothing from the
+prefix cache (scheduler `_prefix_lookup_limit`); last pooling needs only the last position,
+which is always computed.
+
+A classify request (task "classify") gets the classification head's logits at its last
+position: the rows of every such request ending this step go through the head together.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,18 +21,25 @@ import torch.nn.functional as F
 from argosy_runtime.scheduler import ScheduledRequest
 
 
-def pool_embeddings(scheduled: list[ScheduledRequest], hidden: torch.Tensor
+def pool_embeddings(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                    classify_head: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> dict[str, list[float]]:
-    """request_id -> embedding, for the embedding requests whose prompt ends this step.
+    """request_id -> output vector, for the pooling requests whose prompt ends this step: an
+    embedding, or a classify request's head logits (`classify_head`: [n, hidden] -> [n,
+    num_labels] float32; the model's `compute_class_logits`).
 
     `hidden` holds the step's rows in the order of `scheduled`, `num_new_tokens` each."""
     out: dict[str, list[float]] = {}
+    classify: list[tuple[str, int]] = []  # (request id, its last row in `hidden`)
     offset = 0
     for sr in scheduled:
         req = sr.request
         n = sr.num_new_tokens
         params = req.pooling
-        if params is not None:
+        if params is not None and params.task == "classify":
+            if sr.completes_sequence:
+                classify.append((req.request_id, offset + n - 1))
+        elif params is not None:
             rows = hidden[offset : offset + n]
             if params.pooling == "mean":
                 if req.num_computed_tokens == 0 or req.pooled_sum is None:
@@ -43,4 +56,11 @@ def pool_embeddings(scheduled: list[ScheduledRequest], hidden: torch.Tensor
                 out[req.request_id] = vector.cpu().tolist()
                 req.pooled_sum = None
         offset += n
+    if classify:
+        if classify_head is None:
+            raise RuntimeError("classify requests need the model's classification head")
+        rows = torch.tensor([row for _, row in classify], device=hidden.device)
+        logits = classify_head(hidden[rows]).cpu()  # [num_classify, num_labels]
+        for i, (request_id, _) in enumerate(classify):
+            out[request_id] = logits[i].tolist()
     return out

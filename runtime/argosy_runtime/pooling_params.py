@@ -1,11 +1,14 @@
-"""Per-request embedding options: how a prompt's hidden states become one vector.
+"""Per-request pooling options: how a prompt's hidden states become one output vector.
 
-An embedding request runs its prompt through the model like a prefill and samples nothing:
-the hidden states after the final norm are pooled into one vector, L2-normalized by default.
-`"last"` takes the last token's state, which is how decoder-based embedding models
-(e5-mistral, gte-Qwen2, SFR-Embedding) are trained: with causal attention only the last token
-has seen the whole input. `"mean"` averages every token's state. Every field is validated
-here; a bad value raises `ValueError` naming the field.
+A pooling request runs its prompt through the model like a prefill and samples nothing.
+`task="embed"` (the default): the hidden states after the final norm are pooled into one
+vector, L2-normalized by default. `"last"` takes the last token's state, which is how
+decoder-based embedding models (e5-mistral, gte-Qwen2, SFR-Embedding) are trained: with causal
+attention only the last token has seen the whole input. `"mean"` averages every token's state.
+`task="classify"` (a sequence-classification checkpoint only): the classification head's
+logits at the last token, what transformers' `*ForSequenceClassification` returns for an
+unpadded prompt; `normalize` does not apply. Every field is validated here; a bad value
+raises `ValueError` naming the field.
 """
 
 from __future__ import annotations
@@ -13,15 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POOLING_TYPES = ("last", "mean")
+POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     pooling: str = "last"
     normalize: bool = True
+    task: str = "embed"
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
+        if self.task == "classify" and self.pooling != "last":
+            raise ValueError("pooling: task 'classify' reads the head at the last token "
+                             "(as transformers' *ForSequenceClassification); leave pooling 'last'")

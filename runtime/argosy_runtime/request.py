@@ -82,11 +82,12 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         self.lora: LoRAAdapter | None = None  # the adapter this request runs with, if any
-        # Set for an embedding request: it runs its prompt, samples nothing, and finishes with
-        # `embedding` (pooler.py; `pooled_sum` is mean pooling's running sum).
+        # Set for a pooling request: it runs its prompt, samples nothing, and finishes with
+        # `pooled`, its embedding or (task "classify") its head logits (pooler.py;
+        # `pooled_sum` is mean pooling's running sum).
         self.pooling: PoolingParams | None = None
         self.pooled_sum: torch.Tensor | None = None
-        self.embedding: list[float] | None = None
+        self.pooled: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
