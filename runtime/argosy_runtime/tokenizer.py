@@ -162,6 +162,12 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's tokenizer does."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, text_pair: str) -> list[int]:
+        """Token ids of a text pair as the tokenizer's pair template joins them (transformers'
+        `tokenizer(text, text_pair)`: what vLLM feeds a cross-encoder). Decoder vocabularies
+        mostly have no separator, so that is usually the two encodings back to back."""
+        return self.backend.encode(text, pair=text_pair, add_special_tokens=True).ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped when asked."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -36,6 +36,7 @@ from argosy_runtime.server.protocol import (
 from argosy_runtime.server.request_log import RequestContextMiddleware
 from argosy_runtime.server.responses import BackgroundRuns, ResponseStore, add_responses_routes
 from argosy_runtime.server.serving_chat import create_chat_completion
+from argosy_runtime.server.serving_classify import ClassifyRequest, create_classify
 from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import create_completion
 from argosy_runtime.server.serving_embedding import create_embedding
@@ -68,7 +69,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
                          lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names,
-                         embedding_size=engine.spec.hidden_size)
+                         embedding_size=engine.spec.hidden_size,
+                         class_labels=engine.spec.id2label)
     # Without --batch-dir, batches live in a temporary folder removed at exit.
     batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
     files = FileStore(batch_root)
@@ -116,6 +118,11 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return await create_embedding(request, body, ctx)
 
     # vLLM serves these under both prefixes; Cohere's client posts to /v2/rerank.
+    @app.post("/v1/classify", responses=_ERRORS)
+    @app.post("/classify", responses=_ERRORS)
+    async def classify(request: Request, body: ClassifyRequest) -> Response:
+        return await create_classify(request, body, ctx)
+
     @app.post("/v1/score", responses=_ERRORS)
     @app.post("/score", responses=_ERRORS)
     async def score(request: Request, body: ScoreRequest) -> Response:

@@ -111,7 +111,7 @@ _ROUTES = frozenset({
     "/v1/files/{id}/content", "/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
     "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
     "/v1/responses/{id}/cancel", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank",
-    "/rerank", "/v2/rerank",
+    "/rerank", "/v2/rerank", "/v1/classify", "/classify",
     "/health", "/ready", "/metrics"})
 
 

@@ -45,6 +45,10 @@ class ServingContext:
     # The LoRA adapters served now, beside the base model (they can change while serving).
     adapter_names: Callable[[], tuple[str, ...]] = tuple
     embedding_size: int = 0  # the length of /v1/embeddings' vectors (the hidden size)
+    # A sequence-classification checkpoint's labels (config id2label), in class order;
+    # empty for every other model. /v1/classify needs them; one label makes /v1/score and
+    # /v1/rerank cross-encoder scores.
+    class_labels: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -39,6 +39,10 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
                            ctx: ServingContext) -> Response:
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
+    if ctx.class_labels:  # vLLM refuses too: a classifier's hidden state serves its head
+        raise bad_request(f"model: {model_name} is a sequence-classification checkpoint: it "
+                          "serves /v1/classify, /v1/score and /v1/rerank, not embeddings",
+                          "model")
     hidden_size = ctx.embedding_size
     if req.dimensions is not None and req.dimensions != hidden_size:
         raise bad_request(
@@ -62,12 +66,22 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
 
 async def embed_prompts(request: Request, ctx: ServingContext, prompts: list[list[int]],
                         model_name: str, priority: int, kind: str) -> list[list[float]] | None:
-    """The vectors of `prompts` (token ids already checked), in order: one engine request
-    each, pooled as `--embedding-pooling` says, admitted `INPUTS_IN_FLIGHT` at a time at
-    `priority`. None when the client went away (logged; the caller answers 499). Every
-    route that embeds (/v1/embeddings, /v1/score, /v1/rerank) runs through here, so they
-    share pooling, admission, drain accounting and request ids (`kind` prefixes them)."""
+    """The vectors of `prompts` (token ids already checked), in order, pooled as
+    `--embedding-pooling` says (`pool_prompts`); None when the client went away. Every route
+    that embeds (/v1/embeddings, /v1/score, /v1/rerank) runs through here, so they share
+    pooling, admission, drain accounting and request ids (`kind` prefixes them)."""
     params = PoolingParams(pooling=ctx.config.embedding_pooling)
+    finals = await pool_prompts(request, ctx, prompts, model_name, priority, kind, params)
+    return None if finals is None else [out.embedding or [] for out in finals]
+
+
+async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list[int]],
+                       model_name: str, priority: int, kind: str, params: PoolingParams
+                       ) -> list[RequestOutput] | None:
+    """The final outputs of `prompts` (token ids already checked) run as pooling requests
+    (`params`: embeddings or classification), in order: one engine request each, admitted
+    `INPUTS_IN_FLIGHT` at a time at `priority`. None when the client went away (logged; the
+    caller answers 499)."""
     log = request_log(request.scope)
     base_id = f"{new_id(kind)}-{request_id_of(request.scope)}"
     finals: list[RequestOutput] = []
@@ -84,7 +98,25 @@ async def embed_prompts(request: Request, ctx: ServingContext, prompts: list[lis
     finally:
         ctx.lifecycle.exit()
     log.update(finish_reason="stop")
-    return [out.embedding or [] for out in finals]
+    return finals
+
+
+def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
+                     param: str) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens`: keep the last k tokens (-1: the model's length; 0 or
+    None: all), then check each prompt like an embeddings input."""
+    if truncate is not None and truncate > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
+                          f"maximum context length {ctx.max_model_len}",
+                          "truncate_prompt_tokens")
+    keep = ctx.max_model_len if truncate == -1 else truncate
+    out = []
+    for ids in prompts:
+        if keep:
+            ids = ids[-keep:]
+        check_prompt(ctx, ids, 0, param=param)
+        out.append(ids)
+    return out
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -1,10 +1,19 @@
-"""POST /v1/score and POST /v1/rerank: vLLM's scoring APIs for embedding (bi-encoder) models.
+"""POST /v1/score and POST /v1/rerank: vLLM's scoring APIs, for embedding (bi-encoder) and
+cross-encoder models.
 
-A pair's score is the cosine similarity of the two texts' pooled embeddings, what vLLM
-answers for an embedding model: each text runs as one embedding request (`embed_prompts`,
-the same pooling, admission and priority as /v1/embeddings), and each distinct text runs once
-however many pairs it is in (a rerank query meets every document, but is embedded once).
-Like /v1/embeddings, any model serves these: a generative model has hidden states too.
+On a model without a classification head, a pair's score is the cosine similarity of the two
+texts' pooled embeddings, what vLLM answers for an embedding model: each text runs as one
+embedding request (`embed_prompts`, the same pooling, admission and priority as
+/v1/embeddings), and each distinct text runs once however many pairs it is in (a rerank query
+meets every document, but is embedded once). Any such model serves these: a generative model
+has hidden states too.
+
+On a sequence-classification checkpoint with one label (a decoder cross-encoder reranker),
+each pair is one prompt, the two texts joined by the tokenizer's pair template
+(`Tokenizer.encode_pair`: transformers' `tokenizer(text_1, text_2)`, what vLLM feeds a
+cross-encoder without a score template), run as a classify request; the score is the sigmoid
+of the head's logit. A classifier with more labels is no scorer (vLLM enables scoring only
+for one label): 400 naming `model`.
 
 `/v1/score` pairs `text_1` with `text_2`: 1-to-1, 1-to-N (one `text_1` against every
 `text_2`) or N-to-N (equal lengths, pair by pair). `/v1/rerank` (also `/rerank`, and Cohere's
@@ -18,12 +27,18 @@ import time
 from typing import Any
 
 import torch
+from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
-from argosy_runtime.server.serving_common import ServingContext, check_prompt
+from argosy_runtime.server.serving_common import ServingContext
 from argosy_runtime.server.serving_completion import normalize_prompts
-from argosy_runtime.server.serving_embedding import MAX_EMBEDDING_INPUTS, embed_prompts
+from argosy_runtime.server.serving_embedding import (
+    MAX_EMBEDDING_INPUTS,
+    embed_prompts,
+    pool_prompts,
+    truncate_prompts,
+)
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import Request
@@ -63,17 +78,16 @@ class RerankRequest(BaseModel):
 async def create_score(request: Request, req: ScoreRequest, ctx: ServingContext) -> Response:
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
-    firsts = _tokenize(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
-    seconds = _tokenize(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)  # 1-to-N (and 1-to-1)
-    elif len(firsts) != len(seconds):
-        raise bad_request(
-            f"text_2 has {len(seconds)} texts and text_1 has {len(firsts)}: send one text_1 "
-            "(scored against every text_2) or as many as text_2 (scored pair by pair)",
-            "text_2")
-    scored = await _cosine_scores(request, ctx, model_name, req.priority, "score",
-                                  list(zip(firsts, seconds, strict=True)))
+    if ctx.class_labels:
+        firsts, seconds = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
+        scored = await _cross_encoder_scores(request, ctx, model_name, req.priority, "score",
+                                             _pair_up(firsts, seconds),
+                                             req.truncate_prompt_tokens, "text_2")
+    else:
+        firsts = _tokenize(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
+        seconds = _tokenize(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
+        scored = await _cosine_scores(request, ctx, model_name, req.priority, "score",
+                                      _pair_up(firsts, seconds))
     if scored is None:
         return Response(status_code=499)
     scores, prompt_tokens = scored
@@ -89,10 +103,16 @@ async def create_score(request: Request, req: ScoreRequest, ctx: ServingContext)
 async def create_rerank(request: Request, req: RerankRequest, ctx: ServingContext) -> Response:
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
-    [query] = _tokenize(ctx, req.query, "query", req.truncate_prompt_tokens)
-    documents = _tokenize(ctx, req.documents, "documents", req.truncate_prompt_tokens)
-    scored = await _cosine_scores(request, ctx, model_name, req.priority, "rerank",
-                                  [(query, d) for d in documents])
+    if ctx.class_labels:
+        documents = _texts(req.documents, "documents")
+        scored = await _cross_encoder_scores(request, ctx, model_name, req.priority, "rerank",
+                                             [(req.query, d) for d in documents],
+                                             req.truncate_prompt_tokens, "documents")
+    else:
+        [query] = _tokenize(ctx, req.query, "query", req.truncate_prompt_tokens)
+        documents = _tokenize(ctx, req.documents, "documents", req.truncate_prompt_tokens)
+        scored = await _cosine_scores(request, ctx, model_name, req.priority, "rerank",
+                                      [(query, d) for d in documents])
     if scored is None:
         return Response(status_code=499)
     scores, prompt_tokens = scored
@@ -111,23 +131,59 @@ async def create_rerank(request: Request, req: RerankRequest, ctx: ServingContex
                          "results": results})
 
 
+def _pair_up(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
+    """/v1/score's pairing: 1-to-N (and 1-to-1), or N-to-N pair by pair."""
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise bad_request(
+            f"text_2 has {len(seconds)} texts and text_1 has {len(firsts)}: send one text_1 "
+            "(scored against every text_2) or as many as text_2 (scored pair by pair)",
+            "text_2")
+    return list(zip(firsts, seconds, strict=True))
+
+
 def _tokenize(ctx: ServingContext, texts: str | list[str], param: str,
               truncate: int | None) -> list[tuple[int, ...]]:
     """Each text's token ids (tuples: they key the de-duplication), truncated on the left
     as vLLM's `truncate_prompt_tokens` does, then checked like an embeddings input."""
-    if truncate is not None and truncate > ctx.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
-                          f"maximum context length {ctx.max_model_len}",
-                          "truncate_prompt_tokens")
-    keep = ctx.max_model_len if truncate == -1 else truncate
     _, prompts = normalize_prompts(ctx, texts, param, MAX_EMBEDDING_INPUTS)
-    out = []
-    for ids in prompts:
-        if keep:  # 0 keeps all: vLLM's Field(ge=-1) lets it through, and nothing is cut
-            ids = ids[-keep:]
-        check_prompt(ctx, ids, 0, param=param)
-        out.append(tuple(ids))
-    return out
+    return [tuple(ids) for ids in truncate_prompts(ctx, prompts, truncate, param)]
+
+
+def _texts(texts: str | list[str], param: str) -> list[str]:
+    """A cross-encoder's texts, as given (each pair is tokenized together)."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts:
+        raise bad_request(f"{param} must not be empty", param)
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(f"at most {MAX_EMBEDDING_INPUTS} {param}s per request", param)
+    return texts
+
+
+async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_name: str,
+                                priority: int, kind: str, pairs: list[tuple[str, str]],
+                                truncate: int | None, param: str
+                                ) -> tuple[list[float], int] | None:
+    """sigmoid(the head's logit) of each pair run as one prompt, and the prompt tokens run
+    (each distinct prompt once); None when the client went away."""
+    if len(ctx.class_labels) != 1:
+        raise bad_request(
+            f"model: {model_name} is a classifier with {len(ctx.class_labels)} labels; scores "
+            "need a one-label head (a cross-encoder) or an embedding model", "model")
+    joined = [ctx.tokenizer.encode_pair(a, b) for a, b in pairs]
+    prompts = [tuple(ids) for ids in truncate_prompts(ctx, joined, truncate, param)]
+    distinct = list(dict.fromkeys(prompts))
+    prompt_tokens = sum(len(ids) for ids in distinct)
+    request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,
+                                      inputs=len(distinct), pairs=len(pairs))
+    finals = await pool_prompts(request, ctx, [list(ids) for ids in distinct], model_name,
+                                priority, kind, PoolingParams(task="classify"))
+    if finals is None:
+        return None
+    # probs of a one-label head: [sigmoid(logit)] (ClassificationOutput), vLLM's score.
+    score = {ids: out.classification.probs[0] for ids, out in zip(distinct, finals, strict=True)}
+    return [score[ids] for ids in prompts], prompt_tokens
 
 
 async def _cosine_scores(request: Request, ctx: ServingContext, model_name: str,

@@ -1,0 +1,228 @@
+"""Sequence-classification checkpoints behind a real `argosy serve` (float32): POST /v1/classify
+(vLLM's schema) on a 3-label classifier, and /v1/score + /v1/rerank as cross-encoder scores on
+a one-label head. The reference is transformers' own `*ForSequenceClassification` and
+tokenizer in this process: a class's probs are the softmax of its logits, a pair's score the
+sigmoid of the logit of `tokenizer(text_1, text_2)` (the pair as vLLM joins it)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from serve_harness import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from model_factory import make_random_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+TEXTS = ["The capital of France is Paris.", "I did not enjoy this film at all.", "Hi",
+         "Horses and cows are both animals"]
+QUERY = "What is the capital of France?"
+DOCS = ["The capital of Brazil is Brasilia.", "The capital of France is Paris.",
+        "Horses and cows are both animals", "Paris is in France."]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+class Reference:
+    """transformers' classifier and tokenizer for a model folder (float32)."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            str(folder), dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+
+    @torch.no_grad()
+    def logits(self, text: str | list[int], text_pair: str | None = None) -> torch.Tensor:
+        ids = text if isinstance(text, list) else self.tokenizer(text, text_pair)["input_ids"]
+        return self.model(torch.tensor([ids])).logits[0].float()
+
+    def probs(self, text: str | list[int]) -> list[float]:
+        return self.logits(text).softmax(dim=0).tolist()
+
+    def score(self, text_1: str, text_2: str) -> float:
+        return self.logits(text_1, text_2).sigmoid().item()
+
+
+def _serve(folder: Path, name: str) -> ServerProcess:
+    return ServerProcess("--model", str(folder), "--served-model-name", name).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = make_random_model_dir(tmp_path_factory.mktemp("models"), "qwen2",
+                                   num_hidden_layers=2, num_labels=3, id2label=LABELS)
+    proc = _serve(folder, "classifier")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=120) as http:
+            yield http, Reference(folder)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = make_random_model_dir(tmp_path_factory.mktemp("models"), "llama",
+                                   num_hidden_layers=2, num_labels=1)
+    proc = _serve(folder, "reranker")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=120) as http:
+            yield http, Reference(folder)
+    finally:
+        proc.stop()
+
+
+def post(http: httpx.Client, path: str, body: dict) -> dict:
+    resp = http.post(path, json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def assert_error(http: httpx.Client, path: str, body: dict, param: str, match: str,
+                 status: int = 400) -> None:
+    resp = http.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param, error
+    assert match in error["message"], error
+
+
+def test_classify_answers_vllms_schema_with_transformers_probs(classifier) -> None:  # noqa: ANN001
+    http, ref = classifier
+    reply = post(http, "/v1/classify", {"model": "classifier", "input": TEXTS})
+    assert reply["id"].startswith("classify-") and reply["object"] == "list"
+    assert reply["model"] == "classifier" and isinstance(reply["created"], int)
+    assert [d["index"] for d in reply["data"]] == [0, 1, 2, 3]
+    labels = ["negative", "neutral", "positive"]
+    for d, text in zip(reply["data"], TEXTS, strict=True):
+        assert set(d) == {"index", "label", "probs", "num_classes"}
+        want = ref.probs(text)
+        assert d["probs"] == pytest.approx(want, abs=1e-4)
+        assert d["num_classes"] == 3
+        assert d["label"] == labels[max(range(3), key=want.__getitem__)]
+    tokens = sum(len(ref.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert reply["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                              "completion_tokens": 0, "prompt_tokens_details": None}
+    # One string, token ids, and vLLM's unversioned path; no model named: the served one.
+    one = post(http, "/classify", {"input": TEXTS[0]})
+    assert one["data"][0]["probs"] == pytest.approx(ref.probs(TEXTS[0]), abs=1e-4)
+    ids = [[1, 504, 3458], [77]]
+    by_ids = post(http, "/v1/classify", {"input": ids})
+    for d, p in zip(by_ids["data"], ids, strict=True):
+        assert d["probs"] == pytest.approx(ref.probs(p), abs=1e-4)
+    cut = post(http, "/v1/classify", {"input": TEXTS[0], "truncate_prompt_tokens": 3})
+    last3 = ref.tokenizer(TEXTS[0])["input_ids"][-3:]
+    assert cut["data"][0]["probs"] == pytest.approx(ref.probs(last3), abs=1e-4)
+    assert cut["usage"]["prompt_tokens"] == 3
+
+
+def test_concurrent_classify_requests_share_the_engine(classifier) -> None:  # noqa: ANN001
+    http, ref = classifier
+    replies: dict[int, dict] = {}
+
+    def classify(i: int) -> None:
+        replies[i] = post(http, "/v1/classify", {"input": [TEXTS[i % 4], TEXTS[(i + 1) % 4]]})
+
+    threads = [threading.Thread(target=classify, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, reply in replies.items():
+        assert reply["data"][0]["probs"] == pytest.approx(ref.probs(TEXTS[i % 4]), abs=1e-4)
+        assert reply["data"][1]["probs"] == pytest.approx(ref.probs(TEXTS[(i + 1) % 4]), abs=1e-4)
+    assert len(replies) == 6
+
+
+def test_what_a_classifier_refuses(classifier) -> None:  # noqa: ANN001
+    http, _ = classifier
+    assert_error(http, "/v1/embeddings", {"input": "Hi"}, "model", "sequence-classification")
+    assert_error(http, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "model",
+                 "not generation")
+    assert_error(http, "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "Hi"}]}, "model", "not generation")
+    # Three labels are no relevance score: vLLM scores with one-label heads only.
+    assert_error(http, "/v1/score", {"text_1": "a", "text_2": "b"}, "model", "3 labels")
+    assert_error(http, "/v1/rerank", {"query": "a", "documents": ["b"]}, "model", "3 labels")
+    assert_error(http, "/v1/classify", {"input": []}, "input", "must not be empty")
+    assert_error(http, "/v1/classify", {"input": "Hi", "temperature": 0}, "temperature",
+                 "unknown field")
+    assert_error(http, "/v1/classify", {"input": [[49152]]}, "input", "outside the vocabulary")
+    assert_error(http, "/v1/classify", {"input": "Hi", "truncate_prompt_tokens": 4096},
+                 "truncate_prompt_tokens", "larger than")
+    assert_error(http, "/v1/classify", {"model": "other", "input": "Hi"}, "model",
+                 "does not exist", status=404)
+    assert http.get("/health").status_code == 200
+
+
+def test_cross_encoder_scores_are_sigmoids_of_the_pair_logit(reranker) -> None:  # noqa: ANN001
+    http, ref = reranker
+    one = post(http, "/v1/score", {"model": "reranker", "text_1": QUERY, "text_2": DOCS[1]})
+    assert one["id"].startswith("score-") and one["object"] == "list"
+    assert one["data"] == [{"index": 0, "object": "score",
+                            "score": pytest.approx(ref.score(QUERY, DOCS[1]), abs=1e-4)}]
+    pair_tokens = len(ref.tokenizer(QUERY, DOCS[1])["input_ids"])
+    assert one["usage"]["prompt_tokens"] == one["usage"]["total_tokens"] == pair_tokens
+
+    many = post(http, "/score", {"text_1": [QUERY], "text_2": DOCS})  # 1-to-N
+    want = [ref.score(QUERY, d) for d in DOCS]
+    assert [d["score"] for d in many["data"]] == pytest.approx(want, abs=1e-4)
+    assert max(want) - min(want) > 1e-3  # the documents really score differently
+    pairs = post(http, "/v1/score", {"text_1": [QUERY, DOCS[0]], "text_2": [DOCS[2], QUERY]})
+    assert [d["score"] for d in pairs["data"]] == pytest.approx(
+        [ref.score(QUERY, DOCS[2]), ref.score(DOCS[0], QUERY)], abs=1e-4)
+    # Order matters to a cross-encoder (one joined prompt, not two embeddings).
+    assert ref.score(DOCS[0], QUERY) != pytest.approx(ref.score(QUERY, DOCS[0]), abs=1e-4)
+
+
+def test_cross_encoder_rerank(reranker) -> None:  # noqa: ANN001
+    http, ref = reranker
+    want = [ref.score(QUERY, d) for d in DOCS]
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        reply = post(http, path, {"model": "reranker", "query": QUERY, "documents": DOCS})
+        assert [r["index"] for r in reply["results"]] == order
+        for r in reply["results"]:
+            assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-4)
+            assert r["document"] == {"text": DOCS[r["index"]]}
+    top = post(http, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2,
+                                    "return_documents": False})
+    assert [r["index"] for r in top["results"]] == order[:2]
+    assert all("document" not in r for r in top["results"])
+    tokens = sum(len(ref.tokenizer(QUERY, d)["input_ids"]) for d in DOCS)
+    assert top["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # truncate_prompt_tokens keeps the last tokens of each joined pair.
+    cut = post(http, "/v1/rerank", {"query": QUERY, "documents": DOCS[:1],
+                                    "truncate_prompt_tokens": 5})
+    last5 = ref.tokenizer(QUERY, DOCS[0])["input_ids"][-5:]
+    assert cut["results"][0]["relevance_score"] == pytest.approx(
+        ref.logits(last5).sigmoid().item(), abs=1e-4)
+
+
+def test_cross_encoder_classify_and_errors(reranker) -> None:  # noqa: ANN001
+    http, ref = reranker
+    reply = post(http, "/v1/classify", {"input": TEXTS[:2]})
+    for d, text in zip(reply["data"], TEXTS[:2], strict=True):
+        assert d["label"] == "LABEL_0" and d["num_classes"] == 1
+        assert d["probs"] == pytest.approx([ref.logits(text).sigmoid().item()], abs=1e-4)
+    assert_error(http, "/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2",
+                 "send one text_1")
+    assert_error(http, "/v1/score", {"text_1": [], "text_2": DOCS}, "text_1", "must not be empty")
+    assert_error(http, "/v1/rerank", {"query": QUERY, "documents": []}, "documents",
+                 "must not be empty")
+    assert_error(http, "/v1/rerank", {"query": QUERY * 300, "documents": ["x"]}, "documents",
+                 "maximum context length")
+    assert_error(http, "/v1/embeddings", {"input": "Hi"}, "model", "sequence-classification")
+
+
+def test_classify_on_a_model_without_a_classification_head(http: httpx.Client) -> None:
+    """The shared server (SmolLM2, a causal LM) keeps cosine scores and refuses /v1/classify."""
+    assert_error(http, "/v1/classify", {"input": "Hi"}, "model", "no classification head")
+    assert_error(http, "/classify", {"input": ["Hi", "there"]}, "model", "no classification head")
