@@ -9,6 +9,7 @@ engines then read exactly the same (dequantized) weights.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from argosy_runtime.model_loader import load_checkpoint, resolve_model_path
@@ -38,6 +39,10 @@ def main(model: str, out_dir: str) -> None:
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.save_pretrained(out_dir)
+    # Argosy's own tokenizer.json over transformers' conversion: transformers' GGUF loader
+    # drops pre-tokenizer steps llama.cpp applies (SmolLM2's digit split), so a peer reading
+    # the folder would tokenize some texts differently from Argosy.
+    ckpt.tokenizer.backend.save(str(Path(out_dir) / "tokenizer.json"))
 
 
 if __name__ == "__main__":
