@@ -12,11 +12,13 @@ _ROLE_SEP = "\x1f"
 _TURN_SEP = "\x1e"
 # chat's text parts, and the Responses API's (input, and earlier output passed back)
 _TEXT_PARTS = ("text", "input_text", "output_text")
-# The runtime's scoring routes (vLLM's paths, Cohere's /v2/rerank), and every route answered
-# from one model's embeddings: routed like /v1/embeddings, never through a cascade.
+# The runtime's scoring and classification routes (vLLM's paths, Cohere's /v2/rerank), and
+# every route answered from one model's pooled hidden states: routed like /v1/embeddings,
+# never through a cascade.
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
-EMBEDDING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)
+CLASSIFY_PATHS = ("/v1/classify", "/classify")
+POOLING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS, *CLASSIFY_PATHS)
 
 
 def _content_text(content: Any) -> str:
@@ -32,8 +34,8 @@ def _content_text(content: Any) -> str:
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str:
-    """The prompt of a completion, the `input` of an embeddings request, the `text_1` of a
-    score request, the `query` of a rerank request, or the chat history flattened turn by
+    """The prompt of a completion, the `input` of an embeddings or classify request, the
+    `text_1` of a score request, the `query` of a rerank request, or the chat history flattened turn by
     turn.
 
     A token-id prompt becomes its ids as text (equal id prefixes give equal text prefixes).
@@ -47,7 +49,7 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         return _turns(messages) if isinstance(messages, list) else ""
-    if path.endswith("/embeddings"):
+    if path.endswith("/embeddings") or path in CLASSIFY_PATHS:
         # `input` has the shapes of a completion's `prompt`: a string, strings, token ids,
         # lists of token ids. An embedding's prefill fills the replica's prefix cache as a
         # prompt's does, so it is routed by the same text.
@@ -75,7 +77,8 @@ def _first_prompt(prompt: Any) -> str:
 
 def prompt_chars(path: str, body: dict[str, Any]) -> int:
     """How many characters of prompt a request sends, for the token estimate of an answer
-    that reports no usage (tenants/usage.py). Every input of an embeddings batch counts: a
+    that reports no usage (tenants/usage.py). Every input of an embeddings (or classify)
+    batch counts: a
     batch is often hundreds of inputs, and its answer (a vector per input) is the one most
     likely too large for the meter to read its `usage` from, so its first input alone would
     undercharge it. Score and rerank requests: every text they send, each one embedded.
@@ -85,7 +88,7 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
         return sum(_all_chars(body.get(f)) for f in fields)
     inputs = body.get("input")
     is_batch = isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs)
-    if path.endswith("/embeddings") and is_batch:
+    if (path.endswith("/embeddings") or path in CLASSIFY_PATHS) and is_batch:
         return sum(len(_first_prompt([item])) for item in inputs)
     return len(prompt_text(path, body))
 

@@ -29,6 +29,7 @@ EMBEDDING_DIMENSIONS = 4
 SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority"}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents",
                  "truncate_prompt_tokens", "priority"}
+CLASSIFY_FIELDS = {"model", "input", "truncate_prompt_tokens", "user", "priority"}
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
@@ -87,6 +88,8 @@ class FakeReplica:
             app.router.add_post(path, self._score)
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             app.router.add_post(path, self._rerank)
+        for path in ("/v1/classify", "/classify"):
+            app.router.add_post(path, self._classify)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/ready", self._ready)
@@ -284,6 +287,26 @@ class FakeReplica:
         tokens = self.prompt_tokens * (len(texts[0]) + len(texts[1]))
         self.completed += 1
         return web.json_response({"id": "score-x", "object": "list", "created": 0,
+                                  "model": body.get("model", self.model), "data": data,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                                            "completion_tokens": 0}})
+
+    async def _classify(self, request: web.Request) -> web.Response:
+        """vLLM's classify answer: two labels per input, prompt tokens only in `usage`."""
+        body, refusal = await self._read_request(request, CLASSIFY_FIELDS, self.model)
+        if refusal is not None:
+            return refusal
+        failure = self._injected_failure()
+        if failure is not None:
+            return failure
+        inputs = body["input"]
+        if not isinstance(inputs, list) or all(isinstance(t, int) for t in inputs):
+            inputs = [inputs]
+        data = [{"index": i, "label": "LABEL_0", "probs": [0.75, 0.25], "num_classes": 2}
+                for i in range(len(inputs))]
+        tokens = self.prompt_tokens * len(inputs)
+        self.completed += 1
+        return web.json_response({"id": "classify-x", "object": "list", "created": 0,
                                   "model": body.get("model", self.model), "data": data,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                                             "completion_tokens": 0}})

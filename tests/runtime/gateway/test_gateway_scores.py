@@ -1,5 +1,5 @@
-"""POST /v1/score and /v1/rerank (and vLLM's /score, /rerank, Cohere's /v2/rerank) through
-the gateway, against small real HTTP replicas: routed by model and by the query's prefix like
+"""POST /v1/score, /v1/rerank and /v1/classify (and vLLM's /score, /rerank, /classify,
+Cohere's /v2/rerank) through the gateway, against small real HTTP replicas: routed by model and by the query's prefix like
 /v1/embeddings, relayed byte for byte, refused for a cascade route, behind the tenants' keys
 and limits with their prompt tokens charged."""
 
@@ -14,8 +14,10 @@ from test_gateway_embeddings import KEY, config, metric
 
 SCORE = {"text_1": "what is argosy", "text_2": ["a server", "a ship"]}
 RERANK = {"query": "what is argosy", "documents": ["a server", "a ship", "a fleet"]}
+CLASSIFY = {"input": ["is argosy a ship?", "it serves models"]}
 PATHS = [("/v1/score", SCORE), ("/score", SCORE), ("/v1/rerank", RERANK),
-         ("/rerank", RERANK), ("/v2/rerank", RERANK)]
+         ("/rerank", RERANK), ("/v2/rerank", RERANK), ("/v1/classify", CLASSIFY),
+         ("/classify", CLASSIFY)]
 
 
 async def post(s: aiohttp.ClientSession, url: str, body: object,
@@ -33,6 +35,11 @@ def test_the_prefix_text_is_the_query_and_every_text_is_counted() -> None:
     assert prompt_chars("/v1/score", {"text_1": "abc", "text_2": ["de", "f"]}) == 6
     assert prompt_chars("/v1/score", {"text_1": 5}) == 0
     assert prompt_text("/v1/rerank", {}) == prompt_text("/v1/score", {"text_1": 5}) == ""
+    # classify's `input` reads like an embeddings input; every input of a batch is counted.
+    for path in ("/v1/classify", "/classify"):
+        assert prompt_text(path, {"input": ["q1", "q2"]}) == "q1"
+        assert prompt_text(path, {"input": [5, 6]}) == "5 6"
+        assert prompt_chars(path, {"input": ["abc", "de"]}) == 5
 
 
 async def test_each_path_goes_to_the_model_it_names_byte_for_byte(fake_replicas,
@@ -65,8 +72,9 @@ async def test_one_query_goes_to_one_replica(fake_replicas, gateway) -> None:
     async with aiohttp.ClientSession() as s:
         for i in range(4):
             for q in queries:
-                path, body = (("/v1/rerank", {"query": q, "documents": [f"doc {i}"]}) if i % 2
-                              else ("/v1/score", {"text_1": q, "text_2": [f"doc {i}"]}))
+                path, body = [("/v1/score", {"text_1": q, "text_2": [f"doc {i}"]}),
+                              ("/v1/rerank", {"query": q, "documents": [f"doc {i}"]}),
+                              ("/v1/classify", {"input": [q, f"doc {i}"]})][i % 3]
                 status, headers, _ = await post(s, url + path, {"model": "tiny", **body})
                 assert status == 200
                 seen[q].add(headers["x-argosy-backend"])
@@ -109,8 +117,9 @@ async def test_tenants_keys_limits_priority_and_prompt_tokens_apply(fake_replica
             assert r.headers_seen[-1]["Authorization"] == "Bearer replica-secret"
         status, _, raw = await post(s, url + "/v2/rerank", RERANK, auth)
         assert status == 429 and json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
-        # Charged each answer's prompt tokens: 7 per text (score 1 + 2, rerank 1 + 3).
-        charged = 2 * 7 * 3 + 3 * 7 * 4
+        # Charged each answer's prompt tokens: 7 per text (score 1 + 2, rerank 1 + 3,
+        # classify 2).
+        charged = 2 * 7 * 3 + 3 * 7 * 4 + 2 * 7 * 2
         assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
                             kind="prompt") == charged
         assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",

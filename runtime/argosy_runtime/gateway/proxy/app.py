@@ -5,6 +5,7 @@
     GET/DELETE /v1/responses/{id}                calls on a stored response, go to its replica
     POST /v1/embeddings                          routed by model and policy (no cascade), relayed
     POST /v1/score, /v1/rerank (/score, /rerank, /v2/rerank)   the same
+    POST /v1/classify (/classify)                the same
     GET  /v1/models                              merged across all replicas and cascade routes
     /v1/files, /v1/batches                       the Batch API, to the replica holding each id
     GET  /health                                 the gateway process is up
@@ -57,7 +58,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
 )
 from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
-from argosy_runtime.gateway.request_text import EMBEDDING_PATHS, prompt_text
+from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_text
 from argosy_runtime.gateway.routing import Routing
 from argosy_runtime.gateway.tenants.config_file import ConfigFile
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
@@ -140,7 +141,7 @@ class Gateway:
         self.tenants.install(app)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
-        for path in EMBEDDING_PATHS:  # /v1/embeddings, and the scores made of embeddings
+        for path in POOLING_PATHS:  # /v1/embeddings, scores, reranks, classifications
             app.router.add_post(path, self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
         # `.+`: a model id may hold slashes (org/model); clients send them as %2F.
@@ -326,13 +327,13 @@ class Gateway:
                 "response with the model that made it",
                 param="previous_response_id",
             )
-        if path in EMBEDDING_PATHS:
+        if path in POOLING_PATHS:
             # Vectors of two models live in different spaces: a cascade's answers, some from
             # the small model and some from the large, could not be compared with each other
-            # (nor scores made of them).
+            # (nor scores made of them; nor one classifier's labels with another's).
             return bad_request(
                 f"model: {route_name!r} is a cascade route, which answers generation requests "
-                f"only; ask for embeddings or scores with one model ({cascade.small!r} or "
+                f"only; ask for embeddings, scores or classes with one model ({cascade.small!r} or "
                 f"{cascade.large!r})",
                 param="model",
             )

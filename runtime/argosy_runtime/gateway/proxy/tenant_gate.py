@@ -46,7 +46,7 @@ from argosy_runtime.background_tasks import running
 from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
-from argosy_runtime.gateway.request_text import EMBEDDING_PATHS, prompt_chars
+from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_chars
 from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused, Reloaded
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
@@ -56,13 +56,13 @@ from argosy_runtime.gateway.tenants.usage import UsageMeter
 logger = logging.getLogger(__name__)
 
 # Requests admitted against the limits, charged, and given a tenant's `priority` (the
-# runtime's field): generation, and embeddings, scores and reranks, whose inputs cost a
-# replica a prefill each. Token limits need no special case for them: admission never counts
+# runtime's field): generation, and embeddings, scores, reranks and classifications, whose
+# inputs cost a replica a prefill each. Token limits need no special case for them: admission never counts
 # `max_tokens` (an answer's tokens are known only afterwards, limiter.py), and their answers'
 # `usage` has prompt tokens only, so they are charged those and 0 completion tokens
 # (tenants/usage.py).
 ADMITTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
-                  *EMBEDDING_PATHS)
+                  *POOLING_PATHS)
 CLIENT_CLOSED = "499"  # the `code` of a request whose client went away (nginx's convention)
 
 
@@ -258,8 +258,8 @@ class TenantGate:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        # /health, /ready, /metrics stay open; vLLM's /score, /rerank and Cohere's /v2/rerank
-        # are outside /v1/ but answered by the replicas, so they need a key too.
+        # /health, /ready, /metrics stay open; vLLM's /score, /rerank, /classify and Cohere's
+        # /v2/rerank are outside /v1/ but answered by the replicas, so they need a key too.
         if not (request.path.startswith("/v1/") or request.path in ADMITTED_PATHS):
             return await handler(request)
         tenant = self.keys.tenant_of(request.headers.get("Authorization"))
