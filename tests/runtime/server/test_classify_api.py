@@ -6,6 +6,7 @@ sigmoid of the logit of `tokenizer(text_1, text_2)` (the pair as vLLM joins it).
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from serve_harness import ServerProcess
+from serve_harness import ServerProcess, wait_for_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
@@ -121,6 +122,34 @@ def test_classify_answers_vllms_schema_with_transformers_probs(classifier) -> No
     last3 = ref.tokenizer(TEXTS[0])["input_ids"][-3:]
     assert cut["data"][0]["probs"] == pytest.approx(ref.probs(last3), abs=1e-4)
     assert cut["usage"]["prompt_tokens"] == 3
+
+
+def test_a_classify_batch_answers_what_the_live_endpoint_answers(classifier) -> None:  # noqa: ANN001
+    """The Batch API runs /v1/classify lines (as vLLM's run_batch does)."""
+    from openai import OpenAI
+
+    http, _ = classifier
+    client = OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused")
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/classify",
+              "body": {"model": "classifier", "input": text}} for i, text in enumerate(TEXTS)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/classify",
+                  "body": {"model": "classifier", "input": ""}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    input_id = client.files.create(file=("c.jsonl", data), purpose="batch").id
+    batch = client.batches.create(input_file_id=input_id, endpoint="/v1/classify",
+                                  completion_window="24h")
+    batch = wait_for_batch(client, batch.id, timeout=120)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(TEXTS), 1)
+    records = {r["custom_id"]: r["response"]["body"] for r in map(
+        json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    for i, text in enumerate(TEXTS):
+        live = post(http, "/v1/classify", {"model": "classifier", "input": text})
+        [got], [want] = records[f"c{i}"]["data"], live["data"]
+        # float32 sums in another batch shape: equal to rounding, the same label.
+        assert got["probs"] == pytest.approx(want["probs"], abs=1e-5)
+        assert (got["label"], got["index"]) == (want["label"], want["index"])
+    assert '"bad"' in client.files.content(batch.error_file_id).text
 
 
 def test_concurrent_classify_requests_share_the_engine(classifier) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-             "/v1/score", "/v1/rerank")
+             "/v1/score", "/v1/rerank", "/v1/classify")
 MAX_REQUESTS = 50_000  # OpenAI's limit per batch
 MAX_ERRORS_LISTED = 100
 
