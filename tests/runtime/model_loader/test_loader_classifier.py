@@ -10,21 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from argosy_runtime.attention import TorchAttentionBackend
-from argosy_runtime.attention.batch import build_batch
 from argosy_runtime.model_loader import ModelSpec, load_checkpoint
 from argosy_runtime.models.build import build_model
-from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
+from argosy_runtime.models.llama import LlamaForCausalLM
 from argosy_runtime.quantization import Int8Linear, QuantizationConfig
 from model_factory import QWEN3_TEST_SHAPE, make_random_model_dir
+from paged_forward import forward_prompt
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 CPU = torch.device("cpu")
-BLOCK_SIZE = 16
 MAX_POSITIONS = 256
 PROMPT = [1, 504, 3458, 314, 4649, 315, 260, 1789, 3666, 30, 4483, 17, 9015, 2, 77, 41, 88,
           12000, 49151, 5]  # 20 tokens: two KV blocks
@@ -39,20 +36,9 @@ def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 
 def _last_row_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """Our forward over one prompt as the model runner runs it (flattened batch, paged KV
-    cache, the CPU attention backend), then the head at the last row: [num_labels]."""
-    spec = model.spec
-    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
-    ids, positions, meta = build_batch([(np.arange(num_blocks), 0, token_ids)], BLOCK_SIZE, CPU,
-                                       model.decode_rows_up_to)
-    kv = torch.zeros(spec.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, spec.num_key_value_heads,
-                     spec.head_dim, dtype=model.model.norm.weight.dtype)
-    backend = TorchAttentionBackend(spec.num_attention_heads, spec.num_key_value_heads,
-                                    spec.head_dim, spec.head_dim**-0.5)
-    caches = [(kv[i, 0], kv[i, 1]) for i in range(spec.num_hidden_layers)]
+    """The head at the prompt's last row, after our paged forward: [num_labels]."""
     with torch.inference_mode():
-        hidden = model(ids, positions, ForwardContext(model.rotary, backend, caches, meta))
-        return model.compute_class_logits(hidden[-1:])[0]
+        return model.compute_class_logits(forward_prompt(model, token_ids)[-1:])[0]
 
 
 def test_spec_labels_and_a_score_head_instead_of_lm_head(classifier_dir: Path) -> None:

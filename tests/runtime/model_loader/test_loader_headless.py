@@ -9,22 +9,19 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from argosy_kernels import cpu_ops
-from argosy_runtime.attention import TorchAttentionBackend
-from argosy_runtime.attention.batch import build_batch
 from argosy_runtime.model_loader import ModelSpec, load_checkpoint
 from argosy_runtime.models.build import build_model
-from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
+from argosy_runtime.models.llama import LlamaForCausalLM
 from argosy_runtime.quantization import Int8Linear, QuantizationConfig
 from model_factory import make_random_model_dir
+from paged_forward import forward_prompt
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 CPU = torch.device("cpu")
-BLOCK_SIZE = 16
 MAX_POSITIONS = 256
 PROMPT = [1, 504, 3458, 314, 4649, 315, 260, 1789, 3666, 30, 4483, 17, 9015, 2, 77, 41, 88,
           12000, 49151, 5]  # 20 tokens: two KV blocks
@@ -39,19 +36,8 @@ def headless_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 
 def _hidden_states(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """Our forward over one whole prompt, as the model runner runs it: one flattened batch
-    over a zeroed paged KV cache, the CPU attention backend. [num_tokens, hidden] float32."""
-    spec = model.spec
-    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
-    ids, positions, meta = build_batch([(np.arange(num_blocks), 0, token_ids)], BLOCK_SIZE, CPU,
-                                       model.decode_rows_up_to)
-    kv = torch.zeros(spec.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, spec.num_key_value_heads,
-                     spec.head_dim, dtype=model.model.norm.weight.dtype)
-    backend = TorchAttentionBackend(spec.num_attention_heads, spec.num_key_value_heads,
-                                    spec.head_dim, spec.head_dim**-0.5)
-    caches = [(kv[i, 0], kv[i, 1]) for i in range(spec.num_hidden_layers)]
-    with torch.inference_mode():
-        return model(ids, positions, ForwardContext(model.rotary, backend, caches, meta)).float()
+    """Our paged forward over one whole prompt: [num_tokens, hidden] float32."""
+    return forward_prompt(model, token_ids).float()
 
 
 def _assert_close_embeddings(got: torch.Tensor, want: torch.Tensor) -> None:
