@@ -69,7 +69,10 @@ class LLMEngine:
 
         from argosy_runtime.model_loader import load_checkpoint
 
-        checkpoint = load_checkpoint(args.model)
+        if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json fields, got "
+                             f"{args.hf_overrides!r}")
+        checkpoint = load_checkpoint(args.model, args.hf_overrides)
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
@@ -352,6 +355,8 @@ class LLMEngine:
                                lora_name: str | None) -> None:
         """Queue a request that runs its prompt and pools its hidden states (pooler.py):
         one sequence, no output tokens, so only the prompt needs room."""
+        if params.dimensions is not None:
+            self._check_embedding_dimensions(params.dimensions)
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
                              f"({self.max_model_len})")
@@ -372,6 +377,20 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self._groups[request_id] = [request]
         self.stats.prompt_tokens += len(prompt_ids)
+
+    def _check_embedding_dimensions(self, dims: int) -> None:
+        spec = self.spec
+        if spec.accepts_embedding_dimensions(dims):
+            return
+        if spec.matryoshka_dimensions is None:
+            raise ValueError(
+                f"dimensions: {self.served_model_name} makes {spec.hidden_size}-value embeddings "
+                f"and was not trained to shorten them (to {dims}); a Matryoshka-trained model "
+                "says so in config.json (is_matryoshka, matryoshka_dimensions) or through "
+                "--hf-overrides")
+        sizes = list(spec.matryoshka_dimensions) or f"1..{spec.hidden_size}"
+        raise ValueError(f"dimensions: {self.served_model_name} embeddings can be shortened to "
+                         f"{sizes} values (or kept at {spec.hidden_size}), not {dims}")
 
     def _hold_lora(self, name: str, children: list[Request]) -> bool:
         """Give `children` the adapter `name`, held until each finishes (loading it here,

@@ -29,6 +29,13 @@ class EngineArgs:
     served_model_name: str | None = _opt(
         "Name clients use in the 'model' field (default: the --model value).", default=None
     )
+    hf_overrides: dict[str, Any] | None = _opt(
+        "JSON object replacing fields of the model folder's config.json (vLLM's "
+        "--hf-overrides), e.g. '{\"is_matryoshka\": true}' for an embedding model trained "
+        "to be shortened (Qwen3-Embedding), or a rope_scaling to serve a longer context. "
+        "Top-level fields are replaced whole. Hugging Face folders only (default: none).",
+        default=None,
+    )
     dtype: str = _opt(
         "Weight and activation dtype: auto (bfloat16 on CPU and CUDA), float32, float16, "
         "bfloat16.",
@@ -196,6 +203,8 @@ def _cli_type(name: str, type_str: str) -> Any:
         return _parse_speculative
     if name == "lora_modules":
         return parse_lora_modules
+    if name == "hf_overrides":
+        return parse_json_object
     if name == "kv_cache_memory":
         return parse_bytes
     if type_str.startswith("int"):
@@ -210,6 +219,17 @@ def _parse_speculative(value: str) -> dict[str, Any] | str:
     if value.startswith("{"):
         return json.loads(value)
     return value
+
+
+def parse_json_object(value: str) -> dict[str, Any]:
+    """'{"key": value, ...}' -> dict; anything else is an argparse error."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {value!r}") from exc
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def parse_lora_modules(value: str) -> dict[str, str]:

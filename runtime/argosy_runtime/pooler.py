@@ -51,6 +51,8 @@ def pool_embeddings(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
                     vector = req.pooled_sum / req.num_prompt_tokens
                 else:
                     vector = rows[-1].float()
+                if params.dimensions is not None:  # Matryoshka: the leading values
+                    vector = vector[: params.dimensions]
                 if params.normalize:
                     vector = F.normalize(vector, dim=0)
                 out[req.request_id] = vector.cpu().tolist()

@@ -5,6 +5,8 @@ A pooling request runs its prompt through the model like a prefill and samples n
 vector, L2-normalized by default. `"last"` takes the last token's state, which is how
 decoder-based embedding models (e5-mistral, gte-Qwen2, SFR-Embedding) are trained: with causal
 attention only the last token has seen the whole input. `"mean"` averages every token's state.
+`dimensions` keeps the first that many values before normalizing (Matryoshka embeddings:
+only for a model trained for it, `ModelSpec.accepts_embedding_dimensions`).
 `task="classify"` (a sequence-classification checkpoint only): the classification head's
 logits at the last token, what transformers' `*ForSequenceClassification` returns for an
 unpadded prompt; `normalize` does not apply. Every field is validated here; a bad value
@@ -24,6 +26,7 @@ class PoolingParams:
     pooling: str = "last"
     normalize: bool = True
     task: str = "embed"
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
@@ -32,6 +35,13 @@ class PoolingParams:
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
+        if self.dimensions is not None and (
+                not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.task == "classify" and self.dimensions is not None:
+            raise ValueError("dimensions: task 'classify' returns one logit per label; "
+                             "dimensions applies to embeddings")
         if self.task == "classify" and self.pooling != "last":
             raise ValueError("pooling: task 'classify' reads the head at the last token "
                              "(as transformers' *ForSequenceClassification); leave pooling 'last'")

@@ -60,9 +60,12 @@ def checkpoint_dtype(files: list[Path]) -> str:
     raise ValueError(f"{files[0]} holds no float32/bfloat16/float16 tensor")
 
 
-def load_hf_spec(folder: Path, files: list[Path]) -> ModelSpec:
-    """ModelSpec from config.json (+ generation_config.json), dtype from the weight files."""
-    config = read_json(folder / "config.json")
+def load_hf_spec(folder: Path, files: list[Path],
+                 hf_overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """ModelSpec from config.json (+ generation_config.json), dtype from the weight files.
+    `hf_overrides` replaces config.json's top-level fields (vLLM's --hf-overrides: a nested
+    object such as rope_scaling is replaced whole, not merged)."""
+    config = {**read_json(folder / "config.json"), **(hf_overrides or {})}
     generation_path = folder / "generation_config.json"
     generation = read_json(generation_path) if generation_path.is_file() else None
     return ModelSpec.from_hf_config(

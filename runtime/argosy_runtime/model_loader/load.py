@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint
 from argosy_runtime.model_loader.checkpoint import Checkpoint
@@ -11,16 +12,22 @@ from argosy_runtime.model_loader.resolve import resolve_model_path
 from argosy_runtime.tokenizer import Tokenizer
 
 
-def load_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(model: str | os.PathLike[str],
+                    hf_overrides: dict[str, Any] | None = None) -> Checkpoint:
     """Read the spec and tokenizer of `model` (alias, HF folder or .gguf); weights stay on disk.
+    `hf_overrides` replaces fields of an HF folder's config.json (vLLM's --hf-overrides).
 
     Raises FileNotFoundError for missing files (folder, config.json, weights, tokenizer.json)
-    and ValueError for an unsupported architecture or malformed files.
+    and ValueError for an unsupported architecture, malformed files, or overrides for a file
+    that has no config.json.
     """
     path, fmt = resolve_model_path(model)
+    if hf_overrides and fmt != "hf":
+        raise ValueError(f"hf_overrides: {path} is a GGUF file; overrides apply to a Hugging "
+                         "Face folder's config.json")
     if fmt == "hf":
         files = hf_checkpoint.safetensors_files(path)
-        spec = hf_checkpoint.load_hf_spec(path, files)
+        spec = hf_checkpoint.load_hf_spec(path, files, hf_overrides)
         tokenizer = Tokenizer.from_hf_folder(path)
         tokenizer.add_eos_token_ids(spec.eos_token_ids)
         return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="hf", _files=files)

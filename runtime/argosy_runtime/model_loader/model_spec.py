@@ -58,6 +58,10 @@ class ModelSpec:
     `sliding_window` is the attention window of a sliding-window checkpoint (Mistral-7B v0.1,
     Qwen2 with `use_sliding_window`), or None. Argosy attends to the whole context; that equals
     the window while a sequence fits in it, so `context_limit` stops there.
+    `matryoshka_dimensions` says whether an embedding may be shortened (the `dimensions` of an
+    embeddings request): None for a model not trained for it (its hidden size only), `()` for
+    any size up to hidden_size (config.json `is_matryoshka: true`), else the sizes listed in
+    `matryoshka_dimensions` (vLLM's config fields for Matryoshka Representation Learning).
     """
 
     architecture: str
@@ -80,6 +84,7 @@ class ModelSpec:
     has_lm_head: bool = True
     sliding_window: int | None = None
     id2label: tuple[str, ...] = ()
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -118,9 +123,22 @@ class ModelSpec:
             raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not self.has_lm_head and self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
+        if any(not 1 <= d <= self.hidden_size for d in self.matryoshka_dimensions or ()):
+            raise ValueError(f"matryoshka_dimensions must lie in 1..hidden_size "
+                             f"({self.hidden_size}), got {list(self.matryoshka_dimensions)}")
         if self.id2label and self.has_lm_head:
             raise ValueError("id2label (a classification head) replaces the lm_head; "
                              "has_lm_head must be False")
+
+    def accepts_embedding_dimensions(self, dimensions: int) -> bool:
+        """Whether an embedding may be cut to its first `dimensions` values (then normalized):
+        the full size always; a shorter one only for a Matryoshka-trained model."""
+        if dimensions == self.hidden_size:
+            return True
+        if self.matryoshka_dimensions is None:
+            return False
+        return 1 <= dimensions < self.hidden_size and (
+            not self.matryoshka_dimensions or dimensions in self.matryoshka_dimensions)
 
     @property
     def num_labels(self) -> int:
@@ -209,6 +227,7 @@ class ModelSpec:
             has_lm_head=has_lm_head,
             sliding_window=_hf_sliding_window(config, architecture),
             id2label=_hf_labels(config) if is_classifier else (),
+            matryoshka_dimensions=_hf_matryoshka(config),
         )
 
 
@@ -247,6 +266,18 @@ def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
     if num_labels < 1:
         raise ValueError(f"config.json: num_labels must be positive, got {num_labels}")
     return tuple(f"LABEL_{i}" for i in range(num_labels))
+
+
+def _hf_matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
+    """`matryoshka_dimensions` (the sizes listed), else `is_matryoshka` (any size), else None."""
+    listed = config.get("matryoshka_dimensions")
+    if listed:
+        if not isinstance(listed, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in listed):
+            raise ValueError(f"config.json: matryoshka_dimensions must be a list of integers, "
+                             f"got {listed!r}")
+        return tuple(sorted(set(listed)))
+    return () if config.get("is_matryoshka") else None
 
 
 def _hf_sliding_window(config: dict[str, Any], architecture: str) -> int | None:

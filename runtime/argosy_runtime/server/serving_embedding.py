@@ -43,19 +43,17 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
         raise bad_request(f"model: {model_name} is a sequence-classification checkpoint: it "
                           "serves /v1/classify, /v1/score and /v1/rerank, not embeddings",
                           "model")
-    hidden_size = ctx.embedding_size
-    if req.dimensions is not None and req.dimensions != hidden_size:
-        raise bad_request(
-            f"dimensions: this model's embeddings have {hidden_size} dimensions and it was not "
-            f"trained to shorten them; leave dimensions out (or send {hidden_size})",
-            "dimensions")
+    # The full size is every model's; a shorter one only a Matryoshka-trained model's (the
+    # engine checks, naming the sizes it accepts).
+    dimensions = None if req.dimensions == ctx.embedding_size else req.dimensions
     _, prompts = normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
     for ids in prompts:
         check_prompt(ctx, ids, 0, param="input")
     prompt_tokens = sum(len(p) for p in prompts)
     request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,
                                       inputs=len(prompts))
-    vectors = await embed_prompts(request, ctx, prompts, model_name, req.priority, "embd")
+    vectors = await embed_prompts(request, ctx, prompts, model_name, req.priority, "embd",
+                                  dimensions)
     if vectors is None:
         return Response(status_code=499)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
@@ -65,12 +63,14 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
 
 
 async def embed_prompts(request: Request, ctx: ServingContext, prompts: list[list[int]],
-                        model_name: str, priority: int, kind: str) -> list[list[float]] | None:
+                        model_name: str, priority: int, kind: str,
+                        dimensions: int | None = None) -> list[list[float]] | None:
     """The vectors of `prompts` (token ids already checked), in order, pooled as
-    `--embedding-pooling` says (`pool_prompts`); None when the client went away. Every route
-    that embeds (/v1/embeddings, /v1/score, /v1/rerank) runs through here, so they share
-    pooling, admission, drain accounting and request ids (`kind` prefixes them)."""
-    params = PoolingParams(pooling=ctx.config.embedding_pooling)
+    `--embedding-pooling` says (`pool_prompts`) and cut to `dimensions` (Matryoshka); None
+    when the client went away. Every route that embeds (/v1/embeddings, /v1/score,
+    /v1/rerank) runs through here, so they share pooling, admission, drain accounting and
+    request ids (`kind` prefixes them)."""
+    params = PoolingParams(pooling=ctx.config.embedding_pooling, dimensions=dimensions)
     finals = await pool_prompts(request, ctx, prompts, model_name, priority, kind, params)
     return None if finals is None else [out.embedding or [] for out in finals]
 

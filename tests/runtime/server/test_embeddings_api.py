@@ -161,7 +161,9 @@ def headless_server(tmp_path_factory: pytest.TempPathFactory):
     # A folder saved as transformers' MistralModel (no lm_head), as e5-mistral is published.
     folder = make_random_model_dir(tmp_path_factory.mktemp("models"), "mistral",
                                    num_hidden_layers=2, headless=True)
-    proc = ServerProcess("--model", str(folder), "--served-model-name", "embedder")
+    # Marked Matryoshka-trained the way vLLM users mark Qwen3-Embedding: --hf-overrides.
+    proc = ServerProcess("--model", str(folder), "--served-model-name", "embedder",
+                         "--hf-overrides", '{"is_matryoshka": true}')
     try:
         yield proc.wait_ready(), folder
     finally:
@@ -185,6 +187,25 @@ def test_a_headless_checkpoint_serves_embeddings_and_refuses_generation(headless
     error = resp.json()["error"]
     assert error["param"] == "model" and "serves embeddings only" in error["message"]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_matryoshka_dimensions_cut_the_vector(headless_server) -> None:  # noqa: ANN001
+    from argosy_runtime import LLM, PoolingParams
+
+    server, folder = headless_server
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    offline = LLM(model=str(folder), dtype="float32", hf_overrides={"is_matryoshka": True})
+    want = offline.embed(TEXTS, PoolingParams(dimensions=16))
+    # The client's default request is base64, which it decodes itself.
+    reply = client.embeddings.create(model="embedder", input=TEXTS, dimensions=16)
+    for d, e in zip(reply.data, want, strict=True):
+        assert len(d.embedding) == 16
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(e.embedding),
+                                   atol=1e-5, rtol=1e-5)
+    resp = httpx.post(server.url + "/v1/embeddings",
+                      json={"model": "embedder", "input": "Hi", "dimensions": 65}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "dimensions"
+    assert "1..64" in resp.json()["error"]["message"]
 
 
 def test_a_batch_of_embeddings(client: OpenAI, offline_llm) -> None:
