@@ -23,7 +23,7 @@ serve: install
 	$(BIN)/argosy serve --model smollm2-135m $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)  # -rs: each skip and its reason in the log
 
 bench: install
 	$(BIN)/argosy bench offline $(ARGS)
