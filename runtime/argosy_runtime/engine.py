@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from argosy_runtime.bad_words import bad_words_token_ids
 from argosy_runtime.batch_invariance import (
     check_batch_invariant_model,
     check_batch_invariant_options,
@@ -301,8 +302,15 @@ class LLMEngine:
             if t >= self.spec.vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is outside the vocabulary "
                                  f"[0, {self.spec.vocab_size})")
+        for t in params.allowed_token_ids or ():
+            if t >= self.spec.vocab_size:
+                raise ValueError(f"allowed_token_ids: token id {t} is outside the vocabulary "
+                                 f"[0, {self.spec.vocab_size})")
         params = params.clone()
         params.all_stop_token_ids = set() if params.ignore_eos else set(self._stop_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words,
+                                                             self.spec.vocab_size)
         grammars = None
         if params.structured_outputs is not None:
             grammars = [self.grammar_compiler.compile(params.structured_outputs)
@@ -556,8 +564,12 @@ class LLMEngine:
         """Append the tokens a structured output's grammar forces next. They are output tokens
         like sampled ones; the next step feeds them all at once (like a prompt chunk) and
         samples after the last, so a JSON key costs one step instead of one per token. Greedy
-        outputs are unchanged: where bytes are forced the grammar allows only these tokens."""
+        outputs are unchanged: where bytes are forced the grammar allows only these tokens.
+        A request with token masks (allowed_token_ids, bad_words) never jumps: a forced token
+        must pass its masks like a sampled one."""
+        params = req.params
         if (req.grammar is None or req.is_finished or req.logprobs is not None
+                or params.allowed_token_ids or params.bad_words_token_ids
                 or not self.args.enable_jump_forward):
             return
         forced = req.grammar.forced_tokens(req.output_token_ids)

@@ -1,18 +1,21 @@
 """Token sampling for a whole batch at once.
 
-Order per row: penalties (repetition, frequency, presence), min_tokens masking, logit_bias and
-the structured-output grammar's mask on the raw logits, then greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> sample. Sampling uses
+Order per row: penalties (repetition, frequency, presence), min_tokens masking, logit_bias,
+the request's token masks (allowed_token_ids, bad_words) and the structured-output grammar's
+mask on the raw logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+sample. (The masks set -inf, which no penalty or bias undoes, so their place in the order does
+not matter; vLLM applies them first.) Sampling uses
 the exponential-race trick (argmax of p / Exp(1) noise), so rows with their own seeded
 generator and rows on the shared generator go through the same code.
-Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
-reports them by default.
+Logprobs are those of the raw model distribution (before penalties, biases, masks and
+temperature), as vLLM reports them by default (`logprobs_mode="raw_logprobs"`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from argosy_runtime.bad_words import banned_next_tokens
 from argosy_runtime.outputs import Logprob, PositionLogprobs
 from argosy_runtime.request import Request
 
@@ -82,6 +85,27 @@ class Sampler:
             logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
         return logits
 
+    def _mask_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """-inf for every token outside a request's allowed_token_ids, and for every token
+        that would complete one of its bad words after the tokens generated so far."""
+        rows = [i for i, r in enumerate(requests)
+                if r.params.allowed_token_ids or r.params.bad_words_token_ids]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            req = requests[i]
+            if req.params.allowed_token_ids:
+                ids = torch.tensor(req.params.allowed_token_ids, dtype=torch.long)
+                kept = logits[i, ids]
+                logits[i] = float("-inf")
+                logits[i, ids] = kept
+            banned = banned_next_tokens(req.params.bad_words_token_ids, req.token_ids,
+                                        req.num_prompt_tokens)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
     def _mask_grammar(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """-inf for every token the request's structured-output grammar forbids next."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -103,11 +127,12 @@ class Sampler:
         return sampled
 
     def process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Penalties, min_tokens masking, logit_bias and the grammar mask: the logits greedy
-        decoding takes the argmax of."""
+        """Penalties, min_tokens masking, logit_bias, the token masks and the grammar mask:
+        the logits greedy decoding takes the argmax of (speculative verification calls this
+        at every draft position, so the masks hold there too)."""
         logits = self._apply_penalties(logits[:, : self.vocab_size], requests)
         logits = self._apply_logit_bias(self._mask_min_tokens(logits, requests), requests)
-        return self._mask_grammar(logits, requests)
+        return self._mask_grammar(self._mask_tokens(logits, requests), requests)
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each (non-greedy) row samples from: temperature, top-k, top-p,

@@ -11,6 +11,7 @@ from argosy_runtime.structured_output.params import StructuredOutputsParams
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_BAD_WORDS = 128  # vLLM's default VLLM_MAX_NUM_BAD_WORDS (it counts token sequences)
 
 
 @dataclass
@@ -43,10 +44,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (greedy decoding sees it too)
     logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled (vLLM's): every other logit is -inf
+    allowed_token_ids: list[int] | None = None
+    # words never generated (vLLM's semantics, see bad_words.py): the last token of a word is
+    # banned whenever the output so far ends with the word's other tokens
+    bad_words: list[str] | None = None
     # constrain the output to a JSON schema, regex, choice or grammar (see structured_output)
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: tokens that end generation unless ignore_eos (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the engine: the token sequences of `bad_words` (bad_words.py).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +97,23 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias token id", token, 0, 1 << 31)
                 _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids "
+                                 f"(None allows every token), got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for i, t in enumerate(self.allowed_token_ids):
+                _check_int(f"allowed_token_ids[{i}]", t, 0, 1 << 31)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            for i, word in enumerate(self.bad_words):
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words[{i}] must be a non-blank string, got {word!r}")
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats too
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words has {len(self.bad_words)} words; at most "
+                                 f"{MAX_BAD_WORDS}")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
