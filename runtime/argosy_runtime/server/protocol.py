@@ -8,7 +8,9 @@ chat, `chat_template_kwargs`, so clients written for vLLM work unchanged. OpenAI
 `tool_choice: "auto"`, ...) are rejected with a 400 naming them (see
 `serving_common.reject_unsupported`). `structured_outputs` is vLLM's constrained-decoding
 extra; OpenAI's `response_format` does the same for JSON, and `tools` with `tool_choice`
-"required" or a named function use it too (`tool_calls.py`).
+"required" or a named function use it too (`tool_calls.py`). Completions and chat also take
+vLLM's `allowed_token_ids`, `bad_words` (SamplingParams) and `truncate_prompt_tokens`
+(`serving_common.truncate_prompts`, shared with the pooling routes).
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
 """
@@ -20,7 +22,7 @@ import uuid
 from typing import Any, Literal
 
 from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -99,6 +101,11 @@ class _SamplingFields(VLLMExtras):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: only these token ids may be sampled; words never generated (bad_words.py);
+    # keep the last k prompt tokens (-1: as many as fit beside max_tokens).
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
 
 
 class CompletionRequest(_SamplingFields):

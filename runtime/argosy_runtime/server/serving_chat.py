@@ -27,7 +27,6 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
-    check_prompt,
     compile_grammar,
     make_sampling_params,
     merge_streams,
@@ -38,6 +37,7 @@ from argosy_runtime.server.serving_common import (
     stop_holdback,
     token_text,
     top_entries,
+    truncate_prompts,
     usage_info,
     visible_text,
     with_deadline,
@@ -143,7 +143,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                    if may_call_tools(req, ctx.config.tool_call_parser) else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     prompt = render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs)
-    check_prompt(ctx, prompt, max_tokens, param="messages")
+    [prompt] = truncate_prompts(ctx, [prompt], req.truncate_prompt_tokens, "messages",
+                                max_tokens)
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")

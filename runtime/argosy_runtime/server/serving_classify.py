@@ -14,12 +14,11 @@ from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id, now
 from argosy_runtime.server.request_log import request_log
-from argosy_runtime.server.serving_common import ServingContext
+from argosy_runtime.server.serving_common import ServingContext, truncate_prompts
 from argosy_runtime.server.serving_completion import normalize_prompts
 from argosy_runtime.server.serving_embedding import (
     MAX_EMBEDDING_INPUTS,
     pool_prompts,
-    truncate_prompts,
 )
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt

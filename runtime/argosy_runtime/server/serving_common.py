@@ -110,6 +110,8 @@ def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             logit_bias=logit_bias_of(req),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
             structured_outputs=structured_outputs_of(req),
         )
     except ValueError as exc:
@@ -210,6 +212,29 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
             f"has {len(token_ids)} tokens{what}", param,
             code="context_length_exceeded")
+
+
+def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
+                     param: str, max_tokens: int | None = 0) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens`, on every route that takes it: keep each prompt's last
+    k tokens (0 or None: all of it); -1 keeps as many as fit beside the output, `max_tokens`
+    (0 for pooling routes: the model's length; None, generation up to the model's length: one
+    token held back, as vLLM does). Then each prompt is checked (`check_prompt`), so a k that
+    leaves no room for max_tokens is still a 400."""
+    if truncate is not None and truncate > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
+                          f"maximum context length {ctx.max_model_len}",
+                          "truncate_prompt_tokens")
+    keep = truncate
+    if truncate == -1:
+        keep = max(1, ctx.max_model_len - (1 if max_tokens is None else max_tokens))
+    out = []
+    for ids in prompts:
+        if keep:
+            ids = ids[-keep:]
+        check_prompt(ctx, ids, max_tokens, param=param)
+        out.append(ids)
+    return out
 
 
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],

@@ -14,7 +14,6 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
-    check_prompt,
     compile_grammar,
     make_sampling_params,
     merge_streams,
@@ -25,6 +24,7 @@ from argosy_runtime.server.serving_common import (
     stop_holdback,
     token_text,
     top_entries,
+    truncate_prompts,
     usage_info,
     visible_text,
     with_deadline,
@@ -87,8 +87,10 @@ async def create_completion(request: Request, req: CompletionRequest,
     model_name = ctx.check_model(req.model)
     reject_unsupported(req)
     texts, prompts = normalize_prompts(ctx, req.prompt)
-    for ids in prompts:
-        check_prompt(ctx, ids, req.max_tokens)
+    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", req.max_tokens)
+    # echo returns the prompt the model saw: a truncated one is decoded, not the text sent
+    texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
+    prompts = cut
     params = make_sampling_params(req, req.max_tokens, req.logprobs)
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)

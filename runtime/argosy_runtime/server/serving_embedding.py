@@ -101,24 +101,6 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
     return finals
 
 
-def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
-                     param: str) -> list[list[int]]:
-    """vLLM's `truncate_prompt_tokens`: keep the last k tokens (-1: the model's length; 0 or
-    None: all), then check each prompt like an embeddings input."""
-    if truncate is not None and truncate > ctx.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
-                          f"maximum context length {ctx.max_model_len}",
-                          "truncate_prompt_tokens")
-    keep = ctx.max_model_len if truncate == -1 else truncate
-    out = []
-    for ids in prompts:
-        if keep:
-            ids = ids[-keep:]
-        check_prompt(ctx, ids, 0, param=param)
-        out.append(ids)
-    return out
-
-
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
