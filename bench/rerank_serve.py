@@ -5,7 +5,9 @@ Each system is started in turn on the same port, warmed up, then sent the same `
 prefix caches do not help) by `--concurrency` client threads. Reported per system: wall
 seconds, requests/s, documents/s, latency p50/p90; and the largest difference between the
 two systems' relevance scores for the same (query, document), so both rank with the same
-embedding (cosine of last-token, L2-normalized vectors).
+function: the cosine of last-token, L2-normalized embeddings for an embedding model, the
+sigmoid of a one-label head over the (query, document) pair for a cross-encoder
+(`*ForSequenceClassification`; pass its folder as both --model and --hf-model).
 
     .venv/bin/python bench/export_hf.py smollm2-135m /tmp/smollm2-hf
     .venv/bin/python bench/rerank_serve.py --hf-model /tmp/smollm2-hf \
