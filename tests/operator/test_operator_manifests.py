@@ -73,6 +73,11 @@ def test_built_children_validate_against_kubernetes_schemas(sample: Any) -> None
     for child in filter(None, children):
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
     assert build_servicemonitor(obj, spec) is not None  # a CRD: no schema in the bundle
+    # The container's args are ones `argosy serve` takes (extraArgs included): parsed by the
+    # runtime's own parser, which exits on an unknown flag or a bad value.
+    from argosy_runtime.cli.main import build_parser
+
+    build_parser().parse_args(children[0]["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
 # --- RBAC ------------------------------------------------------------------------------------
