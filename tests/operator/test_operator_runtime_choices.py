@@ -176,3 +176,34 @@ async def test_changing_the_field_rolls_the_pods(kube: Any, api: Api, run_operat
     assert templates[0] != templates[1] != templates[2] != templates[3]
     # Only the flag changed: removing the field brings back the first template.
     assert templates[3] == templates[0]
+
+
+# --- spec.runtime.hfOverrides: an object, passed as --hf-overrides JSON -----------------------
+
+def test_hf_overrides_is_an_optional_object() -> None:
+    field = openapi_schema()["properties"]["spec"]["properties"]["runtime"]["properties"][
+        "hfOverrides"]
+    assert field["type"] == "object" and field["x-kubernetes-preserve-unknown-fields"] is True
+    assert "--hf-overrides" in field["description"] and "default" not in field
+    nested = {"is_matryoshka": True, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    defaulted, errors = validate(llmd(runtime={"hfOverrides": nested}))
+    assert errors == [] and defaulted["spec"]["runtime"]["hfOverrides"] == nested
+    for bad in ('{"is_matryoshka": true}', ["is_matryoshka"], 1):
+        _, errors = validate(llmd(runtime={"hfOverrides": bad}))
+        assert [e for e in errors if e.startswith("spec.runtime.hfOverrides:")] != [], errors
+
+
+def test_hf_overrides_become_sorted_json_the_runtime_parses_back() -> None:
+    model = {"name": "m", "path": "/models/m"}
+    overrides = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "is_matryoshka": True}
+    args = serve_args_of({"model": model, "runtime": {"hfOverrides": overrides}})
+    assert flag_values(args, "--hf-overrides") == [
+        '{"is_matryoshka":true,"rope_scaling":{"factor":4.0,"rope_type":"yarn"}}']
+    assert runtime_server_args(args).hf_overrides == overrides
+    # The same overrides in another key order make the same args: no rollout on re-apply.
+    reordered = dict(reversed(list(overrides.items())))
+    assert serve_args_of({"model": model, "runtime": {"hfOverrides": reordered}}) == args
+    for unset in ({}, {"hfOverrides": None}, {"hfOverrides": {}}):
+        args = serve_args_of({"model": model, "runtime": unset})
+        assert flag_values(args, "--hf-overrides") == []
+        assert runtime_server_args(args).hf_overrides is None

@@ -72,6 +72,11 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
         args += ["--embedding-pooling", runtime["embeddingPooling"]]
     if runtime.get("reasoningParser"):
         args += ["--reasoning-parser", runtime["reasoningParser"]]
+    if runtime.get("hfOverrides"):
+        # Sorted keys: the same overrides always make the same args, so re-applying a
+        # manifest whose keys moved does not roll the pods.
+        args += ["--hf-overrides", json.dumps(runtime["hfOverrides"], sort_keys=True,
+                                              separators=(",", ":"))]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     args += ["--batch-dir", batch_dir(name, spec)]
     if runtime.get("maxWaiting") is not None:
