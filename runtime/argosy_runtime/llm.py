@@ -11,6 +11,7 @@ from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
 from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.sampling_params import SamplingParams
+from argosy_runtime.scoring import cosine_scores, pair_up
 
 
 class LLM:
@@ -22,6 +23,7 @@ class LLM:
         vectors = [o.embedding for o in llm.embed(["Hello", "Bonjour"])]
         # a *ForSequenceClassification checkpoint:
         probs = [o.classification.probs for o in LLM(model=folder).classify(["Great!"])]
+        scores = llm.score("a query", ["a document", "another"])  # cosines of embeddings
     """
 
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
@@ -64,6 +66,31 @@ class LLM:
         (softmax; sigmoid for one label) and the most probable `label`."""
         prompts = self._prompt_list(prompts)
         return self._run(prompts, [PoolingParams(task="classify")] * len(prompts), lora_name)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              lora_name: str | None = None) -> list[float]:
+        """The score of each (text_1, text_2) pair, as POST /v1/score answers: pairs 1-to-1,
+        1-to-N or N-to-N (scoring.pair_up). An embedding model scores by the cosine of the
+        two embeddings (each distinct text embedded once); a cross-encoder (a one-label
+        classification head) by the sigmoid of its logit over the pair as one prompt."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds:
+            raise ValueError("text_1 and text_2 must each hold at least one text")
+        pairs = pair_up(firsts, seconds)
+        num_labels = self.engine.spec.num_labels
+        if num_labels > 1:
+            raise ValueError(f"model: a classifier with {num_labels} labels is no scorer; "
+                             "scores need a one-label head (a cross-encoder) or an embedding "
+                             "model")
+        if num_labels == 1:
+            tokenizer = self.engine.tokenizer
+            outs = self.classify([tokenizer.encode_pair(a, b) for a, b in pairs], lora_name)
+            return [out.classification.probs[0] for out in outs]
+        distinct = list(dict.fromkeys(firsts + seconds))
+        row = {text: i for i, text in enumerate(distinct)}
+        vectors = [out.embedding for out in self.embed(distinct, lora_name=lora_name)]
+        return cosine_scores(vectors, [(row[a], row[b]) for a, b in pairs])
 
     @staticmethod
     def _prompt_list(prompts: str | Sequence[str] | Sequence[list[int]]) -> list[Any]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from argosy_runtime.pooling_params import PoolingParams
+from argosy_runtime.scoring import cosine_scores, pair_up
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
@@ -131,15 +131,11 @@ async def create_rerank(request: Request, req: RerankRequest, ctx: ServingContex
 
 
 def _pair_up(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
-    """/v1/score's pairing: 1-to-N (and 1-to-1), or N-to-N pair by pair."""
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    elif len(firsts) != len(seconds):
-        raise bad_request(
-            f"text_2 has {len(seconds)} texts and text_1 has {len(firsts)}: send one text_1 "
-            "(scored against every text_2) or as many as text_2 (scored pair by pair)",
-            "text_2")
-    return list(zip(firsts, seconds, strict=True))
+    """/v1/score's pairing (scoring.pair_up), its ValueError a 400 naming text_2."""
+    try:
+        return pair_up(firsts, seconds)
+    except ValueError as exc:
+        raise bad_request(str(exc), "text_2") from exc
 
 
 def _tokenize(ctx: ServingContext, texts: str | list[str], param: str,
@@ -200,10 +196,4 @@ async def _cosine_scores(request: Request, ctx: ServingContext, model_name: str,
     if vectors is None:
         return None
     row = {ids: i for i, ids in enumerate(distinct)}
-    table = torch.tensor(vectors, dtype=torch.float64)  # [num_distinct, hidden_size]
-    left = table[[row[a] for a, _ in pairs]]  # [num_pairs, hidden_size]
-    right = table[[row[b] for _, b in pairs]]
-    # The vectors are unit length already (PoolingParams.normalize); dividing by the norms
-    # anyway keeps the score a cosine whatever the pooling config says.
-    scores = torch.nn.functional.cosine_similarity(left, right, dim=-1)  # [num_pairs]
-    return scores.tolist(), prompt_tokens
+    return cosine_scores(vectors, [(row[a], row[b]) for a, b in pairs]), prompt_tokens

@@ -36,6 +36,7 @@ class Reference:
     def __init__(self, folder: Path) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        self.folder = folder
         self.model = AutoModelForSequenceClassification.from_pretrained(
             str(folder), dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -209,6 +210,27 @@ def test_cross_encoder_scores_are_sigmoids_of_the_pair_logit(reranker) -> None: 
         [ref.score(QUERY, DOCS[2]), ref.score(DOCS[0], QUERY)], abs=1e-4)
     # Order matters to a cross-encoder (one joined prompt, not two embeddings).
     assert ref.score(DOCS[0], QUERY) != pytest.approx(ref.score(QUERY, DOCS[0]), abs=1e-4)
+
+
+def test_offline_llm_score_is_the_same_cross_encoder_score(reranker) -> None:  # noqa: ANN001
+    from argosy_runtime import LLM
+
+    _, ref = reranker
+    llm = LLM(model=str(ref.folder), dtype="float32")
+    assert llm.score(QUERY, DOCS) == pytest.approx([ref.score(QUERY, d) for d in DOCS],
+                                                   abs=1e-4)
+    assert llm.score([QUERY, DOCS[0]], [DOCS[2], QUERY]) == pytest.approx(
+        [ref.score(QUERY, DOCS[2]), ref.score(DOCS[0], QUERY)], abs=1e-4)
+    with pytest.raises(ValueError, match="text_2: 3 texts do not pair with 2 text_1"):
+        llm.score([QUERY, DOCS[0]], DOCS[:3])
+
+
+def test_offline_llm_score_refuses_a_multi_label_classifier(classifier) -> None:  # noqa: ANN001
+    from argosy_runtime import LLM
+
+    _, ref = classifier
+    with pytest.raises(ValueError, match="model: a classifier with 3 labels is no scorer"):
+        LLM(model=str(ref.folder), dtype="float32").score(QUERY, DOCS)
 
 
 def test_cross_encoder_rerank(reranker) -> None:  # noqa: ANN001

@@ -45,6 +45,19 @@ def score(http: httpx.Client, body: dict, path: str = "/v1/score") -> dict:
     return resp.json()
 
 
+def test_offline_llm_score_equals_the_server(http: httpx.Client, offline_llm) -> None:  # noqa: ANN001
+    # LLM.score and /v1/score are one function (scoring.py): same pairing, same cosines.
+    served = score(http, {"text_1": QUERY, "text_2": DOCS})
+    assert offline_llm.score(QUERY, DOCS) == pytest.approx(
+        [d["score"] for d in served["data"]], abs=1e-5)
+    pairs = {"text_1": [QUERY, DOCS[0]], "text_2": [DOCS[2], DOCS[3]]}
+    assert offline_llm.score(pairs["text_1"], pairs["text_2"]) == pytest.approx(
+        [d["score"] for d in score(http, pairs)["data"]], abs=1e-5)
+    for bad in (([QUERY, DOCS[0]], DOCS[:3]), ([], DOCS)):
+        with pytest.raises(ValueError, match="text_"):
+            offline_llm.score(*bad)
+
+
 def test_one_to_one_one_to_n_and_n_to_n_are_cosines_of_the_embeddings(
         http: httpx.Client) -> None:
     q, *docs = vectors(http, [QUERY, *DOCS])
