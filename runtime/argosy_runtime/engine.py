@@ -551,7 +551,11 @@ class LLMEngine:
                 entry = logprobs[i]
                 req.logprobs.append(entry)
                 req.cumulative_logprob += entry[token].logprob
-            delta = req.detokenizer.push([token])
+            # The model's end token that stops the request is not text (as in vLLM): kept
+            # special tokens (skip_special_tokens=False) would end the reply with <|im_end|>.
+            ends = (token in req.params.all_stop_token_ids
+                    and req.num_output_tokens >= req.params.min_tokens)
+            delta = "" if ends else req.detokenizer.push([token])
             status = self._check_stop(req, token, delta)
             if status is not None:
                 if not isinstance(req.stop_reason, str):  # (a stop string already cut the text)
