@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Read tool calls the model writes in this format and return them "
                              "as tool_calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5 "
                              "and others; llama3_json: a reply that is {\"name\", "
-                             "\"parameters\"} JSON, Llama 3.1+): enables tool_choice 'auto', "
-                             "also the default when a request has tools.")
+                             "\"parameters\"} JSON, Llama 3.1+; mistral: [TOOL_CALLS] then "
+                             "the calls, Mistral 7B v0.3, Small, Nemo; pythonic: a reply that "
+                             "is a Python list of calls, Llama 3.2 / 4): enables tool_choice "
+                             "'auto', also the default when a request has tools.")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="The model's thinking format: chat replies then carry the text "
                              "between <think> and </think> in reasoning_content and only the "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Tool-call formats for tool_choice "auto" (server/tool_parsers.py has one stream for each).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 # How /v1/embeddings pools a prompt's hidden states (pooling_params.py).
 EMBEDDING_POOLINGS = ("last", "mean")
 # Thinking formats chat replies are split by (server/reasoning_parser.py).
@@ -26,7 +26,7 @@ class ServerConfig:
     api_key: when set, /v1/* requires `Authorization: Bearer <key>`.
     allow_runtime_lora_updates: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
         (off by default: they make the server read any folder a client names).
-    tool_call_parser: the model's tool-call format ("hermes", "llama3_json"), for tool_choice
+    tool_call_parser: the model's tool-call format (TOOL_CALL_PARSERS), for tool_choice
         "auto" (server/tool_parsers.py).
     batch_dir: where the Batch API keeps its files and batches; an unfinished batch resumes
         when the server starts again on the same folder (None: a temporary folder, removed

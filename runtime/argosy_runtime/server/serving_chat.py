@@ -49,7 +49,7 @@ from argosy_runtime.server.tool_calls import (
     may_call_tools,
     reply_message,
 )
-from argosy_runtime.server.tool_parsers import make_stream, parse_message
+from argosy_runtime.server.tool_parsers import STREAMS, make_stream, parse_message
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -149,6 +149,10 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     params = make_sampling_params(req, max_tokens, k)
+    if tool_parser is not None and STREAMS[tool_parser].keep_special_tokens:
+        # The format's marker is a control token (Mistral's [TOOL_CALLS]): keep it in the text
+        # the parser reads, as vLLM does for this parser.
+        params.skip_special_tokens = False
     await compile_grammar(ctx, req, params)
     # A constrained reply (forced tool calls, response_format) cannot think: nothing to split.
     reasoning_parser = (ctx.config.reasoning_parser

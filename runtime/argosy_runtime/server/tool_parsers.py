@@ -18,11 +18,26 @@ content, so nothing the model wrote is lost.
   JSON from its first character, `{"name": "get_weather", "parameters": {"city": "Paris"}}`
   (several separated by `;`), possibly after `<|python_tag|>`. Streaming sends a reply that
   does not start with `{` as content at once, and one that does when it is complete.
+- `mistral` (Mistral 7B Instruct v0.3, Mistral Small / Nemo, Magistral, Devstral): calls follow
+  a `[TOOL_CALLS]` marker, after any content: a JSON list
+  `[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]` (v0.3 tokenizers), or
+  one marker per call, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` (newer tokenizers;
+  `name{...}` without `[ARGS]` too). Call ids are 9 letters and digits, as Mistral's own
+  templates require. Streaming sends the content before the marker as it comes and the calls
+  when the reply is complete.
+- `pythonic` (Llama 3.2, Llama 4 and other models trained on Python-style calls): a reply that
+  is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris", unit="celsius"), get_time()]`, read with `ast` (never run).
+  Streaming is as llama3_json's, with `[` for `{`.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import random
+import re
+import string
 from typing import Any
 
 from argosy_runtime.server.tool_calls import new_call_id
@@ -31,6 +46,10 @@ from argosy_runtime.server.tool_calls import new_call_id
 class ToolCallParserStream:
     """One choice's text in, content and tool-call deltas out: `feed` each piece of text,
     `finish` at the end (or `step`, which does both as a stream needs them)."""
+
+    # True where the format's marker is a control token (Mistral's [TOOL_CALLS]) that
+    # decoding with skip_special_tokens would drop: the server then keeps special tokens.
+    keep_special_tokens = False
 
     def __init__(self) -> None:
         self.calls = 0  # tool calls sent so far
@@ -145,9 +164,70 @@ class Llama3JsonToolCallStream(ToolCallParserStream):
         return self._delta("", [{"index": i, **call} for i, call in enumerate(calls)])
 
 
+class MistralToolCallStream(ToolCallParserStream):
+    TAG = "[TOOL_CALLS]"
+    keep_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""  # text received and not yet sent
+        self._in_calls = False  # past the marker: the rest of the reply is held for finish
+
+    def feed(self, text: str) -> dict[str, Any]:
+        self._pending += text
+        if self._in_calls:
+            return {}
+        start = self._pending.find(self.TAG)
+        if start >= 0:
+            # The marker stays with the calls: if they are malformed, all of it is content.
+            content, self._pending = self._pending[:start], self._pending[start:]
+            self._in_calls = True
+            return self._delta(content, [])
+        ready = len(self._pending) - _partial_tag_length(self._pending, self.TAG)
+        content, self._pending = self._pending[:ready], self._pending[ready:]
+        return self._delta(content, [])
+
+    def finish(self) -> dict[str, Any]:
+        text, self._pending = self._pending, ""
+        calls = _mistral_calls(text) if self._in_calls else None
+        if calls is None:
+            return self._delta(text, [])
+        self.calls = len(calls)
+        return self._delta("", [{"index": i, **call} for i, call in enumerate(calls)])
+
+
+class PythonicToolCallStream(ToolCallParserStream):
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._list: bool | None = None  # undecided until the first visible character
+
+    def feed(self, text: str) -> dict[str, Any]:
+        if self._list is False:
+            return self._delta(text, [])
+        self._pending += text
+        head = self._pending.lstrip()
+        if not head:
+            return {}
+        self._list = head.startswith("[")
+        if self._list:
+            return {}  # calls are sent once the list is complete (it may turn out not to be)
+        out, self._pending = self._pending, ""
+        return self._delta(out, [])
+
+    def finish(self) -> dict[str, Any]:
+        text, self._pending = self._pending, ""
+        calls = _pythonic_calls(text) if self._list else None
+        if calls is None:
+            return self._delta(text, [])
+        self.calls = len(calls)
+        return self._delta("", [{"index": i, **call} for i, call in enumerate(calls)])
+
+
 # One per name in server/config.py TOOL_CALL_PARSERS (the flag's choices).
 STREAMS: dict[str, type[ToolCallParserStream]] = {
-    "hermes": HermesToolCallStream, "llama3_json": Llama3JsonToolCallStream}
+    "hermes": HermesToolCallStream, "llama3_json": Llama3JsonToolCallStream,
+    "mistral": MistralToolCallStream, "pythonic": PythonicToolCallStream}
 
 
 def make_stream(parser: str) -> ToolCallParserStream:
@@ -189,15 +269,91 @@ def _call_of(block: str) -> dict[str, Any] | None:
         return None
 
 
-def _call_of_value(value: Any) -> dict[str, Any] | None:
+def _call_of_value(value: Any, call_id: str | None = None) -> dict[str, Any] | None:
     """`{"name": ..., "arguments" or "parameters": ...}` as an OpenAI tool call, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": value["name"], "arguments": arguments}}
+    return _call(value["name"], arguments, call_id)
+
+
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def new_mistral_call_id() -> str:
+    """Mistral's templates (mistral_common) reject a tool call id that is not exactly 9
+    letters and digits when the conversation comes back, so these calls get such ids (as in
+    vLLM)."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+# A function name as Mistral's newer format writes it before [ARGS] (vLLM's pattern).
+_MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls in `text`, which starts with [TOOL_CALLS]; None unless all of it is calls."""
+    segments = text.split(MistralToolCallStream.TAG)[1:]
+    if segments[0].lstrip().startswith("["):  # v0.3: one marker, then a JSON list of calls
+        if len(segments) != 1:
+            return None
+        try:
+            value = json.loads(segments[0])
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, list) or not value:
+            return None
+        listed = [_call_of_value(item, new_mistral_call_id()) for item in value]
+        return [call for call in listed if call is not None] if None not in listed else None
+    calls = []
+    for segment in segments:  # newer: a marker per call, name[ARGS]{arguments}
+        name, args_tag, arguments = segment.partition("[ARGS]")
+        if not args_tag:  # mistral_common decodes without the [ARGS] token: name{arguments}
+            brace = segment.find("{")
+            if brace < 0:
+                return None
+            name, arguments = segment[:brace], segment[brace:]
+        name = name.strip()
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+        if not _MISTRAL_NAME.fullmatch(name) or not isinstance(value, dict):
+            return None
+        calls.append(_call(name, json.dumps(value, ensure_ascii=False), new_mistral_call_id()))
+    return calls
+
+
+def _pythonic_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls in a reply that is `[f(a=1), g(b="x")]`; None unless it is exactly a
+    non-empty list of calls by name with literal keyword arguments. Nothing is evaluated but
+    literals (`ast.literal_eval`), so a reply that is any other Python stays content."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        # Positional arguments have no parameter name to go under: not a call we can return.
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        names = [kw.arg for kw in node.keywords]
+        if None in names or len(set(names)) != len(names):  # **kwargs, or a name repeated
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            # allow_nan=False: 1e999 is inf, which is not JSON; sets, bytes, complex raise too
+            calls.append(_call(node.func.id,
+                               json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+    return calls
 
 
 def _json_calls(body: str) -> list[dict[str, Any]] | None:

@@ -39,8 +39,49 @@ LLAMA_TEXTS = {
     "JSON of another shape": '{"city": "Paris"}',
     "leading spaces then text": "  <|py is not the tag",
 }
+MISTRAL_LIST = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_TEXTS = {  # v0.3: one marker, a JSON list; newer tokenizers: name[ARGS]{...} per call
+    "one call": MISTRAL_LIST,
+    "text then two calls": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+                            '{"city": "Paris"}}, {"name": "get_time", "arguments": '
+                            '{"timezone": "UTC"}}]'),
+    "args tag, two calls": ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                            '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}'),
+    "name then JSON": '[TOOL_CALLS]get_weather{"city": "Paris"}',
+    "no call": "It is sunny in [Paris] [TOOL_CALL] [TOOL_",
+    "not JSON": "[TOOL_CALLS][get_weather(Paris)]",
+    "cut off": '[TOOL_CALLS][{"name": "get_weather", "argu',
+    "JSON of another shape": '[TOOL_CALLS][{"city": "Paris"}]',
+    "text after the list": MISTRAL_LIST + " Done.",
+    "args not an object": "[TOOL_CALLS]get_weather[ARGS][1, 2]",
+    "bad name": '[TOOL_CALLS]get weather[ARGS]{"city": "Paris"}',
+    "second list": MISTRAL_LIST + MISTRAL_LIST,
+}
+PYTHONIC_CALLS = '[get_weather(city="San Francisco", unit="celsius"), get_time()]'
+PYTHONIC_TEXTS = {
+    "one call": '[get_weather(city="Paris")]',
+    "two calls": PYTHONIC_CALLS,
+    "literals": "\n[f(a=-1.5, b=[1, (2, 3)], c={'k': None}, d=True, e='it\\'s')] ",
+    "no call": "It is [sunny] in Paris (really).",
+    # vLLM's semantics: a reply with calls is the list alone; text before it is no call.
+    "text then a list": 'Let me check. [get_weather(city="Paris")]',
+    "cut off": '[get_weather(city="Par',
+    "not a list": 'get_weather(city="Paris")',
+    "empty list": "[]",
+    "a list of literals": "[1, 2]",
+    "positional argument": '[get_weather("Paris")]',
+    "variable argument": "[get_weather(city=paris)]",
+    "expression argument": '[get_weather(city="Pa" + "ris")]',
+    "method call": '[os.system(command="ls")]',
+    "keyword repeated": "[f(a=1, a=2)]",
+    "double star": "[f(**{'a': 1})]",
+    "not JSON-able": "[f(a={1, 2}, b=1e999)]",
+    "text after the list": "[f()] and more",
+}
 CASES = [("hermes", name, text) for name, text in TEXTS.items()] + [
-    ("llama3_json", name, text) for name, text in LLAMA_TEXTS.items()]
+    ("llama3_json", name, text) for name, text in LLAMA_TEXTS.items()] + [
+    ("mistral", name, text) for name, text in MISTRAL_TEXTS.items()] + [
+    ("pythonic", name, text) for name, text in PYTHONIC_TEXTS.items()]
 
 
 def streamed(text: str, cuts: list[int], parser: str = "hermes") -> tuple[str, list[dict]]:
@@ -76,7 +117,7 @@ def test_whole_messages() -> None:
             assert message == {"role": "assistant", "content": texts[name]}, (parser, name)
             assert finish == "length"
     with pytest.raises(ValueError, match="tool_call_parser"):
-        make_stream("mistral")
+        make_stream("granite")
 
 
 @settings(max_examples=200, deadline=None)
@@ -123,7 +164,9 @@ def test_auto_needs_a_parser_and_tools() -> None:
     assert not may_call_tools(none, "hermes")
 
 
-@pytest.mark.parametrize(("parser", "text"), [("hermes", CALL), ("llama3_json", LLAMA_CALL)])
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", CALL), ("llama3_json", LLAMA_CALL), ("mistral", MISTRAL_LIST),
+    ("pythonic", '[get_weather(city="Paris")]')])
 def test_step_ends_a_stream_with_what_finish_releases(parser: str, text: str) -> None:
     """`step` is what a streamed choice calls: the end folds in `finish`, calls included
     (llama3_json sends its calls only then)."""
@@ -137,3 +180,85 @@ def test_step_ends_a_stream_with_what_finish_releases(parser: str, text: str) ->
 
 def test_every_flag_choice_has_a_stream() -> None:
     assert tuple(STREAMS) == TOOL_CALL_PARSERS
+
+
+MISTRAL_EXPECTED = {  # the texts that are calls: (content, [(name, arguments)])
+    "one call": (None, [("get_weather", {"city": "Paris"})]),
+    "text then two calls": ("Let me check.", [("get_weather", {"city": "Paris"}),
+                                              ("get_time", {"timezone": "UTC"})]),
+    "args tag, two calls": ("Sure.", [("get_weather", {"city": "Paris"}),
+                                      ("get_time", {"timezone": "UTC"})]),
+    "name then JSON": (None, [("get_weather", {"city": "Paris"})]),
+}
+PYTHONIC_EXPECTED = {
+    "one call": [("get_weather", {"city": "Paris"})],
+    "two calls": [("get_weather", {"city": "San Francisco", "unit": "celsius"}),
+                  ("get_time", {})],
+    "literals": [("f", {"a": -1.5, "b": [1, [2, 3]], "c": {"k": None}, "d": True,
+                        "e": "it's"})],
+}
+
+
+@pytest.mark.parametrize(("parser", "texts", "expected"), [
+    ("mistral", MISTRAL_TEXTS, MISTRAL_EXPECTED),
+    ("pythonic", PYTHONIC_TEXTS, {k: (None, v) for k, v in PYTHONIC_EXPECTED.items()})])
+def test_mistral_and_pythonic_messages(parser: str, texts: dict[str, str],
+                                       expected: dict[str, tuple]) -> None:
+    for name, text in texts.items():
+        message, finish = parse_message(parser, text, "stop")
+        if name not in expected:  # malformed or no call: the text, untouched
+            assert (message, finish) == ({"role": "assistant", "content": text}, "stop"), name
+            continue
+        content, calls = expected[name]
+        assert finish == "tool_calls" and message["content"] == content, name
+        assert names_and_args(message["tool_calls"]) == calls, name
+        assert all(c["type"] == "function" for c in message["tool_calls"])
+        # A cut-off reply keeps its own finish_reason.
+        assert parse_message(parser, text, "length")[1] == "length"
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
+    """Mistral's templates reject any other id when the conversation comes back (vLLM gives
+    this parser's calls such ids too); the other parsers keep OpenAI's call_ ids."""
+    message, _ = parse_message("mistral", MISTRAL_TEXTS["args tag, two calls"], "stop")
+    ids = [c["id"] for c in message["tool_calls"]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
+    message, _ = parse_message("pythonic", PYTHONIC_CALLS, "stop")
+    assert all(c["id"].startswith("call_") for c in message["tool_calls"])
+
+
+@pytest.mark.parametrize(("parser", "name", "text"),
+                         [case for case in CASES if case[0] in ("mistral", "pythonic")],
+                         ids=[f"{p}-{n}" for p, n, _ in CASES if p in ("mistral", "pythonic")])
+def test_every_split_streams_what_the_whole_text_parses_to(parser: str, name: str,
+                                                           text: str) -> None:
+    """Cut once at every character boundary, and one character at a time: the stream gives
+    the non-streamed message's calls, and its content (untrimmed)."""
+    message, _ = parse_message(parser, text, "stop")
+    want_calls = names_and_args(message.get("tool_calls") or [])
+    splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+    for cuts in splits:
+        content, calls = streamed(text, cuts, parser)
+        assert names_and_args(calls) == want_calls, (name, cuts)
+        assert [c["index"] for c in calls] == list(range(len(calls)))
+        if want_calls:
+            assert (content.strip() or None) == message["content"], (name, cuts)
+        else:
+            assert content == text, (name, cuts)  # nothing the model wrote is lost
+
+
+def test_mistral_streams_content_before_the_marker_at_once() -> None:
+    stream = make_stream("mistral")
+    assert stream.feed("Let me check") == {"content": "Let me check"}
+    assert stream.feed(" [TOOL") == {"content": " "}  # what may become the marker is held
+    assert stream.feed("_CALLS][") == {} and stream.feed('{"name": "f"}]') == {}
+    assert names_and_args(stream.finish()["tool_calls"]) == [("f", {})]
+    # pythonic: a reply that does not start with "[" is content at once
+    stream = make_stream("pythonic")
+    assert stream.feed("  ") == {} and stream.feed("Hi [f()]") == {"content": "  Hi [f()]"}
+
+
+def test_only_mistral_keeps_special_tokens() -> None:
+    """[TOOL_CALLS] is a control token in Mistral's vocabulary: decoding must keep it for the
+    parser to see it (the server sets skip_special_tokens=False for this parser, as vLLM)."""
+    assert {name for name, cls in STREAMS.items() if cls.keep_special_tokens} == {"mistral"}
