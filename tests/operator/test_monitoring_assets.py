@@ -251,7 +251,7 @@ def test_the_promql_reader_catches_renames() -> None:
     assert check("sum(argosy:kv_cache_usage_percent)", "t")  # a renamed metric
     assert check('argosy:kv_cache_usage_perc{model="m"}', "t")  # a label it lacks
     assert check("sum by (lora_name) (argosy:num_requests_running)", "t")  # group by: lacks it
-    assert check('sum(rate(argosy:http_requests_total{path=~"/v2/.+"}[5m]))', "t")
+    assert check('sum(rate(argosy:http_requests_total{path=~"/v9/.+"}[5m]))', "t")
     assert check("max(argosy:kv_cache_usage_perc) by (pod)", "t") == []  # postfix form
     q = Query('up{container="runtime"} == 0 and on (namespace, pod) '
               'max_over_time(up{container="runtime"}[1h]) == 1')
