@@ -21,6 +21,20 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
     return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
 
 
+def run_requests(engine: LLMEngine, requests: list[tuple[list[int] | str, SamplingParams]]
+                 ) -> list:
+    """Add (prompt, params) pairs as r0, r1, ... together; step until all finish. Their final
+    RequestOutputs, in order."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(requests))]
+
+
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                       abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Add prompts as r0, r1, ...; step until done, aborting `{request_id: at_step}`.

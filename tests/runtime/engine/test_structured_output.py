@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 from argosy_runtime import LLMEngine, SamplingParams, StructuredOutputsParams
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, run_requests
 
 pytestmark = pytest.mark.slow  # loads the embedded model
 
@@ -77,15 +77,9 @@ def reference(hf_model, engine: LLMEngine, prompt: list[int], max_tokens: int,
     return out
 
 
-def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return [done[f"r{i}"] for i in range(len(requests))]
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list:
+    """Each request's first sequence (a CompletionOutput), in order."""
+    return [out.outputs[0] for out in run_requests(engine, requests)]
 
 
 @pytest.fixture(scope="module")

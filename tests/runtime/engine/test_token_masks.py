@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_runtime import LLMEngine, SamplingParams, StructuredOutputsParams
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, run_requests
 
 pytestmark = pytest.mark.slow  # loads the embedded model
 
@@ -23,17 +23,6 @@ SMALL, TOWN, COMMA, A = 1165, 3102, 28, 253  # " small", " town", ",", " a"
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine(model="smollm2-135m", dtype="float32")
-
-
-def run(engine: LLMEngine, requests: list[tuple[list[int] | str, SamplingParams]]) -> list:
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[f"r{i}"] for i in range(len(requests))]
 
 
 def word_sequences(engine: LLMEngine, words: list[str]) -> list[list[int]]:
@@ -90,7 +79,7 @@ def test_allowed_token_ids_greedy_is_the_argmax_over_the_set(engine, embedded_hf
     allowed = [SMALL, TOWN, COMMA, A, 30, 2240, 13]  # 30 ".", 2240 " city"
     assert free[:2] == [SMALL, TOWN] and not set(free) <= set(allowed)
     want = reference(embedded_hf.model, engine, prompt, 8, allowed=allowed)
-    [out] = run(engine, [(prompt, greedy(8, allowed_token_ids=allowed))])
+    [out] = run_requests(engine, [(prompt, greedy(8, allowed_token_ids=allowed))])
     assert out.outputs[0].token_ids == want
     assert set(want) <= set(allowed) and want != free
     assert_no_leaks(engine)
@@ -101,7 +90,7 @@ def test_allowed_token_ids_sampled_with_n_and_free_requests_beside(engine) -> No
     sampled = SamplingParams(n=4, seed=5, temperature=1.5, max_tokens=10, ignore_eos=True,
                              allowed_token_ids=allowed)
     free = greedy(10)
-    masked, plain = run(engine, [(STORY, sampled), (STORY, free)])
+    masked, plain = run_requests(engine, [(STORY, sampled), (STORY, free)])
     texts = set()
     for seq in masked.outputs:
         assert set(seq.token_ids) <= set(allowed), seq.token_ids
@@ -113,11 +102,11 @@ def test_allowed_token_ids_sampled_with_n_and_free_requests_beside(engine) -> No
 
 def test_bad_words_one_token_never_appear(engine, embedded_hf) -> None:
     prompt = engine.tokenizer.encode(STORY)
-    [free] = run(engine, [(prompt, greedy(24))])
+    [free] = run_requests(engine, [(prompt, greedy(24))])
     assert " town" in free.outputs[0].text and TOWN in free.outputs[0].token_ids
     bad = word_sequences(engine, ["town"])
     assert [TOWN] in bad  # " town" is one token: banned at every step
-    [out] = run(engine, [(prompt, greedy(24, bad_words=["town"]))])
+    [out] = run_requests(engine, [(prompt, greedy(24, bad_words=["town"]))])
     seq = out.outputs[0]
     assert "town" not in seq.text.lower() and not {t for s in bad for t in s} & set(seq.token_ids)
     assert seq.token_ids == reference(embedded_hf.model, engine, prompt, 24, bad=bad)
@@ -129,14 +118,14 @@ def test_a_multi_token_bad_word_bans_its_last_token_only_after_the_others(engine
     prompt = engine.tokenizer.encode(STORY)
     bad = word_sequences(engine, ["small town"])
     assert [SMALL, TOWN] in bad  # " small town": two tokens, mid-text form
-    [out] = run(engine, [(prompt, greedy(24, bad_words=["small town"]))])
+    [out] = run_requests(engine, [(prompt, greedy(24, bad_words=["small town"]))])
     seq = out.outputs[0]
     # " small" is still fine on its own, " town" too, just never right after " small".
     assert seq.token_ids[0] == SMALL and seq.token_ids[1] != TOWN
     assert "small town" not in seq.text
     assert seq.token_ids == reference(embedded_hf.model, engine, prompt, 24, bad=bad)
     # Only generated tokens count (vLLM's rule): a prompt ending in " small" may go on " town".
-    [after] = run(engine, [(STORY + " small", greedy(2, bad_words=["small town"]))])
+    [after] = run_requests(engine, [(STORY + " small", greedy(2, bad_words=["small town"]))])
     assert after.outputs[0].token_ids[0] == TOWN
     assert_no_leaks(engine)
 
@@ -147,12 +136,12 @@ def test_masks_with_a_grammar_and_with_logprobs(engine, embedded_hf) -> None:
         [{"role": "user", "content": "Is the sky blue? Answer:"}], add_generation_prompt=True),
         add_special_tokens=False)
     choice = StructuredOutputsParams(choice=["yes", "no", "maybe later"])
-    [free] = run(engine, [(prompt, greedy(10, structured_outputs=choice))])
+    [free] = run_requests(engine, [(prompt, greedy(10, structured_outputs=choice))])
     answer = free.outputs[0].text
     assert answer == "no"
     bad = word_sequences(engine, [answer])
     params = greedy(10, structured_outputs=choice, bad_words=[answer], logprobs=2)
-    [out] = run(engine, [(prompt, params)])
+    [out] = run_requests(engine, [(prompt, params)])
     seq = out.outputs[0]
     assert seq.text in ("yes", "maybe later") and seq.finish_reason == "stop"
     assert seq.token_ids == reference(embedded_hf.model, engine, prompt, 10, bad=bad,
@@ -179,8 +168,8 @@ def test_speculative_decoding_keeps_masked_outputs_exact(engine) -> None:
         (echo, greedy(24, bad_words=["town"])),
         (STORY, greedy(24, allowed_token_ids=[SMALL, TOWN, COMMA, A, 30, 2240])),
     ]
-    want = [o.outputs[0].token_ids for o in run(engine, requests)]
-    got = [o.outputs[0].token_ids for o in run(spec, requests)]
+    want = [o.outputs[0].token_ids for o in run_requests(engine, requests)]
+    got = [o.outputs[0].token_ids for o in run_requests(spec, requests)]
     assert got == want
     stats = spec.get_stats()
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
@@ -193,9 +182,9 @@ def test_prefix_cache_hits_change_nothing(engine) -> None:
     params = greedy(12, bad_words=["town"], allowed_token_ids=[SMALL, TOWN, COMMA, A, 30])
     long_prompt = STORY + " quiet village by the sea, far from any road, where nothing ever" \
                           " happened and everyone knew everyone else. In that village, a"
-    [first] = run(engine, [(long_prompt, params)])
+    [first] = run_requests(engine, [(long_prompt, params)])
     hits = engine.get_stats().prefix_cache_hits
-    [again] = run(engine, [(long_prompt, params)])
+    [again] = run_requests(engine, [(long_prompt, params)])
     assert engine.get_stats().prefix_cache_hits > hits
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert TOWN not in first.outputs[0].token_ids
