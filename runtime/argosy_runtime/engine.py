@@ -298,14 +298,12 @@ class LLMEngine:
                 f"prompt + max_tokens needs {blocks_needed} KV-cache blocks but the whole pool "
                 f"has {self.cache_config.num_blocks}; lower max_tokens or raise kv_cache_memory"
             )
-        for t in params.logit_bias or ():
-            if t >= self.spec.vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary "
-                                 f"[0, {self.spec.vocab_size})")
-        for t in params.allowed_token_ids or ():
-            if t >= self.spec.vocab_size:
-                raise ValueError(f"allowed_token_ids: token id {t} is outside the vocabulary "
-                                 f"[0, {self.spec.vocab_size})")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids",
+                                                               params.allowed_token_ids)):
+            for t in ids or ():
+                if t >= self.spec.vocab_size:
+                    raise ValueError(f"{name}: token id {t} is outside the vocabulary "
+                                     f"[0, {self.spec.vocab_size})")
         params = params.clone()
         params.all_stop_token_ids = set() if params.ignore_eos else set(self._stop_ids)
         if params.bad_words:
@@ -474,8 +472,8 @@ class LLMEngine:
                 req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
             if req.pooling is not None:
                 req.num_computed_tokens += sr.num_new_tokens
-                if req.request_id in result.embeddings:
-                    req.pooled = result.embeddings[req.request_id]
+                if req.request_id in result.pooled:
+                    req.pooled = result.pooled[req.request_id]
                     req.metrics.finished_time = now
                     self._finish(req, RequestStatus.FINISHED_STOPPED)
                     progressed[req.parent_id] = None
@@ -555,8 +553,10 @@ class LLMEngine:
             # special tokens (skip_special_tokens=False) would end the reply with <|im_end|>.
             ends = (token in req.params.all_stop_token_ids
                     and req.num_output_tokens >= req.params.min_tokens)
-            delta = "" if ends else req.detokenizer.push([token])
-            status = self._check_stop(req, token, delta)
+            if ends:
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                status = self._check_stop(req, token, req.detokenizer.push([token]))
             if status is not None:
                 if not isinstance(req.stop_reason, str):  # (a stop string already cut the text)
                     req.text += req.detokenizer.flush()  # a trailing partial character
@@ -581,11 +581,11 @@ class LLMEngine:
             self._append_tokens(req, forced, None)
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
+        """Whether `token` (text `delta`) ends `req` by a user stop, its grammar or its length
+        (the model's end token is decided before, in `_append_tokens`)."""
         params = req.params
         text_before = req.text
         req.text += delta
-        if token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids and req.num_output_tokens >= params.min_tokens:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
