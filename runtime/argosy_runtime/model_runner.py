@@ -20,7 +20,7 @@ from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.lora import LoRAAdapter, LoRABatch
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.outputs import PositionLogprobs
-from argosy_runtime.pooler import pool_embeddings
+from argosy_runtime.pooler import pool_outputs
 from argosy_runtime.sampler import Sampler, compute_logprobs
 from argosy_runtime.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -37,7 +37,7 @@ class ModelRunnerOutput:
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     # request_id -> the output of a pooling request whose prompt ended this step: its
     # embedding, or (task "classify") its classification head's logits
-    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
@@ -146,7 +146,7 @@ class ModelRunner:
 
         out = ModelRunnerOutput()
         head = self.model.compute_class_logits if self.model.score is not None else None
-        out.embeddings = pool_embeddings(scheduled, hidden, head)
+        out.pooled = pool_outputs(scheduled, hidden, head)
         # Which rows need logits: the last row of each sequence that samples, every draft row
         # plus the bonus row of speculative sequences, and prompt rows for prompt_logprobs.
         # Embedding requests need none.

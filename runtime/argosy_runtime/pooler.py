@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from argosy_runtime.scheduler import ScheduledRequest
 
 
-def pool_embeddings(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
-                    classify_head: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> dict[str, list[float]]:
+def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                 classify_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> dict[str, list[float]]:
     """request_id -> output vector, for the pooling requests whose prompt ends this step: an
     embedding, or a classify request's head logits (`classify_head`: [n, hidden] -> [n,
     num_labels] float32; the model's `compute_class_logits`).
