@@ -20,14 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-MAX_BAD_WORD_SEQUENCES = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
+# One bound for the words (SamplingParams checks them before tokenizing) and the token
+# sequences they become here: vLLM's VLLM_MAX_NUM_BAD_WORDS default, which counts sequences.
+from argosy_runtime.sampling_params import MAX_BAD_WORDS
 
 
 def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int
                         ) -> list[list[int]]:
     """The token sequences banned for `words` (see the module docstring). Raises ValueError
     naming `bad_words` for a word that tokenizes to nothing or to ids past the model's logits,
-    or when there are more than MAX_BAD_WORD_SEQUENCES sequences."""
+    or when there are more than MAX_BAD_WORDS sequences."""
     sequences: list[list[int]] = []
     for i, word in enumerate(words):
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -41,9 +43,9 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int
         if outside:
             raise ValueError(f"bad_words[{i}] ({word!r}) tokenizes to ids {outside} outside "
                              f"the model's vocabulary [0, {vocab_size})")
-    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+    if len(sequences) > MAX_BAD_WORDS:
         raise ValueError(f"bad_words tokenize to {len(sequences)} token sequences; at most "
-                         f"{MAX_BAD_WORD_SEQUENCES}")
+                         f"{MAX_BAD_WORDS}")
     return sequences
 
 
