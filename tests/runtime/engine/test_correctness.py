@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, run_requests
 
 TEXTS = [
     "The capital of France is",
@@ -110,20 +110,12 @@ def test_chunked_prefill_prefix_hits_and_preemption_together(embedded_hf) -> Non
               "without lists or headings, and say so when you do not know. Question: ")
     prompts = [shared + q for q in ("What is the sun?", "Why is the sky blue?",
                                     "What is rain?", "How do birds fly?")] + TEXTS[:4]
-    params = greedy(24)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    outputs = run_requests(engine, [(p, greedy(24)) for p in prompts])
     stats = engine.get_stats()
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
-    for i in range(len(prompts)):
-        o = done[f"r{i}"]
-        assert o.outputs[0].token_ids == embedded_hf.greedy(o.prompt_token_ids, 24), prompts[i]
+    for prompt, o in zip(prompts, outputs, strict=True):
+        assert o.outputs[0].token_ids == embedded_hf.greedy(o.prompt_token_ids, 24), prompt
     assert_no_leaks(engine)
 
 
