@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "ClassificationOutput", "EngineArgs"]
+           "RequestOutput", "CompletionOutput", "ClassificationOutput", "EngineArgs",
+           "BeamSearchParams"]
 
 _LAZY = {
     "LLM": "argosy_runtime.llm",
@@ -22,9 +23,11 @@ _LAZY = {
     "CompletionOutput": "argosy_runtime.outputs",
     "ClassificationOutput": "argosy_runtime.outputs",
     "EngineArgs": "argosy_runtime.engine_args",
+    "BeamSearchParams": "argosy_runtime.beam_search",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from argosy_runtime.beam_search import BeamSearchParams
     from argosy_runtime.engine import LLMEngine
     from argosy_runtime.engine_args import EngineArgs
     from argosy_runtime.llm import LLM

@@ -208,6 +208,12 @@ class LLMEngine:
             self.load_lora_adapter(name, path)
 
     @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end generation unless ignore_eos: the tokenizer's and the model
+        config's end-of-sequence ids."""
+        return frozenset(self._stop_ids)
+
+    @property
     def lora_adapters(self) -> dict[str, LoRAAdapter]:
         """The adapters in memory now, by name (every served one without max_loaded_loras)."""
         return self.lora_registry.loaded

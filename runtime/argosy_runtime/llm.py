@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from argosy_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from argosy_runtime.engine import LLMEngine
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
@@ -24,6 +25,8 @@ class LLM:
         # a *ForSequenceClassification checkpoint:
         probs = [o.classification.probs for o in LLM(model=folder).classify(["Great!"])]
         scores = llm.score("a query", ["a document", "another"])  # cosines of embeddings
+        best = llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=16))
+        print(best[0].sequences[0].text)
     """
 
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
@@ -49,6 +52,31 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return self._run(prompts, params, lora_name)
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                    params: BeamSearchParams, lora_name: str | None = None
+                    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` most probable continuations of each prompt, best first
+        (beam_search.py: transformers' beam search). All prompts' beams share each step."""
+        tokenizer = self.engine.tokenizer
+        searches = [BeamSearch(tokenizer.encode(p) if isinstance(p, str) else p, params,
+                               self.engine.end_token_ids) for p in self._prompt_list(prompts)]
+        for search in searches:
+            if len(search.prompt) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"prompt ({len(search.prompt)} tokens) + max_tokens "
+                                 f"({params.max_tokens}) exceeds max_model_len "
+                                 f"({self.engine.max_model_len})")
+        scoring = searches[0].scoring_params() if searches else None
+        while live := [s for s in searches if not s.done]:
+            requests = [(s, r) for s in live for r in s.requests()]
+            outs = self._run([r for _, r in requests], [scoring] * len(requests), lora_name)
+            next_logprobs: dict[int, list[dict[int, float]]] = {id(s): [] for s in live}
+            for (search, _), out in zip(requests, outs):
+                top = out.outputs[0].logprobs[0]
+                next_logprobs[id(search)].append({t: lp.logprob for t, lp in top.items()})
+            for search in live:
+                search.advance(next_logprobs[id(search)])
+        return [s.output(tokenizer) for s in searches]
 
     def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
               params: PoolingParams | None = None,

@@ -70,7 +70,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                          max_model_len=int(engine.max_model_len), config=config,
                          lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names,
                          embedding_size=engine.spec.hidden_size,
-                         class_labels=engine.spec.id2label)
+                         class_labels=engine.spec.id2label,
+                         end_token_ids=engine.end_token_ids)
     # Without --batch-dir, batches live in a temporary folder removed at exit.
     batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
     files = FileStore(batch_root)

@@ -106,6 +106,11 @@ class _SamplingFields(VLLMExtras):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    # vLLM's beam search: n is the beam width, the n best hypotheses the choices
+    # (serving_beam_search.py); length_penalty divides a hypothesis's summed log-probability
+    # by its length to this power.
+    use_beam_search: StrictBool = False
+    length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
 
 
 class CompletionRequest(_SamplingFields):

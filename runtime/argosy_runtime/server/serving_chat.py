@@ -23,6 +23,7 @@ from argosy_runtime.server.reasoning_parser import (
     token_ends,
 )
 from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_beam_search import beam_search_response
 from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
@@ -145,6 +146,9 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     prompt = render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs)
     [prompt] = truncate_prompts(ctx, [prompt], req.truncate_prompt_tokens, "messages",
                                 max_tokens)
+    if req.use_beam_search:  # up to the context's end unless max_tokens says otherwise
+        return await beam_search_response(request, ctx, req, model_name, [prompt],
+                                          max_tokens or ctx.max_model_len - len(prompt))
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")

@@ -49,6 +49,9 @@ class ServingContext:
     # empty for every other model. /v1/classify needs them; one label makes /v1/score and
     # /v1/rerank cross-encoder scores.
     class_labels: tuple[str, ...] = ()
+    # The tokens that end generation (LLMEngine.end_token_ids): where a beam search's
+    # hypotheses end.
+    end_token_ids: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

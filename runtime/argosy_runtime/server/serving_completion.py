@@ -9,6 +9,7 @@ from argosy_runtime.outputs import CompletionOutput, RequestOutput
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_beam_search import beam_search_response
 from argosy_runtime.server.serving_common import (
     MAX_PROMPTS_PER_REQUEST,
     SSE_DONE,
@@ -91,6 +92,12 @@ async def create_completion(request: Request, req: CompletionRequest,
     # echo returns the prompt the model saw: a truncated one is decoded, not the text sent
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
     prompts = cut
+    prefixes = [(t or ctx.tokenizer.decode(ids)) if req.echo else "" for t, ids in
+                zip(texts, prompts, strict=True)]
+    if req.use_beam_search:  # null max_tokens: up to the context's end, as for sampling
+        max_tokens = req.max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
+        return await beam_search_response(request, ctx, req, model_name, prompts,
+                                          max_tokens, prefixes)
     params = make_sampling_params(req, req.max_tokens, req.logprobs)
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
@@ -107,8 +114,6 @@ async def create_completion(request: Request, req: CompletionRequest,
         raise
     n = params.n
     k = req.logprobs
-    prefixes = [(t or ctx.tokenizer.decode(ids)) if req.echo else "" for t, ids in
-                zip(texts, prompts, strict=True)]
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,145 @@
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions.
+
+`n` is the beam width and the n best hypotheses are the choices, best first, with
+`length_penalty` (default 1.0) and `ignore_eos` as in `BeamSearchParams` (beam_search.py:
+transformers' beam search, run as one-token scoring requests per step). A beam search ranks by
+the model's own log-probabilities, so `temperature` and `seed` do not apply (accepted, as
+vLLM does); every other option that changes the distribution or the output token by token
+is a 400 naming it. With `stream` the reply comes as one chunk per choice once the search
+ends (a beam is not final until then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from argosy_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from argosy_runtime.server.request_log import request_id_of, request_log
+from argosy_runtime.server.serving_common import (
+    SSE_DONE,
+    ClientGone,
+    ServingContext,
+    run_to_completion,
+    sse,
+    start_streams,
+    usage_info,
+)
+from argosy_runtime.server.streaming import GuardedStreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+# (field, its value when unset): options a beam search cannot honour.
+_NOT_WITH_BEAM_SEARCH = (
+    ("top_p", None), ("top_k", None), ("min_p", None), ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0), ("repetition_penalty", None), ("min_tokens", 0),
+    ("stop", None), ("stop_token_ids", None), ("logit_bias", None),
+    ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
+    ("response_format", None), ("logprobs", None), ("top_logprobs", None), ("tools", None),
+)
+
+
+def beam_search_params(req: CompletionRequest | ChatCompletionRequest,
+                       max_tokens: int) -> BeamSearchParams:
+    for field, unset in _NOT_WITH_BEAM_SEARCH:
+        value = getattr(req, field, unset)
+        if value not in (unset, False, [], {}) and not (
+                field == "response_format" and value.type == "text"):
+            raise bad_request(f"{field} is not supported with use_beam_search", field)
+    return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
+                            ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+
+
+async def run_beam_search(request: Request, ctx: ServingContext, base_id: str,
+                          prompts: list[list[int]], params: BeamSearchParams,
+                          model_name: str, priority: int) -> list[BeamSearchOutput]:
+    """Every prompt's search, each step's beams of all prompts admitted together; a client
+    that leaves aborts the step (ClientGone), request_timeout bounds the whole search."""
+    try:
+        searches = [BeamSearch(p, params, ctx.end_token_ids) for p in prompts]
+    except ValueError as exc:
+        raise bad_request(f"n (the beam width): {exc}", "n") from exc
+    scoring = searches[0].scoring_params()
+    try:
+        async with asyncio.timeout(ctx.config.request_timeout or None):
+            step = 0
+            while live := [s for s in searches if not s.done]:
+                requests = [(s, r) for s in live for r in s.requests()]
+                streams = await start_streams(ctx, f"{base_id}-beam{step}",
+                                              [r for _, r in requests], scoring, model_name,
+                                              priority)
+                finals = await run_to_completion(request, ctx, streams)
+                by_search: dict[int, list[dict[int, float]]] = {id(s): [] for s in live}
+                for (search, _), out in zip(requests, finals, strict=True):
+                    top = out.outputs[0].logprobs[0]
+                    by_search[id(search)].append({t: lp.logprob for t, lp in top.items()})
+                for search in live:
+                    search.advance(by_search[id(search)])
+                step += 1
+    except TimeoutError:
+        raise APIError(408, f"request timed out after {ctx.config.request_timeout:g}s",
+                       code="request_timeout") from None
+    return [s.output(ctx.tokenizer) for s in searches]
+
+
+async def beam_search_response(request: Request, ctx: ServingContext,
+                               req: CompletionRequest | ChatCompletionRequest,
+                               model_name: str, prompts: list[list[int]], max_tokens: int,
+                               prefixes: list[str] | None = None) -> Response:
+    """The whole reply of a completions (`prefixes`: echoed prompts) or chat request."""
+    chat = isinstance(req, ChatCompletionRequest)
+    params = beam_search_params(req, max_tokens)
+    log = request_log(request.scope)
+    log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
+               stream=bool(req.stream), beam_width=params.beam_width)
+    response_id = new_id("chatcmpl" if chat else "cmpl")
+    ctx.lifecycle.enter()
+    try:
+        outputs = await run_beam_search(request, ctx, f"{response_id}-{request_id_of(request.scope)}",
+                                        prompts, params, model_name, req.priority)
+    except ClientGone:
+        log.update(finish_reason="client_disconnected")
+        return Response(status_code=499)
+    finally:
+        ctx.lifecycle.exit()
+    choices = []
+    for i, out in enumerate(outputs):
+        for j, seq in enumerate(out.sequences):
+            body: dict[str, Any] = (
+                {"message": {"role": "assistant", "content": seq.text}} if chat
+                else {"text": (prefixes[i] if prefixes else "") + seq.text})
+            choices.append({"index": i * params.beam_width + j, **body, "logprobs": None,
+                            "finish_reason": seq.finish_reason})
+    completion_tokens = sum(len(seq.tokens) - len(prompt) for prompt, out in zip(prompts, outputs)
+                            for seq in out.sequences)
+    usage = usage_info(sum(len(p) for p in prompts), completion_tokens, 0)
+    log.update(completion_tokens=completion_tokens,
+               finish_reason=",".join(sorted({c["finish_reason"] for c in choices})))
+    created = now()
+    kind = "chat.completion" if chat else "text_completion"
+    if not req.stream:
+        return JSONResponse({"id": response_id, "object": kind, "created": created,
+                             "model": model_name, "choices": choices, "usage": usage})
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choice_list: list[dict[str, Any]], with_usage: bool = False) -> str:
+        body = {"id": response_id, "object": kind + (".chunk" if chat else ""),
+                "created": created, "model": model_name, "choices": choice_list}
+        if include_usage:
+            body["usage"] = usage if with_usage else None
+        return sse(body)
+
+    async def events() -> AsyncIterator[str]:
+        for choice in choices:
+            if chat:  # a chunk carries a delta, not a message
+                choice = {("delta" if k == "message" else k): v for k, v in choice.items()}
+            yield chunk([choice])
+        if include_usage:
+            yield chunk([], with_usage=True)
+        yield SSE_DONE
+
+    return GuardedStreamingResponse(events(), on_close=lambda: None)
