@@ -117,7 +117,8 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: the prompt (and its logprobs) alone, OpenAI's legacy scoring idiom
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: StrictBool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)

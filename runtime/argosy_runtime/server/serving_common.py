@@ -87,8 +87,6 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of different from n is not supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", "echo")
     else:
         check_tool_choice(req, tool_call_parser)
 

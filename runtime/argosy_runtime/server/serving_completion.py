@@ -82,23 +82,56 @@ def logprobs_block(ctx: ServingContext, seq: CompletionOutput, start: int, end: 
     return block, offset
 
 
+def prompt_logprobs_block(ctx: ServingContext, out: RequestOutput, k: int) -> dict[str, Any]:
+    """The `logprobs` object for an echoed prompt: each prompt token's log-probability given
+    the tokens before it (none for the first) and the top k there, offsets from 0."""
+    block: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                             "text_offset": []}
+    offset, scored = 0, out.prompt_logprobs or []
+    for pos, token_id in enumerate(out.prompt_token_ids):
+        entry = scored[pos] if pos < len(scored) else None
+        lp = entry.get(token_id) if entry else None
+        text = token_text(ctx.tokenizer, token_id, lp)
+        block["tokens"].append(text)
+        block["token_logprobs"].append(None if lp is None else lp.logprob)
+        block["top_logprobs"].append(None if entry is None else {
+            token_text(ctx.tokenizer, t, alt): alt.logprob for t, alt in top_entries(entry, k)})
+        block["text_offset"].append(offset)
+        offset += len(text)
+    return block
+
+
+def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
 async def create_completion(request: Request, req: CompletionRequest,
                             ctx: ServingContext) -> Response:
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
     reject_unsupported(req)
+    # OpenAI's legacy scoring idiom (lm-evaluation-harness): echo with max_tokens 0 returns the
+    # prompt, and with logprobs each prompt token's log-probability, generating nothing (the
+    # engine runs one token, which is dropped).
+    score_only = bool(req.echo) and req.max_tokens == 0
+    if req.max_tokens == 0 and (not req.echo or req.use_beam_search):
+        raise bad_request("max_tokens 0 returns the prompt alone: it needs echo, without "
+                          "use_beam_search", "max_tokens")
+    max_tokens = 1 if score_only else req.max_tokens
     texts, prompts = normalize_prompts(ctx, req.prompt)
-    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", req.max_tokens)
+    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
     # echo returns the prompt the model saw: a truncated one is decoded, not the text sent
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
     prompts = cut
     prefixes = [(t or ctx.tokenizer.decode(ids)) if req.echo else "" for t, ids in
                 zip(texts, prompts, strict=True)]
     if req.use_beam_search:  # null max_tokens: up to the context's end, as for sampling
-        max_tokens = req.max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
+        max_tokens = max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
         return await beam_search_response(request, ctx, req, model_name, prompts,
                                           max_tokens, prefixes)
-    params = make_sampling_params(req, req.max_tokens, req.logprobs)
+    params = make_sampling_params(req, max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
+        params.prompt_logprobs = req.logprobs
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
     log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
@@ -141,20 +174,25 @@ async def create_completion(request: Request, req: CompletionRequest,
                     if c in sent_chars and sent_chars[c] < 0:
                         continue  # already finished
                     first = c not in sent_chars
-                    delta, new_sent = visible_text(seq, sent_chars.get(c, 0), hold)
-                    start, end = sent_tokens.get(c, 0), len(seq.token_ids)
+                    delta, new_sent = (("", 0) if score_only else
+                                       visible_text(seq, sent_chars.get(c, 0), hold))
+                    start = sent_tokens.get(c, 0)
+                    end = 0 if score_only else len(seq.token_ids)
                     if not delta and seq.finish_reason is None and (k is None or start == end):
                         continue
                     lp = None
                     if k is not None:
                         lp, offsets[c] = logprobs_block(ctx, seq, start, end, k,
                                                          offsets.get(c, len(prefixes[i])))
+                        if first and req.echo:
+                            lp = joined(prompt_logprobs_block(ctx, out, k), lp)
                     text = (prefixes[i] if first else "") + delta
+                    finish = "length" if score_only and seq.finish_reason else seq.finish_reason
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
-                                  "finish_reason": seq.finish_reason}])
+                                  "finish_reason": finish}])
                     sent_chars[c] = new_sent if seq.finish_reason is None else -1
                     sent_tokens[c] = end
-            usage = _usage(prompts, finals)
+            usage = _usage(prompts, finals, score_only)
             log.update(completion_tokens=usage["completion_tokens"],
                        finish_reason=_reasons(finals))
             if include_usage:
@@ -180,20 +218,28 @@ async def create_completion(request: Request, req: CompletionRequest,
     choices = []
     for i, out in finals.items():
         for seq in out.outputs:
-            lp = logprobs_block(ctx, seq, 0, len(seq.token_ids), k, len(prefixes[i]))[0] \
-                if k is not None else None
-            choices.append({"index": i * n + seq.index, "text": prefixes[i] + seq.text,
-                            "logprobs": lp, "finish_reason": seq.finish_reason})
+            lp = None
+            if k is not None:
+                end = 0 if score_only else len(seq.token_ids)
+                lp = logprobs_block(ctx, seq, 0, end, k, len(prefixes[i]))[0]
+                if req.echo:
+                    lp = joined(prompt_logprobs_block(ctx, out, k), lp)
+            choices.append({"index": i * n + seq.index,
+                            "text": prefixes[i] + ("" if score_only else seq.text),
+                            "logprobs": lp,
+                            "finish_reason": "length" if score_only else seq.finish_reason})
     choices.sort(key=lambda c: c["index"])
-    usage = _usage(prompts, finals)
+    usage = _usage(prompts, finals, score_only)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))
     return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
                          "model": model_name, "choices": choices, "usage": usage})
 
 
-def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, Any]:
-    return usage_info(sum(len(p) for p in prompts),
-                      sum(len(s.token_ids) for out in finals.values() for s in out.outputs),
+def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput],
+           score_only: bool = False) -> dict[str, Any]:
+    generated = 0 if score_only else sum(len(s.token_ids) for out in finals.values()
+                                         for s in out.outputs)
+    return usage_info(sum(len(p) for p in prompts), generated,
                       sum(out.num_cached_tokens for out in finals.values()))
 
 

@@ -1,0 +1,90 @@
+"""`echo` with `logprobs` on /v1/completions, and `max_tokens: 0` with echo: OpenAI's legacy way
+to score a text, which lm-evaluation-harness's `local-completions` model uses for every
+loglikelihood task (token-id prompts, `echo`, `logprobs: 1`, the prompt's log-probabilities
+read back). Checked on a real server against the offline engine's `prompt_logprobs`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from argosy_runtime import SamplingParams
+from serve_harness import MODEL
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+CONTEXT = "Question: What is the capital of France?\nAnswer:"
+CONTINUATIONS = [" Paris", " Berlin"]
+
+
+def offline_prompt_logprobs(llm, ids: list[int], k: int) -> list:  # noqa: ANN001
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=k)
+    return llm.generate([ids], params)[0].prompt_logprobs
+
+
+def test_loglikelihood_requests_as_lm_eval_sends_them(http: httpx.Client, offline_llm) -> None:
+    tok = offline_llm.engine.tokenizer
+    context = tok.encode(CONTEXT)
+    prompts = [context + tok.encode(c, add_special_tokens=False) for c in CONTINUATIONS]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 1,
+                                            "temperature": 0, "logprobs": 1, "echo": True,
+                                            "seed": 1234})
+    assert r.status_code == 200, r.text
+    totals = []
+    for choice, ids in zip(r.json()["choices"], prompts):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt, then the generated token
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = offline_prompt_logprobs(offline_llm, ids, 1)
+        for pos in range(1, len(ids)):
+            assert lp["token_logprobs"][pos] == pytest.approx(want[pos][ids[pos]].logprob,
+                                                              abs=1e-5)
+            assert max(lp["top_logprobs"][pos].values()) >= lp["token_logprobs"][pos] - 1e-6
+        assert "".join(lp["tokens"][:len(ids)]) == tok.decode(ids, skip_special_tokens=False)
+        totals.append(sum(lp["token_logprobs"][len(context):-1]))  # lm-eval's sum
+    assert totals[0] > totals[1]  # the model prefers Paris
+
+
+def test_max_tokens_0_scores_the_prompt_alone(http: httpx.Client, offline_llm) -> None:
+    ids = offline_llm.engine.tokenizer.encode(CONTEXT + " Paris")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3}
+    r = http.post("/v1/completions", json=body).json()
+    [choice] = r["choices"]
+    assert choice["text"] == offline_llm.engine.tokenizer.decode(ids)
+    assert choice["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    want = offline_prompt_logprobs(offline_llm, ids, 3)
+    for pos in range(1, len(ids)):
+        top = choice["logprobs"]["top_logprobs"][pos]
+        assert len(top) == 3
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            sorted((x.logprob for x in want[pos].values() if x.rank <= 3), reverse=True),
+            abs=1e-5)
+    streamed = [line for line in http.post("/v1/completions", json={**body, "stream": True})
+                .text.splitlines() if line.startswith("data: {")]
+    assert len(streamed) == 1  # the whole answer is known at once
+    [streamed_choice] = json.loads(streamed[0][6:])["choices"]
+    assert streamed_choice["text"] == choice["text"]
+    assert streamed_choice["logprobs"]["tokens"] == choice["logprobs"]["tokens"]
+    assert streamed_choice["finish_reason"] == "length"
+    no_echo = http.post("/v1/completions", json={**body, "echo": False})
+    assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
+
+
+def test_echo_with_generation_appends_the_generated_tokens(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": CONTEXT, "max_tokens": 4, "temperature": 0,
+            "logprobs": 2, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    echoed = http.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == CONTEXT + plain["text"]
+    assert echoed["logprobs"]["tokens"][-4:] == plain["logprobs"]["tokens"]
+    # the logits of every prompt row come from a larger matmul: float32 rounding apart
+    assert echoed["logprobs"]["token_logprobs"][-4:] == pytest.approx(
+        plain["logprobs"]["token_logprobs"], abs=1e-5)
+    assert echoed["logprobs"]["text_offset"][-4] == len(CONTEXT)
+    stream = http.post("/v1/completions", json={**body, "echo": True, "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in stream.splitlines()
+              if line.startswith("data: {")]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == echoed["logprobs"]["tokens"]
