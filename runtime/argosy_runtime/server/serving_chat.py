@@ -176,6 +176,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk",
@@ -208,7 +209,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             for c in range(n):  # the role first, as OpenAI does
                 content = None if tool_stream is not None else ""
                 yield chunk([{"index": c, "delta": {"role": "assistant", "content": content},
-                              "logprobs": None, "finish_reason": None}])
+                              "logprobs": None, "finish_reason": None}],
+                            usage_info(len(prompt), 0, 0) if continuous_usage else None)
             sent_chars = [0] * n
             sent_tokens = [0] * n
             done = [False] * n
@@ -228,7 +230,10 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                         continue
                     lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
                     yield chunk([{"index": c, "delta": delta, "logprobs": lp,
-                                  "finish_reason": finish}])
+                                  "finish_reason": finish}],
+                                usage_info(len(prompt), sum(len(s.token_ids) for s in out.outputs),
+                                           out.num_cached_tokens)  # counts so far
+                                if continuous_usage else None)
                     sent_tokens[c] = end
                     done[c] = seq.finish_reason is not None
             usage = _usage(ctx, prompt, final, params, reasoning_parser)

@@ -150,6 +150,7 @@ async def create_completion(request: Request, req: CompletionRequest,
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                   with_usage: bool = False) -> str:
@@ -189,7 +190,8 @@ async def create_completion(request: Request, req: CompletionRequest,
                     text = (prefixes[i] if first else "") + delta
                     finish = "length" if score_only and seq.finish_reason else seq.finish_reason
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
-                                  "finish_reason": finish}])
+                                  "finish_reason": finish}],
+                                _usage(prompts, finals, score_only) if continuous_usage else None)
                     sent_chars[c] = new_sent if seq.finish_reason is None else -1
                     sent_tokens[c] = end
             usage = _usage(prompts, finals, score_only)

@@ -50,6 +50,24 @@ def test_completion_stream_equals_non_stream(client: OpenAI) -> None:
         whole.usage.completion_tokens
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_count_every_chunk(client: OpenAI, endpoint: str) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "completions":
+        chunks = list(greedy(client, PROMPT, max_tokens=12, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}))
+    else:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=12,
+            temperature=0, stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12  # cumulative, up to the final usage
+    assert len(set(counts)) > 3  # counted as they came, not only at the end
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chunks)
+
+
 def test_chat_stream_equals_non_stream(client: OpenAI, offline_llm) -> None:
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a fruit."}]
