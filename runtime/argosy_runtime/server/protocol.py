@@ -110,6 +110,8 @@ class _SamplingFields(VLLMExtras):
     # (serving_beam_search.py); length_penalty divides a hypothesis's summed log-probability
     # by its length to this power.
     use_beam_search: StrictBool = False
+    # vLLM's: each prompt token's logprob and the top k there, in the reply (not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
 
 

@@ -40,6 +40,7 @@ _NOT_WITH_BEAM_SEARCH = (
     ("stop", None), ("stop_token_ids", None), ("logit_bias", None),
     ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
     ("response_format", None), ("logprobs", None), ("top_logprobs", None), ("tools", None),
+    ("prompt_logprobs", None),
 )
 
 

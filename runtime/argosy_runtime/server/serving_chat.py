@@ -31,6 +31,7 @@ from argosy_runtime.server.serving_common import (
     compile_grammar,
     make_sampling_params,
     merge_streams,
+    prompt_logprobs_json,
     reject_unsupported,
     run_to_completion,
     sse,
@@ -281,8 +282,11 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                         "finish_reason": finish})
     usage = _usage(ctx, prompt, final, params, reasoning_parser)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(final))
-    return JSONResponse({"id": response_id, "object": "chat.completion", "created": created,
-                         "model": model_name, "choices": choices, "usage": usage})
+    body = {"id": response_id, "object": "chat.completion", "created": created,
+            "model": model_name, "choices": choices, "usage": usage}
+    if req.prompt_logprobs is not None:  # vLLM's: once per reply, the prompt is shared
+        body["prompt_logprobs"] = prompt_logprobs_json(ctx.tokenizer, final, req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _usage(ctx: ServingContext, prompt: list[int], final: RequestOutput | None,

@@ -82,6 +82,9 @@ class ServingContext:
 def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
                        tool_call_parser: str | None = None) -> None:
     """OpenAI fields we parse but cannot honour: a clear 400 rather than a silent ignore."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available with stream (vLLM's rule): they "
+                          "come with the whole reply", "prompt_logprobs")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -110,6 +113,7 @@ def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             logit_bias=logit_bias_of(req),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
@@ -406,6 +410,18 @@ def token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def prompt_logprobs_json(tokenizer: Any, out: RequestOutput, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` reply field: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} for the token itself and the top k there."""
+    entries: list[dict | None] = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        entries.append(None if entry is None else {
+            t: {"logprob": lp.logprob, "rank": lp.rank,
+                "decoded_token": token_text(tokenizer, t, lp)}
+            for t, lp in entry.items() if t == token_id or lp.rank <= k})
+    return entries
 
 
 def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

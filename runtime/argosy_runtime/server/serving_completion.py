@@ -18,6 +18,7 @@ from argosy_runtime.server.serving_common import (
     compile_grammar,
     make_sampling_params,
     merge_streams,
+    prompt_logprobs_json,
     reject_unsupported,
     run_to_completion,
     sse,
@@ -131,7 +132,7 @@ async def create_completion(request: Request, req: CompletionRequest,
                                           max_tokens, prefixes)
     params = make_sampling_params(req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
-        params.prompt_logprobs = req.logprobs
+        params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     await compile_grammar(ctx, req, params)
     log = request_log(request.scope)
     log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
@@ -226,10 +227,13 @@ async def create_completion(request: Request, req: CompletionRequest,
                 lp = logprobs_block(ctx, seq, 0, end, k, len(prefixes[i]))[0]
                 if req.echo:
                     lp = joined(prompt_logprobs_block(ctx, out, k), lp)
-            choices.append({"index": i * n + seq.index,
-                            "text": prefixes[i] + ("" if score_only else seq.text),
-                            "logprobs": lp,
-                            "finish_reason": "length" if score_only else seq.finish_reason})
+            choice = {"index": i * n + seq.index,
+                      "text": prefixes[i] + ("" if score_only else seq.text), "logprobs": lp,
+                      "finish_reason": "length" if score_only else seq.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(ctx.tokenizer, out,
+                                                                 req.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     usage = _usage(prompts, finals, score_only)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))

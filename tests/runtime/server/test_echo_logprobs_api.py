@@ -88,3 +88,28 @@ def test_echo_with_generation_appends_the_generated_tokens(http: httpx.Client) -
               if line.startswith("data: {")]
     tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
     assert tokens == echoed["logprobs"]["tokens"]
+
+
+def test_prompt_logprobs_extra_on_completions_and_chat(http: httpx.Client, offline_llm) -> None:
+    ids = offline_llm.engine.tokenizer.encode(CONTEXT)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 2,
+                                            "n": 2, "prompt_logprobs": 2}).json()
+    want = offline_prompt_logprobs(offline_llm, ids, 2)
+    for choice in r["choices"]:  # each choice of the prompt carries them (vLLM's layout)
+        got = choice["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        for pos in range(1, len(ids)):
+            assert set(got[pos]) == {str(t) for t in want[pos]}  # the token + the top 2
+            actual = got[pos][str(ids[pos])]
+            assert actual["logprob"] == pytest.approx(want[pos][ids[pos]].logprob, abs=1e-5)
+            assert actual["rank"] == want[pos][ids[pos]].rank
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                   "max_tokens": 1, "prompt_logprobs": 0}).json()
+    entries = chat["prompt_logprobs"]  # once per reply
+    assert entries[0] is None and len(entries) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["decoded_token"] for e in entries[1:])
+    streamed = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                       "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
