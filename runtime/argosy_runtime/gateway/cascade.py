@@ -62,7 +62,10 @@ def decide(
         return CascadeDecision("large", cascade.large, reason)
 
     def small(reason: str) -> CascadeDecision:
-        check = cascade.min_mean_logprob is not None and not body.get("stream", False)
+        # A streamed answer is gone before it could be judged; a beam search returns no
+        # logprobs (asking for them would be a 400).
+        check = (cascade.min_mean_logprob is not None and not body.get("stream", False)
+                 and not body.get("use_beam_search", False))
         return CascadeDecision("small", cascade.small, reason, check_confidence=check)
 
     header = str(headers.get(cascade.header, "")).strip().lower()

@@ -37,6 +37,12 @@ def test_streamed_small_answers_skip_the_confidence_check(route: CascadeConfig) 
     assert d.tier == "small" and not d.check_confidence
 
 
+def test_beam_searches_skip_the_confidence_check(route: CascadeConfig) -> None:
+    # the check asks for logprobs, which a beam search refuses (400)
+    d = c.decide(route, CHAT, chat("hello", use_beam_search=True, n=2), {})
+    assert d.tier == "small" and not d.check_confidence
+
+
 def test_header_forces_either_tier(route: CascadeConfig) -> None:
     long_prompt = "x" * 500
     assert c.decide(route, CHAT, chat("hi"), {"x-argosy-cascade": "large"}).reason == "header"
