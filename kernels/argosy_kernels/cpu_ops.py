@@ -106,14 +106,17 @@ def decode_attention(
     *,
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
 ) -> torch.Tensor:
     """`paged_decode_attention_ref` in one fused pass: no gathered copy of the blocks, one
     task per (sequence, kv head) over torch's threads, each context split into parts merged
     afterwards where there are too few of those to keep the threads busy. The query may be a
-    row-strided view (q inside the fused qkv output)."""
+    row-strided view (q inside the fused qkv output). With a sliding window the blocks
+    before it are not read."""
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.decode_attention(out, query, key_cache, value_cache, block_tables,
-                                          context_lens, scale, k_scale, v_scale)
+                                          context_lens, scale, k_scale, v_scale,
+                                          sliding_window or 0)
     return out
 
 
@@ -133,13 +136,14 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # contiguous, like query
+    sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
 ) -> torch.Tensor:
     """`paged_prefill_attention_ref` for one sequence's chunk, flash-style straight over the
     cache blocks (bfloat16, needs `has_avx512_bf16()`); write the chunk's K/V first."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.prefill_attention(out, query, key_cache, value_cache, block_table,
-                                           seq_len, scale, k_scale, v_scale)
+                                           seq_len, scale, k_scale, v_scale, sliding_window or 0)
     return out
 
 
@@ -155,15 +159,18 @@ def varlen_attention(
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # contiguous, like query
+    sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
 ) -> torch.Tensor:
     """`prefill_attention` for the chunks of several sequences in one call (a decode row is a
     chunk of one query). Each query's output depends only on its own row and keys, bit for
     bit: not on the chunking, the other sequences, or the threads (the batch-invariant mode,
-    docs/engine.md)."""
+    docs/engine.md). With a sliding window, key tiles wholly before a task's window are
+    skipped."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.varlen_attention(out, query, key_cache, value_cache, block_tables,
-                                          query_start_loc, seq_lens, scale, k_scale, v_scale)
+                                          query_start_loc, seq_lens, scale, k_scale, v_scale,
+                                          sliding_window or 0)
     return out
 
 

@@ -16,6 +16,10 @@ up in the block table, with an online softmax. When the batch is too small to fi
 writes an unnormalised partial result with its running max and sum, and a second kernel
 combines them. Nothing depends on host values of `context_lens`, so the launch can be captured
 in a CUDA graph.
+
+Sliding window (`sliding_window=W`, a Mistral / Qwen2 windowed layer): the query at position
+ctx - 1 sees only the keys [ctx - W, ctx), as transformers' mask (p - W < k <= p). The kernel
+starts at the window's first key and splits the window, never reading the blocks before it.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ def paged_decode_attention_ref(
     *,
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # only the last W keys; None: all of them
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence against all of its cached tokens (pure torch).
+    """One query token per sequence against all of its cached tokens (pure torch), or its
+    last `sliding_window` ones.
 
     Gathers each sequence's blocks into a dense [num_seqs, max_len] view, then does masked
     softmax attention in float32. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
@@ -84,6 +90,8 @@ def paged_decode_attention_ref(
     scores = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [s, kvh, group, max_len]
     positions = torch.arange(max_len, device=query.device)
     pad = positions[None, :] >= context_lens[:, None].long()  # [num_seqs, max_len]
+    if sliding_window is not None:
+        pad |= positions[None, :] < context_lens[:, None].long() - sliding_window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("skgt,stkd->skgd", probs, values)
@@ -117,6 +125,7 @@ def _paged_decode_attention_kernel(
     stride_os,
     stride_oh,
     partition_size,  # tokens per split, a multiple of TILE_N
+    window,  # sliding window (SLIDING only): keys [ctx - window, ctx)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
     HEAD_DIM: tl.constexpr,
@@ -127,12 +136,16 @@ def _paged_decode_attention_kernel(
     KV_INT8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # dot in float32 (fp32 inputs; bf16 under the interpreter)
     DOT_PREC: tl.constexpr,
+    SLIDING: tl.constexpr,  # a sliding window: the splits divide [ctx - window, ctx)
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    start = split * partition_size
+    if SLIDING:
+        start = tl.maximum(ctx - window, 0) + split * partition_size
+    else:
+        start = split * partition_size
     end = tl.minimum(ctx, start + partition_size)
 
     g = tl.arange(0, GROUP_PAD)
@@ -314,15 +327,18 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
+    sliding_window: int | None = None,  # only the last W keys; None: all of them
 ) -> torch.Tensor:
     """Triton paged decode attention; same contract as `paged_decode_attention_ref`.
 
     `num_splits` forces the number of context splits (None: chosen from the batch size, the
-    block-table width and the GPU's SM count). No host sync: the launch is CUDA-graph safe,
-    with the split count fixed by `block_tables.shape[1]` (the capture's maximum context).
-    A sequence with context length 0 yields zeros.
+    block-table width (or the window, if shorter) and the GPU's SM count). No host sync: the
+    launch is CUDA-graph safe, with the split count fixed by `block_tables.shape[1]` (the
+    capture's maximum context). A sequence with context length 0 yields zeros.
     """
     check_paged_attention_inputs(query, key_cache, value_cache, block_tables, k_scale, v_scale)
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
     check_device(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -340,6 +356,8 @@ def paged_decode_attention(
     fp32 = query.dtype == torch.float32
     tile_n = 16 if interp or fp32 else GPU_TILE_N
     max_len = block_tables.shape[1] * block_size  # an upper bound, known without a sync
+    if sliding_window is not None:  # the keys a query sees: at most the window
+        max_len = min(max_len, sliding_window)
     if num_splits is None:
         num_splits = 1 if interp else _choose_splits(
             num_seqs, num_kv_heads, max_len, tile_n, query.device
@@ -375,6 +393,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         *o_strides,
         partition,
+        sliding_window or 0,
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -385,6 +404,7 @@ def paged_decode_attention(
         KV_INT8=is_int8,
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
         num_warps=4 if fp32 else GPU_NUM_WARPS,
     )
     if num_splits > 1:

@@ -14,6 +14,9 @@ that chunk sits at position seq_len - q_len + i and attends to keys 0..that posi
 The Triton kernel runs one program per (query tile of BLOCK_M rows, sequence, query head) and
 streams keys in tiles of TILE_N tokens with an online softmax, stopping at the tile's causal
 edge. Layout and int8 scales as in `paged_attention`.
+
+Sliding window (`sliding_window=W`): row i sees keys p - W < k <= p of its position p; a query
+tile's key loop starts at its first row's first key, so blocks before the window are not read.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ def paged_prefill_attention_ref(
     *,
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Pure-torch reference: per sequence, gather its cached K/V and run causal SDPA in float32."""
+    """Pure-torch reference: per sequence, gather its cached K/V and run causal SDPA in float32
+    (with a sliding window: each row's last `sliding_window` keys)."""
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -73,6 +78,8 @@ def paged_prefill_attention_ref(
         # Row i (position seq_len - q_len + i) may see keys 0..seq_len - q_len + i.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         allowed = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= torch.arange(seq_len, device=query.device)[None, :] > q_pos[:, None] - sliding_window
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
@@ -106,6 +113,7 @@ def _paged_prefill_attention_kernel(
     stride_sb,
     stride_st,
     stride_bt,
+    window,  # sliding window (SLIDING only): row at p sees keys p - window < k <= p
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -115,6 +123,7 @@ def _paged_prefill_attention_kernel(
     KV_INT8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -140,11 +149,15 @@ def _paged_prefill_attention_kernel(
     # chunk (the grid is sized for the longest chunk) does no work.
     kv_end = tl.minimum(seq_len, prefix + (q_tile + 1) * BLOCK_M)
     kv_end = tl.where(q_tile * BLOCK_M < q_len, kv_end, 0)
+    if SLIDING:  # keys before the first row's window are seen by no row of this tile
+        kv_start = tl.maximum(prefix + q_tile * BLOCK_M - window + 1, 0)
+    else:
+        kv_start = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for tile_start in range(0, kv_end, TILE_N):
+    for tile_start in range(kv_start, kv_end, TILE_N):
         tok = tile_start + tl.arange(0, TILE_N)
         t_mask = tok < kv_end
         blk = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask,
@@ -172,11 +185,19 @@ def _paged_prefill_attention_kernel(
                          other=0.0).to(tl.float32)
             s = s * ks[None, :]
         causal = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if SLIDING:
+            causal = causal & (tok[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
         # Every row sees key 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if SLIDING:
+            # Not so with a window: a later row's window may start past this tile. Its m_new is
+            # then -inf; exponentiate against 0 instead, so every weight is 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_INT8:
             vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
@@ -206,6 +227,7 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_query_len: int | None = None,
+    sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
 ) -> torch.Tensor:
     """Triton varlen causal prefill over the paged cache; same contract as the `_ref`.
 
@@ -213,6 +235,8 @@ def paged_prefill_attention(
     read from `query_start_loc`, which costs a device-to-host sync.
     """
     check_paged_attention_inputs(query, key_cache, value_cache, block_tables, k_scale, v_scale)
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got "
@@ -257,6 +281,7 @@ def paged_prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         *scale_strides,
         block_tables.stride(0),
+        sliding_window or 0,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
@@ -266,6 +291,7 @@ def paged_prefill_attention(
         KV_INT8=is_int8,
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
         num_warps=num_warps,
     )
     return out

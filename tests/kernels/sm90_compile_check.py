@@ -156,12 +156,14 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         pa(q, kc, kc, bt, cl, 0.1, num_splits=1)
         pa(q, kc, kc, bt, cl, 0.1, num_splits=4)
         pa(q, kq, kq, bt, cl, 0.1, k_scale=ks, v_scale=ks, num_splits=1)
+        pa(q, kc, kc, bt, cl, 0.1, num_splits=4, sliding_window=4096)  # Mistral-7B v0.1's window
         qp = torch.randn(30, h, d, dtype=dt)
         qsl = torch.tensor([0, 10, 30], dtype=torch.int32)
         sl = torch.tensor([10, 40], dtype=torch.int32)
         pp = m["paged_prefill_attention"].paged_prefill_attention
         pp(qp, kc, kc, bt[:2], qsl, sl, 0.1, max_query_len=20)
         pp(qp, kq, kq, bt[:2], qsl, sl, 0.1, max_query_len=20, k_scale=ks, v_scale=ks)
+        pp(qp, kc, kc, bt[:2], qsl, sl, 0.1, max_query_len=20, sliding_window=4096)
         k = torch.randn(5, kvh, d, dtype=dt)
         rc = m["reshape_and_cache"].reshape_and_cache
         rc(k, k, kc, kc.clone(), torch.arange(5))

@@ -845,7 +845,9 @@ bool check_paged_attention_operands(const Tensor& out, const Tensor& query, cons
 // A task is (sequence, kv head, context split): where the batch has too few (sequence, kv
 // head) pairs to keep every thread busy (batch 1: as many tasks as kv heads), each context is
 // split into ranges of >= kDecodeSplitKeys keys whose partial results (max, sum, unnormalized
-// output) are merged afterwards (flash-decoding). Nothing is gathered or padded.
+// output) are merged afterwards (flash-decoding). Nothing is gathered or padded. With a
+// sliding window W (> 0) a query at position ctx - 1 sees only keys [ctx - W, ctx): the
+// blocks before them are never read, and the splits divide the window.
 constexpr int64_t kDecodeSplitKeys = 256;
 
 int64_t decode_splits(int64_t pairs, int64_t max_context) {
@@ -984,7 +986,7 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
                            const Tensor& value_cache, const Tensor& block_tables,
                            const Tensor& context_lens, double scale,
                            const c10::optional<Tensor>& k_scale,
-                           const c10::optional<Tensor>& v_scale) {
+                           const c10::optional<Tensor>& v_scale, int64_t window) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   // A compile-time head_dim (64, 128) lets gcc unroll and vectorize the inner loops fully.
   const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
@@ -1010,9 +1012,12 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
 #endif
 
   if (num_seqs == 0) return;
-  const int64_t max_context = *std::max_element(len_ptr, len_ptr + num_seqs);
+  // The keys a sequence's query sees: [lo(ctx), ctx), all of them without a window.
+  auto lo = [&](int64_t ctx) { return window > 0 ? std::max<int64_t>(0, ctx - window) : int64_t(0); };
+  int64_t max_context = *std::max_element(len_ptr, len_ptr + num_seqs);
+  if (window > 0) max_context = std::min(max_context, window);
   const int64_t splits = decode_splits(num_seqs * num_kv_heads, max_context);
-  // Split s of a context of ctx keys: keys [s * span, min(ctx, (s + 1) * span)).
+  // Split s of a context of n keys from lo: keys lo + [s * span, min(n, (s + 1) * span)).
   auto split_span = [&](int64_t ctx) { return ((ctx + splits - 1) / splits + 15) / 16 * 16; };
   // Partial results of split tasks: per task and head, the max score, the sum of exp(score -
   // max) and the output before dividing by that sum (only used when splits > 1).
@@ -1030,8 +1035,9 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
       // kv heads vary fastest: a thread's consecutive tasks read the same blocks' lines.
       const int64_t kvh = task % num_kv_heads, split = task / num_kv_heads % splits;
       const int64_t seq = task / num_kv_heads / splits;
-      const int64_t ctx = len_ptr[seq], span = split_span(ctx);
-      const int64_t first = std::min(ctx, split * span), count = std::min(ctx, first + span) - first;
+      const int64_t ctx = len_ptr[seq], start = lo(ctx), n = ctx - start, span = split_span(n);
+      const int64_t begin_key = std::min(n, split * span), count = std::min(n, begin_key + span) - begin_key;
+      const int64_t first = start + begin_key;
       const int32_t* blocks = bt_ptr + seq * max_blocks;
       const scalar_t* q_in = q_ptr + seq * q_stride + kvh * group * head_dim;
       // Token t's K or V row of this kv head into `row`, as float32 (dequantized if int8).
@@ -1107,8 +1113,8 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
     std::vector<float> acc(head_dim);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t seq = pair / num_kv_heads, kvh = pair % num_kv_heads;
-      const int64_t ctx = len_ptr[seq], span = split_span(ctx);
-      const int64_t used = (ctx + span - 1) / span;  // splits past the context hold no keys
+      const int64_t ctx = len_ptr[seq], n = ctx - lo(ctx), span = split_span(n);
+      const int64_t used = (n + span - 1) / span;  // splits past the context hold no keys
       for (int64_t g = 0; g < group; ++g) {
         // Task (seq, split s, kvh) = (seq * splits + s) * num_kv_heads + kvh; heads g within.
         auto head = [&](int64_t s) { return ((seq * splits + s) * num_kv_heads + kvh) * group + g; };
@@ -1142,7 +1148,8 @@ void dispatch_head_dim(Tensor& out, const Tensor& query, Args&&... args) {
 void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& value_cache, const Tensor& block_tables,
                       const Tensor& context_lens, double scale,
-                      const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                      const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                      int64_t sliding_window) {
   const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -1155,9 +1162,11 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
                 "context length ", lens[s], " of sequence ", s, " is empty or exceeds its block table");
   dispatch_float(query.scalar_type(), [&]<typename T>() {
     if (int8_cache)
-      dispatch_head_dim<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale);
+      dispatch_head_dim<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale,
+                                   v_scale, sliding_window);
     else
-      dispatch_head_dim<T, T>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale);
+      dispatch_head_dim<T, T>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                              sliding_window);
   });
 }
 
@@ -1234,12 +1243,13 @@ void load_kv_tile(const int32_t** k_rows, uint32_t* v_pairs, c10::BFloat16* k_bu
 
 // One register of 16 lanes against one key tile: update the running max m, sum l and the
 // unnormalized output o ([D] registers of 16 lanes, in memory) with keys [0, valid_keys) of the
-// tile; key j is masked for lane i when key_pos + j > positions[i] (causal). min_pos is the
-// smallest of the positions.
+// tile; key j is masked for lane i when key_pos + j > positions[i] (causal) or, with a sliding
+// window (> 0), key_pos + j <= positions[i] - window. min_pos and max_pos are the smallest and
+// largest of the positions.
 template <int64_t D>
 void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const int32_t* const* k_rows,
                   const uint32_t* v_pairs, int64_t valid_keys, int64_t key_pos, __m512i positions,
-                  int64_t min_pos, float scale) {
+                  int64_t min_pos, int64_t max_pos, int64_t window, float scale) {
   alignas(64) float s[kPrefillKeys][kLanes];
   for (int64_t j0 = 0; j0 < valid_keys; j0 += 8) {  // 8 keys' scores at a time
     __m512 acc[8];
@@ -1257,7 +1267,13 @@ void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const in
     if (j >= valid_keys) {
       sj = _mm512_set1_ps(kMaskedScore);
     } else if (key_pos + j > min_pos) {  // past some lane's position: mask those lanes
-      const __mmask16 seen = _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j)));
+      __mmask16 seen = _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j)));
+      if (window > 0 && key_pos + j + window <= max_pos)
+        seen &= _mm512_cmplt_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j + window)));
+      sj = _mm512_mask_mov_ps(_mm512_set1_ps(kMaskedScore), seen, sj);
+    } else if (window > 0 && key_pos + j + window <= max_pos) {  // before some lane's window
+      const __mmask16 seen =
+          _mm512_cmplt_epi32_mask(positions, _mm512_set1_epi32(static_cast<int32_t>(key_pos + j + window)));
       sj = _mm512_mask_mov_ps(_mm512_set1_ps(kMaskedScore), seen, sj);
     }
     _mm512_store_ps(s[j], sj);
@@ -1271,6 +1287,15 @@ void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const in
   _mm512_store_ps(mxa, mx);
   for (int64_t j = 0; j < kPrefillKeys; ++j)
     for (int64_t i = 0; i < kLanes; ++i) s[j][i] = std::exp(s[j][i] - mxa[i]);
+  if (window > 0) {
+    // A lane's window may start past this tile (the task's tiles start at its first row's
+    // window): its max is then still the masked score, and exp(masked - max) was 1. Its keys
+    // weigh 0 instead, so such a tile leaves the lane exactly as it was (alpha is 1, since
+    // its max did not move), and a query's output does not depend on its task.
+    for (int64_t i = 0; i < kLanes; ++i)
+      if (mxa[i] == kMaskedScore)
+        for (int64_t j = 0; j < kPrefillKeys; ++j) s[j][i] = 0.f;
+  }
   for (int64_t i = 0; i < kLanes; ++i) alpha[i] = m[i] == mxa[i] ? 1.f : std::exp(m[i] - mxa[i]);
   __m512 sum = _mm512_setzero_ps();
   __m512i p_pairs[kPrefillKeys / 2];
@@ -1307,7 +1332,8 @@ struct AttentionSeq {
 template <typename cache_t, int64_t D>
 void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                            const std::vector<AttentionSeq>& seqs, double scale,
-                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                           int64_t window) {
   const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -1322,11 +1348,17 @@ void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
   struct Task {
     int64_t seq, kvh, row0, rows, cost;
   };
+  // A task's first key tile: key 0, or with a sliding window the tile holding its first row's
+  // first key (a multiple of kPrefillKeys, so a query sees the same tiles in any task).
+  auto first_key = [&](int64_t first_pos) {
+    return window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / kPrefillKeys * kPrefillKeys : int64_t(0);
+  };
   std::vector<Task> tasks;
   for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s)
     for (int64_t row0 = 0; row0 < seqs[s].q_len; row0 += kPrefillRows) {
       const int64_t rows = std::min(kPrefillRows, seqs[s].q_len - row0);
-      const int64_t keys = seqs[s].seq_len - seqs[s].q_len + row0 + rows;
+      const int64_t first_pos = seqs[s].seq_len - seqs[s].q_len + row0;
+      const int64_t keys = first_pos + rows - first_key(first_pos);
       const int64_t registers = (rows * group + kLanes - 1) / kLanes;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) tasks.push_back({s, kvh, row0, rows, keys * registers});
     }
@@ -1352,7 +1384,7 @@ void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
         // Lane i of register r holds pair r * 16 + i = (row, head g of this kv head); lanes
         // past the last pair repeat it (computed, never written).
         __m512i positions[kMaxRegisters];
-        int64_t min_pos[kMaxRegisters];
+        int64_t min_pos[kMaxRegisters], max_pos[kMaxRegisters];
         for (int64_t r = 0; r < registers; ++r) {
           alignas(64) int32_t pos[kLanes];
           for (int64_t p = 0; p < D / 2; ++p) {
@@ -1367,19 +1399,20 @@ void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
           }
           positions[r] = _mm512_load_si512(pos);
           min_pos[r] = pos[0];
+          max_pos[r] = pos[kLanes - 1];  // rows ascend along the lanes; spare lanes repeat the last
         }
         std::fill(o.begin(), o.begin() + registers * D * kLanes, 0.f);
         std::fill(m.begin(), m.begin() + registers * kLanes, kMaskedScore);
         std::fill(l.begin(), l.begin() + registers * kLanes, 0.f);
         const int64_t keys = first_pos + task.rows;  // causal: the last row sees keys < keys
-        for (int64_t key_pos = 0; key_pos < keys; key_pos += kPrefillKeys) {
+        for (int64_t key_pos = first_key(first_pos); key_pos < keys; key_pos += kPrefillKeys) {
           const int64_t valid = std::min(kPrefillKeys, keys - key_pos);
           load_kv_tile<cache_t, D>(k_rows, v_pairs, k_buf, v_buf, k_ptr, v_ptr, ks_ptr, vs_ptr, seq.blocks,
                                    block_size, num_kv_heads, task.kvh, key_pos, valid);
           for (int64_t r = 0; r < registers; ++r)
             prefill_tile<D>(o.data() + r * D * kLanes, m.data() + r * kLanes, l.data() + r * kLanes,
                             q_pairs.data() + r * D / 2, k_rows, v_pairs, valid, key_pos, positions[r],
-                            min_pos[r], fscale);
+                            min_pos[r], max_pos[r], window, fscale);
         }
         for (int64_t pair = 0; pair < pairs; ++pair) {
           const int64_t r = pair / kLanes, i = pair % kLanes, row = pair / group;
@@ -1415,16 +1448,16 @@ bool check_varlen_operands(const char* op, const Tensor& out, const Tensor& quer
 void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                           const std::vector<AttentionSeq>& seqs, double scale,
                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                          bool int8_cache) {
+                          bool int8_cache, int64_t window) {
 #if defined(__AVX512BF16__)
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill attention supports head_dim 64 and 128");
   TORCH_CHECK(query.size(1) / key_cache.size(2) <= 16, "prefill attention supports up to 16 query heads per kv head");
   auto run = [&]<typename cache_t>() {
     if (head_dim == 64)
-      varlen_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale);
+      varlen_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window);
     else
-      varlen_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale);
+      varlen_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window);
   };
   if (int8_cache) run.template operator()<int8_t>();
   else run.template operator()<c10::BFloat16>();
@@ -1435,7 +1468,8 @@ void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_ca
 // positions seq_len - q_len .. seq_len - 1 over keys 0 .. seq_len - 1 of block_table's blocks.
 void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_table, int64_t seq_len, double scale,
-                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                       int64_t sliding_window) {
   const bool int8_cache = check_varlen_operands("prefill_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be one contiguous int32 row");
@@ -1443,7 +1477,7 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
               "seq_len ", seq_len, " is shorter than the chunk or exceeds the block table");
   if (query.size(0) == 0) return;
   const std::vector<AttentionSeq> seqs{{0, query.size(0), seq_len, block_table.data_ptr<int32_t>()}};
-  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache);
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window);
 }
 
 // The same for several sequences in one call: sequence s's queries are rows
@@ -1451,7 +1485,8 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 // block_tables[s]. A decode row is a sequence with one query.
 void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
-                      double scale, const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                      double scale, const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                      int64_t sliding_window) {
   const bool int8_cache = check_varlen_operands("varlen_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
@@ -1473,7 +1508,7 @@ void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, 
                 " (must be >= the queries and fit the block table)");
     if (q_len > 0) seqs.push_back({starts[s], q_len, lens[s], block_tables.data_ptr<int32_t>() + s * block_tables.size(1)});
   }
-  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache);
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window);
 }
 
 // ---- One decoder layer of a decode step ----------------------------------------------------------
@@ -1626,7 +1661,7 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
                   const Tensor& cos, const Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads,
                   double scale, at::TensorList lora, at::ArrayRef<double> lora_scales,
                   const c10::optional<Tensor>& query_start_loc, const c10::optional<Tensor>& q_norm,
-                  const c10::optional<Tensor>& k_norm) {
+                  const c10::optional<Tensor>& k_norm, int64_t sliding_window) {
   TORCH_CHECK(kinds.size() == 4 && params.size() == 4, "decode_layer: one kind and param per linear");
   TORCH_CHECK(lora.size() == lora_scales.size() * kLoraStride,
               "decode_layer: lora needs rows and 4 (A, B) pairs per adapter");
@@ -1651,10 +1686,10 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
   if (invariant)
     varlen_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, *query_start_loc,
-                     context_lens, scale, k_scale, v_scale);
+                     context_lens, scale, k_scale, v_scale, sliding_window);
   else
     decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
-                     scale, k_scale, v_scale);
+                     scale, k_scale, v_scale, sliding_window);
   const Tensor attn_flat = attn.view({tokens, q_size});
   Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], invariant);
   add_lora(o, attn_flat, lora, lora_scales, 1, lora_fused_max_rows);
@@ -1682,13 +1717,14 @@ TORCH_LIBRARY(argosy_cpu, m) {
         "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> ()");
+        "Tensor? v_scale=None, int sliding_window=0) -> ()");
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);  // no tensor: a catch-all kernel
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "int sliding_window=0) -> ()");
   m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> ()");
+        "Tensor? v_scale=None, int sliding_window=0) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale, "
         "int fused_max_rows=16) -> ()");  // 16: kLoraFusedMaxRows
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
@@ -1696,7 +1732,7 @@ TORCH_LIBRARY(argosy_cpu, m) {
         "Tensor(c!) value_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor signed_sin, int num_heads, "
         "int num_kv_heads, float scale, Tensor[] lora, float[] lora_scales, Tensor? query_start_loc=None, "
-        "Tensor? q_norm=None, Tensor? k_norm=None) -> ()");
+        "Tensor? q_norm=None, Tensor? k_norm=None, int sliding_window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(argosy_cpu, CPU, m) {
