@@ -142,26 +142,15 @@ class LLMEngine:
         return build_model(checkpoint, self.dtype, self.device, self.max_model_len, quant_config)
 
     def _max_model_len(self, requested: int | None) -> int:
-        """`--max-model-len`, or the model's own limit when unset; a request beyond what the
-        model runs exactly (its trained context, its attention window) is refused."""
+        """`--max-model-len`, or the model's trained context when unset; a longer request is
+        refused. Sliding-window layers attend through their window at any length."""
         spec = self.spec
-        limit = spec.context_limit
         if requested is None:
-            if limit < spec.max_position_embeddings:
-                logger.info("max_model_len %d: the model's attention window (sliding_window); "
-                            "longer sequences would need windowed attention", limit)
-            return limit
+            return spec.max_position_embeddings
         if requested > spec.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({requested}) exceeds the model's context length "
                 f"({spec.max_position_embeddings})"
-            )
-        if requested > limit:
-            raise ValueError(
-                f"max_model_len ({requested}) exceeds the model's sliding attention window "
-                f"({limit}): Argosy attends to the whole context, which equals this model's "
-                f"windowed attention only up to {limit} tokens; set --max-model-len {limit} "
-                "or less"
             )
         return requested
 

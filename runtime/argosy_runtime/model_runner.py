@@ -7,6 +7,7 @@ paged-decode call; multi-token sequences (prompt chunks, speculative verificatio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,11 +19,14 @@ from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.lora import LoRAAdapter, LoRABatch
+from argosy_runtime.model_loader import ModelSpec
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.outputs import PositionLogprobs
 from argosy_runtime.pooler import pool_outputs
 from argosy_runtime.sampler import Sampler, compute_logprobs
 from argosy_runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("argosy.engine")
 
 
 @dataclass
@@ -51,6 +55,19 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dty
         scale_elem = torch.tensor([], dtype=KV_SCALE_DTYPE).element_size()
         scales = 2 * s.num_hidden_layers * s.num_key_value_heads * scale_elem
     return block_size * (per_token * elem + scales)
+
+
+def use_cuda_graphs(device: torch.device, enabled: bool, spec: ModelSpec) -> bool:
+    """Whether decode steps replay captured CUDA graphs: on CUDA unless turned off
+    (`enforce_eager`), and never for a Mixture-of-Experts model, whose blocks group tokens by
+    expert from routing read on the host (models/moe.py), which a graph replay cannot redo."""
+    if device.type != "cuda" or not enabled:
+        return False
+    if spec.is_moe:
+        logger.info("CUDA graphs off: %s is a Mixture-of-Experts model (expert routing is read "
+                    "on the host); decode steps run eagerly", spec.architecture)
+        return False
+    return True
 
 
 class ModelRunner:
@@ -85,7 +102,7 @@ class ModelRunner:
             self.scales = torch.ones(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
             self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
         self.graph_runner = None
-        if device.type == "cuda" and enable_cuda_graphs:
+        if use_cuda_graphs(device, enable_cuda_graphs, s):
             from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
 
             self.graph_runner = CUDAGraphRunner(

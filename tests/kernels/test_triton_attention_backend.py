@@ -7,6 +7,8 @@ steps and decodes. CUDA-graph capture itself needs a GPU; the runner's padding l
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from argosy_runtime.attention import TorchAttentionBackend
@@ -47,6 +49,35 @@ def test_triton_backend_matches_torch_backend_through_the_model():
         got = forward(model, triton_backend, caches_k, step)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv_k, kv_t)
+
+
+@pytest.mark.parametrize("windows", [(13, None), (7, 16)], ids=["mixed", "all"])
+def test_sliding_windows_through_the_model(windows):
+    """Each layer passes its window (models.llama.Attention) to the backend: the Triton
+    kernels equal the torch backend's windowed paths over chunks, a cached prefix and
+    decodes past the window, and the window changes the result."""
+    spec = dataclasses.replace(SPEC, layer_sliding_windows=windows)
+    model = random_model(spec, torch.float32, DEVICE)
+    full_model = random_model(SPEC, torch.float32, DEVICE)
+    torch_backend, triton_backend = _backends()
+    _, caches_t = kv_caches(spec, 12, torch.float32, DEVICE)
+    _, caches_k = kv_caches(spec, 12, torch.float32, DEVICE)
+    _, caches_f = kv_caches(spec, 12, torch.float32, DEVICE)
+    a, b = _tokens(40, 4), _tokens(40, 5)
+    blocks_a, blocks_b = [5, 2, 9], [7, 0, 11]
+    steps = [
+        [(a, blocks_a, 0, 20), (b, blocks_b, 0, 7)],
+        [(a, blocks_a, 20, 1), (b, blocks_b, 7, 14)],  # b's chunk after a prefix, past 13
+        [(a, blocks_a, 21, 1), (b, blocks_b, 21, 1)],
+        [(a, blocks_a, 22, 1), (b, blocks_b, 22, 1)],
+    ]
+    for seqs in steps:
+        step = build_step(seqs, DEVICE)
+        want = forward(model, torch_backend, caches_t, step)
+        got = forward(model, triton_backend, caches_k, step)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        full = forward(full_model, torch_backend, caches_f, step)
+    assert (full - want).abs().max() > 1e-2  # the last step is past every window
 
 
 def test_triton_backend_int8_cache_close_to_full_precision():

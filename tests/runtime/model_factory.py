@@ -1,8 +1,9 @@
 """Tiny random-weight Hugging Face model folders for tests.
 
-`make_random_model_dir(tmp_path, arch="llama" | "qwen2" | "mistral", ...)` writes a folder that
-transformers and our loader both read: config.json + safetensors (single file, or sharded with
-`max_shard_size`) + generation_config.json from transformers' `save_pretrained`, plus the real
+`make_random_model_dir(tmp_path, arch="llama" | "qwen2" | "mistral" | ...)` (the keys of
+`_ARCH_CLASSES`, MoE ones included) writes a folder that transformers and our loader both
+read: config.json + safetensors (single file, or sharded with `max_shard_size`) +
+generation_config.json from transformers' `save_pretrained`, plus the real
 tokenizer of the embedded SmolLM2 model (converted from its GGUF by transformers), so the
 vocabulary (49152 ids) and the chat template are those of a real model. `headless=True` saves
 the bare decoder instead (`LlamaModel` / `MistralModel` / `Qwen2Model`: no lm_head, weight names
@@ -45,6 +46,13 @@ _ARCH_CLASSES = {  # arch -> (config, causal LM, headless decoder, sequence clas
                 "MistralForSequenceClassification"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3Model", "Qwen3ForSequenceClassification"),
+    # Mixture-of-Experts (causal LMs only here): pass the expert fields through `extra_config`.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralModel",
+                "MixtralForSequenceClassification"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeModel",
+                  "Qwen2MoeForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeModel",
+                  "Qwen3MoeForSequenceClassification"),
 }
 
 
@@ -98,10 +106,12 @@ def make_random_model_dir(
     headless: bool = False,
     num_labels: int | None = None,
     id2label: dict[int, str] | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a random-weight `arch` model folder under `tmp_path` and return its path
     (`headless`: the bare decoder, as embedding models are saved; `num_labels`: a sequence
-    classifier with that many classes, named by `id2label`)."""
+    classifier with that many classes, named by `id2label`; `extra_config`: more config
+    fields, e.g. an MoE model's num_experts / num_experts_per_tok / moe_intermediate_size)."""
     import transformers
 
     if arch not in _ARCH_CLASSES:
@@ -135,6 +145,7 @@ def make_random_model_dir(
     if rope_scaling is not None:
         rope.update(rope_scaling)
     kwargs["rope_parameters"] = rope
+    kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
 
     torch.manual_seed(seed)

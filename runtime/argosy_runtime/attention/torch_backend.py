@@ -4,6 +4,9 @@ Where the fused C++ kernels build (argosy_kernels.cpu_ops): cache writes and dec
 through them, and a step's bfloat16 prompt chunks through one `cpu_ops.varlen_attention` call
 where the CPU has AVX512-BF16. Everything else, and every path on CUDA, is PyTorch: SDPA per
 prompt chunk. In the batch-invariant mode every query goes through `cpu_ops.varlen_attention`.
+
+`forward(..., sliding_window=W)` (a sliding-window layer): a query at position p sees only the
+keys p - W < k <= p, on every path; None (the default) is full causal attention.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,  # (int8 cache only)
+        sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
@@ -59,24 +63,29 @@ class TorchAttentionBackend:
                                  "batch with decode_rows_up_to=0")
             return cpu_ops.varlen_attention(query, key_cache, value_cache,
                                             *meta.prefill_sequences(), self.scale,
-                                            k_scale=k_scale, v_scale=v_scale)
+                                            k_scale=k_scale, v_scale=v_scale,
+                                            sliding_window=sliding_window)
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
-            return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale)
+            return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale,
+                                          sliding_window)
         out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode_attention(query[:nd], key_cache, value_cache, meta,
-                                              k_scale, v_scale)
+                                              k_scale, v_scale, sliding_window)
         if (self.bf16_prefill_kernel and query.dtype == torch.bfloat16
                 and query.device.type == "cpu" and key_cache.dtype in (torch.bfloat16, torch.int8)):
             # Every chunk in one call, straight over the cache blocks, their own K/V included.
             cpu_ops.varlen_attention(query[nd:], key_cache, value_cache, *meta.prefill_sequences(),
-                                     self.scale, k_scale=k_scale, v_scale=v_scale, out=out[nd:])
+                                     self.scale, k_scale=k_scale, v_scale=v_scale, out=out[nd:],
+                                     sliding_window=sliding_window)
             return out
         start = nd
         block_size = key_cache.shape[1]
         for i, (q_len, seq_len) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
             end = start + q_len
             num_context = seq_len - q_len
+            # Keys before the first query's window are seen by no query: not read (block-wise).
+            first_key = 0 if sliding_window is None else max(0, num_context - sliding_window + 1)
             if num_context == 0 and k_scale is None:
                 k, v = key[start:end], value[start:end]
             else:
@@ -84,20 +93,24 @@ class TorchAttentionBackend:
                 # cache then gives a prompt the same quantized values whether its first tokens
                 # were computed in this chunk, an earlier one, or found in the prefix cache, so
                 # neither a cache hit nor the chunk size changes outputs.
-                blocks = meta.prefill_block_tables[i, : -(-seq_len // block_size)].long()
-                k = key_cache[blocks].flatten(0, 1)[:seq_len]
-                v = value_cache[blocks].flatten(0, 1)[:seq_len]
+                first_block = first_key // block_size
+                blocks = meta.prefill_block_tables[i, first_block: -(-seq_len // block_size)].long()
+                rows = slice(first_key - first_block * block_size, seq_len - first_block * block_size)
+                k = key_cache[blocks].flatten(0, 1)[rows]
+                v = value_cache[blocks].flatten(0, 1)[rows]
                 if k_scale is not None and v_scale is not None:  # dequantize the int8 cache
-                    k = k.float() * k_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
-                    v = v.float() * v_scale[blocks].flatten(0, 1)[:seq_len, :, None].float()
-            out[start:end] = self._causal_attention(query[start:end], k, v, num_context)
+                    k = k.float() * k_scale[blocks].flatten(0, 1)[rows, :, None].float()
+                    v = v.float() * v_scale[blocks].flatten(0, 1)[rows, :, None].float()
+            out[start:end] = self._causal_attention(query[start:end], k, v, num_context - first_key,
+                                                    sliding_window)
             start = end
         return out
 
     def _decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, meta: AttentionMetadata,
                           k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          v_scale: torch.Tensor | None = None,
+                          sliding_window: int | None = None) -> torch.Tensor:
         """The CPU fast path of `paged_decode_attention_ref` (same result, tested against it).
 
         With the fused C++ kernels (argosy_kernels.cpu_ops): one pass per (sequence, kv head)
@@ -111,8 +124,9 @@ class TorchAttentionBackend:
         if self.fused_cpu_ops and query.device.type == "cpu":
             return cpu_ops.decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, self.scale,
-                                            k_scale=k_scale, v_scale=v_scale)
-        flat_blocks, padded_len, valid = _decode_gather_plan(meta, key_cache.shape[1])
+                                            k_scale=k_scale, v_scale=v_scale,
+                                            sliding_window=sliding_window)
+        flat_blocks, padded_len, valid = _decode_gather_plan(meta, key_cache.shape[1], sliding_window)
         num_seqs = query.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
         keys = key_cache.index_select(0, flat_blocks)  # [num_seqs * blocks, block_size, kvh, hd]
@@ -128,17 +142,24 @@ class TorchAttentionBackend:
         return out.reshape(num_seqs, self.num_heads, hd)
 
     def _causal_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        # q: [q_len, H, D]; k, v: [seq_len, KVH, D]; query i sits at position num_context + i.
+        # q: [q_len, H, D]; k, v: [seq_len, KVH, D]; query i sits at position num_context + i
+        # (positions counted from k's first key).
         q_len, seq_len = q.shape[0], k.shape[0]
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if num_context and q.device.type == "cpu":
+        # A window that hides no key from any query (the last one's reaches key 0) is no window.
+        windowed = sliding_window is not None and seq_len > sliding_window
+        if num_context and q.device.type == "cpu" and not windowed:
             return self._chunk_after_prefix_cpu(q, k, v, num_context)
         mask = None
-        if num_context:
+        if num_context or windowed:
             positions = torch.arange(seq_len, device=q.device)
-            mask = positions[None, :] <= (num_context + torch.arange(q_len, device=q.device))[:, None]
+            q_pos = (num_context + torch.arange(q_len, device=q.device))[:, None]
+            mask = positions[None, :] <= q_pos
+            if windowed:
+                mask &= positions[None, :] > q_pos - sliding_window
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -181,18 +202,25 @@ class TorchAttentionBackend:
         return out.to(q.dtype).transpose(0, 1)
 
 
-def _decode_gather_plan(meta: AttentionMetadata, block_size: int
+def _decode_gather_plan(meta: AttentionMetadata, block_size: int,
+                        sliding_window: int | None = None
                         ) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Per step (cached on the metadata): the blocks to gather, the padded context length and
-    a boolean mask [num_decodes, 1, 1, padded_len] (True inside each context)."""
-    plan = getattr(meta, "_cpu_decode_plan", None)
+    """Per step and window (cached on the metadata): the blocks to gather, the padded context
+    length and a boolean mask [num_decodes, 1, 1, padded_len] (True inside each context, and
+    inside its last `sliding_window` keys)."""
+    plans = getattr(meta, "_cpu_decode_plans", None)
+    if plans is None:
+        plans = meta._cpu_decode_plans = {}  # type: ignore[attr-defined]
+    plan = plans.get(sliding_window)
     if plan is None:
         lens = meta.decode_context_lens.long()
         num_blocks = -(-int(lens.max()) // block_size)
         padded_len = num_blocks * block_size
         flat_blocks = meta.decode_block_tables[:, :num_blocks].long().flatten()
         positions = torch.arange(padded_len, device=lens.device)
-        valid = (positions[None, :] < lens[:, None])[:, None, None, :]
-        plan = (flat_blocks, padded_len, valid)
-        meta._cpu_decode_plan = plan  # type: ignore[attr-defined]
+        valid = positions[None, :] < lens[:, None]
+        if sliding_window is not None:
+            valid &= positions[None, :] >= lens[:, None] - sliding_window
+        plan = (flat_blocks, padded_len, valid[:, None, None, :])
+        plans[sliding_window] = plan
     return plan

@@ -6,6 +6,8 @@ Per layer and step:
   2. decodes (the first `meta.num_decodes` tokens) go through `paged_decode_attention`;
   3. prompt chunks / multi-token sequences go through `paged_prefill_attention`, reading all
      their keys (cached prefix and this chunk) from the cache.
+A sliding-window layer passes `sliding_window=W` (keys p - W < k <= p): both kernels then start
+at the window's first key.
 No step of the decode-only path reads a device value on the host, so a decode step can be
 captured in a CUDA graph (see `argosy_runtime.cuda_graph_runner`).
 """
@@ -39,6 +41,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         # All new K/V land before any attention reads (same-step prefix-cache hits).
@@ -48,7 +51,8 @@ class TritonAttentionBackend:
         if nd:
             paged_decode_attention(
                 query[:nd], key_cache, value_cache, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, out=out[:nd], **scales,
+                meta.decode_context_lens, self.scale, out=out[:nd], sliding_window=sliding_window,
+                **scales,
             )
         if meta.num_prefills:
             qsl, seq_lens = meta.prefill_query_start_loc, meta.prefill_seq_lens_t
@@ -59,7 +63,8 @@ class TritonAttentionBackend:
                 seq_lens = torch.tensor(meta.prefill_seq_lens, dtype=torch.int32, device=dev)
             paged_prefill_attention(
                 query[nd:], key_cache, value_cache, meta.prefill_block_tables, qsl, seq_lens,
-                self.scale, out=out[nd:], max_query_len=max(meta.prefill_query_lens), **scales,
+                self.scale, out=out[nd:], max_query_len=max(meta.prefill_query_lens),
+                sliding_window=sliding_window, **scales,
             )
         return out
 

@@ -23,6 +23,7 @@ from argosy_runtime.lora import hub, s3
 if TYPE_CHECKING:
     from argosy_runtime.model_loader import ModelSpec
 
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -94,6 +95,10 @@ class LoRAAdapter:
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.search(key)
+            if match is None and spec.is_moe and re.search(r"\.(experts|shared_expert)", key):
+                raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: LoRA on the "
+                                 f"Mixture-of-Experts MLP of a {spec.architecture} model is not "
+                                 "supported (adapters on the attention projections are)")
             if match is None:
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key} (only the "
                                  "attention and MLP projections of decoder layers)")
@@ -110,6 +115,11 @@ class LoRAAdapter:
             fused_out[fused] = max(fused_out.get(fused, 0), offset + out_size)
         stacks: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), ab in sorted(pairs.items()):
+            if module in _MLP_MODULES and spec.is_sparse_layer(layer):
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: layer {layer} of "
+                                 f"this {spec.architecture} model is a Mixture-of-Experts block; "
+                                 "LoRA on its MLP is not supported (adapters on the attention "
+                                 "projections are)")
             if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers or module not in layout:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete, "
                                  "beyond the model's layers or not a projection it has")

@@ -34,6 +34,7 @@ class Checkpoint:
 
         Names: model.embed_tokens.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
         (+ q/k/v .bias when spec.attention_bias), model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+        (an MoE layer's per-expert Hub names instead: hf_checkpoint._mlp_weight_names),
         model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, and
         lm_head.weight unless spec.tie_word_embeddings or not spec.has_lm_head, and a
         classifier's score.weight (spec.num_labels > 0) instead of lm_head. A headless

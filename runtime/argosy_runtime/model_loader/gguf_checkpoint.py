@@ -44,6 +44,10 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's Mixture-of-Experts architectures (Mixtral is filed under "llama" with an
+# `llama.expert_count`): refused with a clear error, their stacked expert tensors unread.
+_GGUF_MOE_ARCHITECTURES = {"qwen2moe": "Qwen2-MoE", "qwen3moe": "Qwen3-MoE",
+                           "mixtral": "Mixtral"}
 # Tensors that are not weights of the HF model (llama.cpp's precomputed llama3 rope factors).
 _NON_WEIGHT_TENSORS = {"rope_freqs.weight"}
 
@@ -78,6 +82,16 @@ def undo_rope_permutation(weights: ArrayT, num_heads: int) -> ArrayT:
 def spec_from_gguf(reader: GGUFReader) -> ModelSpec:
     """The `ModelSpec` of a GGUF file, from its `{arch}.*` metadata and tensor list."""
     gguf_arch = read_field(reader, "general.architecture")
+    expert_count = read_field(reader, f"{gguf_arch}.expert_count", 0) or 0
+    if gguf_arch in _GGUF_MOE_ARCHITECTURES or int(expert_count) > 0:
+        name = _GGUF_MOE_ARCHITECTURES.get(gguf_arch,
+                                           "Mixtral" if gguf_arch == "llama" else gguf_arch)
+        raise ValueError(
+            f"GGUF Mixture-of-Experts files are not supported (general.architecture "
+            f"{gguf_arch!r}, {name}, {int(expert_count)} experts); load the model's Hugging "
+            "Face folder instead (MixtralForCausalLM, Qwen2MoeForCausalLM and "
+            "Qwen3MoeForCausalLM run from safetensors)"
+        )
     if gguf_arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF general.architecture {gguf_arch!r} is not supported; "

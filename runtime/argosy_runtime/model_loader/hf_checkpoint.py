@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,13 +86,73 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
             names.append(f"{p}self_attn.{proj}_proj.weight")
             if spec.attention_bias and proj != "o":
                 names.append(f"{p}self_attn.{proj}_proj.bias")
-        names += [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        names += _mlp_weight_names(spec, i)
     names.append("model.norm.weight")
     if spec.has_lm_head and not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     if spec.num_labels:
         names.append("score.weight")  # the classification head: [num_labels, hidden]
     return names
+
+
+def _mlp_weight_names(spec: ModelSpec, layer: int) -> list[str]:
+    """Layer `layer`'s MLP weights: the dense MLP's, or an MoE layer's in the per-expert
+    layout published checkpoints use (and transformers' save_pretrained writes by default):
+    Mixtral `block_sparse_moe.gate` + `experts.{e}.w1/w2/w3`, Qwen MoE `mlp.gate` +
+    `experts.{e}.gate_proj/up_proj/down_proj` (+ Qwen2-MoE's `shared_expert.*` and
+    `shared_expert_gate`)."""
+    p = f"model.layers.{layer}."
+    if not spec.is_sparse_layer(layer):
+        return [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    experts = range(spec.num_experts)
+    if spec.architecture == "mixtral":
+        moe = p + "block_sparse_moe."
+        return [moe + "gate.weight"] + [f"{moe}experts.{e}.{w}.weight"
+                                        for e in experts for w in ("w1", "w2", "w3")]
+    names = [p + "mlp.gate.weight"] + [f"{p}mlp.experts.{e}.{proj}_proj.weight"
+                                       for e in experts for proj in ("gate", "up", "down")]
+    if spec.shared_expert_intermediate_size:
+        names += [f"{p}mlp.shared_expert.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        names.append(p + "mlp.shared_expert_gate.weight")
+    return names
+
+
+_FUSED_EXPERTS = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.(?:gate_up_proj|down_proj)(?:\.weight)?)$")
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor, spec: ModelSpec
+                        ) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5's in-memory MoE layout (what `save_pretrained(save_original_format=False)`
+    writes) in the per-expert names of `_mlp_weight_names`, or None for any other tensor.
+
+    `mlp.experts.gate_up_proj` [experts, 2 * moe_intermediate, hidden] holds each expert's gate
+    rows then its up rows; `mlp.experts.down_proj` [experts, hidden, moe_intermediate]; a
+    Mixtral router saved as `mlp.gate.weight` is `block_sparse_moe.gate.weight`."""
+    match = _FUSED_EXPERTS.match(name)
+    if match is None or not spec.is_sparse_layer(int(match.group(1))):
+        return None
+    layer, what = int(match.group(1)), match.group(2)
+    mixtral = spec.architecture == "mixtral"
+    prefix = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
+    if what == "gate.weight":
+        return [(prefix + "gate.weight", tensor)] if mixtral else None
+    inter, hidden, num = spec.moe_intermediate_size, spec.hidden_size, spec.num_experts
+    gate_up = what.startswith("experts.gate_up_proj")
+    expected = (num, 2 * inter, hidden) if gate_up else (num, hidden, inter)
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                         f"model {expected} (experts, out, in)")
+    names = ({"gate": "w1", "up": "w3", "down": "w2"} if mixtral
+             else {k: f"{k}_proj" for k in ("gate", "up", "down")})
+    out = []
+    for e in range(num):
+        if gate_up:
+            out.append((f"{prefix}experts.{e}.{names['gate']}.weight", tensor[e, :inter]))
+            out.append((f"{prefix}experts.{e}.{names['up']}.weight", tensor[e, inter:]))
+        else:
+            out.append((f"{prefix}experts.{e}.{names['down']}.weight", tensor[e]))
+    return out
 
 
 def model_weight_name(stored_name: str) -> str:
@@ -120,6 +181,16 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                 if stored == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: the forward reuses embed_tokens
                 name = model_weight_name(stored)
+                if spec.is_moe and name not in expected:
+                    tensors = split_fused_experts(name, f.get_tensor(stored), spec)
+                    if tensors is not None:  # transformers 5's fused experts, split
+                        for split_name, tensor in tensors:
+                            if split_name in seen:
+                                raise ValueError(f"{file.name}: tensor {split_name!r} appears "
+                                                 f"twice (also in {stored!r})")
+                            seen.add(split_name)
+                            yield split_name, tensor
+                        continue
                 if name not in expected:
                     what = ("a " if spec.has_lm_head else
                             "a sequence-classification " if spec.num_labels else

@@ -24,6 +24,10 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForSequenceClassification": "mistral",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
+    # Mixture-of-Experts decoders: Llama-family attention, a sparse MoE block for the MLP.
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # The bare decoders, without a language-model head: how decoder-based embedding models are
 # published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
@@ -37,8 +41,14 @@ CLASSIFIER_HF_ARCHITECTURES: frozenset[str] = frozenset(
      "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
 # HF `model_type` -> our architecture name, for configs that omit `architectures`.
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-                                  "qwen3": "qwen3"}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+                                  "qwen3": "qwen3", "mixtral": "mixtral",
+                                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral",
+                                            "qwen2_moe", "qwen3_moe")
+# Architectures whose MLP is (in some or all layers) a sparse Mixture-of-Experts block
+# (models/moe.py): Mixtral in every layer; Qwen2-MoE (+ a gated shared expert) and Qwen3-MoE
+# in the layers `decoder_sparse_step` / `mlp_only_layers` choose.
+MOE_ARCHITECTURES: frozenset[str] = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,9 +65,18 @@ class ModelSpec:
     `id2label` is set for a sequence-classification checkpoint (`LlamaForSequenceClassification`
     etc.): its labels in class order, one per row of the `score` head that replaces the lm_head
     (so `has_lm_head` is False); empty for every other checkpoint.
-    `sliding_window` is the attention window of a sliding-window checkpoint (Mistral-7B v0.1,
-    Qwen2 with `use_sliding_window`), or None. Argosy attends to the whole context; that equals
-    the window while a sequence fits in it, so `context_limit` stops there.
+    `layer_sliding_windows` holds, per layer, the attention window of a sliding-window
+    checkpoint (Mistral-7B v0.1: every layer; Qwen2/Qwen3 with `use_sliding_window`: layers
+    from `max_window_layers` on, or as `layer_types` says), None for a full-attention layer;
+    empty when no layer slides. A query at position p of a layer with window W sees the keys
+    at positions k with p - W < k <= p (W keys, itself included), as transformers' mask does;
+    `sliding_window(i)` reads it per layer.
+    Mixture-of-Experts checkpoints (MOE_ARCHITECTURES) set `num_experts` (0 elsewhere) and
+    `num_experts_per_tok` (top-k), `moe_intermediate_size` (each expert's; Mixtral: its
+    intermediate_size), `norm_topk_prob` (renormalize the top-k routing weights to sum to 1:
+    always for Mixtral), `shared_expert_intermediate_size` (Qwen2-MoE's always-on shared
+    expert; 0: none) and `sparse_layers` (the layers with an MoE block; the others keep the
+    dense MLP of `intermediate_size`).
     `matryoshka_dimensions` says whether an embedding may be shortened (the `dimensions` of an
     embeddings request): None for a model not trained for it (its hidden size only), `()` for
     any size up to hidden_size (config.json `is_matryoshka: true`), else the sizes listed in
@@ -82,9 +101,15 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str
     has_lm_head: bool = True
-    sliding_window: int | None = None
+    layer_sliding_windows: tuple[int | None, ...] = ()
     id2label: tuple[str, ...] = ()
     matryoshka_dimensions: tuple[int, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -118,9 +143,13 @@ class ModelSpec:
             raise ValueError(
                 f"checkpoint_dtype must be one of {_FLOAT_DTYPES}, got {self.checkpoint_dtype!r}"
             )
-        if self.sliding_window is not None and (
-                not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.layer_sliding_windows and len(self.layer_sliding_windows) != self.num_hidden_layers:
+            raise ValueError(f"layer_sliding_windows needs one entry per layer "
+                             f"({self.num_hidden_layers}), got {len(self.layer_sliding_windows)}")
+        for window in self.layer_sliding_windows:
+            if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                       or window <= 0):
+                raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
         if not self.has_lm_head and self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings needs an lm_head to tie; has_lm_head is False")
         if any(not 1 <= d <= self.hidden_size for d in self.matryoshka_dimensions or ()):
@@ -129,6 +158,39 @@ class ModelSpec:
         if self.id2label and self.has_lm_head:
             raise ValueError("id2label (a classification head) replaces the lm_head; "
                              "has_lm_head must be False")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            if self.num_experts or self.sparse_layers:
+                raise ValueError(f"num_experts / sparse_layers are for Mixture-of-Experts "
+                                 f"architectures ({', '.join(sorted(MOE_ARCHITECTURES))}), "
+                                 f"not {self.architecture!r}")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{self.architecture}: {name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{self.architecture}: num_experts_per_tok "
+                             f"({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.sparse_layers) or (
+                list(self.sparse_layers) != sorted(set(self.sparse_layers))):
+            raise ValueError(f"sparse_layers must be distinct ascending layer indices below "
+                             f"num_hidden_layers ({self.num_hidden_layers}), "
+                             f"got {list(self.sparse_layers)}")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be a non-negative integer, "
+                             f"got {shared!r}")
+        if self.architecture == "qwen2_moe" and shared == 0:
+            raise ValueError("qwen2_moe: shared_expert_intermediate_size must be positive "
+                             "(Qwen2-MoE has a shared expert)")
+        if self.architecture != "qwen2_moe" and shared:
+            raise ValueError(f"{self.architecture} has no shared expert; "
+                             f"shared_expert_intermediate_size must be 0, got {shared}")
 
     def accepts_embedding_dimensions(self, dimensions: int) -> bool:
         """Whether an embedding may be cut to its first `dimensions` values (then normalized):
@@ -149,17 +211,26 @@ class ModelSpec:
     def qk_norm(self) -> bool:
         """Qwen3 normalizes each query and key head (RMSNorm over head_dim, its own weight
         per layer) before the rotary embedding; the other architectures do not."""
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "qwen3_moe")
 
     @property
-    def context_limit(self) -> int:
-        """The longest sequence this model runs exactly: its trained context, and no more than
-        its attention window. A token at position p of a sliding-window model sees only the
-        last `sliding_window` positions (p - window, p]; Argosy's attention sees all of them,
-        which is the same thing only while p < window."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a sparse Mixture-of-Experts block."""
+        return bool(self.sparse_layers)
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has an MoE block (else the dense MLP)."""
+        return layer_idx in self.sparse_layers
+
+    @property
+    def router_weights_in_float32(self) -> bool:
+        """Mixtral scales each expert's output by its float32 routing weight; Qwen MoE casts
+        the weights to the model dtype first (transformers' routers; equal in float32)."""
+        return self.architecture == "mixtral"
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (keys p - W < k <= p), None for full attention."""
+        return self.layer_sliding_windows[layer] if self.layer_sliding_windows else None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -197,7 +268,13 @@ class ModelSpec:
             raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu only)")
         rope_theta, rope_scaling = _hf_rope(config)
         # Qwen2's config has no attention_bias field: its q/k/v projections always have a bias.
-        attention_bias = True if architecture == "qwen2" else bool(config.get("attention_bias", False))
+        # Qwen2-MoE's too (transformers 5 writes qkv_bias, default true).
+        if architecture == "qwen2":
+            attention_bias = True
+        elif architecture == "qwen2_moe":
+            attention_bias = bool(config.get("qkv_bias", True))
+        else:
+            attention_bias = bool(config.get("attention_bias", False))
         eos_ids = _as_id_list(config.get("eos_token_id"))
         if generation_config is not None:
             eos_ids += _as_id_list(generation_config.get("eos_token_id"))
@@ -225,9 +302,10 @@ class ModelSpec:
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             checkpoint_dtype=checkpoint_dtype,
             has_lm_head=has_lm_head,
-            sliding_window=_hf_sliding_window(config, architecture),
+            layer_sliding_windows=_hf_sliding_windows(config, architecture),
             id2label=_hf_labels(config) if is_classifier else (),
             matryoshka_dimensions=_hf_matryoshka(config),
+            **_hf_moe(config, architecture),
         )
 
 
@@ -247,6 +325,47 @@ def _hf_architecture(config: dict[str, Any]) -> tuple[str, bool, bool]:
         f"config.json: unsupported architecture {found!r}; supported: "
         f"{', '.join(HF_ARCHITECTURES)} (model_type {', '.join(HF_MODEL_TYPES)})"
     )
+
+
+def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of ModelSpec from config.json ({} for a dense model).
+
+    Mixtral: `num_local_experts` experts of `intermediate_size` in every layer, top-k weights
+    renormalized. Qwen2/Qwen3-MoE: `num_experts` (transformers 5 may write
+    `num_local_experts`) of `moe_intermediate_size`; layer i is sparse unless it is in
+    `mlp_only_layers`, and only if (i + 1) % `decoder_sparse_step` == 0 (transformers'
+    Qwen*MoeDecoderLayer); `norm_topk_prob` as given (default false).
+    """
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    num_layers = _require_int(config, "num_hidden_layers")
+    num_experts = config.get("num_local_experts") if architecture == "mixtral" else None
+    num_experts = num_experts or config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(f"config.json: a {architecture} model needs num_experts "
+                         "(num_local_experts)")
+    top_k = config.get("num_experts_per_tok")
+    if top_k is None:
+        raise ValueError("config.json: missing required field 'num_experts_per_tok'")
+    if architecture == "mixtral":
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                    moe_intermediate_size=_require_int(config, "intermediate_size"),
+                    norm_topk_prob=True, sparse_layers=tuple(range(num_layers)))
+    step = int(config.get("decoder_sparse_step") or 1)
+    if step <= 0:
+        raise ValueError(f"config.json: decoder_sparse_step must be positive, got {step}")
+    mlp_only = config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, "
+                         f"got {mlp_only!r}")
+    sparse = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=_require_int(config, "moe_intermediate_size"),
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared if architecture == "qwen2_moe" else 0,
+                sparse_layers=sparse)
 
 
 def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
@@ -280,29 +399,38 @@ def _hf_matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     return () if config.get("is_matryoshka") else None
 
 
-def _hf_sliding_window(config: dict[str, Any], architecture: str) -> int | None:
-    """The attention window if any layer of this checkpoint attends through one, else None.
+def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Each layer's attention window, as transformers 5 builds the model; () if none slides.
 
-    Mistral windows every layer when `sliding_window` is set (v0.1: 4096; v0.2 on: null).
-    Qwen2/Qwen3 window only with `use_sliding_window`, and then only layers from
-    `max_window_layers` on. An explicit `layer_types` list (transformers 5) says it per layer.
-    Llama has no window.
+    Mistral and Mixtral window every layer when `sliding_window` is set (Mistral-7B v0.1:
+    4096; later ones: null) and ignore `layer_types`. The Qwen families window only with
+    `use_sliding_window` (their configs drop the window otherwise): Qwen3-MoE every layer;
+    Qwen2, Qwen3 and Qwen2-MoE the layers `layer_types` marks "sliding_attention", by default
+    those from `max_window_layers` on (Qwen2-MoE: the even layers below it). Llama: none.
     """
     window = config.get("sliding_window")
-    if not window:
-        return None
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list):
-        slides = "sliding_attention" in layer_types
-    elif architecture == "mistral":
-        slides = True
-    elif architecture in ("qwen2", "qwen3"):
-        num_layers = int(config.get("num_hidden_layers", 0))
-        slides = bool(config.get("use_sliding_window")) and int(
-            config.get("max_window_layers", num_layers)) < num_layers
+    num_layers = int(config.get("num_hidden_layers", 0))
+    if not window or architecture == "llama":
+        return ()
+    if architecture in ("mistral", "mixtral"):
+        windows: list[int | None] = [int(window)] * num_layers
+    elif not config.get("use_sliding_window"):
+        return ()
+    elif architecture == "qwen3_moe":
+        windows = [int(window)] * num_layers
     else:
-        slides = False
-    return int(window) if slides else None
+        layer_types = config.get("layer_types")
+        if not isinstance(layer_types, list):
+            bound = int(config.get("max_window_layers", num_layers))
+            slides = ((lambda i: i % 2 == 0 and i < bound) if architecture == "qwen2_moe"
+                      else (lambda i: i >= bound))
+            layer_types = ["sliding_attention" if slides(i) else "full_attention"
+                           for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for "
+                             f"{num_layers} layers")
+        windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
+    return tuple(windows) if any(w is not None for w in windows) else ()
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:

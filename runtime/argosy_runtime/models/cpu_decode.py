@@ -8,7 +8,8 @@ At batch 1 a small model's decode step on the CPU spends about as long in Python
 decodes (in the batch-invariant mode: any step of up to MAX_TOKENS rows), when every layer
 runs the fused CPU ops and every linear has a C++ path; any other step, layer or model takes
 the module path. Qwen3's per-head q/k norms run inside the C++ layer too (rms_norm_rows on each
-head, in place in the qkv output, before the rotary).
+head, in place in the qkv output, before the rotary), and each layer's sliding window (Mistral,
+windowed Qwen2 layers) goes to its attention as on the module path.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class CpuDecodeLayers:
         layer_args = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(mlp, "gate_up_proj"):  # an MoE block (models/moe.py): module path
+                return None
             if not all(m.ops == "cpu_ops" for m in (attn, mlp, layer.input_layernorm)):
                 return None
             # Qwen3's per-head q/k norms (bf16 [head_dim]); decode_layer applies them with the
@@ -86,7 +89,8 @@ class CpuDecodeLayers:
             if any(w.dtype != torch.bfloat16 for w in norms):
                 return None
             layer_args.append((*norms, [lin[0] for lin in linears], [lin[1] for lin in linears],
-                               [lin[2] for lin in linears], *head_norms))
+                               [lin[2] for lin in linears], *head_norms,
+                               attn.sliding_window or 0))  # 0: no window
         first = model.layers[0]
         return cls(layer_args, first.input_layernorm.eps, first.self_attn.num_heads,
                    first.self_attn.num_kv_heads)
@@ -111,7 +115,7 @@ class CpuDecodeLayers:
             tables, starts, lens = meta.prefill_sequences()
         else:  # per row
             tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
-        for i, (input_norm, post_norm, weights, kinds, params, q_norm, k_norm) in enumerate(
+        for i, (input_norm, post_norm, weights, kinds, params, q_norm, k_norm, window) in enumerate(
                 self.layer_args[:num_layers]):
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
@@ -119,5 +123,5 @@ class CpuDecodeLayers:
             decode_layer(hidden, input_norm, post_norm, self.eps, *weights, kinds, params,
                          key_cache, value_cache, k_scale, v_scale, meta.slot_mapping,
                          tables, lens, cos, signed_sin, self.num_heads, self.num_kv_heads, scale,
-                         lora, lora_scales, starts, q_norm, k_norm)
+                         lora, lora_scales, starts, q_norm, k_norm, window)
         return hidden

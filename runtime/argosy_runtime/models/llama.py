@@ -1,4 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
+Mixtral, Qwen2-MoE and Qwen3-MoE are the same decoder with models/moe.py's sparse MoE block
+in place of the MLP (in every layer, or those the spec's `sparse_layers` name).
 
 No padding: the batch is every scheduled token of every request, one after another
 ([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
@@ -85,6 +87,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
+        # This layer's attention window (keys p - W < k <= p), None: full causal attention.
+        self.sliding_window = spec.sliding_window(layer_idx)
+        self._window_kwargs = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(h)
@@ -104,7 +109,8 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, **ctx.cache_kwargs(self.layer_idx))
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta,
+                                  **ctx.cache_kwargs(self.layer_idx), **self._window_kwargs)
         out = out.reshape(-1, self.q_size)
         o = self.o_proj(out)
         if ctx.lora is not None:
@@ -122,12 +128,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, intermediate_size: int | None = None
+                 ) -> None:
+        """`intermediate_size`: spec.intermediate_size unless given (an MoE expert's)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, spec.hidden_size, bias=False)
         self.ops = "torch"  # "cpu_ops" / "triton": SiLU x up in one kernel
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -151,7 +159,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec, layer_idx)
+        if spec.is_sparse_layer(layer_idx):  # Mixtral / Qwen-MoE: a sparse MoE block
+            from argosy_runtime.models.moe import SparseMoeBlock
+
+            self.mlp: nn.Module = SparseMoeBlock(spec, layer_idx)
+        else:
+            self.mlp = MLP(spec, layer_idx)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -357,8 +370,18 @@ class LlamaForCausalLM(nn.Module):
             return [s.num_attention_heads * s.head_dim, kv, kv]
         return [s.intermediate_size, s.intermediate_size]
 
+    # Mixtral's Hub names: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down).
+    _MIXTRAL_EXPERT = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                       "w2": ("down_proj", None)}
+
     def map_weight_name(self, hf_name: str) -> tuple[str, int | None]:
         """HF parameter name -> (our parameter name, shard index or None if not fused)."""
+        if ".block_sparse_moe." in hf_name:  # Mixtral: our MoE block is `mlp` in every model
+            hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+            parts = hf_name.split(".")
+            if len(parts) >= 2 and parts[-2] in self._MIXTRAL_EXPERT:
+                ours, shard = self._MIXTRAL_EXPERT[parts[-2]]
+                return ".".join(parts[:-2] + [ours, parts[-1]]), shard
         parts = hf_name.split(".")
         if len(parts) >= 2 and parts[-2] in self._FUSED:
             fused, shard = self._FUSED[parts[-2]]
@@ -388,7 +411,10 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(tensor)
             else:
                 fused = name.rsplit(".", 2)[-2]
-                sizes = self.fused_shard_sizes(fused)
+                # gate_up halves from the parameter: an MoE expert's (or shared expert's)
+                # intermediate size is not spec.intermediate_size.
+                sizes = (self.fused_shard_sizes(fused) if fused == "qkv_proj"
+                         else [param.shape[0] // 2] * 2)
                 offset = sum(sizes[:shard])
                 target = param.narrow(0, offset, sizes[shard])
                 if target.shape != tensor.shape:

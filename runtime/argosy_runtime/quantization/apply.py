@@ -46,6 +46,12 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
     Raises ValueError on a mismatching or incomplete checkpoint.
     """
     pre = detect_prequantized(checkpoint)
+    spec = getattr(model, "spec", None)
+    moe = spec is not None and spec.is_moe
+    if pre is not None and moe:
+        raise ValueError(f"pre-quantized ({pre.describe()}) {spec.architecture} checkpoints are "
+                         "not supported: Mixture-of-Experts models load from float weights "
+                         "(quantization='int8' / 'int4' quantizes their experts at load)")
     if pre is not None:
         if config is not None and config.method != pre.method:
             raise ValueError(f"quantization={config.method!r} was asked for, but the checkpoint is "
@@ -57,6 +63,9 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
     dtype = model.model.embed_tokens.weight.dtype
     before = weight_bytes(model)
     if config.algorithm == "gptq" and config.source == "rtn":
+        if moe:
+            raise ValueError(f"GPTQ calibration does not support Mixture-of-Experts models "
+                             f"({spec.architecture}); use round-to-nearest int8 / int4")
         _load_with_gptq(model, checkpoint, config, dtype)
         quantize_output_layer(model)
         logger.info("quantized decoder linears to %s with GPTQ%s: weights %.1f MiB -> %.1f MiB",

@@ -79,7 +79,7 @@ class DraftProposer:
         if n > spec.num_hidden_layers:
             raise ValueError(f"draft_layers ({n}) exceeds the draft's {spec.num_hidden_layers} layers")
         self.num_layers = n
-        self.max_positions = min(engine.max_model_len, spec.context_limit)
+        self.max_positions = min(engine.max_model_len, spec.max_position_embeddings)
         # The target's kind of backend (Triton on CUDA, the fused CPU kernels on the CPU).
         self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
                                             spec.head_dim, spec.head_dim**-0.5)

@@ -119,3 +119,9 @@ def random_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def random_qwen3_hf(random_qwen3_dir: Path) -> HFReference:
     return HFReference(_load_hf(random_qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_reference():  # -> Callable[[Path], HFReference]
+    """Builds the transformers reference (float32) of any model folder a test writes."""
+    return lambda path: HFReference(_load_hf(Path(path)))

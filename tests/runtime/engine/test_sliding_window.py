@@ -1,80 +1,264 @@
-"""Sliding-window checkpoints (Mistral-7B v0.1, Qwen2 with use_sliding_window): Argosy attends
-to the whole context, which equals windowed attention only while a sequence fits in the
-window, so the engine serves such a model up to its window and refuses a longer
---max-model-len instead of silently answering with different attention."""
+"""Sliding-window checkpoints (Mistral-7B v0.1; Qwen2 with use_sliding_window, windowed from
+layer max_window_layers on) served past their window with windowed attention: a query at
+position p of a windowed layer sees the keys p - W < k <= p, as transformers' mask does.
+
+Tiny random models with windows of a few blocks (block_size 4), prompts and generations well
+past the window: greedy tokens and logprobs equal transformers' in float32 through chunked
+prefill, prefix-cache hits and preemption; bfloat16 (the fused C++ kernels and decode layers)
+and an int8 KV cache stay close to it."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
-from argosy_runtime import LLM, SamplingParams
+from argosy_runtime import LLM, LLMEngine, SamplingParams
+from engine_helpers import assert_no_leaks, run_requests
 from model_factory import make_random_model_dir
 
-WINDOW = 48
+MISTRAL_WINDOW = 10  # ends inside a block of 4
+QWEN2_WINDOW = 12  # ends on a block boundary
+MAX_POSITIONS = 256
 
 
-def windowed_mistral(tmp_path, window: int | None):  # noqa: ANN001, ANN201
-    folder = make_random_model_dir(tmp_path, "mistral", name=f"mistral-window-{window}",
-                                   max_position_embeddings=256)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["sliding_window"] = window
-    config_path.write_text(json.dumps(config))
-    return folder
+class Reference:
+    """transformers' greedy continuation, one full forward per token (no KV cache: the
+    windowed mask alone decides what each position sees)."""
+
+    def __init__(self, folder) -> None:  # noqa: ANN001
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        ids, logprobs = list(prompt), []
+        for _ in range(n):
+            lp = torch.log_softmax(self.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            logprobs.append(lp)
+            ids.append(int(lp.argmax()))
+        return ids[len(prompt):], logprobs
 
 
-def hf_model(folder):  # noqa: ANN001, ANN201
-    from transformers import AutoModelForCausalLM
+def windowed_dir(tmp_path, arch: str, window: int | None, **kwargs):  # noqa: ANN001, ANN201
+    """A random `arch` folder whose config windows attention. Qwen2: 3 layers, the first full
+    and the other two windowed (max_window_layers 1)."""
+    if arch == "mistral":
+        extra = {"sliding_window": window}
+    else:
+        extra = {"sliding_window": window, "use_sliding_window": window is not None,
+                 "max_window_layers": 1}
+        kwargs.setdefault("num_hidden_layers", 3)
+    return make_random_model_dir(tmp_path, arch, name=f"{arch}-window-{window}",
+                                 max_position_embeddings=MAX_POSITIONS, extra_config=extra,
+                                 **kwargs)
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):  # noqa: ANN001, ANN201
+    folder = windowed_dir(tmp_path_factory.mktemp("models"), "mistral", MISTRAL_WINDOW)
+    return folder, Reference(folder)
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):  # noqa: ANN001, ANN201
+    folder = windowed_dir(tmp_path_factory.mktemp("models"), "qwen2", QWEN2_WINDOW)
+    return folder, Reference(folder)
 
 
-def test_engine_serves_up_to_the_window_and_equals_transformers(tmp_path) -> None:  # noqa: ANN001
-    folder = windowed_mistral(tmp_path, WINDOW)
-    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
-    assert llm.engine.spec.sliding_window == WINDOW
-    assert llm.engine.max_model_len == WINDOW  # not the 256 of max_position_embeddings
-    reference = hf_model(folder)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (1, 20, 30, 47)]
-    params = [SamplingParams(max_tokens=WINDOW - len(p), temperature=0.0, ignore_eos=True)
-              for p in prompts]  # each sequence ends exactly at the window
-    for prompt, out in zip(prompts, llm.generate(prompts, params)):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, WINDOW - len(prompt))
-    with pytest.raises(ValueError, match=rf"exceeds max_model_len \({WINDOW}\)"):
-        llm.generate([[5] * WINDOW], SamplingParams(max_tokens=1))
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def assert_equals_reference(outputs, prompts, ref: Reference, n: int) -> None:  # noqa: ANN001
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = ref.greedy(prompt, n)
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens, len(prompt)
+        for pos, token in enumerate(tokens):
+            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
 
 
 def test_the_window_changes_attention_beyond_it(tmp_path) -> None:  # noqa: ANN001
-    """Why the cap exists: past the window, transformers' windowed model and full attention
-    disagree, so serving the whole context would answer differently from the checkpoint."""
-    windowed, full = hf_model(windowed_mistral(tmp_path, WINDOW)), hf_model(windowed_mistral(tmp_path, None))
-    ids = torch.tensor([[random.Random(4).randrange(3, 49152) for _ in range(2 * WINDOW)]])
+    """Why the window must be honoured: past it, transformers' windowed model and full
+    attention disagree (equal, bit for bit, before it)."""
+    windowed = Reference(windowed_dir(tmp_path, "mistral", MISTRAL_WINDOW)).model
+    full = Reference(windowed_dir(tmp_path, "mistral", None)).model
+    ids = torch.tensor(random_prompts(4, (4 * MISTRAL_WINDOW,)))
     with torch.no_grad():
         a, b = windowed(ids).logits[0], full(ids).logits[0]
-    # Same computation up to the window (bit-equal); every position past it sees less.
-    assert torch.equal(a[:WINDOW], b[:WINDOW])
-    assert bool(((a[WINDOW:] - b[WINDOW:]).abs().amax(dim=1) > 0).all())
+    assert torch.equal(a[:MISTRAL_WINDOW], b[:MISTRAL_WINDOW])
+    assert bool(((a[MISTRAL_WINDOW:] - b[MISTRAL_WINDOW:]).abs().amax(dim=1) > 0).all())
 
 
-def test_max_model_len_beyond_the_window_is_refused(tmp_path) -> None:  # noqa: ANN001
-    folder = windowed_mistral(tmp_path, WINDOW)
-    with pytest.raises(ValueError, match=rf"sliding attention window \({WINDOW}\).*--max-model-len {WINDOW}"):
-        LLM(model=str(folder), dtype="float32", max_model_len=WINDOW + 1)
-    assert LLM(model=str(folder), dtype="float32", max_model_len=32).engine.max_model_len == 32
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_past_the_window_equals_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    """Prompts shorter than, equal to and several times the window, 24 generated tokens each,
+    batched, in prefill chunks of 16 tokens (a chunk after cached tokens crosses the window)."""
+    folder, ref = request.getfixturevalue(arch)
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    window = MISTRAL_WINDOW if arch == "mistral" else QWEN2_WINDOW
+    expected = (window,) * 2 if arch == "mistral" else (None, window, window)
+    assert spec.layer_sliding_windows == expected
+    assert llm.engine.max_model_len == MAX_POSITIONS  # no longer capped at the window
+    prompts = random_prompts(1, (1, window - 1, window, window + 1, 23, 45))
+    assert_equals_reference(llm.generate(prompts, greedy(24)), prompts, ref, 24)
+    assert_no_leaks(llm.engine)
 
 
-def test_no_window_keeps_the_trained_context(tmp_path) -> None:  # noqa: ANN001
-    llm = LLM(model=str(windowed_mistral(tmp_path, None)), dtype="float32")
-    assert llm.engine.spec.sliding_window is None and llm.engine.max_model_len == 256
+def test_whole_prompts_in_one_chunk_and_one_token_chunks(qwen2) -> None:  # noqa: ANN001
+    folder, ref = qwen2
+    prompts = random_prompts(2, (30, 17))
+    for budget in (256, 1):  # a 30-token prompt at once; then prompts a token per step
+        llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=budget,
+                  max_num_seqs=2)
+        assert_equals_reference(llm.generate(prompts, greedy(16)), prompts, ref, 16)
+        assert_no_leaks(llm.engine)
+
+
+def test_prefix_hits_and_preemption(mistral) -> None:  # noqa: ANN001
+    """A shared prefix longer than the window (cache hits start a chunk mid-window) and a KV
+    pool too small for all requests (preempted ones recompute)."""
+    folder, ref = mistral
+    # Per token: 2 layers x (K, V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes.
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                       max_num_batched_tokens=8, kv_cache_memory=30 * 4 * 512)
+    shared = random_prompts(3, (22,))[0]
+    prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 14, 6, 11))]
+    outputs = run_requests(engine, [(p, greedy(20)) for p in prompts])
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_equals_reference(outputs, prompts, ref, 20)
+    assert_no_leaks(engine)
+
+
+@pytest.fixture(scope="module")
+def mistral_64(tmp_path_factory):  # noqa: ANN001, ANN201
+    """head_dim 64: the C++ prefill kernel's size, so bfloat16 runs every fused C++ kernel.
+    Smaller weights than the other models: bf16 rounding then moves logprobs by a few 0.01
+    instead of tenths, well below what the window changes."""
+    folder = windowed_dir(tmp_path_factory.mktemp("models"), "mistral", MISTRAL_WINDOW,
+                          head_dim=64, init_std=0.15)
+    return folder, Reference(folder)
+
+
+def test_bfloat16_fused_cpu_kernels_stay_close(mistral_64) -> None:  # noqa: ANN001
+    """bf16 on the CPU: prompt chunks through cpu_ops.varlen_attention, decode steps through
+    the C++ decode layers (cpu_ops.decode_layer) and cpu_ops.decode_attention, each with the
+    window. Full attention would put positions past the window far off."""
+    folder, ref = mistral_64
+    llm = LLM(model=str(folder), dtype="bfloat16", block_size=4, max_num_batched_tokens=16)
+    model = llm.engine.model
+    if model.ops != "cpu_ops":
+        pytest.skip("the fused C++ kernels did not build here")
+    prompts = random_prompts(5, (8, 30, 41))
+    outputs = llm.generate(prompts, greedy(12))
+    agree = total = 0
+    for prompt, out in zip(prompts, outputs):
+        tokens, logprobs = ref.greedy(prompt, 12)
+        seq = out.outputs[0]
+        # Until the first disagreement the contexts are equal: compare logprobs there.
+        for pos, (got, want) in enumerate(zip(seq.token_ids, tokens)):
+            total += 1
+            agree += got == want
+            assert abs(seq.logprobs[pos][got].logprob - logprobs[pos][got].item()) < 0.08
+            if got != want:
+                break
+    assert agree >= total - 2  # a bf16 near-tie may flip one
+    assert_no_leaks(llm.engine)
+    # The tolerance is tight enough to tell the window from full attention.
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                sliding_window=None).eval()
+    with torch.no_grad():
+        full_lp = torch.log_softmax(full(torch.tensor([prompts[2]])).logits[0, -1], dim=-1)
+    assert (full_lp - ref.greedy(prompts[2], 1)[1][0]).abs().max() > 0.3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_kv_cache_stays_close(mistral_64, dtype: str) -> None:  # noqa: ANN001
+    folder, ref = mistral_64
+    llm = LLM(model=str(folder), dtype=dtype, block_size=4, kv_cache_dtype="int8",
+              max_num_batched_tokens=16)
+    prompts = random_prompts(6, (5, 33))
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(16))):
+        tokens, logprobs = ref.greedy(prompt, 16)
+        seq = out.outputs[0]
+        for pos, (got, want) in enumerate(zip(seq.token_ids, tokens)):
+            assert abs(seq.logprobs[pos][got].logprob - logprobs[pos][got].item()) < 0.1
+            if got != want:
+                break
+    assert_no_leaks(llm.engine)
+
+
+def test_max_model_len_is_the_trained_context(tmp_path) -> None:  # noqa: ANN001
+    folder = windowed_dir(tmp_path, "mistral", MISTRAL_WINDOW)
+    assert LLM(model=str(folder), dtype="float32", max_model_len=100).engine.max_model_len == 100
+    with pytest.raises(ValueError, match=rf"exceeds the model's context length \({MAX_POSITIONS}\)"):
+        LLM(model=str(folder), dtype="float32", max_model_len=MAX_POSITIONS + 1)
+
+
+def test_pure_torch_path_equals_transformers(qwen2) -> None:  # noqa: ANN001
+    """Without the C++ kernels (no compiler, ARGOSY_CPU_OPS=0): decode rows through the
+    gathered-block SDPA with a windowed mask (one per window: this model has a full layer
+    and two windowed ones), prompt chunks through masked SDPA."""
+    folder, ref = qwen2
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    llm.engine.model.use_fused_cpu_ops(False)
+    llm.engine.runner.backend.fused_cpu_ops = False
+    prompts = random_prompts(7, (3, 26, 40))
+    assert_equals_reference(llm.generate(prompts, greedy(20)), prompts, ref, 20)
+    assert_no_leaks(llm.engine)
+
+
+def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    seq = out.outputs[0]
+    return seq.token_ids, [lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)]
+
+
+def test_cpu_decode_layers_equal_the_module_path(mistral_64, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """bfloat16 decode steps through cpu_ops.decode_layer pass each layer's window: the same
+    bits as the module path (Attention -> backend -> cpu_ops.decode_attention)."""
+    from engine_helpers import record_cpp_layer_calls
+
+    folder, _ = mistral_64
+    llm = LLM(model=str(folder), dtype="bfloat16", block_size=4, enable_prefix_caching=False)
+    model = llm.engine.model
+    if model.cpu_decode is None:
+        pytest.skip("the fused C++ kernels did not build here")
+    prompts = random_prompts(8, (6, 25, 40))
+    calls = record_cpp_layer_calls(monkeypatch)
+    fast = [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))]
+    assert calls, "decode steps took the C++ layers"
+    model.cpu_decode = None
+    assert [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))] == fast
+
+
+def test_batch_invariant_mode_with_windows(mistral_64) -> None:  # noqa: ANN001
+    """The batch-invariant mode (every query through cpu_ops.varlen_attention, whose key tiles
+    start at a task's window): a request's bits alone equal its bits beside others and cut
+    into other chunks."""
+    from argosy_kernels import cpu_ops
+
+    if not cpu_ops.has_avx512_bf16():
+        pytest.skip("the batch-invariant mode needs AVX512-BF16")
+    folder, ref = mistral_64
+    target, *others = random_prompts(9, (37, 5, 19, 44))
+    alone = LLM(model=str(folder), dtype="bfloat16", batch_invariant=True, block_size=4,
+                enable_prefix_caching=False)
+    expected = _tokens_and_logprobs(alone.generate([target], greedy(16))[0])
+    busy = LLM(model=str(folder), dtype="bfloat16", batch_invariant=True, block_size=4,
+               enable_prefix_caching=False, max_num_batched_tokens=7)
+    outs = busy.generate([*others, target], greedy(16))
+    assert _tokens_and_logprobs(outs[-1]) == expected
+    tokens, logprobs = ref.greedy(target, 16)
+    assert abs(expected[1][0] - logprobs[0][expected[0][0]].item()) < 0.08
+    assert_no_leaks(busy.engine)

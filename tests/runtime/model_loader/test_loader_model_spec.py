@@ -137,31 +137,58 @@ def test_llama3_scaling_recovered_from_gguf_rope_freqs() -> None:
         _llama3_scaling_from_factors(factors * 1.5, head_dim, theta)
 
 
+# LLAMA32_CONFIG has 16 layers: the expected windows per layer, () when none slides.
 @pytest.mark.parametrize(
-    ("architecture", "extra", "window"),
+    ("architecture", "extra", "windows"),
     [
         # Mistral-7B v0.1 windows every layer; v0.2 on publish sliding_window: null.
-        ("MistralForCausalLM", {"sliding_window": 4096}, 4096),
-        ("MistralForCausalLM", {"sliding_window": None}, None),
+        ("MistralForCausalLM", {"sliding_window": 4096}, (4096,) * 16),
+        ("MistralForCausalLM", {"sliding_window": None}, ()),
+        # MistralModel ignores layer_types: every layer still slides.
+        ("MistralForCausalLM", {"sliding_window": 64, "layer_types": ["full_attention"] * 16}, (64,) * 16),
         # Qwen2.5 configs carry a sliding_window but use_sliding_window false: no window.
-        ("Qwen2ForCausalLM", {"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 8}, None),
-        ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 8}, 4096),
-        # Windowing starts at layer max_window_layers: from 16 on, none of 16 layers slides.
-        ("Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 16}, None),
-        # transformers 5 spells it per layer.
-        ("Qwen2ForCausalLM", {"sliding_window": 1024, "layer_types": ["full_attention"] * 15 + ["sliding_attention"]}, 1024),
-        ("Qwen2ForCausalLM", {"sliding_window": 1024, "layer_types": ["full_attention"] * 16}, None),
-        ("LlamaForCausalLM", {"sliding_window": 4096}, None),
+        ("Qwen2ForCausalLM", {"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 8}, ()),
+        # Windowing starts at layer max_window_layers.
+        ("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 8},
+         (None,) * 8 + (4096,) * 8),
+        ("Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 16}, ()),
+        ("Qwen3ForCausalLM", {"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 15},
+         (None,) * 15 + (512,)),
+        # transformers 5 spells it per layer, and still needs use_sliding_window (without it
+        # Qwen2Config drops the window and no layer slides).
+        ("Qwen2ForCausalLM", {"sliding_window": 1024, "use_sliding_window": True,
+                              "layer_types": ["sliding_attention", "full_attention"] * 8},
+         (1024, None) * 8),
+        ("Qwen2ForCausalLM", {"sliding_window": 1024, "layer_types": ["full_attention"] * 15 + ["sliding_attention"]}, ()),
+        ("Qwen2ForCausalLM", {"sliding_window": 1024, "use_sliding_window": True,
+                              "layer_types": ["full_attention"] * 16}, ()),
+        ("LlamaForCausalLM", {"sliding_window": 4096}, ()),
     ],
 )
-def test_sliding_window_caps_the_context(architecture: str, extra: dict, window: int | None) -> None:
+def test_sliding_windows_per_layer(architecture: str, extra: dict, windows: tuple) -> None:
     config = {**LLAMA32_CONFIG, "architectures": [architecture], "rope_scaling": None, **extra}
     spec = ModelSpec.from_hf_config(config, checkpoint_dtype="bfloat16")
-    assert spec.sliding_window == window
-    assert spec.context_limit == (window or 131072)
+    assert spec.layer_sliding_windows == windows
+    assert [spec.sliding_window(i) for i in range(16)] == list(windows or (None,) * 16)
+    # Windowed attention runs past the window: the trained context is the limit.
+    assert spec.max_position_embeddings == 131072
+
+
+def test_sliding_windows_follow_transformers_layer_types() -> None:
+    """The per-layer windows are the ones transformers' own config derives."""
+    from transformers import Qwen2Config
+
+    hf = Qwen2Config(num_hidden_layers=6, sliding_window=8, use_sliding_window=True, max_window_layers=4)
+    config = {**LLAMA32_CONFIG, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None,
+              "num_hidden_layers": 6, "sliding_window": 8, "use_sliding_window": True,
+              "max_window_layers": 4}
+    spec = ModelSpec.from_hf_config(config, checkpoint_dtype="bfloat16")
+    assert [8 if t == "sliding_attention" else None for t in hf.layer_types] == list(spec.layer_sliding_windows)
 
 
 def test_sliding_window_must_be_positive() -> None:
     spec = ModelSpec.from_hf_config(LLAMA32_CONFIG, checkpoint_dtype="bfloat16")
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
-        dataclasses.replace(spec, sliding_window=0)
+        dataclasses.replace(spec, layer_sliding_windows=(None,) * 15 + (0,))
+    with pytest.raises(ValueError, match="one entry per layer"):
+        dataclasses.replace(spec, layer_sliding_windows=(8,))
