@@ -116,6 +116,16 @@ def test_prefix_hits_and_preemption_equal_transformers(moe_dirs, moe_refs) -> No
     assert_no_leaks(engine)
 
 
+def test_speculative_decoding_keeps_the_moe_targets_output(moe_dirs, moe_refs) -> None:  # noqa: ANN001
+    # An int8 copy of the MoE model drafts, the float32 MoE target verifies: each step routes
+    # a chunk of 1 + k tokens, and the output is still the target's own greedy output.
+    llm = LLM(model=str(moe_dirs["mixtral"]), dtype="float32", block_size=4,
+              speculative={"method": "draft", "quantization": "int8", "num_speculative_tokens": 3})
+    assert_equal_to_transformers(llm.generate(prompts(5, 3), greedy(12)), moe_refs["mixtral"], 12)
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_no_leaks(llm.engine)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_bfloat16_packed_experts_stay_close(arch: str, moe_dirs) -> None:  # noqa: ANN001
     """Against transformers in bfloat16: a random router's near-ties flip experts between
