@@ -251,7 +251,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
 
 
 def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """In place: qk = qk * cos + roll(qk, head_dim / 2) * signed_sin
+    """In place: qk = qk * cos + roll(qk, rot_dim / 2) * signed_sin over the first rot_dim (the
+    tables' width, head_dim or a partial rotary's less) values of each head
     (models.rotary.RotaryEmbedding.rotate). qk: [tokens, heads, head_dim], rows may be strided."""
     torch.ops.argosy_cpu.rotary_embedding(qk, cos, signed_sin)
 

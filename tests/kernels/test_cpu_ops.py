@@ -111,6 +111,25 @@ def test_rotary_in_place_inside_the_fused_qkv_rows(dtype: torch.dtype, head_dim:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_turns_the_first_rotary_dim_values(dtype: torch.dtype) -> None:
+    """Phi-4-mini's partial rotary: tables rotary_dim (48) wide, pairs (i, i + 24), the last
+    16 values of each 64-wide head untouched, as RotaryEmbedding.rotate does."""
+    g = _gen(48)
+    tokens, heads, head_dim = 9, 5, 64
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype, rotary_dim=48)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    qkv = _randn(tokens, (heads + 1) * head_dim, dtype=dtype, gen=g)
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    before = qk.clone()
+    tables = rotary.tables(positions)
+    assert tables[0].shape == (tokens, 1, 48)
+    expected = rotary.rotate(qk.clone(), tables)
+    cpu_ops.rotary_embedding(qk, *tables)
+    _assert_close(qk, expected, dtype)
+    assert torch.equal(qk[..., 48:], before[..., 48:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
     g = _gen(3)
     key_cache = torch.zeros(6, 16, 3, 64, dtype=dtype)

@@ -130,16 +130,21 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 
 // ---- Rotary embedding, in place ----------------------------------------------------------------
 // x = x * cos + roll(x, D/2) * signed_sin (the sign of rotate_half lives in the table).
+// The tables' width D (rot_dim) may be below head_dim: a partial rotary (Phi-4-mini) turns the
+// first rot_dim values of each head, pairs (i, i + rot_dim / 2), and leaves the rest alone.
 void rotary_embedding(Tensor qk, const Tensor& cos, const Tensor& signed_sin) {
   check_cpu_float(qk, "qk");
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
               "qk must be [tokens, heads, head_dim] with contiguous heads");
-  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  const int64_t tokens = qk.size(0), heads = qk.size(1);
+  if (tokens == 0) return;
+  const int64_t dim = cos.numel() / tokens, half = dim / 2;
   TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * dim &&
-              signed_sin.numel() == tokens * dim && cos.scalar_type() == qk.scalar_type() &&
-              signed_sin.scalar_type() == qk.scalar_type(),
-              "cos/signed_sin must be contiguous [tokens, head_dim] of qk's dtype");
-  const int64_t row_stride = qk.stride(0);
+              signed_sin.numel() == tokens * dim && dim % 2 == 0 && dim <= qk.size(2) &&
+              cos.scalar_type() == qk.scalar_type() && signed_sin.scalar_type() == qk.scalar_type(),
+              "cos/signed_sin must be contiguous [tokens, rot_dim] of qk's dtype, rot_dim even and "
+              "at most head_dim");
+  const int64_t row_stride = qk.stride(0), head_stride = qk.stride(1);
   dispatch_float(qk.scalar_type(), [&]<typename T>() {
     T* x = qk.data_ptr<T>();
     const T* c = cos.data_ptr<T>();
@@ -150,7 +155,7 @@ void rotary_embedding(Tensor qk, const Tensor& cos, const Tensor& signed_sin) {
         const T* ct = c + t * dim;
         const T* st = s + t * dim;
         for (int64_t h = 0; h < heads; ++h) {
-          T* xh = x + t * row_stride + h * dim;
+          T* xh = x + t * row_stride + h * head_stride;
           for (int64_t d = 0; d < dim; ++d) head[d] = static_cast<float>(xh[d]);
           for (int64_t d = 0; d < dim; ++d) {
             const float rolled = head[d < half ? d + half : d - half];
