@@ -90,7 +90,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         kwargs = {"batch_invariant": True} if batch_invariant else {}
         self.backend = backend_cls(
-            s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.head_dim**-0.5, **kwargs
+            s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.attention_scale, **kwargs
         )
         shape = (s.num_hidden_layers, 2, cache_config.num_blocks, self.block_size,
                  s.num_key_value_heads, s.head_dim)

@@ -80,6 +80,20 @@ def test_triton_ops_match_eager_ops_with_llama3_rope_scaling():
     _compare(spec, TorchAttentionBackend)
 
 
+def test_triton_ops_match_eager_ops_with_phi3_longrope_and_partial_rotary():
+    # Phi-4-mini's rotary: longrope factors (short ones: max_positions <= original) and the
+    # first half of each head rotated; the Triton table is rotary_dim wide.
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 2048,
+               "attention_factor": 1.2, "short_factor": [1.0, 1.5, 2.0, 4.0],
+               "long_factor": [8.0] * 4}
+    spec = dataclasses.replace(SPEC, architecture="phi3", rope_scaling=scaling,
+                               partial_rotary_factor=0.5)
+    _compare(spec, TorchAttentionBackend, tol=2e-6)  # q.k scaled by 1.2^2: a few ulps more
+    model = random_model(spec, torch.float32, DEVICE)
+    model.use_triton_ops()
+    assert model.rotary.cos_sin_cache.shape == (spec.max_position_embeddings, 8)
+
+
 def test_triton_ops_in_bfloat16_as_close_to_float32_as_the_eager_ops():
     # Eager rounds to bf16 after every multiply, the kernels once (and the interpreter's
     # stores truncate): judge both by their distance from the float32 model.
@@ -164,3 +178,14 @@ def test_triton_ops_match_eager_ops_with_qwen3_qk_norms():
     spec = dataclasses.replace(SPEC, architecture="qwen3")
     assert spec.qk_norm
     _compare(spec, TorchAttentionBackend, tol=4e-6)
+
+
+def test_triton_ops_match_eager_ops_for_gemma3():
+    """Gemma 3's layer (four norms, float32 1 + w weights through the Triton norm kernel,
+    gelu-tanh in torch) and its sliding layers' own rotary table (ctx.local_rotary's
+    cos_sin_cache) beside the full layer's linearly scaled one, past the window."""
+    spec = dataclasses.replace(
+        SPEC, architecture="gemma3", hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24.0,
+        local_rope_theta=100.0, layer_sliding_windows=(8, None),
+        rope_scaling={"rope_type": "linear", "factor": 8.0})
+    _compare(spec, TorchAttentionBackend)

@@ -53,6 +53,14 @@ _ARCH_CLASSES = {  # arch -> (config, causal LM, headless decoder, sequence clas
                   "Qwen2MoeForSequenceClassification"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeModel",
                   "Qwen3MoeForSequenceClassification"),
+    # Phi-3 saves qkv_proj / gate_up_proj fused; longrope, partial_rotary_factor and
+    # original_max_position_embeddings go through `rope_scaling` / `extra_config`.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "Phi3Model", "Phi3ForSequenceClassification"),
+    # Gemma 3 text (gemma-3-1b): pass its rope_parameters keyed by layer type, layer_types,
+    # query_pre_attn_scalar etc. through `extra_config`. Its norms scale by 1 + weight, so the
+    # randomized norm weights (~1) double the scale: still random, still caught if dropped.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma3TextModel",
+               "Gemma3TextForSequenceClassification"),
 }
 
 

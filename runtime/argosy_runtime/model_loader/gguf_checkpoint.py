@@ -93,9 +93,13 @@ def spec_from_gguf(reader: GGUFReader) -> ModelSpec:
             "Qwen3MoeForCausalLM run from safetensors)"
         )
     if gguf_arch not in _GGUF_ARCHITECTURES:
+        # llama.cpp's phi3 files (Phi-3, Phi-3.5, Phi-4) store qkv and gate/up fused and the
+        # longrope factors as tensors: not read here; the safetensors folder is.
+        hint = ("; Phi-3 / Phi-4: load the model's Hugging Face folder instead "
+                "(Phi3ForCausalLM runs from safetensors)" if gguf_arch == "phi3" else "")
         raise ValueError(
             f"GGUF general.architecture {gguf_arch!r} is not supported; "
-            f"supported: {', '.join(_GGUF_ARCHITECTURES)}"
+            f"supported: {', '.join(_GGUF_ARCHITECTURES)}{hint}"
         )
     architecture = gguf_arch
     # llama.cpp files Mistral under "llama"; the name is the only hint (transformers does the same).

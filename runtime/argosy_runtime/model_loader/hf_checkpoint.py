@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from argosy_runtime.model_loader.model_spec import ModelSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+logger = logging.getLogger("argosy.model_loader")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # Buffers some older checkpoints saved that are recomputed by the model, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -80,6 +82,8 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if spec.architecture == "gemma3":  # norms before and after the MLP as well
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         for proj in ("q", "k", "v", "o"):
@@ -155,10 +159,50 @@ def split_fused_experts(name: str, tensor: torch.Tensor, spec: ModelSpec
     return out
 
 
+_PHI3_FUSED = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def split_phi3_fused(name: str, tensor: torch.Tensor, spec: ModelSpec
+                     ) -> list[tuple[str, torch.Tensor]] | None:
+    """Phi-3's stored fused projections in the per-projection names of `expected_weight_names`
+    (views, no copy; the model fuses them again), or None for any other tensor.
+
+    `self_attn.qkv_proj.weight` [(heads + 2 kv_heads) * head_dim, hidden] holds the q rows,
+    then k, then v (transformers' Phi3Attention slices it so); `mlp.gate_up_proj.weight`
+    [2 * intermediate, hidden] the gate rows then the up rows (Phi3MLP's chunk(2))."""
+    match = _PHI3_FUSED.match(name)
+    if match is None:
+        return None
+    prefix = f"model.layers.{match.group(1)}."
+    if match.group(2) == "self_attn.qkv_proj":
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        sizes, parts = [q, kv, kv], [f"self_attn.{p}_proj" for p in ("q", "k", "v")]
+    else:
+        sizes, parts = [spec.intermediate_size] * 2, ["mlp.gate_proj", "mlp.up_proj"]
+    if tuple(tensor.shape) != (sum(sizes), spec.hidden_size):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                         f"model {(sum(sizes), spec.hidden_size)}")
+    return [(f"{prefix}{part}.weight", rows)
+            for part, rows in zip(parts, tensor.split(sizes, dim=0))]
+
+
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
+# A multimodal Gemma 3's image encoder and projector, in either naming: not served.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
 def model_weight_name(stored_name: str) -> str:
     """The name the model expects for a tensor as stored: a headless checkpoint (`LlamaModel`,
     `MistralModel`, `Qwen2Model`) saves the decoder's own names, without the `model.` prefix
-    a `*ForCausalLM` puts in front of them (`layers.0.mlp.up_proj.weight`)."""
+    a `*ForCausalLM` puts in front of them (`layers.0.mlp.up_proj.weight`). The text model of a
+    multimodal checkpoint (Gemma3ForConditionalGeneration) is stored as
+    `language_model.model.*` + `language_model.lm_head.*` (the Hub's, and what transformers 5
+    saves) or `model.language_model.*` + `lm_head.*` (transformers' in-memory names)."""
+    for prefix, ours in _TEXT_MODEL_PREFIXES:
+        if stored_name.startswith(prefix):
+            return ours + stored_name[len(prefix):]
     if stored_name.startswith(("model.", "lm_head.", "score.")):
         return stored_name
     return "model." + stored_name
@@ -173,17 +217,22 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
     """
     expected = set(expected_weight_names(spec))
     seen: set[str] = set()
+    num_vision = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():
                 if stored.endswith(_IGNORED_SUFFIXES):
                     continue
-                if stored == "lm_head.weight" and spec.tie_word_embeddings:
+                if spec.architecture == "gemma3" and stored.startswith(_VISION_PREFIXES):
+                    num_vision += 1
+                    continue
+                if model_weight_name(stored) == "lm_head.weight" and spec.tie_word_embeddings:
                     continue  # tied: the forward reuses embed_tokens
                 name = model_weight_name(stored)
-                if spec.is_moe and name not in expected:
-                    tensors = split_fused_experts(name, f.get_tensor(stored), spec)
-                    if tensors is not None:  # transformers 5's fused experts, split
+                if (spec.is_moe or spec.architecture == "phi3") and name not in expected:
+                    split = split_fused_experts if spec.is_moe else split_phi3_fused
+                    tensors = split(name, f.get_tensor(stored), spec)
+                    if tensors is not None:  # fused experts (transformers 5) / Phi-3, split
                         for split_name, tensor in tensors:
                             if split_name in seen:
                                 raise ValueError(f"{file.name}: tensor {split_name!r} appears "
@@ -202,6 +251,9 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                                      f"(as {name!r} too)")
                 seen.add(name)
                 yield name, f.get_tensor(stored)
+    if num_vision:
+        logger.info("%s: serving the text model only; skipped %d vision tower / projector "
+                    "tensors", spec.architecture, num_vision)
     missing = expected - seen
     if missing:
         headless = not spec.has_lm_head and not spec.num_labels

@@ -6,6 +6,7 @@ metadata (`argosy_runtime.model_loader.gguf_checkpoint.spec_from_gguf`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,13 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Phi-3 / Phi-3.5 / Phi-4 (mini, medium, 14B): Llama's block with q/k/v and gate/up stored
+    # fused (`qkv_proj`, `gate_up_proj`), longrope scaling and (Phi-4-mini) partial rotary.
+    "Phi3ForCausalLM": "phi3",
+    # Gemma 3 text (models/gemma3.py's layer; model_loader/gemma3_config.py reads the config):
+    # gemma-3-1b is a Gemma3ForCausalLM; of the multimodal 4b/12b/27b only the text is served.
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 # The bare decoders, without a language-model head: how decoder-based embedding models are
 # published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
@@ -42,9 +50,10 @@ CLASSIFIER_HF_ARCHITECTURES: frozenset[str] = frozenset(
 # HF `model_type` -> our architecture name, for configs that omit `architectures`.
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                                   "qwen3": "qwen3", "mixtral": "mixtral",
-                                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+                                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                                  "phi3": "phi3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                            "qwen2_moe", "qwen3_moe")
+                                            "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 # Architectures whose MLP is (in some or all layers) a sparse Mixture-of-Experts block
 # (models/moe.py): Mixtral in every layer; Qwen2-MoE (+ a gated shared expert) and Qwen3-MoE
 # in the layers `decoder_sparse_step` / `mlp_only_layers` choose.
@@ -77,6 +86,13 @@ class ModelSpec:
     always for Mixtral), `shared_expert_intermediate_size` (Qwen2-MoE's always-on shared
     expert; 0: none) and `sparse_layers` (the layers with an MoE block; the others keep the
     dense MLP of `intermediate_size`).
+    `partial_rotary_factor` (Phi-4-mini: 0.75) rotates only the first `rotary_dim` =
+    int(head_dim * factor) values of each query and key head; the rest pass through.
+    Gemma 3 sets `hidden_act` "gelu_pytorch_tanh" (the MLP's gelu with the tanh approximation,
+    instead of SiLU), `query_pre_attn_scalar` (attention scale query_pre_attn_scalar ** -0.5
+    instead of head_dim ** -0.5), `local_rope_theta` (the sliding-window layers' own unscaled
+    rotary base; the full-attention layers use rope_theta and rope_scaling) and
+    `final_logit_softcapping` (logits -> cap * tanh(logits / cap); None: none).
     `matryoshka_dimensions` says whether an embedding may be shortened (the `dimensions` of an
     embeddings request): None for a model not trained for it (its hidden size only), `()` for
     any size up to hidden_size (config.json `is_matryoshka: true`), else the sizes listed in
@@ -110,6 +126,12 @@ class ModelSpec:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    partial_rotary_factor: float = 1.0
+    # Gemma 3 (0 / None / "silu" elsewhere): see the class docstring.
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -158,7 +180,31 @@ class ModelSpec:
         if self.id2label and self.has_lm_head:
             raise ValueError("id2label (a classification head) replaces the lm_head; "
                              "has_lm_head must be False")
+        if self.partial_rotary_factor != 1.0 and (
+                not 0.0 < self.partial_rotary_factor < 1.0 or self.rotary_dim < 2
+                or self.rotary_dim % 2):
+            raise ValueError(f"partial_rotary_factor must give an even rotary_dim in 2..head_dim, "
+                             f"got {self.partial_rotary_factor!r} (head_dim {self.head_dim})")
         self._check_moe()
+        self._check_gemma()
+
+    def _check_gemma(self) -> None:
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "local_rope_theta", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
+        if self.architecture != "gemma3" and (self.hidden_act != "silu" or self.query_pre_attn_scalar
+                                               or self.local_rope_theta):
+            raise ValueError(f"hidden_act / query_pre_attn_scalar / local_rope_theta are Gemma 3 "
+                             f"fields, not {self.architecture!r}'s")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading values of each query/key head the rotary embedding turns
+        (head_dim unless `partial_rotary_factor` < 1; transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_moe(self) -> None:
         if self.architecture not in MOE_ARCHITECTURES:
@@ -209,9 +255,32 @@ class ModelSpec:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalizes each query and key head (RMSNorm over head_dim, its own weight
-        per layer) before the rotary embedding; the other architectures do not."""
-        return self.architecture in ("qwen3", "qwen3_moe")
+        """Qwen3 and Gemma 3 normalize each query and key head (RMSNorm over head_dim, its
+        own weight per layer) before the rotary embedding; the other architectures do not."""
+        return self.architecture in ("qwen3", "qwen3_moe", "gemma3")
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Gemma's RMSNorm: normalized x times (1 + weight), multiplied in float32 and rounded
+        once (Llama's rounds x first). The model stores 1 + weight (folded at load)."""
+        return self.architecture == "gemma3"
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """Gemma multiplies the embeddings by sqrt(hidden_size) (in the model dtype); None:
+        no scaling."""
+        return self.hidden_size ** 0.5 if self.architecture == "gemma3" else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma 3), else
+        head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the local table (local_rope_theta, unscaled):
+        Gemma 3's sliding-window layers."""
+        return self.local_rope_theta is not None and self.sliding_window(layer) is not None
 
     @property
     def is_moe(self) -> bool:
@@ -251,6 +320,11 @@ class ModelSpec:
         instruct models often stop on a token (e.g. `<|eot_id|>`) that config.json lacks.
         """
         architecture, has_lm_head, is_classifier = _hf_architecture(config)
+        gemma: dict[str, Any] = {}
+        if architecture == "gemma3":  # nested text_config, Hub defaults, two rotary tables
+            from argosy_runtime.model_loader.gemma3_config import gemma3_text_config
+
+            config, gemma = gemma3_text_config(config)
         hidden_size = _require_int(config, "hidden_size")
         num_heads = _require_int(config, "num_attention_heads")
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
@@ -267,6 +341,9 @@ class ModelSpec:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu only)")
         rope_theta, rope_scaling = _hf_rope(config)
+        partial_rotary_factor = 1.0
+        if architecture == "phi3":
+            rope_scaling, partial_rotary_factor = _phi3_rope(config, rope_scaling, int(head_dim))
         # Qwen2's config has no attention_bias field: its q/k/v projections always have a bias.
         # Qwen2-MoE's too (transformers 5 writes qkv_bias, default true).
         if architecture == "qwen2":
@@ -306,6 +383,8 @@ class ModelSpec:
             id2label=_hf_labels(config) if is_classifier else (),
             matryoshka_dimensions=_hf_matryoshka(config),
             **_hf_moe(config, architecture),
+            partial_rotary_factor=partial_rotary_factor,
+            **gemma,
         )
 
 
@@ -402,18 +481,24 @@ def _hf_matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
 def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
     """Each layer's attention window, as transformers 5 builds the model; () if none slides.
 
-    Mistral and Mixtral window every layer when `sliding_window` is set (Mistral-7B v0.1:
+    Mistral, Mixtral and Phi-3 window every layer when `sliding_window` is set (Mistral-7B v0.1:
     4096; later ones: null) and ignore `layer_types`. The Qwen families window only with
     `use_sliding_window` (their configs drop the window otherwise): Qwen3-MoE every layer;
     Qwen2, Qwen3 and Qwen2-MoE the layers `layer_types` marks "sliding_attention", by default
-    those from `max_window_layers` on (Qwen2-MoE: the even layers below it). Llama: none.
+    those from `max_window_layers` on (Qwen2-MoE: the even layers below it). Gemma 3: the
+    layers `layer_types` marks (gemma3_config.py fills it in). Llama: none.
     """
     window = config.get("sliding_window")
     num_layers = int(config.get("num_hidden_layers", 0))
     if not window or architecture == "llama":
         return ()
-    if architecture in ("mistral", "mixtral"):
+    if architecture == "phi3" and int(window) >= int(config.get("max_position_embeddings", 0) or 0):
+        return ()  # Phi-3-128k's 262144: never reached, so plain causal attention is the same
+    if architecture in ("mistral", "mixtral", "phi3"):
         windows: list[int | None] = [int(window)] * num_layers
+    elif architecture == "gemma3":  # layer_types, filled in by gemma3_config.py
+        windows = [int(window) if t == "sliding_attention" else None
+                   for t in config["layer_types"]]
     elif not config.get("use_sliding_window"):
         return ()
     elif architecture == "qwen3_moe":
@@ -451,6 +536,51 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     if scaling.get("rope_type", "default") == "default":
         return float(theta), None
     return float(theta), scaling
+
+
+def _phi3_rope(config: dict[str, Any], scaling: dict | None, head_dim: int
+               ) -> tuple[dict | None, float]:
+    """Phi-3's rope scaling as transformers' Phi3Config reads it, and partial_rotary_factor.
+
+    Old configs say `type: "su"` (or "yarn") for longrope. A longrope dict gets
+    `original_max_position_embeddings` from the top level (Phi3Config prefers it over the one
+    inside the dict) and its `attention_factor` (the cos/sin scale) computed as transformers
+    does: sqrt(1 + ln(factor) / ln(original)) with factor = max_position_embeddings /
+    original unless given, 1.0 when factor <= 1. Which factor list applies is decided by
+    models/rotary.py from the served context length (vLLM's rule).
+    `partial_rotary_factor` (Phi-4-mini: 0.75) may sit at the top level or in rope_parameters.
+    """
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    factor_key = "partial_rotary_factor"
+    partial = float((scaling or {}).get(factor_key, params.get(factor_key,
+                                                               config.get(factor_key, 1.0))))
+    if scaling is None:
+        return None, partial
+    scaling = {k: v for k, v in scaling.items() if k not in (factor_key, "type")}
+    if scaling["rope_type"] in ("su", "yarn", "longrope"):
+        scaling["rope_type"] = "longrope"
+    else:
+        raise ValueError(f"config.json: Phi-3 rope scaling type {scaling['rope_type']!r} is not "
+                         "supported (default or longrope)")
+    original = config.get("original_max_position_embeddings",
+                          scaling.get("original_max_position_embeddings"))
+    if original is None:
+        original = _require_int(config, "max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    rotary_half = int(head_dim * partial) // 2
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not isinstance(values, list) or len(values) != rotary_half or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"config.json: longrope {key} must be a list of {rotary_half} numbers "
+                             f"(rotary_dim / 2), got {values!r}")
+    if scaling.get("attention_factor") is None:
+        factor = scaling.get("factor")
+        if factor is None:
+            factor = int(config.get("max_position_embeddings", original)) / int(original)
+        scaling["attention_factor"] = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(original))))
+    return scaling, partial
 
 
 def _require_int(config: dict[str, Any], key: str) -> int:

@@ -69,6 +69,8 @@ class CpuDecodeLayers:
         """For a model whose fused CPU ops are on; None if any layer lacks a C++ path."""
         layer_args = []
         for layer in model.layers:
+            if not getattr(layer, "cpu_decode_layer", False):  # Gemma 3's layer: module path
+                return None
             attn, mlp = layer.self_attn, layer.mlp
             if not hasattr(mlp, "gate_up_proj"):  # an MoE block (models/moe.py): module path
                 return None

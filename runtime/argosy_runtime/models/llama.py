@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
 Mixtral, Qwen2-MoE and Qwen3-MoE are the same decoder with models/moe.py's sparse MoE block
-in place of the MLP (in every layer, or those the spec's `sparse_layers` name).
+in place of the MLP (in every layer, or those the spec's `sparse_layers` name). Gemma 3 is
+models/gemma3.py's layer around the same Attention and MLP, plus switches the spec drives
+(Gemma norms, gelu-tanh, embedding scale, a local rotary table, logit soft-capping).
 
 No padding: the batch is every scheduled token of every request, one after another
 ([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
@@ -41,14 +43,19 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, gemma: bool = False) -> None:
+        """`gemma`: Gemma's RMSNorm, normalized x times (1 + w) in float32, rounded once. The
+        weight holds 1 + w (folded at load) in float32 whatever the model dtype; the C++
+        kernel (Llama's order, weight of x's dtype) is not used for it, the Triton kernel
+        (float32 weight, one rounding) is."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.gemma = gemma
         self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops == "cpu_ops":
+        if self.ops == "cpu_ops" and not self.gemma:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         if self.ops == "triton":
             return triton_rms_norm(x, self.weight, self.eps)
@@ -56,12 +63,14 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:  # Gemma3RMSNorm: (h * (1 + w).float()).to(dtype)
+            return (h * self.weight).to(dtype)
         return self.weight * h.to(dtype)
 
     def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, norm(residual + x)); the fused ops update `residual` in place."""
-        if self.ops == "cpu_ops":
+        if self.ops == "cpu_ops" and not self.gemma:
             return residual, cpu_ops.add_rms_norm(residual, x, self.weight, self.eps)
         if self.ops == "triton":
             out, residual = triton_rms_norm(x, self.weight, self.eps, residual)
@@ -83,9 +92,12 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        # Qwen3: each query and key head RMS-normalized (over head_dim) before the rotary.
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # Qwen3, Gemma 3: each query and key head RMS-normalized (over head_dim) before the rotary.
+        norm = lambda: RMSNorm(self.head_dim, spec.rms_norm_eps, spec.gemma_norms)  # noqa: E731
+        self.q_norm = norm() if spec.qk_norm else None
+        self.k_norm = norm() if spec.qk_norm else None
+        # Gemma 3's sliding-window layers rotate with their own table (ctx.local_rotary).
+        self.local_rope = spec.local_rope(layer_idx)
         self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
         # This layer's attention window (keys p - W < k <= p), None: full causal attention.
         self.sliding_window = spec.sliding_window(layer_idx)
@@ -100,12 +112,14 @@ class Attention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = self._norm_heads(qk)
+        rotary, rope_tables = ((ctx.local_rotary, ctx.local_rope_tables) if self.local_rope
+                               else (ctx.rotary, ctx.rope_tables))
         if self.ops == "cpu_ops":  # in place, inside qkv (or the normalized copy)
-            cpu_ops.rotary_embedding(qk, *ctx.rope_tables)
+            cpu_ops.rotary_embedding(qk, *rope_tables)
         elif self.ops == "triton":  # in place, inside qkv
-            triton_rotary_embedding(ctx.positions, qk, None, ctx.rotary.cos_sin_cache)
+            triton_rotary_embedding(ctx.positions, qk, None, rotary.cos_sin_cache)
         else:
-            qk = ctx.rotary.rotate(qk, ctx.rope_tables)
+            qk = rotary.rotate(qk, rope_tables)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
@@ -137,12 +151,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, spec.hidden_size, bias=False)
         self.ops = "torch"  # "cpu_ops" / "triton": SiLU x up in one kernel
+        # Gemma: gelu (tanh approximation) x up, torch ops on every path (the kernels are SiLU's).
+        self.gelu_tanh = spec.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(gate_up, x, self.layer_idx, "gate_up_proj")
-        if self.ops == "cpu_ops":
+        if self.gelu_tanh:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        elif self.ops == "cpu_ops":
             act = cpu_ops.silu_and_mul(gate_up)
         elif self.ops == "triton":
             act = triton_silu_and_mul(gate_up)
@@ -156,6 +175,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # CpuDecodeLayers may run this layer as one cpu_ops.decode_layer call (it knows no other).
+    cpu_decode_layer = True
+
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx)
@@ -187,6 +209,9 @@ class ForwardContext:
         # Set once per step by LlamaForCausalLM.set_positions:
         self.positions: torch.Tensor | None = None  # [num_tokens], for the Triton rotary
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # for the others
+        # The same for the layers with their own table (Gemma 3's sliding-window layers).
+        self.local_rotary: RotaryEmbedding | None = None
+        self.local_rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora: LoRABatch | None = None  # rows that use LoRA adapters this step
 
     def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
@@ -205,8 +230,13 @@ class LlamaModel(nn.Module):
             spec.vocab_size, spec.hidden_size,
             _weight=torch.empty(spec.vocab_size, spec.hidden_size),
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        layer_cls: type[nn.Module] = DecoderLayer
+        if spec.architecture == "gemma3":  # four norms per layer
+            from argosy_runtime.models.gemma3 import Gemma3DecoderLayer
+
+            layer_cls = Gemma3DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(spec, i) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,6 +264,11 @@ class LlamaForCausalLM(nn.Module):
                 else None
             )
         self.to(dtype)
+        if spec.gemma_norms:  # 1 + w kept in float32: Gemma multiplies by it in float32
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.float()
+        self.dtype = dtype
         self.to_empty(device=device)
         if spec.tie_word_embeddings:  # never for a headless spec (ModelSpec checks)
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -244,8 +279,15 @@ class LlamaForCausalLM(nn.Module):
         self.ops = "torch"  # the small ops' kernels: "torch", "cpu_ops" or "triton"
         self.rotary = RotaryEmbedding(
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta,
-            spec.rope_scaling, dtype,
+            spec.rope_scaling, dtype, rotary_dim=spec.rotary_dim,
         )
+        # Gemma 3: the sliding-window layers' own rotary (local_rope_theta, no scaling), and
+        # the embeddings' factor sqrt(hidden_size) rounded to the model dtype, as transformers.
+        self.local_rotary = None if spec.local_rope_theta is None else RotaryEmbedding(
+            spec.head_dim, max_positions or spec.max_position_embeddings, spec.local_rope_theta,
+            None, dtype)
+        self.embed_scale = None if spec.embedding_scale is None else float(
+            torch.tensor(spec.embedding_scale, dtype=torch.float32).to(dtype))
 
     def use_device_kernels(self) -> None:
         """The fastest kernels for where the weights now are (call after moving the model):
@@ -253,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         the eager ops, which equal transformers' bit for bit); on CUDA, the Triton norms,
         rotary and SiLU. The engine does this for its model and the draft proposer for a draft model."""
         weight = self.model.norm.weight  # plain in every mode (embeddings may be int8)
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if weight.device.type == "cpu" and self.dtype == torch.bfloat16:
             from argosy_runtime.models.cpu_linear import pack_linears_for_cpu
 
             pack_linears_for_cpu(self)
@@ -306,6 +348,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("use_fused_cpu_ops is on: turn it off before use_triton_ops")
         if enabled:
             self.rotary.build_cos_sin_cache()
+            if self.local_rotary is not None:
+                self.local_rotary.build_cos_sin_cache()
         self._set_ops("triton" if enabled else "torch")
 
     def _set_ops(self, ops: str) -> None:
@@ -318,14 +362,19 @@ class LlamaForCausalLM(nn.Module):
         """Give ctx the step's positions in the form this model's rotary reads (once per
         step, shared by every layer)."""
         ctx.positions = positions
+        ctx.local_rotary = self.local_rotary
         if self.ops != "triton":
             ctx.rope_tables = self.rotary.tables(positions)
+            if self.local_rotary is not None:
+                ctx.local_rope_tables = self.local_rotary.tables(positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm: [num_tokens, hidden]. `num_layers` runs only
         the first layers (a self-draft: the target's early layers + its norm and head)."""
         h = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma
+            h = h * self.embed_scale
         self.set_positions(ctx, positions)
         if self.cpu_decode is not None and self.cpu_decode.applies(h, ctx):
             return self.model.norm(self.cpu_decode(h, ctx, num_layers))
@@ -346,7 +395,11 @@ class LlamaForCausalLM(nn.Module):
                 f"this {self.spec.architecture} model has no language-model head (a headless "
                 "embedding checkpoint): it serves embeddings only"
             )
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:  # Gemma's optional soft-capping, transformers' op order
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def compute_class_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, num_labels] float32 logits of the classification head (`score`), for hidden
@@ -401,6 +454,8 @@ class LlamaForCausalLM(nn.Module):
             name, shard = self.map_weight_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to this model")
+            if self.spec.gemma_norms and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0  # Gemma scales by 1 + w: stored folded (float32)
             param = params[name]
             if shard is None:
                 if param.shape != tensor.shape:

@@ -10,8 +10,14 @@ import math
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (float32) and the attention scaling factor."""
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
+                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the attention scaling factor.
+
+    `head_dim` is the rotated width (a partial rotary's rotary_dim). `max_positions` (the
+    served context length) picks longrope's factor list: see `_longrope_inv_freq`."""
+    if rope_scaling and rope_scaling.get("rope_type") == "longrope":
+        return _longrope_inv_freq(head_dim, theta, rope_scaling, max_positions)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not rope_scaling:
         return inv_freq, 1.0
@@ -23,8 +29,37 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> tup
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling), 1.0
     raise ValueError(
-        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+        "longrope)"
     )
+
+
+def _longrope_inv_freq(dim: int, theta: float, cfg: dict, max_positions: int | None
+                       ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-128k, Phi-3.5-mini, Phi-4-mini): each frequency divided by its own
+    factor, cos/sin scaled by `attention_factor` (ModelSpec fills it in, and
+    `original_max_position_embeddings`).
+
+    transformers picks `long_factor` for a forward whose max(position) + 1 exceeds
+    original_max_position_embeddings, else `short_factor`; it so rotates a sequence's early
+    keys differently once it grows past that length. One table for every sequence cannot
+    follow it, so the choice is vLLM's, by the served context length: long factors when
+    `max_positions` (max_model_len) exceeds original_max_position_embeddings, short ones
+    otherwise. This equals transformers for every sequence when max_model_len <= original
+    (Phi-3's 4096), and, with a longer max_model_len, for sequences longer than that from
+    their prompt on."""
+    try:
+        original = int(cfg["original_max_position_embeddings"])
+        attention_factor = float(cfg["attention_factor"])
+        factors = cfg["long_factor"] if (max_positions or 0) > original else cfg["short_factor"]
+    except KeyError as exc:
+        raise ValueError(f"longrope rope_scaling needs {exc.args[0]!r}") from exc
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope factors must number rotary_dim / 2 = {dim // 2}, "
+                         f"got {len(factors)}")
+    ext_factors = torch.tensor(factors, dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * theta ** inv_freq_shape), attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -45,7 +80,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
 def _cos_sin(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin [max_positions, head_dim // 2], times the attention scaling."""
-    inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, rope_scaling)
+    inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, rope_scaling, max_positions)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
@@ -62,14 +97,22 @@ class RotaryEmbedding(torch.nn.Module):
     The Triton rotary kernel reads another layout, `cos_sin_cache` (float32 [max_positions,
     head_dim]: cos, then sin, of the head_dim / 2 frequencies, with the same scaling), built
     by `build_cos_sin_cache()` when the model switches to the Triton ops.
+
+    A partial rotary (`rotary_dim` < head_dim, Phi-4-mini) turns only the first rotary_dim
+    values of each head, pairs (i, i + rotary_dim / 2), and passes the rest through, as
+    transformers' apply_rotary_pos_emb does: every table is then rotary_dim wide (the C++
+    and Triton kernels read the width from it).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 rope_scaling: dict | None, dtype: torch.dtype) -> None:
+                 rope_scaling: dict | None, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        self.half = head_dim // 2
-        self._table_args = (head_dim, max_positions, theta, rope_scaling)
-        cos, sin = _cos_sin(*self._table_args)  # [max_positions, head_dim // 2] each
+        self.rotary_dim = rotary_dim or head_dim
+        self.is_partial = self.rotary_dim < head_dim
+        self.half = self.rotary_dim // 2
+        self._table_args = (self.rotary_dim, max_positions, theta, rope_scaling)
+        cos, sin = _cos_sin(*self._table_args)  # [max_positions, rotary_dim // 2] each
         signed_sin = torch.cat((-sin, sin), dim=-1)
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
@@ -82,13 +125,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos_sin_cache = torch.cat((cos, sin), dim=-1).to(self.cos.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each [num_tokens, 1, head_dim]: index once per step, use in
+        """(cos, signed sin), each [num_tokens, 1, rotary_dim]: index once per step, use in
         every layer."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
     def rotate(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim] (q and k may be rotated together)."""
         cos, signed_sin = tables
+        if self.is_partial:
+            rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+            return torch.cat((rot * cos + rot.roll(self.half, dims=-1) * signed_sin, rest), dim=-1)
         return x * cos + x.roll(self.half, dims=-1) * signed_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

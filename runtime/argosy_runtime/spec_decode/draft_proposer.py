@@ -82,7 +82,7 @@ class DraftProposer:
         self.max_positions = min(engine.max_model_len, spec.max_position_embeddings)
         # The target's kind of backend (Triton on CUDA, the fused CPU kernels on the CPU).
         self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
-                                            spec.head_dim, spec.head_dim**-0.5)
+                                            spec.head_dim, spec.attention_scale)
         cc = engine.cache_config
         # [layers, k/v, num_blocks, block_size, kv_heads, head_dim]: same blocks as the target.
         shape = (n, 2, cc.num_blocks, cc.block_size, spec.num_key_value_heads, spec.head_dim)

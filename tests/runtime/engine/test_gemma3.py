@@ -1,0 +1,300 @@
+"""Gemma 3 text models equal transformers' Gemma3ForCausalLM / Gemma3ForConditionalGeneration.
+
+A tiny random Gemma 3 with every way it differs from Llama switched on: four norms per layer
+scaling by 1 + weight, per-head q/k norms, gelu-tanh MLP, embeddings times sqrt(hidden),
+head_dim 32 apart from hidden / heads, attention scale query_pre_attn_scalar ** -0.5 (not
+head_dim's), sliding-window layers (window 8, block_size 4) beside full ones, the sliding
+layers' own rotary base, linear rope scaling on the full layers. Greedy tokens and logprobs
+equal transformers' in float32 past the window, through chunked prefill, prefix-cache hits,
+preemption, n-gram speculative decoding and a LoRA adapter (PEFT's); bfloat16 (fused C++ norms and rotary; never the C++ decode layer, which knows
+Llama's layer only) and int8 weights stay close; a Gemma3ForConditionalGeneration folder
+serves its text model, final logit soft-capping included."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime.models.cpu_decode import CpuDecodeLayers
+from engine_helpers import assert_no_leaks, run_requests
+from model_factory import embedded_tokenizer_files, make_random_model_dir
+
+WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+GEMMA3_CONFIG = dict(
+    sliding_window=WINDOW, layer_types=LAYER_TYPES, query_pre_attn_scalar=24,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+)
+MAX_POSITIONS = 256
+
+
+def gemma3_dir(tmp_path, **extra):  # noqa: ANN001, ANN201
+    """The test model (`extra`: more config fields). init_std 0.15: with the default 0.5 the
+    embeddings, times sqrt(hidden), outweigh the layers and greedy decoding repeats the
+    previous token."""
+    return make_random_model_dir(
+        tmp_path, "gemma3", name=f"gemma3-{len(extra)}", num_hidden_layers=4, head_dim=32,
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        init_std=0.15, extra_config={**GEMMA3_CONFIG, **extra})
+
+
+class Reference:
+    """transformers' greedy continuation, one full forward per token (the windowed mask alone
+    decides what each position sees)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._cache: dict = {}
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        key = (tuple(prompt), n)
+        if key not in self._cache:
+            ids, logprobs = list(prompt), []
+            for _ in range(n):
+                logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                logprobs.append(torch.log_softmax(logits, dim=-1))
+                ids.append(int(logprobs[-1].argmax()))
+            self._cache[key] = (ids[len(prompt):], logprobs)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):  # noqa: ANN001, ANN201
+    from transformers import AutoModelForCausalLM
+
+    folder = gemma3_dir(tmp_path_factory.mktemp("models"))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return folder, Reference(hf)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def assert_equals_reference(outputs, prompts, ref: Reference, n: int) -> None:  # noqa: ANN001
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = ref.greedy(prompt, n)
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens, len(prompt)
+        for pos, token in enumerate(tokens):
+            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
+
+
+def test_past_the_window_equals_transformers(gemma3) -> None:  # noqa: ANN001
+    """Prompts shorter than, equal to and several times the window, in prefill chunks of 16
+    (a chunk after cached tokens crosses the window), 20 generated tokens each."""
+    folder, ref = gemma3
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    assert spec.architecture == "gemma3" and spec.layer_sliding_windows == (8, None, 8, 8)
+    assert (spec.local_rope_theta, spec.rope_theta) == (100.0, 5000.0)
+    assert spec.attention_scale == 24 ** -0.5 and llm.engine.runner.backend.scale == 24 ** -0.5
+    prompts = random_prompts(1, (1, WINDOW - 1, WINDOW, WINDOW + 1, 23, 40))
+    outputs = llm.generate(prompts, greedy(20))
+    assert_equals_reference(outputs, prompts, ref, 20)
+    assert len({t for o in outputs for t in o.outputs[0].token_ids}) > 20  # not degenerate
+    assert_no_leaks(llm.engine)
+
+
+def test_prefix_hits_and_preemption(gemma3) -> None:  # noqa: ANN001
+    """A shared prefix longer than the window (cache hits start a chunk mid-window) and a KV
+    pool too small for all requests (preempted ones recompute)."""
+    folder, ref = gemma3
+    # Per token: 4 layers x (K, V) x 2 kv heads x 32 dims x 4 bytes = 2048 bytes.
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                       max_num_batched_tokens=8, kv_cache_memory=24 * 4 * 2048)
+    shared = random_prompts(3, (18,))[0]
+    prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 12))]
+    outputs = run_requests(engine, [(p, greedy(16)) for p in prompts])
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_equals_reference(outputs, prompts, ref, 16)
+    assert_no_leaks(engine)
+
+
+def test_ngram_speculative_decoding_equals_transformers(gemma3) -> None:  # noqa: ANN001
+    """Speculative verification (chunks of 1 + k tokens through both rotary tables and the
+    windows) changes nothing: prompts that repeat themselves so drafts get accepted."""
+    folder, ref = gemma3
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, speculative="ngram")
+    base = random_prompts(10, (6, 5))
+    prompts = [p * 4 for p in base]
+    assert_equals_reference(llm.generate(prompts, greedy(16)), prompts, ref, 16)
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_lora_adapter_equals_peft(gemma3, tmp_path) -> None:  # noqa: ANN001
+    """A PEFT adapter on every projection (q/k/v/o/gate/up/down, Gemma's names are Llama's)
+    beside the base model in one batch, each equal to transformers + PEFT."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder, ref = gemma3
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    get_peft_model(base, LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
+                                    target_modules=targets)).save_pretrained(str(tmp_path / "a"))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
+        str(tmp_path / "a")).eval()
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                       max_num_batched_tokens=16, lora_modules={"a": str(tmp_path / "a")})
+    prompt = random_prompts(11, (13,))[0]
+    for i, lora in enumerate(("a", None)):
+        engine.add_request(f"r{i}", prompt, greedy(10), lora_name=lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    with_adapter = Reference(peft).greedy(prompt, 10)[0]
+    assert with_adapter != ref.greedy(prompt, 10)[0]  # the adapter matters
+    assert done["r0"].outputs[0].token_ids == with_adapter
+    assert done["r1"].outputs[0].token_ids == ref.greedy(prompt, 10)[0]
+    assert_no_leaks(engine)
+
+
+def assert_close(outputs, prompts, ref: Reference, n: int, tol: float,  # noqa: ANN001
+                 max_flips: int = 1) -> None:
+    """Until the first disagreement (contexts equal), logprobs within `tol`; at most
+    `max_flips` prompts diverge (a near-tie flipped by rounding)."""
+    agree = total = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = ref.greedy(prompt, n)
+        seq = out.outputs[0]
+        for pos, (got, want) in enumerate(zip(seq.token_ids, tokens)):
+            total += 1
+            agree += got == want
+            assert abs(seq.logprobs[pos][got].logprob - logprobs[pos][got].item()) < tol
+            if got != want:
+                break
+    assert agree >= total - max_flips
+
+
+def test_bfloat16_stays_close_to_transformers_bfloat16(gemma3) -> None:  # noqa: ANN001
+    """bf16: the fused C++ rotary and attention (when built here), the norms in float32 as
+    Gemma's (never the C++ decode layer, which knows Llama's layer only). This tiny model
+    amplifies bf16 rounding (transformers' own bf16 logprobs move up to ~0.75 from its float32
+    ones), so the first generated position is compared with transformers in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    folder, ref = gemma3
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    llm = LLM(model=str(folder), dtype="bfloat16", block_size=4, max_num_batched_tokens=16)
+    model = llm.engine.model
+    assert model.cpu_decode is None and CpuDecodeLayers.build(model.model) is None
+    assert model.model.layers[0].self_attn.q_norm.ops == model.ops
+    assert model.model.norm.weight.dtype == torch.float32  # 1 + w, unrounded
+    prompts = random_prompts(5, (6, 30, 3, 12, 17, 40))
+    agree = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(1)), strict=True):
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        token = out.outputs[0].token_ids[0]
+        # Either transformers' bf16 or its float32 choice (near-ties flip either way).
+        agree += token in (int(want.argmax()), ref.greedy(prompt, 1)[0][0])
+        assert abs(out.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.3
+    assert agree >= len(prompts) - 1
+    assert_no_leaks(llm.engine)
+
+
+def test_int8_weights_stay_close(gemma3) -> None:  # noqa: ANN001
+    folder, ref = gemma3
+    llm = LLM(model=str(folder), dtype="float32", quantization="int8", block_size=4)
+    assert type(llm.engine.model.model.layers[0].self_attn.qkv_proj).__name__ == "Int8Linear"
+    prompts = random_prompts(6, (5, 20, 9))
+    assert_close(llm.generate(prompts, greedy(8)), prompts, ref, 8, tol=0.4, max_flips=3)
+
+
+def test_pure_torch_ops_equal_transformers(gemma3) -> None:  # noqa: ANN001
+    """Without the C++ attention kernels: decode rows through the gathered-block SDPA, one
+    mask per window (full and windowed layers), prompt chunks through masked SDPA."""
+    folder, ref = gemma3
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    llm.engine.model.use_fused_cpu_ops(False)
+    llm.engine.runner.backend.fused_cpu_ops = False
+    prompts = random_prompts(7, (3, 26))
+    assert_equals_reference(llm.generate(prompts, greedy(16)), prompts, ref, 16)
+
+
+def multimodal_dir(tmp_path, text_dir, original_format: bool = True):  # noqa: ANN001, ANN201
+    """A Gemma3ForConditionalGeneration folder (tiny SigLIP tower and projector) whose text
+    model has `text_dir`'s weights, saved as transformers 5 saves it by default (the Hub's
+    names: language_model.model.*, vision_tower.*, multi_modal_projector.*) or, with
+    `original_format` False, in its in-memory names (model.language_model.*,
+    model.vision_tower.*, lm_head.* when untied)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    folder = tmp_path / f"gemma3-multimodal-{original_format}"
+    model.save_pretrained(folder, save_original_format=original_format)
+    for name, content in embedded_tokenizer_files().items():
+        (folder / name).write_bytes(content)
+    return folder
+
+
+@pytest.mark.parametrize("original_format", [True, False])
+def test_conditional_generation_serves_its_text_model(tmp_path, caplog,  # noqa: ANN001
+                                                      original_format: bool) -> None:
+    """The text of a multimodal Gemma 3 folder equals transformers' text-only forward of
+    Gemma3ForConditionalGeneration; its vision tower and projector are skipped."""
+    from safetensors import safe_open
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = multimodal_dir(tmp_path, gemma3_dir(tmp_path), original_format)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    prefix = "" if original_format else "model."
+    assert any(n.startswith(prefix + "vision_tower.") for n in names)
+    text_prefix = "language_model.model." if original_format else "model.language_model."
+    assert any(n.startswith(text_prefix + "layers.") for n in names)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with caplog.at_level(logging.INFO, logger="argosy.model_loader"):
+        llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    assert "text model only" in caplog.text
+    prompts = random_prompts(8, (5, 21))
+    assert_equals_reference(llm.generate(prompts, greedy(12)), prompts, Reference(hf), 12)
+
+
+def test_final_logit_softcapping(tmp_path) -> None:  # noqa: ANN001
+    """Gemma3ForCausalLM's logits -> cap * tanh(logits / cap); a cap small enough to change
+    every logprob (all logits within (-3, 3))."""
+    from transformers import AutoModelForCausalLM
+
+    folder = gemma3_dir(tmp_path, final_logit_softcapping=3.0)
+    ref = Reference(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+    llm = LLM(model=str(folder), dtype="float32", block_size=4)
+    assert llm.engine.spec.final_logit_softcapping == 3.0
+    prompts = random_prompts(9, (4, 17))
+    assert_equals_reference(llm.generate(prompts, greedy(8)), prompts, ref, 8)
+    hidden = 100 * torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    assert llm.engine.model.compute_logits(hidden).abs().max() <= 3.0
+
+
+def test_attention_logit_softcapping_is_refused(tmp_path) -> None:  # noqa: ANN001
+    folder = gemma3_dir(tmp_path, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        LLM(model=str(folder), dtype="float32")
