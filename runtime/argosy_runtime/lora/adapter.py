@@ -4,6 +4,9 @@ PEFT saves `adapter_config.json` (r, lora_alpha, ...) and `adapter_model.safeten
 `lora_A` [r, in] and `lora_B` [out, r] per adapted module, e.g.
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`. The model fuses q/k/v and
 gate/up into single projections, so each adapted module becomes a slice of a fused output.
+Phi-3 checkpoints store those projections fused already (`qkv_proj`, `gate_up_proj`), so its
+adapters name them whole: one A and one B over the fused output, applied as a single slice
+that spans it (the q/k/v and gate/up orders are the model's own).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from argosy_runtime.lora import hub, s3
 if TYPE_CHECKING:
     from argosy_runtime.model_loader import ModelSpec
 
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# Architectures whose checkpoints (and so their PEFT adapters) name the fused projections.
+_STORED_FUSED = ("phi3",)
+_FUSED_PARTS = {"qkv_proj": "q_proj, k_proj, v_proj", "gate_up_proj": "gate_proj, up_proj"}
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -120,6 +126,11 @@ class LoRAAdapter:
                                  f"this {spec.architecture} model is a Mixture-of-Experts block; "
                                  "LoRA on its MLP is not supported (adapters on the attention "
                                  "projections are)")
+            if module in _FUSED_PARTS and module not in layout:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: a "
+                                 f"{spec.architecture} checkpoint names this projection's parts "
+                                 f"separately ({_FUSED_PARTS[module]}), so its adapters target "
+                                 f"those; only {', '.join(_STORED_FUSED)} adapters name {module}")
             if set(ab) != {"A", "B"} or layer >= spec.num_hidden_layers or module not in layout:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} is incomplete, "
                                  "beyond the model's layers or not a projection it has")
@@ -129,7 +140,10 @@ class LoRAAdapter:
                     or b.shape[1] != rank):
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
-                                 f"A [{rank}, {in_size}], B [{out_size}, {rank}]")
+                                 f"A [{rank}, {in_size}], B [{out_size}, {rank}]"
+                                 + (f" (B spans the whole fused {module}: the rows of "
+                                    f"{_FUSED_PARTS[module]} in turn)" if module in _FUSED_PARTS
+                                    else ""))
             stacks.setdefault((layer, fused), []).append((offset, a, b))
         for (layer, fused), parts in stacks.items():
             b_stacked = torch.zeros(fused_out[fused], rank * len(parts))
@@ -163,11 +177,17 @@ def _check_supported(name: str, config: dict) -> None:
 
 
 def _layout(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:
-    """PEFT module name -> (fused module, output offset, in features, out features)."""
+    """PEFT module name -> (fused module, output offset, in features, out features). A model
+    whose checkpoint stores q/k/v and gate/up fused (Phi-3) takes its adapters on the fused
+    names too: the whole projection, offset 0."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
-    return {
+    whole = {}
+    if spec.architecture in _STORED_FUSED:
+        whole = {"qkv_proj": ("qkv_proj", 0, hidden, q + 2 * kv),
+                 "gate_up_proj": ("gate_up_proj", 0, hidden, 2 * inter)}
+    return whole | {
         "q_proj": ("qkv_proj", 0, hidden, q),
         "k_proj": ("qkv_proj", q, hidden, kv),
         "v_proj": ("qkv_proj", q + kv, hidden, kv),
