@@ -4,6 +4,8 @@ under speculative decoding (the embedded SmolLM2-135M in bfloat16, its real weig
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from argosy_kernels import cpu_ops
@@ -15,6 +17,7 @@ from engine_helpers import (  # tests/runtime, on sys.path via conftest.py
     record_cpp_layer_calls,
     tokens_and_logprobs,
 )
+from model_factory import make_random_model_dir
 
 pytestmark = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
                                 reason="the batch-invariant mode needs AVX512-BF16")
@@ -168,3 +171,20 @@ def test_refuses_what_it_cannot_honour_before_loading(change, message) -> None:
 def test_refuses_cuda() -> None:
     with pytest.raises(ValueError, match="device cuda: it runs on the CPU only"):
         check_batch_invariant_options(EngineArgs(), torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("arch", "shape"), [
+    # experts: each a packed linear over a token count that depends on the whole batch
+    ("qwen3_moe", dict(head_dim=64, extra_config=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))),
+    # four norms per layer, gelu-tanh, a local rotary table, sliding-window layers
+    ("gemma3", dict(head_dim=64, init_std=0.15)),
+])
+def test_same_bits_for_moe_and_gemma3_layers(arch: str, shape: dict, tmp_path) -> None:  # noqa: ANN001
+    folder = make_random_model_dir(tmp_path, arch, **shape)
+    llm = LLM(model=str(folder), dtype="bfloat16", batch_invariant=True,
+              max_num_batched_tokens=32)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    alone = tokens_and_logprobs(llm.generate([prompts[3]], GREEDY)[0])
+    assert tokens_and_logprobs(llm.generate(prompts, GREEDY)[3]) == alone
