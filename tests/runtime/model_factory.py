@@ -231,31 +231,108 @@ def _llamacpp_permute(weights, n_head: int):
     )
 
 
+_GGUF_ARCHS = {  # HF architecture -> llama.cpp general.architecture
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+}
+# Per-layer names that differ from _GGUF_LAYER_NAMES (tensor_mapping.py).
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight",
+             "mlp.gate_up_proj.weight": "ffn_up.weight"},  # gate rows, then up rows
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+_GGUF_MOE_NAMES = {  # router and Qwen2-MoE shared expert
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_EXPERT_RE = r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+_EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+def _merged_experts(layer_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """convert_hf_to_gguf.py's merge of a layer's experts: {"gate"|"up"|"down": [experts,
+    out, in]}, from per-expert names or transformers 5's fused `experts.gate_up_proj` /
+    `experts.down_proj`. Consumes the expert entries of `layer_state`."""
+    import re
+
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
+    for rest in list(layer_state):
+        match = re.match(_EXPERT_RE, rest)
+        if match:
+            per_expert.setdefault(_EXPERT_PROJ[match.group(2)], {})[int(match.group(1))] = (
+                layer_state.pop(rest))
+        elif rest.startswith("mlp.experts.gate_up_proj"):
+            gate_up = layer_state.pop(rest)
+            inter = gate_up.shape[1] // 2
+            per_expert["gate"] = dict(enumerate(gate_up[:, :inter]))
+            per_expert["up"] = dict(enumerate(gate_up[:, inter:]))
+        elif rest.startswith("mlp.experts.down_proj"):
+            per_expert["down"] = dict(enumerate(layer_state.pop(rest)))
+    return {proj: torch.stack([experts[e] for e in range(len(experts))])
+            for proj, experts in per_expert.items()}
+
+
+def _gemma3_check_llamacpp_representable(config: dict) -> None:
+    """llama.cpp's gemma3 files carry no layer pattern, local rotary base or
+    query_pre_attn_scalar: its graph fixes them. Refuse a test model that differs, rather
+    than write a file whose meaning silently differs from the folder's."""
+    n = config["num_hidden_layers"]
+    pattern = ["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(n)]
+    rope = config.get("rope_parameters") or {}
+    local = (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n == 62 else config["head_dim"]
+    if (config.get("layer_types") != pattern or local != 10000.0
+            or config.get("query_pre_attn_scalar") != scalar):
+        raise ValueError("a llama.cpp gemma3 GGUF implies layer_types every 6th full, sliding "
+                         f"rope_theta 10000 and query_pre_attn_scalar {scalar}; this folder "
+                         f"has {config.get('layer_types')}, {local}, "
+                         f"{config.get('query_pre_attn_scalar')}")
+
+
 def write_gguf_from_hf_dir(
-    hf_dir: Path, out_path: Path, *, float16: bool = False, pre: str | None = None
+    hf_dir: Path, out_path: Path, *, float16: bool = False, pre: str | None = None,
+    merge_experts: bool = True,
 ) -> Path:
-    """Convert a (random) HF folder to a GGUF file as llama.cpp does: llama.*, qwen2.* or
-    qwen3.* metadata, q/k rows permuted for Llama (not Qwen), output.weight omitted when tied,
-    tokenizer metadata copied from the embedded SmolLM2 GGUF (same vocabulary).
-    Tensors are F32, or F16 for matrices with `float16` (norms and biases stay F32, as in
-    llama.cpp). `pre` overrides `tokenizer.ggml.pre` (the pre-tokenizer name). Returns `out_path`."""
+    """Convert a (random) HF folder to a GGUF file as llama.cpp's convert_hf_to_gguf.py does:
+    llama.*, qwen2.*, qwen3.*, qwen2moe.*, qwen3moe.*, phi3.* or gemma3.* metadata (Mixtral is
+    "llama" with llama.expert_count), q/k rows permuted for Llama and Mixtral (not the others),
+    output.weight omitted when tied, tokenizer metadata copied from the embedded SmolLM2 GGUF
+    (same vocabulary). MoE experts merged per layer into 3-D ffn_{gate,up,down}_exps; Phi-3's
+    fused qkv / gate_up kept as attn_qkv / ffn_up, longrope factors as rope_factors_long/short
+    tensors; Gemma 3's norm weights stored plus 1 (Gemma3Model.modify_tensors).
+    Tensors are F32, or F16 for matrices with `float16` (norms, biases and MoE routers stay
+    F32, as in llama.cpp). `pre` overrides `tokenizer.ggml.pre` (the pre-tokenizer name).
+    `merge_experts=False` writes one tensor per expert (`blk.N.ffn_gate.E.weight`), as
+    llama.cpp's converter did for Mixtral before it merged them. Returns `out_path`."""
     import json
+    import math
 
     import numpy as np
     from gguf import GGUFValueType, GGUFWriter
     from safetensors.torch import load_file
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}[config["architectures"][0]]
+    hf_arch = config["architectures"][0]
+    arch = _GGUF_ARCHS[hf_arch]
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    if arch == "gemma3":
+        _gemma3_check_llamacpp_representable(config)
+        rope = rope.get("full_attention", rope)
+    moe = hf_arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
     writer = GGUFWriter(str(out_path), arch)
-    writer.add_name(f"random {arch}")
+    writer.add_name(f"random {hf_arch}")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -265,9 +342,42 @@ def write_gguf_from_hf_dir(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # Phi3MiniModel: no key_length; partial rotary in dimension_count
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // n_head)
+        max_pos = config["max_position_embeddings"]
+        original = (config.get("original_max_position_embeddings")
+                    or rope.get("original_max_position_embeddings") or max_pos)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = max_pos / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+            writer.add_tensor("rope_factors_long.weight",
+                              np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight",
+                              np.array(rope["short_factor"], dtype=np.float32))
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        if rope.get("rope_type") == "linear":
+            from gguf import RopeScalingType
+
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    if moe:
+        writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if hf_arch != "MixtralForCausalLM":  # Qwen2MoeModel.set_gguf_parameters
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if hf_arch == "Qwen2MoeForCausalLM":
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     # Tokenizer: the embedded model's, field by field.
     for key, (kind, value) in _embedded_tokenizer_metadata().items():
         if kind == GGUFValueType.ARRAY:
@@ -279,24 +389,40 @@ def write_gguf_from_hf_dir(
         else:
             writer.add_uint32(key, value)
 
+    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_MOE_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name, tensor in state.items():
-        array = tensor.float().numpy()
         if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
+            tensors.append(("token_embd.weight", tensor))
         elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
+            tensors.append(("output_norm.weight", tensor))
         elif name == "lm_head.weight":
-            if config.get("tie_word_embeddings"):
-                continue
-            gguf_name = "output.weight"
+            if not config.get("tie_word_embeddings"):
+                tensors.append(("output.weight", tensor))
         else:
             _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+            layers.setdefault(int(layer), {})[rest] = tensor
+    for layer in sorted(layers):
+        layer_state = layers[layer]
+        for proj, stacked in sorted(_merged_experts(layer_state).items()):
+            if merge_experts:
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", stacked))
+            else:
+                tensors += [(f"blk.{layer}.ffn_{proj}.{e}.weight", t) for e, t in enumerate(stacked)]
+        for rest, tensor in layer_state.items():
+            if rest == "mlp.shared_expert_gate.weight":
+                tensor = tensor.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is {n_embd}
+            tensors.append((f"blk.{layer}.{layer_names[rest]}", tensor))
+    for gguf_name, tensor in tensors:
+        array = tensor.float().numpy()
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             array = _llamacpp_permute(array, n_head)
         elif arch == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _llamacpp_permute(array, n_kv)
-        if float16 and array.ndim == 2:
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            array = array + 1.0  # Gemma3RMSNorm's 1 + weight, folded in by the converter
+        if float16 and array.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
             array = array.astype(np.float16)
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()

@@ -47,15 +47,18 @@ class Checkpoint:
         else:
             yield from gguf_checkpoint.iter_dequantized(self.gguf_reader, self.spec)
 
-    def iter_raw_gguf_tensors(self) -> Iterator[tuple[str, ReaderTensor]]:
+    def iter_raw_gguf_tensors(self) -> Iterator[tuple[str, ReaderTensor | torch.Tensor]]:
         """GGUF only: (HF name, gguf ReaderTensor) with data still in its stored quantization.
 
         The q/k rows of Llama-family files are still rope-permuted: apply
         `undo_rope_permutation(rows, self.gguf_rope_heads(name))` where that is not None.
+        Tensors llama.cpp stores in another layout (merged MoE experts, Phi-3's fused qkv and
+        gate-up, Gemma 3's shifted norms) come already dequantized, as float32 torch tensors
+        in HF layout (`gguf_checkpoint.iter_raw_tensors`).
         """
         if self.format != "gguf":
             raise ValueError(f"iter_raw_gguf_tensors needs a GGUF checkpoint, this one is {self.format!r}")
-        yield from gguf_checkpoint.iter_raw_tensors(self.gguf_reader)
+        yield from gguf_checkpoint.iter_raw_tensors(self.gguf_reader, self.spec)
 
     def gguf_rope_heads(self, hf_name: str) -> int | None:
         """GGUF only: head count for undoing the q/k row permutation of `hf_name`, or None."""

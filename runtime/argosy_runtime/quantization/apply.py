@@ -168,6 +168,9 @@ def _iter_gguf(checkpoint: Any, config: QuantizationConfig) -> Iterator[tuple[st
         logger.info("keeping the GGUF file's 4-bit blocks as int4 group 32 (asked: group %d); "
                     "keep_gguf_blocks=False re-quantizes them", config.group_size)
     for hf_name, tensor in checkpoint.iter_raw_gguf_tensors():
+        if isinstance(tensor, torch.Tensor):  # split / shifted on reading: already float32
+            yield hf_name, tensor
+            continue
         heads = checkpoint.gguf_rope_heads(hf_name)
         if keep and tensor.tensor_type in INT4_GGUF_TYPES and hf_name.endswith("_proj.weight"):
             weight = q4_to_int4(tensor)

@@ -8,7 +8,8 @@ layers' own rotary base, linear rope scaling on the full layers. Greedy tokens a
 equal transformers' in float32 past the window, through chunked prefill, prefix-cache hits,
 preemption, n-gram speculative decoding and a LoRA adapter (PEFT's); bfloat16 (fused C++ norms and rotary; never the C++ decode layer, which knows
 Llama's layer only) and int8 weights stay close; a Gemma3ForConditionalGeneration folder
-serves its text model, final logit soft-capping included."""
+serves its text model, final logit soft-capping included; a llama.cpp gemma3 GGUF file (norms
+stored plus 1) equals its folder."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import random
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from engine_helpers import assert_no_leaks, run_requests
-from model_factory import embedded_tokenizer_files, make_random_model_dir
+from model_factory import embedded_tokenizer_files, make_random_model_dir, write_gguf_from_hf_dir
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -292,6 +294,33 @@ def test_final_logit_softcapping(tmp_path) -> None:  # noqa: ANN001
     assert_equals_reference(llm.generate(prompts, greedy(8)), prompts, ref, 8)
     hidden = 100 * torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     assert llm.engine.model.compute_logits(hidden).abs().max() <= 3.0
+
+
+def test_gguf_file_equals_transformers(tmp_path) -> None:  # noqa: ANN001
+    """llama.cpp's gemma3 GGUF: norms stored as 1 + weight, post_attention_norm / ffn_norm /
+    post_ffw_norm, the window and final soft-capping in metadata, linear scaling on the full
+    layers. Its graph fixes what the file does not say (every 6th layer full, sliding rotary
+    base 10000, query_pre_attn_scalar = head_dim), so the folder has those values."""
+    from transformers import AutoModelForCausalLM
+
+    folder = gemma3_dir(
+        tmp_path, num_hidden_layers=6, query_pre_attn_scalar=32, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 5000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    gguf = write_gguf_from_hf_dir(folder, tmp_path / "gemma3.gguf")
+    assert "blk.0.post_ffw_norm.weight" in [t.name for t in open_gguf(gguf).tensors]
+    ref = Reference(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+    llm = LLM(model=str(gguf), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    assert spec.architecture == "gemma3" and spec.hidden_act == "gelu_pytorch_tanh"
+    assert spec.layer_sliding_windows == (WINDOW,) * 5 + (None,)
+    assert (spec.query_pre_attn_scalar, spec.local_rope_theta, spec.final_logit_softcapping,
+            spec.rope_scaling) == (32.0, 10000.0, 10.0, {"rope_type": "linear", "factor": 8.0})
+    prompts = random_prompts(10, (3, 21))
+    assert_equals_reference(llm.generate(prompts, greedy(8)), prompts, ref, 8)
+    assert_no_leaks(llm.engine)
 
 
 def test_attention_logit_softcapping_is_refused(tmp_path) -> None:  # noqa: ANN001

@@ -1,8 +1,10 @@
 """Mixture-of-Experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert)
 equal transformers 5: greedy tokens and logprobs in float32 through chunked prefill, prefix-cache
 hits, preemption and concurrent sequences; bfloat16 close; int8-quantized experts close; the
-per-expert Hub layout and transformers' fused 3-D layout load the same. And clear errors where
-MoE is not supported: GGUF MoE files, LoRA on expert MLPs, GPTQ calibration; CUDA graphs off."""
+per-expert Hub layout and transformers' fused 3-D layout load the same; llama.cpp GGUF files
+(qwen3moe, qwen2moe, Mixtral as "llama" with experts; experts merged per layer) equal the
+folder. And clear errors where MoE is not supported: LoRA on expert MLPs, GPTQ calibration, a
+GGUF MoE file without experts; CUDA graphs off."""
 
 from __future__ import annotations
 
@@ -17,13 +19,19 @@ import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
 from argosy_runtime.lora import LoRAAdapter
 from argosy_runtime.model_loader import load_checkpoint
+from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.model_runner import use_cuda_graphs
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from argosy_runtime.models.llama import LlamaForCausalLM
 from argosy_runtime.models.moe import SparseMoeBlock
 from engine_helpers import assert_no_leaks, run_requests
 from gguf import GGUFWriter
-from model_factory import EMBEDDED_VOCAB_SIZE, embedded_tokenizer_files, make_random_model_dir
+from model_factory import (
+    EMBEDDED_VOCAB_SIZE,
+    embedded_tokenizer_files,
+    make_random_model_dir,
+    write_gguf_from_hf_dir,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -232,11 +240,26 @@ def _write_gguf(path: Path, arch: str, experts: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch,name", [("qwen3moe", "Qwen3-MoE"), ("qwen2moe", "Qwen2-MoE"),
-                                       ("llama", "Mixtral")])
-def test_gguf_moe_files_are_value_errors(arch: str, name: str, tmp_path) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError, match=f"GGUF Mixture-of-Experts.*'{arch}', {name}, 4 experts"):
-        load_checkpoint(str(_write_gguf(tmp_path / "moe.gguf", arch, 4)))
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_gguf_file_equals_transformers(arch: str, moe_dirs, moe_refs, tmp_path) -> None:  # noqa: ANN001
+    # llama.cpp's layout: 3-D ffn_{gate,up,down}_exps per sparse layer, ffn_gate_inp routers,
+    # Qwen2-MoE's *_shexp; Mixtral is "llama" with expert_count and permuted q/k rows.
+    gguf = write_gguf_from_hf_dir(moe_dirs[arch], tmp_path / f"{arch}.gguf")
+    names = [t.name for t in open_gguf(gguf).tensors]
+    assert f"blk.{MODELS[arch][1][0]}.ffn_gate_exps.weight" in names
+    llm = LLM(model=str(gguf), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    spec, folder_spec = llm.engine.spec, load_checkpoint(str(moe_dirs[arch])).spec
+    assert spec.architecture == arch and spec.sparse_layers == MODELS[arch][1]
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "shared_expert_intermediate_size", "attention_bias"):
+        assert getattr(spec, field) == getattr(folder_spec, field), field
+    assert_equal_to_transformers(llm.generate(prompts(2), greedy(10)), moe_refs[arch], 10)
+    assert_no_leaks(llm.engine)
+
+
+def test_gguf_moe_file_without_experts_is_a_value_error(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="GGUF llama file has no experts.*expert_count 4"):
+        load_checkpoint(str(_write_gguf(tmp_path / "moe.gguf", "llama", 4)))
 
 
 def _write_adapter(folder: Path, spec, modules: list[str]) -> Path:  # noqa: ANN001

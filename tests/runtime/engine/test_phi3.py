@@ -12,6 +12,7 @@ prefix-cache hits and preemption. Longrope takes the short factors when max_mode
 original_max_position_embeddings, the long ones above it (vLLM's rule), which equals
 transformers for short sequences in the first case and long prompts in the second. bfloat16
 (the fused C++ rotary and decode layers, partial rotary included) stays close; int8 runs.
+Both models written as llama.cpp's phi3 GGUF files load equal to the folders.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import random
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from engine_helpers import assert_no_leaks, run_requests
-from model_factory import make_random_model_dir
+from model_factory import make_random_model_dir, write_gguf_from_hf_dir
 
 WINDOW = 10
 ORIGINAL = 64  # the longrope model's original_max_position_embeddings
@@ -151,6 +153,34 @@ def test_longrope_long_factors_past_the_original_length(phi4_mini) -> None:  # n
     _, want = ref.greedy(short[0], 1)
     token = got.token_ids[0]
     assert abs(got.logprobs[0][token].logprob - want[0][token].item()) > 1e-3
+
+
+def test_gguf_files_equal_transformers(phi3_4k, phi4_mini, tmp_path) -> None:  # noqa: ANN001
+    """llama.cpp's phi3 layout: fused attn_qkv and ffn_up (gate rows, then up), partial rotary
+    as rope.dimension_count, longrope as rope_factors_long/short tensors, the window as
+    attention.sliding_window. The window model, and the longrope one on both factor lists."""
+    folder, ref = phi3_4k
+    gguf = write_gguf_from_hf_dir(folder, tmp_path / "phi3-4k.gguf")
+    assert "blk.0.attn_qkv.weight" in [t.name for t in open_gguf(gguf).tensors]
+    llm = LLM(model=str(gguf), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    assert spec.architecture == "phi3" and spec.rope_scaling is None
+    assert spec.layer_sliding_windows == (WINDOW, WINDOW)
+    prompts = random_prompts(5, (WINDOW + 1, 23))
+    assert_equals_reference(llm.generate(prompts, greedy(8)), prompts, ref, 8)
+    assert_no_leaks(llm.engine)
+
+    folder, ref = phi4_mini
+    gguf = write_gguf_from_hf_dir(folder, tmp_path / "phi4-mini.gguf")
+    for max_model_len, lengths in ((ORIGINAL, (17,)), (MAX_POSITIONS, (ORIGINAL + 1,))):
+        llm = LLM(model=str(gguf), dtype="float32", block_size=4, max_num_batched_tokens=32,
+                  max_model_len=max_model_len)
+        spec = llm.engine.spec
+        assert spec.rotary_dim == 48 and spec.rope_scaling["rope_type"] == "longrope"
+        assert spec.rope_scaling["attention_factor"] == pytest.approx((1 + 2 / 6) ** 0.5)
+        prompts = random_prompts(6, lengths)
+        assert_equals_reference(llm.generate(prompts, greedy(8)), prompts, ref, 8)
+        assert_no_leaks(llm.engine)
 
 
 def test_prefix_hits_and_preemption(phi4_mini) -> None:  # noqa: ANN001

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from argosy_runtime.model_loader import load_checkpoint
 from argosy_runtime.model_loader.gemma3_config import GEMMA3_TEXT_DEFAULTS
 from argosy_runtime.model_loader.model_spec import ModelSpec
 
@@ -115,16 +114,43 @@ def test_gemma2_stays_unsupported() -> None:
               "num_attention_heads": 4, "attn_logit_softcapping": 50.0})
 
 
-def test_gemma3_gguf_is_refused(tmp_path) -> None:  # noqa: ANN001
+def _gemma3_gguf_spec(tmp_path, layers: int, **extra) -> ModelSpec:  # noqa: ANN001
+    from argosy_runtime.model_loader.gguf_checkpoint import spec_from_gguf
+    from argosy_runtime.model_loader.gguf_metadata import open_gguf
     from gguf import GGUFWriter
 
-    path = tmp_path / "gemma3.gguf"
+    path = tmp_path / f"gemma3-{layers}-{len(extra)}.gguf"
     writer = GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(16)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(8)
+    if "pattern" in extra:
+        writer.add_sliding_window_pattern(extra["pattern"])
+    if "local_theta" in extra:
+        writer.add_float32("gemma3.rope.freq_base_swa", extra["local_theta"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'gemma3' is not supported"):
-        load_checkpoint(str(path))
+    return spec_from_gguf(open_gguf(path))
+
+
+def test_gemma3_gguf_takes_llama_cpps_fixed_values(tmp_path) -> None:  # noqa: ANN001
+    """llama.cpp's gemma3 files say neither the layer pattern, nor the sliding layers' rotary
+    base, nor query_pre_attn_scalar: its graph's values (every 6th layer full, 10000,
+    head_dim; (hidden / heads) for the 62-layer 27B) unless a file has the keys."""
+    s = _gemma3_gguf_spec(tmp_path, 7)
+    assert s.architecture == "gemma3" and s.hidden_act == "gelu_pytorch_tanh" and s.qk_norm
+    assert s.layer_sliding_windows == (8, 8, 8, 8, 8, None, 8)
+    assert (s.local_rope_theta, s.query_pre_attn_scalar, s.final_logit_softcapping) == (
+        10000.0, 16.0, None)
+    assert _gemma3_gguf_spec(tmp_path, 62).query_pre_attn_scalar == 32.0  # 64 / 2 heads
+    s = _gemma3_gguf_spec(tmp_path, 3, pattern=[True, False, True], local_theta=100.0)
+    assert s.layer_sliding_windows == (8, None, 8) and s.local_rope_theta == 100.0

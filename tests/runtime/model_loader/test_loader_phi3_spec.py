@@ -135,14 +135,38 @@ def test_fused_qkv_and_gate_up_split_in_transformers_order() -> None:
         split_phi3_fused("model.layers.0.self_attn.qkv_proj.weight", qkv[:15], spec)
 
 
-def test_gguf_phi3_points_to_the_hf_folder(tmp_path) -> None:  # noqa: ANN001
-    path = tmp_path / "phi3.gguf"
+def _phi3_gguf(path, window: int, rope_dims: int):  # noqa: ANN001, ANN202
+    """A phi3 file's metadata as Phi3MiniModel.set_gguf_parameters writes it (no key_length;
+    rope.dimension_count = rotary dims; sliding_window 0 for none)."""
     writer = GGUFWriter(str(path), "phi3")
-    writer.add_context_length(64)
-    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
+    writer.add_context_length(4096)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(rope_dims)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_token_types([1, 1, 1])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'phi3' is not supported.*Hugging Face folder"):
-        load_checkpoint(str(path))
+    return path
+
+
+def test_gguf_phi3_spec(tmp_path) -> None:  # noqa: ANN001
+    # Phi-3-mini-4k: every layer windowed (2047 < 4096), full rotary, no longrope tensors.
+    spec = load_checkpoint(str(_phi3_gguf(tmp_path / "mini.gguf", 2047, 16))).spec
+    assert spec.architecture == "phi3" and spec.head_dim == 16 and spec.rotary_dim == 16
+    assert spec.layer_sliding_windows == (2047, 2047) and spec.rope_scaling is None
+    # Phi-4-mini style: sliding_window 0 (none), 12 of 16 dims rotated.
+    spec = load_checkpoint(str(_phi3_gguf(tmp_path / "phi4.gguf", 0, 12))).spec
+    assert spec.layer_sliding_windows == () and spec.partial_rotary_factor == 0.75
