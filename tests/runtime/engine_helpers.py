@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from argosy_runtime import LLMEngine, SamplingParams
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 
@@ -62,3 +64,55 @@ def record_cpp_layer_calls(monkeypatch) -> list[int]:  # noqa: ANN001
     monkeypatch.setattr(CpuDecodeLayers, "__call__",
                         lambda self, h, *args: calls.append(h.shape[0]) or original(self, h, *args))
     return calls
+
+
+class FullForwardReference:
+    """transformers' greedy continuation and the log-softmax at each step, one full forward
+    per token (no KV cache): the model's own mask alone decides what each position sees
+    (sliding windows), and position-dependent rope (longrope) is computed from the whole
+    sequence. Cached per (prompt, n)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        self.model = model
+        self._cache: dict = {}
+
+    @classmethod
+    def from_folder(cls, folder) -> FullForwardReference:  # noqa: ANN001
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list]:
+        import torch
+
+        key = (tuple(prompt), n)
+        if key not in self._cache:
+            ids, logprobs = list(prompt), []
+            with torch.no_grad():
+                for _ in range(n):
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                    logprobs.append(torch.log_softmax(logits, dim=-1))
+                    ids.append(int(logprobs[-1].argmax()))
+            self._cache[key] = (ids[len(prompt):], logprobs)
+        return self._cache[key]
+
+
+def greedy(n: int) -> SamplingParams:
+    """n greedy tokens, EOS ignored, with the chosen token's logprob."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...], vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_equals_reference(outputs, prompts, ref: FullForwardReference, n: int) -> None:  # noqa: ANN001
+    """Each output's greedy tokens equal the reference's, logprobs within 1e-4."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = ref.greedy(prompt, n)
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens, len(prompt)
+        for pos, token in enumerate(tokens):
+            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4

@@ -14,14 +14,20 @@ stored plus 1) equals its folder."""
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
-from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime import LLM, LLMEngine
 from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
-from engine_helpers import assert_no_leaks, run_requests
+from engine_helpers import (
+    FullForwardReference,
+    assert_equals_reference,
+    assert_no_leaks,
+    greedy,
+    random_prompts,
+    run_requests,
+)
 from model_factory import embedded_tokenizer_files, make_random_model_dir, write_gguf_from_hf_dir
 
 WINDOW = 8
@@ -46,52 +52,10 @@ def gemma3_dir(tmp_path, **extra):  # noqa: ANN001, ANN201
         init_std=0.15, extra_config={**GEMMA3_CONFIG, **extra})
 
 
-class Reference:
-    """transformers' greedy continuation, one full forward per token (the windowed mask alone
-    decides what each position sees)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self._cache: dict = {}
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-        key = (tuple(prompt), n)
-        if key not in self._cache:
-            ids, logprobs = list(prompt), []
-            for _ in range(n):
-                logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-                logprobs.append(torch.log_softmax(logits, dim=-1))
-                ids.append(int(logprobs[-1].argmax()))
-            self._cache[key] = (ids[len(prompt):], logprobs)
-        return self._cache[key]
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):  # noqa: ANN001, ANN201
-    from transformers import AutoModelForCausalLM
-
     folder = gemma3_dir(tmp_path_factory.mktemp("models"))
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    return folder, Reference(hf)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-def assert_equals_reference(outputs, prompts, ref: Reference, n: int) -> None:  # noqa: ANN001
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, logprobs = ref.greedy(prompt, n)
-        seq = out.outputs[0]
-        assert seq.token_ids == tokens, len(prompt)
-        for pos, token in enumerate(tokens):
-            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
+    return folder, FullForwardReference.from_folder(folder)
 
 
 def test_past_the_window_equals_transformers(gemma3) -> None:  # noqa: ANN001
@@ -161,14 +125,14 @@ def test_lora_adapter_equals_peft(gemma3, tmp_path) -> None:  # noqa: ANN001
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    with_adapter = Reference(peft).greedy(prompt, 10)[0]
+    with_adapter = FullForwardReference(peft).greedy(prompt, 10)[0]
     assert with_adapter != ref.greedy(prompt, 10)[0]  # the adapter matters
     assert done["r0"].outputs[0].token_ids == with_adapter
     assert done["r1"].outputs[0].token_ids == ref.greedy(prompt, 10)[0]
     assert_no_leaks(engine)
 
 
-def assert_close(outputs, prompts, ref: Reference, n: int, tol: float,  # noqa: ANN001
+def assert_close(outputs, prompts, ref: FullForwardReference, n: int, tol: float,  # noqa: ANN001
                  max_flips: int = 1) -> None:
     """Until the first disagreement (contexts equal), logprobs within `tol`; at most
     `max_flips` prompts diverge (a near-tie flipped by rounding)."""
@@ -278,16 +242,14 @@ def test_conditional_generation_serves_its_text_model(tmp_path, caplog,  # noqa:
         llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert "text model only" in caplog.text
     prompts = random_prompts(8, (5, 21))
-    assert_equals_reference(llm.generate(prompts, greedy(12)), prompts, Reference(hf), 12)
+    assert_equals_reference(llm.generate(prompts, greedy(12)), prompts, FullForwardReference(hf), 12)
 
 
 def test_final_logit_softcapping(tmp_path) -> None:  # noqa: ANN001
     """Gemma3ForCausalLM's logits -> cap * tanh(logits / cap); a cap small enough to change
     every logprob (all logits within (-3, 3))."""
-    from transformers import AutoModelForCausalLM
-
     folder = gemma3_dir(tmp_path, final_logit_softcapping=3.0)
-    ref = Reference(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+    ref = FullForwardReference.from_folder(folder)
     llm = LLM(model=str(folder), dtype="float32", block_size=4)
     assert llm.engine.spec.final_logit_softcapping == 3.0
     prompts = random_prompts(9, (4, 17))
@@ -301,7 +263,6 @@ def test_gguf_file_equals_transformers(tmp_path) -> None:  # noqa: ANN001
     post_ffw_norm, the window and final soft-capping in metadata, linear scaling on the full
     layers. Its graph fixes what the file does not say (every 6th layer full, sliding rotary
     base 10000, query_pre_attn_scalar = head_dim), so the folder has those values."""
-    from transformers import AutoModelForCausalLM
 
     folder = gemma3_dir(
         tmp_path, num_hidden_layers=6, query_pre_attn_scalar=32, final_logit_softcapping=10.0,
@@ -311,7 +272,7 @@ def test_gguf_file_equals_transformers(tmp_path) -> None:  # noqa: ANN001
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     gguf = write_gguf_from_hf_dir(folder, tmp_path / "gemma3.gguf")
     assert "blk.0.post_ffw_norm.weight" in [t.name for t in open_gguf(gguf).tensors]
-    ref = Reference(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+    ref = FullForwardReference.from_folder(folder)
     llm = LLM(model=str(gguf), dtype="float32", block_size=4, max_num_batched_tokens=16)
     spec = llm.engine.spec
     assert spec.architecture == "gemma3" and spec.hidden_act == "gelu_pytorch_tanh"

@@ -17,13 +17,17 @@ Both models written as llama.cpp's phi3 GGUF files load equal to the folders.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime import LLM, LLMEngine
 from argosy_runtime.model_loader.gguf_metadata import open_gguf
-from engine_helpers import assert_no_leaks, run_requests
+from engine_helpers import (
+    FullForwardReference,
+    assert_equals_reference,
+    assert_no_leaks,
+    greedy,
+    random_prompts,
+    run_requests,
+)
 from model_factory import make_random_model_dir, write_gguf_from_hf_dir
 
 WINDOW = 10
@@ -38,31 +42,6 @@ LONGROPE = {"rope_type": "longrope", "partial_rotary_factor": 0.75,
             "long_factor": [1.5 + 0.5 * i for i in range(ROTARY_HALF)]}
 
 
-class Reference:
-    """transformers' greedy continuation, one full forward per token: no KV cache, so the
-    window mask alone decides what each position sees, and longrope picks its factors from
-    the whole sequence's length."""
-
-    def __init__(self, folder) -> None:  # noqa: ANN001
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        self._cache: dict = {}
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-        key = (tuple(prompt), n)
-        if key not in self._cache:
-            ids, logprobs = list(prompt), []
-            for _ in range(n):
-                logits = self.model(torch.tensor([ids])).logits[0, -1].float()
-                lp = torch.log_softmax(logits, dim=-1)
-                logprobs.append(lp)
-                ids.append(int(lp.argmax()))
-            self._cache[key] = (ids[len(prompt):], logprobs)
-        return self._cache[key]
-
-
 @pytest.fixture(scope="module")
 def phi3_4k(tmp_path_factory):  # noqa: ANN001, ANN201
     folder = make_random_model_dir(
@@ -70,7 +49,7 @@ def phi3_4k(tmp_path_factory):  # noqa: ANN001, ANN201
         max_position_embeddings=MAX_POSITIONS,
         extra_config={"sliding_window": WINDOW, "original_max_position_embeddings": MAX_POSITIONS,
                       "eos_token_id": [2, 7]})
-    return folder, Reference(folder)
+    return folder, FullForwardReference.from_folder(folder)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +58,7 @@ def phi4_mini(tmp_path_factory):  # noqa: ANN001, ANN201
         tmp_path_factory.mktemp("models"), "phi3", name="phi4-mini", init_std=0.2,
         max_position_embeddings=MAX_POSITIONS, rope_scaling=LONGROPE,
         extra_config={"original_max_position_embeddings": ORIGINAL}, **MINI_SHAPE)
-    return folder, Reference(folder)
+    return folder, FullForwardReference.from_folder(folder)
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +69,7 @@ def phi4_mini_small_weights(tmp_path_factory):  # noqa: ANN001, ANN201
         tmp_path_factory.mktemp("models"), "phi3", name="phi4-mini-small", init_std=0.1,
         max_position_embeddings=MAX_POSITIONS, rope_scaling=LONGROPE,
         extra_config={"original_max_position_embeddings": ORIGINAL}, **MINI_SHAPE)
-    return folder, Reference(folder)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-def assert_equals_reference(outputs, prompts, ref: Reference, n: int) -> None:  # noqa: ANN001
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, logprobs = ref.greedy(prompt, n)
-        seq = out.outputs[0]
-        assert seq.token_ids == tokens, len(prompt)
-        for pos, token in enumerate(tokens):
-            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
+    return folder, FullForwardReference.from_folder(folder)
 
 
 def test_phi3_4k_with_its_window_equals_transformers(phi3_4k) -> None:  # noqa: ANN001

@@ -9,36 +9,22 @@ and an int8 KV cache stay close to it."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from argosy_runtime import LLM, LLMEngine, SamplingParams
-from engine_helpers import assert_no_leaks, run_requests
+from argosy_runtime import LLM, LLMEngine
+from engine_helpers import (
+    FullForwardReference,
+    assert_equals_reference,
+    assert_no_leaks,
+    greedy,
+    random_prompts,
+    run_requests,
+)
 from model_factory import make_random_model_dir
 
 MISTRAL_WINDOW = 10  # ends inside a block of 4
 QWEN2_WINDOW = 12  # ends on a block boundary
 MAX_POSITIONS = 256
-
-
-class Reference:
-    """transformers' greedy continuation, one full forward per token (no KV cache: the
-    windowed mask alone decides what each position sees)."""
-
-    def __init__(self, folder) -> None:  # noqa: ANN001
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-        ids, logprobs = list(prompt), []
-        for _ in range(n):
-            lp = torch.log_softmax(self.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            logprobs.append(lp)
-            ids.append(int(lp.argmax()))
-        return ids[len(prompt):], logprobs
 
 
 def windowed_dir(tmp_path, arch: str, window: int | None, **kwargs):  # noqa: ANN001, ANN201
@@ -58,38 +44,20 @@ def windowed_dir(tmp_path, arch: str, window: int | None, **kwargs):  # noqa: AN
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):  # noqa: ANN001, ANN201
     folder = windowed_dir(tmp_path_factory.mktemp("models"), "mistral", MISTRAL_WINDOW)
-    return folder, Reference(folder)
+    return folder, FullForwardReference.from_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):  # noqa: ANN001, ANN201
     folder = windowed_dir(tmp_path_factory.mktemp("models"), "qwen2", QWEN2_WINDOW)
-    return folder, Reference(folder)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-def assert_equals_reference(outputs, prompts, ref: Reference, n: int) -> None:  # noqa: ANN001
-    for prompt, out in zip(prompts, outputs, strict=True):
-        tokens, logprobs = ref.greedy(prompt, n)
-        seq = out.outputs[0]
-        assert seq.token_ids == tokens, len(prompt)
-        for pos, token in enumerate(tokens):
-            assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
+    return folder, FullForwardReference.from_folder(folder)
 
 
 def test_the_window_changes_attention_beyond_it(tmp_path) -> None:  # noqa: ANN001
     """Why the window must be honoured: past it, transformers' windowed model and full
     attention disagree (equal, bit for bit, before it)."""
-    windowed = Reference(windowed_dir(tmp_path, "mistral", MISTRAL_WINDOW)).model
-    full = Reference(windowed_dir(tmp_path, "mistral", None)).model
+    windowed = FullForwardReference.from_folder(windowed_dir(tmp_path, "mistral", MISTRAL_WINDOW)).model
+    full = FullForwardReference.from_folder(windowed_dir(tmp_path, "mistral", None)).model
     ids = torch.tensor(random_prompts(4, (4 * MISTRAL_WINDOW,)))
     with torch.no_grad():
         a, b = windowed(ids).logits[0], full(ids).logits[0]
@@ -146,7 +114,7 @@ def mistral_64(tmp_path_factory):  # noqa: ANN001, ANN201
     instead of tenths, well below what the window changes."""
     folder = windowed_dir(tmp_path_factory.mktemp("models"), "mistral", MISTRAL_WINDOW,
                           head_dim=64, init_std=0.15)
-    return folder, Reference(folder)
+    return folder, FullForwardReference.from_folder(folder)
 
 
 def test_bfloat16_fused_cpu_kernels_stay_close(mistral_64) -> None:  # noqa: ANN001
