@@ -23,8 +23,9 @@ a step computes about one partial block per beam, not the whole sequence again.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from argosy_runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -133,7 +134,7 @@ class BeamSearch:
             len(self.finished) == width
             and self.live[0].cum_logprob / length ** penalty <= self.finished[-1][0])
 
-    def output(self, tokenizer: object) -> BeamSearchOutput:
+    def output(self, tokenizer: Any) -> BeamSearchOutput:
         """The finished hypotheses, best first (call once `done`)."""
         sequences = []
         for score, beam in self.finished:
@@ -145,3 +146,21 @@ class BeamSearch:
                 score=score, finish_reason="stop" if ended else "length",
                 stop_reason=tokens[-1] if ended else None))
         return BeamSearchOutput(sequences)
+
+
+def live_requests(searches: Sequence[BeamSearch]) -> list[tuple[BeamSearch, list[int]]]:
+    """One step of several searches run together: (search, tokens to score) for every live
+    beam of every search not done; empty once all are."""
+    return [(s, tokens) for s in searches if not s.done for tokens in s.requests()]
+
+
+def advance_searches(requests: list[tuple[BeamSearch, list[int]]], outputs: Sequence[Any]) -> None:
+    """Feed each search its beams' next-token log-probabilities: `outputs[i]` is the
+    RequestOutput of `requests[i]` (run with `scoring_params()`)."""
+    by_search: dict[int, tuple[BeamSearch, list[dict[int, float]]]] = {}
+    for (search, _), out in zip(requests, outputs, strict=True):
+        top = out.outputs[0].logprobs[0]
+        by_search.setdefault(id(search), (search, []))[1].append(
+            {t: lp.logprob for t, lp in top.items()})
+    for search, next_logprobs in by_search.values():
+        search.advance(next_logprobs)

@@ -6,7 +6,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from argosy_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from argosy_runtime.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_searches,
+    live_requests,
+)
 from argosy_runtime.engine import LLMEngine
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
@@ -66,16 +72,10 @@ class LLM:
                 raise ValueError(f"prompt ({len(search.prompt)} tokens) + max_tokens "
                                  f"({params.max_tokens}) exceeds max_model_len "
                                  f"({self.engine.max_model_len})")
-        scoring = searches[0].scoring_params() if searches else None
-        while live := [s for s in searches if not s.done]:
-            requests = [(s, r) for s in live for r in s.requests()]
-            outs = self._run([r for _, r in requests], [scoring] * len(requests), lora_name)
-            next_logprobs: dict[int, list[dict[int, float]]] = {id(s): [] for s in live}
-            for (search, _), out in zip(requests, outs):
-                top = out.outputs[0].logprobs[0]
-                next_logprobs[id(search)].append({t: lp.logprob for t, lp in top.items()})
-            for search in live:
-                search.advance(next_logprobs[id(search)])
+        scoring = [s.scoring_params() for s in searches[:1]]  # the same for every search
+        while requests := live_requests(searches):
+            outs = self._run([r for _, r in requests], scoring * len(requests), lora_name)
+            advance_searches(requests, outs)
         return [s.output(tokenizer) for s in searches]
 
     def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],

@@ -15,7 +15,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from argosy_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from argosy_runtime.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_searches,
+    live_requests,
+)
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
@@ -68,18 +74,11 @@ async def run_beam_search(request: Request, ctx: ServingContext, base_id: str,
     try:
         async with asyncio.timeout(ctx.config.request_timeout or None):
             step = 0
-            while live := [s for s in searches if not s.done]:
-                requests = [(s, r) for s in live for r in s.requests()]
+            while requests := live_requests(searches):
                 streams = await start_streams(ctx, f"{base_id}-beam{step}",
                                               [r for _, r in requests], scoring, model_name,
                                               priority)
-                finals = await run_to_completion(request, ctx, streams)
-                by_search: dict[int, list[dict[int, float]]] = {id(s): [] for s in live}
-                for (search, _), out in zip(requests, finals, strict=True):
-                    top = out.outputs[0].logprobs[0]
-                    by_search[id(search)].append({t: lp.logprob for t, lp in top.items()})
-                for search in live:
-                    search.advance(by_search[id(search)])
+                advance_searches(requests, await run_to_completion(request, ctx, streams))
                 step += 1
     except TimeoutError:
         raise APIError(408, f"request timed out after {ctx.config.request_timeout:g}s",
