@@ -13,8 +13,7 @@ import pytest
 import torch
 from argosy_runtime import LLM, BeamSearchParams
 from argosy_runtime.beam_search import BeamSearch, max_beam_width
-from conftest import _load_hf
-from engine_helpers import assert_no_leaks
+from engine_helpers import FullForwardReference, assert_no_leaks
 
 WIDTH, MAX_TOKENS = 3, 10
 
@@ -50,7 +49,7 @@ def assert_same_beams(got, expected) -> None:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def hf_model(random_llama_dir: Path) -> torch.nn.Module:
-    return _load_hf(random_llama_dir)
+    return FullForwardReference.from_folder(random_llama_dir).model
 
 
 def test_without_end_tokens_equals_transformers(random_llama_dir, hf_model) -> None:  # noqa: ANN001
