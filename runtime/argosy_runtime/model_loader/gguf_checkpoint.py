@@ -40,6 +40,11 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from argosy_runtime.model_loader.gguf_metadata import read_field
+from argosy_runtime.model_loader.hf_checkpoint import (
+    expert_weight_name,
+    moe_router_name,
+    split_phi3_fused,
+)
 from argosy_runtime.model_loader.model_spec import ModelSpec
 
 # general.architecture values we read -> (our architecture, whether q/k rows are rope-permuted).
@@ -84,9 +89,9 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-# Merged experts: GGUF name -> (HF projection, Mixtral's name for it).
-_EXPERT_TENSORS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weight": ("up_proj", "w3"),
-                   "ffn_down_exps.weight": ("down_proj", "w2")}
+# Merged experts: GGUF name -> the projection (hf_checkpoint.expert_weight_name's `proj`).
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                   "ffn_down_exps.weight": "down"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Mixtral files from before llama.cpp merged the experts (early 2024): blk.N.ffn_gate.E.weight.
 _LEGACY_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -334,8 +339,6 @@ def iter_raw_tensors(reader: GGUFReader, spec: ModelSpec | None = None
             yield from _split_experts(tensor, int(match.group(1)), short, spec)
             continue
         if spec.architecture == "phi3" and short in ("attn_qkv.weight", "ffn_up.weight"):
-            from argosy_runtime.model_loader.hf_checkpoint import split_phi3_fused
-
             layer = int(match.group(1))
             fused = ("self_attn.qkv_proj" if short == "attn_qkv.weight" else "mlp.gate_up_proj")
             name = f"model.layers.{layer}.{fused}.weight"
@@ -345,13 +348,12 @@ def iter_raw_tensors(reader: GGUFReader, spec: ModelSpec | None = None
             continue
         legacy = _LEGACY_EXPERT_RE.match(short) if spec.architecture == "mixtral" else None
         if legacy:  # early Mixtral files: one tensor per expert, kept as stored
-            w = {"gate": "w1", "up": "w3", "down": "w2"}[legacy.group(1)]
-            yield (f"model.layers.{match.group(1)}.block_sparse_moe.experts."
-                   f"{legacy.group(2)}.{w}.weight"), tensor
+            yield expert_weight_name(spec, int(match.group(1)), int(legacy.group(2)),
+                                     legacy.group(1)), tensor
             continue
         hf_name = gguf_to_hf_name(tensor.name, gguf_arch)
-        if spec.architecture == "mixtral" and hf_name.endswith(".mlp.gate.weight"):
-            hf_name = hf_name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        if short == "ffn_gate_inp.weight":  # the router
+            hf_name = moe_router_name(spec, int(match.group(1)))
         if spec.architecture == "gemma3" and tensor.name.endswith("norm.weight"):
             yield hf_name, dequantize_tensor(tensor) - 1.0
         elif short == "ffn_gate_inp_shexp.weight":
@@ -363,20 +365,16 @@ def iter_raw_tensors(reader: GGUFReader, spec: ModelSpec | None = None
 def _split_experts(tensor: ReaderTensor, layer: int, short: str, spec: ModelSpec
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """One merged expert tensor ([experts, out, in] once dequantized) as per-expert HF weights."""
-    proj, mixtral_name = _EXPERT_TENSORS[short]
+    proj = _EXPERT_TENSORS[short]
     stacked = dequantize_tensor(tensor)
     inter, hidden = spec.moe_intermediate_size, spec.hidden_size
-    expected = (spec.num_experts, hidden, inter) if proj == "down_proj" else (
+    expected = (spec.num_experts, hidden, inter) if proj == "down" else (
         spec.num_experts, inter, hidden)
     if tuple(stacked.shape) != expected:
         raise ValueError(f"GGUF tensor {tensor.name!r} has shape {tuple(stacked.shape)} "
                          f"(experts, out, in); the model expects {expected}")
     for e in range(spec.num_experts):
-        if spec.architecture == "mixtral":
-            name = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral_name}.weight"
-        else:
-            name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-        yield name, stacked[e]
+        yield expert_weight_name(spec, layer, e, proj), stacked[e]
 
 
 def iter_dequantized(reader: GGUFReader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:

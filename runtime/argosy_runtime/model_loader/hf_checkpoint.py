@@ -99,6 +99,28 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     return names
 
 
+# Mixtral's Hub names of an expert's projections.
+_MIXTRAL_EXPERT_WEIGHTS = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def moe_router_name(spec: ModelSpec, layer: int) -> str:
+    """The published name of an MoE layer's router: Mixtral `block_sparse_moe.gate`, Qwen MoE
+    `mlp.gate`."""
+    block = "block_sparse_moe" if spec.architecture == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def expert_weight_name(spec: ModelSpec, layer: int, expert: int, proj: str) -> str:
+    """The published name of expert `expert`'s `proj` ("gate", "up" or "down") weight in layer
+    `layer`: Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`, Qwen MoE
+    `mlp.experts.{e}.gate_proj/up_proj/down_proj`. Every expert layout (transformers' fused
+    tensors, GGUF's merged ones) is read into these names."""
+    if spec.architecture == "mixtral":
+        return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+                f"{_MIXTRAL_EXPERT_WEIGHTS[proj]}.weight")
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
 def _mlp_weight_names(spec: ModelSpec, layer: int) -> list[str]:
     """Layer `layer`'s MLP weights: the dense MLP's, or an MoE layer's in the per-expert
     layout published checkpoints use (and transformers' save_pretrained writes by default):
@@ -108,13 +130,9 @@ def _mlp_weight_names(spec: ModelSpec, layer: int) -> list[str]:
     p = f"model.layers.{layer}."
     if not spec.is_sparse_layer(layer):
         return [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
-    experts = range(spec.num_experts)
-    if spec.architecture == "mixtral":
-        moe = p + "block_sparse_moe."
-        return [moe + "gate.weight"] + [f"{moe}experts.{e}.{w}.weight"
-                                        for e in experts for w in ("w1", "w2", "w3")]
-    names = [p + "mlp.gate.weight"] + [f"{p}mlp.experts.{e}.{proj}_proj.weight"
-                                       for e in experts for proj in ("gate", "up", "down")]
+    names = [moe_router_name(spec, layer)] + [expert_weight_name(spec, layer, e, proj)
+                                              for e in range(spec.num_experts)
+                                              for proj in ("gate", "up", "down")]
     if spec.shared_expert_intermediate_size:
         names += [f"{p}mlp.shared_expert.{proj}_proj.weight" for proj in ("gate", "up", "down")]
         names.append(p + "mlp.shared_expert_gate.weight")
@@ -137,25 +155,21 @@ def split_fused_experts(name: str, tensor: torch.Tensor, spec: ModelSpec
     if match is None or not spec.is_sparse_layer(int(match.group(1))):
         return None
     layer, what = int(match.group(1)), match.group(2)
-    mixtral = spec.architecture == "mixtral"
-    prefix = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
     if what == "gate.weight":
-        return [(prefix + "gate.weight", tensor)] if mixtral else None
+        return [(moe_router_name(spec, layer), tensor)] if spec.architecture == "mixtral" else None
     inter, hidden, num = spec.moe_intermediate_size, spec.hidden_size, spec.num_experts
     gate_up = what.startswith("experts.gate_up_proj")
     expected = (num, 2 * inter, hidden) if gate_up else (num, hidden, inter)
     if tuple(tensor.shape) != expected:
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                          f"model {expected} (experts, out, in)")
-    names = ({"gate": "w1", "up": "w3", "down": "w2"} if mixtral
-             else {k: f"{k}_proj" for k in ("gate", "up", "down")})
     out = []
     for e in range(num):
         if gate_up:
-            out.append((f"{prefix}experts.{e}.{names['gate']}.weight", tensor[e, :inter]))
-            out.append((f"{prefix}experts.{e}.{names['up']}.weight", tensor[e, inter:]))
+            out.append((expert_weight_name(spec, layer, e, "gate"), tensor[e, :inter]))
+            out.append((expert_weight_name(spec, layer, e, "up"), tensor[e, inter:]))
         else:
-            out.append((f"{prefix}experts.{e}.{names['down']}.weight", tensor[e]))
+            out.append((expert_weight_name(spec, layer, e, "down"), tensor[e]))
     return out
 
 
@@ -226,9 +240,9 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                 if spec.architecture == "gemma3" and stored.startswith(_VISION_PREFIXES):
                     num_vision += 1
                     continue
-                if model_weight_name(stored) == "lm_head.weight" and spec.tie_word_embeddings:
-                    continue  # tied: the forward reuses embed_tokens
                 name = model_weight_name(stored)
+                if name == "lm_head.weight" and spec.tie_word_embeddings:
+                    continue  # tied: the forward reuses embed_tokens
                 if (spec.is_moe or spec.architecture == "phi3") and name not in expected:
                     split = split_fused_experts if spec.is_moe else split_phi3_fused
                     tensors = split(name, f.get_tensor(stored), spec)
