@@ -69,11 +69,9 @@ class CpuDecodeLayers:
         """For a model whose fused CPU ops are on; None if any layer lacks a C++ path."""
         layer_args = []
         for layer in model.layers:
-            if not getattr(layer, "cpu_decode_layer", False):  # Gemma 3's layer: module path
+            if not getattr(layer, "cpu_decode_layer", False):  # Gemma 3's, an MoE layer
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            if not hasattr(mlp, "gate_up_proj"):  # an MoE block (models/moe.py): module path
-                return None
             if not all(m.ops == "cpu_ops" for m in (attn, mlp, layer.input_layernorm)):
                 return None
             # Qwen3's per-head q/k norms (bf16 [head_dim]); decode_layer applies them with the

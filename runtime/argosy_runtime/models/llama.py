@@ -175,7 +175,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # CpuDecodeLayers may run this layer as one cpu_ops.decode_layer call (it knows no other).
+    # CpuDecodeLayers may run this layer as one cpu_ops.decode_layer call, which knows this
+    # layer with a dense MLP only (an MoE layer, like Gemma 3's layer, takes the module path).
     cpu_decode_layer = True
 
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
@@ -185,6 +186,7 @@ class DecoderLayer(nn.Module):
             from argosy_runtime.models.moe import SparseMoeBlock
 
             self.mlp: nn.Module = SparseMoeBlock(spec, layer_idx)
+            self.cpu_decode_layer = False
         else:
             self.mlp = MLP(spec, layer_idx)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
