@@ -23,12 +23,14 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
     return c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
 
 
-def run_requests(engine: LLMEngine, requests: list[tuple[list[int] | str, SamplingParams]]
-                 ) -> list:
-    """Add (prompt, params) pairs as r0, r1, ... together; step until all finish. Their final
+def run_requests(engine: LLMEngine, requests: list[tuple[list[int] | str, SamplingParams]],
+                 lora_names: list[str | None] | None = None) -> list:
+    """Add (prompt, params) pairs as r0, r1, ... together (request i on the LoRA adapter
+    `lora_names[i]`, None: the base model); step until all finish. Their final
     RequestOutputs, in order."""
     for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params,
+                           lora_name=lora_names[i] if lora_names else None)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -116,3 +118,15 @@ def assert_equals_reference(outputs, prompts, ref: FullForwardReference, n: int)
         assert seq.token_ids == tokens, len(prompt)
         for pos, token in enumerate(tokens):
             assert abs(seq.logprobs[pos][token].logprob - logprobs[pos][token].item()) < 1e-4
+
+
+def check_prefix_hits_and_preemption(engine: LLMEngine, ref: FullForwardReference,
+                                     prompts: list[list[int]], n: int) -> None:
+    """Run `prompts` (sharing a prefix) together on an engine whose KV pool is too small for
+    all of them: some must hit the prefix cache and some be preempted, and every output still
+    equals the reference, with no block leaked."""
+    outputs = run_requests(engine, [(p, greedy(n)) for p in prompts])
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_equals_reference(outputs, prompts, ref, n)
+    assert_no_leaks(engine)

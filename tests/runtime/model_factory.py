@@ -464,3 +464,15 @@ def make_scripted_model_dir(tmp_path: Path, after: int, script: list[int],
     weights["lm_head.weight"] = head
     save_file(weights, str(path), metadata={"format": "pt"})
     return folder
+
+
+def make_peft_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:  # noqa: ANN003
+    """A PEFT LoRA adapter for the model in `model_dir`, saved to `out`, with random A and B
+    (PEFT's default init makes B zero: no effect); `config`: LoraConfig's fields."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(str(out))
+    return out

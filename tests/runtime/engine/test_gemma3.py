@@ -24,11 +24,17 @@ from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
     assert_no_leaks,
+    check_prefix_hits_and_preemption,
     greedy,
     random_prompts,
     run_requests,
 )
-from model_factory import embedded_tokenizer_files, make_random_model_dir, write_gguf_from_hf_dir
+from model_factory import (
+    embedded_tokenizer_files,
+    make_peft_adapter,
+    make_random_model_dir,
+    write_gguf_from_hf_dir,
+)
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -83,11 +89,7 @@ def test_prefix_hits_and_preemption(gemma3) -> None:  # noqa: ANN001
                        max_num_batched_tokens=8, kv_cache_memory=24 * 4 * 2048)
     shared = random_prompts(3, (18,))[0]
     prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 12))]
-    outputs = run_requests(engine, [(p, greedy(16)) for p in prompts])
-    stats = engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert_equals_reference(outputs, prompts, ref, 16)
-    assert_no_leaks(engine)
+    check_prefix_hits_and_preemption(engine, ref, prompts, 16)
 
 
 def test_ngram_speculative_decoding_equals_transformers(gemma3) -> None:  # noqa: ANN001
@@ -105,30 +107,23 @@ def test_ngram_speculative_decoding_equals_transformers(gemma3) -> None:  # noqa
 def test_lora_adapter_equals_peft(gemma3, tmp_path) -> None:  # noqa: ANN001
     """A PEFT adapter on every projection (q/k/v/o/gate/up/down, Gemma's names are Llama's)
     beside the base model in one batch, each equal to transformers + PEFT."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     folder, ref = gemma3
-    torch.manual_seed(3)
-    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    get_peft_model(base, LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
-                                    target_modules=targets)).save_pretrained(str(tmp_path / "a"))
+    make_peft_adapter(folder, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=targets)
     peft = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
         str(tmp_path / "a")).eval()
     engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
                        max_num_batched_tokens=16, lora_modules={"a": str(tmp_path / "a")})
     prompt = random_prompts(11, (13,))[0]
-    for i, lora in enumerate(("a", None)):
-        engine.add_request(f"r{i}", prompt, greedy(10), lora_name=lora)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    on_adapter, on_base = run_requests(engine, [(prompt, greedy(10))] * 2, ["a", None])
     with_adapter = FullForwardReference(peft).greedy(prompt, 10)[0]
     assert with_adapter != ref.greedy(prompt, 10)[0]  # the adapter matters
-    assert done["r0"].outputs[0].token_ids == with_adapter
-    assert done["r1"].outputs[0].token_ids == ref.greedy(prompt, 10)[0]
+    assert on_adapter.outputs[0].token_ids == with_adapter
+    assert on_base.outputs[0].token_ids == ref.greedy(prompt, 10)[0]
     assert_no_leaks(engine)
 
 

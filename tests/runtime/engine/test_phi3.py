@@ -24,9 +24,9 @@ from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
     assert_no_leaks,
+    check_prefix_hits_and_preemption,
     greedy,
     random_prompts,
-    run_requests,
 )
 from model_factory import make_random_model_dir, write_gguf_from_hf_dir
 
@@ -153,11 +153,7 @@ def test_prefix_hits_and_preemption(phi4_mini) -> None:  # noqa: ANN001
                        max_num_batched_tokens=8, kv_cache_memory=24 * 4 * 1024)
     shared = random_prompts(5, (14,))[0]
     prompts = [shared + tail for tail in random_prompts(6, (3, 9, 1, 12, 6))]
-    outputs = run_requests(engine, [(p, greedy(14)) for p in prompts])
-    stats = engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert_equals_reference(outputs, prompts, ref, 14)
-    assert_no_leaks(engine)
+    check_prefix_hits_and_preemption(engine, ref, prompts, 14)
 
 
 def test_bfloat16_fused_cpu_ops_stay_close(phi4_mini_small_weights) -> None:  # noqa: ANN001

@@ -16,9 +16,9 @@ from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
     assert_no_leaks,
+    check_prefix_hits_and_preemption,
     greedy,
     random_prompts,
-    run_requests,
 )
 from model_factory import make_random_model_dir
 
@@ -100,11 +100,7 @@ def test_prefix_hits_and_preemption(mistral) -> None:  # noqa: ANN001
                        max_num_batched_tokens=8, kv_cache_memory=30 * 4 * 512)
     shared = random_prompts(3, (22,))[0]
     prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 14, 6, 11))]
-    outputs = run_requests(engine, [(p, greedy(20)) for p in prompts])
-    stats = engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert_equals_reference(outputs, prompts, ref, 20)
-    assert_no_leaks(engine)
+    check_prefix_hits_and_preemption(engine, ref, prompts, 20)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from argosy_runtime.model_loader import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
-from engine_helpers import assert_no_leaks  # noqa: E402
-from model_factory import QWEN3_TEST_SHAPE, make_random_model_dir  # noqa: E402
+from engine_helpers import assert_no_leaks, run_requests  # noqa: E402
+from model_factory import QWEN3_TEST_SHAPE, make_peft_adapter, make_random_model_dir  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 100, 2000, 300, 45, 999, 17, 4242, 8, 31000, 77, 12] * 3,
@@ -30,23 +30,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model_dir(tmp_path_factory.mktemp("lora"), "llama", num_hidden_layers=2)
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:  # noqa: ANN003
-    """A PEFT LoRA adapter with random A and B (PEFT's default init makes B zero: no effect)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("adapters")
     return {
-        "all": make_adapter(model_dir, tmp / "all", 1, r=8, lora_alpha=24, target_modules=ALL),
-        "attn-rs": make_adapter(model_dir, tmp / "attn", 2, r=4, lora_alpha=8, use_rslora=True,
+        "all": make_peft_adapter(model_dir, tmp / "all", 1, r=8, lora_alpha=24, target_modules=ALL),
+        "attn-rs": make_peft_adapter(model_dir, tmp / "attn", 2, r=4, lora_alpha=8, use_rslora=True,
                                 target_modules=["q_proj", "v_proj", "o_proj"]),
     }
 
@@ -80,14 +69,9 @@ def references(model_dir: Path, adapters: dict[str, Path]) -> dict[str | None, l
 def run(engine: LLMEngine, jobs: list[tuple[str | None, int]]) -> list[list[int]]:
     """jobs: (adapter name or None, prompt index); all added at once."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    for i, (lora, p) in enumerate(jobs):
-        engine.add_request(f"r{i}", PROMPTS[p], params, lora_name=lora)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"r{i}"] for i in range(len(jobs))]
+    outputs = run_requests(engine, [(PROMPTS[p], params) for _, p in jobs],
+                           [lora for lora, _ in jobs])
+    return [out.outputs[0].token_ids for out in outputs]
 
 
 def test_adapters_and_base_in_one_batch_equal_peft(model_dir, adapters, references) -> None:
@@ -111,7 +95,7 @@ def test_adapters_on_qwen_bases_equal_peft(arch, shape, tmp_path) -> None:  # no
     Qwen2's q/k/v biases, and before Qwen3's per-head q/k norms (on a head_dim that is not
     hidden / heads, so the q/k/v shapes differ from the hidden size)."""
     model_dir = make_random_model_dir(tmp_path, arch, **shape)
-    adapter = make_adapter(model_dir, tmp_path / "adapter", 3, r=8, lora_alpha=16,
+    adapter = make_peft_adapter(model_dir, tmp_path / "adapter", 3, r=8, lora_alpha=16,
                            target_modules=ALL)
     prompts = PROMPTS[:2]
     base, lora = peft_greedy(model_dir, None, prompts), peft_greedy(model_dir, adapter, prompts)

@@ -14,28 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from argosy_runtime import LLMEngine, SamplingParams
+from argosy_runtime import LLMEngine
 from argosy_runtime.lora import LoRAAdapter
 from argosy_runtime.model_loader import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
-from engine_helpers import assert_no_leaks  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
+from engine_helpers import assert_no_leaks, greedy, run_requests  # noqa: E402
+from model_factory import make_peft_adapter, make_random_model_dir  # noqa: E402
 
 FUSED = ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]
 MAX_TOKENS = 8
-
-
-def make_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:  # noqa: ANN003
-    """A PEFT LoRA adapter with random A and B (PEFT's default init makes B zero: no effect)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +34,9 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path
                                       max_position_embeddings=256,
                                       extra_config={"original_max_position_embeddings": 256})
     adapters = {
-        "fused": make_adapter(model_dir, tmp / "fused", 1, r=8, lora_alpha=16,
+        "fused": make_peft_adapter(model_dir, tmp / "fused", 1, r=8, lora_alpha=16,
                               target_modules=FUSED),
-        "qkv-rs": make_adapter(model_dir, tmp / "qkv", 2, r=4, lora_alpha=8, use_rslora=True,
+        "qkv-rs": make_peft_adapter(model_dir, tmp / "qkv", 2, r=4, lora_alpha=8, use_rslora=True,
                                target_modules=["qkv_proj"]),
     }
     return model_dir, adapters
@@ -81,20 +70,10 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 30000) for _ in range(n)] for n in lengths]
 
 
-def params() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
 def run(engine: LLMEngine, jobs: list[tuple[str | None, list[int]]]) -> list:
     """jobs: (adapter name or None, prompt); all added at once. Their final RequestOutputs."""
-    for i, (lora, prompt) in enumerate(jobs):
-        engine.add_request(f"r{i}", prompt, params(), lora_name=lora)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[f"r{i}"] for i in range(len(jobs))]
+    return run_requests(engine, [(prompt, greedy(MAX_TOKENS)) for _, prompt in jobs],
+                        [lora for lora, _ in jobs])
 
 
 def test_fused_adapters_and_base_in_one_batch_equal_peft(phi3) -> None:  # noqa: ANN001
@@ -181,7 +160,7 @@ def test_fused_names_on_a_llama_checkpoint_are_a_value_error(tmp_path) -> None: 
     from safetensors.torch import load_file, save_file
 
     model_dir = make_random_model_dir(tmp_path, "llama", num_hidden_layers=1)
-    folder = make_adapter(model_dir, tmp_path / "adapter", 3, r=4,
+    folder = make_peft_adapter(model_dir, tmp_path / "adapter", 3, r=4,
                           target_modules=["gate_proj", "o_proj"])
     path = folder / "adapter_model.safetensors"
     save_file({k.replace("gate_proj", "gate_up_proj"): v for k, v in load_file(str(path)).items()},
