@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -476,3 +478,36 @@ def make_peft_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path: 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(str(out))
     return out
+
+
+def write_tiny_gguf(path: Path, arch: str, *, context: int = 64, hidden: int = 8,
+                    layers: int = 1, ffn: int = 16, heads: int = 2, kv_heads: int = 1,
+                    eps: float = 1e-5, tokenizer_model: str | None = "gpt2",
+                    extra: Callable[[Any], None] | None = None) -> Path:
+    """A GGUF file of `arch` with the usual hyperparameters, a 3-token vocabulary (unless
+    `tokenizer_model` is None) and an embedding tensor: what the loader's metadata checks read,
+    not a model. `extra(writer)` adds the keys a test is about."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+    if extra is not None:
+        extra(writer)
+    if tokenizer_model is not None:
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_token_list(["a", "b", "ab"])
+        writer.add_token_merges(["a b"])
+        writer.add_token_types([1, 1, 1])
+    writer.add_tensor("token_embd.weight", np.zeros((3, hidden), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -13,7 +13,6 @@ import logging
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine, SamplingParams
@@ -25,12 +24,12 @@ from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from argosy_runtime.models.llama import LlamaForCausalLM
 from argosy_runtime.models.moe import SparseMoeBlock
 from engine_helpers import assert_no_leaks, run_requests
-from gguf import GGUFWriter
 from model_factory import (
     EMBEDDED_VOCAB_SIZE,
     embedded_tokenizer_files,
     make_random_model_dir,
     write_gguf_from_hf_dir,
+    write_tiny_gguf,
 )
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -218,26 +217,11 @@ def test_checkpoint_missing_an_expert_is_a_value_error(moe_dirs, tmp_path) -> No
 
 
 def _write_gguf(path: Path, arch: str, experts: int) -> Path:
-    writer = GGUFWriter(str(path), arch)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(min(experts, 2))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    def moe(writer) -> None:  # noqa: ANN001
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(min(experts, 2))
+
+    return write_tiny_gguf(path, arch, extra=moe)
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

@@ -5,7 +5,6 @@ sliding_window_pattern, and clear errors for what is not served."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from argosy_runtime.model_loader.gemma3_config import GEMMA3_TEXT_DEFAULTS
 from argosy_runtime.model_loader.model_spec import ModelSpec
@@ -117,28 +116,20 @@ def test_gemma2_stays_unsupported() -> None:
 def _gemma3_gguf_spec(tmp_path, layers: int, **extra) -> ModelSpec:  # noqa: ANN001
     from argosy_runtime.model_loader.gguf_checkpoint import spec_from_gguf
     from argosy_runtime.model_loader.gguf_metadata import open_gguf
-    from gguf import GGUFWriter
+    from model_factory import write_tiny_gguf
 
     path = tmp_path / f"gemma3-{layers}-{len(extra)}.gguf"
-    writer = GGUFWriter(str(path), "gemma3")
-    writer.add_context_length(128)
-    writer.add_embedding_length(64)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(32)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_key_length(16)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_sliding_window(8)
-    if "pattern" in extra:
-        writer.add_sliding_window_pattern(extra["pattern"])
-    if "local_theta" in extra:
-        writer.add_float32("gemma3.rope.freq_base_swa", extra["local_theta"])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def gemma3(writer) -> None:  # noqa: ANN001
+        writer.add_key_length(16)
+        writer.add_sliding_window(8)
+        if "pattern" in extra:
+            writer.add_sliding_window_pattern(extra["pattern"])
+        if "local_theta" in extra:
+            writer.add_float32("gemma3.rope.freq_base_swa", extra["local_theta"])
+
+    write_tiny_gguf(path, "gemma3", context=128, hidden=64, layers=layers, ffn=32, eps=1e-6,
+                    tokenizer_model=None, extra=gemma3)
     return spec_from_gguf(open_gguf(path))
 
 

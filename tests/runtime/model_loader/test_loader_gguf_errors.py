@@ -4,31 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 from argosy_runtime.model_loader import load_checkpoint
-from gguf import GGUFWriter
+from model_factory import write_tiny_gguf
 
 
 def _write(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
-    writer = GGUFWriter(str(path), arch)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_gguf(path, arch, tokenizer_model=tokenizer_model)
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from argosy_runtime.model_loader import ModelSpec, load_checkpoint
 from argosy_runtime.model_loader.hf_checkpoint import split_phi3_fused
 from argosy_runtime.models.rotary import rope_inv_freq
-from gguf import GGUFWriter
+from model_factory import write_tiny_gguf
 
 # microsoft/Phi-3-mini-4k-instruct's config.json (and generation_config.json's eos list).
 PHI3_MINI_4K = {
@@ -138,28 +138,15 @@ def test_fused_qkv_and_gate_up_split_in_transformers_order() -> None:
 def _phi3_gguf(path, window: int, rope_dims: int):  # noqa: ANN001, ANN202
     """A phi3 file's metadata as Phi3MiniModel.set_gguf_parameters writes it (no key_length;
     rope.dimension_count = rotary dims; sliding_window 0 for none)."""
-    writer = GGUFWriter(str(path), "phi3")
-    writer.add_context_length(4096)
-    writer.add_rope_scaling_orig_ctx_len(4096)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_block_count(2)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(rope_dims)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_sliding_window(window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+    def phi3(writer) -> None:  # noqa: ANN001
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        writer.add_rope_dimension_count(rope_dims)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_sliding_window(window)
+
+    return write_tiny_gguf(path, "phi3", context=4096, hidden=64, layers=2, ffn=128, heads=4,
+                           kv_heads=2, extra=phi3)
 
 
 def test_gguf_phi3_spec(tmp_path) -> None:  # noqa: ANN001
