@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from engine_helpers import tokens_and_logprobs  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
-from test_lora_engine import ALL, make_adapter  # noqa: E402
+from model_factory import make_peft_adapter, make_random_model_dir  # noqa: E402
+from test_lora_engine import ALL  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.has_avx512_bf16(),
                                 reason="the batch-invariant mode needs AVX512-BF16")
@@ -31,8 +31,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str
     tmp = tmp_path_factory.mktemp("lora-invariant")
     model = make_random_model_dir(tmp / "model", hidden_size=256, intermediate_size=512,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    adapters = {"a": str(make_adapter(model, tmp / "a", 1, r=8, lora_alpha=16, target_modules=ALL)),
-                "b": str(make_adapter(model, tmp / "b", 2, r=4, lora_alpha=8,
+    adapters = {"a": str(make_peft_adapter(model, tmp / "a", 1, r=8, lora_alpha=16, target_modules=ALL)),
+                "b": str(make_peft_adapter(model, tmp / "b", 2, r=4, lora_alpha=8,
                                       target_modules=["q_proj", "v_proj", "down_proj"]))}
     return model, adapters
 
