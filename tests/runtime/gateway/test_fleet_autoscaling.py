@@ -126,7 +126,11 @@ async def test_fleet_scale_down_keeps_the_replicas_holding_batches(tmp_path: Pat
     # Three idle replicas, the first and the last holding Batch API requests: the fleet drains
     # the middle one (by load alone it would drain the first), holds at two while both batches
     # run, then drains the one whose batch finished.
-    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3), replicas=3)
+    # The batches are posted once the fleet is up, and the autoscaler runs from then on: a
+    # 3 s scale-down stabilization (not 0.5) keeps it from draining a replica by load alone
+    # before the posts land on a slow machine (CI saw `first` drained that way).
+    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3,
+                                            scaleDownStabilizationSeconds=3), replicas=3)
     fleet = Fleet(config)
     await fleet.start()
     try:
@@ -150,7 +154,8 @@ async def test_fleet_with_a_shared_batch_dir_drains_replicas_holding_batches(
         tmp_path: Path) -> None:
     # The same, with `-- --batch-dir DIR`: the replicas share one folder and take over each
     # other's batches, so the fleet goes down to one replica although all three hold batches.
-    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3), replicas=3,
+    config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3,
+                                            scaleDownStabilizationSeconds=3), replicas=3,
                                  serve_args=("--batch-dir", str(tmp_path / "batches")))
     assert config.batches_shared
     fleet = Fleet(config)
