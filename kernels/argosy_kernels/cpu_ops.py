@@ -107,6 +107,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:
     """`paged_decode_attention_ref` in one fused pass: no gathered copy of the blocks, one
     task per (sequence, kv head) over torch's threads, each context split into parts merged
@@ -116,7 +117,7 @@ def decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.decode_attention(out, query, key_cache, value_cache, block_tables,
                                           context_lens, scale, k_scale, v_scale,
-                                          sliding_window or 0)
+                                          sliding_window or 0, softcap or 0.0)
     return out
 
 
@@ -137,13 +138,15 @@ def prefill_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # contiguous, like query
     sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:
     """`paged_prefill_attention_ref` for one sequence's chunk, flash-style straight over the
     cache blocks (bfloat16, needs `has_avx512_bf16()`); write the chunk's K/V first."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.prefill_attention(out, query, key_cache, value_cache, block_table,
-                                           seq_len, scale, k_scale, v_scale, sliding_window or 0)
+                                           seq_len, scale, k_scale, v_scale, sliding_window or 0,
+                                           softcap or 0.0)
     return out
 
 
@@ -160,6 +163,7 @@ def varlen_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # contiguous, like query
     sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:
     """`prefill_attention` for the chunks of several sequences in one call (a decode row is a
     chunk of one query). Each query's output depends only on its own row and keys, bit for
@@ -170,7 +174,7 @@ def varlen_attention(
         out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.argosy_cpu.varlen_attention(out, query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, k_scale, v_scale,
-                                          sliding_window or 0)
+                                          sliding_window or 0, softcap or 0.0)
     return out
 
 

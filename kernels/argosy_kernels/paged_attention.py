@@ -20,6 +20,11 @@ in a CUDA graph.
 Sliding window (`sliding_window=W`, a Mistral / Qwen2 windowed layer): the query at position
 ctx - 1 sees only the keys [ctx - W, ctx), as transformers' mask (p - W < k <= p). The kernel
 starts at the window's first key and splits the window, never reading the blocks before it.
+
+Soft-capping (`softcap=C`, Gemma 2's attn_logit_softcapping): every scaled score s becomes
+C * tanh(s / C) before the softmax, as transformers' eager attention. The kernel works in the
+log2 domain (s * log2(e)), where that is C' * tanh(s' / C') with C' = C * log2(e); it is a
+compile-time branch (SOFTCAP), so the uncapped kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -63,9 +68,10 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,  # only the last W keys; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence against all of its cached tokens (pure torch), or its
-    last `sliding_window` ones.
+    last `sliding_window` ones; with `softcap`, scores soft-capped before the softmax.
 
     Gathers each sequence's blocks into a dense [num_seqs, max_len] view, then does masked
     softmax attention in float32. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
@@ -88,6 +94,8 @@ def paged_decode_attention_ref(
         values = values * v_scale[blocks].flatten(1, 2)[:, :max_len, :, None].float()
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [s, kvh, group, max_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(max_len, device=query.device)
     pad = positions[None, :] >= context_lens[:, None].long()  # [num_seqs, max_len]
     if sliding_window is not None:
@@ -126,6 +134,8 @@ def _paged_decode_attention_kernel(
     stride_oh,
     partition_size,  # tokens per split, a multiple of TILE_N
     window,  # sliding window (SLIDING only): keys [ctx - window, ctx)
+    softcap_log2e,  # soft cap * log2(e) (SOFTCAP only)
+    softcap_exp,  # -2 / soft cap: tanh(u) = 2 / (1 + exp2(s * this)) - 1 (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
     HEAD_DIM: tl.constexpr,
@@ -137,6 +147,7 @@ def _paged_decode_attention_kernel(
     UPCAST_DOT: tl.constexpr,  # dot in float32 (fp32 inputs; bf16 under the interpreter)
     DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr,  # a sliding window: the splits divide [ctx - window, ctx)
+    SOFTCAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -193,6 +204,11 @@ def _paged_decode_attention_kernel(
             ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
                          other=0.0).to(tl.float32)
             s = s * ks[None, :]
+        if SOFTCAP:  # C' tanh(s / C'), tanh(u) = 2 / (1 + exp(-2u)) - 1 (exp2: 2 log2(e) u)
+            # (the exponent clamped: past 64 tanh is -1 in float32 anyway, and exp2 never overflows)
+            # fdiv: the approximate division (2 ulp), no IEEE slow path (a stack frame).
+            e = tl.exp2(tl.minimum(s * softcap_exp, 64.0))
+            s = softcap_log2e * (tl.fdiv(2.0, 1.0 + e) - 1.0)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -275,6 +291,12 @@ def _choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, tile_n: int,
     return max(1, min(-(-target // programs), by_length, _MAX_SPLITS))
 
 
+def check_softcap(softcap: float | None) -> None:
+    """ValueError unless `softcap` is None or a positive number."""
+    if softcap is not None and (isinstance(softcap, bool) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+
+
 def check_paged_attention_inputs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -328,6 +350,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
     sliding_window: int | None = None,  # only the last W keys; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:
     """Triton paged decode attention; same contract as `paged_decode_attention_ref`.
 
@@ -339,6 +362,7 @@ def paged_decode_attention(
     check_paged_attention_inputs(query, key_cache, value_cache, block_tables, k_scale, v_scale)
     if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    check_softcap(softcap)
     check_device(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -394,6 +418,8 @@ def paged_decode_attention(
         *o_strides,
         partition,
         sliding_window or 0,
+        (softcap or 0.0) * _LOG2E,
+        -2.0 / softcap if softcap else 0.0,
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -405,6 +431,7 @@ def paged_decode_attention(
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=4 if fp32 else GPU_NUM_WARPS,
     )
     if num_splits > 1:
@@ -423,4 +450,5 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "check_paged_attention_inputs",
+    "check_softcap",
 ]

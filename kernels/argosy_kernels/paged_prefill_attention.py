@@ -17,6 +17,9 @@ edge. Layout and int8 scales as in `paged_attention`.
 
 Sliding window (`sliding_window=W`): row i sees keys p - W < k <= p of its position p; a query
 tile's key loop starts at its first row's first key, so blocks before the window are not read.
+
+Soft-capping (`softcap=C`, Gemma 2): scaled scores s -> C * tanh(s / C) before the causal mask
+and the softmax (a compile-time branch, as in `paged_attention`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from argosy_kernels._triton import check_device, interpret_mode, next_pow2, triton_jit
-from argosy_kernels.paged_attention import check_paged_attention_inputs
+from argosy_kernels.paged_attention import check_paged_attention_inputs, check_softcap
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -52,9 +55,11 @@ def paged_prefill_attention_ref(
     k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Pure-torch reference: per sequence, gather its cached K/V and run causal SDPA in float32
-    (with a sliding window: each row's last `sliding_window` keys)."""
+    (with a sliding window: each row's last `sliding_window` keys; with `softcap`, explicit
+    attention with the scores soft-capped before the mask, as transformers' eager Gemma 2)."""
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -80,10 +85,19 @@ def paged_prefill_attention_ref(
         allowed = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             allowed &= torch.arange(seq_len, device=query.device)[None, :] > q_pos[:, None] - sliding_window
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )  # [heads, q_len, d]
+        if softcap is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )  # [heads, q_len, d]
+        else:
+            group = num_heads // num_kv_heads
+            k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, d]
+            v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), v)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
     return out
 
@@ -114,6 +128,8 @@ def _paged_prefill_attention_kernel(
     stride_st,
     stride_bt,
     window,  # sliding window (SLIDING only): row at p sees keys p - window < k <= p
+    softcap_log2e,  # soft cap * log2(e) (SOFTCAP only)
+    softcap_exp,  # -2 / soft cap: tanh(u) = 2 / (1 + exp2(s * this)) - 1 (SOFTCAP only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -124,6 +140,7 @@ def _paged_prefill_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap), before the mask
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -184,6 +201,11 @@ def _paged_prefill_attention_kernel(
             ks = tl.load(k_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
                          other=0.0).to(tl.float32)
             s = s * ks[None, :]
+        if SOFTCAP:  # C' tanh(s / C') in the log2 domain (paged_attention's kernel)
+            # (the exponent clamped: past 64 tanh is -1 in float32 anyway, and exp2 never overflows)
+            # fdiv: the approximate division (2 ulp), no IEEE slow path (a stack frame).
+            e = tl.exp2(tl.minimum(s * softcap_exp, 64.0))
+            s = softcap_log2e * (tl.fdiv(2.0, 1.0 + e) - 1.0)
         causal = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
         if SLIDING:
             causal = causal & (tok[None, :] > q_pos[:, None] - window)
@@ -228,6 +250,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_query_len: int | None = None,
     sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as they are
 ) -> torch.Tensor:
     """Triton varlen causal prefill over the paged cache; same contract as the `_ref`.
 
@@ -237,6 +260,7 @@ def paged_prefill_attention(
     check_paged_attention_inputs(query, key_cache, value_cache, block_tables, k_scale, v_scale)
     if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    check_softcap(softcap)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got "
@@ -282,6 +306,8 @@ def paged_prefill_attention(
         *scale_strides,
         block_tables.stride(0),
         sliding_window or 0,
+        (softcap or 0.0) * _LOG2E,
+        -2.0 / softcap if softcap else 0.0,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
@@ -292,6 +318,7 @@ def paged_prefill_attention(
         UPCAST_DOT=upcast,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
     )
     return out

@@ -157,6 +157,7 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         pa(q, kc, kc, bt, cl, 0.1, num_splits=4)
         pa(q, kq, kq, bt, cl, 0.1, k_scale=ks, v_scale=ks, num_splits=1)
         pa(q, kc, kc, bt, cl, 0.1, num_splits=4, sliding_window=4096)  # Mistral-7B v0.1's window
+        pa(q, kc, kc, bt, cl, 0.1, num_splits=4, sliding_window=4096, softcap=50.0)  # Gemma 2
         qp = torch.randn(30, h, d, dtype=dt)
         qsl = torch.tensor([0, 10, 30], dtype=torch.int32)
         sl = torch.tensor([10, 40], dtype=torch.int32)
@@ -164,6 +165,7 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
         pp(qp, kc, kc, bt[:2], qsl, sl, 0.1, max_query_len=20)
         pp(qp, kq, kq, bt[:2], qsl, sl, 0.1, max_query_len=20, k_scale=ks, v_scale=ks)
         pp(qp, kc, kc, bt[:2], qsl, sl, 0.1, max_query_len=20, sliding_window=4096)
+        pp(qp, kc, kc, bt[:2], qsl, sl, 0.1, max_query_len=20, sliding_window=4096, softcap=50.0)
         k = torch.randn(5, kvh, d, dtype=dt)
         rc = m["reshape_and_cache"].reshape_and_cache
         rc(k, k, kc, kc.clone(), torch.arange(5))

@@ -80,6 +80,37 @@ def test_sliding_windows_through_the_model(windows):
     assert (full - want).abs().max() > 1e-2  # the last step is past every window
 
 
+def test_gemma2_softcap_through_the_model():
+    """A Gemma 2 spec (attention logit soft-capping on every layer, windowed and full layers,
+    query_pre_attn_scalar) passes `softcap` to the backend: the Triton kernels equal the torch
+    backend (C++ decode rows where they build, the PyTorch soft-capped chunks) over chunks, a
+    cached prefix and decodes past the window, and the cap changes the result."""
+    spec = dataclasses.replace(SPEC, architecture="gemma2", layer_sliding_windows=(13, None),
+                               hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8.0,
+                               attn_logit_softcapping=1.0)
+    uncapped = dataclasses.replace(spec, attn_logit_softcapping=None)
+    model, plain = random_model(spec, torch.float32, DEVICE), random_model(uncapped, torch.float32, DEVICE)
+    args = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.attention_scale)
+    torch_backend, triton_backend = TorchAttentionBackend(*args), TritonAttentionBackend(*args)
+    _, caches_t = kv_caches(spec, 12, torch.float32, DEVICE)
+    _, caches_k = kv_caches(spec, 12, torch.float32, DEVICE)
+    _, caches_p = kv_caches(spec, 12, torch.float32, DEVICE)
+    a, b = _tokens(40, 6), _tokens(40, 7)
+    blocks_a, blocks_b = [5, 2, 9], [7, 0, 11]
+    steps = [
+        [(a, blocks_a, 0, 20), (b, blocks_b, 0, 7)],
+        [(a, blocks_a, 20, 1), (b, blocks_b, 7, 14)],
+        [(a, blocks_a, 21, 1), (b, blocks_b, 21, 1)],
+    ]
+    for seqs in steps:
+        step = build_step(seqs, DEVICE)
+        want = forward(model, torch_backend, caches_t, step)
+        got = forward(model, triton_backend, caches_k, step)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        other = forward(plain, torch_backend, caches_p, step)
+    assert (other - want).abs().max() > 1e-2
+
+
 def test_triton_backend_int8_cache_close_to_full_precision():
     model = random_model(SPEC, torch.float32, DEVICE)
     torch_backend, triton_backend = _backends()

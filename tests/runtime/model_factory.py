@@ -63,6 +63,10 @@ _ARCH_CLASSES = {  # arch -> (config, causal LM, headless decoder, sequence clas
     # randomized norm weights (~1) double the scale: still random, still caught if dropped.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma3TextModel",
                "Gemma3TextForSequenceClassification"),
+    # Gemma 2: one rope_theta (rope_parameters as Llama's), layer_types, the soft caps and
+    # query_pre_attn_scalar through `extra_config`.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "Gemma2Model",
+               "Gemma2ForSequenceClassification"),
 }
 
 
@@ -237,6 +241,7 @@ _GGUF_ARCHS = {  # HF architecture -> llama.cpp general.architecture
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 # Per-layer names that differ from _GGUF_LAYER_NAMES (tensor_mapping.py).
 _GGUF_ARCH_LAYER_NAMES = {
@@ -246,6 +251,7 @@ _GGUF_ARCH_LAYER_NAMES = {
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }
+_GGUF_ARCH_LAYER_NAMES["gemma2"] = _GGUF_ARCH_LAYER_NAMES["gemma3"]
 _GGUF_MOE_NAMES = {  # router and Qwen2-MoE shared expert
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
@@ -298,17 +304,30 @@ def _gemma3_check_llamacpp_representable(config: dict) -> None:
                          f"{config.get('query_pre_attn_scalar')}")
 
 
+def _gemma2_check_llamacpp_representable(config: dict) -> None:
+    """llama.cpp's gemma2 files carry no layer pattern or query_pre_attn_scalar: its graph
+    slides the even layers and scales by head_dim (Gemma-2-27B, 46 layers: hidden / heads)."""
+    n = config["num_hidden_layers"]
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n == 46 else config["head_dim"]
+    if config.get("layer_types") != pattern or config.get("query_pre_attn_scalar") != scalar:
+        raise ValueError("a llama.cpp gemma2 GGUF implies the even layers sliding and "
+                         f"query_pre_attn_scalar {scalar}; this folder has "
+                         f"{config.get('layer_types')}, {config.get('query_pre_attn_scalar')}")
+
+
 def write_gguf_from_hf_dir(
     hf_dir: Path, out_path: Path, *, float16: bool = False, pre: str | None = None,
     merge_experts: bool = True,
 ) -> Path:
     """Convert a (random) HF folder to a GGUF file as llama.cpp's convert_hf_to_gguf.py does:
-    llama.*, qwen2.*, qwen3.*, qwen2moe.*, qwen3moe.*, phi3.* or gemma3.* metadata (Mixtral is
+    llama.*, qwen2.*, qwen3.*, qwen2moe.*, qwen3moe.*, phi3.*, gemma2.* or gemma3.* metadata (Mixtral is
     "llama" with llama.expert_count), q/k rows permuted for Llama and Mixtral (not the others),
     output.weight omitted when tied, tokenizer metadata copied from the embedded SmolLM2 GGUF
     (same vocabulary). MoE experts merged per layer into 3-D ffn_{gate,up,down}_exps; Phi-3's
     fused qkv / gate_up kept as attn_qkv / ffn_up, longrope factors as rope_factors_long/short
-    tensors; Gemma 3's norm weights stored plus 1 (Gemma3Model.modify_tensors).
+    tensors; Gemma 2/3's norm weights stored plus 1 (Gemma2Model / Gemma3Model.modify_tensors),
+    Gemma 2's soft caps in metadata.
     Tensors are F32, or F16 for matrices with `float16` (norms, biases and MoE routers stay
     F32, as in llama.cpp). `pre` overrides `tokenizer.ggml.pre` (the pre-tokenizer name).
     `merge_experts=False` writes one tensor per expert (`blk.N.ffn_gate.E.weight`), as
@@ -331,6 +350,8 @@ def write_gguf_from_hf_dir(
     if arch == "gemma3":
         _gemma3_check_llamacpp_representable(config)
         rope = rope.get("full_attention", rope)
+    if arch == "gemma2":
+        _gemma2_check_llamacpp_representable(config)
     moe = hf_arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
     writer = GGUFWriter(str(out_path), arch)
@@ -364,6 +385,10 @@ def write_gguf_from_hf_dir(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
         if config.get("final_logit_softcapping"):
@@ -422,8 +447,8 @@ def write_gguf_from_hf_dir(
             array = _llamacpp_permute(array, n_head)
         elif arch == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _llamacpp_permute(array, n_kv)
-        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
-            array = array + 1.0  # Gemma3RMSNorm's 1 + weight, folded in by the converter
+        if arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
+            array = array + 1.0  # Gemma's RMSNorm's 1 + weight, folded in by the converter
         if float16 and array.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
             array = array.astype(np.float16)
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))

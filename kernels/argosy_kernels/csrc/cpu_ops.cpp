@@ -852,7 +852,9 @@ bool check_paged_attention_operands(const Tensor& out, const Tensor& query, cons
 // split into ranges of >= kDecodeSplitKeys keys whose partial results (max, sum, unnormalized
 // output) are merged afterwards (flash-decoding). Nothing is gathered or padded. With a
 // sliding window W (> 0) a query at position ctx - 1 sees only keys [ctx - W, ctx): the
-// blocks before them are never read, and the splits divide the window.
+// blocks before them are never read, and the splits divide the window. With a soft cap C (> 0:
+// Gemma 2's attn_logit_softcapping) every scaled score s becomes C * tanh(s / C) before the
+// softmax; 0 leaves the scores as they are (one branch per task, outside the key loops).
 constexpr int64_t kDecodeSplitKeys = 256;
 
 int64_t decode_splits(int64_t pairs, int64_t max_context) {
@@ -991,7 +993,7 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
                            const Tensor& value_cache, const Tensor& block_tables,
                            const Tensor& context_lens, double scale,
                            const c10::optional<Tensor>& k_scale,
-                           const c10::optional<Tensor>& v_scale, int64_t window) {
+                           const c10::optional<Tensor>& v_scale, int64_t window, double softcap) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   // A compile-time head_dim (64, 128) lets gcc unroll and vectorize the inner loops fully.
   const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
@@ -1070,6 +1072,10 @@ void decode_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
             scores[g * count + t] = dot;
           }
         }
+      }
+      if (softcap > 0) {  // transformers' order: scores / cap, tanh, * cap
+        const float cap = static_cast<float>(softcap);
+        for (int64_t i = 0; i < group * count; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
       }
       float* task_max = splits > 1 ? part_max.data() + task * group : nullptr;
       float* task_sum = splits > 1 ? part_sum.data() + task * group : nullptr;
@@ -1154,7 +1160,7 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& value_cache, const Tensor& block_tables,
                       const Tensor& context_lens, double scale,
                       const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                      int64_t sliding_window) {
+                      int64_t sliding_window, double softcap) {
   const bool int8_cache = check_paged_attention_operands(out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -1168,10 +1174,10 @@ void decode_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
   dispatch_float(query.scalar_type(), [&]<typename T>() {
     if (int8_cache)
       dispatch_head_dim<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale,
-                                   v_scale, sliding_window);
+                                   v_scale, sliding_window, softcap);
     else
       dispatch_head_dim<T, T>(out, query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                              sliding_window);
+                              sliding_window, softcap);
   });
 }
 
@@ -1250,11 +1256,12 @@ void load_kv_tile(const int32_t** k_rows, uint32_t* v_pairs, c10::BFloat16* k_bu
 // unnormalized output o ([D] registers of 16 lanes, in memory) with keys [0, valid_keys) of the
 // tile; key j is masked for lane i when key_pos + j > positions[i] (causal) or, with a sliding
 // window (> 0), key_pos + j <= positions[i] - window. min_pos and max_pos are the smallest and
-// largest of the positions.
+// largest of the positions. softcap (> 0) caps the scaled scores to softcap * tanh(s / softcap)
+// before the mask (0: not at all).
 template <int64_t D>
 void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const int32_t* const* k_rows,
                   const uint32_t* v_pairs, int64_t valid_keys, int64_t key_pos, __m512i positions,
-                  int64_t min_pos, int64_t max_pos, int64_t window, float scale) {
+                  int64_t min_pos, int64_t max_pos, int64_t window, float scale, float softcap) {
   alignas(64) float s[kPrefillKeys][kLanes];
   for (int64_t j0 = 0; j0 < valid_keys; j0 += 8) {  // 8 keys' scores at a time
     __m512 acc[8];
@@ -1266,6 +1273,9 @@ void prefill_tile(float* o, float* m, float* l, const __m512i* q_pairs, const in
     }
     for (int k = 0; k < 8; ++k) _mm512_store_ps(s[j0 + k], _mm512_mul_ps(acc[k], _mm512_set1_ps(scale)));
   }
+  if (softcap > 0)  // transformers' order: scores / cap, tanh, * cap
+    for (int64_t j = 0; j < valid_keys; ++j)
+      for (int64_t i = 0; i < kLanes; ++i) s[j][i] = std::tanh(s[j][i] / softcap) * softcap;
   __m512 mx = _mm512_loadu_ps(m);
   for (int64_t j = 0; j < kPrefillKeys; ++j) {
     __m512 sj = _mm512_load_ps(s[j]);
@@ -1338,7 +1348,7 @@ template <typename cache_t, int64_t D>
 void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                            const std::vector<AttentionSeq>& seqs, double scale,
                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                           int64_t window) {
+                           int64_t window, double softcap) {
   const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -1349,7 +1359,7 @@ void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
   const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
   const c10::Half* ks_ptr = k_scale ? k_scale->data_ptr<c10::Half>() : nullptr;
   const c10::Half* vs_ptr = v_scale ? v_scale->data_ptr<c10::Half>() : nullptr;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
   struct Task {
     int64_t seq, kvh, row0, rows, cost;
   };
@@ -1417,7 +1427,7 @@ void varlen_attention_impl(Tensor& out, const Tensor& query, const Tensor& key_c
           for (int64_t r = 0; r < registers; ++r)
             prefill_tile<D>(o.data() + r * D * kLanes, m.data() + r * kLanes, l.data() + r * kLanes,
                             q_pairs.data() + r * D / 2, k_rows, v_pairs, valid, key_pos, positions[r],
-                            min_pos[r], max_pos[r], window, fscale);
+                            min_pos[r], max_pos[r], window, fscale, fsoftcap);
         }
         for (int64_t pair = 0; pair < pairs; ++pair) {
           const int64_t r = pair / kLanes, i = pair % kLanes, row = pair / group;
@@ -1453,16 +1463,18 @@ bool check_varlen_operands(const char* op, const Tensor& out, const Tensor& quer
 void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                           const std::vector<AttentionSeq>& seqs, double scale,
                           const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                          bool int8_cache, int64_t window) {
+                          bool int8_cache, int64_t window, double softcap) {
 #if defined(__AVX512BF16__)
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill attention supports head_dim 64 and 128");
   TORCH_CHECK(query.size(1) / key_cache.size(2) <= 16, "prefill attention supports up to 16 query heads per kv head");
   auto run = [&]<typename cache_t>() {
     if (head_dim == 64)
-      varlen_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window);
+      varlen_attention_impl<cache_t, 64>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window,
+                                         softcap);
     else
-      varlen_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window);
+      varlen_attention_impl<cache_t, 128>(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, window,
+                                          softcap);
   };
   if (int8_cache) run.template operator()<int8_t>();
   else run.template operator()<c10::BFloat16>();
@@ -1474,7 +1486,7 @@ void run_varlen_attention(Tensor& out, const Tensor& query, const Tensor& key_ca
 void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_table, int64_t seq_len, double scale,
                        const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                       int64_t sliding_window) {
+                       int64_t sliding_window, double softcap) {
   const bool int8_cache = check_varlen_operands("prefill_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be one contiguous int32 row");
@@ -1482,7 +1494,8 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
               "seq_len ", seq_len, " is shorter than the chunk or exceeds the block table");
   if (query.size(0) == 0) return;
   const std::vector<AttentionSeq> seqs{{0, query.size(0), seq_len, block_table.data_ptr<int32_t>()}};
-  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window);
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window,
+                       softcap);
 }
 
 // The same for several sequences in one call: sequence s's queries are rows
@@ -1491,7 +1504,7 @@ void prefill_attention(Tensor out, const Tensor& query, const Tensor& key_cache,
 void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& query_start_loc, const Tensor& seq_lens,
                       double scale, const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                      int64_t sliding_window) {
+                      int64_t sliding_window, double softcap) {
   const bool int8_cache = check_varlen_operands("varlen_attention", out, query, key_cache, value_cache, k_scale, v_scale);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
@@ -1513,7 +1526,8 @@ void varlen_attention(Tensor out, const Tensor& query, const Tensor& key_cache, 
                 " (must be >= the queries and fit the block table)");
     if (q_len > 0) seqs.push_back({starts[s], q_len, lens[s], block_tables.data_ptr<int32_t>() + s * block_tables.size(1)});
   }
-  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window);
+  run_varlen_attention(out, query, key_cache, value_cache, seqs, scale, k_scale, v_scale, int8_cache, sliding_window,
+                       softcap);
 }
 
 // ---- One decoder layer of a decode step ----------------------------------------------------------
@@ -1691,10 +1705,10 @@ void decode_layer(Tensor hidden, const Tensor& input_norm, const Tensor& post_no
   Tensor attn = at::empty({tokens, num_heads, head_dim}, hidden.options());
   if (invariant)
     varlen_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, *query_start_loc,
-                     context_lens, scale, k_scale, v_scale, sliding_window);
+                     context_lens, scale, k_scale, v_scale, sliding_window, /*softcap=*/0.0);
   else
     decode_attention(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache, block_tables, context_lens,
-                     scale, k_scale, v_scale, sliding_window);
+                     scale, k_scale, v_scale, sliding_window, /*softcap=*/0.0);
   const Tensor attn_flat = attn.view({tokens, q_size});
   Tensor o = apply_linear(attn_flat, o_w, kinds[1], params[1], invariant);
   add_lora(o, attn_flat, lora, lora_scales, 1, lora_fused_max_rows);
@@ -1722,14 +1736,14 @@ TORCH_LIBRARY(argosy_cpu, m) {
         "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, int sliding_window=0) -> ()");
+        "Tensor? v_scale=None, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);  // no tensor: a catch-all kernel
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, int seq_len, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
-        "int sliding_window=0) -> ()");
+        "int sliding_window=0, float softcap=0.0) -> ()");
   m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, int sliding_window=0) -> ()");
+        "Tensor? v_scale=None, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor a, Tensor b, float scale, "
         "int fused_max_rows=16) -> ()");  // 16: kLoraFusedMaxRows
   m.def("decode_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "

@@ -7,6 +7,10 @@ prompt chunk. In the batch-invariant mode every query goes through `cpu_ops.varl
 
 `forward(..., sliding_window=W)` (a sliding-window layer): a query at position p sees only the
 keys p - W < k <= p, on every path; None (the default) is full causal attention.
+`forward(..., softcap=C)` (Gemma 2's attn_logit_softcapping): every scaled score s becomes
+C * tanh(s / C) before the mask and softmax, on every path: the C++ kernels cap in place; the
+PyTorch paths, where SDPA cannot, compute transformers' eager attention (`_softcap_attention`).
+None (the default) leaves every path as it was.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class TorchAttentionBackend:
         k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,  # (int8 cache only)
         sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as is
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # All new K/V are written before any attention reads, so a sequence may read blocks
         # another sequence writes in this same step (same-step prefix-cache hits).
@@ -64,20 +69,20 @@ class TorchAttentionBackend:
             return cpu_ops.varlen_attention(query, key_cache, value_cache,
                                             *meta.prefill_sequences(), self.scale,
                                             k_scale=k_scale, v_scale=v_scale,
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, softcap=softcap)
         if nd and nd == query.shape[0]:  # decodes only: no output buffer to assemble
             return self._decode_attention(query, key_cache, value_cache, meta, k_scale, v_scale,
-                                          sliding_window)
+                                          sliding_window, softcap)
         out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode_attention(query[:nd], key_cache, value_cache, meta,
-                                              k_scale, v_scale, sliding_window)
+                                              k_scale, v_scale, sliding_window, softcap)
         if (self.bf16_prefill_kernel and query.dtype == torch.bfloat16
                 and query.device.type == "cpu" and key_cache.dtype in (torch.bfloat16, torch.int8)):
             # Every chunk in one call, straight over the cache blocks, their own K/V included.
             cpu_ops.varlen_attention(query[nd:], key_cache, value_cache, *meta.prefill_sequences(),
                                      self.scale, k_scale=k_scale, v_scale=v_scale, out=out[nd:],
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, softcap=softcap)
             return out
         start = nd
         block_size = key_cache.shape[1]
@@ -102,7 +107,7 @@ class TorchAttentionBackend:
                     k = k.float() * k_scale[blocks].flatten(0, 1)[rows, :, None].float()
                     v = v.float() * v_scale[blocks].flatten(0, 1)[rows, :, None].float()
             out[start:end] = self._causal_attention(query[start:end], k, v, num_context - first_key,
-                                                    sliding_window)
+                                                    sliding_window, softcap)
             start = end
         return out
 
@@ -110,7 +115,8 @@ class TorchAttentionBackend:
                           value_cache: torch.Tensor, meta: AttentionMetadata,
                           k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None,
-                          sliding_window: int | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
         """The CPU fast path of `paged_decode_attention_ref` (same result, tested against it).
 
         With the fused C++ kernels (argosy_kernels.cpu_ops): one pass per (sequence, kv head)
@@ -125,7 +131,7 @@ class TorchAttentionBackend:
             return cpu_ops.decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, self.scale,
                                             k_scale=k_scale, v_scale=v_scale,
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, softcap=softcap)
         flat_blocks, padded_len, valid = _decode_gather_plan(meta, key_cache.shape[1], sliding_window)
         num_seqs = query.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
@@ -138,12 +144,15 @@ class TorchAttentionBackend:
         keys = keys.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
         values = values.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
         q = query.view(num_seqs, kvh, self.num_heads // kvh, hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid, scale=self.scale)
+        if softcap is not None:
+            out = _softcap_attention(q, keys, values, valid, self.scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid, scale=self.scale)
         return out.reshape(num_seqs, self.num_heads, hd)
 
     def _causal_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         # q: [q_len, H, D]; k, v: [seq_len, KVH, D]; query i sits at position num_context + i
         # (positions counted from k's first key).
@@ -151,15 +160,19 @@ class TorchAttentionBackend:
         k, v = k.to(q.dtype), v.to(q.dtype)
         # A window that hides no key from any query (the last one's reaches key 0) is no window.
         windowed = sliding_window is not None and seq_len > sliding_window
-        if num_context and q.device.type == "cpu" and not windowed:
+        if num_context and q.device.type == "cpu" and not windowed and softcap is None:
             return self._chunk_after_prefix_cpu(q, k, v, num_context)
         mask = None
-        if num_context or windowed:
+        if num_context or windowed or softcap is not None:
             positions = torch.arange(seq_len, device=q.device)
             q_pos = (num_context + torch.arange(q_len, device=q.device))[:, None]
             mask = positions[None, :] <= q_pos
             if windowed:
                 mask &= positions[None, :] > q_pos - sliding_window
+        if softcap is not None:
+            out = _softcap_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                                     self.scale, softcap)
+            return out.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -200,6 +213,23 @@ class TorchAttentionBackend:
         lse = torch.logaddexp(lse_p, lse_c)
         out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c - lse).exp()
         return out.to(q.dtype).transpose(0, 1)
+
+
+def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float, softcap: float) -> torch.Tensor:
+    """Soft-capped attention in transformers' eager order (Gemma 2): scores = q.k * scale,
+    softcap * tanh(scores / softcap), masked, softmax in float32 rounded to q's dtype, times v.
+    q: [..., H, Lq, D]; k, v: [..., KVH, Lk, D] (query heads h read kv head h // (H / KVH));
+    mask: boolean, broadcast to [..., H, Lq, Lk], True where a key is seen."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.to(q.dtype))
 
 
 def _decode_gather_plan(meta: AttentionMetadata, block_size: int,

@@ -7,7 +7,8 @@ Per layer and step:
   3. prompt chunks / multi-token sequences go through `paged_prefill_attention`, reading all
      their keys (cached prefix and this chunk) from the cache.
 A sliding-window layer passes `sliding_window=W` (keys p - W < k <= p): both kernels then start
-at the window's first key.
+at the window's first key. A soft-capped layer (Gemma 2) passes `softcap=C`: both kernels cap
+the scores, C * tanh(s / C), before the mask and softmax.
 No step of the decode-only path reads a device value on the host, so a decode step can be
 captured in a CUDA graph (see `argosy_runtime.cuda_graph_runner`).
 """
@@ -42,6 +43,7 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,  # float16 [num_blocks, block_size, num_kv_heads]
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,  # keys p - W < k <= p only; None: all of them
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap); None: as is
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         scales = {"k_scale": k_scale, "v_scale": v_scale}
         # All new K/V land before any attention reads (same-step prefix-cache hits).
@@ -52,7 +54,7 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 query[:nd], key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_context_lens, self.scale, out=out[:nd], sliding_window=sliding_window,
-                **scales,
+                softcap=softcap, **scales,
             )
         if meta.num_prefills:
             qsl, seq_lens = meta.prefill_query_start_loc, meta.prefill_seq_lens_t
@@ -64,7 +66,7 @@ class TritonAttentionBackend:
             paged_prefill_attention(
                 query[nd:], key_cache, value_cache, meta.prefill_block_tables, qsl, seq_lens,
                 self.scale, out=out[nd:], max_query_len=max(meta.prefill_query_lens),
-                sliding_window=sliding_window, **scales,
+                sliding_window=sliding_window, softcap=softcap, **scales,
             )
         return out
 

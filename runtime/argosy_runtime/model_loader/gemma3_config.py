@@ -1,4 +1,4 @@
-"""Gemma 3 `config.json` -> the flat fields `ModelSpec.from_hf_config` reads.
+"""Gemma 2 and Gemma 3 `config.json` -> the flat fields `ModelSpec.from_hf_config` reads.
 
 Gemma 3 differs from the Llama family's config in ways the generic parser cannot guess:
 - `Gemma3ForConditionalGeneration` (gemma-3-4b/12b/27b-it) nests the decoder's fields in
@@ -10,6 +10,12 @@ Gemma 3 differs from the Llama family's config in ways the generic parser cannot
   them as `rope_parameters` keyed by layer type.
 - Sliding layers per `layer_types`, else every `sliding_window_pattern`-th layer (default 6)
   is full attention.
+Gemma 2 (`Gemma2ForCausalLM`) is the same minus the nesting and the second rotary table (one
+`rope_theta` for all layers, read by the generic parser), with its own defaults
+(`Gemma2Config`'s: attention logit soft-capping 50, final 30) and every other layer sliding
+(layer i slides when i is even: `(i + 1) % 2`, pattern 2). Its attention scores are
+soft-capped (`attn_logit_softcapping`) on every attention path; a Gemma 3 config that sets
+the field is refused, as transformers' Gemma 3 stores it but never applies it.
 """
 
 from __future__ import annotations
@@ -27,45 +33,60 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
     "attn_logit_softcapping": None, "use_bidirectional_attention": False,
 }
+# transformers' Gemma2Config defaults (checked against it in
+# tests/runtime/model_loader/test_loader_gemma2_spec.py).
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "eos_token_id": 1,
+    "bos_token_id": 2, "tie_word_embeddings": True, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None,
+}
 _GLOBAL_THETA, _LOCAL_THETA, _PATTERN = 1_000_000.0, 10_000.0, 6
+_GEMMA2_PATTERN = 2  # Gemma2Config: layer i slides when (i + 1) % 2, the even layers
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def gemma3_text_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the decoder's config in the generic layout, the Gemma-only ModelSpec fields).
+def gemma_text_config(config: dict[str, Any], architecture: str = "gemma3"
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the decoder's config in the generic layout, the Gemma-only ModelSpec fields), for
+    `architecture` "gemma3" or "gemma2".
 
-    The first has every field filled in, `rope_parameters` flat (the full-attention layers'
-    theta and scaling) and `layer_types` per layer; the second holds `hidden_act`,
-    `query_pre_attn_scalar`, `local_rope_theta` and `final_logit_softcapping`. Raises
-    ValueError for what is not served: attention logit soft-capping (Gemma 2 style),
-    bidirectional attention, another activation, scaled rotary on the sliding layers.
+    The first has every field filled in, `layer_types` per layer and (Gemma 3)
+    `rope_parameters` flat (the full-attention layers' theta and scaling); the second holds
+    `hidden_act`, `query_pre_attn_scalar`, `local_rope_theta` (Gemma 3),
+    `final_logit_softcapping` and `attn_logit_softcapping`. Raises ValueError for what is not
+    served: bidirectional attention, another activation, scaled rotary on Gemma 3's sliding
+    layers, a soft cap that is not a positive number, attention soft-capping on Gemma 3.
     """
-    nested = config.get("text_config")
+    gemma2 = architecture == "gemma2"
+    nested = None if gemma2 else config.get("text_config")
     text = dict(nested) if isinstance(nested, dict) else dict(config)
-    merged = {**GEMMA3_TEXT_DEFAULTS, **text}
+    merged = {**(GEMMA2_DEFAULTS if gemma2 else GEMMA3_TEXT_DEFAULTS), **text}
     if isinstance(nested, dict):  # the multimodal wrapper: its own ids and tying count too
         eos = _ids(text.get("eos_token_id", GEMMA3_TEXT_DEFAULTS["eos_token_id"]))
         merged["eos_token_id"] = eos + _ids(config.get("eos_token_id"))
         for key in ("bos_token_id", "tie_word_embeddings"):
             if key not in text and config.get(key) is not None:
                 merged[key] = config[key]
-    if merged.get("attn_logit_softcapping") is not None:
-        raise ValueError(f"config.json: attn_logit_softcapping="
-                         f"{merged['attn_logit_softcapping']!r} (tanh soft-capping of attention "
-                         "scores) is not supported by the attention kernels")
+    name = "Gemma 2" if gemma2 else "Gemma 3"
     if merged.get("use_bidirectional_attention"):
-        raise ValueError("config.json: use_bidirectional_attention=true (an encoder-style "
-                         "Gemma 3, e.g. EmbeddingGemma) is not supported: causal attention only")
+        raise ValueError(f"config.json: use_bidirectional_attention=true (an encoder-style "
+                         f"{name}, e.g. EmbeddingGemma) is not supported: causal attention only")
     act = merged.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"config.json: Gemma 3 hidden_activation {act!r} is not supported "
+        raise ValueError(f"config.json: {name} hidden_activation {act!r} is not supported "
                          "(gelu_pytorch_tanh only)")
     merged.pop("hidden_act", None)  # Gemma reads hidden_activation; a stray hidden_act is unused
-    cap = merged.get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
-                            or cap <= 0):
-        raise ValueError(f"config.json: final_logit_softcapping must be a positive number or "
-                         f"null, got {cap!r}")
+    cap = _soft_cap(merged, "final_logit_softcapping")
+    attn_cap = _soft_cap(merged, "attn_logit_softcapping")
+    if attn_cap is not None and not gemma2:
+        raise ValueError("config.json: attn_logit_softcapping in a Gemma 3 config is not "
+                         "supported: transformers' Gemma 3 attention ignores it where its "
+                         "Gemma 2 applies it, so what a checkpoint means is unclear (Gemma 3 "
+                         "checkpoints leave it null)")
     if cap is not None and isinstance(nested, dict):
         raise ValueError("config.json: final_logit_softcapping in a Gemma3ForConditionalGeneration "
                          "text_config is not supported: transformers' Gemma3ForConditionalGeneration "
@@ -74,7 +95,10 @@ def gemma3_text_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
     num_layers = int(merged["num_hidden_layers"])
     layer_types = merged.get("layer_types")
-    if layer_types is None:
+    if layer_types is None and gemma2:
+        layer_types = ["sliding_attention" if (i + 1) % _GEMMA2_PATTERN else "full_attention"
+                       for i in range(num_layers)]
+    elif layer_types is None:
         pattern = int(merged.get("sliding_window_pattern") or merged.get("_sliding_window_pattern")
                       or _PATTERN)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -87,6 +111,14 @@ def gemma3_text_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         raise ValueError("config.json: layer_types has sliding_attention layers but "
                          "sliding_window is not set")
     merged["layer_types"] = layer_types
+    gemma = {
+        "hidden_act": act,
+        "query_pre_attn_scalar": float(merged["query_pre_attn_scalar"]),
+        "final_logit_softcapping": cap,
+        "attn_logit_softcapping": attn_cap,
+    }
+    if gemma2:  # one rotary table: rope_theta / rope_scaling / rope_parameters as Llama's
+        return merged, gemma
 
     full, local = _rope_by_layer_type(merged)
     local_type = local.get("rope_type", local.get("type", "default"))
@@ -96,13 +128,17 @@ def gemma3_text_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     merged["rope_parameters"] = full
     for key in ("rope_scaling", "rope_theta", "rope_local_base_freq"):
         merged.pop(key, None)
-    gemma = {
-        "hidden_act": act,
-        "query_pre_attn_scalar": float(merged["query_pre_attn_scalar"]),
-        "local_rope_theta": float(local["rope_theta"]),
-        "final_logit_softcapping": None if cap is None else float(cap),
-    }
+    gemma["local_rope_theta"] = float(local["rope_theta"])
     return merged, gemma
+
+
+def _soft_cap(config: dict[str, Any], key: str) -> float | None:
+    """config[key] as a float, None when null; ValueError unless a positive number."""
+    cap = config.get(key)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or cap <= 0):
+        raise ValueError(f"config.json: {key} must be a positive number or null, got {cap!r}")
+    return None if cap is None else float(cap)
 
 
 def _rope_by_layer_type(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

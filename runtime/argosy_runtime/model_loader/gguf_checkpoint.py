@@ -24,6 +24,9 @@ Beyond the dense Llama layout, llama.cpp's converter (convert_hf_to_gguf.py) wri
   fixes them (every 6th layer full attention, base 10000, scale head_dim ** -0.5 except
   Gemma-3-27B's (hidden / heads) ** -0.5); we follow it, reading
   `attention.sliding_window_pattern` / `rope.freq_base_swa` where a file has them.
+- gemma2: gemma3's tensors without q/k norms, one rotary base; llama.cpp fixes the pattern
+  (the even layers slide) and the scale (as gemma3's, Gemma-2-27B: 46 layers); the soft caps
+  are `attn_logit_softcapping` / `final_logit_softcapping` (default 50 / 30, as llama.cpp).
 We yield the HF per-projection / per-expert names `hf_checkpoint.expected_weight_names` lists.
 """
 
@@ -52,7 +55,7 @@ from argosy_runtime.model_loader.model_spec import ModelSpec
 _GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
     "qwen2moe": ("qwen2_moe", False), "qwen3moe": ("qwen3_moe", False),
-    "phi3": ("phi3", False), "gemma3": ("gemma3", False),
+    "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3": ("gemma3", False),
 }
 
 _GLOBAL_NAMES = {
@@ -82,7 +85,7 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
-# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward norm there.
+# Gemma 2 / 3's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward norm there.
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -98,8 +101,12 @@ _LEGACY_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # Tensors that are not weights of the HF model: llama.cpp's precomputed llama3 rope factors,
 # Phi-3's longrope factor lists (read into the spec's rope_scaling).
 _NON_WEIGHT_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
-# Gemma 3 in llama.cpp (llama-model.cpp): the sliding layers' rotary base and layer pattern.
+# Gemma 3 in llama.cpp (llama-model.cpp): the sliding layers' rotary base and layer pattern;
+# Gemma 2's pattern, window and soft caps where a file does not say.
 _GEMMA3_LOCAL_THETA, _GEMMA3_PATTERN = 10_000.0, 6
+_GEMMA2_PATTERN, _GEMMA2_WINDOW, _GEMMA2_ATTN_CAP, _GEMMA2_FINAL_CAP = 2, 4096, 50.0, 30.0
+# The layer count of the largest size, whose query scale is (hidden / heads) ** -0.5.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 RawItem = ReaderTensor | torch.Tensor
@@ -112,7 +119,7 @@ def gguf_to_hf_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
-    names = _GEMMA3_LAYER_NAMES if gguf_arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA3_LAYER_NAMES if gguf_arch in ("gemma2", "gemma3") else _LAYER_NAMES
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in a supported model")
@@ -192,8 +199,9 @@ def spec_from_gguf(reader: GGUFReader) -> ModelSpec:
     windows: tuple[int | None, ...] = ()
     if architecture == "phi3" and 0 < window < context_length:
         windows = (window,) * num_layers  # Phi-3-mini-4k; 0 (Phi-4) or >= context: none
-    if architecture == "gemma3":
-        extra, windows = _gemma3_fields(reader, num_layers, hidden, num_heads, head_dim, window)
+    if architecture in ("gemma2", "gemma3"):
+        extra, windows = _gemma_fields(reader, gguf_arch, num_layers, hidden, num_heads,
+                                       head_dim, window)
     return ModelSpec(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -278,30 +286,40 @@ def _phi3_rope_scaling(reader: GGUFReader, tensors: dict[str, ReaderTensor],
     }
 
 
-def _gemma3_fields(reader: GGUFReader, num_layers: int, hidden: int, num_heads: int,
-                   head_dim: int, window: int) -> tuple[dict, tuple[int | None, ...]]:
-    """(Gemma-only ModelSpec fields, per-layer windows) as llama.cpp's gemma3 graph sets them."""
-    pattern = read_field(reader, "gemma3.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+def _gemma_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, num_heads: int,
+                  head_dim: int, window: int) -> tuple[dict, tuple[int | None, ...]]:
+    """(Gemma-only ModelSpec fields, per-layer windows) as llama.cpp's gemma2 / gemma3 graph
+    sets them (`arch`: the file's general.architecture)."""
+    gemma2 = arch == "gemma2"
+    if gemma2 and window <= 0:
+        window = _GEMMA2_WINDOW  # llama.cpp's default n_swa for gemma2
+    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern",
+                         _GEMMA2_PATTERN if gemma2 else _GEMMA3_PATTERN)
     if isinstance(pattern, list):  # per layer: true = sliding
         if len(pattern) != num_layers:
-            raise ValueError(f"GGUF gemma3.attention.sliding_window_pattern has {len(pattern)} "
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} "
                              f"entries for {num_layers} layers")
         sliding = [bool(p) for p in pattern]
     else:  # llama.cpp's set_swa_pattern(n): every n-th layer is full attention (0: none slides)
         n = int(pattern)
         sliding = [n > 0 and i % n < n - 1 for i in range(num_layers)]
     if any(sliding) and window <= 0:
-        raise ValueError("GGUF gemma3 file has sliding-window layers but no "
-                         "gemma3.attention.sliding_window")
+        raise ValueError(f"GGUF {arch} file has sliding-window layers but no "
+                         f"{arch}.attention.sliding_window")
     windows = tuple(window if s else None for s in sliding)
-    # Gemma-3-27B (62 layers) scales queries by (hidden / heads) ** -0.5, the others by
-    # head_dim ** -0.5 (llama.cpp's f_attention_scale = transformers' query_pre_attn_scalar).
-    scalar = hidden // num_heads if num_layers == 62 else head_dim
-    cap = read_field(reader, "gemma3.final_logit_softcapping", None)
+    # Gemma-2-27B (46 layers) and Gemma-3-27B (62) scale queries by (hidden / heads) ** -0.5,
+    # the others by head_dim ** -0.5 (llama.cpp's f_attention_scale = transformers'
+    # query_pre_attn_scalar).
+    scalar = hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    cap = read_field(reader, f"{arch}.final_logit_softcapping", _GEMMA2_FINAL_CAP if gemma2 else None)
     extra = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=float(scalar),
-                 local_rope_theta=float(read_field(reader, "gemma3.rope.freq_base_swa",
-                                                   _GEMMA3_LOCAL_THETA)),
                  final_logit_softcapping=float(cap) if cap else None)
+    if gemma2:  # llama.cpp soft-caps gemma2's attention always (attn_soft_cap)
+        attn_cap = read_field(reader, "gemma2.attn_logit_softcapping", _GEMMA2_ATTN_CAP)
+        extra["attn_logit_softcapping"] = float(attn_cap) if attn_cap else None
+    else:
+        extra["local_rope_theta"] = float(read_field(reader, "gemma3.rope.freq_base_swa",
+                                                     _GEMMA3_LOCAL_THETA))
     return extra, windows if any(sliding) else ()
 
 
@@ -323,7 +341,7 @@ def iter_raw_tensors(reader: GGUFReader, spec: ModelSpec | None = None
     A tensor that maps one to one comes as the gguf ReaderTensor, still in its stored
     quantization (q/k rows of Llama-family files still permuted: see `rope_heads_for`). One
     that llama.cpp stores differently comes dequantized as a float32 torch tensor in HF layout:
-    merged experts split per expert, Phi-3's fused qkv / gate-up split, Gemma 3's norms less
+    merged experts split per expert, Phi-3's fused qkv / gate-up split, Gemma 2/3's norms less
     the 1 the converter added, Qwen2-MoE's shared-expert gate as [1, hidden].
     `spec` (`spec_from_gguf(reader)` when None) gives the split sizes.
     """
@@ -354,7 +372,7 @@ def iter_raw_tensors(reader: GGUFReader, spec: ModelSpec | None = None
         hf_name = gguf_to_hf_name(tensor.name, gguf_arch)
         if short == "ffn_gate_inp.weight":  # the router
             hf_name = moe_router_name(spec, int(match.group(1)))
-        if spec.architecture == "gemma3" and tensor.name.endswith("norm.weight"):
+        if spec.is_gemma and tensor.name.endswith("norm.weight"):
             yield hf_name, dequantize_tensor(tensor) - 1.0
         elif short == "ffn_gate_inp_shexp.weight":
             yield hf_name, dequantize_tensor(tensor).reshape(1, spec.hidden_size)

@@ -82,7 +82,7 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if spec.architecture == "gemma3":  # norms before and after the MLP as well
+        if spec.is_gemma:  # norms before and after the MLP as well
             names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]

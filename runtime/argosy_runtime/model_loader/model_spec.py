@@ -32,8 +32,10 @@ HF_ARCHITECTURES: dict[str, str] = {
     # Phi-3 / Phi-3.5 / Phi-4 (mini, medium, 14B): Llama's block with q/k/v and gate/up stored
     # fused (`qkv_proj`, `gate_up_proj`), longrope scaling and (Phi-4-mini) partial rotary.
     "Phi3ForCausalLM": "phi3",
-    # Gemma 3 text (models/gemma3.py's layer; model_loader/gemma3_config.py reads the config):
-    # gemma-3-1b is a Gemma3ForCausalLM; of the multimodal 4b/12b/27b only the text is served.
+    # Gemma 2 and Gemma 3 text (models/gemma3.py's layer; model_loader/gemma3_config.py reads
+    # the config): gemma-2-2b/9b/27b; gemma-3-1b is a Gemma3ForCausalLM; of the multimodal
+    # 4b/12b/27b only the text is served.
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
 }
@@ -51,9 +53,13 @@ CLASSIFIER_HF_ARCHITECTURES: frozenset[str] = frozenset(
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                                   "qwen3": "qwen3", "mixtral": "mixtral",
                                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                                  "phi3": "phi3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                                  "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                                  "gemma3": "gemma3"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                            "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
+                                            "qwen2_moe", "qwen3_moe", "phi3", "gemma2", "gemma3")
+# Gemma 2 and 3: four norms per layer scaling by 1 + weight, gelu-tanh, scaled embeddings
+# (models/gemma3.py); Gemma 3 adds q/k norms and a local rotary table.
+GEMMA_ARCHITECTURES: frozenset[str] = frozenset({"gemma2", "gemma3"})
 # Architectures whose MLP is (in some or all layers) a sparse Mixture-of-Experts block
 # (models/moe.py): Mixtral in every layer; Qwen2-MoE (+ a gated shared expert) and Qwen3-MoE
 # in the layers `decoder_sparse_step` / `mlp_only_layers` choose.
@@ -88,11 +94,13 @@ class ModelSpec:
     dense MLP of `intermediate_size`).
     `partial_rotary_factor` (Phi-4-mini: 0.75) rotates only the first `rotary_dim` =
     int(head_dim * factor) values of each query and key head; the rest pass through.
-    Gemma 3 sets `hidden_act` "gelu_pytorch_tanh" (the MLP's gelu with the tanh approximation,
-    instead of SiLU), `query_pre_attn_scalar` (attention scale query_pre_attn_scalar ** -0.5
-    instead of head_dim ** -0.5), `local_rope_theta` (the sliding-window layers' own unscaled
-    rotary base; the full-attention layers use rope_theta and rope_scaling) and
-    `final_logit_softcapping` (logits -> cap * tanh(logits / cap); None: none).
+    Gemma 2 and 3 set `hidden_act` "gelu_pytorch_tanh" (the MLP's gelu with the tanh
+    approximation, instead of SiLU), `query_pre_attn_scalar` (attention scale
+    query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5), `final_logit_softcapping`
+    (logits -> cap * tanh(logits / cap); None: none) and `attn_logit_softcapping` (every
+    layer's scaled attention scores s -> cap * tanh(s / cap) before the mask and softmax;
+    Gemma 2: 50; None: none). Gemma 3 also sets `local_rope_theta` (the sliding-window layers'
+    own unscaled rotary base; the full-attention layers use rope_theta and rope_scaling).
     `matryoshka_dimensions` says whether an embedding may be shortened (the `dimensions` of an
     embeddings request): None for a model not trained for it (its hidden size only), `()` for
     any size up to hidden_size (config.json `is_matryoshka: true`), else the sizes listed in
@@ -127,11 +135,21 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0
-    # Gemma 3 (0 / None / "silu" elsewhere): see the class docstring.
+    # Gemma 2 / 3 (None / "silu" elsewhere): see the class docstring.
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    # A classifier whose head is rows of the causal LM's lm_head (vLLM's classifier_from_token
+    # and method: Qwen3-Reranker's "no"/"yes"; model_loader/lm_head_classifier.py), and the
+    # token ids they resolve to. use_sep_token: a cross-encoder joins a pair with the
+    # tokenizer's pair template (true) or as text_1 + text_2 (false; an LLM reranker's default).
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_method: str | None = None
+    classifier_from_tied_embeddings: bool = False
+    classifier_token_ids: tuple[int, ...] = ()
+    use_sep_token: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -177,6 +195,8 @@ class ModelSpec:
         if any(not 1 <= d <= self.hidden_size for d in self.matryoshka_dimensions or ()):
             raise ValueError(f"matryoshka_dimensions must lie in 1..hidden_size "
                              f"({self.hidden_size}), got {list(self.matryoshka_dimensions)}")
+        if self.classifier_from_token and not (self.id2label and self.classifier_method):
+            raise ValueError("classifier_from_token needs a classification head and a method")
         if self.id2label and self.has_lm_head:
             raise ValueError("id2label (a classification head) replaces the lm_head; "
                              "has_lm_head must be False")
@@ -191,14 +211,17 @@ class ModelSpec:
     def _check_gemma(self) -> None:
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got {self.hidden_act!r}")
-        for name in ("query_pre_attn_scalar", "local_rope_theta", "final_logit_softcapping"):
+        for name in ("query_pre_attn_scalar", "local_rope_theta", "final_logit_softcapping",
+                     "attn_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive or None, got {value!r}")
-        if self.architecture != "gemma3" and (self.hidden_act != "silu" or self.query_pre_attn_scalar
-                                               or self.local_rope_theta):
-            raise ValueError(f"hidden_act / query_pre_attn_scalar / local_rope_theta are Gemma 3 "
-                             f"fields, not {self.architecture!r}'s")
+        if not self.is_gemma and (self.hidden_act != "silu" or self.query_pre_attn_scalar
+                                  or self.attn_logit_softcapping):
+            raise ValueError(f"hidden_act / query_pre_attn_scalar / attn_logit_softcapping are "
+                             f"Gemma fields, not {self.architecture!r}'s")
+        if self.architecture != "gemma3" and self.local_rope_theta:
+            raise ValueError(f"local_rope_theta is a Gemma 3 field, not {self.architecture!r}'s")
 
     @property
     def rotary_dim(self) -> int:
@@ -260,20 +283,25 @@ class ModelSpec:
         return self.architecture in ("qwen3", "qwen3_moe", "gemma3")
 
     @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 or 3: models/gemma3.py's layer (four norms), the switches below."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
     def gemma_norms(self) -> bool:
         """Gemma's RMSNorm: normalized x times (1 + weight), multiplied in float32 and rounded
         once (Llama's rounds x first). The model stores 1 + weight (folded at load)."""
-        return self.architecture == "gemma3"
+        return self.is_gemma
 
     @property
     def embedding_scale(self) -> float | None:
         """Gemma multiplies the embeddings by sqrt(hidden_size) (in the model dtype); None:
         no scaling."""
-        return self.hidden_size ** 0.5 if self.architecture == "gemma3" else None
+        return self.hidden_size ** 0.5 if self.is_gemma else None
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma 3), else
+        """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma), else
         head_dim ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -321,10 +349,10 @@ class ModelSpec:
         """
         architecture, has_lm_head, is_classifier = _hf_architecture(config)
         gemma: dict[str, Any] = {}
-        if architecture == "gemma3":  # nested text_config, Hub defaults, two rotary tables
-            from argosy_runtime.model_loader.gemma3_config import gemma3_text_config
+        if architecture in GEMMA_ARCHITECTURES:  # Hub defaults; Gemma 3: text_config, 2 rotaries
+            from argosy_runtime.model_loader.gemma3_config import gemma_text_config
 
-            config, gemma = gemma3_text_config(config)
+            config, gemma = gemma_text_config(config, architecture)
         hidden_size = _require_int(config, "hidden_size")
         num_heads = _require_int(config, "num_attention_heads")
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
@@ -486,7 +514,7 @@ def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int 
     `use_sliding_window` (their configs drop the window otherwise): Qwen3-MoE every layer;
     Qwen2, Qwen3 and Qwen2-MoE the layers `layer_types` marks "sliding_attention", by default
     those from `max_window_layers` on (Qwen2-MoE: the even layers below it). Gemma 3: the
-    layers `layer_types` marks (gemma3_config.py fills it in). Llama: none.
+    layers `layer_types` marks (gemma3_config.py fills it in); Gemma 2 likewise. Llama: none.
     """
     window = config.get("sliding_window")
     num_layers = int(config.get("num_hidden_layers", 0))
@@ -496,7 +524,7 @@ def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int 
         return ()  # Phi-3-128k's 262144: never reached, so plain causal attention is the same
     if architecture in ("mistral", "mixtral", "phi3"):
         windows: list[int | None] = [int(window)] * num_layers
-    elif architecture == "gemma3":  # layer_types, filled in by gemma3_config.py
+    elif architecture in GEMMA_ARCHITECTURES:  # layer_types, filled in by gemma3_config.py
         windows = [int(window) if t == "sliding_attention" else None
                    for t in config["layer_types"]]
     elif not config.get("use_sliding_window"):

@@ -1,6 +1,6 @@
-"""Gemma 3's decoder layer: llama.py's Attention and MLP between four norms.
+"""Gemma 2's and Gemma 3's decoder layer: llama.py's Attention and MLP between four norms.
 
-transformers' Gemma3DecoderLayer, op for op:
+transformers' Gemma2DecoderLayer / Gemma3DecoderLayer (the same ops), op for op:
 
     h = h + post_attention_layernorm(self_attn(input_layernorm(h)))
     h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
@@ -10,7 +10,9 @@ The rest of Gemma 3 is switches on the shared pieces, driven by the spec: RMSNor
 1 + weight in float32 (`spec.gemma_norms`; the 1 is folded into the weight at load), per-head
 q/k norms, attention scale query_pre_attn_scalar ** -0.5, gelu-tanh in the MLP, embeddings
 times sqrt(hidden_size), a local rotary table for the sliding-window layers
-(`spec.local_rope`), optional final logit soft-capping.
+(`spec.local_rope`), optional final logit soft-capping. Gemma 2 is Gemma 3 without the q/k
+norms and the local table, with its attention scores soft-capped (`attn_logit_softcapping`,
+which Attention passes to the backend as `softcap`) on every attention path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    # cpu_ops.decode_layer implements Llama's layer only: steps take the module path.
+    # cpu_ops.decode_layer implements Llama's layer only (no soft cap either): steps take the
+    # module path, whose attention backend soft-caps.
     cpu_decode_layer = False
 
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:

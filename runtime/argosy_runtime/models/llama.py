@@ -102,6 +102,11 @@ class Attention(nn.Module):
         # This layer's attention window (keys p - W < k <= p), None: full causal attention.
         self.sliding_window = spec.sliding_window(layer_idx)
         self._window_kwargs = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        if spec.attn_logit_softcapping is not None:  # Gemma 2: scores soft-capped on every path
+            self._window_kwargs["softcap"] = spec.attn_logit_softcapping
+        # Set on a tensor-parallel rank (use_tensor_parallel): o_proj's output is this rank's
+        # partial sum over its heads, added up over the ranks.
+        self.tensor_parallel: Any = None
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(h)
@@ -233,7 +238,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(spec.vocab_size, spec.hidden_size),
         )
         layer_cls: type[nn.Module] = DecoderLayer
-        if spec.architecture == "gemma3":  # four norms per layer
+        if spec.is_gemma:  # Gemma 2 / 3: four norms per layer
             from argosy_runtime.models.gemma3 import Gemma3DecoderLayer
 
             layer_cls = Gemma3DecoderLayer

@@ -66,9 +66,10 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
         if moe:
             raise ValueError(f"GPTQ calibration does not support Mixture-of-Experts models "
                              f"({spec.architecture}); use round-to-nearest int8 / int4")
-        if spec is not None and spec.architecture == "gemma3":  # calibration runs Llama's layer
-            raise ValueError("GPTQ calibration does not support gemma3 (its calibration forward "
-                             "is Llama's layer); use round-to-nearest int8 / int4")
+        if spec is not None and spec.is_gemma:  # calibration runs Llama's layer
+            raise ValueError(f"GPTQ calibration does not support {spec.architecture} (its "
+                             "calibration forward is Llama's layer); use round-to-nearest "
+                             "int8 / int4")
         _load_with_gptq(model, checkpoint, config, dtype)
         quantize_output_layer(model)
         logger.info("quantized decoder linears to %s with GPTQ%s: weights %.1f MiB -> %.1f MiB",

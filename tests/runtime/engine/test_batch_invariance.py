@@ -179,6 +179,9 @@ def test_refuses_cuda() -> None:
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))),
     # four norms per layer, gelu-tanh, a local rotary table, sliding-window layers
     ("gemma3", dict(head_dim=64, init_std=0.15)),
+    # the same layer with attention scores soft-capped (Gemma 2) and windows of 16
+    ("gemma2", dict(head_dim=64, init_std=0.15, extra_config=dict(
+        sliding_window=16, attn_logit_softcapping=1.0))),
 ])
 def test_same_bits_for_moe_and_gemma3_layers(arch: str, shape: dict, tmp_path) -> None:  # noqa: ANN001
     folder = make_random_model_dir(tmp_path, arch, **shape)

@@ -280,6 +280,8 @@ def test_gguf_file_equals_transformers(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_attention_logit_softcapping_is_refused(tmp_path) -> None:  # noqa: ANN001
+    """transformers' Gemma 3 stores attn_logit_softcapping but never applies it (its Gemma 2
+    does: tests/runtime/engine/test_gemma2.py): a Gemma 3 that sets it is ambiguous."""
     folder = gemma3_dir(tmp_path, attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+    with pytest.raises(ValueError, match="Gemma 3 attention ignores it"):
         LLM(model=str(folder), dtype="float32")

@@ -87,7 +87,7 @@ def test_transformers_5_rope_parameters_and_layer_types() -> None:
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "transformers' Gemma 3 attention ignores it"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({"layer_types": ["full_attention"]}, "layer_types"),
@@ -107,10 +107,12 @@ def test_softcapping_on_conditional_generation_is_refused() -> None:
               "text_config": {"final_logit_softcapping": 30.0}})
 
 
-def test_gemma2_stays_unsupported() -> None:
-    with pytest.raises(ValueError, match="unsupported architecture 'Gemma2ForCausalLM'"):
-        spec({"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
-              "num_attention_heads": 4, "attn_logit_softcapping": 50.0})
+def test_attention_softcapping_is_gemma2s() -> None:
+    """Gemma 2's configs soft-cap attention (tests/runtime/engine/test_gemma2.py); Gemma 3's
+    refuse it (above): transformers' Gemma3Attention never passes it on."""
+    assert spec({"architectures": ["Gemma3ForCausalLM"]}).attn_logit_softcapping is None
+    assert spec({"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
+                 "num_attention_heads": 4}).attn_logit_softcapping == 50.0
 
 
 def _gemma3_gguf_spec(tmp_path, layers: int, **extra) -> ModelSpec:  # noqa: ANN001

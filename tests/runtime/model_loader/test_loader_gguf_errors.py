@@ -14,8 +14,8 @@ def _write(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'gemma2'.*supported: llama, qwen2.*phi3, gemma3"):
-        load_checkpoint(str(_write(tmp_path / "gemma2.gguf", "gemma2")))
+    with pytest.raises(ValueError, match="'gemma'.*supported: llama, qwen2.*phi3, gemma2, gemma3"):
+        load_checkpoint(str(_write(tmp_path / "gemma.gguf", "gemma")))
 
 
 def test_unsupported_gguf_tokenizer_model(tmp_path: Path) -> None:
