@@ -18,7 +18,8 @@ from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
 from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.sampling_params import SamplingParams
-from argosy_runtime.scoring import cosine_scores, pair_up
+from argosy_runtime.scoring import cosine_scores, cross_encoder_prompt, pair_up
+from argosy_runtime.tokenizer import load_chat_template
 
 
 class LLM:
@@ -96,11 +97,15 @@ class LLM:
         return self._run(prompts, [PoolingParams(task="classify")] * len(prompts), lora_name)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              lora_name: str | None = None) -> list[float]:
+              lora_name: str | None = None, *, chat_template: str | None = None
+              ) -> list[float]:
         """The score of each (text_1, text_2) pair, as POST /v1/score answers: pairs 1-to-1,
         1-to-N or N-to-N (scoring.pair_up). An embedding model scores by the cosine of the
         two embeddings (each distinct text embedded once); a cross-encoder (a one-label
-        classification head) by the sigmoid of its logit over the pair as one prompt."""
+        classification head) by the sigmoid of its logit over the pair as one prompt
+        (scoring.cross_encoder_prompt). `chat_template` (vLLM's): a cross-encoder's score
+        template, jinja over the messages [{"role": "query", "content": text_1},
+        {"role": "document", "content": text_2}] (the text, or a file holding it)."""
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)
         if not firsts or not seconds:
@@ -112,9 +117,16 @@ class LLM:
                              "scores need a one-label head (a cross-encoder) or an embedding "
                              "model")
         if num_labels == 1:
-            tokenizer = self.engine.tokenizer
-            outs = self.classify([tokenizer.encode_pair(a, b) for a, b in pairs], lora_name)
+            template = load_chat_template(chat_template) if chat_template is not None else None
+            prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, score_template=template,
+                                            use_sep_token=self.engine.spec.use_sep_token)
+                       for a, b in pairs]
+            outs = self.classify(prompts, lora_name)
             return [out.classification.probs[0] for out in outs]
+        if chat_template is not None:
+            raise ValueError("chat_template: a score template is for a cross-encoder (a "
+                             "one-label classification head); an embedding model scores by "
+                             "the cosine of the two texts' embeddings")
         distinct = list(dict.fromkeys(firsts + seconds))
         row = {text: i for i, text in enumerate(distinct)}
         vectors = [out.embedding for out in self.embed(distinct, lora_name=lora_name)]

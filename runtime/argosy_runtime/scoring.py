@@ -4,13 +4,13 @@
 `text_1` pairs with `text_2` 1-to-1, 1-to-N (one text_1 against every text_2) or N-to-N (equal
 lengths, pair by pair), vLLM's rule. A bi-encoder (embedding) model scores a pair by the
 cosine similarity of the two texts' embeddings; a cross-encoder (a one-label classification
-head) by the sigmoid of its logit over the pair joined as one prompt.
+head) by the sigmoid of its logit over the pair joined as one prompt (`cross_encoder_prompt`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,3 +37,26 @@ def cosine_scores(vectors: Sequence[Sequence[float]], pairs: Sequence[tuple[int,
     left = table[[a for a, _ in pairs]]  # [num_pairs, hidden_size]
     right = table[[b for _, b in pairs]]
     return torch.nn.functional.cosine_similarity(left, right, dim=-1).tolist()
+
+
+def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_token: bool = True,
+                         score_template: str | None = None) -> list[int]:
+    """The token ids a cross-encoder scores for the pair, as vLLM builds them: with a score
+    template (`--chat-template`), the template rendered over the messages
+    [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}] (no
+    generation prompt), then encoded; without one, the tokenizer's pair template
+    (transformers' `tokenizer(text_1, text_2)`) or, for a model whose config says
+    `use_sep_token: false` (an LLM reranker such as Qwen3-Reranker), `text_1 + text_2`
+    encoded as one text. ValueError when the template cannot be rendered."""
+    if score_template is not None:
+        import jinja2
+
+        messages = [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]
+        try:
+            text = tokenizer.render_template(score_template, messages, False)  # no generation prompt
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"cannot apply the score template (--chat-template): {exc}") from exc
+        return tokenizer.encode(text)
+    if not use_sep_token:
+        return tokenizer.encode(text_1 + text_2)
+    return tokenizer.encode_pair(text_1, text_2)

@@ -236,7 +236,19 @@ class Tokenizer:
             raise ValueError(
                 "this model's tokenizer has no chat template; send a plain completion prompt instead"
             )
-        template = _compile_chat_template(self.chat_template)
+        return self.render_template(self.chat_template, messages, add_generation_prompt,
+                                    **template_kwargs)
+
+    def render_template(
+        self,
+        source: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        /,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` with the jinja template `source` (a template given instead of
+        the tokenizer's, such as a score template), in `apply_chat_template`'s environment."""
         variables: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -244,7 +256,7 @@ class Tokenizer:
             "unk_token": self.unk_token,
         }
         variables.update(template_kwargs)
-        return template.render(
+        return compile_chat_template(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
 
@@ -401,8 +413,32 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes it: the path of a file holding
+    it, or the template itself on one line (escapes such as \\n are decoded). ValueError
+    for a value that looks like a path but names no readable file, or for a template jinja
+    cannot compile."""
+    import codecs
+
+    import jinja2
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat template {value!r} looks like a file path, but it cannot "
+                             f"be read: {exc}") from exc
+        source = codecs.decode(value, "unicode_escape")
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template {value!r} is not a valid jinja template: {exc}") from exc
+    return source
+
+
 @lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

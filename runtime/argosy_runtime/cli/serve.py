@@ -5,7 +5,8 @@
 
 Every engine option is a flag (from `EngineArgs`, the "engine" group below); the "server"
 group holds the HTTP server's own (listen address, API key, queue bound, timeouts, tool-call
-and reasoning parsers, runtime LoRA updates, Batch API folder, embedding pooling). SIGTERM
+and reasoning parsers, runtime LoRA updates, Batch API folder, embedding pooling, chat and
+score template). SIGTERM
 drains: /ready turns 503, running requests finish (up to --drain-timeout), exit 0. See
 docs/server.md.
 """
@@ -96,20 +97,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "embedding models such as e5-mistral-7b-instruct and gte-Qwen2 are "
                              "trained) or the mean over its tokens; L2-normalized either way "
                              "(default: %(default)s).")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="A jinja chat template replacing the model's (vLLM's): the path "
+                             "of a file, or the template itself on one line. Chat, /tokenize "
+                             "and responses render with it; on a cross-encoder (a one-label "
+                             "classification head, e.g. Qwen3-Reranker) it is the score "
+                             "template /v1/score and /v1/rerank format each pair with, over "
+                             "the messages [{role: query}, {role: document}] (default: the "
+                             "tokenizer's own template, and pairs joined as vLLM joins them "
+                             "without one).")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
     from argosy_runtime.server.config import ServerConfig  # noqa: F811 (runtime import)
+    from argosy_runtime.tokenizer import load_chat_template
 
     try:
+        chat_template = (load_chat_template(args.chat_template)
+                         if args.chat_template is not None else None)
         config = ServerConfig(
             host=args.host, port=args.port, api_key=ServerConfig.api_key_from_env(args.api_key),
             max_waiting=args.max_waiting, request_timeout=args.request_timeout,
             drain_timeout=args.drain_timeout, log_level=args.log_level,
             allow_runtime_lora_updates=args.allow_runtime_lora_updates,
             tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir,
-            embedding_pooling=args.embedding_pooling, reasoning_parser=args.reasoning_parser)
+            embedding_pooling=args.embedding_pooling, reasoning_parser=args.reasoning_parser,
+            chat_template=chat_template)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)

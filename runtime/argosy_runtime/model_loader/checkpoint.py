@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from gguf import GGUFReader, ReaderTensor
 
-from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint
+from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint, lm_head_classifier
 from argosy_runtime.model_loader.gguf_metadata import read_field
 from argosy_runtime.model_loader.model_spec import ModelSpec
 from argosy_runtime.tokenizer import Tokenizer
@@ -37,13 +37,17 @@ class Checkpoint:
         (an MoE layer's per-expert Hub names instead: hf_checkpoint._mlp_weight_names),
         model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, and
         lm_head.weight unless spec.tie_word_embeddings or not spec.has_lm_head, and a
-        classifier's score.weight (spec.num_labels > 0) instead of lm_head. A headless
+        classifier's score.weight (spec.num_labels > 0) instead of lm_head (made of lm_head
+        rows for a `classifier_from_token` reranker: lm_head_classifier.py). A headless
         checkpoint's unprefixed names come with the `model.` prefix too. HF tensors come in
         their stored dtype; GGUF tensors are dequantized to float32 with llama.cpp's q/k row
         permutation undone.
         """
         if self.format == "hf":
-            yield from hf_checkpoint.iter_hf_weights(self._files, self.spec)
+            weights = hf_checkpoint.iter_hf_weights(self._files, self.spec)
+            if self.spec.classifier_method:  # a reranker's head made of lm_head rows
+                weights = lm_head_classifier.convert_weights(weights, self.spec)
+            yield from weights
         else:
             yield from gguf_checkpoint.iter_dequantized(self.gguf_reader, self.spec)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from argosy_runtime.model_loader import lm_head_classifier
 from argosy_runtime.model_loader.model_spec import ModelSpec
 
 SINGLE_FILE = "model.safetensors"
@@ -67,13 +68,17 @@ def load_hf_spec(folder: Path, files: list[Path],
                  hf_overrides: dict[str, Any] | None = None) -> ModelSpec:
     """ModelSpec from config.json (+ generation_config.json), dtype from the weight files.
     `hf_overrides` replaces config.json's top-level fields (vLLM's --hf-overrides: a nested
-    object such as rope_scaling is replaced whole, not merged)."""
-    config = {**read_json(folder / "config.json"), **(hf_overrides or {})}
+    object such as rope_scaling is replaced whole, not merged). A causal LM asked to be a
+    classifier made of its lm_head rows (`classifier_from_token`, Qwen3-Reranker) comes back
+    as that classifier (lm_head_classifier.py)."""
+    file_config = read_json(folder / "config.json")
+    config = {**file_config, **(hf_overrides or {})}
     generation_path = folder / "generation_config.json"
     generation = read_json(generation_path) if generation_path.is_file() else None
-    return ModelSpec.from_hf_config(
+    spec = ModelSpec.from_hf_config(
         config, checkpoint_dtype=checkpoint_dtype(files), generation_config=generation
     )
+    return lm_head_classifier.convert_spec(spec, config, file_config)
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
@@ -94,7 +99,10 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     names.append("model.norm.weight")
     if spec.has_lm_head and not spec.tie_word_embeddings:
         names.append("lm_head.weight")
-    if spec.num_labels:
+    if spec.classifier_method:  # a head made of lm_head rows: read the lm_head (or tied embedding)
+        if lm_head_classifier.source_weight(spec) not in names:
+            names.append(lm_head_classifier.source_weight(spec))
+    elif spec.num_labels:
         names.append("score.weight")  # the classification head: [num_labels, hidden]
     return names
 
@@ -272,4 +280,7 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
     if missing:
         headless = not spec.has_lm_head and not spec.num_labels
         note = " (a headless checkpoint may store them without 'model.')" if headless else ""
+        if spec.classifier_method and lm_head_classifier.LM_HEAD in missing:
+            note = (" (classifier_from_token reads the lm_head: a checkpoint that ties it to "
+                    "the embeddings says tie_word_embeddings: true)")
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}{note}")

@@ -271,6 +271,10 @@ class LlamaForCausalLM(nn.Module):
                 else None
             )
         self.to(dtype)
+        if self.score is not None and spec.classifier_method:
+            # Made of lm_head rows (an LLM reranker: P(yes) from yes - no): float32, as vLLM
+            # keeps it; the difference of two close rows would lose digits in bfloat16.
+            self.score.float()
         if spec.gemma_norms:  # 1 + w kept in float32: Gemma multiplies by it in float32
             for module in self.modules():
                 if isinstance(module, RMSNorm):
@@ -414,7 +418,7 @@ class LlamaForCausalLM(nn.Module):
         if self.score is None:
             raise RuntimeError(f"this {self.spec.architecture} model has no classification head "
                                "(not a sequence-classification checkpoint)")
-        return self.score(hidden).float()
+        return self.score(hidden.to(self.score.weight.dtype)).float()
 
     # ---- weights ------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index within the fused parameter)

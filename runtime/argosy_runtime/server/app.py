@@ -56,6 +56,21 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 429, 503)}
 
 
+def _apply_chat_template(engine: Any, config: ServerConfig) -> None:
+    """--chat-template replaces the tokenizer's template (chat, /tokenize, responses), as in
+    vLLM. An LLM reranker (a head made of lm_head rows) without one scores text_1 + text_2 as
+    is, which is rarely the prompt it was trained on: say so."""
+    if config.chat_template is not None:
+        engine.tokenizer.chat_template = config.chat_template
+    elif engine.spec.classifier_method:
+        logger.warning(
+            "%s is an LLM reranker (classifier_from_token %s) served without --chat-template: "
+            "/v1/score and /v1/rerank score text_1 + text_2 as is; pass the model's prompt "
+            "format as a score template (docs/server.md, Scores and reranking, has "
+            "Qwen3-Reranker's)", engine.served_model_name,
+            list(engine.spec.classifier_from_token))
+
+
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`); the engine thread starts with the app."""
     model_name = engine.served_model_name
@@ -71,7 +86,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                          lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names,
                          embedding_size=engine.spec.hidden_size,
                          class_labels=engine.spec.id2label,
+                         use_sep_token=engine.spec.use_sep_token,
                          end_token_ids=engine.end_token_ids)
+    _apply_chat_template(engine, config)
     # Without --batch-dir, batches live in a temporary folder removed at exit.
     batch_root = Path(config.batch_dir or tempfile.mkdtemp(prefix="argosy-batches-"))
     files = FileStore(batch_root)

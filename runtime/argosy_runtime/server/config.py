@@ -36,6 +36,10 @@ class ServerConfig:
         are trained) or "mean".
     reasoning_parser: the model's thinking format ("qwen3", "deepseek_r1"): chat replies then
         carry the thinking in `reasoning_content` and only the answer in `content`.
+    chat_template: a jinja chat template replacing the tokenizer's (vLLM's --chat-template,
+        already read from its file): chat, /tokenize and responses render with it, and a
+        cross-encoder takes it as its score template (messages with roles "query" and
+        "document"); None: the tokenizer's own, and no score template.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +55,7 @@ class ServerConfig:
     batch_dir: str | None = None
     embedding_pooling: str = "last"
     reasoning_parser: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

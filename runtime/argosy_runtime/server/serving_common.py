@@ -49,6 +49,9 @@ class ServingContext:
     # empty for every other model. /v1/classify needs them; one label makes /v1/score and
     # /v1/rerank cross-encoder scores.
     class_labels: tuple[str, ...] = ()
+    # How a cross-encoder without a score template joins a pair (ModelSpec.use_sep_token):
+    # the tokenizer's pair template, or text_1 + text_2 (an LLM reranker).
+    use_sep_token: bool = True
     # The tokens that end generation (LLMEngine.end_token_ids): where a beam search's
     # hypotheses end.
     end_token_ids: frozenset[int] = frozenset()

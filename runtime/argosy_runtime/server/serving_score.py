@@ -8,12 +8,15 @@ embedding request (`embed_prompts`, the same pooling, admission and priority as
 meets every document, but is embedded once). Any such model serves these: a generative model
 has hidden states too.
 
-On a sequence-classification checkpoint with one label (a decoder cross-encoder reranker),
-each pair is one prompt, the two texts joined by the tokenizer's pair template
-(`Tokenizer.encode_pair`: transformers' `tokenizer(text_1, text_2)`, what vLLM feeds a
-cross-encoder without a score template), run as a classify request; the score is the sigmoid
-of the head's logit. A classifier with more labels is no scorer (vLLM enables scoring only
-for one label): 400 naming `model`.
+On a sequence-classification checkpoint with one label (a decoder cross-encoder reranker,
+or a causal LM read as one: Qwen3-Reranker's "yes" - "no" head), each pair is one prompt
+(`scoring.cross_encoder_prompt`, as vLLM builds it): the score template (`--chat-template`)
+rendered over the messages [{"role": "query"}, {"role": "document"}] when the server has
+one, else the two texts joined by the tokenizer's pair template (transformers'
+`tokenizer(text_1, text_2)`) or, for `use_sep_token: false` (an LLM reranker's default), as
+text_1 + text_2; it runs as a classify request and the score is the sigmoid of the head's
+logit. A classifier with more labels is no scorer (vLLM enables scoring only for one label):
+400 naming `model`.
 
 `/v1/score` pairs `text_1` with `text_2`: 1-to-1, 1-to-N (one `text_1` against every
 `text_2`) or N-to-N (equal lengths, pair by pair). `/v1/rerank` (also `/rerank`, and Cohere's
@@ -27,7 +30,7 @@ import time
 from typing import Any
 
 from argosy_runtime.pooling_params import PoolingParams
-from argosy_runtime.scoring import cosine_scores, pair_up
+from argosy_runtime.scoring import cosine_scores, cross_encoder_prompt, pair_up
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
@@ -166,7 +169,12 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
         raise bad_request(
             f"model: {model_name} is a classifier with {len(ctx.class_labels)} labels; scores "
             "need a one-label head (a cross-encoder) or an embedding model", "model")
-    joined = [ctx.tokenizer.encode_pair(a, b) for a, b in pairs]
+    try:
+        joined = [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
+                                       score_template=ctx.config.chat_template)
+                  for a, b in pairs]
+    except ValueError as exc:  # a score template that raises (raise_exception) on this pair
+        raise bad_request(str(exc), param) from exc
     prompts = [tuple(ids) for ids in truncate_prompts(ctx, joined, truncate, param)]
     distinct = list(dict.fromkeys(prompts))
     prompt_tokens = sum(len(ids) for ids in distinct)
