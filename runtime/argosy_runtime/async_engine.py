@@ -154,6 +154,9 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        stop_workers = getattr(self.engine, "shutdown", None)  # a tensor-parallel engine's
+        if stop_workers is not None:
+            stop_workers()
 
     @property
     def is_alive(self) -> bool:

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,13 @@ from argosy_runtime.batch_invariance import (
 from argosy_runtime.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
+from argosy_runtime.distributed import (
+    ShardedCheckpoint,
+    TensorParallelWorkers,
+    WorkerConfig,
+    check_tensor_parallel_options,
+    kv_cache_budget,
+)
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
@@ -53,6 +61,11 @@ _CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 _KV_CACHE_DTYPES = ("auto", "int8")
 # The params an embedding request's Request carries: it never samples, so none apply.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def _stop_workers(workers: TensorParallelWorkers, threads_before: int) -> None:
+    workers.close()
+    torch.set_num_threads(threads_before)
 
 
 class LLMEngine:
@@ -81,6 +94,9 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(args.max_model_len)
         quant_config = self._quantization_config(checkpoint)
         self.quantization = quant_config.method if quant_config is not None else "none"
+        # Ranks 1..N-1 of a tensor-parallel engine (this process is rank 0), or None.
+        self.tensor_parallel_workers: TensorParallelWorkers | None = None
+        self._worker_kv_budgets: list[int | None] = []
         self.model = self._load_model(checkpoint, quant_config)
         if args.batch_invariant:
             check_batch_invariant_model(self.spec)
@@ -91,6 +107,8 @@ class LLMEngine:
         num_blocks = self._kv_cache_memory() // bytes_per_block
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
                                         args.enable_prefix_caching)
+        if self.tensor_parallel_workers is not None:  # every rank's cache has the same blocks
+            self.tensor_parallel_workers.allocate(self.cache_config)
         default_budget = 2048 if self.device.type == "cuda" else 512
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -107,7 +125,8 @@ class LLMEngine:
                                   self.spec.vocab_size, seed=args.seed,
                                   max_model_len=self.max_model_len,
                                   enable_cuda_graphs=not args.enforce_eager,
-                                  batch_invariant=args.batch_invariant)
+                                  batch_invariant=args.batch_invariant,
+                                  tensor_parallel_workers=self.tensor_parallel_workers)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.proposer = self._build_proposer()
 
@@ -123,10 +142,12 @@ class LLMEngine:
             self.lora_modules_file.sync(self)
         self.stats = EngineStats(block_size=args.block_size, num_gpu_blocks=self.cache_config.num_blocks)
         logger.info(
-            "engine ready in %.1fs: model=%s device=%s cpu_threads=%d fused_cpu_ops=%s "
+            "engine ready in %.1fs: model=%s device=%s tensor_parallel=%d cpu_threads=%d "
+            "fused_cpu_ops=%s "
             "layer_ops=%s attention=%s batch_invariant=%s dtype=%s "
             "quantization=%s kv_cache=%s blocks=%d x %d tokens (%.0f MiB), max_model_len=%d",
-            time.monotonic() - started, args.model, self.device, self.cpu_threads,
+            time.monotonic() - started, args.model, self.device, args.tensor_parallel_size,
+            self.cpu_threads,
             getattr(self.runner.backend, "fused_cpu_ops", False), self.model.ops,
             type(self.runner.backend).__name__, args.batch_invariant, self.dtype, self.quantization,
             cache_dtype, self.cache_config.num_blocks, args.block_size,
@@ -139,7 +160,44 @@ class LLMEngine:
 
     # ---- construction helpers -------------------------------------------------------------
     def _load_model(self, checkpoint: Any, quant_config: Any) -> LlamaForCausalLM:
-        return build_model(checkpoint, self.dtype, self.device, self.max_model_len, quant_config)
+        size = self.args.tensor_parallel_size
+        if size == 1:
+            return build_model(checkpoint, self.dtype, self.device, self.max_model_len,
+                               quant_config)
+        # Tensor parallel: the workers load their shards while this process loads rank 0's.
+        check_tensor_parallel_options(self.args, self.device, checkpoint, quant_config)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)
+        threads_before = torch.get_num_threads()
+        self.cpu_threads = max(1, self.cpu_threads // size)  # the ranks share the CPUs
+        torch.set_num_threads(self.cpu_threads)
+        workers = TensorParallelWorkers(WorkerConfig(
+            model=self.args.model, hf_overrides=self.args.hf_overrides, dtype=self.dtype,
+            device_type=self.device.type, max_model_len=self.max_model_len,
+            quant_config=quant_config, cpu_threads=self.cpu_threads, world_size=size,
+            kv_cache_memory_fraction=self.args.kv_cache_memory_fraction))
+        self.tensor_parallel_workers = workers
+        # Stopped by shutdown(), or when this engine is collected or the process exits; the
+        # process's thread count is given back then.
+        self._stop_workers = weakref.finalize(self, _stop_workers, workers, threads_before)
+        try:
+            model = build_model(ShardedCheckpoint(checkpoint, 0, size), self.dtype, self.device,
+                                self.max_model_len, quant_config)
+            self._worker_kv_budgets = workers.wait_ready()
+            model.use_tensor_parallel(workers.connect(self.device))
+        except BaseException:
+            workers.close(timeout=2.0)
+            self._stop_workers()
+            raise
+        logger.info("tensor parallel: %d ranks, %d heads, %d KV heads and %d MLP columns each",
+                    size, model.spec.num_attention_heads, model.spec.num_key_value_heads,
+                    model.spec.intermediate_size)
+        return model
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine runs no more steps)."""
+        if self.tensor_parallel_workers is not None:
+            self._stop_workers()
 
     def _max_model_len(self, requested: int | None) -> int:
         """`--max-model-len`, or the model's trained context when unset; a longer request is
@@ -174,9 +232,9 @@ class LLMEngine:
             if self.args.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be > 0 bytes")
             return self.args.kv_cache_memory
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.args.kv_cache_memory_fraction)
+        if self.device.type == "cuda":  # every rank's cache alike: the smallest budget
+            return min([kv_cache_budget(self.device, self.args.kv_cache_memory_fraction)]
+                       + [b for b in self._worker_kv_budgets if b is not None])
         return _CPU_DEFAULT_KV_CACHE_MEMORY
 
     def _load_lora_adapters(self) -> None:
@@ -230,6 +288,9 @@ class LLMEngine:
         if not isinstance(name, str) or not name or name == self.served_model_name:
             raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
                              "the base model's own name)")
+        if self.tensor_parallel_workers is not None:
+            raise ValueError("LoRA adapters cannot be served with tensor_parallel_size > 1 "
+                             "(their weights are not split over the ranks)")
         return self.lora_registry.register(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:

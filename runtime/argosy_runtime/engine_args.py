@@ -125,6 +125,16 @@ class EngineArgs:
         default=None,
     )
     enforce_eager: bool = _opt("Disable CUDA graphs (CUDA only).", default=False)
+    tensor_parallel_size: int = _opt(
+        "Split the model over this many ranks (vLLM's --tensor-parallel-size): CUDA devices "
+        "cuda:0..N-1, or CPU processes sharing the CPU threads. Each rank holds 1/N of the "
+        "attention heads (and their KV cache) and of the MLP columns; two all-reduces per "
+        "layer. N must divide the attention heads, the KV heads and the MLP size. Not with "
+        "LoRA, batch_invariant, GPTQ/AWQ checkpoints or the self-draft; CUDA graphs go off. "
+        "See docs/engine.md.",
+        aliases=("-tp",),
+        default=1,
+    )
     batch_invariant: bool = _opt(
         "Make each request's tokens and logprobs independent of the rest of the batch, bit "
         "for bit: the same answer alone or under load, however its prompt is chunked, after a "

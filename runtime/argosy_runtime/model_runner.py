@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from argosy_kernels.reshape_and_cache import KV_SCALE_DTYPE
 
-from argosy_runtime.attention import AttentionMetadata, TorchAttentionBackend
+from argosy_runtime.attention import TorchAttentionBackend
 from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.config import CacheConfig
 from argosy_runtime.kv_cache import KVCacheManager
@@ -57,11 +58,16 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dty
     return block_size * (per_token * elem + scales)
 
 
-def use_cuda_graphs(device: torch.device, enabled: bool, spec: ModelSpec) -> bool:
+def use_cuda_graphs(device: torch.device, enabled: bool, spec: ModelSpec,
+                   tensor_parallel: bool = False) -> bool:
     """Whether decode steps replay captured CUDA graphs: on CUDA unless turned off
     (`enforce_eager`), and never for a Mixture-of-Experts model, whose blocks group tokens by
-    expert from routing read on the host (models/moe.py), which a graph replay cannot redo."""
+    expert from routing read on the host (models/moe.py), which a graph replay cannot redo,
+    nor for a tensor-parallel one (its all-reduces are not captured)."""
     if device.type != "cuda" or not enabled:
+        return False
+    if tensor_parallel:
+        logger.info("CUDA graphs off: tensor-parallel decode steps run eagerly")
         return False
     if spec.is_moe:
         logger.info("CUDA graphs off: %s is a Mixture-of-Experts model (expert routing is read "
@@ -74,8 +80,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, kv_cache: KVCacheManager,
                  device: torch.device, vocab_size: int, seed: int = 0,
                  max_model_len: int = 0, enable_cuda_graphs: bool = False,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, tensor_parallel_workers: Any = None) -> None:
+        """`kv_cache` None: a tensor-parallel worker's runner, which only runs `forward` on the
+        batches rank 0 sends. `tensor_parallel_workers` (rank 0 of a tensor-parallel engine):
+        the other ranks, sent every step's batch before this rank runs it."""
         self.model = model
+        self.tensor_parallel_workers = tensor_parallel_workers
         self.spec = model.spec
         self.cache_config = cache_config
         self.kv_cache = kv_cache
@@ -102,7 +112,7 @@ class ModelRunner:
             self.scales = torch.ones(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
             self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
         self.graph_runner = None
-        if use_cuda_graphs(device, enable_cuda_graphs, s):
+        if use_cuda_graphs(device, enable_cuda_graphs, s, model.tensor_parallel is not None):
             from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
 
             self.graph_runner = CUDAGraphRunner(
@@ -114,8 +124,9 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, generator)
 
     # ---- inputs -------------------------------------------------------------------------
-    def _prepare(self, scheduled: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _batch_entries(self, scheduled: list[ScheduledRequest]) -> list:
+        """(KV block ids, first position, token ids) of each scheduled sequence: all a rank
+        needs to run the step (build_batch)."""
         entries = []
         for sr in scheduled:
             req = sr.request
@@ -124,7 +135,7 @@ class ModelRunner:
             tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
             block_ids = np.asarray(self.kv_cache.block_ids(req.request_id), dtype=np.int64)
             entries.append((block_ids, start, tokens))
-        return build_batch(entries, self.block_size, self.device, self.model.decode_rows_up_to)
+        return entries
 
     def _lora_batch(self, scheduled: list[ScheduledRequest]) -> LoRABatch | None:
         """The batch rows of each LoRA adapter's requests (rows follow `scheduled`).
@@ -146,20 +157,27 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
+    def forward(self, entries: list, lora: LoRABatch | None = None) -> torch.Tensor:
+        """The model's hidden states [tokens, hidden] for one step's batch (`_batch_entries`,
+        decode rows first), its new K/V written into the cache."""
+        input_ids, positions, meta = build_batch(entries, self.block_size, self.device,
+                                                 self.model.decode_rows_up_to)
+        if self.graph_runner is not None and lora is None:  # replays captured decode graphs
+            return self.graph_runner.forward(input_ids, positions, meta)
+        ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
+        ctx.lora = lora
+        return self.model(input_ids, positions, ctx)
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         # Decode rows first (keeps the scheduler's order within each group).
         order = decode_rows_first([sr.num_new_tokens for sr in sched.scheduled],
                                   self.model.decode_rows_up_to)
         scheduled = [sched.scheduled[i] for i in order]
-        input_ids, positions, meta = self._prepare(scheduled)
-        lora = self._lora_batch(scheduled)
-        if self.graph_runner is not None and lora is None:  # replays captured decode graphs
-            hidden = self.graph_runner.forward(input_ids, positions, meta)
-        else:
-            ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta,
-                                 self.kv_scales)
-            ctx.lora = lora
-            hidden = self.model(input_ids, positions, ctx)
+        entries = self._batch_entries(scheduled)
+        if self.tensor_parallel_workers is not None:
+            self.tensor_parallel_workers.run_step(entries)
+        hidden = self.forward(entries, self._lora_batch(scheduled))
 
         out = ModelRunnerOutput()
         head = self.model.compute_class_logits if self.model.score is not None else None

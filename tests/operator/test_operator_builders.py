@@ -300,6 +300,24 @@ def test_pod_template_overrides() -> None:
     assert dep["spec"]["replicas"] == 3
 
 
+def _serve_args(**spec_fields) -> list[str]:  # noqa: ANN003
+    return build_deployment(*_llmd(**spec_fields), replicas=1)["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+
+
+def test_a_pod_with_several_gpus_runs_one_tensor_parallel_engine() -> None:
+    assert "--tensor-parallel-size" not in _serve_args(resources={"gpus": 1})
+    assert "--tensor-parallel-size" not in _serve_args()
+    args = _serve_args(resources={"gpus": 4})
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    from argosy_runtime.cli.main import build_parser
+
+    assert build_parser().parse_args(args).tensor_parallel_size == 4
+    # extraArgs come after it, and the runtime's parser keeps the last value given
+    args = _serve_args(resources={"gpus": 4}, runtime={"extraArgs": ["--tensor-parallel-size", "2"]})
+    assert build_parser().parse_args(args).tensor_parallel_size == 2
+
+
 def test_pdb_follows_the_replica_ceiling() -> None:
     assert build_pdb(*_llmd(replicas=1)) is None
     assert build_pdb(*_llmd(replicas=2)) is not None

@@ -77,6 +77,10 @@ def serve_args(name: str, spec: Mapping[str, Any], model_path: str) -> list[str]
         # manifest whose keys moved does not roll the pods.
         args += ["--hf-overrides", json.dumps(runtime["hfOverrides"], sort_keys=True,
                                               separators=(",", ":"))]
+    if spec["resources"]["gpus"] > 1:
+        # One engine over every GPU of the pod (tensor parallel); `extraArgs` come last, so
+        # `--tensor-parallel-size 1` there keeps one GPU for a model the GPUs do not divide.
+        args += ["--tensor-parallel-size", str(spec["resources"]["gpus"])]
     args += ["--drain-timeout", str(runtime["drainTimeoutSeconds"])]
     args += ["--batch-dir", batch_dir(name, spec)]
     if runtime.get("maxWaiting") is not None:

@@ -134,6 +134,8 @@ class Attention(nn.Module):
         o = self.o_proj(out)
         if ctx.lora is not None:
             ctx.lora.apply(o, out, self.layer_idx, "o_proj")
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(o)
         return o
 
 
@@ -158,6 +160,9 @@ class MLP(nn.Module):
         self.ops = "torch"  # "cpu_ops" / "triton": SiLU x up in one kernel
         # Gemma: gelu (tanh approximation) x up, torch ops on every path (the kernels are SiLU's).
         self.gelu_tanh = spec.hidden_act == "gelu_pytorch_tanh"
+        # Set on a tensor-parallel rank for a layer's MLP (not an MoE expert's: the MoE block
+        # adds its experts up first): down_proj's output is a partial sum over the ranks.
+        self.tensor_parallel: Any = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -176,6 +181,8 @@ class MLP(nn.Module):
         out = self.down_proj(act)
         if lora is not None:
             lora.apply(out, act, self.layer_idx, "down_proj")
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
         return out
 
 
@@ -284,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:  # never for a headless spec (ModelSpec checks)
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
+        self.tensor_parallel: Any = None  # set by use_tensor_parallel
         # Chunks up to this long are decode rows (attention/batch.py build_batch): set by
         # use_fused_cpu_ops, for which they are cheaper; 1 (decodes only) elsewhere.
         self.decode_rows_up_to = 1
@@ -320,9 +328,23 @@ class LlamaForCausalLM(nn.Module):
         enabled = enabled and cpu_ops.available()
         self._set_ops("cpu_ops" if enabled else "torch")
         # Decode steps then run each layer as one C++ call where every linear has one.
-        self.cpu_decode = CpuDecodeLayers.build(self.model) if enabled else None
+        # (Not for a tensor-parallel rank: a C++ layer has no all-reduce inside.)
+        self.cpu_decode = (CpuDecodeLayers.build(self.model)
+                           if enabled and self.tensor_parallel is None else None)
         self.decode_rows_up_to = CpuDecodeLayers.CHUNK_AS_DECODE_ROWS if self.cpu_decode else 1
         return enabled
+
+    def use_tensor_parallel(self, group: Any) -> None:
+        """Make this model (built from distributed.tensor_parallel.shard_spec, its weights
+        sliced by ShardedCheckpoint) one rank of `group`: every attention and MLP block sums
+        its output over the ranks. The C++ decode layers go off (they have no all-reduce);
+        the fused small ops stay."""
+        self.tensor_parallel = group
+        for layer in self.model.layers:
+            layer.self_attn.tensor_parallel = group
+            layer.mlp.tensor_parallel = group
+        self.cpu_decode = None
+        self.decode_rows_up_to = 1
 
     def use_batch_invariant_kernels(self) -> None:
         """Kernels whose result for a token does not depend on the batch (batch_invariance.py):

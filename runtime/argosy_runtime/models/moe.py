@@ -50,6 +50,7 @@ class SparseMoeBlock(nn.Module):
         shared = spec.shared_expert_intermediate_size
         self.shared_expert = MLP(spec, layer_idx, shared) if shared else None
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if shared else None
+        self.tensor_parallel = None  # set on a tensor-parallel rank (use_tensor_parallel)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, top_k], expert ids [tokens, top_k]) of each token of x [tokens,
@@ -88,4 +89,6 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if self.tensor_parallel is not None:  # each rank ran its share of every expert
+            self.tensor_parallel.all_reduce(out)
         return out

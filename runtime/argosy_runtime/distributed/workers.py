@@ -1,0 +1,184 @@
+"""The worker processes of a tensor-parallel engine: ranks 1..N-1.
+
+The engine process is rank 0: it schedules, runs its own shard of the model, samples. Each
+worker process loads its shard, then follows rank 0 step by step: rank 0 sends it every step's
+batch (which tokens of which sequences, into which KV blocks) over a pipe, and both run the
+same forward, meeting at the all-reduces. Workers never sample and never see requests.
+
+Lifecycle: `launch` starts the workers, which load their shards while rank 0 loads its own;
+`wait_ready` collects their KV-cache budgets (or raises the first worker's error); `connect`
+joins the all-reduce group; `allocate` sizes every rank's KV cache alike; `run_step` per step;
+`close` stops them. A worker whose engine process dies sees its pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from argosy_runtime.config import CacheConfig
+from argosy_runtime.distributed.tensor_parallel import ShardedCheckpoint, TensorParallelGroup
+
+logger = logging.getLogger("argosy.engine")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank builds its shard from (picklable: sent to the spawned workers)."""
+
+    model: str
+    hf_overrides: dict | None
+    dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda": rank r runs on cuda:r
+    max_model_len: int
+    quant_config: Any  # a QuantizationConfig or None
+    cpu_threads: int  # intra-op threads of each rank
+    world_size: int
+    kv_cache_memory_fraction: float  # CUDA: the share of free memory the KV cache may take
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def kv_cache_budget(device: torch.device, fraction: float) -> int | None:
+    """Bytes this rank can give its KV cache once its weights are loaded (CUDA), None on a
+    CPU (the engine's configured budget applies to every rank)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * fraction)
+
+
+def build_rank_model(config: WorkerConfig, rank: int) -> Any:
+    """Rank `rank`'s shard of the model, weights loaded, on its device."""
+    from argosy_runtime.model_loader import load_checkpoint
+    from argosy_runtime.models.build import build_model
+
+    checkpoint = ShardedCheckpoint(load_checkpoint(config.model, config.hf_overrides), rank,
+                                   config.world_size)
+    return build_model(checkpoint, config.dtype, rank_device(config.device_type, rank),
+                       config.max_model_len, config.quant_config)
+
+
+def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -> None:
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        torch.set_num_threads(config.cpu_threads)
+        device = rank_device(config.device_type, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model = build_rank_model(config, rank)
+        conn.send(("ready", kv_cache_budget(device, config.kv_cache_memory_fraction)))
+        group = TensorParallelGroup(rank, config.world_size, "127.0.0.1", port, device)
+        model.use_tensor_parallel(group)
+        kind, cache_config = conn.recv()
+        from argosy_runtime.model_runner import ModelRunner
+
+        runner = ModelRunner(model, cache_config, None, device, model.spec.vocab_size,
+                             max_model_len=config.max_model_len)
+        while True:
+            kind, payload = conn.recv()
+            if kind == "stop":
+                return
+            runner.forward(payload)
+    except EOFError:  # the engine process is gone
+        return
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on the worker processes (ranks 1..N-1)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.store, self.port = TensorParallelGroup.listen(config.world_size)
+        ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and CUDA
+        self._conns: list[Connection] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, config.world_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, config, self.port, theirs),
+                               name=f"argosy-tp-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        self.group: TensorParallelGroup | None = None
+        self._closed = False
+
+    def _receive(self, conn: Connection, proc: Any, expected: str) -> Any:
+        """The next message of one worker, which must be `expected`: RuntimeError carrying
+        the worker's traceback if it failed or died instead."""
+        exited = (f"tensor-parallel worker {proc.name} exited before it was {expected} (its "
+                  "error is on stderr; a script that starts an engine with "
+                  "tensor_parallel_size > 1 must do it under `if __name__ == '__main__':`, "
+                  "since the workers are spawned processes that import the script)")
+        while not conn.poll(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(exited)
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError(exited) from None
+        if kind == "error":
+            raise RuntimeError(f"tensor-parallel worker {proc.name} failed:\n{payload}")
+        return payload
+
+    def wait_ready(self) -> list[int | None]:
+        """Each worker's KV-cache budget in bytes (None on CPUs) once its shard is loaded."""
+        return [self._receive(conn, proc, "ready") for conn, proc in zip(self._conns, self._procs)]
+
+    def connect(self, device: torch.device) -> TensorParallelGroup:
+        """Rank 0's side of the all-reduce group (the workers join it once ready)."""
+        self.group = TensorParallelGroup(0, self.config.world_size, "127.0.0.1", self.port,
+                                         device, store=self.store)
+        return self.group
+
+    def allocate(self, cache_config: CacheConfig) -> None:
+        self._send(("allocate", cache_config))
+
+    def run_step(self, entries: list) -> None:
+        """Have every worker run the forward of this step's batch (ModelRunner.forward)."""
+        self._send(("step", entries))
+
+    def _send(self, message: tuple) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                conn.send(message)
+            except OSError as e:
+                raise RuntimeError(f"tensor-parallel worker {proc.name} is gone (exit code "
+                                   f"{proc.exitcode})") from e
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send(("stop", None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
+        logger.info("tensor-parallel workers stopped")

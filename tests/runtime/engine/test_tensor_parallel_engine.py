@@ -1,0 +1,119 @@
+"""Tensor parallelism end to end: real worker processes, real gloo all-reduces, compared with
+transformers (float32) and with the single-process engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from argosy_runtime import LLMEngine, SamplingParams
+from engine_helpers import (
+    FullForwardReference,
+    assert_equals_reference,
+    check_prefix_hits_and_preemption,
+    greedy,
+    random_prompts,
+    run_requests,
+)
+from model_factory import make_random_model_dir
+
+
+def _stop(engine: LLMEngine) -> None:
+    engine.shutdown()
+    assert all(not p.is_alive() for p in engine.tensor_parallel_workers._procs)
+
+
+@pytest.fixture(scope="module")
+def embedded_reference(embedded_hf) -> FullForwardReference:
+    return FullForwardReference(embedded_hf.model)
+
+
+def test_embedded_model_over_three_ranks_equals_transformers(embedded_reference) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads) as 3 ranks of 3 heads / 1 KV head: greedy tokens and
+    logprobs equal transformers through chunked prefill, prefix-cache hits and preemption."""
+    # Per token and rank: 30 layers x (K, V) x 1 KV head x 64 dims x 4 bytes = 15360 bytes.
+    engine = LLMEngine(model="smollm2-135m", dtype="float32", tensor_parallel_size=3,
+                       block_size=4, max_num_batched_tokens=8, kv_cache_memory=30 * 4 * 15360)
+    try:
+        assert engine.cache_config.num_blocks == 30
+        assert engine.model.spec.num_attention_heads == 3
+        assert engine.model.cpu_decode is None  # the C++ layers have no all-reduce
+        shared = random_prompts(0, (22,))[0]
+        prompts = [shared + tail for tail in random_prompts(1, (3, 9, 1, 14, 6, 11))]
+        check_prefix_hits_and_preemption(engine, embedded_reference, prompts, 12)
+    finally:
+        _stop(engine)
+    assert engine.tensor_parallel_workers._procs  # there were workers, and they are gone
+
+
+def test_moe_with_bias_and_shared_expert_over_two_ranks(tmp_path) -> None:
+    """Qwen2-MoE: q/k/v biases split with their rows, every expert's and the shared expert's
+    columns split, the router and the shared expert's gate replicated."""
+    folder = make_random_model_dir(
+        tmp_path, "qwen2_moe", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=2, extra_config=dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, decoder_sparse_step=2))
+    ref = FullForwardReference.from_folder(folder)
+    prompts = random_prompts(2, (5, 19), vocab=ref.model.config.vocab_size)
+    engine = LLMEngine(model=str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        assert_equals_reference(run_requests(engine, [(p, greedy(6)) for p in prompts]),
+                                prompts, ref, 6)
+    finally:
+        _stop(engine)
+
+
+def test_int8_bfloat16_ranks_match_one_process(tmp_path) -> None:
+    """int8 weights in bfloat16 (the CPU's packed and fused kernels) over two ranks score a
+    prompt like the one-process engine: the shards quantize their own rows and columns, and
+    the all-reduce adds bfloat16 partial sums, so close, not equal."""
+    folder = make_random_model_dir(tmp_path, "llama", num_hidden_layers=2, init_std=0.05)
+    prompt = random_prompts(3, (40,), vocab=1000)[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scores = []
+    for size in (1, 2):
+        engine = LLMEngine(model=str(folder), dtype="bfloat16", quantization="int8",
+                           tensor_parallel_size=size)
+        try:
+            out = run_requests(engine, [(prompt, params)])[0]
+            scores.append([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        finally:
+            engine.shutdown()
+    diffs = [abs(a - b) for a, b in zip(*scores)]
+    assert max(diffs) < 0.1, max(diffs)
+
+
+def test_a_killed_worker_fails_the_step_instead_of_hanging(tmp_path) -> None:
+    folder = make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)
+    engine = LLMEngine(model=str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        run_requests(engine, [([5, 6, 7], greedy(2))])
+        with pytest.raises(ValueError, match="tensor_parallel_size"):  # /v1/load_lora_adapter
+            engine.load_lora_adapter("late", str(tmp_path))
+        worker = engine.tensor_parallel_workers._procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        engine.add_request("after", [5, 6, 7, 8], greedy(2))
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel worker|Connection closed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 30
+    finally:
+        engine.shutdown()
+
+
+def test_options_that_cannot_be_split_are_refused_before_loading(tmp_path) -> None:
+    with pytest.raises(ValueError, match="num_attention_heads 9"):
+        LLMEngine(model="smollm2-135m", tensor_parallel_size=2)
+    folder = make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        LLMEngine(model=str(folder), tensor_parallel_size=2, lora_modules={"a": str(tmp_path)})
+    with pytest.raises(ValueError, match="self-draft"):
+        LLMEngine(model=str(folder), tensor_parallel_size=2, speculative="draft")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        LLMEngine(model=str(folder), tensor_parallel_size=2, batch_invariant=True,
+                  dtype="bfloat16")
