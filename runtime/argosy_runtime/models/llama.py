@@ -440,7 +440,9 @@ class LlamaForCausalLM(nn.Module):
         if self.score is None:
             raise RuntimeError(f"this {self.spec.architecture} model has no classification head "
                                "(not a sequence-classification checkpoint)")
-        return self.score(hidden.to(self.score.weight.dtype)).float()
+        if self.spec.classifier_method:  # a float32 head of lm_head rows: float32 input
+            hidden = hidden.float()
+        return self.score(hidden).float()
 
     # ---- weights ------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index within the fused parameter)
