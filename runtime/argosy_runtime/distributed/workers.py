@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -143,9 +144,30 @@ class TensorParallelWorkers:
         return [self._receive(conn, proc, "ready") for conn, proc in zip(self._conns, self._procs)]
 
     def connect(self, device: torch.device) -> TensorParallelGroup:
-        """Rank 0's side of the all-reduce group (the workers join it once ready)."""
-        self.group = TensorParallelGroup(0, self.config.world_size, "127.0.0.1", self.port,
-                                         device, store=self.store)
+        """Rank 0's side of the all-reduce group (the workers join it once ready). The
+        rendezvous waits on a thread while the workers are watched: one that fails or dies
+        meanwhile raises its error here rather than after the group's 10-minute timeout."""
+        joined: list[Any] = []  # the group, or the exception that ended the rendezvous
+
+        def join() -> None:
+            try:
+                joined.append(TensorParallelGroup(0, self.config.world_size, "127.0.0.1",
+                                                  self.port, device, store=self.store))
+            except BaseException as e:  # noqa: BLE001 (re-raised on the engine's thread)
+                joined.append(e)
+
+        # A daemon thread: after an error it is left blocked until the rendezvous times out,
+        # and must not hold the process open at exit meanwhile.
+        thread = threading.Thread(target=join, name="argosy-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            for conn, proc in zip(self._conns, self._procs):
+                if thread.is_alive() and (conn.poll() or not proc.is_alive()):
+                    self._receive(conn, proc, "connected")  # raises the worker's error
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        self.group = joined[0]
         return self.group
 
     def allocate(self, cache_config: CacheConfig) -> None:

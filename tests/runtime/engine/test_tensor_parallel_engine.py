@@ -8,7 +8,9 @@ import signal
 import time
 
 import pytest
+import torch
 from argosy_runtime import LLMEngine, SamplingParams
+from argosy_runtime.distributed import TensorParallelWorkers, WorkerConfig
 from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
@@ -104,6 +106,37 @@ def test_a_killed_worker_fails_the_step_instead_of_hanging(tmp_path) -> None:
         assert time.monotonic() - started < 30
     finally:
         engine.shutdown()
+
+
+def _workers(model: str) -> TensorParallelWorkers:
+    return TensorParallelWorkers(WorkerConfig(
+        model=model, hf_overrides=None, dtype=torch.float32, device_type="cpu",
+        max_model_len=64, quant_config=None, cpu_threads=1, world_size=2,
+        kv_cache_memory_fraction=0.9))
+
+
+def test_a_worker_that_fails_to_load_raises_its_traceback(tmp_path) -> None:
+    workers = _workers(str(tmp_path / "no-such-model"))
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)argosy-tp-rank1 failed.*no-such-model"):
+            workers.wait_ready()
+    finally:
+        workers.close(timeout=2)
+
+
+def test_a_worker_lost_before_the_group_forms_raises_at_once(tmp_path) -> None:
+    """Rank 0 joins the all-reduce group while watching the workers: a worker that dies
+    there raises within seconds, not after the group's 10-minute rendezvous timeout."""
+    workers = _workers(str(make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)))
+    try:
+        assert workers.wait_ready() == [None]  # CPU ranks report no KV budget
+        os.kill(workers._procs[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited before it was connected"):
+            workers.connect(torch.device("cpu"))
+        assert time.monotonic() - started < 10
+    finally:
+        workers.close(timeout=2)
 
 
 def test_options_that_cannot_be_split_are_refused_before_loading(tmp_path) -> None:
