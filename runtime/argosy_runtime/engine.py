@@ -90,6 +90,10 @@ class LLMEngine:
         self.checkpoint = checkpoint
         self.spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
+        if self.spec.is_encoder:  # BERT / XLM-R: every prompt whole in one step, no cache reuse
+            from argosy_runtime.models.bert import check_encoder_options
+
+            check_encoder_options(args)
         self.served_model_name = args.served_model_name or args.model
         self.max_model_len = self._max_model_len(args.max_model_len)
         quant_config = self._quantization_config(checkpoint)
@@ -105,22 +109,25 @@ class LLMEngine:
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
         num_blocks = self._kv_cache_memory() // bytes_per_block
+        if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
+            num_blocks = args.max_num_seqs * -(-self.max_model_len // args.block_size)
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
-                                        args.enable_prefix_caching)
+                                        args.enable_prefix_caching and not self.spec.is_encoder)
         if self.tensor_parallel_workers is not None:  # every rank's cache has the same blocks
             self.tensor_parallel_workers.allocate(self.cache_config)
         default_budget = 2048 if self.device.type == "cuda" else 512
+        chunked = args.enable_chunked_prefill and not self.spec.is_encoder
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or (
-                default_budget if args.enable_chunked_prefill else max(default_budget, self.max_model_len)
+                default_budget if chunked else max(default_budget, self.max_model_len)
             ),
             max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             max_loras=args.max_loras,
         )
         self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
-                                       args.enable_prefix_caching)
+                                       self.cache_config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
                                   self.spec.vocab_size, seed=args.seed,
                                   max_model_len=self.max_model_len,
@@ -417,6 +424,7 @@ class LLMEngine:
                                lora_name: str | None) -> None:
         """Queue a request that runs its prompt and pools its hidden states (pooler.py):
         one sequence, no output tokens, so only the prompt needs room."""
+        params = self.spec_pooling(params)
         if params.dimensions is not None:
             self._check_embedding_dimensions(params.dimensions)
         if len(prompt_ids) > self.max_model_len:
@@ -439,6 +447,28 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self._groups[request_id] = [request]
         self.stats.prompt_tokens += len(prompt_ids)
+
+    def spec_pooling(self, params: PoolingParams) -> PoolingParams:
+        """`params` with what it leaves to the model filled in: the pooling (a decoder's last
+        token; an encoder's sentence-transformers pooling, else [CLS]; an encoder classifier
+        reads [CLS]) and whether to normalize (an encoder's Normalize module; else yes)."""
+        spec = self.spec
+        pooling, normalize = params.pooling, params.normalize
+        if pooling is None:
+            if not spec.is_encoder:
+                pooling = "last"
+            else:
+                pooling = "cls" if params.task == "classify" else (spec.pooling_type or "cls")
+        if normalize is None:
+            normalize = spec.pooling_normalize
+        if pooling == "cls" and not spec.is_encoder:  # a chunk's first row is not the prompt's
+            raise ValueError(f"pooling: 'cls' is for encoder-only models (BERT, XLM-RoBERTa); "
+                             f"{self.served_model_name} is a decoder: use 'last' or 'mean'")
+        if params.task == "classify" and pooling != ("cls" if spec.is_encoder else "last"):
+            raise ValueError(f"pooling: {self.served_model_name}'s classification head reads "
+                             f"the {'first' if spec.is_encoder else 'last'} token; leave "
+                             "pooling unset")
+        return dataclasses.replace(params, pooling=pooling, normalize=normalize)
 
     def _check_embedding_dimensions(self, dims: int) -> None:
         spec = self.spec

@@ -64,7 +64,7 @@ def use_cuda_graphs(device: torch.device, enabled: bool, spec: ModelSpec,
     (`enforce_eager`), and never for a Mixture-of-Experts model, whose blocks group tokens by
     expert from routing read on the host (models/moe.py), which a graph replay cannot redo,
     nor for a tensor-parallel one (its all-reduces are not captured)."""
-    if device.type != "cuda" or not enabled:
+    if device.type != "cuda" or not enabled or spec.is_encoder:  # encoders never decode
         return False
     if tensor_parallel:
         logger.info("CUDA graphs off: tensor-parallel decode steps run eagerly")
@@ -102,7 +102,9 @@ class ModelRunner:
         self.backend = backend_cls(
             s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.attention_scale, **kwargs
         )
-        shape = (s.num_hidden_layers, 2, cache_config.num_blocks, self.block_size,
+        # An encoder (models/bert.py) attends within the step only: its blocks are bookkeeping.
+        num_cache_blocks = cache_config.num_blocks if getattr(model, "uses_kv_cache", True) else 0
+        shape = (s.num_hidden_layers, 2, num_cache_blocks, self.block_size,
                  s.num_key_value_heads, s.head_dim)
         # Zero-filled: padded positions are masked, but 0 * NaN garbage would still be NaN.
         self.kv = torch.zeros(shape, dtype=cache_config.cache_dtype, device=device)

@@ -5,7 +5,8 @@ steps (chunked prefill), so mean pooling keeps a running float32 sum on the requ
 that starts at position 0 starts it afresh (a preempted request is recomputed from the start).
 Mean pooling needs every position's hidden state, so such a request takes nothing from the
 prefix cache (scheduler `_prefix_lookup_limit`); last pooling needs only the last position,
-which is always computed.
+which is always computed. "cls" pooling (encoders, models/bert.py) takes the first row: an
+encoder runs each prompt whole in one step.
 
 A classify request (task "classify") gets the classification head's logits at its last
 position: the rows of every such request ending this step go through the head together.
@@ -37,8 +38,9 @@ def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
         n = sr.num_new_tokens
         params = req.pooling
         if params is not None and params.task == "classify":
-            if sr.completes_sequence:
-                classify.append((req.request_id, offset + n - 1))
+            if sr.completes_sequence:  # an encoder's head reads [CLS] (its prompt is whole)
+                classify.append((req.request_id,
+                                 offset if params.pooling == "cls" else offset + n - 1))
         elif params is not None:
             rows = hidden[offset : offset + n]
             if params.pooling == "mean":
@@ -49,6 +51,8 @@ def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
             if sr.completes_sequence:
                 if params.pooling == "mean":
                     vector = req.pooled_sum / req.num_prompt_tokens
+                elif params.pooling == "cls":  # an encoder's: the prompt ran whole this step
+                    vector = rows[0].float()
                 else:
                     vector = rows[-1].float()
                 if params.dimensions is not None:  # Matryoshka: the leading values

@@ -4,11 +4,15 @@ A pooling request runs its prompt through the model like a prefill and samples n
 `task="embed"` (the default): the hidden states after the final norm are pooled into one
 vector, L2-normalized by default. `"last"` takes the last token's state, which is how
 decoder-based embedding models (e5-mistral, gte-Qwen2, SFR-Embedding) are trained: with causal
-attention only the last token has seen the whole input. `"mean"` averages every token's state.
+attention only the last token has seen the whole input. `"mean"` averages every token's state;
+`"cls"` takes the first token's (an encoder's [CLS]: bge, bge-m3). None (the default) leaves
+both `pooling` and `normalize` to the model (`LLMEngine.spec_pooling`): "last" for a decoder;
+for an encoder (BERT, XLM-RoBERTa) its sentence-transformers pooling and Normalize module,
+else "cls", normalized.
 `dimensions` keeps the first that many values before normalizing (Matryoshka embeddings:
 only for a model trained for it, `ModelSpec.accepts_embedding_dimensions`).
 `task="classify"` (a sequence-classification checkpoint only): the classification head's
-logits at the last token, what transformers' `*ForSequenceClassification` returns for an
+logits at the last token (an encoder's: at the first, [CLS]), what transformers' `*ForSequenceClassification` returns for an
 unpadded prompt; `normalize` does not apply. Every field is validated here; a bad value
 raises `ValueError` naming the field.
 """
@@ -17,21 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")
 POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    pooling: str = "last"
-    normalize: bool = True
+    pooling: str | None = None
+    normalize: bool | None = None
     task: str = "embed"
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling not in POOLING_TYPES:
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
-        if not isinstance(self.normalize, bool):
+        if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
@@ -42,6 +46,7 @@ class PoolingParams:
         if self.task == "classify" and self.dimensions is not None:
             raise ValueError("dimensions: task 'classify' returns one logit per label; "
                              "dimensions applies to embeddings")
-        if self.task == "classify" and self.pooling != "last":
-            raise ValueError("pooling: task 'classify' reads the head at the last token "
-                             "(as transformers' *ForSequenceClassification); leave pooling 'last'")
+        if self.task == "classify" and self.pooling not in (None, "last", "cls"):
+            raise ValueError("pooling: task 'classify' reads the head at the last token (an "
+                             "encoder's: the first, [CLS]), as transformers' "
+                             "*ForSequenceClassification; leave pooling unset")

@@ -91,6 +91,11 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
         backend = BackendTokenizer.from_file(str(tokenizer_file))
+        # Some tokenizer.json files were saved padding and truncating to a fixed length
+        # (sentence-transformers/all-MiniLM-L6-v2: 128); transformers' tokenizer(text) does
+        # neither unless asked, so neither do we.
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
 

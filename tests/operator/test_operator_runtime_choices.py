@@ -36,7 +36,7 @@ class Choice:
         return self.field
 
 
-CHOICES = [Choice("embeddingPooling", "--embedding-pooling", EMBEDDING_POOLINGS, "last"),
+CHOICES = [Choice("embeddingPooling", "--embedding-pooling", EMBEDDING_POOLINGS, None),
            Choice("toolCallParser", "--tool-call-parser", TOOL_CALL_PARSERS, None),
            Choice("reasoningParser", "--reasoning-parser", REASONING_PARSERS, None)]
 each_choice = pytest.mark.parametrize("choice", CHOICES, ids=repr)

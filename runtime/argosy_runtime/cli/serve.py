@@ -91,12 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ReadWriteMany volume) see each other's files and batches and "
                              "take over the batches of a replica that stopped (default: a "
                              "temporary folder, removed at exit).")
-    server.add_argument("--embedding-pooling", choices=EMBEDDING_POOLINGS, default="last",
+    server.add_argument("--embedding-pooling", choices=EMBEDDING_POOLINGS, default=None,
                         help="How POST /v1/embeddings turns a prompt into one vector: the "
                              "final hidden state of its last token (last: how decoder "
                              "embedding models such as e5-mistral-7b-instruct and gte-Qwen2 are "
                              "trained) or the mean over its tokens; L2-normalized either way "
-                             "(default: %(default)s).")
+                             "(default: the model's own: last for a decoder; for an encoder "
+                             "such as BERT, its sentence-transformers pooling, else [CLS]).")
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="A jinja chat template replacing the model's (vLLM's): the path "
                              "of a file, or the template itself on one line. Chat, /tokenize "

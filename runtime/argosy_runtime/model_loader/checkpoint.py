@@ -9,7 +9,12 @@ from pathlib import Path
 import torch
 from gguf import GGUFReader, ReaderTensor
 
-from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint, lm_head_classifier
+from argosy_runtime.model_loader import (
+    encoder_config,
+    gguf_checkpoint,
+    hf_checkpoint,
+    lm_head_classifier,
+)
 from argosy_runtime.model_loader.gguf_metadata import read_field
 from argosy_runtime.model_loader.model_spec import ModelSpec
 from argosy_runtime.tokenizer import Tokenizer
@@ -43,7 +48,9 @@ class Checkpoint:
         their stored dtype; GGUF tensors are dequantized to float32 with llama.cpp's q/k row
         permutation undone.
         """
-        if self.format == "hf":
+        if self.format == "hf" and self.spec.is_encoder:  # BERT / XLM-R: models/bert.py names
+            yield from encoder_config.iter_encoder_weights(self._files, self.spec)
+        elif self.format == "hf":
             weights = hf_checkpoint.iter_hf_weights(self._files, self.spec)
             if self.spec.classifier_method:  # a reranker's head made of lm_head rows
                 weights = lm_head_classifier.convert_weights(weights, self.spec)

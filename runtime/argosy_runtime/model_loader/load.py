@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from argosy_runtime.model_loader import gguf_checkpoint, hf_checkpoint, lm_head_classifier
+from argosy_runtime.model_loader import (
+    encoder_config,
+    gguf_checkpoint,
+    hf_checkpoint,
+    lm_head_classifier,
+)
 from argosy_runtime.model_loader.checkpoint import Checkpoint
 from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.model_loader.resolve import resolve_model_path
@@ -31,6 +36,8 @@ def load_checkpoint(model: str | os.PathLike[str],
         tokenizer = Tokenizer.from_hf_folder(path)
         tokenizer.add_eos_token_ids(spec.eos_token_ids)
         spec = lm_head_classifier.resolve_token_ids(spec, tokenizer)  # classifier_from_token
+        if spec.is_encoder:  # BERT / XLM-R: sentence-transformers pooling, [SEP] for pairs
+            spec = encoder_config.resolve_encoder_spec(spec, path, tokenizer)
         return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="hf", _files=files)
     try:
         reader = open_gguf(path)

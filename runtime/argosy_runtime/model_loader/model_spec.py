@@ -56,7 +56,8 @@ HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2
                                   "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
                                   "gemma3": "gemma3"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                            "qwen2_moe", "qwen3_moe", "phi3", "gemma2", "gemma3")
+                                            "qwen2_moe", "qwen3_moe", "phi3", "gemma2", "gemma3",
+                                            "bert", "xlm_roberta")
 # Gemma 2 and 3: four norms per layer scaling by 1 + weight, gelu-tanh, scaled embeddings
 # (models/gemma3.py); Gemma 3 adds q/k norms and a local rotary table.
 GEMMA_ARCHITECTURES: frozenset[str] = frozenset({"gemma2", "gemma3"})
@@ -150,6 +151,17 @@ class ModelSpec:
     classifier_from_tied_embeddings: bool = False
     classifier_token_ids: tuple[int, ...] = ()
     use_sep_token: bool = True
+    # Encoder-only models (bert, xlm_roberta: model_loader/encoder_config.py, models/bert.py):
+    # token-type rows (0: none), the first position id (XLM-R: pad_token_id + 1), whether a
+    # sequence's tokens after its first `sep_token_id` are token type 1 (a BERT cross-encoder's
+    # second text), and the embedding pooling its sentence-transformers config names (None:
+    # the model's default) and whether that normalizes.
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    pair_token_types: bool = False
+    sep_token_id: int | None = None
+    pooling_type: str | None = None
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -209,6 +221,8 @@ class ModelSpec:
         self._check_gemma()
 
     def _check_gemma(self) -> None:
+        if self.is_encoder:  # encoder_config.py checks its activations
+            return
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got {self.hidden_act!r}")
         for name in ("query_pre_attn_scalar", "local_rope_theta", "final_logit_softcapping",
@@ -270,6 +284,12 @@ class ModelSpec:
             return False
         return 1 <= dimensions < self.hidden_size and (
             not self.matryoshka_dimensions or dimensions in self.matryoshka_dimensions)
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder-only model (BERT, XLM-RoBERTa): bidirectional attention over each whole
+        prompt in one step, pooling only (models/bert.py)."""
+        return self.architecture in ("bert", "xlm_roberta")
 
     @property
     def num_labels(self) -> int:
@@ -347,6 +367,15 @@ class ModelSpec:
         `generation_config` (the folder's `generation_config.json`) contributes extra EOS ids:
         instruct models often stop on a token (e.g. `<|eot_id|>`) that config.json lacks.
         """
+        from argosy_runtime.model_loader.encoder_config import (
+            encoder_architecture,
+            encoder_spec_fields,
+        )
+
+        encoder = encoder_architecture(config)
+        if encoder is not None:  # BERT / XLM-RoBERTa: their own config fields
+            return cls(**encoder_spec_fields(config, *encoder), checkpoint_dtype=checkpoint_dtype,
+                       id2label=_hf_labels(config) if encoder[1] else ())
         architecture, has_lm_head, is_classifier = _hf_architecture(config)
         gemma: dict[str, Any] = {}
         if architecture in GEMMA_ARCHITECTURES:  # Hub defaults; Gemma 3: text_config, 2 rotaries

@@ -19,6 +19,15 @@ def build_model(checkpoint: Any, dtype: torch.dtype, device: torch.device, max_p
     would need 16 GB of it). Quantized layers are built on the CPU, where the quantizers run,
     and moved afterwards.
     """
+    if checkpoint.spec.is_encoder:  # BERT / XLM-RoBERTa: models/bert.py
+        from argosy_runtime.models.bert import BertModel
+
+        if quant_config is not None:
+            raise ValueError("quantization: encoder-only models (BERT, XLM-RoBERTa) are served "
+                             "unquantized")
+        encoder = BertModel(checkpoint.spec, dtype, device)
+        encoder.check_all_loaded(encoder.load_weights(checkpoint.iter_weights()))
+        return encoder.eval()
     build_on = device if quant_config is None else torch.device("cpu")
     model = LlamaForCausalLM(checkpoint.spec, dtype, max_positions=max_positions, device=build_on)
     if quant_config is None:

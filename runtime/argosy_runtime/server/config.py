@@ -33,7 +33,8 @@ class ServerConfig:
         at exit).
     embedding_pooling: how /v1/embeddings turns a prompt's hidden states into one vector:
         "last" (the last token's, as decoder embedding models such as e5-mistral and gte-Qwen2
-        are trained) or "mean".
+        are trained) or "mean"; None: the model's own (a decoder's last token; an encoder's
+        sentence-transformers pooling, else [CLS]: `LLMEngine.spec_pooling`).
     reasoning_parser: the model's thinking format ("qwen3", "deepseek_r1"): chat replies then
         carry the thinking in `reasoning_content` and only the answer in `content`.
     chat_template: a jinja chat template replacing the tokenizer's (vLLM's --chat-template,
@@ -53,7 +54,7 @@ class ServerConfig:
     allow_runtime_lora_updates: bool = False
     tool_call_parser: str | None = None
     batch_dir: str | None = None
-    embedding_pooling: str = "last"
+    embedding_pooling: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
 
@@ -71,7 +72,7 @@ class ServerConfig:
                              f"got {self.log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
-        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+        if self.embedding_pooling is not None and self.embedding_pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
                              f"got {self.embedding_pooling!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

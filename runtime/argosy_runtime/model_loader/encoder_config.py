@@ -1,0 +1,190 @@
+"""Encoder-only checkpoints (BERT, XLM-RoBERTa): `config.json` -> ModelSpec fields, the
+sentence-transformers pooling a folder configures, and the weights under one naming.
+
+Served architectures (`models/bert.py` runs them, bidirectional attention, pooling only):
+- `BertModel` (sentence-transformers/all-MiniLM-L6-v2, BAAI/bge-*-en-v1.5, intfloat/e5-*-v2)
+  and `BertForMaskedLM` folders (their `cls.*` head is skipped): embeddings;
+- `BertForSequenceClassification` (cross-encoder/ms-marco-MiniLM-L-6-v2): the pooler (dense +
+  tanh on [CLS]) then `classifier`;
+- `XLMRobertaModel` (BAAI/bge-m3, intfloat/multilingual-e5-*): embeddings; position ids start
+  at `pad_token_id + 1` (transformers' create_position_ids_from_input_ids for an unpadded
+  input), so the usable context is `max_position_embeddings - pad_token_id - 1` (514 -> 512);
+- `XLMRobertaForSequenceClassification` (BAAI/bge-reranker-v2-m3): `classifier.dense` + tanh
+  + `classifier.out_proj` on <s>.
+
+Pooling of an embedding model, as vLLM decides it: a sentence-transformers folder's
+`modules.json` names a Pooling module whose `config.json` says `pooling_mode_cls_token`,
+`pooling_mode_mean_tokens` or `pooling_mode_lasttoken`, and the vectors are L2-normalized
+when a Normalize module follows; without `modules.json`, [CLS] pooling, normalized (vLLM's
+BERT/RoBERTa default).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+# HF `architectures[0]` -> (our architecture name, is a sequence classifier).
+ENCODER_HF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "BertModel": ("bert", False),
+    "BertForMaskedLM": ("bert", False),
+    "BertForSequenceClassification": ("bert", True),
+    "XLMRobertaModel": ("xlm_roberta", False),
+    "XLMRobertaForMaskedLM": ("xlm_roberta", False),
+    "XLMRobertaForSequenceClassification": ("xlm_roberta", True),
+}
+ENCODER_MODEL_TYPES: dict[str, str] = {"bert": "bert", "xlm-roberta": "xlm_roberta"}
+ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"bert", "xlm_roberta"})
+# transformers' ACT2FN names the encoder MLP may use.
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+_ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                     "pooling_mode_lasttoken": "last"}
+
+
+def encoder_architecture(config: dict[str, Any]) -> tuple[str, bool] | None:
+    """(architecture, is_classifier) of an encoder config, None for any other config."""
+    for name in config.get("architectures") or []:
+        if name in ENCODER_HF_ARCHITECTURES:
+            return ENCODER_HF_ARCHITECTURES[name]
+    if not config.get("architectures") and config.get("model_type") in ENCODER_MODEL_TYPES:
+        return ENCODER_MODEL_TYPES[config["model_type"]], False
+    return None
+
+
+def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier: bool
+                        ) -> dict[str, Any]:
+    """The ModelSpec keyword arguments of a BERT / XLM-RoBERTa config.json (labels and the
+    checkpoint dtype are added by the caller)."""
+    def need(key: str) -> int:
+        if key not in config:
+            raise ValueError(f"config.json: missing required field {key!r}")
+        return int(config[key])
+
+    kind = config.get("position_embedding_type") or "absolute"
+    if kind != "absolute":
+        raise ValueError(f"config.json: position_embedding_type {kind!r} is not supported "
+                         "(absolute only)")
+    act = config.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported for "
+                         f"{architecture} (one of {', '.join(ENCODER_ACTIVATIONS)})")
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    if hidden % heads:
+        raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by "
+                         f"num_attention_heads ({heads})")
+    # XLM-RoBERTa numbers positions from pad_token_id + 1: that many rows are never used.
+    offset = int(config.get("pad_token_id", 1)) + 1 if architecture == "xlm_roberta" else 0
+    max_positions = need("max_position_embeddings") - offset
+    if max_positions < 2:
+        raise ValueError(f"config.json: max_position_embeddings leaves {max_positions} "
+                         "usable positions")
+    return dict(
+        architecture=architecture, vocab_size=need("vocab_size"), hidden_size=hidden,
+        intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+        rms_norm_eps=float(config.get("layer_norm_eps", 1e-12)), rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        attention_bias=True, bos_token_id=None, eos_token_ids=(), has_lm_head=False,
+        hidden_act=act, type_vocab_size=int(config.get("type_vocab_size", 2) or 0),
+        position_offset=offset,
+        # A cross-encoder's second text is token type 1 only where the tokenizer's pair
+        # template says so: BERT's ([CLS] A [SEP] B [SEP]), never RoBERTa's.
+        pair_token_types=architecture == "bert" and is_classifier,
+    )
+
+
+def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
+    """(pooling type, normalize) from a sentence-transformers folder's modules.json (vLLM's
+    get_pooling_config): (None, True) when the folder has none (the model's default)."""
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return None, True
+    modules = _read(modules_path)
+    if not isinstance(modules, list):
+        raise ValueError(f"{modules_path}: expected a list of modules")
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    normalize = any(t.endswith("models.Normalize") for t in types)
+    pooling = next((m for m in modules if isinstance(m, dict)
+                    and str(m.get("type", "")).endswith("models.Pooling")), None)
+    if pooling is None:
+        return None, normalize
+    config = _read(folder / str(pooling.get("path", "")) / "config.json")
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+    if not modes:
+        return None, normalize
+    if len(modes) > 1 or modes[0] not in _ST_POOLING_MODES:
+        raise ValueError(f"{folder}: sentence-transformers pooling {modes} is not supported "
+                         f"(one of {', '.join(_ST_POOLING_MODES)})")
+    return _ST_POOLING_MODES[modes[0]], normalize
+
+
+def resolve_encoder_spec(spec: Any, folder: Path, tokenizer: Any) -> Any:
+    """`spec` with what lives beside config.json: the sentence-transformers pooling, and the
+    [SEP] id that splits a BERT cross-encoder's pair into token types 0 and 1."""
+    import dataclasses
+
+    pooling, normalize = sentence_transformers_pooling(folder)
+    sep = None
+    if spec.pair_token_types:
+        sep = tokenizer.token_to_id("[SEP]")
+        if sep is None:
+            raise ValueError(f"{folder}: a BERT cross-encoder's tokenizer needs a [SEP] token "
+                             "(it separates the pair's two texts)")
+    return dataclasses.replace(spec, pooling_type=pooling, pooling_normalize=normalize,
+                               sep_token_id=sep)
+
+
+def _read(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+# Stored name -> ours: the encoder's own names without the `bert.` / `roberta.` prefix of a
+# *For* checkpoint; old checkpoints' LayerNorm gamma/beta; the two classifier heads (BERT's
+# pooler + classifier, XLM-R's classifier.dense + out_proj) as one `head`.
+_PREFIXES = ("bert.", "roberta.")
+_SKIPPED = re.compile(r"^(cls\.|lm_head\.|embeddings\.position_ids$)")
+
+
+def encoder_weight_name(stored: str, spec: Any) -> str | None:
+    """Our name for a stored tensor, or None for one the served model does not use (a masked
+    LM head, the position_ids buffer, an embedding model's unused pooler)."""
+    name = stored
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if _SKIPPED.match(name):
+        return None
+    name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
+        "LayerNorm.beta", "LayerNorm.bias")
+    if name.startswith("pooler."):
+        if not spec.num_labels or spec.architecture != "bert":
+            return None  # an embedding model's pooler: vLLM's embeddings do not use it
+        return "head.dense." + name[len("pooler.dense."):]
+    if spec.num_labels and name.startswith("classifier."):
+        if spec.architecture == "bert":
+            return "head.out_proj." + name[len("classifier."):]
+        return "head." + name[len("classifier."):]
+    return name
+
+
+def iter_encoder_weights(files: list[Path], spec: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) for every weight of an encoder checkpoint (see models/bert.py for
+    the names); the model checks that nothing is missing or unexpected."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():
+                name = encoder_weight_name(stored, spec)
+                if name is not None:
+                    yield name, f.get_tensor(stored)

@@ -1,0 +1,122 @@
+"""Encoder-only models behind a real `argosy serve` (float32): a BERT sentence-transformers
+embedding model on /v1/embeddings (the official openai client) and /v1/score, a BERT and an
+XLM-RoBERTa cross-encoder on /v1/rerank and /v1/score; references from transformers in this
+process. Generation and too-long inputs are 400s."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from serve_harness import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from encoder_factory import encode, load_hf, make_encoder_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts `argosy serve` processes
+
+TEXTS = ["the cat sat on the mat", "hello", "what is the capital of france? paris is the city"]
+QUERY = "what is the capital of france"
+DOCS = ["a dog sat on the mat", "paris is the capital of france", "berlin"]
+
+
+def _serve(folder: Path) -> ServerProcess:
+    return ServerProcess("--model", str(folder), "--served-model-name", "enc",
+                         "--max-model-len", "60").wait_ready()
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("encoder-api")
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp: Path):  # -> (server, folder)
+    folder = make_encoder_dir(tmp, "bert", pooling="mean")
+    server = _serve(folder)
+    yield server, folder
+    server.stop()
+
+
+@torch.no_grad()
+def _reference_embedding(hf, folder: Path, text: str) -> torch.Tensor:  # noqa: ANN001
+    ids, types = encode(folder, text)
+    hidden = hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).last_hidden_state[0]
+    return F.normalize(hidden.mean(dim=0), dim=0)
+
+
+@torch.no_grad()
+def _reference_score(hf, folder: Path, text: str, pair: str) -> float:  # noqa: ANN001
+    ids, types = encode(folder, text, pair)
+    logits = hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits
+    return torch.sigmoid(logits[0, 0]).item()
+
+
+def test_embeddings_with_the_openai_client(embedder) -> None:  # noqa: ANN001
+    server, folder = embedder
+    hf = load_hf(folder)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    reply = client.embeddings.create(model="enc", input=TEXTS)
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    assert reply.usage.prompt_tokens == sum(len(encode(folder, t)[0]) for t in TEXTS)
+    for text, item in zip(TEXTS, reply.data, strict=True):
+        torch.testing.assert_close(torch.tensor(item.embedding),
+                                   _reference_embedding(hf, folder, text), atol=1e-5, rtol=1e-5)
+    # /v1/score on an embedding model: the cosine of the two embeddings.
+    r = httpx.post(server.url + "/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[2]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    cosine = F.cosine_similarity(_reference_embedding(hf, folder, TEXTS[0]),
+                                 _reference_embedding(hf, folder, TEXTS[2]), dim=0).item()
+    assert r.json()["data"][0]["score"] == pytest.approx(cosine, abs=1e-5)
+
+
+def test_errors(embedder) -> None:  # noqa: ANN001
+    server, _ = embedder
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"model": "enc", "prompt": "hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "embeddings only" in r.text
+    r = httpx.post(server.url + "/v1/embeddings",
+                   json={"model": "enc", "input": "hello " * 80}, timeout=60)
+    assert r.status_code == 400, r.text
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "enc", "messages": [{"role": "user", "content": "hi"}]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    # Still serving afterwards.
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "enc", "input": "hello"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm_roberta"])
+def test_rerank_cross_encoder(tmp: Path, arch: str) -> None:
+    folder = make_encoder_dir(tmp, arch, classifier=True, seed=7)
+    hf = load_hf(folder)
+    expected = [_reference_score(hf, folder, QUERY, d) for d in DOCS]
+    server = _serve(folder)
+    try:
+        r = httpx.post(server.url + "/v1/rerank",
+                       json={"model": "enc", "query": QUERY, "documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -expected[i])
+        for x in results:
+            assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-6)
+            assert x["document"]["text"] == DOCS[x["index"]]
+        r = httpx.post(server.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected, abs=1e-6)
+        r = httpx.post(server.url + "/v1/embeddings", json={"model": "enc", "input": "hi"},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+    finally:
+        server.stop()
