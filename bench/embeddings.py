@@ -43,27 +43,33 @@ from vllm.inputs import TokensPrompt
 cfg = json.load(open(sys.argv[1]))
 if __name__ == "__main__":
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], runner="pooling", seed=0,
-              gpu_memory_utilization=0.25, max_model_len=2048)
+              gpu_memory_utilization=0.25, max_model_len=cfg["max_model_len"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["inputs"]]
     llm.embed(prompts[:4])  # warm-up
-    times = {"cold": [], "cached": []}
+    times = {"cold": [], "cached": []} if cfg["cached"] else {"cold": []}
     for _ in range(cfg["rounds"]):
-        llm.reset_prefix_cache()
+        if cfg["cached"]:
+            llm.reset_prefix_cache()
         start = time.perf_counter()
         out = llm.embed(prompts)
         times["cold"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        llm.embed(prompts)
-        times["cached"].append(time.perf_counter() - start)
+        if cfg["cached"]:  # an encoder has no prefix cache
+            start = time.perf_counter()
+            llm.embed(prompts)
+            times["cached"].append(time.perf_counter() - start)
     vectors = [o.outputs.embedding for o in out]
     print("RESULT " + json.dumps({"times": times, "vectors": vectors}))
 """
 
 
-def make_inputs(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+def make_inputs(n: int, min_len: int, max_len: int, vocab: int, seed: int,
+                frame: tuple[int, int] | None = None) -> list[list[int]]:
+    """Random token-id inputs; `frame` (an encoder's [CLS], [SEP] ids) wraps each one, as its
+    tokenizer would."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(n)]
+    inputs = [[rng.randrange(5, vocab) for _ in range(rng.randint(min_len, max_len))]
+              for _ in range(n)]
+    return [[frame[0], *p, frame[1]] for p in inputs] if frame else inputs
 
 
 def time_argosy(llm: Any, inputs: list[list[int]], cold: bool) -> tuple[float, torch.Tensor]:
@@ -76,8 +82,9 @@ def time_argosy(llm: Any, inputs: list[list[int]], cold: bool) -> tuple[float, t
 
 
 @torch.inference_mode()
-def time_transformers(model: Any, inputs: list[list[int]], batch_size: int
+def time_transformers(model: Any, inputs: list[list[int]], batch_size: int, cls: bool = False
                       ) -> tuple[float, torch.Tensor]:
+    """`cls`: pool the first token (an encoder's [CLS]), else the last real one."""
     start = time.perf_counter()
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     vectors: list[torch.Tensor | None] = [None] * len(inputs)
@@ -90,22 +97,23 @@ def time_transformers(model: Any, inputs: list[list[int]], batch_size: int
             ids[row, : len(p)] = torch.tensor(p)
             mask[row, : len(p)] = 1
         hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        last = hidden[torch.arange(len(batch)), mask.sum(dim=1) - 1].float()
+        last = (hidden[:, 0] if cls else
+                hidden[torch.arange(len(batch)), mask.sum(dim=1) - 1]).float()
         for row, i in enumerate(order[b : b + batch_size]):
             vectors[i] = F.normalize(last[row], dim=0)
     elapsed = time.perf_counter() - start
     return elapsed, torch.stack(vectors)  # type: ignore[arg-type]
 
 
-def run_vllm(args: argparse.Namespace, inputs: list[list[int]]
-             ) -> tuple[dict[str, list[float]], torch.Tensor] | None:
+def run_vllm(args: argparse.Namespace, inputs: list[list[int]], max_model_len: int,
+             cached: bool) -> tuple[dict[str, list[float]], torch.Tensor] | None:
     probe = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True)
     if probe.returncode != 0:
         print(f"vLLM: not importable with {args.vllm_python}; skipped", file=sys.stderr)
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json") as cfg:
         json.dump({"model": args.hf_model, "dtype": args.dtype, "rounds": args.rounds,
-                   "inputs": inputs}, cfg)
+                   "inputs": inputs, "max_model_len": max_model_len, "cached": cached}, cfg)
         cfg.flush()
         proc = subprocess.run([args.vllm_python, "-c", _VLLM_SCRIPT, cfg.name],
                               capture_output=True, text=True)
@@ -140,8 +148,14 @@ def main() -> None:
     from transformers import AutoModel
 
     llm = LLM(model=args.model, dtype=args.dtype)
-    inputs = make_inputs(args.num_inputs, args.min_len, args.max_len,
-                         llm.engine.spec.vocab_size, args.seed)
+    spec = llm.engine.spec
+    # An encoder (BERT): inputs framed by [CLS] ... [SEP], ids within the tokenizer's own
+    # vocabulary (vLLM checks them against it), [CLS] pooled; no prefix cache to time.
+    encoder = spec.is_encoder
+    tokenizer = llm.engine.tokenizer
+    frame = (tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")) if encoder else None
+    vocab = tokenizer.vocab_size if encoder else spec.vocab_size
+    inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed, frame)
     num_tokens = sum(map(len, inputs))
     dtype = getattr(torch, args.dtype)
     if args.hf_model:
@@ -151,7 +165,7 @@ def main() -> None:
         hf = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     hf.eval()
     llm.embed(inputs[:4])  # warm-up (first-use kernel builds, allocator)
-    time_transformers(hf, inputs[:4], args.hf_batch_size)
+    time_transformers(hf, inputs[:4], args.hf_batch_size, encoder)
 
     # Each round: the inputs with empty prefix caches ("cold"), then the same inputs again
     # ("cached": an engine with prefix caching computes only each input's last token or
@@ -159,15 +173,19 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {
         "argosy": {"cold": [], "cached": []}, "transformers": {"cold": []}}
     vectors: dict[str, torch.Tensor] = {}
+    if encoder:
+        del times["argosy"]["cached"]
     for _ in range(args.rounds):
-        for kind in ("cold", "cached"):
+        for kind in times["argosy"]:
             elapsed, vectors["argosy"] = time_argosy(llm, inputs, cold=kind == "cold")
             times["argosy"][kind].append(elapsed)
-        elapsed, vectors["transformers"] = time_transformers(hf, inputs, args.hf_batch_size)
+        elapsed, vectors["transformers"] = time_transformers(hf, inputs, args.hf_batch_size,
+                                                             encoder)
         times["transformers"]["cold"].append(elapsed)
     if args.vllm_python:
         del hf
-        vllm = run_vllm(args, inputs)  # its own process: after ours, not interleaved
+        # its own process: after ours, not interleaved
+        vllm = run_vllm(args, inputs, min(2048, llm.engine.max_model_len), not encoder)
         if vllm is not None:
             times["vllm"], vectors["vllm"] = vllm
 
@@ -179,6 +197,8 @@ def main() -> None:
     rows = []
     for name, by_kind in times.items():
         for kind, ts in by_kind.items():
+            if kind not in times["argosy"]:  # an encoder has no cached pass to compare
+                continue
             ours = statistics.median(times["argosy"][kind])
             median = statistics.median(ts)
             cosine = F.cosine_similarity(vectors[name].float(), vectors["argosy"].float()).min()
