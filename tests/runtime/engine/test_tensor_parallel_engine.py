@@ -68,6 +68,21 @@ def test_moe_with_bias_and_shared_expert_over_two_ranks(tmp_path) -> None:
         _stop(engine)
 
 
+def test_ngram_speculative_decoding_over_three_ranks(embedded_reference) -> None:
+    """Verification chunks (1 + k tokens per sequence) go to the workers like prompt chunks:
+    on a prompt the model continues by copying, drafts are proposed and accepted, and the
+    tokens are still transformers' greedy ones."""
+    engine = LLMEngine(model="smollm2-135m", dtype="float32", tensor_parallel_size=3,
+                       speculative="ngram")
+    try:
+        prompt = engine.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,")
+        assert_equals_reference(run_requests(engine, [(prompt, greedy(16))]), [prompt],
+                                embedded_reference, 16)
+        assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        _stop(engine)
+
+
 def test_int8_bfloat16_ranks_match_one_process(tmp_path) -> None:
     """int8 weights in bfloat16 (the CPU's packed and fused kernels) over two ranks score a
     prompt like the one-process engine: the shards quantize their own rows and columns, and
