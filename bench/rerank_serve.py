@@ -100,23 +100,33 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--docs", type=int, default=16, help="documents per request")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="both servers' --max-model-len (512 for a BERT cross-encoder)")
+    parser.add_argument("--truncate-prompt-tokens", type=int, default=None,
+                        help="sent with every request: each (query, document) prompt keeps "
+                             "its last k tokens (both servers' field)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=18090)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
     requests = make_requests(args.requests, args.docs, args.seed)
+    if args.truncate_prompt_tokens is not None:
+        for body in requests:
+            body["truncate_prompt_tokens"] = args.truncate_prompt_tokens
     url = f"http://127.0.0.1:{args.port}"
     systems = {"argosy": ([sys.executable, "-m", "argosy_runtime.cli.main", "serve",
                            "--model", args.model, "--dtype", args.dtype,
-                           "--port", str(args.port), "--log-level", "warning"], args.model)}
+                           "--port", str(args.port), "--log-level", "warning",
+                           "--max-model-len", str(args.max_model_len)], args.model)}
     if args.vllm_python:
         if not args.hf_model:
             parser.error("--vllm-python needs --hf-model")
         systems["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                             "--model", args.hf_model, "--runner", "pooling",
                             "--dtype", args.dtype, "--port", str(args.port),
-                            "--max-model-len", "2048", "--served-model-name", args.model],
+                            "--max-model-len", str(args.max_model_len),
+                            "--served-model-name", args.model],
                            args.model)
     results = {}
     logs = tempfile.mkdtemp(prefix="rerank-bench-")

@@ -40,14 +40,17 @@ def cosine_scores(vectors: Sequence[Sequence[float]], pairs: Sequence[tuple[int,
 
 
 def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_token: bool = True,
-                         score_template: str | None = None) -> list[int]:
+                         score_template: str | None = None,
+                         max_length: int | None = None) -> list[int]:
     """The token ids a cross-encoder scores for the pair, as vLLM builds them: with a score
     template (`--chat-template`), the template rendered over the messages
     [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}] (no
     generation prompt), then encoded; without one, the tokenizer's pair template
     (transformers' `tokenizer(text_1, text_2)`) or, for a model whose config says
     `use_sep_token: false` (an LLM reranker such as Qwen3-Reranker), `text_1 + text_2`
-    encoded as one text. ValueError when the template cannot be rendered."""
+    encoded as one text. ValueError when the template cannot be rendered. `max_length`
+    (the tokenizer's pair template only): truncated as transformers' tokenizer(text_1, text_2,
+    truncation=True, max_length=k) truncates (Tokenizer.encode_pair)."""
     if score_template is not None:
         import jinja2
 
@@ -59,4 +62,4 @@ def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_to
         return tokenizer.encode(text)
     if not use_sep_token:
         return tokenizer.encode(text_1 + text_2)
-    return tokenizer.encode_pair(text_1, text_2)
+    return tokenizer.encode_pair(text_1, text_2, max_length=max_length)

@@ -167,11 +167,29 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's tokenizer does."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, text: str, text_pair: str) -> list[int]:
+    def encode_pair(self, text: str, text_pair: str, max_length: int | None = None) -> list[int]:
         """Token ids of a text pair as the tokenizer's pair template joins them (transformers'
         `tokenizer(text, text_pair)`: what vLLM feeds a cross-encoder). Decoder vocabularies
-        mostly have no separator, so that is usually the two encodings back to back."""
-        return self.backend.encode(text, pair=text_pair, add_special_tokens=True).ids
+        mostly have no separator, so that is usually the two encodings back to back.
+        `max_length`: at most that many ids, as `tokenizer(text, text_pair, truncation=True,
+        max_length=k)` cuts them (vLLM's truncate_prompt_tokens for a cross-encoder): tokens
+        come off the end of the longer text first, and the special tokens stay."""
+        backend = self.backend if max_length is None else self._truncating(max_length)
+        return backend.encode(text, pair=text_pair, add_special_tokens=True).ids
+
+    def _truncating(self, max_length: int) -> BackendTokenizer:
+        """A copy of the backend that truncates to `max_length` (longest text first, from the
+        right: transformers' defaults). A copy, not the shared backend switched on and off: the
+        server tokenizes on several threads."""
+        import copy
+
+        cache = self.__dict__.setdefault("_truncating_backends", {})
+        if max_length not in cache:
+            backend = copy.deepcopy(self.backend)
+            backend.no_padding()
+            backend.enable_truncation(max_length, strategy="longest_first", direction="right")
+            cache[max_length] = backend
+        return cache[max_length]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped when asked."""

@@ -25,7 +25,9 @@ WORDS = ["the", "capital", "of", "france", "is", "paris", "what", "a", "cat", "d
 def bert_tokenizer() -> Tokenizer:
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     letters = list(string.ascii_lowercase + string.digits) + list(".,?!'")
-    vocab = specials + letters + WORDS + ["##" + c for c in string.ascii_lowercase + string.digits]
+    # dict.fromkeys: "a" is a letter and a word; a repeated entry would leave a hole in the ids
+    vocab = list(dict.fromkeys(
+        specials + letters + WORDS + ["##" + c for c in string.ascii_lowercase + string.digits]))
     tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -87,6 +87,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                          embedding_size=engine.spec.hidden_size,
                          class_labels=engine.spec.id2label,
                          use_sep_token=engine.spec.use_sep_token,
+                         encoder=engine.spec.is_encoder,
                          end_token_ids=engine.end_token_ids)
     _apply_chat_template(engine, config)
     # Without --batch-dir, batches live in a temporary folder removed at exit.

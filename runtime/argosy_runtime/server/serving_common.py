@@ -52,6 +52,9 @@ class ServingContext:
     # How a cross-encoder without a score template joins a pair (ModelSpec.use_sep_token):
     # the tokenizer's pair template, or text_1 + text_2 (an LLM reranker).
     use_sep_token: bool = True
+    # An encoder-only model (BERT, XLM-RoBERTa): truncation keeps its first token ([CLS]) and
+    # cuts from the right, as transformers' tokenizer(..., truncation=True) does.
+    encoder: bool = False
     # The tokens that end generation (LLMEngine.end_token_ids): where a beam search's
     # hypotheses end.
     end_token_ids: frozenset[int] = frozenset()
@@ -225,7 +228,9 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
                      param: str, max_tokens: int | None = 0) -> list[list[int]]:
     """vLLM's `truncate_prompt_tokens`, on every route that takes it: keep each prompt's last
-    k tokens (0 or None: all of it); -1 keeps as many as fit beside the output, `max_tokens`
+    k tokens (an encoder's: its first k - 1 and its last, the [CLS] ... [SEP] that
+    transformers' right truncation keeps; 0 or None: all of it); -1 keeps as many as fit
+    beside the output, `max_tokens`
     (0 for pooling routes: the model's length; None, generation up to the model's length: one
     token held back, as vLLM does). Then each prompt is checked (`check_prompt`), so a k that
     leaves no room for max_tokens is still a 400."""
@@ -238,8 +243,8 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
         keep = max(1, ctx.max_model_len - (1 if max_tokens is None else max_tokens))
     out = []
     for ids in prompts:
-        if keep:
-            ids = ids[-keep:]
+        if keep and len(ids) > keep:
+            ids = ids[: keep - 1] + ids[-1:] if ctx.encoder else ids[-keep:]
         check_prompt(ctx, ids, max_tokens, param=param)
         out.append(ids)
     return out

@@ -169,13 +169,25 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
         raise bad_request(
             f"model: {model_name} is a classifier with {len(ctx.class_labels)} labels; scores "
             "need a one-label head (a cross-encoder) or an embedding model", "model")
+    # An encoder's pair is truncated as transformers' tokenizer(a, b, truncation=True,
+    # max_length=k) cuts it (vLLM's way): the longer text loses its end first, [CLS] and the
+    # [SEP]s stay. Other prompts keep their last k tokens (truncate_prompts).
+    pair_limit = None
+    if ctx.encoder and truncate and ctx.config.chat_template is None and ctx.use_sep_token:
+        pair_limit = ctx.max_model_len if truncate == -1 else truncate
+        if pair_limit > ctx.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
+                              f"maximum context length {ctx.max_model_len}",
+                              "truncate_prompt_tokens")
     try:
         joined = [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
-                                       score_template=ctx.config.chat_template)
+                                       score_template=ctx.config.chat_template,
+                                       max_length=pair_limit)
                   for a, b in pairs]
     except ValueError as exc:  # a score template that raises (raise_exception) on this pair
         raise bad_request(str(exc), param) from exc
-    prompts = [tuple(ids) for ids in truncate_prompts(ctx, joined, truncate, param)]
+    prompts = [tuple(ids) for ids in truncate_prompts(
+        ctx, joined, None if pair_limit else truncate, param)]
     distinct = list(dict.fromkeys(prompts))
     prompt_tokens = sum(len(ids) for ids in distinct)
     request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,

@@ -115,8 +115,35 @@ def test_rerank_cross_encoder(tmp: Path, arch: str) -> None:
                        timeout=60)
         assert r.status_code == 200, r.text
         assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected, abs=1e-6)
+        # truncate_prompt_tokens cuts a pair as transformers' tokenizer(query, doc,
+        # truncation=True, max_length=k) does (vLLM's way): [CLS] and the [SEP]s stay.
+        r = httpx.post(server.url + "/v1/rerank", json={
+            "model": "enc", "query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 9},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        truncated = [_truncated_reference_score(hf, folder, QUERY, d, 9) for d in DOCS]
+        for x in r.json()["results"]:
+            assert x["relevance_score"] == pytest.approx(truncated[x["index"]], abs=1e-6)
+        assert truncated != pytest.approx(expected, abs=1e-3)  # the cut changed the scores
+        # One text (/v1/classify): [CLS] + its first k - 2 tokens + [SEP], as transformers cuts.
+        r = httpx.post(server.url + "/v1/classify", json={
+            "model": "enc", "input": TEXTS[2], "truncate_prompt_tokens": 5}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["data"][0]["probs"][0] == pytest.approx(
+            _truncated_reference_score(hf, folder, TEXTS[2], None, 5), abs=1e-6)
         r = httpx.post(server.url + "/v1/embeddings", json={"model": "enc", "input": "hi"},
                        timeout=60)
         assert r.status_code == 400, r.text
     finally:
         server.stop()
+
+
+@torch.no_grad()
+def _truncated_reference_score(hf, folder: Path, text: str, pair: str | None,  # noqa: ANN001
+                               k: int) -> float:
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(str(folder))(text, pair, truncation=True, max_length=k,
+                                                     return_tensors="pt")
+    assert enc["input_ids"].shape[1] <= k
+    return torch.sigmoid(hf(**enc).logits[0, 0]).item()
