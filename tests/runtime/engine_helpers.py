@@ -130,3 +130,17 @@ def check_prefix_hits_and_preemption(engine: LLMEngine, ref: FullForwardReferenc
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_equals_reference(outputs, prompts, ref, n)
     assert_no_leaks(engine)
+
+
+def check_window_prefix_hits_and_preemption(folder, ref: FullForwardReference,  # noqa: ANN001
+                                            bytes_per_token: int, num_blocks: int,
+                                            shared_len: int, tails: tuple[int, ...],
+                                            n: int) -> None:
+    """check_prefix_hits_and_preemption for a sliding-window model (float32, 4-token blocks,
+    8-token steps, a pool of `num_blocks` blocks): prompts sharing a prefix longer than the
+    window, so cache hits start a chunk mid-window, and preempted requests recompute."""
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                       max_num_batched_tokens=8, kv_cache_memory=num_blocks * 4 * bytes_per_token)
+    shared = random_prompts(3, (shared_len,))[0]
+    prompts = [shared + tail for tail in random_prompts(4, tails)]
+    check_prefix_hits_and_preemption(engine, ref, prompts, n)

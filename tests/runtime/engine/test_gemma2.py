@@ -17,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_kernels import cpu_ops
-from argosy_runtime import LLM, LLMEngine
+from argosy_runtime import LLM
 from argosy_runtime.model_loader.gguf_metadata import open_gguf
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
 from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
     assert_no_leaks,
-    check_prefix_hits_and_preemption,
+    check_window_prefix_hits_and_preemption,
     greedy,
     random_prompts,
 )
@@ -84,11 +84,7 @@ def test_prefix_hits_and_preemption(gemma2) -> None:  # noqa: ANN001
     pool too small for all requests (preempted ones recompute)."""
     folder, ref = gemma2
     # Per token: 4 layers x (K, V) x 2 kv heads x 32 dims x 4 bytes = 2048 bytes.
-    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
-                       max_num_batched_tokens=8, kv_cache_memory=24 * 4 * 2048)
-    shared = random_prompts(3, (18,))[0]
-    prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 12))]
-    check_prefix_hits_and_preemption(engine, ref, prompts, 16)
+    check_window_prefix_hits_and_preemption(folder, ref, 2048, 24, 18, (3, 9, 1, 12), 16)
 
 
 def test_ngram_speculative_decoding_equals_transformers(gemma2) -> None:  # noqa: ANN001

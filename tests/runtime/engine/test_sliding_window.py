@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from argosy_runtime import LLM, LLMEngine
+from argosy_runtime import LLM
 from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
     assert_no_leaks,
-    check_prefix_hits_and_preemption,
+    check_window_prefix_hits_and_preemption,
     greedy,
     random_prompts,
 )
@@ -96,11 +96,7 @@ def test_prefix_hits_and_preemption(mistral) -> None:  # noqa: ANN001
     pool too small for all requests (preempted ones recompute)."""
     folder, ref = mistral
     # Per token: 2 layers x (K, V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes.
-    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
-                       max_num_batched_tokens=8, kv_cache_memory=30 * 4 * 512)
-    shared = random_prompts(3, (22,))[0]
-    prompts = [shared + tail for tail in random_prompts(4, (3, 9, 1, 14, 6, 11))]
-    check_prefix_hits_and_preemption(engine, ref, prompts, 20)
+    check_window_prefix_hits_and_preemption(folder, ref, 512, 30, 22, (3, 9, 1, 14, 6, 11), 20)
 
 
 @pytest.fixture(scope="module")
