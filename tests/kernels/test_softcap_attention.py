@@ -79,7 +79,7 @@ def test_cpu_decode_attention_softcap(case, dtype: torch.dtype, int8: bool) -> N
     kwargs = dict(sliding_window=window, softcap=cap, **p.scales)
     out = cpu_ops.decode_attention(q, p.key, p.value, p.tables, ctx, p.scale, **kwargs)
     ref = paged_decode_attention_ref(q, p.key, p.value, p.tables, ctx, p.scale, **kwargs)
-    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    atol = 1e-5 if dtype == torch.float32 else INT8_BF16_TOL if int8 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol,
                                msg=lambda m: f"seed {SEED}: {m}")
     plain = cpu_ops.decode_attention(q, p.key, p.value, p.tables, ctx, p.scale,
@@ -87,6 +87,12 @@ def test_cpu_decode_attention_softcap(case, dtype: torch.dtype, int8: bool) -> N
     assert (plain.float() - out.float()).abs().max() > 1e-2  # the cap mattered
 
 
+# bf16 kernels over an int8 cache against the float32 reference, scale 2.0 (scores of a few
+# units, so bf16 rounding of the dequantized keys moves the probabilities): the smallest
+# atol = rtol that passed, over 50 seeds x every decode and varlen case, was 0.065 (2e-2 and
+# 3e-2 failed a few percent of runs, one in a clean-clone CI). The uncapped kernels behave
+# the same at this scale; a cap that were ignored would miss by far more.
+INT8_BF16_TOL = 1e-1
 VARLEN_SHAPES = [(9, 3, 64, 16), (8, 2, 128, 32)]
 VARLEN_SEQS = [(1, 1), (1, 150), (90, 90), (17, 130), (5, 64)]
 
@@ -111,7 +117,7 @@ def test_cpu_varlen_attention_softcap(shape, window: int | None, cap: float, int
     ref = paged_prefill_attention_ref(query, p.key, p.value, p.tables, starts, lens, p.scale,
                                       **kwargs)
     assert not out.isnan().any()
-    atol = 3e-2 if int8 else 2e-2  # bf16 probabilities times int8 values of up to ~3
+    atol = INT8_BF16_TOL if int8 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol,
                                msg=lambda m: f"seed {SEED}: {m}")
     # One sequence's chunk through prefill_attention: the same bits as in the varlen call.
