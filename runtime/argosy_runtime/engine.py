@@ -108,9 +108,10 @@ class LLMEngine:
 
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
-        num_blocks = self._kv_cache_memory() // bytes_per_block
         if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
             num_blocks = args.max_num_seqs * -(-self.max_model_len // args.block_size)
+        else:
+            num_blocks = self._kv_cache_memory() // bytes_per_block
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
                                         args.enable_prefix_caching and not self.spec.is_encoder)
         if self.tensor_parallel_workers is not None:  # every rank's cache has the same blocks

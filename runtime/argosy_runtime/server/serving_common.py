@@ -225,6 +225,14 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
             code="context_length_exceeded")
 
 
+def check_truncate_prompt_tokens(ctx: ServingContext, truncate: int | None) -> None:
+    """400 for a `truncate_prompt_tokens` longer than the model's context."""
+    if truncate is not None and truncate > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
+                          f"maximum context length {ctx.max_model_len}",
+                          "truncate_prompt_tokens")
+
+
 def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
                      param: str, max_tokens: int | None = 0) -> list[list[int]]:
     """vLLM's `truncate_prompt_tokens`, on every route that takes it: keep each prompt's last
@@ -234,10 +242,7 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
     (0 for pooling routes: the model's length; None, generation up to the model's length: one
     token held back, as vLLM does). Then each prompt is checked (`check_prompt`), so a k that
     leaves no room for max_tokens is still a 400."""
-    if truncate is not None and truncate > ctx.max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
-                          f"maximum context length {ctx.max_model_len}",
-                          "truncate_prompt_tokens")
+    check_truncate_prompt_tokens(ctx, truncate)
     keep = truncate
     if truncate == -1:
         keep = max(1, ctx.max_model_len - (1 if max_tokens is None else max_tokens))

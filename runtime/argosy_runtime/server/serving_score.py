@@ -34,7 +34,11 @@ from argosy_runtime.scoring import cosine_scores, cross_encoder_prompt, pair_up
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
-from argosy_runtime.server.serving_common import ServingContext, truncate_prompts
+from argosy_runtime.server.serving_common import (
+    ServingContext,
+    check_truncate_prompt_tokens,
+    truncate_prompts,
+)
 from argosy_runtime.server.serving_completion import normalize_prompts
 from argosy_runtime.server.serving_embedding import (
     MAX_EMBEDDING_INPUTS,
@@ -174,11 +178,8 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
     # [SEP]s stay. Other prompts keep their last k tokens (truncate_prompts).
     pair_limit = None
     if ctx.encoder and truncate and ctx.config.chat_template is None and ctx.use_sep_token:
+        check_truncate_prompt_tokens(ctx, truncate)
         pair_limit = ctx.max_model_len if truncate == -1 else truncate
-        if pair_limit > ctx.max_model_len:
-            raise bad_request(f"truncate_prompt_tokens ({truncate}) is larger than this model's "
-                              f"maximum context length {ctx.max_model_len}",
-                              "truncate_prompt_tokens")
     try:
         joined = [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
                                        score_template=ctx.config.chat_template,
