@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from argosy_runtime.cli.operator_cmd import add_parser, kopf_argv
-from conftest import NS, Api, eventually
+from operator_helpers import NS, Api, eventually
 
 # Block torch in the child: any `import torch` on the operator's path would fail loudly.
 LAUNCH = ("import sys; sys.modules['torch'] = None; "

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from conftest import NS, Api, eventually, settle
 from kube_emulator import SERVICEMONITOR_CRD
+from operator_helpers import NS, Api, eventually, settle
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
 DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"

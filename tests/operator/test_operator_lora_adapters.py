@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 from argosy_operator.builders import build_deployment, build_lora_configmap
 from argosy_operator.spec import normalize_spec
-from conftest import NS, Api, eventually, settle
 from crd_schema import validate
+from operator_helpers import NS, Api, eventually, settle
 from test_operator_manifests import K8S_VERSION
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"

@@ -17,8 +17,8 @@ from argosy_operator.builders import (
     build_servicemonitor,
 )
 from argosy_operator.spec import normalize_spec
-from conftest import NS, Api, eventually, granted_calls, operator_calls, settle
 from crd_schema import ROOT, validate
+from operator_helpers import NS, Api, eventually, granted_calls, operator_calls, settle
 
 # The oldest Kubernetes the manifests target (the preStop `sleep` action is beta in 1.30).
 K8S_VERSION = "1.30.0"

@@ -12,8 +12,8 @@ import pytest
 from argosy_operator.builders import build_deployment
 from argosy_operator.spec import DEFAULTS, normalize_spec
 from argosy_runtime.server.config import EMBEDDING_POOLINGS, REASONING_PARSERS, TOOL_CALL_PARSERS
-from conftest import NS, Api, eventually, settle
 from crd_schema import openapi_schema, validate
+from operator_helpers import NS, Api, eventually, settle
 
 BASE: dict[str, Any] = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
                         "metadata": {"name": "x", "namespace": "ml"},

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import NS, Api, eventually
+from operator_helpers import NS, Api, eventually
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "runtime" / "gateway"))
 

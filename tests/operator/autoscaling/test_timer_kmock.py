@@ -22,8 +22,8 @@ import pytest
 import yaml
 from aiohttp import web
 from argosy_operator.autoscaling.deletion_cost import BATCH_COST, POD_DELETION_COST
-from conftest import NS, Api, eventually, granted_calls, operator_calls
 from crd_schema import ROOT
+from operator_helpers import NS, Api, eventually, granted_calls, operator_calls
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
