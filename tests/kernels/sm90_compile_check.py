@@ -45,6 +45,7 @@ def _record(self: Any, grid: Any) -> Any:
 
 def _patch_modules() -> dict[str, Any]:
     from argosy_kernels import (
+        fused_moe,
         paged_attention,
         paged_prefill_attention,
         reshape_and_cache,
@@ -54,7 +55,7 @@ def _patch_modules() -> dict[str, Any]:
         w4a16_matmul,
         w8a16_matmul,
     )
-    mods = [paged_attention, paged_prefill_attention, reshape_and_cache, rms_norm,
+    mods = [fused_moe, paged_attention, paged_prefill_attention, reshape_and_cache, rms_norm,
             rotary_embedding, silu_and_mul, w4a16_matmul, w8a16_matmul]
     for m in mods:
         if hasattr(m, "interpret_mode"):
@@ -191,6 +192,13 @@ def _launch_all(m: dict[str, Any], full: bool) -> None:
                                            torch.ones(4096, dtype=dt))
             m["w4a16_matmul"].w4a16_matmul(xm, torch.zeros(4096, 512, dtype=torch.int32),
                                            torch.ones(32, 4096).T, torch.ones(32, 4096).T, 128)
+        # Mixtral-8x7B's experts (8 of 14336, top 2) at 1 and 100 tokens (16- and 64-row
+        # blocks); the expert stacks as stride-0 views (compiling needs dtypes, not bytes).
+        w13 = torch.zeros(1, 2 * 14336, 4096, dtype=dt).expand(8, -1, -1)
+        w2 = torch.zeros(1, 4096, 14336, dtype=dt).expand(8, -1, -1)
+        for rows in (1, 100):
+            ids = torch.zeros(rows, 2, dtype=torch.long)
+            m["fused_moe"].fused_moe(torch.randn(rows, 4096, dtype=dt), w13, w2, ids.float(), ids)
 
 
 def main() -> int:

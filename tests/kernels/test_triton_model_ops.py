@@ -94,6 +94,34 @@ def test_triton_ops_match_eager_ops_with_phi3_longrope_and_partial_rotary():
     assert model.rotary.cos_sin_cache.shape == (spec.max_position_embeddings, 8)
 
 
+# Mixtral: every layer sparse, float32 routing weights; Qwen2-MoE: a dense layer 0, a
+# sigmoid-gated shared expert, routing weights in the model dtype, top-k not renormalized.
+MOE_SPECS = {
+    "mixtral": dict(architecture="mixtral", num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32, norm_topk_prob=True, sparse_layers=(0, 1)),
+    "qwen2_moe": dict(architecture="qwen2_moe", num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                      sparse_layers=(1,)),
+}
+
+
+@pytest.mark.parametrize("arch", MOE_SPECS)
+def test_triton_ops_run_moe_experts_fused_matching_eager(arch):
+    spec = dataclasses.replace(SPEC, **MOE_SPECS[arch])
+    _compare(spec, TorchAttentionBackend)
+    model = random_model(spec, torch.float32, DEVICE)
+    model.use_triton_ops()
+    for i in spec.sparse_layers:
+        moe = model.model.layers[i].mlp
+        gate_up, down = moe.stacked_experts
+        # Each expert's Linear now holds a view of the stack: no second copy of the weights.
+        for e, expert in enumerate(moe.experts):
+            assert expert.gate_up_proj.weight.data_ptr() == gate_up[e].data_ptr()
+            assert expert.down_proj.weight.data_ptr() == down[e].data_ptr()
+    model.use_triton_ops(False)
+    assert all(model.model.layers[i].mlp.stacked_experts is None for i in spec.sparse_layers)
+
+
 def test_triton_ops_in_bfloat16_as_close_to_float32_as_the_eager_ops():
     # Eager rounds to bf16 after every multiply, the kernels once (and the interpreter's
     # stores truncate): judge both by their distance from the float32 model.

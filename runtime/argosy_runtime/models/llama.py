@@ -14,8 +14,8 @@ PyTorch ops. The engine turns it on for bfloat16 on the CPU; float32 keeps the e
 which equal transformers' bit for bit.
 
 `use_triton_ops(True)` does the same for norms, residual adds, rotary and SiLU with the Triton
-kernels (`argosy_kernels.rms_norm`, `.rotary_embedding`, `.silu_and_mul`); the engine turns
-it on on CUDA.
+kernels (`argosy_kernels.rms_norm`, `.rotary_embedding`, `.silu_and_mul`), and MoE experts with
+`.fused_moe`; the engine turns it on on CUDA.
 They compute in float32 and round once, so in float32 they agree with the eager ops to an ulp
 and in half precision they are at least as exact (eager rounds after every multiply).
 """
@@ -374,8 +374,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_rows_up_to = 0
 
     def use_triton_ops(self, enabled: bool = True) -> None:
-        """Route norms, residual adds, rotary and SiLU through the Triton kernels (CUDA, or the
-        CPU under TRITON_INTERPRET=1). Graph safe: no host reads of device values. Call it after
+        """Route norms, residual adds, rotary and SiLU through the Triton kernels, and
+        unquantized MoE experts through fused_moe (CUDA, or the CPU under TRITON_INTERPRET=1).
+        Graph safe: no host reads of device values. Call it after
         moving the model to its device."""
         if enabled and self.cpu_decode is not None:
             raise ValueError("use_fused_cpu_ops is on: turn it off before use_triton_ops")
@@ -384,6 +385,9 @@ class LlamaForCausalLM(nn.Module):
             if self.local_rotary is not None:
                 self.local_rotary.build_cos_sin_cache()
         self._set_ops("triton" if enabled else "torch")
+        for layer in self.model.layers:  # MoE blocks: all experts in two grouped GEMMs
+            if hasattr(layer.mlp, "use_fused_experts"):
+                layer.mlp.use_fused_experts(enabled)
 
     def _set_ops(self, ops: str) -> None:
         self.ops = ops

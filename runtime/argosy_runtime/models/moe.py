@@ -18,7 +18,9 @@ Compute is per expert over only the tokens routed to it (index_select, then inde
 weighted outputs), like transformers' eager experts. Grouping the tokens reads the routing on
 the host (one sync per layer), so a model with these blocks runs CUDA decode steps eagerly
 (model_runner.use_cuda_graphs), and the fused C++ decode layer (cpu_decode.py) is not built
-for it.
+for it. With the Triton ops (CUDA: `LlamaForCausalLM.use_triton_ops`) and unquantized experts
+the block runs `argosy_kernels.fused_moe` instead: two grouped GEMMs over all experts, the
+experts' weights stacked once (each expert's Linear keeps a view of its slice), no host read.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from argosy_kernels.fused_moe import fused_moe
 from torch import nn
 
 from argosy_runtime.models.llama import MLP
@@ -51,6 +54,26 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(spec, layer_idx, shared) if shared else None
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if shared else None
         self.tensor_parallel = None  # set on a tensor-parallel rank (use_tensor_parallel)
+        # (gate_up [E, 2I, H], down [E, H, I]) while the Triton path runs the experts
+        self.stacked_experts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def use_fused_experts(self, enabled: bool = True) -> bool:
+        """Run the experts through argosy_kernels.fused_moe (on: stack their weights, each
+        expert's Linear then holding a view of its slice, so no second copy). Only plain
+        unquantized linears without bias stack; otherwise the per-expert loop stays. Returns
+        whether the fused path is on."""
+        linears = [(mlp.gate_up_proj, mlp.down_proj) for mlp in self.experts]
+        if not enabled or not all(type(lin) is nn.Linear and lin.bias is None
+                                  for pair in linears for lin in pair):
+            self.stacked_experts = None
+            return False
+        stacked = tuple(torch.stack([pair[i].weight.detach() for pair in linears])
+                        for i in (0, 1))
+        for e, pair in enumerate(linears):
+            for i, lin in enumerate(pair):
+                lin.weight = nn.Parameter(stacked[i][e], requires_grad=False)
+        self.stacked_experts = stacked
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, top_k], expert ids [tokens, top_k]) of each token of x [tokens,
@@ -68,6 +91,19 @@ class SparseMoeBlock(nn.Module):
         """x [tokens, hidden] -> [tokens, hidden]. `lora` is not applied here: the engine
         refuses adapters on an MoE layer's MLP (lora/adapter.py); attention ones apply."""
         weights, experts = self.route(x)
+        if self.stacked_experts is not None:
+            out = fused_moe(x, *self.stacked_experts, weights, experts)
+        else:
+            out = self._experts_one_by_one(x, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if self.tensor_parallel is not None:  # each rank ran its share of every expert
+            self.tensor_parallel.all_reduce(out)
+        return out
+
+    def _experts_one_by_one(self, x: torch.Tensor, weights: torch.Tensor,
+                            experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         # The (token, slot) pairs grouped by expert: a stable sort of the flat expert ids
         # keeps each expert's tokens in order. One host read for the group sizes.
@@ -86,9 +122,4 @@ class SparseMoeBlock(nn.Module):
             # Mixtral: bf16 x float32 weight -> float32, rounded once into out (transformers).
             h = h * flat_weights.index_select(0, pairs).unsqueeze(-1)
             out.index_add_(0, tokens, h.to(out.dtype))
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        if self.tensor_parallel is not None:  # each rank ran its share of every expert
-            self.tensor_parallel.all_reduce(out)
         return out
