@@ -392,6 +392,56 @@ def matmul_section() -> dict:
     return {"runs": out, "target_int4_m1_ge_2.5x": (min(m1) >= 2.5) if m1 else None}
 
 
+# ---- 4b. MoE experts: fused_moe vs one GEMM per expert -----------------------------------
+def _experts_one_by_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """models/moe.py's loop, as the engine runs quantized or non-Triton experts."""
+    from argosy_kernels.silu_and_mul import silu_and_mul
+
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        h = _matmul_t(silu_and_mul(_matmul_t(x[tokens], w13[e])), w2[e])
+        out.index_add_(0, tokens, (h * weights[tokens, slots].unsqueeze(-1)).to(x.dtype))
+    return out
+
+
+@section("moe")
+def moe_section() -> dict:
+    """Mixtral-8x7B's expert shapes (8 experts, hidden 4096, 14336 each, top 2): fused_moe
+    against its reference, then timed against the per-expert loop; GB/s counts the weights
+    of the experts the batch routes to."""
+    from argosy_kernels.fused_moe import fused_moe, fused_moe_ref
+
+    experts, top_k = 8, 2
+    g = torch.Generator(device=DEV).manual_seed(3)
+    w13 = (torch.randn(experts, 2 * INTER, HIDDEN, generator=g, device=DEV) * HIDDEN**-0.5
+           ).to(BF16)
+    w2 = (torch.randn(experts, HIDDEN, INTER, generator=g, device=DEV) * INTER**-0.5).to(BF16)
+    copy_gbps = RESULTS.get("copy_gbps") or float("nan")
+    out = []
+    for m in ((1, 16) if SMOKE else (1, 16, 64, 256)):
+        if over_budget():
+            row("moe", f"M={m}", "skipped (time budget)")
+            continue
+        x = torch.randn(m, HIDDEN, generator=g, device=DEV).to(BF16)
+        probs = torch.randn(m, experts, generator=g, device=DEV).softmax(-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        err = _max_rel(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+        t_fused = time_fn(partial(fused_moe, x, w13, w2, weights, ids))
+        t_loop = time_fn(partial(_experts_one_by_one, x, w13, w2, weights, ids), capture=False)
+        used = int(torch.unique(ids).numel())
+        gbps = used * 3 * INTER * HIDDEN * 2 / t_fused / 1e9
+        out.append({"m": m, "experts_used": used, "max_rel_err": err,
+                    "fused_us": round(t_fused * 1e6, 1), "loop_us": round(t_loop * 1e6, 1),
+                    "speedup": round(t_loop / t_fused, 2), "gbps": round(gbps, 1),
+                    "frac_of_copy": round(gbps / copy_gbps, 3)})
+        row("moe", f"M={m:<3d} {used} experts",
+            f"fused {t_fused * 1e6:8.1f} us ({gbps:5.0f} GB/s, {100 * gbps / copy_gbps:4.1f}% of "
+            f"copy) | loop {t_loop * 1e6:8.1f} us ({t_loop / t_fused:4.2f}x) | err {err:.1e}")
+    return {"runs": out}
+
+
 # ---- 5. engine: Triton vs torch attention, greedy, float32 --------------------------------
 # The last prompt spans several KV blocks, so prefill reads paged context too. Smoke: one
 # prompt, a few tokens, on the CPU under the interpreter (slow, but the path).
@@ -658,7 +708,7 @@ def main() -> int:
               "numbers below check the script, they are not measurements.")
     RESULTS["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     for run in (device_section, correctness_section, decode_attention_section, matmul_section,
-                engine_section, engine_graphs_section, e2e_section):
+                moe_section, engine_section, engine_graphs_section, e2e_section):
         run()
         _write_results()  # after every section: a run cut short keeps what it measured
     print("\n== gpu_check summary" + (" (SMOKE: not measurements)" if SMOKE else "") + " ==")

@@ -73,6 +73,8 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert not [name for name, s in sections.items() if "error" in s], sections
     assert sections["correctness"]["all_ok"] is True
     assert sections["decode_attention"]["runs"] and sections["matmul"]["runs"]
+    assert [r["m"] for r in sections["moe"]["runs"]] == [1, 16]
+    assert all(r["max_rel_err"] < 3e-2 for r in sections["moe"]["runs"])
     # The reference run really is the torch backend (on CUDA the engine defaults to Triton).
     assert sections["engine"]["backends"] == ["TorchAttentionBackend", "TritonAttentionBackend"]
     assert sections["engine"]["layer_ops"] == ["torch", "triton"]
