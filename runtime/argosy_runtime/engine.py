@@ -431,6 +431,13 @@ class LLMEngine:
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
                              f"({self.max_model_len})")
+        if params.token_type_start is not None:
+            if not self.spec.takes_token_types:
+                raise ValueError(f"token_type_start: {self.served_model_name} has no second "
+                                 "token type (only a BERT-style encoder reads a pair's types)")
+            if params.token_type_start > len(prompt_ids):
+                raise ValueError(f"token_type_start ({params.token_type_start}) is past the "
+                                 f"prompt's {len(prompt_ids)} tokens")
         blocks_needed = -(-len(prompt_ids) // self.cache_config.block_size)
         if blocks_needed > self.cache_config.num_blocks:
             raise ValueError(

@@ -97,15 +97,18 @@ class LLM:
         return self._run(prompts, [PoolingParams(task="classify")] * len(prompts), lora_name)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              lora_name: str | None = None, *, chat_template: str | None = None
-              ) -> list[float]:
+              lora_name: str | None = None, *, chat_template: str | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[float]:
         """The score of each (text_1, text_2) pair, as POST /v1/score answers: pairs 1-to-1,
         1-to-N or N-to-N (scoring.pair_up). An embedding model scores by the cosine of the
         two embeddings (each distinct text embedded once); a cross-encoder (a one-label
         classification head) by the sigmoid of its logit over the pair as one prompt
         (scoring.cross_encoder_prompt). `chat_template` (vLLM's): a cross-encoder's score
         template, jinja over the messages [{"role": "query", "content": text_1},
-        {"role": "document", "content": text_2}] (the text, or a file holding it)."""
+        {"role": "document", "content": text_2}] (the text, or a file holding it).
+        `truncate_prompt_tokens` (vLLM's, cross-encoders): each pair's prompt cut to k tokens
+        from its end, as /v1/score cuts it (-1: the model's length; see
+        scoring.cross_encoder_prompt)."""
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)
         if not firsts or not seconds:
@@ -118,11 +121,29 @@ class LLM:
                              "model")
         if num_labels == 1:
             template = load_chat_template(chat_template) if chat_template is not None else None
+            max_length = truncate_prompt_tokens or None  # 0: all of it, as the server
+            if max_length is not None:
+                if max_length == -1:
+                    max_length = self.engine.max_model_len
+                if not isinstance(max_length, int) or not 0 < max_length <= \
+                        self.engine.max_model_len:
+                    raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, "
+                                     f"{self.engine.max_model_len}], got "
+                                     f"{truncate_prompt_tokens!r}")
+            spec = self.engine.spec
             prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, score_template=template,
-                                            use_sep_token=self.engine.spec.use_sep_token)
+                                            use_sep_token=spec.use_sep_token,
+                                            max_length=max_length,
+                                            token_types=spec.takes_token_types)
                        for a, b in pairs]
-            outs = self.classify(prompts, lora_name)
+            params = [PoolingParams(task="classify", token_type_start=p.token_type_start)
+                      for p in prompts]
+            outs = self._run([p.token_ids for p in prompts], params, lora_name)
             return [out.classification.probs[0] for out in outs]
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens: LLM.score truncates a cross-encoder's "
+                             "pairs; an embedding model's texts are not truncated offline "
+                             "(send token ids cut as you need to LLM.embed)")
         if chat_template is not None:
             raise ValueError("chat_template: a score template is for a cross-encoder (a "
                              "one-label classification head); an embedding model scores by "

@@ -159,15 +159,18 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, entries: list, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, entries: list, lora: LoRABatch | None = None,
+                token_type_starts: list[int | None] | None = None) -> torch.Tensor:
         """The model's hidden states [tokens, hidden] for one step's batch (`_batch_entries`,
-        decode rows first), its new K/V written into the cache."""
+        decode rows first), its new K/V written into the cache. `token_type_starts` (an
+        encoder's step): per entry, where token type 1 starts (None: all 0)."""
         input_ids, positions, meta = build_batch(entries, self.block_size, self.device,
                                                  self.model.decode_rows_up_to)
         if self.graph_runner is not None and lora is None:  # replays captured decode graphs
             return self.graph_runner.forward(input_ids, positions, meta)
         ctx = ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
         ctx.lora = lora
+        ctx.token_type_starts = token_type_starts
         return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()
@@ -179,7 +182,11 @@ class ModelRunner:
         entries = self._batch_entries(scheduled)
         if self.tensor_parallel_workers is not None:
             self.tensor_parallel_workers.run_step(entries)
-        hidden = self.forward(entries, self._lora_batch(scheduled))
+        types = None
+        if self.spec.is_encoder:  # token types travel with the request, not in its ids
+            types = [sr.request.pooling.token_type_start if sr.request.pooling else None
+                     for sr in scheduled]
+        hidden = self.forward(entries, self._lora_batch(scheduled), types)
 
         out = ModelRunnerOutput()
         head = self.model.compute_class_logits if self.model.score is not None else None

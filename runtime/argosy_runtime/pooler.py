@@ -1,12 +1,14 @@
 """Turns the hidden states of pooling requests' prompt rows into their output vectors.
 
 An embedding request (task "embed") gets its pooled hidden state. A prompt may take several
-steps (chunked prefill), so mean pooling keeps a running float32 sum on the request; a chunk
-that starts at position 0 starts it afresh (a preempted request is recomputed from the start).
-Mean pooling needs every position's hidden state, so such a request takes nothing from the
-prefix cache (scheduler `_prefix_lookup_limit`); last pooling needs only the last position,
-which is always computed. "cls" pooling (encoders, models/bert.py) takes the first row: an
-encoder runs each prompt whole in one step.
+steps (chunked prefill), so the poolings over every token (mean, max, mean_sqrt_len_tokens,
+weightedmean: sentence-transformers' formulas, pooling_params.py) keep a running float32 sum
+or maximum on the request (`pooled_state`); a chunk that starts at position 0 starts it afresh
+(a preempted request is recomputed from the start). They need every position's hidden state,
+so such a request takes nothing from the prefix cache (scheduler `_prefix_lookup_limit`);
+last pooling needs only the last position, which is always computed. "cls" pooling
+(encoders, models/bert.py) takes the first row: an encoder runs each prompt whole in one
+step.
 
 A classify request (task "classify") gets the classification head's logits at its last
 position: the rows of every such request ending this step go through the head together.
@@ -14,11 +16,14 @@ position: the rows of every such request ending this step go through the head to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from argosy_runtime.pooling_params import WHOLE_PROMPT_POOLINGS
+from argosy_runtime.request import Request
 from argosy_runtime.scheduler import ScheduledRequest
 
 
@@ -43,14 +48,11 @@ def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
                                  offset if params.pooling == "cls" else offset + n - 1))
         elif params is not None:
             rows = hidden[offset : offset + n]
-            if params.pooling == "mean":
-                if req.num_computed_tokens == 0 or req.pooled_sum is None:
-                    req.pooled_sum = torch.zeros(hidden.shape[-1], dtype=torch.float32,
-                                                 device=hidden.device)
-                req.pooled_sum += rows.float().sum(dim=0)
+            if params.pooling in WHOLE_PROMPT_POOLINGS:
+                _accumulate(req, params.pooling, rows)
             if sr.completes_sequence:
-                if params.pooling == "mean":
-                    vector = req.pooled_sum / req.num_prompt_tokens
+                if params.pooling in WHOLE_PROMPT_POOLINGS:
+                    vector = _finish(req.pooled_state, params.pooling, req.num_prompt_tokens)
                 elif params.pooling == "cls":  # an encoder's: the prompt ran whole this step
                     vector = rows[0].float()
                 else:
@@ -60,7 +62,7 @@ def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
                 if params.normalize:
                     vector = F.normalize(vector, dim=0)
                 out[req.request_id] = vector.cpu().tolist()
-                req.pooled_sum = None
+                req.pooled_state = None
         offset += n
     if classify:
         if classify_head is None:
@@ -70,3 +72,33 @@ def pool_outputs(scheduled: list[ScheduledRequest], hidden: torch.Tensor,
         for i, (request_id, _) in enumerate(classify):
             out[request_id] = logits[i].tolist()
     return out
+
+
+def _accumulate(req: Request, pooling: str, rows: torch.Tensor) -> None:
+    """Fold this chunk's rows [n, hidden] (prompt positions num_computed_tokens ...) into the
+    request's running float32 state: the maximum for "max", else the (weighted) sum."""
+    rows = rows.float()
+    first = req.num_computed_tokens
+    if first == 0 or req.pooled_state is None:
+        fill = float("-inf") if pooling == "max" else 0.0
+        req.pooled_state = torch.full((rows.shape[-1],), fill, dtype=torch.float32,
+                                      device=rows.device)
+    if pooling == "max":
+        torch.maximum(req.pooled_state, rows.amax(dim=0), out=req.pooled_state)
+    elif pooling == "weightedmean":  # position p weighs p + 1 (sentence-transformers' arange)
+        weights = torch.arange(first + 1, first + rows.shape[0] + 1, dtype=torch.float32,
+                               device=rows.device)
+        req.pooled_state += weights @ rows
+    else:
+        req.pooled_state += rows.sum(dim=0)
+
+
+def _finish(state: torch.Tensor, pooling: str, num_tokens: int) -> torch.Tensor:
+    """The pooled vector from the running state of all `num_tokens` prompt positions."""
+    if pooling == "max":
+        return state
+    if pooling == "mean":
+        return state / num_tokens
+    if pooling == "mean_sqrt_len_tokens":
+        return state / math.sqrt(num_tokens)
+    return state / (num_tokens * (num_tokens + 1) / 2)  # weightedmean: the sum of 1..n

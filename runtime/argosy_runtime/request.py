@@ -84,9 +84,10 @@ class Request:
         self.lora: LoRAAdapter | None = None  # the adapter this request runs with, if any
         # Set for a pooling request: it runs its prompt, samples nothing, and finishes with
         # `pooled`, its embedding or (task "classify") its head logits (pooler.py;
-        # `pooled_sum` is mean pooling's running sum).
+        # `pooled_state` is the running float32 sum or maximum of the poolings over every
+        # token: mean, max, mean_sqrt_len_tokens, weightedmean).
         self.pooling: PoolingParams | None = None
-        self.pooled_sum: torch.Tensor | None = None
+        self.pooled_state: torch.Tensor | None = None
         self.pooled: list[float] | None = None
 
     @property

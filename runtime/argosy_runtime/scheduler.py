@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from argosy_runtime.config import SchedulerConfig
 from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.kv_cache.block_pool import KVCacheBlock
+from argosy_runtime.pooling_params import WHOLE_PROMPT_POOLINGS
 from argosy_runtime.request import Request, RequestStatus
 
 
@@ -252,10 +253,10 @@ def _prefix_lookup_limit(req: Request) -> int | None:
     A cached block has no logits: prompt tokens still to be scored for `prompt_logprobs`
     must be recomputed. Scoring prompt token p needs the hidden state of token p - 1, so a
     request holding scores up to position L - 1 may reuse at most L - 1 tokens (none at
-    first; after a preemption, the part it already scored). Mean pooling for an embedding
-    needs every position's hidden state: none.
+    first; after a preemption, the part it already scored). Mean pooling (and the other
+    WHOLE_PROMPT_POOLINGS) for an embedding needs every position's hidden state: none.
     """
-    if req.pooling is not None and req.pooling.pooling == "mean":
+    if req.pooling is not None and req.pooling.pooling in WHOLE_PROMPT_POOLINGS:
         return 0
     scored = req.prompt_logprobs
     if scored is None or len(scored) >= req.num_prompt_tokens:

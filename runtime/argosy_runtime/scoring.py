@@ -10,7 +10,7 @@ head) by the sigmoid of its logit over the pair joined as one prompt (`cross_enc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -39,27 +39,56 @@ def cosine_scores(vectors: Sequence[Sequence[float]], pairs: Sequence[tuple[int,
     return torch.nn.functional.cosine_similarity(left, right, dim=-1).tolist()
 
 
+class ScorePrompt(NamedTuple):
+    """A cross-encoder's prompt for one pair: its token ids, and where token type 1 starts
+    (PoolingParams.token_type_start; None: all type 0)."""
+
+    token_ids: list[int]
+    token_type_start: int | None
+
+
 def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_token: bool = True,
-                         score_template: str | None = None,
-                         max_length: int | None = None) -> list[int]:
-    """The token ids a cross-encoder scores for the pair, as vLLM builds them: with a score
-    template (`--chat-template`), the template rendered over the messages
+                         score_template: str | None = None, max_length: int | None = None,
+                         token_types: bool = False) -> ScorePrompt:
+    """The prompt a cross-encoder scores for the pair, as vLLM builds it (`get_score_prompt`):
+    with a score template (`--chat-template`), the template rendered over the messages
     [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}] (no
     generation prompt), then encoded; without one, the tokenizer's pair template
     (transformers' `tokenizer(text_1, text_2)`) or, for a model whose config says
     `use_sep_token: false` (an LLM reranker such as Qwen3-Reranker), `text_1 + text_2`
-    encoded as one text. ValueError when the template cannot be rendered. `max_length`
-    (the tokenizer's pair template only): truncated as transformers' tokenizer(text_1, text_2,
-    truncation=True, max_length=k) truncates (Tokenizer.encode_pair)."""
-    if score_template is not None:
-        import jinja2
+    encoded as one text. ValueError when the template cannot be rendered.
 
-        messages = [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]
-        try:
-            text = tokenizer.render_template(score_template, messages, False)  # no generation prompt
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"cannot apply the score template (--chat-template): {exc}") from exc
-        return tokenizer.encode(text)
-    if not use_sep_token:
-        return tokenizer.encode(text_1 + text_2)
-    return tokenizer.encode_pair(text_1, text_2, max_length=max_length)
+    `max_length` (truncate_prompt_tokens): at most that many tokens, cut from the end as
+    vLLM cuts them with transformers' `tokenizer(..., truncation=True, max_length=k)`: a pair
+    loses the end of its longer text first (in a query-document pair, the document's end),
+    one text (the joined or rendered prompt) its end; the tokenizer's special tokens stay.
+    ValueError starting "truncate_prompt_tokens" when k cannot hold those.
+
+    `token_types` (a model that reads them, ModelSpec.takes_token_types): the pair template's
+    token types, where the tokenizer puts them (BERT: the second text and its [SEP]), not
+    where a [SEP] id happens to be; a text may contain the [SEP] token itself."""
+    if score_template is not None or not use_sep_token:
+        if score_template is not None:
+            import jinja2
+
+            messages = [{"role": "query", "content": text_1},
+                        {"role": "document", "content": text_2}]
+            try:
+                text = tokenizer.render_template(score_template, messages, False)  # no gen. prompt
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"cannot apply the score template (--chat-template): {exc}"
+                                 ) from exc
+        else:
+            text = text_1 + text_2
+        ids = tokenizer.encode(text, max_length=max_length)
+        start = None  # one text: type 0 throughout, as transformers' tokenizer(text)
+    else:
+        ids, types = tokenizer.encode_pair(text_1, text_2, max_length=max_length)
+        start = types.index(1) if token_types and 1 in types else None
+        if start is not None and any(t != 1 for t in types[start:]):
+            raise ValueError(f"the tokenizer's pair template gives token types {types}; only "
+                             "0s then 1s are supported")
+    if max_length is not None and len(ids) > max_length:  # the tokenizer could not cut it
+        raise ValueError(f"truncate_prompt_tokens ({max_length}) cannot hold the prompt's "
+                         f"special tokens ({len(ids)} tokens left after truncation)")
+    return ScorePrompt(ids, start)

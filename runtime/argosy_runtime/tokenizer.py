@@ -163,19 +163,28 @@ class Tokenizer:
 
     # ---- ids and text ----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's tokenizer does."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_length: int | None = None) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's tokenizer does.
+        `max_length`: at most that many ids, cut from the end as transformers'
+        `tokenizer(text, truncation=True, max_length=k)` cuts them (the special tokens stay,
+        so a k smaller than they are leaves the text whole, as there)."""
+        backend = self.backend if max_length is None else self._truncating(max_length)
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, text: str, text_pair: str, max_length: int | None = None) -> list[int]:
-        """Token ids of a text pair as the tokenizer's pair template joins them (transformers'
-        `tokenizer(text, text_pair)`: what vLLM feeds a cross-encoder). Decoder vocabularies
-        mostly have no separator, so that is usually the two encodings back to back.
+    def encode_pair(self, text: str, text_pair: str, max_length: int | None = None
+                    ) -> tuple[list[int], list[int]]:
+        """(token ids, token type ids) of a text pair as the tokenizer's pair template joins
+        them (transformers' `tokenizer(text, text_pair)`: what vLLM feeds a cross-encoder;
+        BERT's types are 1 on the second text and its [SEP]). Decoder vocabularies mostly have
+        no separator, so that is usually the two encodings back to back.
         `max_length`: at most that many ids, as `tokenizer(text, text_pair, truncation=True,
         max_length=k)` cuts them (vLLM's truncate_prompt_tokens for a cross-encoder): tokens
-        come off the end of the longer text first, and the special tokens stay."""
+        come off the end of the longer text first, and the special tokens stay (a k smaller
+        than they are leaves the pair whole, as there)."""
         backend = self.backend if max_length is None else self._truncating(max_length)
-        return backend.encode(text, pair=text_pair, add_special_tokens=True).ids
+        enc = backend.encode(text, pair=text_pair, add_special_tokens=True)
+        return enc.ids, enc.type_ids
 
     def _truncating(self, max_length: int) -> BackendTokenizer:
         """A copy of the backend that truncates to `max_length` (longest text first, from the

@@ -4,9 +4,10 @@
 transformers model (2 layers, hidden 48, float32, random weights with randomized LayerNorms
 and biases) beside a small tokenizer.json built with the `tokenizers` library: BERT's
 WordPiece (lowercasing, `[CLS] A [SEP]` / `[CLS] A [SEP] B:1 [SEP]:1` post-processor) or an
-XLM-R-like Unigram (`<s> A </s>` / `<s> A </s> </s> B </s>`). `pooling` ("cls" / "mean")
-writes a sentence-transformers modules.json + 1_Pooling/config.json (+ a Normalize module
-when `normalize`). `load_hf` gives the transformers model back for references.
+XLM-R-like Unigram (`<s> A </s>` / `<s> A </s> </s> B </s>`). `pooling`
+(any PoolingParams pooling: "cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean",
+"last"; "a+b" sets both) writes a sentence-transformers modules.json + 1_Pooling/config.json
+(+ a Normalize module when `normalize`). `load_hf` gives the transformers model back for references.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import string
 from pathlib import Path
 
 import torch
+from st_pooling_reference import ST_MODES
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 WORDS = ["the", "capital", "of", "france", "is", "paris", "what", "a", "cat", "dog", "sat",
@@ -93,10 +95,10 @@ def make_encoder_dir(tmp_path: Path, arch: str = "bert", *, classifier: bool = F
                             "type": "sentence_transformers.models.Normalize"})
         (folder / "modules.json").write_text(json.dumps(modules))
         (folder / "1_Pooling").mkdir()
+        modes = pooling.split("+")  # "cls+mean": sentence-transformers' concatenation
         (folder / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 48, "pooling_mode_cls_token": pooling == "cls",
-            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
-            "pooling_mode_mean_sqrt_len_tokens": False}))
+            "word_embedding_dimension": 48,
+            **{key: name in modes for name, (_, key) in ST_MODES.items()}}))
     return folder
 
 

@@ -95,9 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="How POST /v1/embeddings turns a prompt into one vector: the "
                              "final hidden state of its last token (last: how decoder "
                              "embedding models such as e5-mistral-7b-instruct and gte-Qwen2 are "
-                             "trained) or the mean over its tokens; L2-normalized either way "
-                             "(default: the model's own: last for a decoder; for an encoder "
-                             "such as BERT, its sentence-transformers pooling, else [CLS]).")
+                             "trained), the mean over its tokens, the first token's (cls: "
+                             "encoders such as BERT only), or sentence-transformers' max, "
+                             "mean_sqrt_len_tokens, weightedmean; L2-normalized (default: the "
+                             "model's own: last for a decoder; for an encoder, its "
+                             "sentence-transformers pooling, else [CLS]).")
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="A jinja chat template replacing the model's (vLLM's): the path "
                              "of a file, or the template itself on one line. Chat, /tokenize "
@@ -141,6 +143,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     import uvicorn
 
     from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.pooling_params import PoolingParams
     from argosy_runtime.server.app import build_app
     from argosy_runtime.server.lifecycle import DrainingServer
 
@@ -150,6 +153,12 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     except ValueError as exc:
         log.error("cannot load the model: %s", exc)
         return 2
+    if config.embedding_pooling is not None:  # e.g. cls on a decoder: refused now, not per request
+        try:
+            engine.spec_pooling(PoolingParams(pooling=config.embedding_pooling))
+        except ValueError as exc:
+            log.error("--embedding-pooling %s: %s", config.embedding_pooling, exc)
+            return 2
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,

@@ -14,7 +14,10 @@ Served architectures (`models/bert.py` runs them, bidirectional attention, pooli
 
 Pooling of an embedding model, as vLLM decides it: a sentence-transformers folder's
 `modules.json` names a Pooling module whose `config.json` says `pooling_mode_cls_token`,
-`pooling_mode_mean_tokens` or `pooling_mode_lasttoken`, and the vectors are L2-normalized
+`pooling_mode_mean_tokens` or `pooling_mode_lasttoken` (vLLM's three), or
+`pooling_mode_max_tokens`, `pooling_mode_mean_sqrt_len_tokens`,
+`pooling_mode_weightedmean_tokens` (sentence-transformers' others, with its formulas; several
+modes at once, which it concatenates, are refused), and the vectors are L2-normalized
 when a Normalize module follows; without `modules.json`, [CLS] pooling, normalized (vLLM's
 BERT/RoBERTa default).
 """
@@ -43,8 +46,11 @@ ENCODER_MODEL_TYPES: dict[str, str] = {"bert": "bert", "xlm-roberta": "xlm_rober
 ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"bert", "xlm_roberta"})
 # transformers' ACT2FN names the encoder MLP may use.
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+# sentence-transformers' Pooling config keys -> PoolingParams.pooling (the same formulas).
 _ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                     "pooling_mode_lasttoken": "last"}
+                     "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
+                     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                     "pooling_mode_weightedmean_tokens": "weightedmean"}
 
 
 def encoder_architecture(config: dict[str, Any]) -> tuple[str, bool] | None:
@@ -93,9 +99,6 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
         attention_bias=True, bos_token_id=None, eos_token_ids=(), has_lm_head=False,
         hidden_act=act, type_vocab_size=int(config.get("type_vocab_size", 2) or 0),
         position_offset=offset,
-        # A cross-encoder's second text is token type 1 only where the tokenizer's pair
-        # template says so: BERT's ([CLS] A [SEP] B [SEP]), never RoBERTa's.
-        pair_token_types=architecture == "bert" and is_classifier,
     )
 
 
@@ -118,26 +121,22 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
     modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
     if not modes:
         return None, normalize
-    if len(modes) > 1 or modes[0] not in _ST_POOLING_MODES:
-        raise ValueError(f"{folder}: sentence-transformers pooling {modes} is not supported "
-                         f"(one of {', '.join(_ST_POOLING_MODES)})")
+    if len(modes) > 1:  # sentence-transformers concatenates the vectors of several modes
+        raise ValueError(f"{folder}: sentence-transformers pooling {modes} concatenates "
+                         "several poolings, which is not supported (one mode only)")
+    if modes[0] not in _ST_POOLING_MODES:
+        raise ValueError(f"{folder}: sentence-transformers pooling {modes[0]} is not "
+                         f"supported (one of {', '.join(_ST_POOLING_MODES)})")
     return _ST_POOLING_MODES[modes[0]], normalize
 
 
 def resolve_encoder_spec(spec: Any, folder: Path, tokenizer: Any) -> Any:
-    """`spec` with what lives beside config.json: the sentence-transformers pooling, and the
-    [SEP] id that splits a BERT cross-encoder's pair into token types 0 and 1."""
+    """`spec` with what lives beside config.json: the sentence-transformers pooling. (A
+    cross-encoder's token types come from the tokenizer's pair encoding, per request.)"""
     import dataclasses
 
     pooling, normalize = sentence_transformers_pooling(folder)
-    sep = None
-    if spec.pair_token_types:
-        sep = tokenizer.token_to_id("[SEP]")
-        if sep is None:
-            raise ValueError(f"{folder}: a BERT cross-encoder's tokenizer needs a [SEP] token "
-                             "(it separates the pair's two texts)")
-    return dataclasses.replace(spec, pooling_type=pooling, pooling_normalize=normalize,
-                               sep_token_id=sep)
+    return dataclasses.replace(spec, pooling_type=pooling, pooling_normalize=normalize)
 
 
 def _read(path: Path) -> Any:

@@ -152,14 +152,11 @@ class ModelSpec:
     classifier_token_ids: tuple[int, ...] = ()
     use_sep_token: bool = True
     # Encoder-only models (bert, xlm_roberta: model_loader/encoder_config.py, models/bert.py):
-    # token-type rows (0: none), the first position id (XLM-R: pad_token_id + 1), whether a
-    # sequence's tokens after its first `sep_token_id` are token type 1 (a BERT cross-encoder's
-    # second text), and the embedding pooling its sentence-transformers config names (None:
-    # the model's default) and whether that normalizes.
+    # token-type rows (0: none), the first position id (XLM-R: pad_token_id + 1), and the
+    # embedding pooling its sentence-transformers config names (None: the model's default)
+    # and whether that normalizes.
     type_vocab_size: int = 0
     position_offset: int = 0
-    pair_token_types: bool = False
-    sep_token_id: int | None = None
     pooling_type: str | None = None
     pooling_normalize: bool = True
 
@@ -290,6 +287,12 @@ class ModelSpec:
         """An encoder-only model (BERT, XLM-RoBERTa): bidirectional attention over each whole
         prompt in one step, pooling only (models/bert.py)."""
         return self.architecture in ("bert", "xlm_roberta")
+
+    @property
+    def takes_token_types(self) -> bool:
+        """An encoder with a second token type (BERT; XLM-R has one): it reads a pair's token
+        types (PoolingParams.token_type_start), as transformers' BERT tokenizer returns them."""
+        return self.is_encoder and self.type_vocab_size > 1
 
     @property
     def num_labels(self) -> int:

@@ -10,10 +10,14 @@ over them padded to the longest, padding masked out of the keys.
 
 Layers as transformers' BertLayer (post-norm): x = LN(x + attn(x)); x = LN(x + mlp(x)), with
 biased q/k/v/o, an exact-erf GELU MLP (or the config's hidden_act) and LayerNorm with a bias.
-Embeddings: word + absolute position (XLM-R: from pad_token_id + 1) + token type, then
-LayerNorm. Token types are 0, except in a BERT cross-encoder (`spec.pair_token_types`), whose
-pair prompt `[CLS] A [SEP] B [SEP]` has types 1 from just after its first [SEP]: what the
-tokenizer's pair template assigns (`tokenizer(text_1, text_2)["token_type_ids"]`).
+Embeddings: word + absolute position + token type, then LayerNorm. XLM-R numbers positions
+as transformers' create_position_ids_from_input_ids does: pad_token_id + 1 for the first
+token, counting only tokens that are not the pad id; a pad token in the prompt gets
+pad_token_id itself. Token types are 0, except from each request's
+`PoolingParams.token_type_start` on (the runner passes them as `ctx.token_type_starts`): a
+BERT cross-encoder's second text, where the tokenizer's pair encoding puts it
+(`tokenizer(text_1, text_2)["token_type_ids"]`, `scoring.cross_encoder_prompt`). They cannot
+be read off the ids: a text may itself contain the [SEP] token.
 
 A sequence classifier (`spec.num_labels`) has `head`: dense + tanh on the first token ([CLS]
 / <s>) then `out_proj` (BERT's pooler + classifier, XLM-R's classifier.dense + out_proj).
@@ -201,16 +205,32 @@ class BertModel(nn.Module):
                                "(no chunked prefill, no prefix cache)")
         return SequenceLayout([1] * meta.num_decodes + list(meta.prefill_query_lens), device)
 
-    def _token_types(self, input_ids: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        """0 everywhere, or (a BERT cross-encoder) 1 after each sequence's first [SEP]."""
-        if not self.spec.pair_token_types or self.spec.sep_token_id is None:
-            return torch.zeros_like(input_ids)
-        is_sep = (input_ids == self.spec.sep_token_id).long()
-        before = torch.cumsum(is_sep, 0) - is_sep  # [SEP]s strictly before each token
-        lens = torch.tensor(layout.lens, device=input_ids.device)
-        starts = torch.cumsum(lens, 0) - lens
-        before = before - torch.repeat_interleave(before[starts], lens)  # within its sequence
-        return (before > 0).long().clamp_(max=self.spec.type_vocab_size - 1)
+    @staticmethod
+    def _token_types(positions: torch.Tensor, layout: SequenceLayout,
+                     starts: list[int | None] | None) -> torch.Tensor:
+        """[num_tokens] token type ids: 1 from each sequence's `starts` entry on, else 0.
+        `positions` are offsets within each sequence (every prompt runs whole)."""
+        if not starts or all(s is None for s in starts):
+            return torch.zeros_like(positions)
+        never = layout.max_len  # no position reaches it: all type 0
+        first_one = torch.tensor([never if s is None else s for s in starts],
+                                 device=positions.device)
+        lens = torch.tensor(layout.lens, device=positions.device)
+        return (positions >= torch.repeat_interleave(first_one, lens)).long()
+
+    def _position_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table: BERT's are the positions; XLM-R's (offset pad + 1)
+        count only the tokens that are not the pad id, and a pad token gets the pad id, as
+        transformers' create_position_ids_from_input_ids numbers them."""
+        if not self.spec.position_offset:
+            return positions
+        pad = self.spec.position_offset - 1
+        real = (input_ids != pad).long()  # [num_tokens]
+        counted = torch.cumsum(real, 0)
+        # Each token's sequence starts `positions` rows earlier: count within the sequence.
+        first = torch.arange(len(positions), device=positions.device) - positions
+        counted = counted - (counted - real)[first]
+        return counted * real + pad
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any,
                 num_layers: int | None = None) -> torch.Tensor:
@@ -218,9 +238,10 @@ class BertModel(nn.Module):
         layout = self._layout(ctx.meta, input_ids.device)
         emb = self.embeddings
         h = emb.word_embeddings(input_ids) + emb.position_embeddings(
-            positions + self.spec.position_offset)
+            self._position_ids(input_ids, positions))
         if emb.token_type_embeddings is not None:
-            h = h + emb.token_type_embeddings(self._token_types(input_ids, layout))
+            types = self._token_types(positions, layout, getattr(ctx, "token_type_starts", None))
+            h = h + emb.token_type_embeddings(types)
         h = emb.LayerNorm(h)
         for layer in self.encoder.layer[:num_layers]:
             h = layer(h, layout)

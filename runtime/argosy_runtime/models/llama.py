@@ -227,6 +227,9 @@ class ForwardContext:
         self.local_rotary: RotaryEmbedding | None = None
         self.local_rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora: LoRABatch | None = None  # rows that use LoRA adapters this step
+        # An encoder's step (models/bert.py): per sequence, where token type 1 starts (None:
+        # all type 0), from each request's PoolingParams.token_type_start.
+        self.token_type_starts: list[int | None] | None = None
 
     def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
         if self.kv_scales is None:

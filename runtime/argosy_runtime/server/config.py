@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from argosy_runtime.pooling_params import POOLING_TYPES
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Tool-call formats for tool_choice "auto" (server/tool_parsers.py has one stream for each).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-# How /v1/embeddings pools a prompt's hidden states (pooling_params.py).
-EMBEDDING_POOLINGS = ("last", "mean")
+# How /v1/embeddings pools a prompt's hidden states: every PoolingParams pooling.
+EMBEDDING_POOLINGS = POOLING_TYPES
 # Thinking formats chat replies are split by (server/reasoning_parser.py).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -33,8 +35,10 @@ class ServerConfig:
         at exit).
     embedding_pooling: how /v1/embeddings turns a prompt's hidden states into one vector:
         "last" (the last token's, as decoder embedding models such as e5-mistral and gte-Qwen2
-        are trained) or "mean"; None: the model's own (a decoder's last token; an encoder's
-        sentence-transformers pooling, else [CLS]: `LLMEngine.spec_pooling`).
+        are trained), "mean", "cls" (encoders only), or sentence-transformers' "max",
+        "mean_sqrt_len_tokens", "weightedmean" (pooling_params.py); None: the model's own (a
+        decoder's last token; an encoder's sentence-transformers pooling, else [CLS]:
+        `LLMEngine.spec_pooling`).
     reasoning_parser: the model's thinking format ("qwen3", "deepseek_r1"): chat replies then
         carry the thinking in `reasoning_content` and only the answer in `content`.
     chat_template: a jinja chat template replacing the tokenizer's (vLLM's --chat-template,

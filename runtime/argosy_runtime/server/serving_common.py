@@ -256,16 +256,18 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
 
 
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
-                        params: SamplingParams, model_name: str,
+                        params: Any, model_name: str,
                         priority: int = 0) -> list[RequestStream]:
     """Admit every prompt of a request (all or none), in the same engine step, at
-    `priority` (lower runs earlier)."""
+    `priority` (lower runs earlier). `params`: SamplingParams or PoolingParams for all of
+    them, or a list with one per prompt (a cross-encoder pair's token types)."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    each = params if isinstance(params, list) else [params] * len(prompts)
     lora_name = ctx.lora_name(model_name)
     # gather posts every add before awaiting any, so the prompts join the batch together
-    results = await asyncio.gather(*(ctx.engine.add(rid, p, params, priority=priority,
+    results = await asyncio.gather(*(ctx.engine.add(rid, p, ps, priority=priority,
                                                     lora_name=lora_name)
-                                     for rid, p in zip(ids, prompts, strict=True)),
+                                     for rid, p, ps in zip(ids, prompts, each, strict=True)),
                                    return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]

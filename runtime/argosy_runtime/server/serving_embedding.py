@@ -76,10 +76,12 @@ async def embed_prompts(request: Request, ctx: ServingContext, prompts: list[lis
 
 
 async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list[int]],
-                       model_name: str, priority: int, kind: str, params: PoolingParams
+                       model_name: str, priority: int, kind: str,
+                       params: PoolingParams | list[PoolingParams]
                        ) -> list[RequestOutput] | None:
     """The final outputs of `prompts` (token ids already checked) run as pooling requests
-    (`params`: embeddings or classification), in order: one engine request each, admitted
+    (`params`: embeddings or classification; a list: one per prompt), in order: one engine
+    request each, admitted
     `INPUTS_IN_FLIGHT` at a time at `priority`. None when the client went away (logged; the
     caller answers 499)."""
     log = request_log(request.scope)
@@ -88,8 +90,9 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
     ctx.lifecycle.enter()
     try:
         for start in range(0, len(prompts), INPUTS_IN_FLIGHT):
-            streams = await start_streams(ctx, f"{base_id}-{start}",
-                                          prompts[start : start + INPUTS_IN_FLIGHT], params,
+            chunk = slice(start, start + INPUTS_IN_FLIGHT)
+            streams = await start_streams(ctx, f"{base_id}-{start}", prompts[chunk],
+                                          params[chunk] if isinstance(params, list) else params,
                                           model_name, priority)
             finals.extend(await run_to_completion(request, ctx, streams))
     except ClientGone:

@@ -13,9 +13,10 @@ or a causal LM read as one: Qwen3-Reranker's "yes" - "no" head), each pair is on
 (`scoring.cross_encoder_prompt`, as vLLM builds it): the score template (`--chat-template`)
 rendered over the messages [{"role": "query"}, {"role": "document"}] when the server has
 one, else the two texts joined by the tokenizer's pair template (transformers'
-`tokenizer(text_1, text_2)`) or, for `use_sep_token: false` (an LLM reranker's default), as
-text_1 + text_2; it runs as a classify request and the score is the sigmoid of the head's
-logit. A classifier with more labels is no scorer (vLLM enables scoring only for one label):
+`tokenizer(text_1, text_2)`, with its token types: BERT's second text is type 1) or, for
+`use_sep_token: false` (an LLM reranker's default), as text_1 + text_2; it runs as a classify
+request and the score is the sigmoid of the head's logit. `truncate_prompt_tokens` cuts each
+pair's prompt from its end, as vLLM does (the query stays, the document loses its end). A classifier with more labels is no scorer (vLLM enables scoring only for one label):
 400 naming `model`.
 
 `/v1/score` pairs `text_1` with `text_2`: 1-to-1, 1-to-N (one `text_1` against every
@@ -173,33 +174,36 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
         raise bad_request(
             f"model: {model_name} is a classifier with {len(ctx.class_labels)} labels; scores "
             "need a one-label head (a cross-encoder) or an embedding model", "model")
-    # An encoder's pair is truncated as transformers' tokenizer(a, b, truncation=True,
-    # max_length=k) cuts it (vLLM's way): the longer text loses its end first, [CLS] and the
-    # [SEP]s stay. Other prompts keep their last k tokens (truncate_prompts).
-    pair_limit = None
-    if ctx.encoder and truncate and ctx.config.chat_template is None and ctx.use_sep_token:
-        check_truncate_prompt_tokens(ctx, truncate)
-        pair_limit = ctx.max_model_len if truncate == -1 else truncate
+    # Every pair's prompt is cut as vLLM cuts it, by transformers' tokenizer(...,
+    # truncation=True, max_length=k): from the end, so the query stays and the document
+    # loses its end (a pair template: the longer text first; the special tokens stay).
+    check_truncate_prompt_tokens(ctx, truncate)
+    limit = (ctx.max_model_len if truncate == -1 else truncate) or None
+    spec = ctx.engine.engine.spec
     try:
         joined = [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
                                        score_template=ctx.config.chat_template,
-                                       max_length=pair_limit)
+                                       max_length=limit, token_types=spec.takes_token_types)
                   for a, b in pairs]
     except ValueError as exc:  # a score template that raises (raise_exception) on this pair
-        raise bad_request(str(exc), param) from exc
-    prompts = [tuple(ids) for ids in truncate_prompts(
-        ctx, joined, None if pair_limit else truncate, param)]
+        field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") \
+            else param
+        raise bad_request(str(exc), field) from exc
+    # Checked (vocabulary, length) as any pooling input; the token types key the pair too.
+    checked = truncate_prompts(ctx, [p.token_ids for p in joined], None, param)
+    prompts = [(tuple(ids), p.token_type_start) for ids, p in zip(checked, joined, strict=True)]
     distinct = list(dict.fromkeys(prompts))
-    prompt_tokens = sum(len(ids) for ids in distinct)
+    prompt_tokens = sum(len(ids) for ids, _ in distinct)
     request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,
                                       inputs=len(distinct), pairs=len(pairs))
-    finals = await pool_prompts(request, ctx, [list(ids) for ids in distinct], model_name,
-                                priority, kind, PoolingParams(task="classify"))
+    finals = await pool_prompts(
+        request, ctx, [list(ids) for ids, _ in distinct], model_name, priority, kind,
+        [PoolingParams(task="classify", token_type_start=start) for _, start in distinct])
     if finals is None:
         return None
     # probs of a one-label head: [sigmoid(logit)] (ClassificationOutput), vLLM's score.
-    score = {ids: out.classification.probs[0] for ids, out in zip(distinct, finals, strict=True)}
-    return [score[ids] for ids in prompts], prompt_tokens
+    score = {key: out.classification.probs[0] for key, out in zip(distinct, finals, strict=True)}
+    return [score[key] for key in prompts], prompt_tokens
 
 
 async def _cosine_scores(request: Request, ctx: ServingContext, model_name: str,

@@ -1,10 +1,12 @@
 """Embedding requests (PoolingParams) equal transformers' pooled hidden states (float32, CPU).
 
 The reference is the base model's `last_hidden_state` (after the final norm), pooled the same
-way: the last token's row, or the mean of every row, then L2-normalized. Covered: a batch of
-mixed lengths, both poolings, unnormalized vectors, embeddings beside generations in the same
-steps (whose tokens must still equal transformers'), tiny prefill chunks, prefix-cache hits,
-preemption in the middle of an embedding's prompt, aborts, and the errors a caller gets.
+way (the last token's row, or sentence-transformers' mean, max, mean_sqrt_len_tokens and
+weightedmean formulas over every row), then L2-normalized. Covered: a batch of mixed lengths,
+every pooling, unnormalized vectors, embeddings beside generations in the same steps (whose
+tokens must still equal transformers'), tiny prefill chunks (the poolings over every row run
+across them), prefix-cache hits, preemption in the middle of an embedding's prompt, aborts,
+and the errors a caller gets.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import torch
 import torch.nn.functional as F
 from argosy_runtime import LLM, LLMEngine, PoolingParams, SamplingParams
 from engine_helpers import assert_no_leaks
+from st_pooling_reference import ST_MODES, st_pool
+
+# Every pooling a decoder takes (cls is for encoders): the last token, and
+# sentence-transformers' poolings over every token.
+POOLINGS = ["last", "mean", "max", "mean_sqrt_len_tokens", "weightedmean"]
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -29,8 +36,10 @@ TEXTS = [
 
 def reference(hf, prompt_ids: list[int], pooling: str = "last",  # noqa: ANN001
               normalize: bool = True) -> torch.Tensor:
-    hidden = hf.hidden_states(prompt_ids)
-    vector = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
+    """The pooled final hidden state: sentence-transformers' formula for `pooling`."""
+    hidden = hf.hidden_states(prompt_ids)  # [n, hidden]
+    vector = st_pool(hidden[None], torch.ones(1, len(hidden), dtype=torch.long),
+                     ST_MODES[pooling][0])[0]
     return F.normalize(vector, dim=0) if normalize else vector
 
 
@@ -46,7 +55,7 @@ def embedded_llm() -> LLM:
     return LLM(model="smollm2-135m", dtype="float32")
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", POOLINGS)
 def test_batch_matches_transformers(embedded_llm: LLM, embedded_hf, pooling: str) -> None:  # noqa: ANN001
     outs = embedded_llm.embed(TEXTS, PoolingParams(pooling=pooling))
     assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)  # prompt order
@@ -115,13 +124,14 @@ def test_prefix_cache_hits(embedded_llm: LLM, embedded_hf) -> None:  # noqa: ANN
     [last] = embedded_llm.embed(text)  # reuses the cached blocks: only the tail is computed
     assert last.num_cached_tokens > 0
     assert_close(last.embedding, reference(embedded_hf, gen.prompt_token_ids))
-    [mean] = embedded_llm.embed(text, PoolingParams(pooling="mean"))  # needs every row
-    assert mean.num_cached_tokens == 0
-    assert_close(mean.embedding, reference(embedded_hf, gen.prompt_token_ids, "mean"))
+    for pooling in POOLINGS[1:]:  # they need every row
+        [out] = embedded_llm.embed(text, PoolingParams(pooling=pooling))
+        assert out.num_cached_tokens == 0
+        assert_close(out.embedding, reference(embedded_hf, gen.prompt_token_ids, pooling))
     assert_no_leaks(embedded_llm.engine)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "max", "weightedmean"])
 def test_preempted_in_the_middle_of_its_prompt(random_llama_dir, random_llama_hf,  # noqa: ANN001
                                                pooling: str) -> None:
     # Per token: 2 layers x 2 (K, V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes; 20 blocks
@@ -188,7 +198,7 @@ def test_bfloat16_is_close_to_float32(embedded_hf) -> None:  # noqa: ANN001
 def test_bad_requests_raise_value_errors(embedded_llm: LLM) -> None:
     engine = embedded_llm.engine
     with pytest.raises(ValueError, match="pooling must be one of"):
-        PoolingParams(pooling="max")
+        PoolingParams(pooling="min")
     with pytest.raises(ValueError, match="normalize"):
         PoolingParams(normalize=1)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -2,8 +2,13 @@
 scores equal transformers' in float32 (1e-5), for batches of prompts of different lengths in
 the same step (the bidirectional attention is per sequence), as sentence-transformers pools
 them (modules.json / 1_Pooling / Normalize) or, without that config, vLLM's [CLS] default.
-Also: a BERT cross-encoder's second text gets token type 1, XLM-R's positions start at
-pad_token_id + 1, and the errors (generation, too-long prompts, options an encoder refuses).
+Also: sentence-transformers' other pooling modes (max, mean_sqrt_len_tokens, weightedmean,
+lasttoken) equal its formulas over transformers' padded batch; a BERT cross-encoder's token
+types are where transformers' tokenizer(text_1, text_2) puts them, even when a text holds the
+literal [SEP] token; XLM-R's positions are transformers' create_position_ids_from_input_ids,
+pad tokens inside a prompt included; truncate_prompt_tokens cuts a pair as
+tokenizer(..., truncation=True, max_length=k); and the errors (generation, too-long prompts,
+options an encoder refuses).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from engine_helpers import assert_no_leaks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from encoder_factory import encode, load_hf, make_encoder_dir  # noqa: E402
+from st_pooling_reference import ST_MODES, st_pool  # noqa: E402
 
 TEXTS = ["the cat sat on the mat", "hello", "what is the capital of france? paris is the city",
          "a dog", "hello world, hello berlin; germany is a country, berlin its capital city"]
@@ -209,3 +215,140 @@ def test_bfloat16_is_close_to_float32(folders: dict[str, Path]) -> None:
     for a, b in zip(full, half, strict=True):
         cosine = F.cosine_similarity(torch.tensor(a.embedding), torch.tensor(b.embedding), dim=0)
         assert cosine > 0.99
+
+
+def hf_tokenizer(folder: Path):  # noqa: ANN201 (transformers' BertTokenizer / XLMRobertaTokenizer)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@torch.no_grad()
+def hf_padded_batch(hf, folder: Path, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """transformers' last_hidden_state of `texts` run as one padded batch, and its mask: what
+    sentence-transformers' Pooling module receives."""
+    enc = hf_tokenizer(folder)(texts, padding=True, return_tensors="pt")
+    base = getattr(hf, "bert", None) or getattr(hf, "roberta", None) or hf
+    return base(**enc).last_hidden_state, enc["attention_mask"]
+
+
+@pytest.mark.parametrize("mode", ["max", "mean_sqrt_len_tokens", "weightedmean", "last"])
+def test_sentence_transformers_pooling_modes(folders: dict[str, Path], tmp_path: Path,
+                                             mode: str) -> None:
+    """The folder's 1_Pooling/config.json mode (no Normalize module: the raw vectors), and the
+    same mode asked for on a model whose own pooling is [CLS] (XLM-R, normalized)."""
+    folder = make_encoder_dir(tmp_path, "bert", pooling=mode, normalize=False, seed=7)
+    llm = _llm(folder)
+    assert llm.engine.spec.pooling_type == mode
+    hidden, mask = hf_padded_batch(load_hf(folder), folder, TEXTS)
+    expected = st_pool(hidden, mask, ST_MODES[mode][0])
+    for out, want in zip(llm.embed(TEXTS), expected, strict=True):
+        torch.testing.assert_close(torch.tensor(out.embedding), want, **TOL)
+    assert_no_leaks(llm.engine)
+    xlmr = folders["xlmr"]
+    hidden, mask = hf_padded_batch(load_hf(xlmr), xlmr, TEXTS)
+    expected = F.normalize(st_pool(hidden, mask, ST_MODES[mode][0]), dim=-1)
+    outs = _llm(xlmr).embed(TEXTS, PoolingParams(pooling=mode))
+    for out, want in zip(outs, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(out.embedding), want, **TOL)
+
+
+def test_concatenated_sentence_transformers_pooling_is_refused(tmp_path: Path) -> None:
+    folder = make_encoder_dir(tmp_path, "bert", pooling="cls+mean")
+    with pytest.raises(ValueError, match="concatenates several poolings"):
+        _llm(folder)
+
+
+# Pairs holding the tokenizer's literal [SEP]: it encodes to the [SEP] id, yet the token types
+# follow the pair (the last two pairs have the same ids, with the boundary in two places).
+SEP_PAIRS = [("what is [SEP] the capital", "paris [SEP] is the capital"),
+             (QUERY, "a [SEP] dog [SEP]"), ("hello [SEP] world", "city"),
+             ("hello", "world [SEP] city")]
+
+
+@torch.no_grad()
+def test_bert_pair_token_types_come_from_the_pair(folders: dict[str, Path]) -> None:
+    folder = folders["bert_ce"]
+    llm, hf, tok = _llm(folder), load_hf(folder), hf_tokenizer(folder)
+    scores = llm.score([a for a, _ in SEP_PAIRS], [b for _, b in SEP_PAIRS])
+    for (a, b), score in zip(SEP_PAIRS, scores, strict=True):
+        enc = tok(a, b, return_tensors="pt")
+        assert enc["input_ids"][0].tolist().count(tok.sep_token_id) > 2
+        assert score == pytest.approx(torch.sigmoid(hf(**enc).logits[0, 0]).item(), abs=1e-6)
+    same_ids = [tok(a, b)["input_ids"] for a, b in SEP_PAIRS[2:]]
+    assert same_ids[0] == same_ids[1] and abs(scores[2] - scores[3]) > 1e-4
+    # One text is all type 0 whatever it holds, as tokenizer(text) gives it.
+    texts = ["hello [SEP] world", "[SEP] [SEP] a dog"]
+    for text, out in zip(texts, llm.classify(texts), strict=True):
+        enc = tok(text, return_tensors="pt")
+        assert enc["token_type_ids"].sum() == 0
+        torch.testing.assert_close(torch.tensor(out.classification.logits),
+                                   hf(**enc).logits[0], **TOL)
+    assert_no_leaks(llm.engine)
+
+
+def test_token_type_start_errors(folders: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="token_type_start must be a non-negative integer"):
+        PoolingParams(task="classify", token_type_start=-1)
+    bert = LLMEngine(model=str(folders["bert_ce"]), dtype="float32")
+    with pytest.raises(ValueError, match="past the prompt"):
+        bert.add_request("x", [2, 7, 3], PoolingParams(task="classify", token_type_start=4))
+    xlmr = LLMEngine(model=str(folders["xlmr_ce"]), dtype="float32")
+    with pytest.raises(ValueError, match="no second token type"):
+        xlmr.add_request("x", [0, 7, 2], PoolingParams(task="classify", token_type_start=1))
+    assert not bert.has_unfinished_requests() and not xlmr.has_unfinished_requests()
+
+
+@torch.no_grad()
+def test_xlmr_pad_tokens_inside_a_prompt(folders: dict[str, Path]) -> None:
+    """transformers numbers XLM-R positions from pad_token_id + 1 counting only non-pad
+    tokens, a pad token itself at pad_token_id (create_position_ids_from_input_ids): a pad
+    id inside a prompt shifts every later position by one."""
+    folder = folders["xlmr"]
+    hf, pad = load_hf(folder), 1
+    cat, hello = encode(folder, "the cat")[0], encode(folder, "hello world")[0]
+    prompts = [cat[:2] + [pad] + cat[2:], [cat[0], pad] + hello[1:2] + [pad, pad] + hello[2:],
+               encode(folder, TEXTS[0])[0]]
+    outs = _llm(folder).embed(prompts, PoolingParams(pooling="mean", normalize=False))
+    for ids, out in zip(prompts, outs, strict=True):
+        want = hf(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+        torch.testing.assert_close(torch.tensor(out.embedding), want, **TOL)
+        if pad in ids:  # the test has teeth: positions 2, 3, ... whatever the ids
+            plain = torch.arange(2, 2 + len(ids))[None]
+            naive = hf(torch.tensor([ids]), position_ids=plain).last_hidden_state[0].mean(dim=0)
+            assert (naive - want).abs().max() > 1e-3
+    # The cross-encoder too (classify), prompts of different lengths in one step.
+    folder = folders["xlmr_ce"]
+    hf = load_hf(folder)
+    outs = _llm(folder).classify(prompts)
+    for ids, out in zip(prompts, outs, strict=True):
+        torch.testing.assert_close(torch.tensor(out.classification.logits),
+                                   hf(torch.tensor([ids])).logits[0], **TOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("key", ["bert_ce", "xlmr_ce"])
+def test_score_truncate_prompt_tokens(folders: dict[str, Path], key: str) -> None:
+    """LLM.score(truncate_prompt_tokens=k) cuts each pair as vLLM does, with transformers'
+    tokenizer(query, document, truncation=True, max_length=k): the longer text loses its end
+    first, the special tokens stay."""
+    folder = folders[key]
+    llm, hf, tok = _llm(folder), load_hf(folder), hf_tokenizer(folder)
+    docs = [DOCS[3], DOCS[0] + " " + DOCS[3], "berlin"]
+    for k in (9, 14):
+        scores = llm.score(QUERY, docs, truncate_prompt_tokens=k)
+        for doc, score in zip(docs, scores, strict=True):
+            enc = tok(QUERY, doc, truncation=True, max_length=k, return_tensors="pt")
+            assert enc["input_ids"].shape[1] <= k
+            want = torch.sigmoid(hf(**enc).logits[0, 0]).item()
+            assert score == pytest.approx(want, abs=1e-6)
+        whole = llm.score(QUERY, docs[:1])[0]
+        assert scores[0] != pytest.approx(whole, abs=1e-4)  # the cut changed the score
+    assert llm.score(QUERY, docs, truncate_prompt_tokens=-1) == llm.score(QUERY, docs)
+    with pytest.raises(ValueError, match="cannot hold the prompt's special tokens"):
+        llm.score(QUERY, docs, truncate_prompt_tokens=2)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in"):
+        llm.score(QUERY, docs, truncate_prompt_tokens=10_000)
+    assert_no_leaks(llm.engine)
+    with pytest.raises(ValueError, match="an embedding model's texts are not truncated"):
+        _llm(folders["bert_mean"]).score(QUERY, docs, truncate_prompt_tokens=8)

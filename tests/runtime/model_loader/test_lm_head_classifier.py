@@ -57,6 +57,35 @@ def test_scores_are_p_yes_of_the_causal_lm(reranker) -> None:  # noqa: ANN001
         [(logits[ref.token("yes")] - logits[ref.token("no")]).item()], abs=1e-4)
 
 
+def p_yes_of_ids(ref: Reference, ids: list[int], no: str = "no", yes: str = "yes") -> float:
+    with torch.no_grad():
+        logits = ref.model(torch.tensor([ids])).logits[0, -1]
+    return logits[[ref.token(no), ref.token(yes)]].softmax(0)[1].item()
+
+
+def test_truncate_prompt_tokens_cuts_the_end(reranker) -> None:  # noqa: ANN001
+    """vLLM's truncate_prompt_tokens on a reranker: each pair's prompt is cut by transformers'
+    tokenizer(prompt, truncation=True, max_length=k), so its first k tokens stay: the query,
+    then as much of the document as fits (with a score template, its end goes too)."""
+    llm, ref = reranker
+    k = 12
+    cut = [ref.tokenizer(QUERY + d, truncation=True, max_length=k)["input_ids"] for d in DOCS]
+    assert all(ids == ref.tokenizer(QUERY + d)["input_ids"][:k] for ids, d in zip(cut, DOCS))
+    assert llm.score(QUERY, DOCS, truncate_prompt_tokens=k) == pytest.approx(
+        [p_yes_of_ids(ref, ids) for ids in cut], abs=2e-5)
+    full = ref.tokenizer(qwen3_reranker_prompt(QUERY, DOCS[1]))["input_ids"]
+    k = len(full) - 2
+    head = ref.tokenizer(qwen3_reranker_prompt(QUERY, DOCS[1]), truncation=True,
+                         max_length=k)["input_ids"]
+    assert head == full[:k]
+    assert llm.score(QUERY, DOCS[1], chat_template=str(TEMPLATE), truncate_prompt_tokens=k) \
+        == pytest.approx([p_yes_of_ids(ref, head)], abs=2e-5)
+    # -1: the model's length (nothing to cut here); beyond it, an error.
+    assert llm.score(QUERY, DOCS, truncate_prompt_tokens=-1) == llm.score(QUERY, DOCS)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in"):
+        llm.score(QUERY, DOCS, truncate_prompt_tokens=llm.engine.max_model_len + 1)
+
+
 def test_score_template_errors(reranker) -> None:  # noqa: ANN001
     llm, _ = reranker
     with pytest.raises(ValueError, match="looks like a file path"):
@@ -95,6 +124,12 @@ def test_one_token_and_two_way_methods(tmp_path: Path) -> None:
         logits = ref.model(torch.tensor([pair])).logits[0, -1]
     assert sep.score(QUERY, DOCS[2]) == pytest.approx(
         [logits[[ref.token("0"), ref.token("1")]].softmax(0)[1].item()], abs=2e-5)
+    # Truncated as tokenizer(query, doc, truncation=True, max_length=k): the longer text
+    # loses its end first.
+    cut = ref.tokenizer(QUERY, DOCS[2], truncation=True, max_length=9)["input_ids"]
+    assert len(cut) == 9
+    assert sep.score(QUERY, DOCS[2], truncate_prompt_tokens=9) == pytest.approx(
+        [p_yes_of_ids(ref, cut, no="0", yes="1")], abs=2e-5)
 
 
 def test_the_head_stays_float32_in_bfloat16(tmp_path: Path) -> None:

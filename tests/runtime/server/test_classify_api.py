@@ -249,12 +249,14 @@ def test_cross_encoder_rerank(reranker) -> None:  # noqa: ANN001
     assert all("document" not in r for r in top["results"])
     tokens = sum(len(ref.tokenizer(QUERY, d)["input_ids"]) for d in DOCS)
     assert top["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-    # truncate_prompt_tokens keeps the last tokens of each joined pair.
+    # truncate_prompt_tokens cuts each pair as vLLM does, with transformers'
+    # tokenizer(query, doc, truncation=True, max_length=k): the longer text loses its end.
     cut = post(http, "/v1/rerank", {"query": QUERY, "documents": DOCS[:1],
                                     "truncate_prompt_tokens": 5})
-    last5 = ref.tokenizer(QUERY, DOCS[0])["input_ids"][-5:]
+    first5 = ref.tokenizer(QUERY, DOCS[0], truncation=True, max_length=5)["input_ids"]
+    assert len(first5) == 5
     assert cut["results"][0]["relevance_score"] == pytest.approx(
-        ref.logits(last5).sigmoid().item(), abs=1e-4)
+        ref.logits(first5).sigmoid().item(), abs=1e-4)
 
 
 def test_cross_encoder_classify_and_errors(reranker) -> None:  # noqa: ANN001

@@ -18,6 +18,7 @@ from serve_harness import ServerProcess
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from encoder_factory import encode, load_hf, make_encoder_dir  # noqa: E402
+from st_pooling_reference import st_pool  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
@@ -96,6 +97,36 @@ def test_errors(embedder) -> None:  # noqa: ANN001
     assert r.status_code == 200, r.text
 
 
+@torch.no_grad()
+def test_embedding_pooling_flag(embedder) -> None:  # noqa: ANN001
+    """--embedding-pooling cls on an encoder whose own pooling is mean (the flag takes every
+    PoolingParams pooling: the engine tests check sentence-transformers' modes); a pooling the
+    model cannot take (cls on a decoder) stops `argosy serve` with exit status 2 before it
+    serves."""
+    from argosy_runtime import EngineArgs
+    from argosy_runtime.cli.serve import serve
+    from argosy_runtime.server.config import ServerConfig
+    from model_factory import make_random_model_dir
+
+    _, folder = embedder
+    hf = load_hf(folder)
+    server = ServerProcess("--model", str(folder), "--served-model-name", "enc",
+                           "--max-model-len", "60", "--embedding-pooling", "cls").wait_ready()
+    try:
+        r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    for text, d in zip(TEXTS, r.json()["data"], strict=True):
+        ids = torch.tensor([encode(folder, text)[0]])
+        want = st_pool(hf(ids).last_hidden_state, torch.ones_like(ids), "cls")[0]
+        torch.testing.assert_close(torch.tensor(d["embedding"]), F.normalize(want, dim=0),
+                                   atol=1e-5, rtol=1e-5)
+    decoder = make_random_model_dir(folder.parent / "decoder", "llama", num_hidden_layers=1)
+    assert serve(EngineArgs(model=str(decoder), dtype="float32"),
+                 ServerConfig(embedding_pooling="cls")) == 2
+
+
 @pytest.mark.parametrize("arch", ["bert", "xlm_roberta"])
 def test_rerank_cross_encoder(tmp: Path, arch: str) -> None:
     folder = make_encoder_dir(tmp, arch, classifier=True, seed=7)
@@ -134,6 +165,24 @@ def test_rerank_cross_encoder(tmp: Path, arch: str) -> None:
         r = httpx.post(server.url + "/v1/embeddings", json={"model": "enc", "input": "hi"},
                        timeout=60)
         assert r.status_code == 400, r.text
+        # Token types follow the pair, not the [SEP] ids: these two pairs have the same ids
+        # (a text holds the literal separator) and different types, so different scores.
+        sep = "[SEP]" if arch == "bert" else "</s>"
+        firsts, seconds = [f"hello {sep} world", "hello"], ["city", f"world {sep} city"]
+        r = httpx.post(server.url + "/v1/score", json={"text_1": firsts, "text_2": seconds},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        want = [_reference_score(hf, folder, a, b) for a, b in zip(firsts, seconds, strict=True)]
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-6)
+        if arch == "bert":  # BERT's pair template makes the two pairs' ids the same
+            assert encode(folder, firsts[0], seconds[0])[0] == \
+                encode(folder, firsts[1], seconds[1])[0]
+            assert abs(want[0] - want[1]) > 1e-4
+        # A k the special tokens alone overflow: 400 naming the field.
+        r = httpx.post(server.url + "/v1/rerank", json={
+            "model": "enc", "query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 2},
+            timeout=60)
+        assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
     finally:
         server.stop()
 

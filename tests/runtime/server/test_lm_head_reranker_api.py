@@ -86,12 +86,15 @@ def test_rerank_orders_by_p_yes(served) -> None:  # noqa: ANN001
         for r in reply["results"]:
             assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=2e-5)
             assert r["document"] == {"text": DOCS[r["index"]]}
-    # truncate_prompt_tokens keeps the last tokens of the rendered prompt.
+    # truncate_prompt_tokens cuts the rendered prompt as vLLM does, with transformers'
+    # tokenizer(prompt, truncation=True, max_length=k): its first k tokens stay.
     cut = post(http, "/v1/rerank", {"query": QUERY, "documents": DOCS[:1],
                                     "truncate_prompt_tokens": 12})
-    tail = prompt_ids(ref, QUERY, DOCS[0])[-12:]
+    head = ref.tokenizer(qwen3_reranker_prompt(QUERY, DOCS[0]), truncation=True,
+                         max_length=12)["input_ids"]
+    assert head == prompt_ids(ref, QUERY, DOCS[0])[:12]
     with torch.no_grad():
-        logits = ref.model(torch.tensor([tail])).logits[0, -1]
+        logits = ref.model(torch.tensor([head])).logits[0, -1]
     no, yes = ref.token("no"), ref.token("yes")
     assert cut["results"][0]["relevance_score"] == pytest.approx(
         logits[[no, yes]].softmax(0)[1].item(), abs=2e-5)
