@@ -38,6 +38,7 @@ from argosy_runtime.distributed import (
 )
 from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.kv_cache.sliding_window import max_blocks_held, uniform_sliding_window
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -127,8 +128,13 @@ class LLMEngine:
             enable_chunked_prefill=chunked,
             max_loras=args.max_loras,
         )
+        # Every layer windowed alike (Mistral, Phi-3-mini-4k, Qwen3-MoE with a window): blocks
+        # behind the window go back to the pool as a request advances. Mixed models (Gemma
+        # 2/3) keep every block: their full-attention layers read them all.
         self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
-                                       self.cache_config.enable_prefix_caching)
+                                       self.cache_config.enable_prefix_caching,
+                                       sliding_window=uniform_sliding_window(
+                                           self.spec.layer_sliding_windows))
         self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
                                   self.spec.vocab_size, seed=args.seed,
                                   max_model_len=self.max_model_len,
@@ -356,11 +362,11 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        blocks_needed = -(-(len(prompt_ids) + max_tokens) // self.cache_config.block_size)
-        if blocks_needed > self.cache_config.num_blocks:
+        blocks_needed = self._max_blocks_held(len(prompt_ids) + max_tokens)
+        if blocks_needed > self.kv_cache.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks_needed} KV-cache blocks but the whole pool "
-                f"has {self.cache_config.num_blocks}; lower max_tokens or raise kv_cache_memory"
+                f"has {self.kv_cache.num_blocks}; lower max_tokens or raise kv_cache_memory"
             )
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids",
                                                                params.allowed_token_ids)):
@@ -400,6 +406,20 @@ class LLMEngine:
         self._groups[request_id] = children
         self.stats.prompt_tokens += len(prompt_ids)
 
+    def _max_blocks_held(self, num_tokens: int) -> int:
+        """The most KV blocks a sequence of `num_tokens` tokens holds at once: all of them,
+        or with blocks freed behind a sliding window, the window plus one step's tokens (a
+        prefill chunk, or a decode with its drafts). Without chunked prefill a preempted
+        request recomputes all its tokens in one step: all of them."""
+        sc = self.scheduler_config
+        step = num_tokens
+        if sc.enable_chunked_prefill:
+            step = sc.max_num_batched_tokens
+            if self.proposer is not None:  # drafts get slots before the step's budget cuts them
+                step = max(step, 1 + self.proposer.config.num_speculative_tokens)
+        return max_blocks_held(num_tokens, step, self.kv_cache.sliding_window,
+                               self.kv_cache.block_size)
+
     def _check_task(self, params: SamplingParams | PoolingParams) -> None:
         """What this checkpoint can do: generate with an lm_head, classify with a
         classification head, embed with neither (a headless decoder). vLLM refuses
@@ -438,11 +458,11 @@ class LLMEngine:
             if params.token_type_start > len(prompt_ids):
                 raise ValueError(f"token_type_start ({params.token_type_start}) is past the "
                                  f"prompt's {len(prompt_ids)} tokens")
-        blocks_needed = -(-len(prompt_ids) // self.cache_config.block_size)
-        if blocks_needed > self.cache_config.num_blocks:
+        blocks_needed = self._max_blocks_held(len(prompt_ids))
+        if blocks_needed > self.kv_cache.num_blocks:
             raise ValueError(
                 f"prompt needs {blocks_needed} KV-cache blocks but the whole pool has "
-                f"{self.cache_config.num_blocks}; raise kv_cache_memory")
+                f"{self.kv_cache.num_blocks}; raise kv_cache_memory")
         # max_tokens 0: nothing to generate, so a speculative proposer never drafts for it
         # (not even when a chunk leaves one prompt token for the next step).
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids,
@@ -737,3 +757,4 @@ class LLMEngine:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=first.metrics,
         )
+

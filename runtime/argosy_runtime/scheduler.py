@@ -21,6 +21,11 @@ over: it keeps its place in line and is admitted once a running adapter's reques
 finished (the earliest such request first), while requests behind it on the base model (which
 never counts) or on an adapter already running may be admitted. It never preempts anyone and
 never makes anyone preempt for it.
+
+On a model whose every layer has the same sliding window, `allocate_slots` first releases the
+blocks behind the window of the step's first query (kv_cache/sliding_window.py), and
+`can_allocate` counts them as free: a long windowed request needs about the window plus its
+chunk, not its whole context, to be admitted or to keep running.
 """
 
 from __future__ import annotations
@@ -122,9 +127,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
                 i += 1
                 continue
+            # num_computed_tokens: final tokens (drafts come after), so a sliding-window
+            # model's blocks behind the window are released without risk of a rollback.
             while not self.kv_cache.allocate_slots(
                 req.request_id, req.token_ids, req.num_computed_tokens + num_new,
-                salt=req.cache_salt,
+                salt=req.cache_salt, num_computed_tokens=req.num_computed_tokens,
             ):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -160,7 +167,8 @@ class Scheduler:
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             if (seats_full or not self.kv_cache.can_allocate(
-                    req.request_id, num_computed + num_new, computed)) \
+                    req.request_id, num_computed + num_new, computed,
+                    num_computed_tokens=num_computed)) \
                     and not self._preemption_makes_room(req, num_computed + num_new, computed):
                 break  # preempting would cost its victims their work and still not admit it
             if seats_full:
@@ -171,7 +179,7 @@ class Scheduler:
                 break
             while not self.kv_cache.allocate_slots(
                 req.request_id, req.token_ids, num_computed + num_new, computed,
-                salt=req.cache_salt,
+                salt=req.cache_salt, num_computed_tokens=num_computed,
             ):
                 if not self._preempt_for(req, out):
                     return out  # the head waits, and nothing behind it may pass it
@@ -219,7 +227,8 @@ class Scheduler:
         if len(self.running) - len(victims) >= self.config.max_num_seqs:
             return False
         freed = self.kv_cache.num_blocks_freed_by(victims, keep=computed)
-        return self.kv_cache.can_allocate(req.request_id, num_tokens, computed, extra_free=freed)
+        return self.kv_cache.can_allocate(req.request_id, num_tokens, computed, extra_free=freed,
+                                          num_computed_tokens=len(computed) * self.kv_cache.block_size)
 
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
         """Preempt the lowest-ranked running request to make room for waiting `req`, only if

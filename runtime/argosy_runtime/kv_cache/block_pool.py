@@ -4,6 +4,12 @@ A block whose reference count drops to zero goes to the back of the free queue b
 prefix-cache hash, so a later request with the same prefix can take it back ("cached free").
 New allocations take blocks from the front of the queue (least recently freed first) and
 evict their hash at that moment. Cached-free blocks therefore count as free for usage.
+
+With `reserve_null_block` (sliding-window models, kv_cache/sliding_window.py) block 0 is the
+"null block": never handed out, cached or freed, so it stays zero-filled. Block-table entries
+of blocks released behind the window point at it, so a kernel that reads a whole table and
+masks (the PyTorch decode path, the C++ prefill kernel's first key tile) reads finite zeros,
+never another request's K/V being written in the same step.
 """
 
 from __future__ import annotations
@@ -25,17 +31,25 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}"
+                             + (" (one is the null block)" if reserve_null_block else ""))
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0] if reserve_null_block else None
         # block_id -> block, in LRU order (front = evicted first). Only ref_cnt == 0 blocks.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
+            (b.block_id, b) for b in self.blocks if b is not self.null_block
         )
         self._cached: dict[int, KVCacheBlock] = {}  # block hash -> block holding those tokens
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,7 +57,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (cached-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > len(self._free):
@@ -62,13 +76,15 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits (removing them from the free queue)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
         """Mark a full block as holding the tokens identified by `block_hash`."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         block.block_hash = block_hash
         # Keep the first block seen for a hash; a duplicate simply stays uncached-by-hash.
@@ -76,8 +92,11 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each. Pass blocks tail-first so a request's last blocks (the
-        least likely to be shared) are evicted before its first ones."""
+        least likely to be shared) are evicted before its first ones. The null block is
+        skipped: it holds no reference."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise RuntimeError(f"double free of block {block.block_id}")

@@ -3,6 +3,12 @@
 A full block is identified by a hash chain: hash(parent block's hash, this block's tokens),
 so equal hashes mean equal whole prefixes. Only full blocks are cached; the last partial block
 of a request is always private to it.
+
+With `sliding_window` set (every layer attends through that window), blocks that fall behind
+the window are released as the request advances (kv_cache/sliding_window.py): their table
+entries point at the pool's null block from then on, so a request holds about
+W / block_size + the step's blocks however long it grows. Released full blocks keep their
+hash like any freed block, and a prefix lookup needs only the blocks the window still reads.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from argosy_runtime.kv_cache.block_pool import BlockPool, KVCacheBlock
+from argosy_runtime.kv_cache.sliding_window import longest_window_hit, num_skipped_blocks
 
 
 def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
@@ -19,20 +26,31 @@ def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window of every layer, when all share one (blocks behind it
+        are then released early); None for full attention or mixed layers."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, enable_caching,
+                              reserve_null_block=sliding_window is not None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_block_hashes: dict[str, list[int]] = {}
+        # request id -> how many leading table entries are the null block (released), so
+        # each step looks only at the blocks that newly fell behind the window.
+        self._num_released: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block, if any, is not one)."""
+        return self.pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,28 +80,46 @@ class KVCacheManager:
 
         At most `len(token_ids) - 1` tokens are reused: the last token must be computed to
         produce logits. The caller takes references with `allocate_slots(..., computed)`.
+        With a sliding window, only the blocks the window still reads must be cached: the
+        ones before it are the null block (`allocate_slots` keeps them so).
         """
         if not self.enable_caching:
             return []
         limit = len(token_ids) - 1 if num_lookup_tokens is None else num_lookup_tokens
-        hashes = self.block_hashes(request_id, token_ids, salt)
+        hashes = self.block_hashes(request_id, token_ids, salt)[: limit // self.block_size]
         hits: list[KVCacheBlock] = []
-        for block_hash in hashes[: limit // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        if self.sliding_window is not None and self.pool.null_block is not None:
+            num_hit, needed = longest_window_hit(hashes, self.pool.get_cached_block,
+                                                 self.sliding_window, self.block_size)
+            hits = [self.pool.null_block] * (num_hit - len(needed)) + needed
+        else:
+            for block_hash in hashes:
+                block = self.pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits
 
+    def _num_skipped(self, num_computed_tokens: int) -> int:
+        return num_skipped_blocks(num_computed_tokens, self.sliding_window, self.block_size)
+
     def can_allocate(self, request_id: str, num_tokens: int,
-                     computed: Sequence[KVCacheBlock] = (), extra_free: int = 0) -> bool:
+                     computed: Sequence[KVCacheBlock] = (), extra_free: int = 0,
+                     num_computed_tokens: int = 0) -> bool:
         """Would `allocate_slots` succeed now (with `extra_free` more free blocks)?"""
-        have = len(self.req_to_blocks.get(request_id, ())) + len(computed)
-        need = -(-num_tokens // self.block_size) - have
-        # Cache hits that are sitting in the free queue stop being free once touched.
-        free = self.pool.num_free_blocks - sum(1 for b in computed if b.ref_cnt == 0)
+        blocks = self.req_to_blocks.get(request_id, [])
+        need = -(-num_tokens // self.block_size) - len(blocks) - len(computed)
+        skip = self._num_skipped(num_computed_tokens)
+        # Cache hits that are sitting in the free queue stop being free once touched (not
+        # those behind the window: they are never touched).
+        free = self.pool.num_free_blocks - sum(
+            1 for i, b in enumerate(computed, len(blocks))
+            if i >= skip and b.ref_cnt == 0 and b is not self.pool.null_block)
+        # Blocks falling behind the window come back, unless another request shares them.
+        free += sum(1 for b in blocks[self._num_released.get(request_id, 0) : skip]
+                    if b.ref_cnt == 1)
         return need <= free + extra_free
 
     def num_blocks_freed_by(self, request_ids: Iterable[str],
@@ -98,6 +134,8 @@ class KVCacheManager:
                 refs[block.block_id] += 1
                 by_id[block.block_id] = block
         kept = {b.block_id for b in keep}
+        if self.pool.null_block is not None:  # never returned: it is nobody's
+            kept.add(self.pool.null_block.block_id)
         return sum(1 for bid, n in refs.items() if by_id[bid].ref_cnt == n and bid not in kept)
 
     def allocate_slots(
@@ -107,18 +145,32 @@ class KVCacheManager:
         num_total_tokens: int,
         computed: Sequence[KVCacheBlock] = (),
         salt: int | None = None,
+        num_computed_tokens: int = 0,
     ) -> bool:
         """Make room for the first `num_total_tokens` tokens of the request.
 
         `computed` are prefix-cache hits from `get_computed_blocks` (only on first schedule).
-        Returns False, changing nothing, when the pool is too small right now.
+        `num_computed_tokens`: where the tokens to compute next start (final tokens only,
+        never speculative ones); with a sliding window the blocks no query from there on
+        reads are released first (0: none). Returns False, changing nothing, when the pool is
+        too small right now.
         """
-        if not self.can_allocate(request_id, num_total_tokens, computed):
+        if not self.can_allocate(request_id, num_total_tokens, computed,
+                                 num_computed_tokens=num_computed_tokens):
             return False
         blocks = self.req_to_blocks.setdefault(request_id, [])
+        skip = self._num_skipped(num_computed_tokens)
+        self._release_behind_window(request_id, blocks, skip)
         if computed:
+            # Hits behind the window are not taken: their entries are the null block.
+            start = len(blocks)
+            null = self.pool.null_block
+            computed = [null if i < skip and null is not None else b
+                        for i, b in enumerate(computed, start)]
             self.pool.touch(computed)
             blocks.extend(computed)
+            if null is not None:
+                self._num_released[request_id] = min(skip, len(blocks))
         need = -(-num_total_tokens // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
@@ -131,9 +183,25 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], hashes[i])
         return True
 
+    def _release_behind_window(self, request_id: str, blocks: list[KVCacheBlock],
+                               skip: int) -> None:
+        """Give back blocks released..skip - 1 (no future query reads them): one reference
+        each, so a block another request shares stays for it; a full one keeps its hash.
+        Their entries become the null block, which kernels may read (and mask) safely."""
+        null = self.pool.null_block
+        released = self._num_released.get(request_id, 0)
+        skip = min(skip, len(blocks))
+        if null is None or skip <= released:
+            return
+        # Oldest first: they go to the free queue (and are evicted) before the later ones.
+        self.pool.free_blocks(blocks[released:skip])
+        blocks[released:skip] = [null] * (skip - released)
+        self._num_released[request_id] = skip
+
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
         self._req_block_hashes.pop(request_id, None)
+        self._num_released.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
@@ -147,9 +215,15 @@ class KVCacheManager:
             extra = blocks[keep:]
             del blocks[keep:]
             self.pool.free_blocks(reversed(extra))
+            if self._num_released.get(request_id, 0) > keep:
+                self._num_released[request_id] = keep
         hashes = self._req_block_hashes.get(request_id)
         if hashes is not None and len(hashes) > num_tokens // self.block_size:
             del hashes[num_tokens // self.block_size :]
+
+    def num_released_blocks(self, request_id: str) -> int:
+        """Leading table entries released behind the sliding window (the null block)."""
+        return self._num_released.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

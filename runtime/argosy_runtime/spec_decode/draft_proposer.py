@@ -129,7 +129,8 @@ class DraftProposer:
             # Blocks for every position this step may write, before the scheduler runs. Only
             # the computed prefix is offered for prefix-cache hashing: the block holding the
             # last token must not become a cache entry before the target has written it.
-            if not kv.allocate_slots(req.request_id, req.token_ids[: req.num_computed_tokens], n + k):
+            if not kv.allocate_slots(req.request_id, req.token_ids[: req.num_computed_tokens], n + k,
+                                     num_computed_tokens=req.num_computed_tokens):
                 continue
             start = self._catch_up_start(req)
             blocks = np.asarray(kv.block_ids(req.request_id), dtype=np.int64)
@@ -165,7 +166,8 @@ class DraftProposer:
         """First position the draft must (re)compute for this request."""
         if self.shares_target_cache:
             return req.num_computed_tokens  # the target's cache holds everything before
-        blocks = self.engine.kv_cache.req_to_blocks[req.request_id]
+        kv = self.engine.kv_cache
+        blocks = kv.req_to_blocks[req.request_id]
         state = self._state.get(req.request_id)
         if state is None or state.blocks is not blocks:
             # New request, or preempted and re-admitted with new blocks: recompute from 0
@@ -173,7 +175,6 @@ class DraftProposer:
             # recomputing is cheap for a small draft and always right).
             state = _DraftState(blocks)
             self._state[req.request_id] = state
-            return 0
         for token in state.pending:  # drafts the target accepted keep their draft K/V
             if state.valid < req.num_tokens and req.token_ids[state.valid] == token:
                 state.valid += 1
@@ -182,6 +183,10 @@ class DraftProposer:
         state.pending = []
         # Rolled-back blocks (past num_computed_tokens) were released and may be reused.
         state.valid = min(state.valid, req.num_computed_tokens)
+        # With a sliding window the blocks behind it were released (their table entries are
+        # the null block): never write there. The draft then reads zeros for the keys before
+        # this position, which costs acceptance only, never exactness.
+        state.valid = max(state.valid, kv.num_released_blocks(req.request_id) * kv.block_size)
         return state.valid
 
     def _choose(self, reqs: list[Request], logits: torch.Tensor

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from argosy_runtime import LLM
+from argosy_runtime import LLM, LLMEngine
 from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
@@ -92,11 +92,13 @@ def test_whole_prompts_in_one_chunk_and_one_token_chunks(qwen2) -> None:  # noqa
 
 
 def test_prefix_hits_and_preemption(mistral) -> None:  # noqa: ANN001
-    """A shared prefix longer than the window (cache hits start a chunk mid-window) and a KV
-    pool too small for all requests (preempted ones recompute)."""
+    """A shared prefix longer than the window (cache hits start a chunk mid-window, found
+    from the blocks the window reads) and a KV pool too small for all requests (preempted
+    ones recompute). 16 blocks: each request holds at most 6 (blocks behind the window are
+    released), so a pool of 30 no longer preempts."""
     folder, ref = mistral
     # Per token: 2 layers x (K, V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes.
-    check_window_prefix_hits_and_preemption(folder, ref, 512, 30, 22, (3, 9, 1, 14, 6, 11), 20)
+    check_window_prefix_hits_and_preemption(folder, ref, 512, 16, 22, (3, 9, 1, 14, 6, 11), 20)
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +224,114 @@ def test_batch_invariant_mode_with_windows(mistral_64) -> None:  # noqa: ANN001
     tokens, logprobs = ref.greedy(target, 16)
     assert abs(expected[1][0] - logprobs[0][expected[0][0]].item()) < 0.08
     assert_no_leaks(busy.engine)
+
+
+# ---- blocks released behind the window (kv_cache/sliding_window.py) -------------------------
+# The Mistral model windows every layer: blocks behind the window go back to the pool as a
+# request advances, so a pool far smaller than the context serves it. 512 bytes per token.
+MISTRAL_BYTES_PER_TOKEN = 512
+
+
+def _windowed_engine(folder, num_blocks: int, **kwargs) -> LLMEngine:  # noqa: ANN001
+    """float32, 4-token blocks, 8-token steps, a pool of `num_blocks` blocks (the null block
+    among them)."""
+    kwargs.setdefault("max_num_batched_tokens", 8)
+    return LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                     kv_cache_memory=num_blocks * 4 * MISTRAL_BYTES_PER_TOKEN, **kwargs)
+
+
+def _run_tracking_peak(engine: LLMEngine, prompts: list[list[int]], n: int,
+                       abort: dict[str, int] | None = None) -> tuple[dict, int]:
+    """Outputs of r0, r1, ... and the most blocks held at once after any step (aborting
+    `{request_id: at_step}`)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(n))
+    kv, done, peak, steps = engine.kv_cache, {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        peak = max(peak, kv.num_blocks - kv.num_free_blocks)
+        steps += 1
+        for rid, at in (abort or {}).items():
+            if steps == at:
+                engine.abort_request(rid)
+    return done, peak
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu_ops", "pytorch"])
+def test_long_generation_in_a_pool_smaller_than_its_context(mistral, fused: bool) -> None:  # noqa: ANN001
+    """90 tokens (23 blocks, 9 windows) in a pool of 7 usable blocks: accepted, completed
+    equal to transformers, never holding more than the window plus a step
+    (ceil((W - 1 + 8) / 4) + 1 = 6 blocks). The PyTorch decode path gathers whole block
+    tables: it reads the null block behind the window, and masks it."""
+    folder, ref = mistral
+    engine = _windowed_engine(folder, 8)
+    assert engine.kv_cache.sliding_window == MISTRAL_WINDOW and engine.kv_cache.num_blocks == 7
+    assert -(-90 // 4) > engine.kv_cache.num_blocks  # keeping every block, it could not run
+    if not fused:
+        engine.model.use_fused_cpu_ops(False)
+        engine.runner.backend.fused_cpu_ops = False
+    prompts = random_prompts(10, (30,))
+    done, peak = _run_tracking_peak(engine, prompts, 60)
+    assert peak <= 6
+    assert_equals_reference([done["r0"]], prompts, ref, 60)
+    assert_no_leaks(engine)
+
+
+def test_more_long_sequences_fit_at_once(mistral) -> None:  # noqa: ANN001
+    """Three 80-token sequences (20 blocks each) side by side in 19 usable blocks: no
+    preemption, outputs equal transformers'; one aborted midway leaks nothing."""
+    folder, ref = mistral
+    engine = _windowed_engine(folder, 20, max_num_batched_tokens=24)
+    prompts = random_prompts(11, (20, 33, 7))
+    done, peak = _run_tracking_peak(engine, prompts, 60 - 13)
+    assert engine.get_stats().num_preemptions == 0 and peak <= 19
+    assert_equals_reference([done[f"r{i}"] for i in range(3)], prompts, ref, 47)
+    assert_no_leaks(engine)
+    done, _ = _run_tracking_peak(engine, prompts, 47, abort={"r1": 12})  # past its window
+    assert "r1" not in done and engine.kv_cache.num_released_blocks("r1") == 0
+    assert_equals_reference([done["r0"], done["r2"]], prompts[::2], ref, 47)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "draft", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False},
+], ids=["ngram", "separate-draft"])
+def test_speculative_decoding_with_released_blocks(mistral, speculative: dict) -> None:  # noqa: ANN001
+    """Drafts get slots past the final tokens and rejected ones roll back: blocks are released
+    from final tokens only. A separate draft (its own cache on the same block tables) never
+    writes behind the window. Repetitive prompts so drafts are proposed and accepted."""
+    folder, ref = mistral
+    engine = _windowed_engine(folder, 12, speculative=speculative)
+    prompts = [[5, 6, 7, 8] * 6, random_prompts(12, (26,))[0]]
+    done, peak = _run_tracking_peak(engine, prompts, 40)
+    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_equals_reference([done["r0"], done["r1"]], prompts, ref, 40)
+    assert_no_leaks(engine)
+
+
+def test_mixed_window_models_keep_every_block(qwen2) -> None:  # noqa: ANN001
+    """A full-attention layer reads every block: no null block, nothing released."""
+    folder, _ = qwen2
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4)
+    assert engine.kv_cache.sliding_window is None and engine.kv_cache.pool.null_block is None
+
+
+def test_tensor_parallel_ranks_get_the_null_block_entries(mistral) -> None:  # noqa: ANN001
+    """Two ranks (one KV head each): the block tables rank 0 sends carry the null block
+    behind the window; every rank's cache has it zeroed. Same small pool as above."""
+    folder, ref = mistral
+    # Per token and rank: 2 layers x (K, V) x 1 kv head x 16 dims x 4 bytes = 256 bytes.
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4, tensor_parallel_size=2,
+                       max_num_batched_tokens=8, kv_cache_memory=8 * 4 * 256)
+    try:
+        assert engine.kv_cache.num_blocks == 7
+        prompts = random_prompts(13, (30,))
+        done, peak = _run_tracking_peak(engine, prompts, 50)
+        assert peak <= 6
+        assert_equals_reference([done["r0"]], prompts, ref, 50)
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
