@@ -33,6 +33,7 @@ from argosy_runtime.server.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from argosy_runtime.server.request_body import StrictJSONRoute
 from argosy_runtime.server.request_log import RequestContextMiddleware
 from argosy_runtime.server.responses import BackgroundRuns, ResponseStore, add_responses_routes
 from argosy_runtime.server.serving_chat import create_chat_completion
@@ -115,6 +116,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             async_engine.shutdown()
 
     app = FastAPI(title="Argosy OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute  # a lone surrogate in a body is a 400, not a 500
     app.state.ctx = ctx
     install_error_handlers(app)
     batches = BatchRunner(batch_root, files, app, concurrency=_max_num_seqs(engine) or 64,

@@ -71,6 +71,8 @@ def param_from_value_error(message: str) -> str | None:
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    if loc and loc[0] in ("query", "path", "header", "cookie"):
+        loc = loc[1:]  # a query parameter is named as itself ('limit'), as a body field is
     parts = [str(p) for p in loc if p != "body"]
     # pydantic reports each member of a union separately (e.g. 'prompt.str'); keep the field
     return parts[0] if parts else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -135,12 +136,15 @@ def logit_bias_of(req: CompletionRequest | ChatCompletionRequest) -> dict[int, f
         return None
     bias = {}
     for key, value in req.logit_bias.items():
-        try:
-            bias[int(key)] = value
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              "logit_bias") from None
+        # Plain ASCII digits only: int() would also take " 5", "1_0" (10) and "٣" (3).
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}",
+                              "logit_bias")
+        bias[int(key)] = value
     return bias
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # bounded: int() refuses 4300+ digits
 
 
 def constraint_source(req: CompletionRequest | ChatCompletionRequest) -> str | None:

@@ -41,6 +41,11 @@ CASES = [
     (C, {"model": MODEL, "prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
     (C, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias[1]"),
     (C, {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    # int() would read these as 10, 5 and 3
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {" 5": 1}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
     (C, {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "("}}, 400,
      "structured_outputs"),
     (C, {"model": MODEL, "prompt": "x", "structured_outputs": {}}, 400, "structured_outputs"),
@@ -142,3 +147,35 @@ def test_server_keeps_serving_after_errors(http: httpx.Client) -> None:
         http.post(C, content=b"{{{{", headers={"content-type": "application/json"})
     r = http.post(C, json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# A lone UTF-16 surrogate, as JSON spells it (an escape): not valid Unicode, so no tokenizer
+# can take it (it was a 500 that also cut the keep-alive connection).
+LONE = "\\ud83d"
+SURROGATE_CASES = [
+    (C, f'{{"prompt": "Hi {LONE}", "max_tokens": 1}}', "prompt"),
+    (C, f'{{"prompt": "Hi", "max_tokens": 1, "bad_words": ["{LONE}"]}}', "bad_words[0]"),
+    (CHAT, f'{{"messages": [{{"role": "user", "content": "{LONE}"}}], "max_tokens": 1}}',
+     "messages[0].content"),
+    ("/v1/embeddings", '{"input": ["ok", "\\udc00"]}', "input[1]"),
+    ("/tokenize", f'{{"prompt": "{LONE}"}}', "prompt"),
+    ("/v1/rerank", f'{{"query": "{LONE}", "documents": ["a"]}}', "query"),
+    ("/v1/responses", f'{{"input": "{LONE}", "max_output_tokens": 1}}', "input"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "where"), SURROGATE_CASES)
+def test_lone_surrogate_is_a_400(http: httpx.Client, path: str, raw: str, where: str) -> None:
+    r = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    err = _check_error_body(r, 400)
+    assert "surrogate" in err["message"] and where in err["message"], err
+    # the same connection still serves
+    assert http.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_fine(http: httpx.Client) -> None:
+    raw = r'{"prompt": "\ud83d\ude00 and \\ud83d"}'  # an emoji, then a backslash + "ud83d"
+    r = http.post("/tokenize", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text == "\U0001f600 and \\ud83d"

@@ -203,6 +203,9 @@ def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
     ({"input": "Hi", "model": "no-such-model"}, 404, "model", "does not exist"),
     ({"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id",
      "resp_unknown"),
+    # reasoning items are not shown to the model: alone they leave nothing to answer (was
+    # chat's "messages: List should have at least 1 item", param null)
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input", "no message to answer"),
 ])
 def test_errors_are_4xx_naming_the_field(http: httpx.Client, body: dict, status: int,
                                          param: str, words: str) -> None:
@@ -218,6 +221,9 @@ def test_unknown_response_id_is_a_404(http: httpx.Client) -> None:
         assert r.status_code == 404
         assert r.json()["error"]["code"] == "response_not_found"
     assert http.get("/v1/responses/resp_unknown/input_items").status_code == 404
+    # a bad query parameter is named as itself (was param "query")
+    r = http.get("/v1/responses/resp_unknown/input_items", params={"limit": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
     r = http.post("/v1/responses/resp_unknown/cancel")
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 

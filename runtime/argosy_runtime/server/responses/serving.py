@@ -71,6 +71,10 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     if req.previous_response_id is not None:
         history = continued(store, req.previous_response_id)
     parsed = parse_input(req.input, history)
+    if not (req.instructions is not None or history or parsed.messages):
+        # reasoning items alone: they are not shown to the model, so nothing is left to answer
+        raise bad_request("input: holds no message to answer (reasoning items are not shown "
+                          "to the model)", "input")
     system = [] if req.instructions is None else [{"role": "system",
                                                    "content": req.instructions}]
     chat = chat_request(req, [*system, *history, *parsed.messages], tools, tool_choice)
@@ -176,7 +180,10 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
         )
     except ValidationError as exc:  # bounds are checked on ResponsesRequest: not expected
         error = exc.errors()[0]
-        raise bad_request(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+        loc = [str(p) for p in error["loc"]]
+        param = _PARAMS.get(loc[0], loc[0]) if loc else None
+        raise bad_request(f"{'.'.join([param or 'body', *loc[1:]])}: {error['msg']}",
+                          param) from None
 
 
 def response_format(req: ResponsesRequest) -> ResponseFormat | None:
