@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -41,6 +42,7 @@ from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.kv_cache.sliding_window import max_blocks_held, uniform_sliding_window
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
+from argosy_runtime.model_loader import ModelSpec
 from argosy_runtime.model_runner import ModelRunner, kv_cache_bytes_per_block
 from argosy_runtime.models import LlamaForCausalLM
 from argosy_runtime.models.build import build_model
@@ -258,7 +260,13 @@ class LLMEngine:
         # name -> path of every adapter served, and the ones in memory now (all of them
         # unless max_loaded_loras caps them: then loaded on first use, least recently used
         # evicted; lora/registry.py).
-        self.lora_registry = LoRARegistry(self._read_lora_adapter, self.args.max_loaded_loras)
+        # The loader holds no reference to the engine: an engine nothing else holds (a
+        # dropped `LLM`) is freed at once, its KV cache with it, without waiting for the
+        # garbage collector to find a cycle.
+        self.lora_registry = LoRARegistry(
+            functools.partial(_read_lora_adapter, spec=self.spec, dtype=self.dtype,
+                              device=self.device),
+            self.args.max_loaded_loras)
         # False: add_request never reads adapter weights on its thread (the AsyncEngine sets
         # it and loads adapters on short-lived threads before it posts their requests).
         self.lora_loads_inline = True
@@ -283,12 +291,6 @@ class LLMEngine:
     def lora_paths(self) -> dict[str, str]:
         """Every adapter served, loaded or not: name -> path."""
         return self.lora_registry.paths
-
-    def _read_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
-        adapter = LoRAAdapter.load(name, path, self.spec, self.dtype, self.device)
-        logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
-                    len(adapter.layers), path)
-        return adapter
 
     def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter | None:
         """Serve the PEFT adapter folder `path` as `name` (replacing one of that name).
@@ -758,3 +760,10 @@ class LLMEngine:
             metrics=first.metrics,
         )
 
+
+def _read_lora_adapter(name: str, path: str, *, spec: ModelSpec, dtype: torch.dtype,
+                       device: torch.device) -> LoRAAdapter:
+    adapter = LoRAAdapter.load(name, path, spec, dtype, device)
+    logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
+                len(adapter.layers), path)
+    return adapter

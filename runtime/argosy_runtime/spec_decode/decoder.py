@@ -10,6 +10,7 @@ prefill, run in the same batch as usual.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,7 +50,9 @@ class _Adaptive:
 
 class SpeculativeDecoder:
     def __init__(self, engine: LLMEngine, config: SpeculativeConfig, proposer: Proposer) -> None:
-        self.engine = engine
+        # A proxy: the engine owns this object, so a strong reference back would keep a
+        # dropped engine (and its KV cache) alive until the garbage collector ran.
+        self.engine = weakref.proxy(engine)
         self.config = config
         self.proposer = proposer
         self._adaptive: dict[str, _Adaptive] = {}

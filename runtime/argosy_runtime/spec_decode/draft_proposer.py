@@ -23,6 +23,7 @@ rejection sampling stays exact whatever q is (a stale draft cache only lowers ac
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,9 @@ class DraftProposer:
     """Proposes with a draft model; `SpeculativeDecoder` calls `propose_batch` each step."""
 
     def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
-        self.engine = engine
+        # A proxy: the engine owns this object, so a strong reference back would keep a
+        # dropped engine (and its KV cache) alive until the garbage collector ran.
+        self.engine = weakref.proxy(engine)
         self.config = config
         runner = engine.runner
         target = engine.model
