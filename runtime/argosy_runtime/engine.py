@@ -578,7 +578,13 @@ class LLMEngine:
         if sched.is_empty:
             return []
         now = time.monotonic()
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except BaseException:
+            # The blocks hashed for this step hold no (or partial) K/V: no later request may
+            # find them in the prefix cache once these requests are aborted.
+            self.kv_cache.unhash_step_blocks()
+            raise
         progressed: dict[str, None] = {}
         for sr in sched.scheduled:
             req = sr.request

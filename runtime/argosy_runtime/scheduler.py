@@ -22,6 +22,14 @@ finished (the earliest such request first), while requests behind it on the base
 never counts) or on an adapter already running may be admitted. It never preempts anyone and
 never makes anyone preempt for it.
 
+The prefix cache learns a step's full blocks when it is scheduled (so requests admitted in the
+same step share them). A victim scheduled in this step's running phase never runs its tokens:
+`_preempt` drops the hashes it gave in this step before freeing its blocks. And a waiting
+request takes no hit on a block hashed in this step by a running request it outranks: that
+request may still be preempted in this step (by it, or by a later admission, which ranks no
+higher), while a request it does not outrank cannot be (waiting requests are admitted in rank
+order and only preempt requests they outrank). Equal priorities keep sharing.
+
 On a model whose every layer has the same sliding window, `allocate_slots` first releases the
 blocks behind the window of the step's first query (kv_cache/sliding_window.py), and
 `can_allocate` counts them as free: a long windowed request needs about the window plus its
@@ -110,6 +118,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         preempted_for_memory = False
 
@@ -161,9 +170,11 @@ class Scheduler:
             seats_full = len(self.running) >= self.config.max_num_seqs
             if seats_full and not self._outranks_a_running_request(req):
                 break
+            # Not blocks hashed in this step by requests it outranks (see the module doc).
+            outranked = [r.request_id for r in self.running if r.priority > req.priority]
             computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
                                                          _prefix_lookup_limit(req),
-                                                         salt=req.cache_salt)
+                                                         salt=req.cache_salt, exclude=outranked)
             num_computed = len(computed) * self.kv_cache.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             if (seats_full or not self.kv_cache.can_allocate(
@@ -248,6 +259,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        # Scheduled in this step already (a victim of _preempt_for): its blocks hashed for the
+        # step will never be written. (Other victims hashed nothing in this step.)
+        self.kv_cache.unhash_step_blocks(req.request_id)
         self.kv_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -82,13 +82,20 @@ class BlockPool:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Mark a full block as holding the tokens identified by `block_hash`."""
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Mark a full block as holding the tokens identified by `block_hash`. True when this
+        call gave the block its hash (False: it had one already, or caching is off)."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
-            return
+            return False
         block.block_hash = block_hash
         # Keep the first block seen for a hash; a duplicate simply stays uncached-by-hash.
         self._cached.setdefault(block_hash, block)
+        return True
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget the block's hash (its K/V were never written): no lookup finds it, and once
+        free it is reused first, like any uncached block."""
+        self._evict(block)
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each. Pass blocks tail-first so a request's last blocks (the

@@ -9,12 +9,20 @@ the window are released as the request advances (kv_cache/sliding_window.py): th
 entries point at the pool's null block from then on, so a request holds about
 W / block_size + the step's blocks however long it grows. Released full blocks keep their
 hash like any freed block, and a prefix lookup needs only the blocks the window still reads.
+
+Blocks become cache entries when a step is scheduled, before it runs (a request admitted later
+in the same step may share them: every layer writes the step's K/V before attention reads).
+The manager remembers which blocks each request hashed since `begin_step`, so that a step's
+tokens that will not run after all (a request scheduled, then preempted in the same
+`schedule()`; a forward that raised) leave no entries: `unhash_step_blocks`. And a lookup may
+exclude what given requests hashed in this step (`get_computed_blocks(exclude=...)`), so no
+request holds a hit that depends on another that may still be preempted before the step runs.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from argosy_runtime.kv_cache.block_pool import BlockPool, KVCacheBlock
 from argosy_runtime.kv_cache.sliding_window import longest_window_hit, num_skipped_blocks
@@ -44,6 +52,8 @@ class KVCacheManager:
         # request id -> how many leading table entries are the null block (released), so
         # each step looks only at the blocks that newly fell behind the window.
         self._num_released: dict[str, int] = {}
+        # request id -> blocks it gave a hash since begin_step (their K/V are this step's).
+        self._hashed_this_step: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -74,27 +84,35 @@ class KVCacheManager:
 
     def get_computed_blocks(
         self, request_id: str, token_ids: Sequence[int], num_lookup_tokens: int | None = None,
-        salt: int | None = None,
+        salt: int | None = None, exclude: Collection[str] = (),
     ) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that prefixes `token_ids`.
 
         At most `len(token_ids) - 1` tokens are reused: the last token must be computed to
         produce logits. The caller takes references with `allocate_slots(..., computed)`.
         With a sliding window, only the blocks the window still reads must be cached: the
-        ones before it are the null block (`allocate_slots` keeps them so).
+        ones before it are the null block (`allocate_slots` keeps them so). Blocks that the
+        requests in `exclude` hashed since `begin_step` are misses (their K/V are written
+        only if those requests still run in this step).
         """
         if not self.enable_caching:
             return []
         limit = len(token_ids) - 1 if num_lookup_tokens is None else num_lookup_tokens
         hashes = self.block_hashes(request_id, token_ids, salt)[: limit // self.block_size]
+        excluded = {b.block_id for rid in exclude for b in self._hashed_this_step.get(rid, ())}
+        lookup = self.pool.get_cached_block
+        if excluded:
+            def lookup(block_hash: int) -> KVCacheBlock | None:
+                block = self.pool.get_cached_block(block_hash)
+                return None if block is None or block.block_id in excluded else block
         hits: list[KVCacheBlock] = []
         if self.sliding_window is not None and self.pool.null_block is not None:
-            num_hit, needed = longest_window_hit(hashes, self.pool.get_cached_block,
-                                                 self.sliding_window, self.block_size)
+            num_hit, needed = longest_window_hit(hashes, lookup, self.sliding_window,
+                                                 self.block_size)
             hits = [self.pool.null_block] * (num_hit - len(needed)) + needed
         else:
             for block_hash in hashes:
-                block = self.pool.get_cached_block(block_hash)
+                block = lookup(block_hash)
                 if block is None:
                     break
                 hits.append(block)
@@ -177,11 +195,29 @@ class KVCacheManager:
         if self.enable_caching:
             # Blocks whose tokens are all known are cacheable now: within a step every layer
             # writes all new K/V before any attention reads, so a same-step hit is safe.
+            # Only final tokens are hashed (draft tokens are not in `token_ids`).
             num_full = min(num_total_tokens, len(token_ids)) // self.block_size
             hashes = self.block_hashes(request_id, token_ids, salt)
             for i in range(num_full):
-                self.pool.cache_block(blocks[i], hashes[i])
+                if self.pool.cache_block(blocks[i], hashes[i]):
+                    self._hashed_this_step.setdefault(request_id, []).append(blocks[i])
         return True
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the blocks hashed before hold written K/V."""
+        self._hashed_this_step.clear()
+
+    def unhash_step_blocks(self, request_id: str | None = None) -> None:
+        """Forget the hashes given since `begin_step` (by `request_id`, or by everyone): the
+        step will not write those blocks (the request was taken out of it, or it failed).
+        Call before freeing the request, so its blocks are reused first, not kept."""
+        if request_id is None:
+            hashed = [b for blocks in self._hashed_this_step.values() for b in blocks]
+            self._hashed_this_step.clear()
+        else:
+            hashed = self._hashed_this_step.pop(request_id, [])
+        for block in hashed:
+            self.pool.uncache_block(block)
 
     def _release_behind_window(self, request_id: str, blocks: list[KVCacheBlock],
                                skip: int) -> None:
