@@ -675,7 +675,16 @@ class LLMEngine:
             # special tokens (skip_special_tokens=False) would end the reply with <|im_end|>.
             ends = (token in req.params.all_stop_token_ids
                     and req.num_output_tokens >= req.params.min_tokens)
-            if ends:
+            # Checked first: a failed grammar's mask allows anything (EOS included), and
+            # its output must never end as a normal "stop".
+            error = None if req.grammar is None else req.grammar.error(req.output_token_ids)
+            if error is not None:
+                req.error = (f"structured_outputs: the grammar failed after "
+                             f"{req.num_output_tokens} generated token(s) ({error}); "
+                             "use smaller repetition counts, lengths or nesting")
+                req.text += req.detokenizer.push([token])  # the text follows token_ids
+                status = RequestStatus.FINISHED_ERROR
+            elif ends:
                 status = RequestStatus.FINISHED_STOPPED
             else:
                 status = self._check_stop(req, token, req.detokenizer.push([token]))
@@ -749,6 +758,7 @@ class LLMEngine:
                 logprobs=c.logprobs,
                 finish_reason=c.status.value if c.is_finished else None,
                 stop_reason=c.stop_reason,
+                error=c.error,
             )
             for c in children
         ]

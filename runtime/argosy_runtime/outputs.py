@@ -25,8 +25,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" | None while running; "error": the sequence failed
+    # mid-generation (its structured-output grammar hit a matcher limit), `error` says why
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # the request failed mid-generation (its structured-output grammar hit a matcher limit):
+    # `Request.error` says why; vLLM's FinishReason.ERROR
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +35,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -71,6 +75,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 = unset
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it ended FINISHED_ERROR
         self.cumulative_logprob = 0.0
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (

@@ -6,7 +6,7 @@
 Every engine option is a flag (from `EngineArgs`, the "engine" group below); the "server"
 group holds the HTTP server's own (listen address, API key, queue bound, timeouts, tool-call
 and reasoning parsers, runtime LoRA updates, Batch API folder, embedding pooling, chat and
-score template). SIGTERM
+score template, request body limit). SIGTERM
 drains: /ready turns 503, running requests finish (up to --drain-timeout), exit 0. See
 docs/server.md.
 """
@@ -20,8 +20,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.server.config import EMBEDDING_POOLINGS, REASONING_PARSERS, TOOL_CALL_PARSERS
+from argosy_runtime.engine_args import EngineArgs, parse_bytes
+from argosy_runtime.server.config import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    EMBEDDING_POOLINGS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+)
 
 T = TypeVar("T")
 
@@ -56,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=float, default=600.0,
                         help="Seconds before a request is aborted (0: none; "
                              "default: %(default)s).")
+    server.add_argument("--max-request-body-size", type=parse_bytes,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                        help="Largest request body (e.g. 16MiB, 1e6, 0: no limit); a larger "
+                             "one gets 413 before it is read. Batch API uploads (POST "
+                             "/v1/files) have their own 200 MiB limit (default: 16MiB).")
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="On SIGTERM, seconds to let running requests finish before "
                              "aborting them (default: %(default)s).")
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             allow_runtime_lora_updates=args.allow_runtime_lora_updates,
             tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir,
             embedding_pooling=args.embedding_pooling, reasoning_parser=args.reasoning_parser,
-            chat_template=chat_template)
+            chat_template=chat_template, max_request_body_bytes=args.max_request_body_size)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)

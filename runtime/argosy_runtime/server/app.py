@@ -14,6 +14,7 @@ from argosy_runtime.async_engine import AsyncEngine
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.batch.routes import add_batch_routes
+from argosy_runtime.server.body_limit import BodySizeLimitMiddleware
 from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import install_error_handlers
 from argosy_runtime.server.lifecycle import Lifecycle
@@ -123,6 +124,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                           api_key=config.api_key, is_draining=lambda: lifecycle.draining)
     add_batch_routes(app, files, batches)
     metrics.batch_pending.set_function(batches.num_pending)
+    # Added first, so it runs inside RequestContextMiddleware: a 413 is authenticated first,
+    # logged and counted like any other answer.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key,
                        on_response=metrics.on_http)
 
@@ -159,7 +163,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(body, ctx)
+        return await tokenize(body, ctx)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:

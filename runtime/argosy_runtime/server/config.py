@@ -14,6 +14,9 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 EMBEDDING_POOLINGS = POOLING_TYPES
 # Thinking formats chat replies are split by (server/reasoning_parser.py).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# Room for a 1M-token prompt as text (~4 MB) or as token ids (~7 MB); the gateway's own
+# limit is 64 MiB (gateway/proxy/app.py).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class ServerConfig:
         already read from its file): chat, /tokenize and responses render with it, and a
         cross-encoder takes it as its score template (messages with roles "query" and
         "document"); None: the tokenizer's own, and no score template.
+    max_request_body_bytes: a larger request body is a 413 before it is parsed (0: no
+        limit); Batch API uploads (POST /v1/files) have their own 200 MiB limit.
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +66,7 @@ class ServerConfig:
     embedding_pooling: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,6 +77,9 @@ class ServerConfig:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_request_body_bytes < 0:
+            raise ValueError("max_request_body_bytes must be >= 0 (0: no limit), "
+                             f"got {self.max_request_body_bytes}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.log_level!r}")

@@ -13,6 +13,9 @@ vLLM's `allowed_token_ids`, `bad_words` (SamplingParams) and `truncate_prompt_to
 (`serving_common.truncate_prompts`, shared with the pooling routes).
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
+Token ids and counts are `StrictInt`: pydantic's lax `int` takes `true` as 1 and `1.0` as 1,
+so `prompt: [true, false]` would run as token ids 1 and 0; float fields that take token-id
+keyed values are `StrictFloat` (5 is fine, `true` and "5" are not).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import uuid
 from typing import Any, Literal
 
 from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -71,11 +74,11 @@ class VLLMExtras(BaseModel):
     model_config = _FORBID
 
     ignore_eos: StrictBool = False
-    min_tokens: int = Field(default=0, ge=0)
-    top_k: int | None = Field(default=None, ge=-1)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     # Lower runs earlier, and may preempt requests of a higher value when the batch is full.
     # Strict: "1", 1.5 or true is a 400, not a silent coercion.
     priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
@@ -87,17 +90,17 @@ class _SamplingFields(VLLMExtras):
     model_config = _FORBID
 
     model: str | None = None
-    n: int | None = Field(default=1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(default=None, ge=1)
+    n: StrictInt | None = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -111,19 +114,19 @@ class _SamplingFields(VLLMExtras):
     # by its length to this power.
     use_beam_search: StrictBool = False
     # vLLM's: each prompt token's logprob and the top k there, in the reply (not with stream)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # 0 only with echo: the prompt (and its logprobs) alone, OpenAI's legacy scoring idiom
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
     echo: StrictBool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -132,9 +135,9 @@ class EmbeddingRequest(BaseModel):
 
     model_config = _FORBID
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
     priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 
@@ -193,9 +196,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -226,7 +229,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = _FORBID
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -235,7 +238,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     model_config = _FORBID
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
-    lora_int_id: int | None = None  # vLLM's; accepted for compatibility, unused
+    lora_int_id: StrictInt | None = None  # vLLM's; accepted for compatibility, unused
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -243,7 +246,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     model_config = _FORBID
     lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None
+    lora_int_id: StrictInt | None = None
 
 
 # ------------------------------------------------------------------ responses

@@ -28,7 +28,10 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
+    check_text_fits,
     compile_grammar,
+    constraint_source,
+    encode_texts,
     make_sampling_params,
     merge_streams,
     prompt_logprobs_json,
@@ -60,14 +63,19 @@ from starlette.responses import Response
 _TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
 
 
-def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
-                    tools: list[ChatTool] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The prompt token ids of a conversation, through the model's chat template."""
+async def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
+                          tools: list[ChatTool] | None = None,
+                          template_kwargs: dict[str, Any] | None = None,
+                          truncate: int | None = None) -> list[int]:
+    """The prompt token ids of a conversation, through the model's chat template (without
+    `truncate`, a text too long for the model is a 400 before it is tokenized)."""
     text = render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True,
                             template_kwargs=template_kwargs)
+    if not truncate:
+        check_text_fits(ctx, text, "messages")
     # The template already holds any BOS it wants; adding special tokens would double it.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    [ids] = await encode_texts(ctx, [text], add_special_tokens=False)
+    return ids
 
 
 def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
@@ -144,16 +152,19 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     tool_parser = (ctx.config.tool_call_parser
                    if may_call_tools(req, ctx.config.tool_call_parser) else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    prompt = render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs)
+    # a context-length error names the field the client set
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    prompt = await render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs,
+                                   req.truncate_prompt_tokens)
     [prompt] = truncate_prompts(ctx, [prompt], req.truncate_prompt_tokens, "messages",
-                                max_tokens)
+                                max_tokens, max_tokens_param)
     if req.use_beam_search:  # up to the context's end unless max_tokens says otherwise
         return await beam_search_response(request, ctx, req, model_name, [prompt],
                                           max_tokens or ctx.max_model_len - len(prompt))
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    params = make_sampling_params(req, max_tokens, k)
+    params = make_sampling_params(req, max_tokens, k, ctx.tokenizer.vocab_size)
     if tool_parser is not None and STREAMS[tool_parser].keep_special_tokens:
         # The format's marker is a control token (Mistral's [TOOL_CALLS]): keep it in the text
         # the parser reads, as vLLM does for this parser.
@@ -216,7 +227,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             sent_tokens = [0] * n
             done = [False] * n
             final: RequestOutput | None = None
-            async for _, out in merge_streams(streams):
+            async for _, out in merge_streams(streams, constraint_source(req)):
                 final = out
                 for seq in out.outputs:
                     c = seq.index
@@ -259,7 +270,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         return GuardedStreamingResponse(with_deadline(ctx, events(), on_timeout), on_close)
 
     try:
-        final = (await run_to_completion(request, ctx, streams))[0]
+        final = (await run_to_completion(request, ctx, streams, constraint_source(req)))[0]
     except ClientGone:
         log.update(finish_reason="client_disconnected")
         return Response(status_code=499)

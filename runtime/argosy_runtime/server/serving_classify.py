@@ -31,7 +31,7 @@ class ClassifyRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, as on every route
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # vLLM's: keep the last k tokens of each input; -1: the model's length; 0: all.
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     user: str | None = None
@@ -50,7 +50,8 @@ async def create_classify(request: Request, req: ClassifyRequest, ctx: ServingCo
     ctx.check_accepting()
     model_name = ctx.check_model(req.model)
     check_classifier(ctx, model_name, "/v1/classify")
-    _, prompts = normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
+    _, prompts = await normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS,
+                                         req.truncate_prompt_tokens)
     prompts = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "input")
     prompt_tokens = sum(len(p) for p in prompts)
     request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,

@@ -89,6 +89,8 @@ class ServingContext:
 def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
                        tool_call_parser: str | None = None) -> None:
     """OpenAI fields we parse but cannot honour: a clear 400 rather than a silent ignore."""
+    if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule too
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available with stream (vLLM's rule): they "
                           "come with the whole reply", "prompt_logprobs")
@@ -102,7 +104,12 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
 
 
 def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
-                         max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                         max_tokens: int | None, logprobs: int | None,
+                         vocab_size: int | None = None) -> SamplingParams:
+    """The request's SamplingParams; `vocab_size` (the tokenizer's): stop_token_ids outside
+    it are a 400, as such prompt ids are (they could never be sampled)."""
+    if vocab_size is not None:
+        check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
     try:
         return SamplingParams(
             n=req.n if req.n is not None else 1,
@@ -211,22 +218,61 @@ async def compile_grammar(ctx: ServingContext, req: CompletionRequest | ChatComp
         raise constraint_error(constraint_source(req), exc) from exc
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """400 naming `param` for an id outside [0, vocab_size)."""
+    for t in token_ids:
+        if isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab_size})",
+                              param)
+
+
 def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,
-                 param: str = "prompt") -> None:
-    """Reject prompts the engine cannot run with a 400 before they reach it."""
+                 param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
+    """Reject prompts the engine cannot run with a 400 before they reach it. The length is
+    checked first: it is cheap, and a long list of ids need not be walked to be refused. The
+    error names the field to change: `max_tokens_param` (chat's max_completion_tokens) when
+    the prompt would fit alone, else `param`."""
     if not token_ids:
         raise bad_request(f"{param} must not be empty", param)
-    vocab = ctx.tokenizer.vocab_size
-    for t in token_ids:
-        if isinstance(t, bool) or not 0 <= t < vocab:
-            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param)
     need = len(token_ids) + (1 if max_tokens is None else max_tokens)
     if need > ctx.max_model_len:
-        what = f" + max_tokens {max_tokens}" if max_tokens else ""
+        what = f" + {max_tokens_param} {max_tokens}" if max_tokens else ""
+        blame = max_tokens_param if max_tokens and len(token_ids) < ctx.max_model_len else param
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
-            f"has {len(token_ids)} tokens{what}", param,
+            f"has {len(token_ids)} tokens{what}", blame,
             code="context_length_exceeded")
+    check_token_ids(token_ids, ctx.tokenizer.vocab_size, param)
+
+
+# Texts this long (~10 ms of tokenizer time) or longer are tokenized in a worker thread: the
+# tokenizer releases the GIL (`Tokenizer.encode`), so the event loop keeps serving the other
+# requests meanwhile (a 10 MB prompt used to freeze every stream for ~25 s). Shorter ones run
+# inline: cheaper than a thread hop, and never queued behind a big one in the thread pool.
+TOKENIZE_OFF_LOOP_CHARS = 50_000
+
+
+async def encode_texts(ctx: ServingContext, texts: list[str],
+                       add_special_tokens: bool = True) -> list[list[int]]:
+    """Each text's token ids, off the event loop when they are long (TOKENIZE_OFF_LOOP_CHARS)."""
+    def encode_all() -> list[list[int]]:
+        return [ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    if sum(len(t) for t in texts) < TOKENIZE_OFF_LOOP_CHARS:
+        return encode_all()
+    return await asyncio.to_thread(encode_all)
+
+
+def check_text_fits(ctx: ServingContext, text: str, param: str) -> None:
+    """400 for a text too long for the model's context whatever its tokenization (more
+    characters than max_model_len tokens of the tokenizer's longest can cover), before
+    spending tokenizer time on it. Callers skip it when the request truncates the prompt."""
+    per_token = getattr(ctx.tokenizer, "max_chars_per_token", None)
+    if per_token is not None and len(text) > ctx.max_model_len * per_token:
+        raise bad_request(
+            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
+            f"has {len(text)} characters, more than {ctx.max_model_len} tokens can hold (at "
+            f"most {per_token} characters each)", param, code="context_length_exceeded")
 
 
 def check_truncate_prompt_tokens(ctx: ServingContext, truncate: int | None) -> None:
@@ -238,7 +284,8 @@ def check_truncate_prompt_tokens(ctx: ServingContext, truncate: int | None) -> N
 
 
 def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: int | None,
-                     param: str, max_tokens: int | None = 0) -> list[list[int]]:
+                     param: str, max_tokens: int | None = 0,
+                     max_tokens_param: str = "max_tokens") -> list[list[int]]:
     """vLLM's `truncate_prompt_tokens`, on every route that takes it: keep each prompt's last
     k tokens (an encoder's: its first k - 1 and its last, the [CLS] ... [SEP] that
     transformers' right truncation keeps; 0 or None: all of it); -1 keeps as many as fit
@@ -254,7 +301,7 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
     for ids in prompts:
         if keep and len(ids) > keep:
             ids = ids[: keep - 1] + ids[-1:] if ctx.encoder else ids[-keep:]
-        check_prompt(ctx, ids, max_tokens, param=param)
+        check_prompt(ctx, ids, max_tokens, param=param, max_tokens_param=max_tokens_param)
         out.append(ids)
     return out
 
@@ -292,10 +339,14 @@ async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[in
     raise exc
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (prompt index, output) from several requests as they progress."""
+async def merge_streams(streams: list[RequestStream], constraint: str | None = None
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from several requests as they progress. A sequence that
+    failed mid-generation (finish_reason "error") fails them all with its APIError
+    (`failed_sequence_error`); leaving closes the streams, which aborts the rest."""
     if len(streams) == 1:
         async for out in streams[0]:
+            raise_if_failed(out, constraint)
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -318,6 +369,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             elif isinstance(item, BaseException):
                 raise item
             else:
+                raise_if_failed(item, constraint)
                 yield i, item
     finally:
         for t in tasks:
@@ -327,13 +379,15 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 
 async def run_to_completion(request: Request, ctx: ServingContext,
-                            streams: list[RequestStream]) -> list[RequestOutput]:
+                            streams: list[RequestStream], constraint: str | None = None
+                            ) -> list[RequestOutput]:
     """Non-streaming: wait for every request's final output, aborting if the client leaves
-    or the deadline passes."""
+    or the deadline passes. `constraint`: the request field its grammar came from
+    (`constraint_source`), named by the 400 when that grammar fails mid-generation."""
     finals: list[RequestOutput | None] = [None] * len(streams)
 
     async def collect() -> None:
-        async for i, out in merge_streams(streams):
+        async for i, out in merge_streams(streams, constraint):
             finals[i] = out
 
     async def wait_disconnect() -> None:
@@ -371,6 +425,18 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
+def raise_if_failed(out: RequestOutput, constraint: str | None) -> None:
+    """Raise the APIError of a sequence that failed mid-generation (finish_reason "error"):
+    its grammar hit one of llguidance's limits after `compile_grammar` passed it. A 400 in
+    the terms of the field the client wrote, never a "stop" whose output does not match."""
+    for seq in out.outputs:
+        if seq.finish_reason == "error":
+            message = seq.error or "generation failed"
+            if message.startswith("structured_outputs"):
+                raise constraint_error(constraint or "structured_outputs", ValueError(message))
+            raise APIError(500, message, code="generation_failed")
+
+
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's `usage`; `cached_tokens`: prompt tokens served from the prefix cache;
@@ -395,8 +461,9 @@ SSE_DONE = "data: [DONE]\n\n"
 async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
                         on_timeout: Callable[[], str]) -> AsyncIterator[str]:
     """Stream `gen`, ending with an error event if the request runs past its deadline or
-    the engine ends it (a failed step, an abort on shutdown): the response is already under
-    way, so the client learns why from the stream rather than from a cut connection."""
+    the engine ends it (a failed step, an abort on shutdown, a grammar that failed
+    mid-generation): the response is already under way, so the client learns why from the
+    stream rather than from a cut connection."""
     timeout = ctx.config.request_timeout or None
     deadline = None if timeout is None else time.monotonic() + timeout
     it = gen.__aiter__()
@@ -414,6 +481,10 @@ async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
             except EngineDeadError as exc:
                 yield sse({"error": {"message": str(exc), "type": "server_error",
                                      "param": None, "code": "engine_unavailable"}})
+                yield SSE_DONE
+                return
+            except APIError as exc:  # a sequence failed mid-generation (raise_if_failed)
+                yield sse(exc.body())
                 yield SSE_DONE
                 return
             yield chunk

@@ -15,7 +15,10 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
+    check_text_fits,
     compile_grammar,
+    constraint_source,
+    encode_texts,
     make_sampling_params,
     merge_streams,
     prompt_logprobs_json,
@@ -37,10 +40,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
-def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prompt",
-                      max_items: int = MAX_PROMPTS_PER_REQUEST
-                      ) -> tuple[list[str | None], list[list[int]]]:
-    """str | list[str] | list[int] | list[list[int]] -> (texts, token id lists)."""
+async def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prompt",
+                            max_items: int = MAX_PROMPTS_PER_REQUEST,
+                            truncate: int | None = None
+                            ) -> tuple[list[str | None], list[list[int]]]:
+    """str | list[str] | list[int] | list[list[int]] -> (texts, token id lists). Without
+    `truncate` (the request's truncate_prompt_tokens) a text too long for the model whatever
+    its tokenization is a 400 before it is tokenized; long texts are tokenized off the
+    event loop (encode_texts)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -51,12 +58,17 @@ def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prompt",
         raise bad_request(f"{param} must not be empty", param)
     if len(items) > max_items:
         raise bad_request(f"at most {max_items} {param}s per request", param)
+    strings = [item for item in items if isinstance(item, str)]
+    if not truncate:
+        for text in strings:
+            check_text_fits(ctx, text, param)
+    encoded = iter(await encode_texts(ctx, strings))
     texts: list[str | None] = []
     ids: list[list[int]] = []
     for item in items:
         if isinstance(item, str):
             texts.append(item)
-            ids.append(ctx.tokenizer.encode(item, add_special_tokens=True))
+            ids.append(next(encoded))
         else:
             texts.append(None)
             ids.append(list(item))
@@ -119,7 +131,7 @@ async def create_completion(request: Request, req: CompletionRequest,
         raise bad_request("max_tokens 0 returns the prompt alone: it needs echo, without "
                           "use_beam_search", "max_tokens")
     max_tokens = 1 if score_only else req.max_tokens
-    texts, prompts = normalize_prompts(ctx, req.prompt)
+    texts, prompts = await normalize_prompts(ctx, req.prompt, truncate=req.truncate_prompt_tokens)
     cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
     # echo returns the prompt the model saw: a truncated one is decoded, not the text sent
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
@@ -130,7 +142,7 @@ async def create_completion(request: Request, req: CompletionRequest,
         max_tokens = max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
         return await beam_search_response(request, ctx, req, model_name, prompts,
                                           max_tokens, prefixes)
-    params = make_sampling_params(req, max_tokens, req.logprobs)
+    params = make_sampling_params(req, max_tokens, req.logprobs, ctx.tokenizer.vocab_size)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     await compile_grammar(ctx, req, params)
@@ -169,7 +181,7 @@ async def create_completion(request: Request, req: CompletionRequest,
             sent_tokens: dict[int, int] = {}
             offsets: dict[int, int] = {}
             finals: dict[int, RequestOutput] = {}
-            async for i, out in merge_streams(streams):
+            async for i, out in merge_streams(streams, constraint_source(req)):
                 finals[i] = out
                 for seq in out.outputs:
                     c = i * n + seq.index
@@ -211,7 +223,7 @@ async def create_completion(request: Request, req: CompletionRequest,
                                         on_close=lambda: _close(ctx, streams, log))
 
     try:
-        finals_list = await run_to_completion(request, ctx, streams)
+        finals_list = await run_to_completion(request, ctx, streams, constraint_source(req))
     except ClientGone:
         log.update(finish_reason="client_disconnected")
         return Response(status_code=499)

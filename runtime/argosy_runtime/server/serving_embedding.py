@@ -46,7 +46,7 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
     # The full size is every model's; a shorter one only a Matryoshka-trained model's (the
     # engine checks, naming the sizes it accepts).
     dimensions = None if req.dimensions == ctx.embedding_size else req.dimensions
-    _, prompts = normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
+    _, prompts = await normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
     for ids in prompts:
         check_prompt(ctx, ids, 0, param="input")
     prompt_tokens = sum(len(p) for p in prompts)

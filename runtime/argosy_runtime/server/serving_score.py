@@ -27,6 +27,7 @@ sorted by relevance, the first `top_n`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -36,6 +37,7 @@ from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.serving_common import (
+    TOKENIZE_OFF_LOOP_CHARS,
     ServingContext,
     check_truncate_prompt_tokens,
     truncate_prompts,
@@ -91,8 +93,8 @@ async def create_score(request: Request, req: ScoreRequest, ctx: ServingContext)
                                              _pair_up(firsts, seconds),
                                              req.truncate_prompt_tokens, "text_2")
     else:
-        firsts = _tokenize(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
-        seconds = _tokenize(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
+        firsts = await _tokenize(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
+        seconds = await _tokenize(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
         scored = await _cosine_scores(request, ctx, model_name, req.priority, "score",
                                       _pair_up(firsts, seconds))
     if scored is None:
@@ -116,8 +118,8 @@ async def create_rerank(request: Request, req: RerankRequest, ctx: ServingContex
                                              [(req.query, d) for d in documents],
                                              req.truncate_prompt_tokens, "documents")
     else:
-        [query] = _tokenize(ctx, req.query, "query", req.truncate_prompt_tokens)
-        documents = _tokenize(ctx, req.documents, "documents", req.truncate_prompt_tokens)
+        [query] = await _tokenize(ctx, req.query, "query", req.truncate_prompt_tokens)
+        documents = await _tokenize(ctx, req.documents, "documents", req.truncate_prompt_tokens)
         scored = await _cosine_scores(request, ctx, model_name, req.priority, "rerank",
                                       [(query, d) for d in documents])
     if scored is None:
@@ -146,11 +148,11 @@ def _pair_up(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
         raise bad_request(str(exc), "text_2") from exc
 
 
-def _tokenize(ctx: ServingContext, texts: str | list[str], param: str,
-              truncate: int | None) -> list[tuple[int, ...]]:
+async def _tokenize(ctx: ServingContext, texts: str | list[str], param: str,
+                    truncate: int | None) -> list[tuple[int, ...]]:
     """Each text's token ids (tuples: they key the de-duplication), truncated on the left
     as vLLM's `truncate_prompt_tokens` does, then checked like an embeddings input."""
-    _, prompts = normalize_prompts(ctx, texts, param, MAX_EMBEDDING_INPUTS)
+    _, prompts = await normalize_prompts(ctx, texts, param, MAX_EMBEDDING_INPUTS, truncate)
     return [tuple(ids) for ids in truncate_prompts(ctx, prompts, truncate, param)]
 
 
@@ -180,11 +182,15 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
     check_truncate_prompt_tokens(ctx, truncate)
     limit = (ctx.max_model_len if truncate == -1 else truncate) or None
     spec = ctx.engine.engine.spec
-    try:
-        joined = [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
-                                       score_template=ctx.config.chat_template,
-                                       max_length=limit, token_types=spec.takes_token_types)
-                  for a, b in pairs]
+    def join_pairs() -> list[Any]:
+        return [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
+                                     score_template=ctx.config.chat_template,
+                                     max_length=limit, token_types=spec.takes_token_types)
+                for a, b in pairs]
+
+    try:  # long texts are tokenized off the event loop, as encode_texts does
+        joined = (join_pairs() if sum(len(a) + len(b) for a, b in pairs)
+                  < TOKENIZE_OFF_LOOP_CHARS else await asyncio.to_thread(join_pairs))
     except ValueError as exc:  # a score template that raises (raise_exception) on this pair
         field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") \
             else param

@@ -8,10 +8,12 @@ from typing import Any
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 from argosy_runtime.server.serving_chat import render_chat_text
-from argosy_runtime.server.serving_common import ServingContext
+from argosy_runtime.server.serving_common import ServingContext, check_token_ids, encode_texts
 
 
-def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+async def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+    """The prompt's token ids. Not limited to max_model_len (a client may count a long
+    document to split it), but a long text is tokenized off the event loop."""
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
@@ -24,14 +26,11 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
     else:  # as completions does
         text = req.prompt
         add_special = req.add_special_tokens is not False
-    tokens = ctx.tokenizer.encode(text, add_special_tokens=add_special)
+    [tokens] = await encode_texts(ctx, [text], add_special_tokens=add_special)
     return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
 
 
 def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
     ctx.check_model(req.model)
-    vocab = ctx.tokenizer.vocab_size
-    for t in req.tokens:
-        if not 0 <= t < vocab:
-            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", "tokens")
+    check_token_ids(req.tokens, ctx.tokenizer.vocab_size, "tokens")
     return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}

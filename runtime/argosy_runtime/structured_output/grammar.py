@@ -74,6 +74,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError("structured_outputs: no output can match this grammar "
                              f"({_one_line(matcher.get_error())})")
+        error = _probe(matcher, self._eos_token_ids)
+        if error is not None:
+            raise ValueError(f"structured_outputs: the grammar is too complex to follow "
+                             f"({error}); use smaller repetition counts, lengths or nesting")
         with self._lock:
             self._cache[key] = matcher
             if len(self._cache) > self._cache_size:
@@ -84,7 +88,12 @@ class GrammarCompiler:
 class RequestGrammar:
     """One sequence's parser state. It follows the sequence's output tokens lazily: every call
     first brings the matcher to the given output (consuming new tokens, rolling back ones a
-    speculative verification tried), so callers never track what it has seen."""
+    speculative verification tried), so callers never track what it has seen.
+
+    The matcher can fail mid-generation: llguidance bounds the work of each step (lexer fuel,
+    lexer states, Earley items), and a grammar near those limits can pass `check` and exceed
+    them later. A failed matcher never recovers; `error` says why, and the engine then ends the
+    request with finish_reason "error" (never "stop": its output does not match)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
@@ -103,34 +112,80 @@ class RequestGrammar:
         if len(output_token_ids) > common:
             new = list(output_token_ids[common:])
             if not self._matcher.consume_tokens(new) and not self._warned:
-                self._warned = True  # only an unmasked token gets here; the request then stops
-                logger.warning("structured output left its grammar: %s",
+                # a resource limit (or a token the mask did not allow): the request fails
+                self._warned = True
+                logger.warning("structured output failed: %s",
                                _one_line(self._matcher.get_error()))
             consumed.extend(new)
 
-    def allowed_tokens(self, output_token_ids: Sequence[int]) -> torch.Tensor:
-        """Bool [vocab_size]: the tokens the grammar allows next (only EOS once it is done)."""
+    def error(self, output_token_ids: Sequence[int]) -> str | None:
+        """Why the matcher failed after this output (one line), or None while it is sound."""
         self.sync(output_token_ids)
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
+        if not self._matcher.is_error():
+            return None
+        return _one_line(self._matcher.get_error())
+
+    def allowed_tokens(self, output_token_ids: Sequence[int]) -> torch.Tensor:
+        """Bool [vocab_size]: the tokens the grammar allows next (only EOS once it is done).
+        A failed matcher allows every token: its own mask (EOS alone), cut further by
+        min_tokens or ignore_eos, could leave a row with no token at all; the engine ends the
+        request with an error after this step, whatever it samples."""
+        self.sync(output_token_ids)
+        bitmask = self._matcher.compute_bitmask()
+        if self._matcher.is_error():
+            return torch.ones(self._vocab_size, dtype=torch.bool)
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
         bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.flatten()[: self._vocab_size].bool()
 
     def is_done(self, output_token_ids: Sequence[int]) -> bool:
-        """True once nothing but EOS may follow (or the matcher failed): the request ends."""
+        """True once nothing but EOS may follow: the structured output is complete (a failed
+        matcher is not done; see `error`)."""
         self.sync(output_token_ids)
-        return self._matcher.is_stopped()
+        return self._matcher.is_stopped() and not self._matcher.is_error()
 
     def forced_tokens(self, output_token_ids: Sequence[int]) -> list[int]:
         """Tokens the grammar forces next, in their canonical tokenization (llguidance stops
         before a token that could merge with what follows, so forcing never splits a word
         in a way the model was not trained on)."""
         self.sync(output_token_ids)
-        return self._matcher.compute_ff_tokens()
+        return [] if self._matcher.is_error() else self._matcher.compute_ff_tokens()
 
     def valid_prefix(self, output_token_ids: Sequence[int], tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` the grammar would accept after the output."""
         self.sync(output_token_ids)
         return tokens[: self._matcher.validate_tokens(tokens)] if tokens else tokens
+
+
+def _probe(prototype: llguidance.LLMatcher, eos_token_ids: Sequence[int],
+           num_steps: int = 3) -> str | None:
+    """Follow a few tokens on a copy of a freshly compiled matcher (the lowest allowed token
+    id each step) and return the error if it fails. Nothing the mask allows can fail except
+    by a resource limit, and a grammar past llguidance's limits (`a{1000000}`, a `pattern`
+    with a huge repetition) fails on its first token: this turns that into a 400 instead of
+    a request that dies after one token. Costs one mask and one advance per step."""
+    matcher = prototype.deep_copy()
+    eos = set(eos_token_ids)
+    for _ in range(num_steps):
+        if matcher.is_stopped():
+            break
+        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        if matcher.is_error():
+            break
+        token = next((t for t in _set_bits(words) if t not in eos), None)
+        if token is None:  # only EOS may follow
+            break
+        matcher.consume_token(token)
+    return _one_line(matcher.get_error()) if matcher.is_error() else None
+
+
+def _set_bits(words: torch.Tensor) -> Iterable[int]:
+    """The indices of the set bits of an int32 bitmask, in increasing order."""
+    for w in torch.nonzero(words).flatten().tolist():
+        word = int(words[w]) & 0xFFFFFFFF
+        for b in range(32):
+            if word >> b & 1:
+                yield w * 32 + b
 
 
 def _llguidance_grammar(params: StructuredOutputsParams) -> str:

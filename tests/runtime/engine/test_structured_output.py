@@ -182,6 +182,12 @@ def test_bad_specs_are_rejected_at_add_request_and_disturb_nobody(engine) -> Non
         ("schema", SamplingParams(structured_outputs=StructuredOutputsParams(
             json={"type": "integer", "minimum": 3, "maximum": 1}))),
         ("bias", SamplingParams(logit_bias={10**6: 1.0})),
+        # past llguidance's limits: caught by the compile-time probe, before any token (they
+        # used to run one token and end as a normal "stop")
+        ("huge_regex", SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="a{1000000}"))),
+        ("huge_pattern", SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "string", "pattern": "^a{1000000}$"}))),
     ]:
         with pytest.raises(ValueError, match="structured_outputs|logit_bias"):
             engine.add_request(rid, "Hello", params)
@@ -189,6 +195,43 @@ def test_bad_specs_are_rejected_at_add_request_and_disturb_nobody(engine) -> Non
     while engine.has_unfinished_requests():
         done += [o.request_id for o in engine.step() if o.finished]
     assert done == ["ok"]
+    assert_no_leaks(engine)
+
+
+# Passes the compile-time probe, then fails once the output reaches the second item's huge
+# `pattern` (llguidance: "lexer error: too many expressions constructed").
+FAILS_MID_GENERATION = {"type": "array", "minItems": 2, "prefixItems": [
+    {"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]}
+
+
+def test_a_grammar_failing_mid_generation_ends_in_error_and_disturbs_nobody(engine) -> None:
+    """The failed request ends with finish_reason "error" and says why (never "stop": its
+    output does not match), its blocks go back to the pool, and a constrained and a free
+    request in the same batches produce exactly what they produce alone."""
+    bad = SamplingParams(max_tokens=40, temperature=0,
+                         structured_outputs=StructuredOutputsParams(json=FAILS_MID_GENERATION))
+    others = [
+        ("My phone number is", SamplingParams(
+            max_tokens=12, temperature=0,
+            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))),
+        (chat(engine, "Describe a person as JSON."), SamplingParams(
+            max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(
+                json=PERSON, disable_any_whitespace=True))),
+        ("Hello", SamplingParams(max_tokens=24, temperature=0)),
+    ]
+    alone = run(engine, others)
+    failed, *together = run(engine, [
+        ("A list of a number and a string of a's in JSON:", bad), *others])
+    assert failed.finish_reason == "error"
+    assert failed.error.startswith("structured_outputs: the grammar failed after "
+                                   f"{len(failed.token_ids)} generated token(s) (lexer error:")
+    assert failed.text.startswith("[") and failed.text.endswith("a")  # the failing token
+    for got, want in zip(together, alone, strict=True):
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason)
+        assert got.error is None
+    assert together[0].finish_reason == "stop" and together[0].text == "123-4567"
+    jsonschema.validate(json.loads(together[1].text), PERSON)
     assert_no_leaks(engine)
 
 

@@ -185,3 +185,28 @@ def test_hf_folder_tokenizer_matches_transformers(random_llama_dir) -> None:
 def test_hf_folder_without_tokenizer_json(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+def test_max_chars_per_token_bounds_every_text(tok: Tokenizer) -> None:
+    # SmolLM2's byte-level BPE: no token covers more than its longest vocabulary string
+    per_token = tok.max_chars_per_token
+    assert per_token == 81
+    for text in TEXTS:
+        assert len(text) <= max(1, len(tok.encode(text, add_special_tokens=False))) * per_token
+
+
+def test_no_character_bound_where_a_token_covers_any_length() -> None:
+    from argosy_runtime.tokenizer_bounds import max_chars_per_token
+    from tokenizers import models, normalizers
+
+    # WordPiece: a word longer than max_input_chars_per_word is one [UNK], whatever its length
+    wordpiece = BackendTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert len(wordpiece.encode("a" * 10_000).ids) == 1
+    assert max_chars_per_token(wordpiece) is None
+    bpe = BackendTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    assert max_chars_per_token(bpe) == 2
+    bpe.normalizer = normalizers.Strip()  # "   ...   " strips to nothing
+    assert max_chars_per_token(bpe) is None
+    bpe.normalizer = normalizers.NFC()  # composes at most 4 characters into one
+    assert max_chars_per_token(bpe) == 8

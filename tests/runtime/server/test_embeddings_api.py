@@ -81,6 +81,9 @@ def test_dimensions_equal_to_the_hidden_size_is_accepted(http: httpx.Client) -> 
     ({"input": ["fine", ""]}, 400, "input"),
     ({"input": [[]]}, 400, "input"),
     ({"input": [1, 99999999]}, 400, "input"),
+    ({"input": [True]}, 400, "input"),  # not token id 1
+    ({"input": [[1.0]]}, 400, "input"),
+    ({"input": "Hi", "dimensions": True}, 400, "dimensions"),
     ({"input": "word " * 3000}, 400, "input"),  # > --max-model-len 2048
     ({"input": ["x"] * 2049}, 400, "input"),
     ({"input": "Hi", "dimensions": 64}, 400, "dimensions"),

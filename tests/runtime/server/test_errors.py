@@ -24,7 +24,33 @@ CASES = [
     (C, {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     (C, {"model": "no-such-model", "prompt": "x"}, 404, "model"),
     (C, {"model": MODEL, "prompt": "word " * 3000}, 400, "prompt"),  # > max_model_len
-    (C, {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "prompt"),
+    # the prompt fits alone: the error names the field that asks for too much
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 5000}, 400, "max_tokens"),
+    # longer than 2048 tokens of the longest (81 characters) hold: refused untokenized
+    (C, {"model": MODEL, "prompt": "x" * (2048 * 81 + 1)}, 400, "prompt"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}]}, 400,
+     "messages"),
+    # booleans and floats are not token ids or counts (pydantic's lax int took true as 1)
+    (C, {"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": [1.0]}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": [[1, True]]}, 400, "prompt"),
+    (C, {"model": MODEL, "prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+    (C, {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    (CHAT, {"model": MODEL, "messages": MSG, "stop_token_ids": [49152]}, 400,
+     "stop_token_ids"),
+    (C, {"model": MODEL, "prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "x", "max_tokens": 16.0}, 400, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "x", "n": True}, 400, "n"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_completion_tokens": True}, 400,
+     "max_completion_tokens"),
+    # stream_options without stream (OpenAI and vLLM refuse it too)
+    (C, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    (CHAT, {"model": MODEL, "messages": MSG, "stream": False,
+            "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     (C, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
@@ -135,6 +161,30 @@ def test_priority_must_be_an_integer(http: httpx.Client, path: str) -> None:
 def test_context_length_code(http: httpx.Client) -> None:
     r = http.post(C, json={"model": MODEL, "prompt": "word " * 3000})
     assert _check_error_body(r, 400)["code"] == "context_length_exceeded"
+
+
+def test_text_too_long_for_any_tokenization_is_refused_untokenized(http: httpx.Client) -> None:
+    # 10 MB used to take ~25 s of tokenizer time on the event loop before this 400
+    r = http.post(C, json={"model": MODEL, "prompt": "word " * 2_000_000, "max_tokens": 1},
+                  timeout=10)
+    err = _check_error_body(r, 400)
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"], err
+    # with truncation asked for, a long text is tokenized (and cut), not refused
+    r = http.post(C, json={"model": MODEL, "prompt": "word " * 50_000, "max_tokens": 1,
+                           "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
+
+
+def test_body_over_the_size_limit_is_a_413(http: httpx.Client) -> None:
+    limit = 16 << 20  # --max-request-body-size's default
+    body = b'{"prompt": "' + b"a" * limit + b'"}'
+    headers = {"content-type": "application/json"}
+    # refused on its Content-Length, unread; and a chunked body once it passes the limit
+    for content in (body, (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20))):
+        err = _check_error_body(http.post(C, content=content, headers=headers), 413)
+        assert err["code"] == "request_too_large" and str(limit) in err["message"], err
+    chunked = (part for part in (b'{"prompt": "x", ', b'"max_tokens": 1}'))
+    assert http.post(C, content=chunked, headers=headers).status_code == 200
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

@@ -265,6 +265,8 @@ def test_tokenize_counts_what_generation_sees(client: OpenAI, http: httpx.Client
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1.0]}, 400, "tokens"),
 ])
 def test_tokenize_errors(http: httpx.Client, path: str, body: dict, status: int,
                          param: str) -> None:

@@ -25,12 +25,20 @@ def test_every_engine_option_is_a_serve_flag() -> None:
 
 
 @pytest.mark.parametrize("flags", [["--drain-timeout", "-1"], ["--max-waiting", "-2"],
-                                   ["--request-timeout", "-5"], ["--port", "70000"]])
+                                   ["--request-timeout", "-5"], ["--port", "70000"],
+                                   ["--max-request-body-size", "-1"]])
 def test_bad_server_options_exit_2_before_loading(flags: list[str],
                                                   capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
-    assert flags[0].lstrip("-").replace("-", "_") in err
+    assert flags[0].lstrip("-").replace("-", "_").replace("_size", "_bytes") in err
+
+
+def test_max_request_body_size_flag() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-request-body-size", "1MiB"])
+    assert args.max_request_body_size == 1 << 20
+    assert parser.parse_args(["serve"]).max_request_body_size == 16 << 20
 
 
 def test_server_config_validation() -> None:

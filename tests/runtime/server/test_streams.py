@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -91,3 +93,48 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server: ServerProces
         with pytest.raises(httpx.ReadTimeout):
             h.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
     server.assert_back_to_idle(idle_kv, within=2.0)
+
+
+def test_a_stream_keeps_flowing_while_a_big_prompt_is_tokenized(server: ServerProcess) -> None:
+    """A long text is tokenized in a worker thread, and the tokenizer releases the GIL there:
+    the event loop keeps serving other clients (it used to stop for the whole tokenization,
+    ~25 s for 10 MB). Measured as the latency of /health polls and the chunks of a stream
+    arriving while /tokenize counts ~2 MB of distinct words."""
+    text = " ".join(f"w{i}x{i % 97}" for i in range(200_000))
+    health: list[float] = []
+    chunks = 0
+    done = threading.Event()
+
+    def poll_health() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as h:
+            while not done.is_set():
+                sent = time.monotonic()
+                h.get("/health")
+                health.append(time.monotonic() - sent)
+                time.sleep(0.02)
+
+    def stream() -> None:
+        nonlocal chunks
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if done.is_set():
+                    return
+
+    threads = [threading.Thread(target=poll_health), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    while chunks < 2:
+        time.sleep(0.01)
+    start, chunks_before = time.monotonic(), chunks
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+    took, chunks_during = time.monotonic() - start, chunks - chunks_before
+    done.set()
+    for t in threads:
+        t.join()
+    assert r.status_code == 200 and r.json()["count"] > 200_000, r.text
+    assert max(health) < took / 2, (max(health), took)
+    assert chunks_during >= 2, (chunks_during, took)

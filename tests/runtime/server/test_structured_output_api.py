@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import pydantic
 import pytest
@@ -95,3 +98,95 @@ def test_logit_bias_forces_and_bans_tokens(client: OpenAI, offline_llm) -> None:
                                        max_tokens=3, temperature=0,
                                        logit_bias={str(first): -100})
     assert tok.encode(banned.choices[0].text, add_special_tokens=False)[0] != first
+
+
+# Passes the compile-time check, then fails once the output reaches the second item's huge
+# `pattern` (llguidance: "lexer error: too many expressions constructed").
+FAILS_MID_GENERATION = {"type": "array", "minItems": 2, "prefixItems": [
+    {"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]}
+BAD_PROMPT = "A list of a number and a string of a's in JSON:"
+
+
+def _sse(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
+    """A streamed response's events, parsed ("[DONE]" as is)."""
+    events: list[dict | str] = []
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_a_grammar_past_the_matcher_limits_is_a_400_before_any_token(http: httpx.Client) -> None:
+    """The fuzzed `a{1000000}` compiles, then fails on its first token: it used to return
+    one token with finish_reason "stop". The compile-time probe makes it a 400 naming the
+    field the client wrote."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5,
+                                           "structured_outputs": {"regex": "a{1000000}"}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "structured_outputs" and "too complex" in err["message"], err
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "string", "pattern": "^a{1000000}$"}}}
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                "max_tokens": 5, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format", err
+    assert err["message"].startswith("response_format: the grammar is too complex"), err
+
+
+def test_a_grammar_failing_mid_generation_is_an_error_not_a_stop(http: httpx.Client) -> None:
+    """Whole: a 400 naming the field (never a 200 with "stop", never a 500). Streamed: the
+    chunks so far, an error event with the same body, then [DONE]; no chunk has a
+    finish_reason. A valid
+    constrained request batched with it completes exactly as alone, and nothing stays held."""
+    body = {"model": MODEL, "prompt": BAD_PROMPT, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"json": FAILS_MID_GENERATION}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "structured_outputs" and err["type"] == "invalid_request_error"
+    assert err["message"].startswith("structured_outputs: the grammar failed after "), err
+    assert "too many expressions" in err["message"]
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema":
+                                                  FAILS_MID_GENERATION}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": BAD_PROMPT}],
+            "max_tokens": 60, "temperature": 0, "response_format": fmt}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format", err
+    assert err["message"].startswith("response_format: the grammar failed after "), err
+
+    good = {"model": MODEL, "prompt": "Describe a person as JSON:", "max_tokens": 40,
+            "temperature": 0, "structured_outputs": {"json": City.model_json_schema()}}
+    alone = http.post("/v1/completions", json=good).json()["choices"][0]
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(_sse, http, "/v1/completions", body)
+        batched = pool.submit(http.post, "/v1/completions", json=good)
+        events, together = streamed.result(), batched.result().json()["choices"][0]
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["param"] == "structured_outputs", error
+    assert error["message"].startswith("structured_outputs: the grammar failed after "), error
+    chunks = events[:-2]  # the text before the failure (none if it came in the same output)
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert "[".startswith("".join(c["choices"][0]["text"] for c in chunks)[:1])
+    assert (together["text"], together["finish_reason"]) == (alone["text"],
+                                                             alone["finish_reason"])
+    if together["finish_reason"] == "stop":
+        City.model_validate_json(together["text"])
+    for _ in range(50):  # the failed request's blocks went back to the pool
+        metrics = http.get("/metrics").text
+        if ("argosy:num_requests_running{" in metrics and all(
+                float(line.split()[-1]) == 0 for line in metrics.splitlines()
+                if line.startswith(("argosy:num_requests_running",
+                                    "argosy:kv_cache_usage_perc")))):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(metrics)

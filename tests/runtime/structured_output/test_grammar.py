@@ -129,6 +129,11 @@ def test_valid_prefix_cuts_drafts_at_the_first_invalid_token(compiler, checkpoin
     ({"json": {"properties": {"a": {"$ref": "#/nope"}}}}, "/nope"),
     ({"grammar": "start: x\nx: x"}, "no output can match this grammar"),
     ({"grammar": "value ::= \"a\""}, "structured_outputs.grammar"),  # GBNF without root
+    # past llguidance's lexer limits: these compile, then fail on their first token (the
+    # fuzzed "a{1000000}" used to end after one token as a normal "stop")
+    ({"regex": "a{1000000}"}, "too complex to follow .*too many expressions"),
+    ({"json": {"type": "string", "pattern": "^a{1000000}$"}}, "too complex to follow"),
+    ({"grammar": 'start: "b" "b" "b" "b" "b" A\nA: /a{1000000}/'}, "too complex to follow"),
 ])
 def test_specs_that_cannot_compile_are_value_errors(compiler, kwargs: dict, message: str) -> None:
     params = StructuredOutputsParams(**kwargs)
@@ -148,3 +153,26 @@ def test_compiles_concurrently_from_several_threads(checkpoint) -> None:
     digit = checkpoint.tokenizer.encode("7", add_special_tokens=False)
     for n, grammar in enumerate(grammars, 1):
         assert grammar.is_done(digit * n) and not grammar.is_done(digit * (n - 1))
+
+
+def test_a_matcher_that_fails_mid_generation_reports_it(compiler, checkpoint) -> None:
+    """A schema that passes the compile-time probe (which follows the lowest token ids: `[`
+    and whitespace) and fails once the output reaches its huge `pattern`: the matcher says
+    why, is not "done", forces nothing, and allows every token (its own mask, EOS alone,
+    could leave a row with none once min_tokens or ignore_eos removes EOS)."""
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(json=FAILS_MID_GENERATION))
+    ids = tok.encode('[1, "aaaa', add_special_tokens=False)
+    assert grammar.error(ids[:-1]) is None and not grammar.is_done(ids[:-1])
+    assert grammar.allowed_tokens(ids[:-1])[ids[-1]]  # the mask allowed the failing token
+    error = grammar.error(ids)
+    assert error == "lexer error: too many expressions constructed"
+    assert not grammar.is_done(ids)
+    assert grammar.forced_tokens(ids) == []
+    assert bool(grammar.allowed_tokens(ids).all())
+    assert grammar.error(ids[:-1]) is not None  # a failed matcher never recovers
+
+
+# An array whose second item must match a regex past llguidance's lexer limits.
+FAILS_MID_GENERATION = {"type": "array", "minItems": 2, "prefixItems": [
+    {"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]}

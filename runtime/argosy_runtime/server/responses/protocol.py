@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import VLLMExtras
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -64,7 +64,7 @@ class ResponsesRequest(VLLMExtras):
     input: Any  # a string or a list of input items: checked by input_items.parse_input
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     # bounds as on chat completions (protocol._SamplingFields)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -77,11 +77,11 @@ class ResponsesRequest(VLLMExtras):
     parallel_tool_calls: StrictBool | None = None
     tools: list[Any] | None = None  # checked by tools.function_tools
     tool_choice: Any = None  # checked by tools.chat_tool_choice
-    max_tool_calls: int | None = Field(default=None, ge=1)
+    max_tool_calls: StrictInt | None = Field(default=None, ge=1)
     include: list[str] | None = None
     background: StrictBool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     reasoning: Reasoning | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
