@@ -46,7 +46,12 @@ def xlmr_tokenizer() -> Tokenizer:
     pieces = ([(t, 0.0) for t in specials] + [("▁" + w, -2.0) for w in WORDS]
               + [("▁", -3.0)] + [(c, -5.0) for c in string.ascii_letters + string.digits + ".,?!'"])
     tok = Tokenizer(models.Unigram(pieces, unk_id=3, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    # As the Hub's XLM-R tokenizer.json (and transformers 5's XLMRobertaTokenizer) has it: the
+    # whitespace is dropped first, so "the <pad> cat" is "▁the <pad> ▁cat" with no lone "▁"
+    # piece before <pad> (a bare Metaspace keeps the space before <pad> as one).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
         special_tokens=[("<s>", 0), ("</s>", 2)])
