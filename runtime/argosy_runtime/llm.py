@@ -163,18 +163,21 @@ class LLM:
              lora_name: str | None) -> list[RequestOutput]:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(rid, prompt, p, lora_name=lora_name)
                 added.append(rid)
-        except ValueError:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            # A bad prompt, a failing step (the model raised, out of memory) or Ctrl-C: no
+            # request of this call may stay in the engine holding KV blocks, nor show up in
+            # a later call's steps.
             self.engine.abort_request(added)
             raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
         return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

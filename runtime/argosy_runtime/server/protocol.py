@@ -14,8 +14,10 @@ vLLM's `allowed_token_ids`, `bad_words` (SamplingParams) and `truncate_prompt_to
 
 Numeric bounds here mirror `SamplingParams` so that they also appear in the OpenAPI document.
 Token ids and counts are `StrictInt`: pydantic's lax `int` takes `true` as 1 and `1.0` as 1,
-so `prompt: [true, false]` would run as token ids 1 and 0; float fields that take token-id
-keyed values are `StrictFloat` (5 is fine, `true` and "5" are not).
+so `prompt: [true, false]` would run as token ids 1 and 0. Float fields (sampling values,
+penalties, `logit_bias` values) are `StrictFloat`: lax `float` takes `true` as 1.0 and "0.5"
+as 0.5; pydantic 2's strict float still takes an int (5 is fine, `true` and "5" are not;
+pydantic 1's StrictFloat refused ints, but this module needs pydantic 2).
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ class VLLMExtras(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(default=0, ge=0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=100.0)
     stop_token_ids: list[StrictInt] | None = None
     # Lower runs earlier, and may preempt requests of a higher value when the batch is full.
     # Strict: "1", 1.5 or true is a 400, not a silent coercion.
@@ -92,14 +94,14 @@ class _SamplingFields(VLLMExtras):
     model: str | None = None
     n: StrictInt | None = Field(default=1, ge=1, le=MAX_N)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
@@ -115,7 +117,7 @@ class _SamplingFields(VLLMExtras):
     use_beam_search: StrictBool = False
     # vLLM's: each prompt token's logprob and the top k there, in the reply (not with stream)
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
+    length_penalty: StrictFloat = Field(default=1.0, ge=-100.0, le=100.0)
 
 
 class CompletionRequest(_SamplingFields):

@@ -227,7 +227,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             sent_tokens = [0] * n
             done = [False] * n
             final: RequestOutput | None = None
-            async for _, out in merge_streams(streams, constraint_source(req)):
+            async for _, out in merge_streams(streams, constraint_source(req), log):
                 final = out
                 for seq in out.outputs:
                     c = seq.index

@@ -9,7 +9,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from argosy_runtime.async_engine import (
@@ -25,6 +25,7 @@ from argosy_runtime.server.errors import APIError, bad_request, param_from_value
 from argosy_runtime.server.lifecycle import Lifecycle
 from argosy_runtime.server.metrics import ServerMetrics
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.tool_calls import calls_tools, check_tool_choice, tool_call_constraint
 from argosy_runtime.structured_output import StructuredOutputsParams
 from starlette.requests import Request
@@ -339,14 +340,24 @@ async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[in
     raise exc
 
 
-async def merge_streams(streams: list[RequestStream], constraint: str | None = None
+async def merge_streams(streams: list[RequestStream], constraint: str | None = None,
+                        log: dict[str, Any] | None = None
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (prompt index, output) from several requests as they progress. A sequence that
     failed mid-generation (finish_reason "error") fails them all with its APIError
-    (`failed_sequence_error`); leaving closes the streams, which aborts the rest."""
+    (`failed_sequence_error`), after its output is yielded once more with that sequence
+    still running: the text it generated up to the failure (possibly merged into the same
+    output as the failure, when the reader lags) reaches the client before the error. The
+    request `log` (request_log) then records finish_reason "error". Leaving closes the
+    streams, which aborts the rest."""
+
     if len(streams) == 1:
         async for out in streams[0]:
-            raise_if_failed(out, constraint)
+            error = failed_sequence_error(out, constraint)
+            if error is not None:
+                yield 0, before_failure(out)
+                _log_failure(log)
+                raise error
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -369,7 +380,11 @@ async def merge_streams(streams: list[RequestStream], constraint: str | None = N
             elif isinstance(item, BaseException):
                 raise item
             else:
-                raise_if_failed(item, constraint)
+                error = failed_sequence_error(item, constraint)
+                if error is not None:
+                    yield i, before_failure(item)
+                    _log_failure(log)
+                    raise error
                 yield i, item
     finally:
         for t in tasks:
@@ -387,7 +402,7 @@ async def run_to_completion(request: Request, ctx: ServingContext,
     finals: list[RequestOutput | None] = [None] * len(streams)
 
     async def collect() -> None:
-        async for i, out in merge_streams(streams, constraint):
+        async for i, out in merge_streams(streams, constraint, request_log(request.scope)):
             finals[i] = out
 
     async def wait_disconnect() -> None:
@@ -425,16 +440,31 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-def raise_if_failed(out: RequestOutput, constraint: str | None) -> None:
-    """Raise the APIError of a sequence that failed mid-generation (finish_reason "error"):
-    its grammar hit one of llguidance's limits after `compile_grammar` passed it. A 400 in
-    the terms of the field the client wrote, never a "stop" whose output does not match."""
+def failed_sequence_error(out: RequestOutput, constraint: str | None) -> APIError | None:
+    """The APIError of a sequence that failed mid-generation (finish_reason "error"), if
+    any: its grammar hit one of llguidance's limits after `compile_grammar` passed it. A 400
+    in the terms of the field the client wrote (`constraint`), never a "stop" whose output
+    does not match."""
     for seq in out.outputs:
         if seq.finish_reason == "error":
             message = seq.error or "generation failed"
             if message.startswith("structured_outputs"):
-                raise constraint_error(constraint or "structured_outputs", ValueError(message))
-            raise APIError(500, message, code="generation_failed")
+                return constraint_error(constraint or "structured_outputs", ValueError(message))
+            return APIError(500, message, code="generation_failed")
+    return None
+
+
+def before_failure(out: RequestOutput) -> RequestOutput:
+    """`out` with its failed sequences shown still running (no finish_reason, no error): what
+    a stream sends before the error event, so their text so far is not lost."""
+    return replace(out, finished=False, outputs=[
+        replace(seq, finish_reason=None, error=None) if seq.finish_reason == "error" else seq
+        for seq in out.outputs])
+
+
+def _log_failure(log: dict[str, Any] | None) -> None:
+    if log is not None:
+        log["finish_reason"] = "error"
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -483,7 +513,7 @@ async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
                                      "param": None, "code": "engine_unavailable"}})
                 yield SSE_DONE
                 return
-            except APIError as exc:  # a sequence failed mid-generation (raise_if_failed)
+            except APIError as exc:  # a sequence failed mid-generation (merge_streams)
                 yield sse(exc.body())
                 yield SSE_DONE
                 return

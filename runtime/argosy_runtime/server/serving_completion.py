@@ -181,7 +181,7 @@ async def create_completion(request: Request, req: CompletionRequest,
             sent_tokens: dict[int, int] = {}
             offsets: dict[int, int] = {}
             finals: dict[int, RequestOutput] = {}
-            async for i, out in merge_streams(streams, constraint_source(req)):
+            async for i, out in merge_streams(streams, constraint_source(req), log):
                 finals[i] = out
                 for seq in out.outputs:
                     c = i * n + seq.index

@@ -138,3 +138,30 @@ def test_llm_generate_keeps_prompt_order(random_llama_dir, random_llama_hf) -> N
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[1, 2], []], SamplingParams(max_tokens=3))
     assert_no_leaks(llm.engine)
+
+
+def test_llm_generate_aborts_its_requests_when_a_step_raises(random_llama_dir,  # noqa: ANN001
+                                                               monkeypatch) -> None:  # noqa: ANN001
+    llm = LLM(model=str(random_llama_dir), dtype="float32", block_size=4)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    execute = runner.execute
+    calls = 0
+
+    def fail_once(sched):  # noqa: ANN001, ANN202
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # mid-generation: the prompts are in, some tokens sampled
+            raise RuntimeError("boom")
+        return execute(sched)
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(prompts, params)
+    assert calls == 3
+    assert_no_leaks(llm.engine)
+    outs = llm.generate(prompts, params)  # nothing of the failed call left: same tokens
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_no_leaks(llm.engine)

@@ -8,7 +8,7 @@ from serve_harness import MODEL
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
@@ -51,6 +51,30 @@ CASES = [
      "stream_options"),
     (CHAT, {"model": MODEL, "messages": MSG, "stream": False,
             "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (RESP, {"model": MODEL, "input": "hi", "stream_options": {"include_obfuscation": False}},
+     400, "stream_options"),
+    (RESP, {"model": MODEL, "input": "hi", "stream": False,
+            "stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
+    # booleans and strings are not sampling numbers (lax float took true as 1.0); ints are
+    (C, {"model": MODEL, "prompt": "x", "temperature": True}, 400, "temperature"),
+    (C, {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    (C, {"model": MODEL, "prompt": "x", "top_p": True}, 400, "top_p"),
+    (C, {"model": MODEL, "prompt": "x", "min_p": False}, 400, "min_p"),
+    (C, {"model": MODEL, "prompt": "x", "presence_penalty": True}, 400, "presence_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "frequency_penalty": True}, 400, "frequency_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "repetition_penalty": True}, 400,
+     "repetition_penalty"),
+    (C, {"model": MODEL, "prompt": "x", "length_penalty": True}, 400, "length_penalty"),
+    (CHAT, {"model": MODEL, "messages": MSG, "temperature": True}, 400, "temperature"),
+    (CHAT, {"model": MODEL, "messages": MSG, "top_p": True}, 400, "top_p"),
+    (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": False}, 400,
+     "presence_penalty"),
+    (CHAT, {"model": MODEL, "messages": MSG, "repetition_penalty": True}, 400,
+     "repetition_penalty"),
+    (CHAT, {"model": MODEL, "messages": MSG, "length_penalty": True}, 400, "length_penalty"),
+    (RESP, {"model": MODEL, "input": "hi", "temperature": True}, 400, "temperature"),
+    (RESP, {"model": MODEL, "input": "hi", "top_p": True}, 400, "top_p"),
+    (RESP, {"model": MODEL, "input": "hi", "min_p": True}, 400, "min_p"),
     (C, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     (C, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
@@ -229,3 +253,20 @@ def test_surrogate_pairs_and_escaped_backslashes_are_fine(http: httpx.Client) ->
     assert r.status_code == 200, r.text
     text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
     assert text == "\U0001f600 and \\ud83d"
+
+
+@pytest.mark.parametrize("path", [C, CHAT, RESP])
+def test_int_sampling_values_are_accepted(http: httpx.Client, path: str) -> None:
+    """Float fields are strict (no booleans, no strings) yet take an int, as JSON writes 1."""
+    body = {"model": MODEL, "temperature": 0, "top_p": 1, "min_p": 0,
+            "repetition_penalty": 1}
+    if path == C:
+        body |= {"prompt": "x", "max_tokens": 1, "presence_penalty": 0,
+                 "frequency_penalty": 0, "length_penalty": 1}
+    elif path == CHAT:
+        body |= {"messages": MSG, "max_tokens": 1, "presence_penalty": 0,
+                 "frequency_penalty": 0, "length_penalty": 1}
+    else:
+        body |= {"input": "hi", "max_output_tokens": 1, "store": False}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text

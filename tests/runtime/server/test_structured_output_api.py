@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,7 +16,7 @@ import pydantic
 import pytest
 from argosy_runtime import SamplingParams, StructuredOutputsParams
 from openai import OpenAI
-from serve_harness import MODEL
+from serve_harness import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
@@ -107,10 +109,11 @@ FAILS_MID_GENERATION = {"type": "array", "minItems": 2, "prefixItems": [
 BAD_PROMPT = "A list of a number and a string of a's in JSON:"
 
 
-def _sse(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
+def _sse(http: httpx.Client, path: str, body: dict,
+         headers: dict[str, str] | None = None) -> list[dict | str]:
     """A streamed response's events, parsed ("[DONE]" as is)."""
     events: list[dict | str] = []
-    with http.stream("POST", path, json={**body, "stream": True}) as r:
+    with http.stream("POST", path, json={**body, "stream": True}, headers=headers) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -190,3 +193,67 @@ def test_a_grammar_failing_mid_generation_is_an_error_not_a_stop(http: httpx.Cli
         time.sleep(0.1)
     else:
         raise AssertionError(metrics)
+
+
+def _access_log(server: ServerProcess, request_id: str) -> dict:
+    """The request log line of `request_id` (written once the response has ended)."""
+    for _ in range(50):
+        mine = [json.loads(line.split(" argosy.access ", 1)[1])
+                for line in server.log_text().splitlines() if " argosy.access " in line]
+        mine = [entry for entry in mine if entry["request_id"] == request_id]
+        if mine:
+            assert len(mine) == 1, mine
+            return mine[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no request log line for {request_id}")
+
+
+def _failed_after(error: dict) -> int:
+    """How many tokens the failed request generated, as its error message says."""
+    match = re.search(r"the grammar failed after (\d+) generated token", error["message"])
+    assert match, error
+    return int(match.group(1))
+
+
+def test_a_stream_failing_mid_generation_sends_its_text_before_the_error(
+        server: ServerProcess, http: httpx.Client) -> None:
+    """The output that carries the failure also carries its last token(s) (all those not yet
+    sent, when outputs merged because the client lagged): their text goes out first, then
+    the error event, then [DONE]. Every generated token is sent (the failed grammar's
+    compiled state is cached, so how many that is varies: the error says). The request log
+    says finish_reason "error", streamed or not."""
+    body = {"model": MODEL, "prompt": BAD_PROMPT, "max_tokens": 40, "temperature": 0,
+            "logprobs": 0, "structured_outputs": {"json": FAILS_MID_GENERATION}}
+    rid = "failing-stream-" + uuid.uuid4().hex
+    events = _sse(http, "/v1/completions", body, headers={"X-Request-Id": rid})
+    assert events[-1] == "[DONE]" and "error" in events[-2], events
+    chunks = events[:-2]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks), chunks
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == _failed_after(events[-2]["error"]) >= 1, events
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(tokens)
+    assert "".join(tokens).startswith("[")
+    entry = _access_log(server, rid)
+    assert (entry["status"], entry["finish_reason"]) == (200, "error"), entry
+
+    rid = "failing-whole-" + uuid.uuid4().hex
+    r = http.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert r.status_code == 400, r.text
+    entry = _access_log(server, rid)
+    assert (entry["status"], entry["finish_reason"]) == (400, "error"), entry
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema":
+                                                  FAILS_MID_GENERATION}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": BAD_PROMPT}],
+            "max_tokens": 40, "temperature": 0, "logprobs": True, "response_format": fmt}
+    rid = "failing-chat-stream-" + uuid.uuid4().hex
+    events = _sse(http, "/v1/chat/completions", chat, headers={"X-Request-Id": rid})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["param"] == "response_format"
+    chunks = events[:-2]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks), chunks
+    tokens = [t["token"] for c in chunks if c["choices"][0]["logprobs"]
+              for t in c["choices"][0]["logprobs"]["content"]]
+    assert len(tokens) == _failed_after(events[-2]["error"]) >= 1, events
+    assert "".join(c["choices"][0]["delta"].get("content") or ""
+                   for c in chunks) == "".join(tokens)
+    assert _access_log(server, rid)["finish_reason"] == "error"

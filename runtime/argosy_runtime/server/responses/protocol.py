@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import VLLMExtras
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -66,8 +66,8 @@ class ResponsesRequest(VLLMExtras):
     previous_response_id: str | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
     # bounds as on chat completions (protocol._SamplingFields)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     store: StrictBool | None = True
@@ -93,6 +93,8 @@ def reject_unsupported(req: ResponsesRequest) -> None:
     """Fields OpenAI defines that this server cannot honour: a 400 naming each."""
     if req.include:
         raise bad_request(f"include: {req.include[0]!r} is not supported", "include")
+    if req.stream_options is not None and not req.stream:  # as chat completions, and OpenAI
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if req.background and not req.store:  # as OpenAI: it is polled by id, so it is stored
         raise bad_request("background: a background response must be stored (store: true)",
                           "background")
