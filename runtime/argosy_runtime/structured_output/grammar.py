@@ -26,6 +26,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("argosy.structured_output")
 
+# llguidance's `initial_lexer_fuel` caps the size of any regex expression its lexer builds
+# (the grammar's, and each derivative it takes while matching). Past it, the matcher fails
+# ("too many expressions constructed", or "initial lexer configuration (grammar) too big").
+# It is the one limit that bounds the per-step cost of a huge literal repetition: a mask
+# step of `a{N}` costs about 2 ms per 10k of N on this CPU and needs about 4 fuel per
+# repetition, so llguidance's default of 1,000,000 admits `a{200000}` at 50-90 ms a step,
+# several times a whole decode step (~20 ms). 50,000 refuses `a{13000}` and beyond up front
+# (400: the compile-time probe below hits it) and keeps what passes at about 2 ms a step
+# median. Typical grammars need 100-4,000 (a JSON schema with 60 properties: ~3,800); the
+# largest ordinary user is a big enum, ~12 per value: 4,000 string values still pass.
+# (step_lexer_fuel, step_max_items, max_items_in_row, max_lexer_states, max_grammar_size do
+# not bound `a{N}`: measured, no effect.) Table and command: docs/structured_outputs.md, "Cost limits".
+INITIAL_LEXER_FUEL = 50_000
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL)
+
 
 class GrammarCompiler:
     """Turns params into matchers for one model's tokenizer. Compiled grammars are cached by
@@ -67,7 +87,7 @@ class GrammarCompiler:
                     self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
                     eos_token=self._eos_token_ids or None)
         matcher = llguidance.LLMatcher(self._ll_tokenizer, _llguidance_grammar(params),
-                                       log_level=0)
+                                       log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
         matcher.compute_bitmask()  # a grammar that matches nothing fails only here

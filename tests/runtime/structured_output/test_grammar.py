@@ -10,7 +10,11 @@ import pytest
 import torch
 from argosy_runtime import StructuredOutputsParams
 from argosy_runtime.model_loader import load_checkpoint
-from argosy_runtime.structured_output.grammar import GrammarCompiler
+from argosy_runtime.structured_output.grammar import (
+    INITIAL_LEXER_FUEL,
+    GrammarCompiler,
+    parser_limits,
+)
 
 CHOICES = ["The capital is Paris.", "The capital is Lyon!", "Paris", "I do not know."]
 
@@ -134,6 +138,13 @@ def test_valid_prefix_cuts_drafts_at_the_first_invalid_token(compiler, checkpoin
     ({"regex": "a{1000000}"}, "too complex to follow .*too many expressions"),
     ({"json": {"type": "string", "pattern": "^a{1000000}$"}}, "too complex to follow"),
     ({"grammar": 'start: "b" "b" "b" "b" "b" A\nA: /a{1000000}/'}, "too complex to follow"),
+    # within llguidance's default limits, but 10-90 ms a mask step on the engine thread:
+    # refused by INITIAL_LEXER_FUEL (see grammar.py)
+    ({"regex": "a{200000}"}, "too complex to follow .*too many expressions"),
+    ({"regex": "a{50000}"}, "too complex to follow .*too many expressions"),
+    ({"regex": "(ab){50000}"}, "too complex to follow .*too many expressions"),
+    ({"json": {"type": "string", "pattern": "^a{50000}$"}}, "too complex to follow"),
+    ({"json": {"enum": [f"value {i}" for i in range(6000)]}}, "grammar\\) too big"),
 ])
 def test_specs_that_cannot_compile_are_value_errors(compiler, kwargs: dict, message: str) -> None:
     params = StructuredOutputsParams(**kwargs)
@@ -176,3 +187,86 @@ def test_a_matcher_that_fails_mid_generation_reports_it(compiler, checkpoint) ->
 # An array whose second item must match a regex past llguidance's lexer limits.
 FAILS_MID_GENERATION = {"type": "array", "minItems": 2, "prefixItems": [
     {"type": "integer"}, {"type": "string", "pattern": "^a{1000000}$"}]}
+
+
+def test_the_fuel_limit_is_what_refuses_a_huge_repetition(checkpoint) -> None:
+    """`a{50000}` (a 400 above) is followed without error under llguidance's default limits,
+    at 10-50 ms a mask step: INITIAL_LEXER_FUEL is what refuses it. The largest repetition it
+    admits stays a valid grammar (its steps cost about 2 ms; see grammar.py)."""
+    import llguidance
+
+    tok = checkpoint.tokenizer
+    ll_tokenizer = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=checkpoint.spec.vocab_size,
+                                          eos_token=sorted(tok.eos_token_ids))
+    grammar = llguidance.LLMatcher.grammar_from_regex("a{50000}")
+    a = tok.encode("a" * 64, add_special_tokens=False)
+    default = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+    assert default.consume_tokens(a[:2]) and not default.is_error()
+    limited = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+    assert parser_limits().initial_lexer_fuel == INITIAL_LEXER_FUEL
+    limited.compute_bitmask()
+    assert not limited.consume_tokens(a[:2])
+    assert "too many expressions" in limited.get_error()
+    compiler = GrammarCompiler(tok, checkpoint.spec.vocab_size, tok.eos_token_ids)
+    assert compiler.compile(StructuredOutputsParams(regex="a{12000}")).error(a) is None
+
+
+TYPICAL = [  # (spec, a valid output)
+    ({"json": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+        "friends": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+            "required": ["name"]}}},
+        "required": ["name", "age", "city", "friends"], "additionalProperties": False}},
+     '{"name": "Ann", "age": 31, "city": "Paris", "friends": [{"name": "Bob", "tags": ["a"]}]}'),
+    ({"json_object": True}, '{"a": [1, 2.5, {"b": null}], "c": "hello world", "d": true}'),
+    ({"json": {"type": "array", "minItems": 1, "items": {"anyOf": [  # tool_choice "required"
+        {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"]}}, "required": ["name", "parameters"]},
+        {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {
+            "type": "object", "properties": {"tz": {"type": "string"}}}},
+         "required": ["name", "parameters"]}]}}},
+     '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}]'),
+    ({"json": {"type": "object", "properties": {
+        "when": {"type": "string", "format": "date-time"}, "mail": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"},
+        "url": {"type": "string", "pattern": "^https?://[a-z0-9.-]+(/[a-zA-Z0-9_./-]*)?$"}}}},
+     '{"when": "2024-01-01T10:00:00Z", "mail": "a@b.com", "url": "https://x.org/a"}'),
+    ({"json": {"type": "object", "properties": {
+        f"field_{i}": {"type": ["string", "integer", "null"], "maxLength": 64} for i in range(60)}}},
+     '{"field_0": "x", "field_59": 12}'),
+    ({"json": {"enum": [f"value number {i}" for i in range(4000)]}}, '"value number 3999"'),
+    ({"json": {"type": "string", "maxLength": 1000}}, '"' + "hello world " * 20 + '"'),
+    ({"regex": r"[A-Z][a-z]{2,20}( [A-Z][a-z]{2,20}){0,3}, [0-9]{1,5} [A-Za-z ]{3,40}"},
+     "John Smith, 42 Baker Street"),
+    ({"regex": "(abc){1000}"}, "abc" * 40),
+    ({"regex": "[ab]{1000000}"}, "ab" * 40),  # character classes repeat cheaply: not limited
+]
+
+
+@pytest.mark.parametrize(("kwargs", "text"), TYPICAL)
+def test_typical_grammars_get_the_same_masks_as_without_the_limit(
+        compiler, checkpoint, kwargs: dict, text: str) -> None:
+    """Each step's mask along a valid output equals the mask under llguidance's defaults."""
+    import llguidance
+
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(**kwargs))
+    reference = llguidance.LLMatcher(compiler._ll_tokenizer, _grammar_of(kwargs), log_level=0)
+    ids = tok.encode(text, add_special_tokens=False)
+    for i in range(len(ids) + 1):
+        expected = torch.frombuffer(bytearray(reference.compute_bitmask()), dtype=torch.int32)
+        bits = ((expected[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        assert torch.equal(grammar.allowed_tokens(ids[:i]), bits[: checkpoint.spec.vocab_size])
+        assert grammar.error(ids[:i]) is None
+        if i < len(ids):
+            assert reference.consume_token(ids[i])
+
+
+def _grammar_of(kwargs: dict) -> str:
+    from argosy_runtime.structured_output.grammar import _llguidance_grammar
+
+    return _llguidance_grammar(StructuredOutputsParams(**kwargs))
