@@ -6,6 +6,7 @@ import random
 
 from argosy_runtime import LLMEngine, SamplingParams
 from argosy_runtime.models.cpu_decode import CpuDecodeLayers
+from argosy_runtime.scheduler import Scheduler, SchedulerOutput
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
@@ -98,6 +99,18 @@ class FullForwardReference:
                     ids.append(int(logprobs[-1].argmax()))
             self._cache[key] = (ids[len(prompt):], logprobs)
         return self._cache[key]
+
+
+def scheduler_step(s: Scheduler) -> SchedulerOutput:
+    """Schedule and advance like the engine would (one sampled token, 7, per completed
+    sequence), without a model: for scheduler tests."""
+    out = s.schedule()
+    for sr in out.scheduled:
+        done = sr.completes_sequence
+        sr.request.num_computed_tokens += sr.num_new_tokens
+        if done:
+            sr.request.token_ids.append(7)
+    return out
 
 
 def greedy(n: int) -> SamplingParams:

@@ -23,7 +23,7 @@ from argosy_runtime.kv_cache import KVCacheManager
 from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.scheduler import Scheduler
-from engine_helpers import assert_no_leaks, greedy, random_prompts
+from engine_helpers import assert_no_leaks, greedy, random_prompts, scheduler_step
 
 N = 8  # generated tokens per request
 NULL_BLOCK = 0  # a sliding-window pool's reserved block
@@ -168,13 +168,7 @@ def make_req(rid: str, tokens: list[int], t: float, priority: int) -> Request:
 
 
 def run(s: Scheduler) -> dict[str, int]:
-    out = s.schedule()
-    for sr in out.scheduled:
-        done = sr.completes_sequence
-        sr.request.num_computed_tokens += sr.num_new_tokens
-        if done:
-            sr.request.token_ids.append(7)
-    return {sr.request.request_id: sr.num_new_tokens for sr in out.scheduled}
+    return {sr.request.request_id: sr.num_new_tokens for sr in scheduler_step(s).scheduled}
 
 
 def hashed_free_blocks(s: Scheduler) -> set[int]:

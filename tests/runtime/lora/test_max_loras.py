@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
 from engine_helpers import assert_no_leaks  # noqa: E402
+from engine_helpers import scheduler_step as step  # noqa: E402
 from test_lora_engine import (  # noqa: E402
     adapters,  # noqa: F401  (fixtures)
     model_dir,  # noqa: F401
@@ -45,17 +46,6 @@ def req(rid: str, lora: SimpleNamespace | None, t: float, priority: int = 0) -> 
                 max_tokens=50, arrival_time=t, priority=priority)
     r.lora = lora  # type: ignore[assignment]
     return r
-
-
-def step(s: Scheduler) -> SchedulerOutput:
-    """Schedule and advance like the engine (one sampled token per completed sequence)."""
-    out = s.schedule()
-    for sr in out.scheduled:
-        done = sr.completes_sequence
-        sr.request.num_computed_tokens += sr.num_new_tokens
-        if done:
-            sr.request.token_ids.append(7)
-    return out
 
 
 def ids(out: SchedulerOutput) -> list[str]:
