@@ -61,11 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=float, default=600.0,
                         help="Seconds before a request is aborted (0: none; "
                              "default: %(default)s).")
+    # A string default goes through parse_bytes like a typed value, and reads as written.
     server.add_argument("--max-request-body-size", type=parse_bytes,
-                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                        default=f"{DEFAULT_MAX_REQUEST_BODY_BYTES >> 20}MiB", metavar="BYTES",
                         help="Largest request body (e.g. 16MiB, 1e6, 0: no limit); a larger "
                              "one gets 413 before it is read. Batch API uploads (POST "
-                             "/v1/files) have their own 200 MiB limit (default: 16MiB).")
+                             "/v1/files) have their own 200 MiB limit (default: %(default)s).")
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="On SIGTERM, seconds to let running requests finish before "
                              "aborting them (default: %(default)s).")

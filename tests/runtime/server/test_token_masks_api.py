@@ -107,7 +107,7 @@ def test_truncate_prompt_tokens_minus_one_fits_the_prompt_beside_max_tokens(
     ("/v1/chat/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ""),
     ("/v1/completions", {"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens", ""),
     ("/v1/completions", {"truncate_prompt_tokens": 2040, "max_tokens": 100,
-                         "prompt": "word " * 2100}, "prompt", "maximum context length"),
+                         "prompt": "word " * 2100}, "max_tokens", "maximum context length"),
 ])
 def test_bad_values_are_400s_naming_the_field(http: httpx.Client, path: str, extra: dict,
                                               param: str, match: str) -> None:
