@@ -94,7 +94,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError("structured_outputs: no output can match this grammar "
                              f"({_one_line(matcher.get_error())})")
-        error = _probe(matcher, self._eos_token_ids)
+        error = _probe(matcher, self._eos_token_ids, self._vocab_size)
         if error is not None:
             raise ValueError(f"structured_outputs: the grammar is too complex to follow "
                              f"({error}); use smaller repetition counts, lengths or nesting")
@@ -154,9 +154,7 @@ class RequestGrammar:
         bitmask = self._matcher.compute_bitmask()
         if self._matcher.is_error():
             return torch.ones(self._vocab_size, dtype=torch.bool)
-        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
-        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten()[: self._vocab_size].bool()
+        return _allowed(bitmask, self._vocab_size)
 
     def is_done(self, output_token_ids: Sequence[int]) -> bool:
         """True once nothing but EOS may follow: the structured output is complete (a failed
@@ -177,7 +175,7 @@ class RequestGrammar:
         return tokens[: self._matcher.validate_tokens(tokens)] if tokens else tokens
 
 
-def _probe(prototype: llguidance.LLMatcher, eos_token_ids: Sequence[int],
+def _probe(prototype: llguidance.LLMatcher, eos_token_ids: Sequence[int], vocab_size: int,
            num_steps: int = 3) -> str | None:
     """Follow a few tokens on a copy of a freshly compiled matcher (the lowest allowed token
     id each step) and return the error if it fails. Nothing the mask allows can fail except
@@ -185,27 +183,28 @@ def _probe(prototype: llguidance.LLMatcher, eos_token_ids: Sequence[int],
     with a huge repetition) fails on its first token: this turns that into a 400 instead of
     a request that dies after one token. Costs one mask and one advance per step."""
     matcher = prototype.deep_copy()
-    eos = set(eos_token_ids)
+    eos = [t for t in eos_token_ids if t < vocab_size]
     for _ in range(num_steps):
         if matcher.is_stopped():
             break
-        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        bitmask = matcher.compute_bitmask()
         if matcher.is_error():
             break
-        token = next((t for t in _set_bits(words) if t not in eos), None)
-        if token is None:  # only EOS may follow
+        allowed = _allowed(bitmask, vocab_size)
+        allowed[eos] = False
+        tokens = allowed.nonzero()
+        if len(tokens) == 0:  # only EOS may follow
             break
-        matcher.consume_token(token)
+        matcher.consume_token(int(tokens[0]))
     return _one_line(matcher.get_error()) if matcher.is_error() else None
 
 
-def _set_bits(words: torch.Tensor) -> Iterable[int]:
-    """The indices of the set bits of an int32 bitmask, in increasing order."""
-    for w in torch.nonzero(words).flatten().tolist():
-        word = int(words[w]) & 0xFFFFFFFF
-        for b in range(32):
-            if word >> b & 1:
-                yield w * 32 + b
+def _allowed(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """Bool [vocab_size] from llguidance's bitmask (int32 words, bit b of word w: token
+    32 w + b)."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()
 
 
 def _llguidance_grammar(params: StructuredOutputsParams) -> str:
