@@ -3,6 +3,7 @@ ClusterRole grants exactly the calls the operator makes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from typing import Any
@@ -16,6 +17,7 @@ from argosy_operator.builders import (
     build_service,
     build_servicemonitor,
 )
+from argosy_operator.constants import LORA_FILE_KEY
 from argosy_operator.spec import normalize_spec
 from crd_schema import ROOT, validate
 from operator_helpers import NS, Api, eventually, granted_calls, operator_calls, settle
@@ -122,15 +124,23 @@ async def test_cluster_role_grants_exactly_the_calls_made(kube: Any, api: Api,
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
             "monitoring": {"interval": "30s"}, "runtime": {"loraAdapters": []}}})
 
-        async def pdb_restored() -> bool:
-            return (await api.get_or_none(pdb_path))["spec"]["maxUnavailable"] == 1
+        sm_path = f"/apis/monitoring.coreos.com/v1/namespaces/{NS}/servicemonitors/chat"
+        cm_path = f"/api/v1/namespaces/{NS}/configmaps/chat"
 
-        await eventually(pdb_restored, what="PDB drift corrected")
+        async def first_change_applied() -> bool:
+            # All three, not just the PDB: its drift handler may revert it before the spec
+            # change is reconciled, and kopf would then fold both spec changes into one.
+            pdb = await api.get_or_none(pdb_path)
+            sm = await api.get_or_none(sm_path)
+            cm = await api.get_or_none(cm_path)
+            return pdb["spec"]["maxUnavailable"] == 1 \
+                and sm["spec"]["endpoints"][0]["interval"] == "30s" \
+                and json.loads(cm["data"][LORA_FILE_KEY]) == {}
+
+        await eventually(first_change_applied, what="PDB drift corrected, first change applied")
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
             "replicas": 1, "service": {"port": 80}, "monitoring": {"serviceMonitor": False},
             "runtime": {"loraAdapters": None}}})
-        cm_path = f"/api/v1/namespaces/{NS}/configmaps/chat"
-
         async def pdb_and_configmap_gone() -> bool:
             return await api.get_or_none(pdb_path) is None \
                 and await api.get_or_none(cm_path) is None
