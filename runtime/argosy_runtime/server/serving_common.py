@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from argosy_runtime.async_engine import (
     AsyncEngine,
@@ -251,17 +251,21 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 # requests meanwhile (a 10 MB prompt used to freeze every stream for ~25 s). Shorter ones run
 # inline: cheaper than a thread hop, and never queued behind a big one in the thread pool.
 TOKENIZE_OFF_LOOP_CHARS = 50_000
+T = TypeVar("T")
+
+
+async def run_tokenizer(num_chars: int, tokenize: Callable[[], T]) -> T:
+    """`tokenize()`, off the event loop when it reads `num_chars` >= TOKENIZE_OFF_LOOP_CHARS."""
+    if num_chars < TOKENIZE_OFF_LOOP_CHARS:
+        return tokenize()
+    return await asyncio.to_thread(tokenize)
 
 
 async def encode_texts(ctx: ServingContext, texts: list[str],
                        add_special_tokens: bool = True) -> list[list[int]]:
-    """Each text's token ids, off the event loop when they are long (TOKENIZE_OFF_LOOP_CHARS)."""
-    def encode_all() -> list[list[int]]:
-        return [ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-
-    if sum(len(t) for t in texts) < TOKENIZE_OFF_LOOP_CHARS:
-        return encode_all()
-    return await asyncio.to_thread(encode_all)
+    """Each text's token ids (see run_tokenizer)."""
+    return await run_tokenizer(sum(len(t) for t in texts), lambda: [
+        ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts])
 
 
 def check_text_fits(ctx: ServingContext, text: str, param: str) -> None:

@@ -27,7 +27,6 @@ sorted by relevance, the first `top_n`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -37,9 +36,9 @@ from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.serving_common import (
-    TOKENIZE_OFF_LOOP_CHARS,
     ServingContext,
     check_truncate_prompt_tokens,
+    run_tokenizer,
     truncate_prompts,
 )
 from argosy_runtime.server.serving_completion import normalize_prompts
@@ -188,9 +187,8 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
                                      max_length=limit, token_types=spec.takes_token_types)
                 for a, b in pairs]
 
-    try:  # long texts are tokenized off the event loop, as encode_texts does
-        joined = (join_pairs() if sum(len(a) + len(b) for a, b in pairs)
-                  < TOKENIZE_OFF_LOOP_CHARS else await asyncio.to_thread(join_pairs))
+    try:
+        joined = await run_tokenizer(sum(len(a) + len(b) for a, b in pairs), join_pairs)
     except ValueError as exc:  # a score template that raises (raise_exception) on this pair
         field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") \
             else param
