@@ -18,7 +18,12 @@ from argosy_runtime.engine_args import EngineArgs
 from argosy_runtime.outputs import RequestOutput
 from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.sampling_params import SamplingParams
-from argosy_runtime.scoring import cosine_scores, cross_encoder_prompt, pair_up
+from argosy_runtime.scoring import (
+    cosine_scores,
+    cross_encoder_max_length,
+    cross_encoder_prompt,
+    pair_up,
+)
 from argosy_runtime.tokenizer import load_chat_template
 
 
@@ -121,15 +126,8 @@ class LLM:
                              "model")
         if num_labels == 1:
             template = load_chat_template(chat_template) if chat_template is not None else None
-            max_length = truncate_prompt_tokens or None  # 0: all of it, as the server
-            if max_length is not None:
-                if max_length == -1:
-                    max_length = self.engine.max_model_len
-                if not isinstance(max_length, int) or not 0 < max_length <= \
-                        self.engine.max_model_len:
-                    raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, "
-                                     f"{self.engine.max_model_len}], got "
-                                     f"{truncate_prompt_tokens!r}")
+            max_length = cross_encoder_max_length(truncate_prompt_tokens,
+                                                  self.engine.max_model_len)
             spec = self.engine.spec
             prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, score_template=template,
                                             use_sep_token=spec.use_sep_token,

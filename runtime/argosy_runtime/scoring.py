@@ -47,6 +47,20 @@ class ScorePrompt(NamedTuple):
     token_type_start: int | None
 
 
+def cross_encoder_max_length(truncate: int | None, max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens` as cross_encoder_prompt's `max_length`: None or 0 keep
+    the whole prompt, -1 the model's length; ValueError outside [1, max_model_len]."""
+    if not truncate:
+        return None
+    if truncate == -1:
+        return max_model_len
+    if isinstance(truncate, bool) or not isinstance(truncate, int) \
+            or not 0 < truncate <= max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got "
+                         f"{truncate!r}")
+    return truncate
+
+
 def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_token: bool = True,
                          score_template: str | None = None, max_length: int | None = None,
                          token_types: bool = False) -> ScorePrompt:

@@ -31,7 +31,12 @@ import time
 from typing import Any
 
 from argosy_runtime.pooling_params import PoolingParams
-from argosy_runtime.scoring import cosine_scores, cross_encoder_prompt, pair_up
+from argosy_runtime.scoring import (
+    cosine_scores,
+    cross_encoder_max_length,
+    cross_encoder_prompt,
+    pair_up,
+)
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
@@ -178,8 +183,8 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
     # Every pair's prompt is cut as vLLM cuts it, by transformers' tokenizer(...,
     # truncation=True, max_length=k): from the end, so the query stays and the document
     # loses its end (a pair template: the longer text first; the special tokens stay).
-    check_truncate_prompt_tokens(ctx, truncate)
-    limit = (ctx.max_model_len if truncate == -1 else truncate) or None
+    check_truncate_prompt_tokens(ctx, truncate)  # the server's 400; the rest pydantic checked
+    limit = cross_encoder_max_length(truncate, ctx.max_model_len)
     spec = ctx.engine.engine.spec
     def join_pairs() -> list[Any]:
         return [cross_encoder_prompt(ctx.tokenizer, a, b, use_sep_token=ctx.use_sep_token,
