@@ -354,15 +354,25 @@ async def merge_streams(streams: list[RequestStream], constraint: str | None = N
     output as the failure, when the reader lags) reaches the client before the error. The
     request `log` (request_log) then records finish_reason "error". Leaving closes the
     streams, which aborts the rest."""
-
-    if len(streams) == 1:
-        async for out in streams[0]:
+    async with contextlib.aclosing(_interleave(streams)) as outputs:
+        async for i, out in outputs:
             error = failed_sequence_error(out, constraint)
             if error is not None:
-                yield 0, before_failure(out)
+                yield i, before_failure(out)
                 _log_failure(log)
                 raise error
-            yield 0, out
+            yield i, out
+
+
+async def _interleave(streams: list[RequestStream]
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) in the order the outputs arrive; closing it closes the streams."""
+    if len(streams) == 1:  # no pump task to hop through
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -384,11 +394,6 @@ async def merge_streams(streams: list[RequestStream], constraint: str | None = N
             elif isinstance(item, BaseException):
                 raise item
             else:
-                error = failed_sequence_error(item, constraint)
-                if error is not None:
-                    yield i, before_failure(item)
-                    _log_failure(log)
-                    raise error
                 yield i, item
     finally:
         for t in tasks:
