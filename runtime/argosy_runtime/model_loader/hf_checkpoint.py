@@ -181,7 +181,23 @@ def split_fused_experts(name: str, tensor: torch.Tensor, spec: ModelSpec
     return out
 
 
-_PHI3_FUSED = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+_PHI3_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)$")
+
+
+def phi3_fused_parts(module: str, spec: ModelSpec) -> tuple[list[str], list[int]] | None:
+    """The per-projection modules a Phi-3 fused module holds, in row order, and their output
+    sizes, or None for any other module name: `model.layers.N.self_attn.qkv_proj` -> q, k, v
+    (transformers' Phi3Attention slices its rows so), `model.layers.N.mlp.gate_up_proj` ->
+    gate, up (Phi3MLP's chunk(2)). Shared by the float split below and the GPTQ/AWQ one
+    (quantization/prequantized.py), so both cut at the same places."""
+    match = _PHI3_FUSED.match(module)
+    if match is None:
+        return None
+    prefix, fused = match.groups()
+    if fused == "self_attn.qkv_proj":
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        return [f"{prefix}self_attn.{p}_proj" for p in ("q", "k", "v")], [q, kv, kv]
+    return [f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj"], [spec.intermediate_size] * 2
 
 
 def split_phi3_fused(name: str, tensor: torch.Tensor, spec: ModelSpec
@@ -190,22 +206,17 @@ def split_phi3_fused(name: str, tensor: torch.Tensor, spec: ModelSpec
     (views, no copy; the model fuses them again), or None for any other tensor.
 
     `self_attn.qkv_proj.weight` [(heads + 2 kv_heads) * head_dim, hidden] holds the q rows,
-    then k, then v (transformers' Phi3Attention slices it so); `mlp.gate_up_proj.weight`
-    [2 * intermediate, hidden] the gate rows then the up rows (Phi3MLP's chunk(2))."""
-    match = _PHI3_FUSED.match(name)
-    if match is None:
+    then k, then v; `mlp.gate_up_proj.weight` [2 * intermediate, hidden] the gate rows then
+    the up rows (`phi3_fused_parts`)."""
+    module, _, leaf = name.rpartition(".")
+    fused = phi3_fused_parts(module, spec) if leaf == "weight" else None
+    if fused is None:
         return None
-    prefix = f"model.layers.{match.group(1)}."
-    if match.group(2) == "self_attn.qkv_proj":
-        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-        sizes, parts = [q, kv, kv], [f"self_attn.{p}_proj" for p in ("q", "k", "v")]
-    else:
-        sizes, parts = [spec.intermediate_size] * 2, ["mlp.gate_proj", "mlp.up_proj"]
+    parts, sizes = fused
     if tuple(tensor.shape) != (sum(sizes), spec.hidden_size):
         raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                          f"model {(sum(sizes), spec.hidden_size)}")
-    return [(f"{prefix}{part}.weight", rows)
-            for part, rows in zip(parts, tensor.split(sizes, dim=0))]
+    return [(f"{part}.weight", rows) for part, rows in zip(parts, tensor.split(sizes, dim=0))]
 
 
 _TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),

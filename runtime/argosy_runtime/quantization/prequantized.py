@@ -2,6 +2,8 @@
 
 `config.json`'s `quantization_config` says which layout the safetensors hold; the packed
 tensors are turned into canonical `Int4Weight`s here, every other tensor passes through.
+Phi-3's fused `qkv_proj` / `gate_up_proj` layers are split into their projections first
+(`split_fused_quantized`), as the float loader splits their rows.
 """
 
 from __future__ import annotations
@@ -81,15 +83,25 @@ def iter_prequantized(checkpoint: Any, config: QuantizationConfig
     """(HF name, tensor or Int4Weight) for every weight of a GPTQ/AWQ folder, named as the
     model expects (`model.` in front of a headless checkpoint's names).
 
-    Quantized projections come as `<module>.weight` -> Int4Weight. All-zero biases that
-    AutoGPTQ writes for layers without one are dropped; a non-zero one is an error.
+    Quantized projections come as `<module>.weight` -> Int4Weight; a Phi-3 fused layer
+    (`qkv_proj`, `gate_up_proj`) comes as its projections' (q/k/v, gate/up), which the model
+    fuses again. All-zero biases that AutoGPTQ writes for layers without one are dropped; a
+    non-zero one is an error.
     """
-    from argosy_runtime.model_loader.hf_checkpoint import model_weight_name, safetensors_files
+    from argosy_runtime.model_loader.hf_checkpoint import (
+        model_weight_name,
+        phi3_fused_parts,
+        safetensors_files,
+    )
 
     spec = checkpoint.spec
     qc = read_quantization_config(checkpoint) or {}
     zero_offset = 1 if str(qc.get("checkpoint_format", "gptq")).lower() == "gptq" else 0
     suffixes = GPTQ_SUFFIXES if config.source == "gptq" else AWQ_SUFFIXES
+
+    def fused_parts(module: str) -> tuple[list[str], list[int]] | None:
+        return phi3_fused_parts(module, spec) if spec.architecture == "phi3" else None
+
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for file in safetensors_files(checkpoint.path):
         with safe_open(str(file), framework="pt") as f:
@@ -97,26 +109,76 @@ def iter_prequantized(checkpoint: Any, config: QuantizationConfig
                 name = model_weight_name(key)  # a headless checkpoint has no `model.` prefix
                 module, _, leaf = name.rpartition(".")
                 proj = module.rsplit(".", 1)[-1]
-                if leaf in suffixes and proj in _PROJ_SHAPES:
+                fused = fused_parts(module)
+                quantized = proj in _PROJ_SHAPES or fused is not None
+                if leaf in suffixes and quantized:
                     parts.setdefault(module, {})[leaf] = f.get_tensor(key)
                     continue
-                if leaf == "weight" and proj in _PROJ_SHAPES and module.startswith("model.layers."):
+                if leaf == "weight" and quantized and module.startswith("model.layers."):
                     raise ValueError(
                         f"{file.name}: {key} is unquantized in a {config.source} checkpoint "
                         "(every projection must be quantized)")
-                if leaf == "bias" and proj in _PROJ_SHAPES and not (
-                        proj in _BIASED and spec.attention_bias):
+                if leaf == "bias" and quantized:
                     tensor = f.get_tensor(key)
-                    if torch.count_nonzero(tensor):
-                        raise ValueError(f"{file.name}: unexpected non-zero bias {key}")
+                    # A fused bias holds its projections' biases one after the other, like the
+                    # rows of the fused weight.
+                    if fused is not None and tuple(tensor.shape) != (sum(fused[1]),):
+                        raise ValueError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                                         f"expected ({sum(fused[1])},)")
+                    pieces = (zip(fused[0], tensor.split(fused[1])) if fused is not None
+                              else [(module, tensor)])
+                    for part, bias in pieces:
+                        if part.rsplit(".", 1)[-1] in _BIASED and spec.attention_bias:
+                            yield f"{part}.bias", bias
+                        elif torch.count_nonzero(bias):
+                            raise ValueError(f"{file.name}: unexpected non-zero bias {key}")
                     continue
                 if key.endswith(".rotary_emb.inv_freq"):
                     continue
                 yield name, f.get_tensor(key)
     for module, tensors in parts.items():
-        in_f, out_f = _PROJ_SHAPES[module.rsplit(".", 1)[-1]](spec)
-        if config.source == "gptq":
-            weight = gptq_to_int4(module, tensors, in_f, out_f, config.group_size, zero_offset)
+        fused = fused_parts(module)
+        pieces = ([(module, tensors)] if fused is None else
+                  zip(fused[0], split_fused_quantized(module, tensors, fused[1], config.source)))
+        for part, part_tensors in pieces:
+            in_f, out_f = _PROJ_SHAPES[part.rsplit(".", 1)[-1]](spec)
+            if config.source == "gptq":
+                weight = gptq_to_int4(part, part_tensors, in_f, out_f, config.group_size,
+                                      zero_offset)
+            else:
+                weight = awq_to_int4(part, part_tensors, in_f, out_f, config.group_size)
+            yield f"{part}.weight", weight
+
+
+def split_fused_quantized(module: str, tensors: dict[str, torch.Tensor], sizes: list[int],
+                          source: str) -> list[dict[str, torch.Tensor]]:
+    """The GPTQ/AWQ tensors of a fused layer (Phi-3's qkv_proj / gate_up_proj) split into its
+    projections', whose output sizes are `sizes` (views, no copy).
+
+    Exporters quantize the fused layer as one linear, and each output column is quantized on
+    its own, so the fused tensors are the projections' tensors side by side along the output
+    dimension: one column per output in `scales` [ng, N] and GPTQ's `qweight` [K / 8, N]
+    (packed along the input), eight outputs per int32 in `qzeros` [ng, N / 8] and AWQ's
+    `qweight` [K, N / 8] (packed along the output; AWQ's interleaved nibble order stays inside
+    one int32, so a cut between int32s is exact). GPTQ's `g_idx` [K] numbers the input groups,
+    which every projection shares. Raises ValueError when a projection's outputs do not start
+    and end on an int32 boundary, or a tensor is not as wide as the layer.
+    """
+    if any(size % 8 for size in sizes):
+        raise ValueError(f"{module}: its projections' output sizes {sizes} are not all "
+                         "multiples of 8, so its packed qzeros cannot be split between them")
+    packed = [size // 8 for size in sizes]
+    widths = {"scales": sizes, "qzeros": packed, "qweight": sizes if source == "gptq" else packed}
+    split: list[dict[str, torch.Tensor]] = [{} for _ in sizes]
+    for leaf, tensor in tensors.items():
+        if leaf == "g_idx":
+            pieces = [tensor] * len(sizes)
+        elif tensor.dim() != 2 or tensor.shape[1] != sum(widths[leaf]):
+            raise ValueError(f"{module}.{leaf} has shape {tuple(tensor.shape)}, expected "
+                             f"{sum(widths[leaf])} columns for this model's layer (the "
+                             "checkpoint's quantization layout does not match its config)")
         else:
-            weight = awq_to_int4(module, tensors, in_f, out_f, config.group_size)
-        yield f"{module}.weight", weight
+            pieces = tensor.split(widths[leaf], dim=1)
+        for part, piece in zip(split, pieces):
+            part[leaf] = piece
+    return split
