@@ -2,7 +2,8 @@
 
 Written from the formats' descriptions (AutoGPTQ / AutoAWQ packing), independently of the
 loader under test; each projection is quantized here with integer zero points and the exact
-dequantized weights are kept, so a loaded model can be compared with its reference.
+dequantized weights are kept, so a loaded model can be compared with its reference
+(`load_prequantized`, `reference_weights`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import shutil
 from pathlib import Path
 
 import torch
+from argosy_runtime.model_loader import load_checkpoint
+from argosy_runtime.models import LlamaForCausalLM
+from argosy_runtime.quantization import QuantizationConfig, load_quantized_weights
 from safetensors.torch import load_file, save_file
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -123,3 +127,20 @@ def write_quantized(src: Path, dst: Path, method: str, group_size: int, *,
     config["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, ref_dir
+
+
+def load_prequantized(folder: Path, config: QuantizationConfig | None = None
+                      ) -> LlamaForCausalLM:
+    """The model of a quantized folder, in float32, loaded by the loader under test."""
+    ckpt = load_checkpoint(str(folder))
+    model = LlamaForCausalLM(ckpt.spec, torch.float32)
+    load_quantized_weights(model, ckpt, config)
+    return model
+
+
+def reference_weights(ref_dir: Path) -> dict[str, torch.Tensor]:
+    """The float32 parameters of a reference (dequantized) folder, by name."""
+    ckpt = load_checkpoint(str(ref_dir))
+    model = LlamaForCausalLM(ckpt.spec, torch.float32)
+    model.check_all_loaded(model.load_weights(ckpt.iter_weights()))
+    return dict(model.named_parameters())

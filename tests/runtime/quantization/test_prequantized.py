@@ -19,7 +19,7 @@ from argosy_runtime.quantization import (
     load_quantized_weights,
 )
 from model_factory import make_random_model_dir
-from prequant_factory import write_quantized
+from prequant_factory import load_prequantized, reference_weights, write_quantized
 
 GROUP = 32
 
@@ -30,20 +30,6 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model_dir(tmp_path_factory.mktemp("float"), "qwen2", hidden_size=96,
                                  intermediate_size=160, num_attention_heads=3,
                                  num_key_value_heads=1, init_std=0.1)
-
-
-def _load(folder: Path, config: QuantizationConfig | None = None) -> LlamaForCausalLM:
-    ckpt = load_checkpoint(str(folder))
-    model = LlamaForCausalLM(ckpt.spec, torch.float32)
-    load_quantized_weights(model, ckpt, config)
-    return model
-
-
-def _reference_weights(ref_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt = load_checkpoint(str(ref_dir))
-    model = LlamaForCausalLM(ckpt.spec, torch.float32)
-    model.check_all_loaded(model.load_weights(ckpt.iter_weights()))
-    return dict(model.named_parameters())
 
 
 CASES = [
@@ -60,8 +46,8 @@ def test_prequantized_matches_dequantized_reference(float_dir: Path, tmp_path: P
     qdir, ref_dir = write_quantized(float_dir, tmp_path / method, method, GROUP, **kwargs)
     detected = detect_prequantized(load_checkpoint(str(qdir)))
     assert detected == QuantizationConfig("int4", GROUP, source=method)
-    model = _load(qdir)
-    ref = _reference_weights(ref_dir)
+    model = load_prequantized(qdir)
+    ref = reference_weights(ref_dir)
     params = dict(model.named_parameters())
     torch.manual_seed(0)
     for i, layer in enumerate(model.model.layers):
@@ -96,8 +82,8 @@ def test_prequantized_matches_dequantized_reference(float_dir: Path, tmp_path: P
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_load_time_quantization_makes_the_lm_head_int8(tmp_path: Path, method: str, tied: bool) -> None:
     folder = make_random_model_dir(tmp_path, tie_word_embeddings=tied, init_std=0.1)
-    model = _load(folder, QuantizationConfig(method, GROUP))
-    _assert_int8_head(model, _reference_weights(folder))
+    model = load_prequantized(folder, QuantizationConfig(method, GROUP))
+    _assert_int8_head(model, reference_weights(folder))
 
 
 def _assert_int8_head(model: LlamaForCausalLM, ref: dict[str, torch.Tensor]) -> None:
@@ -143,14 +129,14 @@ def test_group_size_mismatch_fails_clearly(float_dir: Path, tmp_path: Path) -> N
     qdir, _ = write_quantized(float_dir, tmp_path / "gptq", "gptq", GROUP)
     _edit_config(qdir, group_size=64)  # tensors were written with 32
     with pytest.raises(ValueError, match=r"qzeros has shape .* expected .*does not match"):
-        _load(qdir)
+        load_prequantized(qdir)
 
 
 def test_layout_mismatch_fails_clearly(float_dir: Path, tmp_path: Path) -> None:
     qdir, _ = write_quantized(float_dir, tmp_path / "awq", "awq", GROUP)
     _edit_config(qdir, quant_method="gptq", checkpoint_format="gptq")  # AWQ tensors, GPTQ config
     with pytest.raises(ValueError, match=r"qweight has shape"):
-        _load(qdir)
+        load_prequantized(qdir)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +160,7 @@ def test_asking_another_method_of_a_prequantized_checkpoint_fails(float_dir: Pat
                                                                    tmp_path: Path) -> None:
     qdir, _ = write_quantized(float_dir, tmp_path / "awq", "awq", GROUP)
     with pytest.raises(ValueError, match="pre-quantized as int4-g32 \\(awq\\)"):
-        _load(qdir, QuantizationConfig("int8"))
+        load_prequantized(qdir, QuantizationConfig("int8"))
 
 
 def test_rtn_on_a_float_checkpoint_and_missing_config(float_dir: Path) -> None:
@@ -193,8 +179,8 @@ def test_headless_prequantized_checkpoint(tmp_path: Path, method: str) -> None:
                                       intermediate_size=160, num_attention_heads=3,
                                       num_key_value_heads=1, init_std=0.1, headless=True)
     qdir, ref_dir = write_quantized(float_dir, tmp_path / method, method, GROUP)
-    model = _load(qdir)
-    ref = _reference_weights(ref_dir)
+    model = load_prequantized(qdir)
+    ref = reference_weights(ref_dir)
     assert model.lm_head is None
     for i, layer in enumerate(model.model.layers):
         down = layer.mlp.down_proj

@@ -18,12 +18,10 @@ import prequant_factory
 import pytest
 import torch
 from argosy_runtime import LLM
-from argosy_runtime.model_loader import load_checkpoint
-from argosy_runtime.models import LlamaForCausalLM
-from argosy_runtime.quantization import Int4Linear, load_quantized_weights
+from argosy_runtime.quantization import Int4Linear
 from engine_helpers import greedy, random_prompts, tokens_and_logprobs
 from model_factory import make_random_model_dir
-from prequant_factory import write_quantized
+from prequant_factory import load_prequantized, reference_weights, write_quantized
 from safetensors.torch import load_file, save_file
 
 GROUP = 32
@@ -88,20 +86,6 @@ def _fuse_quantized(src: Path, dst: Path, method: str) -> Path:
     return dst
 
 
-def _load(folder: Path) -> LlamaForCausalLM:
-    ckpt = load_checkpoint(str(folder))
-    model = LlamaForCausalLM(ckpt.spec, torch.float32)
-    load_quantized_weights(model, ckpt, None)
-    return model
-
-
-def _reference_weights(ref_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt = load_checkpoint(str(ref_dir))
-    model = LlamaForCausalLM(ckpt.spec, torch.float32)
-    model.check_all_loaded(model.load_weights(ckpt.iter_weights()))
-    return dict(model.named_parameters())
-
-
 CASES = [("gptq", {}), ("gptq", {"act_order": True}), ("awq", {})]
 
 
@@ -113,7 +97,7 @@ def test_fused_phi3_folder_loads_like_the_unfused_one(phi3_dir: Path, tmp_path: 
     fused = _fuse_quantized(unfused, tmp_path / f"{method}-fused", method)
 
     # The loaded models: the same int4 tensors, bit for bit.
-    model, model_unfused = _load(fused), _load(unfused)
+    model, model_unfused = load_prequantized(fused), load_prequantized(unfused)
     state, state_unfused = model.state_dict(), model_unfused.state_dict()
     assert state.keys() == state_unfused.keys()
     for name, value in state.items():  # tensors, and each Int4Linear's layout (_extra_state)
@@ -124,7 +108,7 @@ def test_fused_phi3_folder_loads_like_the_unfused_one(phi3_dir: Path, tmp_path: 
 
     # ... and the exact dequantized weights of the reference, as the fused layers the model
     # runs (q, k, v / gate, up rows in order: a swapped part would show here).
-    ref = _reference_weights(ref_dir)
+    ref = reference_weights(ref_dir)
     torch.manual_seed(0)
     for i, layer in enumerate(model.model.layers):
         for name, module in (("self_attn.qkv_proj", layer.self_attn.qkv_proj),
@@ -168,7 +152,7 @@ def test_fused_width_not_splittable_at_int32_fails_clearly(tmp_path: Path, metho
     qdir, _ = write_quantized(float_dir, tmp_path / method, method, GROUP)
     with pytest.raises(ValueError, match=r"qkv_proj: its projections' output sizes \[24, 12, 12\] "
                                          r"are not all multiples of 8"):
-        _load(qdir)
+        load_prequantized(qdir)
 
 
 def test_non_zero_fused_bias_fails_clearly(phi3_dir: Path, tmp_path: Path) -> None:
@@ -179,4 +163,4 @@ def test_non_zero_fused_bias_fails_clearly(phi3_dir: Path, tmp_path: Path) -> No
     tensors["model.layers.1.mlp.gate_up_proj.bias"][100] = 1.0  # in up's half
     save_file(tensors, str(fused / "model.safetensors"))
     with pytest.raises(ValueError, match=r"non-zero bias model\.layers\.1\.mlp\.gate_up_proj"):
-        _load(fused)
+        load_prequantized(fused)
