@@ -10,9 +10,16 @@ import hashlib
 from collections.abc import Sequence
 
 
+def utf8(text: str) -> bytes:
+    """`text` as UTF-8, lone surrogates included: JSON may escape half a UTF-16 pair
+    ("\\ud800"), which decodes to a str strict UTF-8 refuses, and a client's prompt must
+    not make routing raise (the replica answers such a body with its own 400)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def hash64(text: str) -> int:
     """A stable 64-bit hash of `text`."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(utf8(text), digest_size=8).digest(), "big")
 
 
 def rendezvous_order(key: str, members: Sequence[str]) -> list[str]:

@@ -27,7 +27,7 @@ from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import RoutingConfig
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
 from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
-from argosy_runtime.gateway.policies.hashing import hash64
+from argosy_runtime.gateway.policies.hashing import hash64, utf8
 
 
 def block_hashes(text: str, block_chars: int) -> list[bytes]:
@@ -38,7 +38,7 @@ def block_hashes(text: str, block_chars: int) -> list[bytes]:
     running = hashlib.blake2b(digest_size=16)
     out = []
     for end in range(block_chars, len(text) + 1, block_chars):
-        running.update(text[end - block_chars : end].encode("utf-8"))
+        running.update(utf8(text[end - block_chars : end]))
         out.append(running.copy().digest())
     return out
 

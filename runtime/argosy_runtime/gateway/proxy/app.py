@@ -44,10 +44,13 @@ from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.policies import RouteRequest
 from argosy_runtime.gateway.proxy.batch_routes import BatchRoutes
 from argosy_runtime.gateway.proxy.errors import (
+    MALFORMED_JSON,
+    at_event_boundary,
     bad_request,
     error_response,
     model_not_found,
     no_replica,
+    stream_error_event,
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
@@ -137,7 +140,21 @@ class Gateway:
             await self.session.close()
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        limit = MAX_BODY_BYTES
+
+        @web.middleware
+        async def body_too_large(request: web.Request, handler: Any) -> web.StreamResponse:
+            # aiohttp refuses a body over `client_max_size` (raised where a handler reads it)
+            # with a plain-text 413; answer the runtime server's OpenAI-shaped one instead.
+            # Outermost, so the tenants' gate inside it still counts the 413.
+            try:
+                return await handler(request)
+            except web.HTTPRequestEntityTooLarge:
+                return error_response(
+                    413, f"request body is larger than this gateway's limit of {limit} bytes "
+                         f"({limit / 2**20:g} MiB)", code="request_too_large")
+
+        app = web.Application(client_max_size=limit, middlewares=[body_too_large])
         self.tenants.install(app)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
@@ -211,7 +228,11 @@ class Gateway:
                     if resp.status != 200:
                         return []
                     data = await resp.json(content_type=None)
-                    return [m for m in data.get("data") or [] if isinstance(m, dict)]
+                    # Anything but a list object (another service on that port, a broken
+                    # proxy) lists nothing: one odd replica must not make /v1/models, and
+                    # every unknown model's lookup (_look_up_adapters), a 500 for all.
+                    entries = data.get("data") if isinstance(data, dict) else None
+                    return [m for m in entries or [] if isinstance(m, dict)]
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 return []
 
@@ -290,7 +311,7 @@ class Gateway:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except MALFORMED_JSON as exc:
             return bad_request(f"malformed JSON body: {exc}")
         if not isinstance(body, dict):
             return bad_request("body: the request body must be a JSON object")
@@ -495,14 +516,17 @@ class Gateway:
         out.headers["x-argosy-backend"] = upstream.replica.url
         charged = self.tenants.meter(request, path, body, resp.status, resp.content_type)
         finished = False
+        last = b""  # the last bytes relayed: does the stream so far end between two events?
         try:
             await out.prepare(request)
             if upstream.first_chunk:
                 await out.write(upstream.first_chunk)
                 charged.feed(upstream.first_chunk)
+                last = upstream.first_chunk[-4:]
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
                 charged.feed(chunk)
+                last = (last + chunk)[-4:]
             await out.write_eof()
             finished = True
         except asyncio.CancelledError:
@@ -518,6 +542,7 @@ class Gateway:
             # The replica died mid-answer; bytes already reached the client, so no retry.
             logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
             upstream.replica.mark_failure(self.config.health.unhealthy_after)
+            await _end_with_error_event(out, resp, last, upstream.replica.url)
             # End the client's connection without a clean end of stream, so the client sees
             # the answer was cut short instead of a silently truncated one.
             if request.transport is not None:
@@ -528,6 +553,17 @@ class Gateway:
             if finished:
                 self._count(model, upstream, resp.status, started)
         return out
+
+
+async def _end_with_error_event(out: web.StreamResponse, resp: aiohttp.ClientResponse,
+                                last: bytes, url: str) -> None:
+    """An event stream whose replica broke mid-answer gets an error event saying so (the
+    openai client raises it), where it can go: between two events. A JSON body cut short
+    has no place for one; the cut connection tells."""
+    if resp.content_type != "text/event-stream" or not at_event_boundary(last):
+        return
+    with contextlib.suppress(ConnectionResetError):  # the client may be gone as well
+        await out.write(stream_error_event(url))
 
 
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

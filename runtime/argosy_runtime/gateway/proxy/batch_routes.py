@@ -26,7 +26,12 @@ import aiohttp
 from aiohttp import web
 
 from argosy_runtime.gateway.policies import LeastLoadPolicy, RouteRequest
-from argosy_runtime.gateway.proxy.errors import bad_request, error_response, model_not_found
+from argosy_runtime.gateway.proxy.errors import (
+    MALFORMED_JSON,
+    bad_request,
+    error_response,
+    model_not_found,
+)
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.server.batch.file_store import MAX_FILE_BYTES, file_too_large
 from argosy_runtime.server.batch.pagination import page
@@ -97,7 +102,7 @@ class BatchRoutes:
     async def create_batch(self, request: web.Request) -> web.StreamResponse:
         try:
             body = json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except MALFORMED_JSON as exc:
             return bad_request(f"malformed JSON body: {exc}")
         file_id = body.get("input_file_id") if isinstance(body, dict) else None
         if not isinstance(file_id, str):
@@ -259,8 +264,8 @@ def _first_model(upload: IO[bytes]) -> str | None:
         if raw.strip():
             try:
                 model = json.loads(raw).get("body", {}).get("model")
-            except (ValueError, AttributeError):
-                return None
+            except (ValueError, AttributeError, RecursionError):  # nested too deep: a client's
+                return None  # mistake, which the replica reports when the batch is created
             return model if isinstance(model, str) else None
     return None
 

@@ -8,7 +8,14 @@ unchanged; the gateway only answers itself what it must decide before choosing a
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
+
+# What `json.loads` of a client's body raises when the body is not JSON the gateway can read:
+# invalid UTF-8, invalid JSON, or arrays/objects nested deeper than Python's recursion limit
+# (a few kB of "[" raise RecursionError), all the client's mistake: a 400, never a 500.
+MALFORMED_JSON = (UnicodeDecodeError, json.JSONDecodeError, RecursionError)
 
 # HTTP status -> OpenAI error type, as the runtime server maps them.
 TYPES = {
@@ -16,10 +23,12 @@ TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "bad_gateway_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 
@@ -32,7 +41,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     """A JSON error with the given HTTP status."""
-    err_type = TYPES.get(status, "invalid_request_error")
+    err_type = TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
     return web.json_response(
         {"error": {"message": message, "type": err_type, "param": param, "code": code}},
         status=status,
@@ -70,3 +79,37 @@ def no_replica(model: str, retry_after: float | None = None) -> web.Response:
             headers={"Retry-After": str(max(1, round(retry_after)))},
         )
     return error_response(503, f"no replica of {model!r} is available")
+
+
+def is_openai_error(body: bytes) -> bool:
+    """Whether a replica's error answer is already `{"error": {...}}` (the runtime server's)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("error"), dict)
+
+
+def replica_error(status: int, url: str, body: bytes, headers: dict[str, str]) -> web.Response:
+    """A replica's 5xx (or 429) whose body is not an OpenAI error (a proxy's HTML page,
+    uvicorn's bare "Internal Server Error"), as one: the same status and headers, a message
+    naming the replica and quoting the start of what it said."""
+    said = body[:200].decode("utf-8", "replace").strip()
+    return error_response(
+        status, f"replica {url} answered HTTP {status}" + (f": {said}" if said else ""),
+        headers=headers)
+
+
+def stream_error_event(url: str) -> bytes:
+    """The SSE event that ends a stream whose replica failed mid-answer (its bytes already
+    reached the client, so nothing can be retried): the runtime server ends its own broken
+    streams with such an event, and the openai client raises it as an APIError."""
+    error = {"message": f"replica {url} failed mid-stream; this answer is incomplete",
+             "type": TYPES[502], "param": None, "code": None}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+def at_event_boundary(relayed: bytes) -> bool:
+    """Whether an event stream relayed so far (its last bytes) ends between two events, where
+    one more event can be written without merging into a half-sent one."""
+    return relayed.endswith((b"\n\n", b"\r\n\r\n"))

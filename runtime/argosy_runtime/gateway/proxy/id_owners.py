@@ -11,15 +11,21 @@ rotation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 
-from argosy_runtime.gateway.proxy.errors import error_response
+from argosy_runtime.gateway.proxy.errors import (
+    at_event_boundary,
+    error_response,
+    stream_error_event,
+)
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 
 if TYPE_CHECKING:
@@ -56,7 +62,10 @@ class IdOwners:
 
         async def has(url: str) -> bool:
             try:
-                async with session.get(f"{url}/v1/{kind}/{obj_id}", headers=forwarded,
+                # Quoted: the route decoded the id, so "..%2F..%2Fready" came as a path
+                # that climbs out of /v1/{kind} unless it is encoded again.
+                async with session.get(f"{url}/v1/{kind}/{quote(obj_id, safe='')}",
+                                       headers=forwarded,
                                        timeout=timeout) as resp:
                     return resp.status == 200
             except (TimeoutError, aiohttp.ClientError):
@@ -112,15 +121,21 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse
                         ) -> web.StreamResponse:
     out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
     await out.prepare(request)
+    last = b""  # the last bytes relayed: does the stream so far end between two events?
     try:
         async for chunk in resp.content.iter_any():
             await out.write(chunk)
+            last = (last + chunk)[-4:]
         await out.write_eof()
     except ConnectionResetError:
         pass  # the client left; closing the replica connection stops only this relay
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-        # The replica broke mid-stream: cut the client's connection too, so that it sees
-        # the stream did not end cleanly (and can resume it with starting_after).
+        # The replica broke mid-stream: say so in an error event (as the generation relay
+        # does), then cut the client's connection too, so that it sees the stream did not
+        # end cleanly (and can resume it with starting_after).
+        if at_event_boundary(last):
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(stream_error_event(str(resp.url.origin())))
         if request.transport is not None:
             request.transport.close()
     return out

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
-from argosy_runtime.gateway.proxy.errors import error_response
+from argosy_runtime.gateway.proxy.errors import MALFORMED_JSON, error_response
 
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
@@ -57,7 +57,7 @@ class ResponsesRoutes:
     async def create(self, request: web.Request) -> web.StreamResponse:
         try:
             body = json.loads(await request.read())  # aiohttp keeps the body for the relay
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except MALFORMED_JSON:
             body = None  # the generation handler answers the 400
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         if not isinstance(previous, str):

@@ -22,7 +22,12 @@ from argosy_runtime.gateway.backends.replica import Replica
 from argosy_runtime.gateway.config import GatewayConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.policies.base import Policy, RouteRequest
-from argosy_runtime.gateway.proxy.errors import no_replica
+from argosy_runtime.gateway.proxy.errors import (
+    error_response,
+    is_openai_error,
+    no_replica,
+    replica_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +144,15 @@ async def _attempt(
         metrics.retries.labels(pool.model, "connection_reset").inc()
         logger.warning("replica %s dropped the request before answering: %r", replica.url, exc)
         return None
+    except aiohttp.ClientResponseError as exc:
+        # An answer that is not HTTP (a bad status line or headers: another service on that
+        # port, a broken proxy). A failed try like a 5xx, retried elsewhere; the last one is
+        # the client's 502 naming the replica, not an unhandled exception's bare 500.
+        replica.mark_failure(config.health.unhealthy_after)
+        metrics.retries.labels(pool.model, "invalid_answer").inc()
+        logger.warning("replica %s sent an answer that is not HTTP: %r", replica.url, exc)
+        return error_response(502, f"replica {replica.url} sent an answer that is not valid "
+                                   f"HTTP: {str(exc.message)[:200]}")
     if resp.status == 429 or resp.status >= 500:
         data = await _read_quietly(resp)
         if resp.status == 429:
@@ -149,11 +163,15 @@ async def _attempt(
             if resp.headers.get("Retry-After"):  # e.g. a draining replica's 503
                 replica.set_retry_after(parse_retry_after(resp.headers["Retry-After"]))
             metrics.retries.labels(pool.model, "upstream_5xx").inc()
+        retry_after = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+        if not is_openai_error(data):
+            # Not the runtime's own error: clients get the OpenAI shape all the same.
+            return replica_error(resp.status, replica.url, data, retry_after)
         return web.Response(
             status=resp.status,
             body=data,
             content_type=resp.content_type or "application/json",
-            headers={k: v for k, v in resp.headers.items() if k.lower() == "retry-after"},
+            headers=retry_after,
         )
     try:
         first = await resp.content.readany()

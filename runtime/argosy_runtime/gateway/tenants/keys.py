@@ -20,8 +20,12 @@ from argosy_runtime.gateway.config import TenantConfig
 
 
 def key_digest(key: str) -> bytes:
-    """The SHA-256 digest a key is held as."""
-    return hashlib.sha256(key.encode("utf-8")).digest()
+    """The SHA-256 digest a key is held as.
+
+    `surrogatepass`: a presented header's bytes that are not UTF-8 reach the gateway as
+    surrogate escapes, which strict UTF-8 refuses (a 500); so encoded, such a key is just
+    one no tenant has (a 401). Valid keys encode exactly as before."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -1,0 +1,369 @@
+"""The gateway against hostile or careless clients and misbehaving replicas.
+
+A client's mistake is a 4xx in the OpenAI error shape and disturbs nobody else; a replica's
+failure is a clear error in that shape; nothing the routing counts (in-flight requests) is
+left behind. Replicas that misbehave below HTTP (a cut body, an answer that is not HTTP) are
+played by `RawReplica`, a socket server answering canned bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+from argosy_runtime.gateway.config import (
+    GatewayConfig,
+    HealthConfig,
+    ModelRouteConfig,
+    TenantConfig,
+)
+from argosy_runtime.gateway.proxy import app as gateway_app
+
+COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def config(*urls: str, policy: str = "prefix-affinity", **kw) -> GatewayConfig:
+    kw.setdefault("health", HealthConfig(interval_s=60))  # no probes: only the test's requests
+    return GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=urls, policy=policy),), **kw)
+
+
+async def error_of(resp: aiohttp.ClientResponse) -> dict:
+    """The OpenAI-shaped error of an answer (fails on any other body)."""
+    assert resp.content_type == "application/json", await resp.text()
+    error = (await resp.json())["error"]
+    assert set(error) == ERROR_FIELDS
+    return error
+
+
+def in_flight(gw) -> list[int]:
+    return [r.in_flight for pool in gw.pools.values() for r in pool.replicas]
+
+
+class RawReplica:
+    """A socket server that answers every request with `answer` (bytes), then closes the
+    connection, or with `answer(request line, writer)` when it is a coroutine function."""
+
+    def __init__(self, answer: bytes | Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]):
+        self.answer = answer
+        self.requests: list[bytes] = []  # request lines ("POST /v1/completions HTTP/1.1")
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            self.requests.append(head.split(b"\r\n", 1)[0])
+            if callable(self.answer):
+                await self.answer(self.requests[-1], writer)
+            else:
+                writer.write(self.answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def raw_replica() -> AsyncIterator[Callable[..., Awaitable[RawReplica]]]:
+    started: list[RawReplica] = []
+
+    async def make(answer) -> RawReplica:
+        replica = RawReplica(answer)
+        await replica.start()
+        started.append(replica)
+        return replica
+
+    yield make
+    for replica in started:
+        await replica.stop()
+
+
+# -- client input ------------------------------------------------------------------------------
+
+
+async def test_a_lone_surrogate_in_the_prompt_is_the_replicas_400_not_a_500(
+        fake_replicas, gateway) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"); Python decodes it into a str no UTF-8
+    codec takes. Prefix affinity hashes the prompt: that must not raise (the replica, which
+    refuses such a body with its 400, gets to say so), for completions, chat and embeddings."""
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url))
+    text = "\\ud800 a prompt long enough to be hashed"  # escaped in the raw JSON below
+    bodies = {
+        "/v1/completions": f'{{"model": "tiny", "prompt": "{text}"}}',
+        "/v1/chat/completions":
+            f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{text}"}}]}}',
+        "/v1/embeddings": f'{{"model": "tiny", "input": "{text}"}}',
+    }
+    async with aiohttp.ClientSession() as s:
+        for path, raw in bodies.items():
+            async with s.post(f"{url}{path}", data=raw.encode(),
+                              headers={"Content-Type": "application/json"}) as resp:
+                # The fake replica takes it (the real one answers 400 malformed JSON): it
+                # reached the replica, which is what the gateway decides.
+                assert resp.status == 200, (path, await resp.text())
+    assert len(r.requests) == 3 and in_flight(gw) == [0]
+
+
+async def test_json_nested_too_deep_is_a_400_not_a_500(fake_replicas, gateway) -> None:
+    """Python's json recurses per level: a small body of 100000 `[` raises RecursionError,
+    which must be the same 400 as any malformed JSON (also inside an object, and for the
+    Responses API and a batch's creation)."""
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = [
+        ("/v1/completions", deep),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": ' + deep + b"}"),
+        ("/v1/responses", deep),
+        ("/v1/batches", b'{"input_file_id": ' + deep + b"}"),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for path, raw in cases:
+            async with s.post(f"{url}{path}", data=raw,
+                              headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 400, path
+                error = await error_of(resp)
+                assert error["type"] == "invalid_request_error"
+                assert "malformed JSON body" in error["message"]
+        # Nobody else is disturbed: the next request is answered as usual.
+        async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+            assert resp.status == 200
+    assert len(r.requests) == 1 and in_flight(gw) == [0]
+
+
+async def test_a_batch_upload_whose_first_line_nests_too_deep_is_not_a_500(
+        fake_replicas, gateway) -> None:
+    """The upload's first request names the model it is routed by; a line that cannot be
+    parsed names none (the replica then judges the file), whatever makes it unparseable."""
+    (r,) = await fake_replicas(1)
+    _, url = await gateway(config(r.url))
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", b"[" * 100_000 + b"\n", filename="in.jsonl",
+                   content_type="application/jsonl")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/files", data=form) as resp:
+            # The fake replica has no Batch API: its 404 proves the upload got through.
+            assert resp.status == 404
+
+
+async def test_a_body_over_the_limit_is_an_openai_413(fake_replicas, gateway,
+                                                      monkeypatch) -> None:
+    """aiohttp refuses a body over `client_max_size` with a plain-text 413; clients get the
+    runtime server's answer instead (`request_too_large`)."""
+    monkeypatch.setattr(gateway_app, "MAX_BODY_BYTES", 4096)
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        big = {**COMPLETION, "prompt": "x" * 8192}
+        for path in ("/v1/completions", "/v1/responses"):
+            async with s.post(f"{url}{path}", json=big) as resp:
+                assert resp.status == 413
+                error = await error_of(resp)
+                assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                          "request_too_large")
+                assert "4096 bytes" in error["message"]
+        async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+            assert resp.status == 200
+    assert r.requests == [COMPLETION] and in_flight(gw) == [0]
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500(
+        fake_replicas, gateway) -> None:
+    """Header bytes that are not UTF-8 reach the gateway as surrogate escapes; hashing the
+    presented key must not raise on them: an unknown key is a 401."""
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url, tenants=(
+        TenantConfig(name="a", api_keys=("sk-a",), max_concurrent=4),)))
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps(COMPLETION).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer sk-\xff\xfe\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert json.loads(payload)["error"]["code"] == "invalid_api_key"
+    assert r.requests == [] and gw.tenants.limiters["a"].in_flight == 0
+
+
+# -- misbehaving replicas ----------------------------------------------------------------------
+
+
+async def test_a_replica_answering_garbage_is_retried_then_a_502(raw_replica, fake_replicas,
+                                                                gateway) -> None:
+    """An answer that is not HTTP (a wrong port, a crashed proxy) is a failed try like a 5xx:
+    the request goes to another replica, and when none is left it is a 502 naming the
+    replica, never the gateway's own 500."""
+    bad = await raw_replica(b"NOT HTTP AT ALL\r\n\r\n")
+    (good,) = await fake_replicas(1)
+    # The start-up probe fails on it too: keep it in rotation for the last step.
+    gw, url = await gateway(config(bad.url, good.url, policy="round-robin",
+                                   health=HealthConfig(interval_s=60, unhealthy_after=10)))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # round-robin: at least one of the two starts at the bad replica
+            async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == 200 and resp.headers["x-argosy-backend"] == good.url
+        assert bad.requests.count(b"POST /v1/completions HTTP/1.1") >= 1
+        await good.stop()
+        gw.pools["tiny"].get(good.url).healthy = False  # gone: only the bad one is left
+        async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+            assert resp.status == 502
+            error = await error_of(resp)
+            assert error["type"] == "bad_gateway_error" and bad.url in error["message"]
+    assert in_flight(gw) == [0, 0]
+
+
+async def test_a_5xx_without_an_openai_body_becomes_one(raw_replica, gateway) -> None:
+    """A replica's 5xx (or 429) body that is not an OpenAI error (a proxy's HTML page,
+    uvicorn's bare "Internal Server Error") reaches the client as one, its status and
+    Retry-After kept; a 5xx that is one passes unchanged (test_gateway_proxy.py)."""
+    text_500 = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+                b"Content-Length: 21\r\n\r\nInternal Server Error")
+    html_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/html\r\n"
+                b"Retry-After: 7\r\nContent-Length: 13\r\n\r\n<html></html>")
+    for answer, status, err_type in ((text_500, 500, "internal_server_error"),
+                                     (html_503, 503, "service_unavailable_error")):
+        bad = await raw_replica(answer)
+        gw, url = await gateway(config(bad.url))
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == status
+                error = await error_of(resp)
+                assert error["type"] == err_type
+                assert bad.url in error["message"] and f"HTTP {status}" in error["message"]
+                if status == 503:
+                    assert resp.headers["Retry-After"] == "7"
+        assert in_flight(gw) == [0]
+
+
+async def test_a_stream_cut_by_its_replica_ends_with_an_error_event(raw_replica,
+                                                                    gateway) -> None:
+    """Bytes already reached the client, so nothing is retried: the stream ends with an SSE
+    error event saying the replica failed (which the openai client raises as an APIError),
+    and the connection is still cut without a clean end, so it never looks complete."""
+    bad = await raw_replica(one_event_then_die)
+    gw, url = await gateway(config(bad.url))
+    received = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in resp.content.iter_any():
+                    received += chunk
+    assert_ends_with_error_event(received, bad.url)
+    assert in_flight(gw) == [0]
+
+
+async def test_a_background_responses_stream_cut_by_its_replica_ends_with_an_error_event(
+        raw_replica, gateway) -> None:
+    """The same for a stored response's events (`GET /v1/responses/{id}?stream=true`),
+    relayed to the replica holding it."""
+
+    async def answer(line: bytes, writer: asyncio.StreamWriter) -> None:
+        if b"stream=true" in line:
+            await one_event_then_die(line, writer)
+        else:  # the gateway asking who holds the id
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    bad = await raw_replica(answer)
+    _, url = await gateway(config(bad.url))
+    received = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/responses/resp_x?stream=true") as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in resp.content.iter_any():
+                    received += chunk
+    assert_ends_with_error_event(received, bad.url)
+
+
+EVENT = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n'
+
+
+async def one_event_then_die(_: bytes, writer: asyncio.StreamWriter) -> None:
+    """A replica's SSE answer that breaks after its first event."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n"
+                 + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.1)  # then the connection closes mid-stream
+
+
+def assert_ends_with_error_event(received: bytes, replica_url: str) -> None:
+    """The replica's event, then the gateway's error event, and no [DONE]."""
+    event = EVENT
+    events = [e for e in received.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == event and len(events) == 2
+    assert events[1].startswith(b"data: ")
+    error = json.loads(events[1][6:])["error"]
+    assert set(error) == ERROR_FIELDS and error["type"] == "bad_gateway_error"
+    assert replica_url in error["message"] and "incomplete" in error["message"]
+    assert b"[DONE]" not in received
+
+
+async def test_a_replica_listing_models_wrongly_breaks_nothing(fake_replicas, gateway) -> None:
+    """/v1/models of a replica that answers JSON but not an object (a wrong service behind
+    the URL, a broken proxy) counts as listing nothing: the merged list, and unknown-model
+    answers (which read the replicas' lists for LoRA adapters), stay what they should be."""
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(["tiny"])
+
+    odd = web.Application()
+    odd.router.add_get("/v1/models", models)
+    runner = web.AppRunner(odd)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    odd_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        (r,) = await fake_replicas(1)
+        _, url = await gateway(config(r.url, odd_url))
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/v1/models") as resp:
+                assert resp.status == 200
+                assert [m["id"] for m in (await resp.json())["data"]] == ["tiny"]
+            async with s.post(f"{url}/v1/completions", json={**COMPLETION, "model": "nope"}
+                              ) as resp:
+                assert resp.status == 404
+                assert (await error_of(resp))["code"] == "model_not_found"
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_id_holding_path_characters_stays_one_path_segment(raw_replica, gateway) -> None:
+    """`/v1/files/..%2F..%2Fready`: the id ("../../ready", decoded) is looked up as one path
+    segment on each replica, never as a path that climbs out of /v1/files."""
+    replica = await raw_replica(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    gw, url = await gateway(config(replica.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/files/..%2F..%2Fready") as resp:
+            assert resp.status == 404, await resp.text()
+            await error_of(resp)
+    # (the other requests are the health checks' /ready and /metrics)
+    assert b"GET /v1/files/..%2F..%2Fready HTTP/1.1" in replica.requests, replica.requests
