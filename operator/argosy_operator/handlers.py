@@ -157,7 +157,7 @@ async def _report_degraded(client: KubeClient, llmd: dict[str, Any], reason: str
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logging.Logger,
-                                  **_: Any) -> None:
+                                  retry: int = 0, **_: Any) -> None:
     """Apply the children, then the status (observedGeneration = this generation)."""
     client = get_client()
     llmd = dict(body)
@@ -171,16 +171,19 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
                 return
             result = await reconcile(client, llmd)
     except ValueError as exc:
-        # The CRD's schema and CEL rules reject these; reaching here means the CRD is stale.
+        # A spec the children cannot be built from: a stale CRD let it through, or the CRD
+        # cannot express the rule (the name, label values, ...). Retrying would not help.
         await _report_degraded(client, llmd, "InvalidSpec", str(exc), generation)
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
         await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
         raise kopf.TemporaryError(str(exc), delay=30) from exc
-    except ApiError as exc:
-        if exc.status in (403, 422):
-            kopf.event(body, type="Warning", reason="ApplyFailed", message=str(exc))
-        raise kopf.TemporaryError(str(exc), delay=10) from exc
+    except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+        # A child refused (403 RBAC, 422 invalid, 5xx) or the API server unreachable: say so
+        # on the owner, and let kopf retry later and later (a 403 or 422 stays until someone
+        # acts; a fixed short delay would hammer the API server for as long).
+        await _report_apply_failed(client, llmd, exc, generation, first_try=retry == 0)
+        raise kopf.TemporaryError(str(exc), delay=apply_retry_delay(retry)) from exc
     for action in result.actions:
         logger.info(action)
         # kopf.event, not kopf.info: the latter obeys posting.level (WARNING, see configure).
@@ -191,6 +194,30 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
 
 
 _log = logging.getLogger("argosy.operator")
+
+# Seconds kopf waits before retrying a create/update/resume reconcile that failed on the API
+# (`retry` is kopf's count of earlier tries); the last one repeats.
+APPLY_RETRY_DELAYS: tuple[float, ...] = (10.0, 20.0, 40.0, 80.0, 160.0, 300.0)
+
+
+def apply_retry_delay(retry: int) -> float:
+    return APPLY_RETRY_DELAYS[min(retry, len(APPLY_RETRY_DELAYS) - 1)]
+
+
+async def _report_apply_failed(client: KubeClient, llmd: dict[str, Any], exc: Exception,
+                               generation: int | None, *, first_try: bool) -> None:
+    """Degraded=True ApplyFailed quoting the API server's answer (a Warning event when that
+    condition changes). While the API server fails the status write too, a Warning event at
+    the first failure is all that can be said."""
+    try:
+        await _report_degraded(client, llmd, "ApplyFailed", str(exc), generation)
+    except (ApiError, aiohttp.ClientError, TimeoutError) as status_exc:
+        _log.warning("could not report the failure on %s/%s: %s",
+                     llmd["metadata"].get("namespace"), llmd["metadata"].get("name"),
+                     status_exc)
+        if first_try:
+            kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
+
 
 # One reconcile at a time per LLMDeployment. A reapply (a child deleted) reads the owner, then
 # writes; without the lock a spec change that drops a child (the PDB, say) could be applied in
@@ -270,8 +297,10 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
                 await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
                 return False
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
-            if first_try and llmd is not None:
-                kopf.event(llmd, type="Warning", reason="ApplyFailed", message=str(exc))
+            if llmd is not None:
+                await _report_apply_failed(client, llmd, exc,
+                                           (llmd.get("metadata") or {}).get("generation"),
+                                           first_try=first_try)
             _log.warning("reapplying the children of %s/%s failed (retrying): %s",
                          namespace, owner, exc)
             return False

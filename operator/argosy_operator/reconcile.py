@@ -21,6 +21,7 @@ from argosy_operator.builders import (
     build_service,
     build_servicemonitor,
 )
+from argosy_operator.builders.common import check_name
 from argosy_operator.constants import (
     ANNOTATION_LAST_APPLIED,
     LABEL_MANAGED_BY,
@@ -102,12 +103,18 @@ def _check_ours(res: Resource, live: Mapping[str, Any], owner_uid: str | None) -
             "rename the LLMDeployment or delete that object")
 
 
+_UNREAD: Any = object()  # apply_child's `live` when the caller has not read the child
+
+
 async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, Any], *,
-                      keeps_replicas: bool = False) -> tuple[str | None, dict[str, Any]]:
+                      keeps_replicas: bool = False, live: dict[str, Any] | None = _UNREAD
+                      ) -> tuple[str | None, dict[str, Any]]:
     """Create or three-way-patch one child. Returns ("created" | "updated" | None, object).
 
     The object is noted for drift detection (`drift.remember`); `keeps_replicas`: the operator
-    keeps the desired spec.replicas (autoscaling off), so another count is drift.
+    keeps the desired spec.replicas (autoscaling off), so another count is drift. `live`: the
+    child as just read (None: absent), else it is read here. An API error names the child
+    (the owner's Degraded condition quotes it).
     """
     ns = desired["metadata"]["namespace"]
     name = desired["metadata"]["name"]
@@ -118,22 +125,28 @@ async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, A
         drift.remember(obj, replicas=replicas)
         return action, dict(obj)
 
-    live = await client.get(res, ns, name)
-    if live is None:
-        try:
-            return applied("created", await client.create(res, ns, body))
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            live = await client.get(res, ns, name)  # created meanwhile: patch it instead
-            if live is None:
-                raise
-    # The three-way patch below puts back any of the operator's labels removed by hand.
-    _check_ours(res, live, _controller_uid(desired))
-    patch = three_way_merge_patch(drift.last_applied(live), body, live)
-    if not patch:
-        return applied(None, live)
-    return applied("updated", await client.patch(res, ns, name, patch))
+    try:
+        if live is _UNREAD:
+            live = await client.get(res, ns, name)
+        if live is None:
+            try:
+                return applied("created", await client.create(res, ns, body))
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                live = await client.get(res, ns, name)  # created meanwhile: patch it instead
+                if live is None:
+                    raise
+        # The three-way patch below puts back any of the operator's labels removed by hand.
+        _check_ours(res, live, _controller_uid(desired))
+        patch = three_way_merge_patch(drift.last_applied(live), body, live)
+        if not patch:
+            return applied(None, live)
+        return applied("updated", await client.patch(res, ns, name, patch))
+    except ApiError as exc:
+        # "403 Forbidden: services is forbidden: ..." alone does not say which child failed.
+        raise ApiError(exc.status, exc.reason,
+                       f"{desired.get('kind', res.plural)} {ns}/{name}: {exc.message}") from exc
 
 
 async def delete_child(client: KubeClient, res: Resource, namespace: str, name: str, *,
@@ -152,16 +165,32 @@ async def delete_child(client: KubeClient, res: Resource, namespace: str, name: 
     return await client.delete(res, namespace, name)
 
 
+async def _read_children(client: KubeClient, llmd: Mapping[str, Any],
+                         resources: list[Resource]) -> dict[Resource, dict[str, Any] | None]:
+    """Read every child the spec wants (each named like the LLMDeployment) and check that
+    each is absent or ours, before any write: a foreign object in one child's place
+    (ChildConflictError) must not leave the others applied (a Deployment whose pods no
+    Service reaches, say)."""
+    meta = llmd["metadata"]
+    lives: dict[Resource, dict[str, Any] | None] = {}
+    for res in resources:
+        live = lives[res] = await client.get(res, meta["namespace"], meta["name"])
+        if live is not None:
+            _check_ours(res, live, meta.get("uid"))
+    return lives
+
+
 async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileResult:
     """Apply the Deployment, Service, LoRA ConfigMap, PodDisruptionBudget and ServiceMonitor
     of `llmd`.
 
-    Raises ValueError for a spec that cannot be built (the CRD normally rejects those),
-    ChildConflictError, or ApiError.
+    Raises ValueError for a spec that cannot be built (the CRD normally rejects those; the
+    name is checked here only), ChildConflictError (before any write), or ApiError.
     """
-    spec = normalize_spec(llmd.get("spec") or {})
     meta = llmd["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+    check_name(name)
+    spec = normalize_spec(llmd.get("spec") or {})
     result = ReconcileResult()
 
     def note(action: str | None, kind: str) -> None:
@@ -169,38 +198,45 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
             result.actions.append(f"{action} {kind} {name}")
 
     lora = build_lora_configmap(llmd, spec)
+    service = build_service(llmd, spec)
+    pdb = build_pdb(llmd, spec)
+    has_monitors = await client.has_resource(SERVICEMONITORS)
+    monitor = build_servicemonitor(llmd, spec) if has_monitors else None
+    lives = await _read_children(client, llmd, [
+        res for res, child in ((CONFIGMAPS, lora), (DEPLOYMENTS, True), (SERVICES, service),
+                               (PDBS, pdb), (SERVICEMONITORS, monitor)) if child is not None])
+
     if lora is not None:
         # Before the Deployment: its pods mount this ConfigMap and would not start without it.
-        action, _ = await apply_child(client, CONFIGMAPS, lora)
+        action, _ = await apply_child(client, CONFIGMAPS, lora, live=lives[CONFIGMAPS])
         note(action, "ConfigMap")
 
     if autoscaling_enabled(spec):
         # The autoscaler owns spec.replicas: set it only when creating the Deployment.
-        exists = await client.get(DEPLOYMENTS, ns, name) is not None
+        exists = lives[DEPLOYMENTS] is not None
         replicas = None if exists else int(spec["autoscaling"]["minReplicas"])
     else:
         replicas = int(spec["replicas"])
     action, result.deployment = await apply_child(
         client, DEPLOYMENTS, build_deployment(llmd, spec, replicas),
-        keeps_replicas=not autoscaling_enabled(spec))
+        keeps_replicas=not autoscaling_enabled(spec), live=lives[DEPLOYMENTS])
     note(action, "Deployment")
     if lora is None and await delete_child(client, CONFIGMAPS, ns, name, owner_uid=uid):
         # After the Deployment, whose patch above took the mount off the pod template.
         note("deleted", "ConfigMap")
-    action, _ = await apply_child(client, SERVICES, build_service(llmd, spec))
+    action, _ = await apply_child(client, SERVICES, service, live=lives[SERVICES])
     note(action, "Service")
 
-    pdb = build_pdb(llmd, spec)
     if pdb is not None:
-        action, _ = await apply_child(client, PDBS, pdb)
+        action, _ = await apply_child(client, PDBS, pdb, live=lives[PDBS])
         note(action, "PodDisruptionBudget")
     elif await delete_child(client, PDBS, ns, name, owner_uid=uid):
         note("deleted", "PodDisruptionBudget")
 
-    if await client.has_resource(SERVICEMONITORS):
-        monitor = build_servicemonitor(llmd, spec)
+    if has_monitors:
         if monitor is not None:
-            action, _ = await apply_child(client, SERVICEMONITORS, monitor)
+            action, _ = await apply_child(client, SERVICEMONITORS, monitor,
+                                          live=lives[SERVICEMONITORS])
             note(action, "ServiceMonitor")
         elif await delete_child(client, SERVICEMONITORS, ns, name, owner_uid=uid):
             note("deleted", "ServiceMonitor")

@@ -9,6 +9,7 @@ builders always work on `normalize_spec(spec)`. `DEFAULTS` must equal the defaul
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,51 @@ DEFAULTS: dict[str, Any] = {
 # Defaults of objects nested inside optional objects (applied only when the object is given).
 SPECULATIVE_DEFAULTS: dict[str, Any] = {"method": "ngram", "numSpeculativeTokens": 4}
 
+# The Prometheus Operator's Duration (its ServiceMonitor CRD's pattern for endpoint intervals):
+# units largest first, each at most once. The LLMDeployment CRD's own pattern is looser
+# ("1s1m", "15s15s" pass it), and such an interval would fail the ServiceMonitor with a 422 on
+# every reconcile.
+_PROMETHEUS_DURATION = re.compile(
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+    r"(([0-9]+)ms)?)$")
+
+# `argosy serve` flags that the children are built around, so `runtime.extraArgs` (appended
+# last: the last flag wins) must not override them: the probes, the Service and the
+# ServiceMonitor use port 8000 on every interface; `--model` is where the operator put the
+# weights; clients, the gateway and status.model use spec.model.name; the LoRA file is the
+# mounted ConfigMap. Overridden, the pods would never become ready (or serve something else)
+# with no message naming the cause. Other flags may be overridden (docs/operator.md).
+RESERVED_SERVE_FLAGS: dict[str, str] = {
+    "--host": "the probes and the Service reach the runtime on every interface",
+    "--port": "the probes, the Service and the ServiceMonitor use port 8000",
+    "--model": "set spec.model.source or spec.model.path instead",
+    "--served-model-name": "set spec.model.name instead",
+    "--lora-modules-file": "set spec.runtime.loraAdapters instead",
+}
+
+# Kubernetes' qualified names (label and annotation keys: an optional DNS-subdomain prefix
+# and "/", then at most 63 characters) and label values (at most 63 characters). The CRD
+# admits any string in the label and annotation maps of the spec; the API server refuses the
+# child that carries a bad one, after the children before it were applied.
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _check_metadata_map(field: str, values: Mapping[str, Any], *, labels: bool) -> None:
+    for key, value in values.items():
+        prefix, _, name = str(key).rpartition("/")
+        if (len(name) > 63 or not _QUALIFIED_NAME.match(name)
+                or (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)))):
+            raise ValueError(f"{field}: {key!r} is not a valid key ([prefix/]name: a name of "
+                             "at most 63 letters, digits, '-', '_' or '.', starting and ending "
+                             "with a letter or digit; a DNS subdomain as prefix)")
+        if labels and (len(str(value)) > 63 or (value and not _QUALIFIED_NAME.match(
+                str(value)))):
+            raise ValueError(f"{field}.{key}: {value!r} is not a valid label value (at most "
+                             "63 letters, digits, '-', '_' or '.', starting and ending with a "
+                             "letter or digit, or empty)")
+
+
 # Seconds between SIGTERM's drain deadline and the kubelet's SIGKILL: process exit, flushing.
 GRACE_MARGIN_SECONDS = 15
 
@@ -73,10 +119,17 @@ def _merge_defaults(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> di
     return out
 
 
+def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of `spec` with the top-level defaults filled in, unchecked: for readers
+    of a spec that may be invalid (the status of an LLMDeployment whose reconcile failed)."""
+    return _merge_defaults(DEFAULTS, spec)
+
+
 def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a deep copy of `spec` with every default filled in; raise ValueError on specs
-    the builders cannot turn into manifests (the CRD rejects these before they get here)."""
-    out = _merge_defaults(DEFAULTS, spec)
+    """Return a deep copy of `spec` with every default filled in; raise ValueError, naming
+    the field, on specs the builders cannot turn into children the API server accepts (the
+    CRD rejects most of these before they get here; the rest it cannot express)."""
+    out = with_defaults(spec)
     model = out["model"]
     if not model.get("name"):
         raise ValueError("spec.model.name: required (the name clients send in 'model')")
@@ -107,6 +160,27 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if out["rollout"]["progressDeadlineSeconds"] <= out["runtime"]["startupTimeoutSeconds"]:
         raise ValueError("spec.rollout.progressDeadlineSeconds: must exceed "
                          "runtime.startupTimeoutSeconds")
+    for field, values, labels in (
+            ("spec.podTemplate.labels", out["podTemplate"].get("labels"), True),
+            ("spec.podTemplate.annotations", out["podTemplate"].get("annotations"), False),
+            ("spec.monitoring.labels", out["monitoring"].get("labels"), True),
+            ("spec.service.annotations", out["service"].get("annotations"), False)):
+        _check_metadata_map(field, values or {}, labels=labels)
+    for field, quantity in (("spec.resources.cpu", out["resources"].get("cpu")),
+                            ("spec.resources.memory", out["resources"].get("memory")),
+                            ("spec.model.cacheSizeLimit", out["model"].get("cacheSizeLimit"))):
+        # The CRD's quantity pattern admits a sign; the API server refuses negative sizes.
+        if quantity is not None and str(quantity).startswith("-"):
+            raise ValueError(f"{field}: {quantity!r} must not be negative")
+    for arg in out["runtime"]["extraArgs"]:
+        flag = str(arg).split("=", 1)[0]
+        if flag in RESERVED_SERVE_FLAGS:
+            raise ValueError(f"spec.runtime.extraArgs: {flag} is set by the operator and "
+                             f"cannot be overridden ({RESERVED_SERVE_FLAGS[flag]})")
+    interval = str(out["monitoring"]["interval"])
+    if not interval or not _PROMETHEUS_DURATION.match(interval):
+        raise ValueError(f"spec.monitoring.interval: {interval!r} is not a Prometheus duration "
+                         "(units from largest to smallest, each once: 30s, 1m30s, 500ms)")
     if out["replicas"] < 0:
         raise ValueError("spec.replicas: must be >= 0")
     return out

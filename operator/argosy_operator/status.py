@@ -17,12 +17,12 @@ from argosy_operator.conditions import condition, find_condition, merge_conditio
 from argosy_operator.constants import COND_DEGRADED, COND_PROGRESSING, COND_READY
 from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
 from argosy_operator.pod_problems import pod_problems
-from argosy_operator.spec import normalize_spec
+from argosy_operator.spec import with_defaults
 from argosy_operator.workload import get_deployment, list_pods
 
 CONFLICT_RETRIES = 3
 # Degraded reasons set by the reconciler itself (see handlers), not derived from the children.
-RECONCILE_FAILURES = frozenset({"InvalidSpec", "ChildConflict"})
+RECONCILE_FAILURES = frozenset({"InvalidSpec", "ChildConflict", "ApplyFailed"})
 
 
 def _ready_condition(desired: int, ready: int, problems: Sequence[Any], gen: int | None
@@ -44,7 +44,9 @@ def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None
                    pods: Sequence[Mapping[str, Any]], observed_generation: int | None
                    ) -> dict[str, Any]:
     """The status the reconciler owns, from the Deployment and pods it sees."""
-    spec = normalize_spec(llmd.get("spec") or {})
+    # Unchecked: a spec the reconcile refused (InvalidSpec) still gets a status from its
+    # children's events; checking it here would raise on every pod event instead.
+    spec = with_defaults(llmd.get("spec") or {})
     name = llmd["metadata"]["name"]
     gen = observed_generation
     base: dict[str, Any] = {

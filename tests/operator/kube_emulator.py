@@ -7,7 +7,9 @@ preconditions (409 Conflict), the status subresource (status-only patches on /st
 ignored on the main resource), label selectors on list/watch, watches that resume from a
 resourceVersion, the garbage collector's cascading deletion by owner references, and a
 CustomResourceDefinition created through the API established and serving its resource
-(discovery, objects) at once; deleting a CRD is not emulated.
+(discovery, objects) at once; deleting a CRD is not emulated. Like the API server it also
+refuses (422) objects whose label keys or values are not valid, and Services whose name is
+not a DNS-1035 label (the object-level validation a child of an unusual name runs into).
 The Deployment controller, scheduler and kubelet are not emulated: tests write the children's
 status and the pods themselves.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import re
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -85,6 +88,34 @@ def _selector_matches(selector: str | None, labels: Mapping[str, str]) -> bool:
     return True
 
 
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _object_errors(plural: str, obj: Mapping[str, Any]) -> list[str]:
+    """The API server's checks of metadata.labels (every kind) and of a Service's name."""
+    meta = obj.get("metadata") or {}
+    errors = []
+    name = meta.get("name") or ""
+    if plural == "services" and (len(name) > 63 or not _DNS1035.match(name)):
+        errors.append(f"metadata.name: Invalid value: {name!r}: a DNS-1035 label must consist "
+                      "of lower case alphanumeric characters or '-', start with an alphabetic "
+                      "character, and end with an alphanumeric character")
+    for key, value in (meta.get("labels") or {}).items():
+        prefix, _, label = key.rpartition("/")
+        if (len(label) > 63 or not _LABEL_NAME.match(label)
+                or (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)))):
+            errors.append(f"metadata.labels: Invalid value: {key!r}: not a valid label key")
+        if not isinstance(value, str) or len(value) > 63 or (
+                value and not _LABEL_NAME.match(value)):
+            errors.append(f"metadata.labels: Invalid value: {value!r}: a valid label must be "
+                          "an empty string or consist of alphanumeric characters, '-', '_' or "
+                          "'.', and must start and end with an alphanumeric character "
+                          "(at most 63 characters)")
+    return errors
+
+
 def _diff(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
     """The exact JSON merge patch from `current` to `target`."""
     out: dict[str, Any] = {}
@@ -117,7 +148,10 @@ class ArgosyKubeEmulator(kmock.KubernetesEmulator):
         self.last_rv = 0
 
     def _admit(self, request: rendering.Request, obj: dict[str, Any]) -> dict[str, Any]:
-        """Default + validate an LLMDeployment; returns the defaulted object."""
+        """Default + validate an LLMDeployment; returns the defaulted object. Every object's
+        labels (and a Service's name) are checked as the API server does."""
+        if errors := _object_errors(request.resource.plural, obj):
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
         if not self.crd_validation or request.resource.plural != "llmdeployments" \
                 or request.subresource:
             return obj

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,26 @@ from argosy_operator.constants import (
     LABEL_NAME,
     OPERATOR_NAME,
 )
+
+# A DNS-1035 label: what a Service may be named (the strictest rule a child's name meets).
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME_LENGTH = 63
+
+
+def check_name(name: str) -> None:
+    """Raise ValueError unless the LLMDeployment's `name` can name its children.
+
+    Kubernetes admits any DNS subdomain as the LLMDeployment's name (dots, a leading digit,
+    up to 253 characters), but its Service takes the same name, which must be a DNS-1035
+    label, and every child and pod carries the name as a label value (at most 63
+    characters). Checked before any child is written: otherwise the Deployment would be
+    created and the Service refused on every retry."""
+    if len(name) > MAX_NAME_LENGTH or not _DNS1035_LABEL.match(name):
+        raise ValueError(
+            f"metadata.name: {name!r} cannot name the children (the Service takes the same "
+            f"name): use at most {MAX_NAME_LENGTH} characters, lowercase letters, digits and "
+            "'-', starting with a letter and ending with a letter or digit; the name cannot "
+            "change, so create the LLMDeployment again under such a name")
 
 
 def selector_labels(name: str) -> dict[str, str]:
