@@ -148,6 +148,7 @@ class EngineArgs:
         # loads.
         check_max_loras(self.max_loras)
         check_max_loaded_loras(self.max_loaded_loras, self.max_loras)
+        check_engine_options(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,6 +183,72 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+# Integer options: name -> (smallest value, what None means; None: None is refused).
+_INT_OPTIONS: dict[str, tuple[int, str | None]] = {
+    "quantization_group_size": (1, None),
+    "kv_cache_memory": (1, "the default"),
+    "max_model_len": (2, "the model's context length"),
+    "max_num_seqs": (1, None),
+    "max_num_batched_tokens": (1, "the default"),
+    "cpu_threads": (1, "every CPU this process may use"),
+    "tensor_parallel_size": (1, None),
+}
+QUANTIZATIONS = ("int8", "int4")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_engine_options(args: EngineArgs) -> None:
+    """ValueError naming the option (and its flag) for a value of the wrong type or out of
+    range. Run when EngineArgs is built, so `LLM(...)` and `argosy serve` refuse a bad value
+    at once, before the model loads, instead of failing deep inside it (max_model_len=-5
+    raised a torch RuntimeError from the rotary tables, block_size=0 a ZeroDivisionError,
+    seed="x" a RuntimeError from torch.manual_seed) or silently ignoring it
+    (max_num_batched_tokens=0 meant the default; enable_prefix_caching="no" meant on)."""
+    memory = args.kv_cache_memory
+    if isinstance(memory, str):  # "2GiB", as --kv-cache-memory takes it
+        try:
+            args.kv_cache_memory = parse_bytes(memory)
+        except ValueError:
+            raise ValueError("kv_cache_memory (--kv-cache-memory) must be a number of bytes "
+                             f"such as 2GiB, 512MiB or 1e9; got {memory!r}") from None
+    elif isinstance(memory, float) and memory.is_integer():  # 1e9 (worked before the check)
+        args.kv_cache_memory = int(memory)
+    for name, (lo, unset) in _INT_OPTIONS.items():
+        value = getattr(args, name)
+        if value is None and unset is not None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            also = f", or unset for {unset}" if unset is not None else ""
+            raise ValueError(f"{name} ({_flag(name)}) must be an integer >= {lo}{also}; "
+                             f"got {value!r}")
+    if args.block_size not in BLOCK_SIZES or isinstance(args.block_size, bool):
+        raise ValueError(f"block_size (--block-size) must be a power of two in [1, 128], "
+                         f"got {args.block_size!r}")
+    if (isinstance(args.seed, bool) or not isinstance(args.seed, int)
+            or not -(1 << 63) <= args.seed < (1 << 64)):
+        raise ValueError(f"seed (--seed) must be a 64-bit integer, got {args.seed!r}")
+    fraction = args.kv_cache_memory_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+            or not 0 < fraction <= 1):
+        raise ValueError("kv_cache_memory_fraction (--kv-cache-memory-fraction) must be a "
+                         f"number in (0, 1], got {fraction!r}")
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, bool):
+            raise ValueError(f"{f.name} must be True or False, got {value!r}")
+    if args.served_model_name is not None and (
+            not isinstance(args.served_model_name, str) or not args.served_model_name.strip()):
+        raise ValueError("served_model_name (--served-model-name) must be a non-empty name, "
+                         f"or unset for the --model value; got {args.served_model_name!r}")
+    if args.quantization is not None and args.quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of int8, int4 (or unset), got "
+                         f"{args.quantization!r}")
 
 
 def _is_cap(value: object) -> bool:

@@ -61,6 +61,12 @@ class LLM:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        # Checked here: a PoolingParams failed on len() with a TypeError naming nothing, and
+        # one inside a list silently turned the generation into an embedding.
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) or not all(
+                isinstance(p, SamplingParams) for p in params):
+            raise TypeError("params must be a SamplingParams or a list of them, one per "
+                            f"prompt (LLM.embed takes PoolingParams); got {_type_names(params)}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return self._run(prompts, params, lora_name)
@@ -70,6 +76,8 @@ class LLM:
                     ) -> list[BeamSearchOutput]:
         """The `params.beam_width` most probable continuations of each prompt, best first
         (beam_search.py: transformers' beam search). All prompts' beams share each step."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         tokenizer = self.engine.tokenizer
         searches = [BeamSearch(tokenizer.encode(p) if isinstance(p, str) else p, params,
                                self.engine.end_token_ids) for p in self._prompt_list(prompts)]
@@ -90,6 +98,10 @@ class LLM:
         """Embeddings in the order of `prompts`: each output's `embedding` is the pooled
         (default: last token), L2-normalized final hidden state (pooling_params.py)."""
         prompts = self._prompt_list(prompts)
+        if params is not None and not isinstance(params, PoolingParams):
+            # A SamplingParams here generated text instead, and returned no embeddings.
+            raise TypeError(f"params must be a PoolingParams, got {type(params).__name__} "
+                            "(LLM.generate takes SamplingParams)")
         return self._run(prompts, [params or PoolingParams()] * len(prompts), lora_name)
 
     def classify(self, prompts: str | Sequence[str] | Sequence[list[int]],
@@ -114,8 +126,8 @@ class LLM:
         `truncate_prompt_tokens` (vLLM's, cross-encoders): each pair's prompt cut to k tokens
         from its end, as /v1/score cuts it (-1: the model's length; see
         scoring.cross_encoder_prompt)."""
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        firsts = _texts("text_1", text_1)
+        seconds = _texts("text_2", text_2)
         if not firsts or not seconds:
             raise ValueError("text_1 and text_2 must each hold at least one text")
         pairs = pair_up(firsts, seconds)
@@ -153,6 +165,11 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts: str | Sequence[str] | Sequence[list[int]]) -> list[Any]:
+        # None, a number, a dict or a generator failed on indexing with a TypeError (or a
+        # KeyError) naming nothing; each prompt itself is checked by the engine.
+        if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a string, a list of token ids, or a list of "
+                            f"those; got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             return [prompts]  # a str or a list of token ids counts as one
         return list(prompts)
@@ -163,8 +180,14 @@ class LLM:
         added: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p, lora_name=lora_name)
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                try:
+                    self.engine.add_request(rid, prompt, p, lora_name=lora_name)
+                except ValueError as exc:
+                    if len(prompts) == 1:
+                        raise
+                    # Which of many prompts is wrong: the engine's message cannot say.
+                    raise ValueError(f"prompts[{i}]: {exc}") from exc
                 added.append(rid)
             while len(finished) < len(ids):
                 for out in self.engine.step():
@@ -182,9 +205,48 @@ class LLM:
              params: SamplingParams | None = None,
              lora_name: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages, list) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        _check_conversations(conversations, single)
         tokenizer = self.engine.tokenizer
         # The template already holds any BOS it wants: encode without adding special tokens.
         prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True),
                                     add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params, lora_name)
+
+
+def _type_names(value: Any) -> str:
+    """`PoolingParams`, or `list of [SamplingParams, dict]`: what a caller passed."""
+    if isinstance(value, (list, tuple)):
+        names = list(dict.fromkeys(type(v).__name__ for v in value))
+        return f"{type(value).__name__} of [{', '.join(names)}]"
+    return type(value).__name__
+
+
+def _texts(name: str, texts: str | Sequence[str]) -> list[str]:
+    """LLM.score's `text_1` / `text_2` as a list of strings; TypeError naming the argument."""
+    if isinstance(texts, str):
+        return [texts]
+    if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"{name} must be a string or a list of strings, got "
+                        f"{_type_names(texts)}")
+    return list(texts)
+
+
+def _check_conversations(conversations: Any, single: bool) -> None:
+    """Each conversation a list of {"role": str, "content": ...} dicts (or, an assistant
+    turn, "tool_calls"): the chat template otherwise failed with a jinja UndefinedError
+    ("'str object' has no attribute 'role'") naming neither the argument nor the message."""
+    if not isinstance(conversations, list):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts (or "
+                        f"a list of such lists), got {type(conversations).__name__}")
+    for i, conversation in enumerate(conversations):
+        name = "messages" if single else f"messages[{i}]"
+        if not isinstance(conversation, list) or not conversation:
+            raise TypeError(f"{name} must be a non-empty list of message dicts, got "
+                            f"{conversation!r:.80}")
+        for j, message in enumerate(conversation):
+            if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                    or ("content" not in message and "tool_calls" not in message)):
+                raise TypeError(f"{name}[{j}] must be a dict with a 'role' string and its "
+                                f"'content', got {message!r:.80}")

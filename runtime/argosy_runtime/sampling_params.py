@@ -59,8 +59,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # A list (or tuple) only: list() of an int raised a TypeError naming nothing, and of
+        # a dict or a set silently took its keys (in no reliable order) as the stop strings.
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids,
+                                                              (list, tuple)):
+            raise ValueError("stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # A truthy string ("false") or None would silently mean the opposite of what was meant.
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_int("n", self.n, 1, MAX_N)
         _check_number("temperature", self.temperature, 0.0, 100.0)
         _check_number("top_p", self.top_p, 0.0, 1.0)

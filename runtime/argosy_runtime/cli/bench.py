@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # bench kind -> module in argosy_runtime.benchmarks defining add_arguments(parser) and run(args)
 KINDS = {
@@ -38,4 +39,10 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
+    try:
+        return int(args._bench_run(args) or 0)
+    except ValueError as exc:
+        # A bad option the benchmark only reads at run time (--batch-sizes a,b, an unknown
+        # --engine-arg, an --input-len the engine refuses): one line, not a traceback.
+        print(f"argosy bench {args.bench_kind}: error: {exc}", file=sys.stderr)
+        return 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -91,17 +92,41 @@ def perplexity(llm: Any, token_ids: list[int], window: int = 512, stride: int = 
 
 
 def run(args: argparse.Namespace) -> int:
+    # A missing file, a bad --window/--stride/--max-tokens or engine option, a --model that
+    # does not load: one line and exit 2, not a traceback (the window checks run before the
+    # model loads, not after).
+    try:
+        sliding_windows(0, args.window, args.stride)
+        if args.max_tokens is not None and args.max_tokens < 2:
+            raise ValueError(f"--max-tokens must be >= 2 (a token is scored given the ones "
+                             f"before it), got {args.max_tokens}")
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+        started = time.monotonic()
+        llm = _load(args)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        print(f"argosy perplexity: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _score(args, llm, text, started)
+    except ValueError as exc:  # e.g. a --window longer than the model's max_model_len
+        print(f"argosy perplexity: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _load(args: argparse.Namespace) -> Any:
     from argosy_runtime import LLM
+
+    return LLM(model=args.model, quantization=args.quantization,
+               quantization_group_size=args.quantization_group_size,
+               kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, device=args.device,
+               max_num_batched_tokens=args.chunk_tokens, enable_prefix_caching=False)
+
+
+def _score(args: argparse.Namespace, llm: Any, text: str, started: float) -> int:
     from argosy_runtime.model_runner import kv_cache_bytes_per_block
     from argosy_runtime.quantization import weight_bytes
 
-    with open(args.file, encoding="utf-8") as f:
-        text = f.read()
-    started = time.monotonic()
-    llm = LLM(model=args.model, quantization=args.quantization,
-              quantization_group_size=args.quantization_group_size,
-              kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, device=args.device,
-              max_num_batched_tokens=args.chunk_tokens, enable_prefix_caching=False)
     loaded = time.monotonic()
     engine = llm.engine
     token_ids = llm.get_tokenizer().encode(text)

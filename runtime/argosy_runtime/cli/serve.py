@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         engine_args = EngineArgs.from_cli_args(args)
+        check_listen_address(config.host, config.port)
     except ValueError as exc:
         print(f"argosy serve: error: {exc}", file=sys.stderr)
         return 2
@@ -161,7 +162,9 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     log = logging.getLogger("argosy.server")
     try:
         engine = _off_main_thread(LLMEngine.from_engine_args, engine_args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
+        # OSError: a --model path that does not exist, an empty folder, an unreadable file
+        # (FileNotFoundError from the loader): the user's mistake, one line, not a traceback.
         log.error("cannot load the model: %s", exc)
         return 2
     if config.embedding_pooling is not None:  # e.g. cls on a decoder: refused now, not per request
@@ -179,6 +182,33 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     server = DrainingServer(uv_config, ctx.lifecycle, ctx.engine.abort_all)
     server.run()
     return 0
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """ValueError naming --host or --port unless a server can listen on (host, port) now.
+
+    Checked before the model loads: otherwise a mistyped host or a port already in use is
+    only reported by uvicorn once loading (minutes for a large model) is done. Binds the way
+    uvicorn (asyncio's create_server) does, with SO_REUSEADDR, so a port left in TIME_WAIT
+    by a restarted server passes as it would there. Another process can still take the
+    port in between; uvicorn then reports it (exit 3)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"--host {host!r} is not an address or a name this machine "
+                         f"resolves ({reason})") from None
+    family, socktype, proto, _, address = infos[0]
+    with socket.socket(family, socktype, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there: "
+                             f"{exc.strerror or exc}") from None
 
 
 def _off_main_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -1,0 +1,91 @@
+"""Misusing the `argosy` command line gets a one-line error naming what is wrong and exit
+code 2, never a Python traceback; options that need no model are refused before it loads.
+Real processes, each a few seconds at most. (In-process checks of server options:
+tests/runtime/server/test_serve_cli.py.)"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Port 0 ("any free port"): these commands must exit before listening, and must not fail
+# only because port 8000 is taken on this machine.
+SERVE = ["serve", "--port", "0"]
+
+
+def argosy(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `argosy ARGS`; a command that does not exit in time (a server that started
+    serving instead of refusing its options) fails the test."""
+    try:
+        return subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", *args],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"argosy {' '.join(args)} did not exit within {timeout}s")
+
+
+def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("flags,words", [
+    # was a torch RuntimeError traceback from the rotary tables, after loading
+    (["--max-model-len", "-5"], ["--max-model-len", "-5"]),
+    # was silently the default budget: the server started serving
+    (["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
+    (["--kv-cache-memory-fraction", "2"], ["--kv-cache-memory-fraction"]),  # was ignored
+    (["--served-model-name", ""], ["--served-model-name"]),  # was silently the model name
+    (["--block-size", "0"], ["--block-size"]),  # was a ZeroDivisionError, after loading
+    (["--quantization", "fp8"], ["quantization", "fp8"]),  # was checked after loading
+    # was uvicorn's "[Errno -2] Name or service not known", exit 3, after loading
+    (["--host", "not a host"], ["--host", "not a host"]),
+])
+def test_bad_serve_options_are_refused_before_loading(flags: list[str],
+                                                      words: list[str]) -> None:
+    # Refused before the model loads: a fraction of a second.
+    assert_refused(argosy(*SERVE, *flags, timeout=30), "argosy serve: error:", *words)
+
+
+def test_serve_on_a_port_in_use_is_refused_before_loading() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = argosy("serve", "--port", port, timeout=30)
+    # was uvicorn's "address already in use", exit 3, once the model had loaded
+    assert_refused(proc, "argosy serve: error:", "--port", port, "in use")
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty folder"])
+def test_serve_a_model_path_that_does_not_load(tmp_path: Path, kind: str) -> None:
+    model = tmp_path / "nothing-here"
+    if kind == "empty folder":
+        model.mkdir()
+    # was a FileNotFoundError traceback, exit 1
+    assert_refused(argosy(*SERVE, "--model", str(model)), "cannot load the model", str(model))
+
+
+@pytest.mark.parametrize("setup,flags,words", [
+    ("none", ["missing.txt"], ["No such file", "missing.txt"]),
+    ("text", ["text.txt", "--window", "1"], ["window"]),  # was a traceback after loading
+    ("text", ["text.txt", "--max-tokens", "-1"], ["--max-tokens"]),  # was silently N - 1
+    ("text", ["text.txt", "--model", "missing-model"], ["missing-model"]),
+])
+def test_bad_perplexity_arguments(tmp_path: Path, setup: str, flags: list[str],
+                                  words: list[str]) -> None:
+    if setup == "text":
+        (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n")
+    flags = [str(tmp_path / flags[0]), *flags[1:]]
+    assert_refused(argosy("perplexity", *flags), "argosy perplexity: error:", *words)
+
+
+def test_bad_bench_offline_option_is_one_line() -> None:
+    # was a ValueError traceback from int()
+    assert_refused(argosy("bench", "offline", "--batch-sizes", "a,b"),
+                   "argosy bench offline: error:")
