@@ -124,7 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from argosy_runtime.fleet.exit_with_parent import exit_with_parent_if_asked
     from argosy_runtime.server.config import ServerConfig  # noqa: F811 (runtime import)
+
+    exit_with_parent_if_asked()  # a fleet's replica: not an orphan if the fleet is killed
     from argosy_runtime.tokenizer import load_chat_template
 
     try:

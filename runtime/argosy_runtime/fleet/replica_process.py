@@ -15,6 +15,8 @@ from pathlib import Path
 
 import aiohttp
 
+from argosy_runtime.fleet.exit_with_parent import EXIT_WITH_PARENT_ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -139,10 +141,11 @@ class ReplicaProcess:
 
 
 def _replica_env() -> dict[str, str]:
-    """The replicas of one fleet share this machine's cores. OpenMP threads spin between
-    parallel regions by default, which is fastest for a process alone on its cores (2x at
-    batch 8 here) but lets busy neighbours starve each other (8-20x slower steps measured with
-    two processes on 2 cores), so replicas wait passively unless the user chose otherwise."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """A replica's environment. It exits with this process (exit_with_parent.py). The
+    replicas of one fleet share this machine's cores. OpenMP threads spin between parallel
+    regions by default, which is fastest for a process alone on its cores (2x at batch 8 here)
+    but lets busy neighbours starve each other (8-20x slower steps measured with two processes
+    on 2 cores), so replicas wait passively unless the user chose otherwise."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", EXIT_WITH_PARENT_ENV: str(os.getpid())}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env

@@ -1,6 +1,13 @@
-"""Fleet replicas share the machine's cores, so their OpenMP threads wait passively."""
+"""Fleet replicas share the machine's cores, so their OpenMP threads wait passively; and they
+exit with the fleet, even a fleet killed outright."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from argosy_runtime.fleet.replica_process import _replica_env
@@ -15,3 +22,49 @@ def test_replicas_wait_passively_by_default(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_users_choice_stands(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert _replica_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+PARENT = """
+import asyncio, sys
+from argosy_runtime.fleet.replica_process import ReplicaProcess, free_port
+
+async def main():
+    replica = ReplicaProcess("smollm2-135m", "m", free_port(), log_dir=sys.argv[1],
+                             extra_args=["--kv-cache-memory", "64MiB"])
+    await replica.start()
+    print(replica.process.pid, flush=True)
+    print("ready" if await replica.wait_ready(180) else "not ready", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_replica_exits_when_its_fleet_is_killed(tmp_path) -> None:
+    """SIGKILL runs none of the fleet's clean-up; its replica must not live on as an orphan
+    holding its port and a copy of the model."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        replica_pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready", (tmp_path / "logs").glob("*")
+        assert _running(replica_pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while _running(replica_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running(replica_pid):
+        os.kill(replica_pid, signal.SIGKILL)
+        pytest.fail("the replica outlived its killed fleet")
