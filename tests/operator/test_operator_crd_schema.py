@@ -35,6 +35,12 @@ def with_spec(**changes: Any) -> dict[str, Any]:
 _DELETE = object()
 
 
+def with_name(name: str) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    obj["metadata"]["name"] = name
+    return obj
+
+
 def test_crd_names_and_subresources() -> None:
     crd = load_crd()
     assert crd["metadata"]["name"] == "llmdeployments.argosy.dev"
@@ -188,6 +194,20 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("missing served name", with_spec(model__name=_DELETE), "'name' is a required property"),
     ("batch claim not a name", with_spec(runtime__batchVolumeClaim="Batch Store"),
      "runtime.batchVolumeClaim: 'Batch Store' does not match"),
+    # Names Kubernetes admits for the object but not for its Service (a DNS-1035 label).
+    ("a dot in the name", with_name("llama-3.1"), "metadata.name must be at most 63"),
+    ("a name starting with a digit", with_name("7b-chat"), "metadata.name must be at most 63"),
+    ("a 64-character name", with_name("a" * 64), "metadata.name must be at most 63"),
+    # Durations the Prometheus Operator's ServiceMonitor refuses (units largest first, once).
+    ("interval units out of order", with_spec(monitoring__interval="1s1m"),
+     "monitoring.interval: '1s1m' does not match"),
+    ("interval unit twice", with_spec(monitoring__interval="15s15s"),
+     "monitoring.interval: '15s15s' does not match"),
+    ("flags the operator sets", with_spec(runtime__extraArgs=["--max-num-seqs", "8",
+                                                              "--port=9000"]),
+     "runtime.extraArgs must not set --host, --port"),
+    ("the model flag", with_spec(runtime__extraArgs=["--model", "/elsewhere"]),
+     "runtime.extraArgs must not set"),
 ]
 
 
@@ -214,6 +234,9 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
     {"resources__memory": "512Mi", "resources__cpu": 2},
     {"runtime__batchVolumeClaim": "batch-store"},
     {"runtime__maxLoras": 4, "runtime__maxLoadedLoras": 4},
+    {"monitoring__interval": "1m30s"}, {"monitoring__interval": "500ms"},
+    {"runtime__extraArgs": ["--tensor-parallel-size", "2", "--max-model-len=4096",
+                            "--portable-thing", "--model-impl"]},
     {"runtime__maxLoras": 4},
     {"runtime__maxLoadedLoras": 1},
     {"runtime__loraAdapters": [{"name": "sql", "path": "hf://org/sql-lora"},
