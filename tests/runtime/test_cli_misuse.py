@@ -88,4 +88,4 @@ def test_bad_perplexity_arguments(tmp_path: Path, setup: str, flags: list[str],
 def test_bad_bench_offline_option_is_one_line() -> None:
     # was a ValueError traceback from int()
     assert_refused(argosy("bench", "offline", "--batch-sizes", "a,b"),
-                   "argosy bench offline: error:")
+                   "argosy bench offline: error:", "--batch-sizes")

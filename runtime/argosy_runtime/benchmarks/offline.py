@@ -17,10 +17,23 @@ from pathlib import Path
 from typing import Any
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--batch-sizes "1,8,32" -> [1, 8, 32]; argparse reports a bad value naming the flag."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,8,32, got "
+                                         f"{text!r}")
+    return sizes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default="1,8,32",
+                        help="comma-separated batch sizes")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -137,7 +150,7 @@ def run_vllm(args: argparse.Namespace, batches: list[int], vocab: int) -> dict[i
 
 
 def run(args: argparse.Namespace) -> int:
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = args.batch_sizes
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     ours, vocab = run_ours(args, batches)
     columns: dict[str, dict[int, float]] = {"argosy": ours}
