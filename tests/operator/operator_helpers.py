@@ -48,6 +48,18 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
     raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
+async def wait_for_degraded(api: Api, reason: str, name: str = "chat") -> dict[str, Any]:
+    """The Degraded condition of LLMDeployment `name` (in NS) once its reason is `reason`."""
+    path = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments/{name}"
+
+    async def degraded() -> dict[str, Any] | None:
+        status = (await api.get_or_none(path) or {}).get("status", {})
+        cond = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
+        return cond if cond.get("reason") == reason else None
+
+    return await eventually(degraded, what=f"Degraded={reason}")
+
+
 async def settle(kube: ArgosyKubeEmulator, quiet: float = 1.0, timeout: float = 20.0) -> None:
     """Wait until the API has seen no request for `quiet` seconds (the operator went idle)."""
     deadline = time.monotonic() + timeout

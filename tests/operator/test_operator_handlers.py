@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from kube_emulator import SERVICEMONITOR_CRD
-from operator_helpers import NS, Api, eventually, settle
+from operator_helpers import NS, Api, eventually, settle, wait_for_degraded
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
 DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
@@ -901,12 +901,7 @@ async def test_a_foreign_object_in_a_deleted_childs_place_is_reported(
                    "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
         await api.call("POST", SVC_PATH, foreign, "application/json")
         reapply = asyncio.create_task(handlers._refresh_owner(NS, "chat", reapply=True))
-
-        async def conflict() -> Any:
-            degraded = _cond(await _status(api), "Degraded")
-            return degraded if degraded.get("reason") == "ChildConflict" else None
-
-        degraded = await eventually(conflict, what="Degraded=ChildConflict")
+        degraded = await wait_for_degraded(api, "ChildConflict")
         assert degraded["status"] == "True"
         assert "Service chat exists and is not managed by argosy-operator" in \
             degraded["message"]
@@ -1094,12 +1089,7 @@ async def test_spec_the_crd_would_reject_is_reported_not_applied(kube: Any, api:
     bad["spec"]["model"]["source"] = "hf://org/name"  # and path: two sources
     with run_operator():
         await api.call("POST", LLMD_PATH, bad, "application/json")
-
-        async def invalid() -> Any:
-            cond = _cond(await _status(api), "Degraded")
-            return cond if cond.get("reason") == "InvalidSpec" else None
-
-        cond = await eventually(invalid, what="InvalidSpec")
+        cond = await wait_for_degraded(api, "InvalidSpec")
         await settle(kube)
     assert cond["status"] == "True"
     assert "spec.model: set exactly one of source or path" in cond["message"]

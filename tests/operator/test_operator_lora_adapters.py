@@ -10,7 +10,7 @@ import pytest
 from argosy_operator.builders import build_deployment, build_lora_configmap
 from argosy_operator.spec import normalize_spec
 from crd_schema import validate
-from operator_helpers import NS, Api, eventually, settle
+from operator_helpers import NS, Api, eventually, settle, wait_for_degraded
 from test_operator_manifests import K8S_VERSION
 
 LLMD_PATH = f"/apis/argosy.dev/v1alpha1/namespaces/{NS}/llmdeployments"
@@ -251,14 +251,7 @@ async def test_a_users_configmap_with_the_same_name_is_left_alone(
         dep = await api.get_or_none(f"{DEP_PATH}/chat")
         await api.call("PATCH", f"{LLMD_PATH}/chat",
                        {"spec": {"runtime": {"loraAdapters": [SQL]}}})
-
-        async def conflict() -> Any:
-            obj = await api.get_or_none(f"{LLMD_PATH}/chat")
-            conds = {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
-            degraded = conds.get("Degraded", {})
-            return degraded if degraded.get("reason") == "ChildConflict" else None
-
-        degraded = await eventually(conflict, what="ChildConflict")
+        degraded = await wait_for_degraded(api, "ChildConflict")
         await settle(kube)
 
     conds = {c["type"]: c for c in quiet["status"]["conditions"]}

@@ -11,7 +11,7 @@ import kmock
 import kopf
 import pytest
 from crd_schema import validate
-from operator_helpers import NS, Api, eventually, settle
+from operator_helpers import NS, Api, settle, wait_for_degraded
 from test_operator_handlers import (
     CM_PATH,
     DEP_PATH,
@@ -45,12 +45,7 @@ async def test_a_name_the_children_cannot_take_is_reported_and_nothing_is_applie
     kube.crd_validation = False  # an older CRD, without the name rule
     with run_operator():
         await api.call("POST", LLMD_PATH, llmd(name), "application/json")
-
-        async def invalid() -> Any:
-            cond = _cond(await _status(api, name), "Degraded")
-            return cond if cond.get("reason") == "InvalidSpec" else None
-
-        cond = await eventually(invalid, what="Degraded=InvalidSpec")
+        cond = await wait_for_degraded(api, "InvalidSpec", name)
         await settle(kube)
     assert cond["status"] == "True" and "metadata.name" in cond["message"]
     assert _children_written(kube) == []
@@ -72,12 +67,7 @@ async def test_a_foreign_object_in_the_way_stops_the_reconcile_before_any_write(
     spec["spec"]["runtime"] = {"loraAdapters": []}
     with run_operator():
         await api.call("POST", LLMD_PATH, spec, "application/json")
-
-        async def conflict() -> Any:
-            cond = _cond(await _status(api), "Degraded")
-            return cond if cond.get("reason") == "ChildConflict" else None
-
-        cond = await eventually(conflict, what="Degraded=ChildConflict")
+        cond = await wait_for_degraded(api, "ChildConflict")
         await settle(kube)
     assert "Service chat exists and is not managed" in cond["message"]
     assert _children_written(kube) == []
