@@ -330,12 +330,18 @@ def assert_ends_with_error_event(received: bytes, replica_url: str) -> None:
 async def test_a_replica_listing_models_wrongly_breaks_nothing(fake_replicas, gateway) -> None:
     """/v1/models of a replica that answers JSON but not an object (a wrong service behind
     the URL, a broken proxy) counts as listing nothing: the merged list, and unknown-model
-    answers (which read the replicas' lists for LoRA adapters), stay what they should be."""
+    answers (which read the replicas' lists for LoRA adapters), stay what they should be. So
+    do its /v1/files and /v1/batches lists (not an object; items without an id)."""
     async def models(_: web.Request) -> web.Response:
         return web.json_response(["tiny"])
 
+    async def batches(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"object": "batch"}, "b"]})
+
     odd = web.Application()
     odd.router.add_get("/v1/models", models)
+    odd.router.add_get("/v1/files", models)
+    odd.router.add_get("/v1/batches", batches)
     runner = web.AppRunner(odd)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -352,6 +358,10 @@ async def test_a_replica_listing_models_wrongly_breaks_nothing(fake_replicas, ga
                               ) as resp:
                 assert resp.status == 404
                 assert (await error_of(resp))["code"] == "model_not_found"
+            for kind in ("files", "batches"):
+                async with s.get(f"{url}/v1/{kind}") as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert (await resp.json())["data"] == []
     finally:
         await runner.cleanup()
 

@@ -149,9 +149,12 @@ class BatchRoutes:
         refused = [(s, b) for s, b in answers if s != 200 and isinstance(b, dict)]
         if refused and not any(s == 200 for s, _ in answers):
             return web.json_response(refused[0][1], status=refused[0][0])  # e.g. a 401
-        # Replicas sharing one --batch-dir all list the same ids: each id once.
-        unique = {item["id"]: item for s, b in answers if s == 200
-                  for item in b.get("data") or []}
+        # Replicas sharing one --batch-dir all list the same ids: each id once. An answer
+        # that is not a list object, or items without an id (not a runtime replica), lists
+        # nothing: one odd replica must not make the merged list a 500.
+        unique = {item["id"]: item for s, b in answers if s == 200 and isinstance(b, dict)
+                  and isinstance(b.get("data"), list)
+                  for item in b["data"] if isinstance(item, dict) and isinstance(item.get("id"), str)}
         items = list(unique.values())
         items.sort(key=lambda item: (item.get("created_at", 0), item["id"]), reverse=True)
         if request.query.get("order") == "asc":
