@@ -108,8 +108,10 @@ def _emitted_reasons() -> set[str]:
     reasons = set(re.findall(r'condition\(\s*COND_\w+,\s*(?:True|False),\s*"(\w+)"', status))
     reasons |= set(re.findall(r'\breason = "(\w+)"', status))
     from argosy_operator.pod_problems import PRIORITY
+    from argosy_operator.status import RECONCILE_FAILURES
 
     reasons |= set(PRIORITY)
+    reasons |= RECONCILE_FAILURES  # set by the reconcile handler itself (InvalidSpec, ...)
     scaling = (root / "autoscaling" / "status.py").read_text()
     reasons |= set(re.findall(r'condition\(\s*SCALING_\w+,\s*(?:True|False),\s*"(\w+)"', scaling))
     reasons |= set(re.findall(r'"\w+":\s*"(\w+)",', scaling))  # limit reason -> condition reason
