@@ -234,10 +234,7 @@ class LLMEngine:
             from argosy_runtime.quantization import detect_prequantized
 
             return detect_prequantized(checkpoint)
-        if self.args.quantization not in ("int8", "int4"):
-            raise ValueError(
-                f"quantization must be one of int8, int4 (or unset), got {self.args.quantization!r}"
-            )
+        # (EngineArgs checked the method when it was built: check_engine_options)
         from argosy_runtime.quantization import QuantizationConfig
 
         return QuantizationConfig(method=self.args.quantization,

@@ -165,7 +165,7 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add one `--flag` per field (booleans get --x / --no-x)."""
         for f in dataclasses.fields(cls):
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            flags = [_flag(f.name), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "")
             if "(default" not in help_text and "; default" not in help_text:
                 help_text += " (default: %(default)s)"  # unless the help says it in words
@@ -195,7 +195,6 @@ _INT_OPTIONS: dict[str, tuple[int, str | None]] = {
     "cpu_threads": (1, "every CPU this process may use"),
     "tensor_parallel_size": (1, None),
 }
-QUANTIZATIONS = ("int8", "int4")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -246,9 +245,14 @@ def check_engine_options(args: EngineArgs) -> None:
             not isinstance(args.served_model_name, str) or not args.served_model_name.strip()):
         raise ValueError("served_model_name (--served-model-name) must be a non-empty name, "
                          f"or unset for the --model value; got {args.served_model_name!r}")
-    if args.quantization is not None and args.quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of int8, int4 (or unset), got "
-                         f"{args.quantization!r}")
+    if args.quantization is not None:
+        # Imported here: the quantization package imports torch, which the CLI's parser
+        # (and `argosy gateway`) must not.
+        from argosy_runtime.quantization.config import QUANTIZATION_METHODS
+
+        if args.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                             f"(or unset), got {args.quantization!r}")
 
 
 def _is_cap(value: object) -> bool:
