@@ -45,12 +45,11 @@ from argosy_runtime.gateway.policies import RouteRequest
 from argosy_runtime.gateway.proxy.batch_routes import BatchRoutes
 from argosy_runtime.gateway.proxy.errors import (
     MALFORMED_JSON,
-    at_event_boundary,
     bad_request,
+    end_stream_with_error,
     error_response,
     model_not_found,
     no_replica,
-    stream_error_event,
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
@@ -542,7 +541,8 @@ class Gateway:
             # The replica died mid-answer; bytes already reached the client, so no retry.
             logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
             upstream.replica.mark_failure(self.config.health.unhealthy_after)
-            await _end_with_error_event(out, resp, last, upstream.replica.url)
+            if resp.content_type == "text/event-stream":  # a JSON body has no room for one
+                await end_stream_with_error(out, last, upstream.replica.url)
             # End the client's connection without a clean end of stream, so the client sees
             # the answer was cut short instead of a silently truncated one.
             if request.transport is not None:
@@ -553,17 +553,6 @@ class Gateway:
             if finished:
                 self._count(model, upstream, resp.status, started)
         return out
-
-
-async def _end_with_error_event(out: web.StreamResponse, resp: aiohttp.ClientResponse,
-                                last: bytes, url: str) -> None:
-    """An event stream whose replica broke mid-answer gets an error event saying so (the
-    openai client raises it), where it can go: between two events. A JSON body cut short
-    has no place for one; the cut connection tells."""
-    if resp.content_type != "text/event-stream" or not at_event_boundary(last):
-        return
-    with contextlib.suppress(ConnectionResetError):  # the client may be gone as well
-        await out.write(stream_error_event(url))
 
 
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

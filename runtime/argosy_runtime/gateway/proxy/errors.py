@@ -8,6 +8,7 @@ unchanged; the gateway only answers itself what it must decide before choosing a
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from aiohttp import web
@@ -100,16 +101,15 @@ def replica_error(status: int, url: str, body: bytes, headers: dict[str, str]) -
         headers=headers)
 
 
-def stream_error_event(url: str) -> bytes:
-    """The SSE event that ends a stream whose replica failed mid-answer (its bytes already
-    reached the client, so nothing can be retried): the runtime server ends its own broken
-    streams with such an event, and the openai client raises it as an APIError."""
+async def end_stream_with_error(out: web.StreamResponse, relayed: bytes, url: str) -> None:
+    """Write the SSE error event that ends a stream whose replica failed mid-answer (its
+    bytes already reached the client, so nothing can be retried), where it can go: when the
+    stream relayed so far (`relayed`: its last bytes) ends between two events. The runtime
+    server ends its own broken streams with such an event, and the openai client raises it
+    as an APIError. The caller then cuts the connection, so the answer never looks whole."""
+    if not relayed.endswith((b"\n\n", b"\r\n\r\n")):
+        return  # mid-event: one more would merge into the half-sent one
     error = {"message": f"replica {url} failed mid-stream; this answer is incomplete",
              "type": TYPES[502], "param": None, "code": None}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-
-
-def at_event_boundary(relayed: bytes) -> bool:
-    """Whether an event stream relayed so far (its last bytes) ends between two events, where
-    one more event can be written without merging into a half-sent one."""
-    return relayed.endswith((b"\n\n", b"\r\n\r\n"))
+    with contextlib.suppress(ConnectionResetError):  # the client may be gone as well
+        await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")

@@ -11,7 +11,6 @@ rotation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -21,11 +20,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from argosy_runtime.gateway.proxy.errors import (
-    at_event_boundary,
-    error_response,
-    stream_error_event,
-)
+from argosy_runtime.gateway.proxy.errors import end_stream_with_error, error_response
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 
 if TYPE_CHECKING:
@@ -133,9 +128,7 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse
         # The replica broke mid-stream: say so in an error event (as the generation relay
         # does), then cut the client's connection too, so that it sees the stream did not
         # end cleanly (and can resume it with starting_after).
-        if at_event_boundary(last):
-            with contextlib.suppress(ConnectionResetError):
-                await out.write(stream_error_event(str(resp.url.origin())))
+        await end_stream_with_error(out, last, str(resp.url.origin()))
         if request.transport is not None:
             request.transport.close()
     return out
