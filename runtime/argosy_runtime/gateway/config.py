@@ -374,6 +374,10 @@ class GatewayConfig:
     # 5xx or a full queue before the first byte of the answer).
     max_attempts: int = 2
     connect_timeout_s: float = 5.0
+    # Off by default: a non-streamed answer's first byte comes when its whole generation is
+    # done, so any default would cut long generations. When set, a try whose replica sends no
+    # byte of the answer in this long is abandoned (the replica drops it) and retried.
+    first_byte_timeout_s: float | None = None
     # On SIGTERM the gateway stops accepting connections and gives the answers in flight
     # (streams included) this long to finish before it cuts them and exits.
     drain_timeout_s: float = 30.0
@@ -388,6 +392,8 @@ class GatewayConfig:
             raise ValueError(f"port: must be a TCP port, got {self.port!r}")
         _positive("max_attempts", self.max_attempts)
         _positive("connect_timeout_s", self.connect_timeout_s)
+        if self.first_byte_timeout_s is not None:
+            _positive("first_byte_timeout_s", self.first_byte_timeout_s)
         if not isinstance(self.drain_timeout_s, (int, float)) or self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be a number >= 0, got "
                              f"{self.drain_timeout_s!r}")

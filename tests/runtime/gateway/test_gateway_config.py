@@ -55,6 +55,8 @@ def test_load_yaml(tmp_path: Path) -> None:
         ({"port": 70000}, r"^port"),
         ({"drain_timeout_s": -1}, r"^drain_timeout_s"),
         ({"drain_timeout_s": "30s"}, r"^drain_timeout_s"),
+        ({"first_byte_timeout_s": 0}, r"^first_byte_timeout_s: must be > 0"),
+        ({"first_byte_timeout_s": "60s"}, r"^first_byte_timeout_s: expected a number"),
         ({"bogus": 1}, r"config\.bogus"),
         (
             {"models": [{"name": "a", "backends": ["http://x"]}],

@@ -226,6 +226,65 @@ async def test_client_disconnect_while_waiting_for_first_byte(fake_replicas, gat
     assert gw.pools["tiny"].replicas[0].in_flight == 0
 
 
+async def wait_for_disconnects(replica, n: int) -> None:
+    for _ in range(50):
+        if replica.disconnects >= n:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_first_byte_timeout_retries_a_stalled_replica_elsewhere(fake_replicas,
+                                                                       gateway) -> None:
+    slow, fast = await fake_replicas(2)
+    slow.first_byte_delay = 30.0  # accepts, sends headers, then nothing
+    gw, url = await gateway(config(("tiny", [slow.url, fast.url]), first_byte_timeout_s=0.5))
+    async with aiohttp.ClientSession() as s:
+        # Round-robin tries `slow` first both times: stalled with no header (non-streamed)
+        # and after its headers (streamed).
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "x", "stream": stream}
+            async with s.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-argosy-backend"] == fast.url
+                await resp.read()
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    await wait_for_disconnects(slow, 2)
+    # Each stalled try was dropped (the replica saw its client leave), not left running.
+    assert slow.disconnects == 2 and slow.completed == 0 and fast.completed == 2
+    assert 'argosy:gateway_retries_total{model="tiny",reason="first_byte_timeout"} 2.0' in text
+    # Two failures in a row (unhealthy_after=2): the hung replica leaves rotation.
+    assert not gw.pools["tiny"].get(slow.url).healthy
+    assert all(r.in_flight == 0 for r in gw.pools["tiny"].replicas)
+
+
+async def test_first_byte_timeout_on_every_try_is_a_504(fake_replicas, gateway) -> None:
+    (r,) = await fake_replicas(1, first_byte_delay=30.0)
+    gw, url = await gateway(config(("tiny", [r.url]), first_byte_timeout_s=0.3))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 504
+            error = (await resp.json())["error"]
+    assert error["type"] == "timeout_error"
+    assert r.url in error["message"] and "first_byte_timeout_s (0.3 s)" in error["message"]
+    await wait_for_disconnects(r, 1)
+    assert r.disconnects == 1 and gw.pools["tiny"].replicas[0].in_flight == 0
+
+
+async def test_first_byte_timeout_does_not_cut_an_answer_already_flowing(fake_replicas,
+                                                                          gateway) -> None:
+    # Slow between chunks (1.2 s in all) but the first byte in time: the deadline is only
+    # on the first byte, so the stream runs to its end.
+    (r,) = await fake_replicas(1, chunk_delay=0.3, num_chunks=4)
+    _, url = await gateway(config(("tiny", [r.url]), first_byte_timeout_s=0.5))
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            raw = await resp.read()
+    assert sse_payloads(raw)[-1] == "[DONE]" and r.completed == 1
+
+
 async def test_retry_after_is_honoured(fake_replicas, gateway) -> None:
     a, b = await fake_replicas(2)
     a.rate_limited = 30

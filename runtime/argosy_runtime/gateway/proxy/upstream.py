@@ -4,6 +4,8 @@ A request is *committed* to a replica once the replica has sent the first byte o
 body (or an answer that is the client's own fault, a 4xx). Until then nothing has reached the
 client, so a refused connection, a 5xx, a full queue (429) or a replica that dies while the
 request waits in its queue is retried on another replica. After it, the answer streams through.
+With `first_byte_timeout_s` set, a replica that has not sent that first byte in time counts as
+a failed try too (its connection is closed, so it drops the request).
 """
 
 from __future__ import annotations
@@ -95,7 +97,13 @@ async def send(
         replica.in_flight += 1
         committed = False
         try:
-            outcome = await _attempt(session, config, metrics, pool, replica, path, body, headers, timeout)
+            try:
+                # None: no deadline. Cancelling _attempt closes the replica's response.
+                async with asyncio.timeout(config.first_byte_timeout_s):
+                    outcome = await _attempt(session, config, metrics, pool, replica, path,
+                                             body, headers, timeout)
+            except TimeoutError:
+                outcome = _first_byte_timed_out(config, metrics, pool, replica)
             if isinstance(outcome, Upstream):
                 committed = True
                 return outcome
@@ -186,6 +194,18 @@ async def _attempt(
         resp.close()
         raise
     return Upstream(replica=replica, response=resp, first_chunk=first)
+
+
+def _first_byte_timed_out(config: GatewayConfig, metrics: GatewayMetrics, pool: ReplicaPool,
+                          replica: Replica) -> web.Response:
+    """A try that hit `first_byte_timeout_s`: a failure toward `unhealthy_after` (a hung
+    replica leaves rotation, a busy one stays), and the client's 504 if no try is left."""
+    replica.mark_failure(config.health.unhealthy_after)
+    metrics.retries.labels(pool.model, "first_byte_timeout").inc()
+    logger.warning("replica %s sent no answer within first_byte_timeout_s (%g s)",
+                   replica.url, config.first_byte_timeout_s)
+    return error_response(504, f"replica {replica.url} sent no answer within "
+                               f"first_byte_timeout_s ({config.first_byte_timeout_s:g} s)")
 
 
 def _all_cooling(pool: ReplicaPool) -> bool:
