@@ -23,7 +23,7 @@ serve: install
 	$(BIN)/argosy serve --model smollm2-135m $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)  # -rs: each skip and its reason in the log
+	$(BIN)/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)  # -rs: each skip and its reason; the 30 slowest tests
 
 bench: install
 	$(BIN)/argosy bench offline $(ARGS)
