@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from argosy_runtime.server.request_body import loads_strict
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
              "/v1/score", "/v1/rerank", "/v1/classify")
 MAX_REQUESTS = 50_000  # OpenAI's limit per batch
@@ -42,9 +44,13 @@ def read_batch_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[d
             if not raw.strip():
                 continue
             try:
-                item = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                item = _parse_line(raw)
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError among them
                 error("invalid_json_line", f"line is not valid JSON: {exc}", number)
+                continue
+            except RecursionError:
+                error("invalid_json_line", "line is not valid JSON: it is nested too deeply",
+                      number)
                 continue
             if not isinstance(item, dict):
                 error("invalid_json_line", "each line must be a JSON object", number)
@@ -83,3 +89,17 @@ def read_batch_input(path: Path, endpoint: str) -> tuple[list[BatchLine], list[d
         error("too_many_requests", f"a batch holds at most {MAX_REQUESTS} requests, this "
               f"file has {len(lines)}", None)
     return ([] if errors else lines), errors
+
+
+def _parse_line(raw: bytes) -> Any:
+    """A line's JSON value, refusing what the runner could not send on as a request (httpx
+    encodes strictly) or write to the result files: NaN and Infinity, which Python's json reads
+    but JSON does not have, and a lone UTF-16 surrogate (`loads_strict`), which is not
+    Unicode. Either used to pass here and make its request vanish without a result."""
+    if b"NaN" in raw or b"Infinity" in raw:  # a cheap look first: most lines have neither
+        json.loads(raw, parse_constant=_not_json)
+    return loads_strict(raw)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")

@@ -286,23 +286,34 @@ class BatchRunner:
                         results: BatchResults) -> None:
         assert self._slots is not None
         in_flight = self._in_flight.setdefault(batch["id"], set())
+        # A request whose result could not be recorded (a full disk, a bug) fails the batch
+        # (`_run_guarded`): left alone, it would be missing from a batch that completes.
+        broken: list[BaseException] = []
+
+        def settle(task: asyncio.Task[None]) -> None:
+            in_flight.discard(task)
+            self._slots.release()  # type: ignore[union-attr]
+            if not task.cancelled() and task.exception() is not None:
+                broken.append(task.exception())  # type: ignore[arg-type]
+
         self._update_counts(batch, results)
         try:
             for line in pending:
                 await self._slots.acquire()
                 self._honour_cancel_marker(batch)
-                if not self._should_continue(batch):
+                if broken or not self._should_continue(batch):
                     self._slots.release()
                     break
                 task = asyncio.create_task(self._run_line(batch, line, results))
                 in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-                task.add_done_callback(lambda _: self._slots.release())  # type: ignore[union-attr]
+                task.add_done_callback(settle)
             await asyncio.gather(*in_flight, return_exceptions=True)
         finally:
             for task in in_flight:
                 task.cancel()
             self._in_flight.pop(batch["id"], None)
+        if broken:
+            raise broken[0]
 
     def _should_continue(self, batch: dict[str, Any]) -> bool:
         return (batch["status"] == "in_progress" and not self.is_draining()
@@ -351,7 +362,8 @@ class BatchRunner:
             final = "expired"
         else:
             final = "completed"
-        self._set_status(batch, "finalizing")
+        if final != "cancelled":  # a cancel goes cancelling -> cancelled, as OpenAI's does
+            self._set_status(batch, "finalizing")
         self._update_counts(batch, results)
         batch["usage"] = results.usage()
         for key, path, name in (("output_file_id", results.output_path, "output"),

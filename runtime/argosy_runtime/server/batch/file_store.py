@@ -102,10 +102,16 @@ class FileStore:
         return meta
 
 
+MAX_ID_CHARS = 64  # after the prefix; ours have 32 hex digits
+
+
 def record_path(folder: Path, obj_id: str, prefix: str) -> Path:
-    """`<folder>/<id>.json` for an id of ours (`prefix` + letters and digits); any other id
-    names a path that never exists, so no id can reach outside the folder ("../")."""
-    if not (obj_id.startswith(prefix) and obj_id[len(prefix):].isalnum()):
+    """`<folder>/<id>.json` for an id of ours (`prefix` + ASCII letters and digits); any other
+    id names a path that never exists, so no id can reach outside the folder ("../"), nor
+    name a file past the file system's 255-byte limit (an OSError, not a 404)."""
+    rest = obj_id[len(prefix):]
+    if not (obj_id.startswith(prefix) and rest.isascii() and rest.isalnum()
+            and len(rest) <= MAX_ID_CHARS):
         return folder / f"{prefix}invalid.json.missing"
     return folder / f"{obj_id}.json"
 
