@@ -6,6 +6,7 @@ and would hide client disconnects from streaming responses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -50,12 +51,12 @@ class RequestContextMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         log = request_log(scope)
-        status = 500
+        status, responded = 500, False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, responded = message["status"], True
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [
                     (b"x-request-id", request_id.encode("latin-1"))]
@@ -75,6 +76,12 @@ class RequestContextMiddleware:
                 await send_wrapper({"type": "http.response.body", "body": body})
                 return
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if not responded:
+                # Cancelled before any answer: its caller left (a cancelled batch aborts its
+                # in-process requests so), as a disconnected client's 499, not a server error.
+                status = 499
+            raise
         finally:
             if path not in ("/health", "/ready", "/metrics") or status >= 400:
                 line = {"event": "request", "request_id": request_id,

@@ -183,6 +183,9 @@ def test_cancel_stops_a_batch_and_frees_its_kv_blocks(client: openai.OpenAI,
     text = httpx.get(server.url + "/metrics").text
     assert 'path="/v1/batches/{id}/cancel"' in text and "batch_" not in text.replace(
         "argosy:batch_requests_pending", "")
+    # Requests the cancel aborted are the client's leaving (499), not server errors (500).
+    assert 'path="/v1/completions",status="499"' in text
+    assert 'status="500"' not in text
 
 
 # ---- a server of its own: priorities and resume after a restart --------------------------
