@@ -67,3 +67,17 @@ async def test_content_by_id_and_unknown_or_crafted_ids_are_404(
         missing = await client.get(f"/v1/files/{bad}/content")
         assert missing.status_code == 404, bad
         assert missing.json()["error"]["type"] == "not_found_error"
+
+
+async def test_a_file_deleted_between_listing_and_reading_is_skipped_not_a_500(
+        client: httpx.AsyncClient, store: FileStore) -> None:
+    """Replicas share the folder: another one may delete a file after this one listed the
+    folder and before it read the metadata. A dangling link plays that: listed, then gone."""
+    kept = (await _upload(client, b'{"custom_id": "a"}\n')).json()["id"]
+    gone = "file-" + "0" * 32
+    (store.dir / f"{gone}.json").symlink_to(store.dir / "deleted-meanwhile.json")
+    listed = await client.get("/v1/files")
+    assert listed.status_code == 200
+    assert [f["id"] for f in listed.json()["data"]] == [kept]
+    missing = await client.get(f"/v1/files/{gone}")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "file_not_found"

@@ -208,8 +208,8 @@ async def test_scans_read_a_finished_batch_no_more(tmp_path: Path,
     await runner.shutdown()
     assert batch["status"] == "completed"
     reads: list[Path] = []
-    read = batch_runner._read_record
-    monkeypatch.setattr(batch_runner, "_read_record", lambda p: reads.append(p) or read(p))
+    read = batch_runner.read_json_record
+    monkeypatch.setattr(batch_runner, "read_json_record", lambda p: reads.append(p) or read(p))
     runner._take_over_orphans()
     runner._take_over_orphans()
     assert len(reads) == 1  # the first scan after it finished, then never again

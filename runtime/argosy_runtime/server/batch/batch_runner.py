@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -35,7 +34,12 @@ import httpx
 from argosy_runtime.server.batch.batch_input import ENDPOINTS, BatchLine, read_batch_input
 from argosy_runtime.server.batch.batch_lock import BatchLock
 from argosy_runtime.server.batch.batch_results import BatchResults
-from argosy_runtime.server.batch.file_store import FileStore, record_path, write_json_atomic
+from argosy_runtime.server.batch.file_store import (
+    FileStore,
+    read_json_record,
+    record_path,
+    write_json_atomic,
+)
 from argosy_runtime.server.errors import APIError
 from starlette.types import ASGIApp
 
@@ -128,7 +132,7 @@ class BatchRunner:
     def get(self, batch_id: str) -> dict[str, Any]:
         if batch_id in self.batches:
             return self.batches[batch_id]
-        batch = _read_record(self._record_path(batch_id))
+        batch = read_json_record(self._record_path(batch_id))
         if batch is None:
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id",
                            code="batch_not_found")
@@ -138,7 +142,7 @@ class BatchRunner:
         """Every batch in the folder, newest first (this runner's own from memory)."""
         found = {}
         for path in self.dir.glob("batch_*.json"):
-            batch = _read_record(path)
+            batch = read_json_record(path)
             if batch is not None:
                 found[batch["id"]] = batch
         found.update(self.batches)
@@ -185,12 +189,12 @@ class BatchRunner:
                 return
             batch_id = path.name.removesuffix(".json")
             if (batch_id in self.batches or batch_id in self._finished
-                    or not self._unfinished(_read_record(path))):
+                    or not self._unfinished(read_json_record(path))):
                 continue
             lock = BatchLock.try_acquire(self.dir / f"{batch_id}.lock")
             if lock is None:
                 continue  # another replica runs it
-            batch = _read_record(path)  # as its last runner left it
+            batch = read_json_record(path)  # as its last runner left it
             if not self._unfinished(batch):
                 lock.release()
                 continue
@@ -388,14 +392,6 @@ class BatchRunner:
     def _save(self, batch: dict[str, Any]) -> None:
         write_json_atomic(self.dir / f"{batch['id']}.json", batch)
         self._saved_at[batch["id"]] = time.monotonic()
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """A batch record, or None when there is none (records are replaced atomically)."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
 
 
 def _json_or_error(response: httpx.Response) -> dict[str, Any]:

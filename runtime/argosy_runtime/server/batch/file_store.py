@@ -64,11 +64,11 @@ class FileStore:
         return self._write_meta(file_id, filename, "batch_output", size)
 
     def get(self, file_id: str) -> dict[str, Any]:
-        meta = self._meta_path(file_id)
-        if not meta.is_file():
+        meta = read_json_record(self._meta_path(file_id))
+        if meta is None:
             raise APIError(404, f"no file with id {file_id!r}", param="file_id",
                            code="file_not_found")
-        return json.loads(meta.read_text())
+        return meta
 
     def content(self, file_id: str) -> tuple[Path, dict[str, Any]]:
         """The file's bytes (a path) and its `FileObject`, from one read of the metadata; 404
@@ -81,8 +81,9 @@ class FileStore:
 
     def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
         """Newest first, like OpenAI's default order."""
-        files = [json.loads(p.read_text()) for p in self.dir.glob("file-*.json")]
-        files = [f for f in files if purpose is None or f["purpose"] == purpose]
+        files = [read_json_record(p) for p in self.dir.glob("file-*.json")]
+        # None: deleted (by another replica) between the listing and the read.
+        files = [f for f in files if f is not None and (purpose is None or f["purpose"] == purpose)]
         return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
 
     def delete(self, file_id: str) -> dict[str, Any]:
@@ -114,6 +115,16 @@ def record_path(folder: Path, obj_id: str, prefix: str) -> Path:
             and len(rest) <= MAX_ID_CHARS):
         return folder / f"{prefix}invalid.json.missing"
     return folder / f"{obj_id}.json"
+
+
+def read_json_record(path: Path) -> dict[str, Any] | None:
+    """A record (file metadata, batch), or None when there is none: records are replaced
+    atomically, so a read either finds a whole one or none, but another replica may delete
+    one between a listing and the read."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
