@@ -156,6 +156,8 @@ class BatchRunner:
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         batch = self.get(batch_id)
+        if batch["status"] == "cancelling":
+            return batch  # cancelled twice: the same answer as the first time
         if batch["status"] not in ("validating", "in_progress"):
             raise APIError(409, f"batch {batch_id} is {batch['status']}; only a validating or "
                                 "in_progress batch can be cancelled", code="batch_not_active")
