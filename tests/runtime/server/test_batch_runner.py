@@ -254,3 +254,36 @@ def test_answers_cut_short_by_the_server_are_recognised_on_every_endpoint() -> N
     failed = outcome_of("abort")
     assert was_aborted({"object": "response", "status": failed.status, "error": ABORTED})
     assert not was_aborted({"object": "response", "status": outcome_of("length").status})
+
+
+async def test_a_crash_while_finalizing_neither_reruns_nor_orphans_results(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process stops (here: its task is cancelled) after the output file entered the
+    store and before the final status was saved. The next start finishes the batch from its
+    result files: no request runs twice, and the store holds one output file, not two."""
+    endpoint = Endpoint()
+    runner, file_id = _runner(tmp_path, endpoint)
+    adopt = runner.files.adopt
+
+    def adopt_then_die(*args: Any) -> dict[str, Any]:
+        adopt(*args)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(runner.files, "adopt", adopt_then_die)
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert batch["status"] == "finalizing"
+
+    again = BatchRunner(tmp_path, FileStore(tmp_path), endpoint.app, concurrency=1)
+    await again.start()
+    batch = await _finish(again, again.batches[batch["id"]])
+    await again.shutdown()
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(endpoint.bodies) == 3  # nothing ran again
+    outputs = [f for f in again.files.list() if f["purpose"] == "batch_output"]
+    assert [f["id"] for f in outputs] == [batch["output_file_id"]]
+    output = (tmp_path / "files" / batch["output_file_id"]).read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in output) == ["c0", "c1", "c2"]
+    assert not list((tmp_path / "batches").glob("*.jsonl"))  # working files gone once final

@@ -372,11 +372,17 @@ class BatchRunner:
             self._set_status(batch, "finalizing")
         self._update_counts(batch, results)
         batch["usage"] = results.usage()
-        for key, path, name in (("output_file_id", results.output_path, "output"),
-                                ("error_file_id", results.error_path, "errors")):
+        result_files = (("output_file_id", results.output_path, "output"),
+                        ("error_file_id", results.error_path, "errors"))
+        for key, path, name in result_files:
             if path.exists() and path.stat().st_size:
-                batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl")["id"]
+                # An id fixed by the batch: finalizing again after a crash replaces the file.
+                file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, batch['id'] + name).hex}"
+                batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl",
+                                              file_id)["id"]
         self._set_status(batch, final)
+        for _, path, _ in result_files:  # only now: until here a resume reads them
+            path.unlink(missing_ok=True)
         counts = batch["request_counts"]
         logger.info("%s %s: %d completed, %d failed of %d", batch["id"], final,
                     counts["completed"], counts["failed"], counts["total"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -56,12 +57,19 @@ class FileStore:
             tmp.unlink(missing_ok=True)
         return self._write_meta(file_id, filename, purpose, size)
 
-    def adopt(self, path: Path, filename: str) -> dict[str, Any]:
-        """Move a finished batch output file into the store as `batch_output`."""
-        file_id = f"file-{uuid.uuid4().hex}"
-        size = path.stat().st_size
-        os.replace(path, self.dir / file_id)
-        return self._write_meta(file_id, filename, "batch_output", size)
+    def adopt(self, path: Path, filename: str, file_id: str) -> dict[str, Any]:
+        """Put a finished batch's result file into the store as `batch_output`, under the id
+        its batch chose. `path` stays where it is (a hard link, else a copy) until the batch
+        has recorded its final status: a crash in between finalizes again from the same
+        results, replacing this file under the same id."""
+        tmp = self.dir / f".{file_id}.part"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(path, tmp)
+        except OSError:  # another file system, or links not supported
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, self.dir / file_id)
+        return self._write_meta(file_id, filename, "batch_output", path.stat().st_size)
 
     def get(self, file_id: str) -> dict[str, Any]:
         meta = read_json_record(self._meta_path(file_id))
