@@ -105,6 +105,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.watching.label_selectors[key] = CHILD_SELECTOR
     settings.watching.server_timeout = int(os.environ.get("ARGOSY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
+    # A deleted LLMDeployment keeps kopf's finalizer until its autoscaling timer has stopped;
+    # a tick in flight (a scrape takes up to 2 s) is waited for, and kopf looks again only
+    # after this polling (60 s by default), so the deletion hung a minute.
+    settings.background.cancellation_polling = 1.0
 
 
 @kopf.on.login()

@@ -84,21 +84,24 @@ RESERVED_SERVE_FLAGS: dict[str, str] = {
 
 # Kubernetes' qualified names (label and annotation keys: an optional DNS-subdomain prefix
 # and "/", then at most 63 characters) and label values (at most 63 characters). The CRD
-# admits any string in the label and annotation maps of the spec; the API server refuses the
-# child that carries a bad one, after the children before it were applied.
+# refuses bad ones in the label and annotation maps of the spec now, but an older CRD admitted
+# any string, and the API server refuses the child that carries a bad one, after the children
+# before it were applied.
 _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def _check_metadata_map(field: str, values: Mapping[str, Any], *, labels: bool) -> None:
+    # fullmatch: `$` alone also matches before a final newline, which Kubernetes refuses.
     for key, value in values.items():
-        prefix, _, name = str(key).rpartition("/")
-        if (len(name) > 63 or not _QUALIFIED_NAME.match(name)
-                or (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)))):
+        prefix, slash, name = str(key).rpartition("/")
+        if (len(name) > 63 or not _QUALIFIED_NAME.fullmatch(name)
+                or (slash and (not prefix or len(prefix) > 253
+                               or not _DNS_SUBDOMAIN.fullmatch(prefix)))):
             raise ValueError(f"{field}: {key!r} is not a valid key ([prefix/]name: a name of "
                              "at most 63 letters, digits, '-', '_' or '.', starting and ending "
                              "with a letter or digit; a DNS subdomain as prefix)")
-        if labels and (len(str(value)) > 63 or (value and not _QUALIFIED_NAME.match(
+        if labels and (len(str(value)) > 63 or (value and not _QUALIFIED_NAME.fullmatch(
                 str(value)))):
             raise ValueError(f"{field}.{key}: {value!r} is not a valid label value (at most "
                              "63 letters, digits, '-', '_' or '.', starting and ending with a "

@@ -12,12 +12,13 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from argosy_operator.autoscaling.status import SCALING_ACTIVE, disabled_status
 from argosy_operator.builders.common import endpoint_url, selector_string
 from argosy_operator.conditions import condition, find_condition, merge_conditions, now_rfc3339
 from argosy_operator.constants import COND_DEGRADED, COND_PROGRESSING, COND_READY
 from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
 from argosy_operator.pod_problems import pod_problems
-from argosy_operator.spec import with_defaults
+from argosy_operator.spec import autoscaling_enabled, with_defaults
 from argosy_operator.workload import get_deployment, list_pods
 
 CONFLICT_RETRIES = 3
@@ -182,6 +183,13 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
             # Only a successful reconcile clears a reconcile failure, not a pod event.
             computed["conditions"] = [c for c in computed["conditions"]
                                       if c["type"] != COND_DEGRADED]
+        if not autoscaling_enabled(llmd.get("spec") or {}) \
+                and find_condition(current.get("conditions"), SCALING_ACTIVE):
+            # Autoscaling was switched off: its timer stopped, so clear what it wrote (the
+            # printer columns showed its last KV-cache % and queue depth forever).
+            cleared = disabled_status()
+            computed["conditions"] = computed["conditions"] + cleared.pop("conditions")
+            computed.update(cleared)
         return status_patch(current, computed, now_rfc3339())
 
     return await patch_status(client, llmd, make_patch)

@@ -248,3 +248,74 @@ def test_invalid_specs_are_rejected_with_a_useful_message(obj: dict[str, Any], m
 def test_valid_edge_cases_are_accepted(changes: dict[str, Any]) -> None:
     _, errors = validate(with_spec(**changes))
     assert errors == []
+
+
+# The label and annotation maps the operator copies onto its children: keys are Kubernetes
+# qualified names, label values at most 63 characters (or empty). The API server refuses the
+# child that carries a bad one; the CRD refuses the LLMDeployment at `kubectl apply` instead.
+_PREFIX_253 = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+METADATA_MAPS = [("podTemplate", "labels"), ("monitoring", "labels"),
+                 ("podTemplate", "annotations"), ("service", "annotations")]
+GOOD_KEYS = ["team", "a", "A1", "a_b.c-d", "UPPER_case", "x" * 63, "example.com/tier",
+             "app.kubernetes.io/name", "k8s.io/Mixed.Name_1", f"{_PREFIX_253}/{'n' * 63}"]
+BAD_KEYS = ["", "not a key", "-lead", "trail-", "_x", "x" * 64, "Example.com/lb",
+            "ex..com/x", "-ex.com/x", "a/b/c", "/name", "prefix/", "a/-b",
+            f"{_PREFIX_253}e/n", "team\n", "héllo"]
+GOOD_LABEL_VALUES = ["", "v", "v1.2_x", "x" * 63, "A-b_c.D"]
+BAD_LABEL_VALUES = ["ml platform", "x" * 64, "prometheus/stack", "-a", "a-", ".a", "é"]
+
+
+def _map_spec(parent: str, field: str, values: dict[str, str]) -> dict[str, Any]:
+    return with_spec(**{f"{parent}__{field}": values})
+
+
+@pytest.mark.parametrize("parent,field", METADATA_MAPS)
+def test_metadata_map_keys_the_api_server_takes_are_accepted(parent: str, field: str) -> None:
+    obj = _map_spec(parent, field, {key: "v" for key in GOOD_KEYS})
+    assert validate(obj)[1] == []
+    normalize_spec(obj["spec"])  # the operator's own check agrees
+
+
+@pytest.mark.parametrize("parent,field", METADATA_MAPS)
+@pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
+def test_metadata_map_keys_the_api_server_refuses_are_rejected(parent: str, field: str,
+                                                               key: str) -> None:
+    obj = _map_spec(parent, field, {"fine": "v", key: "v"})
+    errors = validate(obj)[1]
+    assert any(e.startswith(f"spec.{parent}.{field}: {parent}.{field} keys must be")
+               for e in errors), errors
+    # The operator refuses it too (an object applied under an older CRD).
+    with pytest.raises(ValueError, match=rf"spec\.{parent}\.{field}"):
+        normalize_spec(obj["spec"])
+
+
+@pytest.mark.parametrize("parent", ["podTemplate", "monitoring"])
+def test_label_values(parent: str) -> None:
+    good = _map_spec(parent, "labels", {f"k{i}": v for i, v in enumerate(GOOD_LABEL_VALUES)})
+    assert validate(good)[1] == []
+    normalize_spec(good["spec"])
+    for value in BAD_LABEL_VALUES:
+        bad = _map_spec(parent, "labels", {"k": value})
+        errors = validate(bad)[1]
+        assert any(e.startswith(f"spec.{parent}.labels.k: ") for e in errors), (value, errors)
+        with pytest.raises(ValueError, match=rf"spec\.{parent}\.labels\.k"):
+            normalize_spec(bad["spec"])
+    # A trailing newline: the API server's Go regexps refuse it ($ is the end of the text),
+    # and so must the operator's Python ones ($ also matches before a final newline).
+    with pytest.raises(ValueError, match=rf"spec\.{parent}\.labels\.k"):
+        normalize_spec(_map_spec(parent, "labels", {"k": "v\n"})["spec"])
+
+
+@pytest.mark.parametrize("parent", ["podTemplate", "service"])
+def test_annotation_values_may_be_any_string(parent: str) -> None:
+    obj = _map_spec(parent, "annotations", {"a": "", "b": "any text: with / symbols\n and é",
+                                            "c": "x" * 10_000})
+    assert validate(obj)[1] == []
+
+
+@pytest.mark.parametrize("parent,field", METADATA_MAPS)
+def test_metadata_maps_are_bounded(parent: str, field: str) -> None:
+    # maxProperties keeps the key rule's estimated CEL cost within the API server's budget.
+    assert validate(_map_spec(parent, field, {f"k{i}": "v" for i in range(256)}))[1] == []
+    errors = validate(_map_spec(parent, field, {f"k{i}": "v" for i in range(257)}))[1]
+    assert any("too many properties" in e for e in errors), errors

@@ -109,6 +109,16 @@ class _Aggregate:
     running: float | None
 
 
+# Each replica's gauges are finite, but absurd ones (1e308 waiting requests) summed over the
+# replicas overflow to inf, which neither math.ceil nor a JSON status can hold. No aggregate
+# needs to exceed the most replicas a Deployment can have (spec.replicas is an int32).
+_MAX_AGGREGATE = float(2**31 - 1)
+
+
+def _cap(x: float) -> float:
+    return min(x, _MAX_AGGREGATE)
+
+
 def _aggregate(policy: AutoscalingPolicy, samples: Sequence[MetricsSample]) -> _Aggregate | None:
     usable = [s for s in samples if s.num_measured > 0]
     if not usable:
@@ -134,12 +144,12 @@ def _aggregate(policy: AutoscalingPolicy, samples: Sequence[MetricsSample]) -> _
     demand = max(sum_kv / n / policy.target_kv_cache_utilization,
                  sum_wait / n / policy.target_queue_depth)
     return _Aggregate(
-        demand_low=demand,
+        demand_low=_cap(demand),
         # The most replicas that were missing at any point in the window, each at target.
-        demand_high=demand + max_unmeasured,
-        kv=kv_per / n,
-        queue=wait_per / n,
-        running=run_per / n if run_known else None,
+        demand_high=_cap(demand + max_unmeasured),
+        kv=_cap(kv_per / n),
+        queue=_cap(wait_per / n),
+        running=_cap(run_per / n) if run_known else None,
     )
 
 
@@ -264,8 +274,15 @@ def decide(
     keep = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
     recs = tuple((t, r) for t, r in state.recommendations if now - t < keep and t < now)
     recs = recs + ((now, recommendation),)
-    up_floor = min(r for t, r in recs if now - t <= policy.scale_up_stabilization_seconds)
-    down_ceiling = max(r for t, r in recs if now - t <= policy.scale_down_stabilization_seconds)
+
+    def in_window(t: float, seconds: float) -> bool:
+        # The last `seconds`, (now - seconds, now], as `keep` prunes and the metric windows
+        # count (an edge inclusive here made the result depend on the other window's length).
+        return t == now or now - t < seconds
+
+    up_floor = min(r for t, r in recs if in_window(t, policy.scale_up_stabilization_seconds))
+    down_ceiling = max(r for t, r in recs
+                       if in_window(t, policy.scale_down_stabilization_seconds))
     if now - observed_since < policy.scale_down_stabilization_seconds:
         down_ceiling = max(down_ceiling, current_replicas)  # not watched long enough to go down
 

@@ -60,6 +60,16 @@ def inactive_conditions(reason: str, message: str) -> list[dict[str, Any]]:
                       "the autoscaler could not compute a decision")]
 
 
+def disabled_status() -> dict[str, Any]:
+    """What clears the autoscaler's part of the status once spec.autoscaling.enabled is false
+    (the timer no longer runs to refresh it); nulls delete in a merge patch. lastScaleTime
+    stays: it is history, not a reading."""
+    return {"desiredReplicas": None, "kvCacheUtilization": None, "kvCachePercent": None,
+            "queueDepth": None, "autoscaling": None,
+            "conditions": inactive_conditions("AutoscalingDisabled",
+                                              "spec.autoscaling.enabled is false")}
+
+
 def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 

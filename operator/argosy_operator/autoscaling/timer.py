@@ -76,14 +76,22 @@ def _client() -> KubeClient:
 
 
 async def _write_status(client: KubeClient, llmd: Mapping[str, Any],
-                        computed: Mapping[str, Any]) -> None:
-    await patch_status(client, llmd,
-                       lambda current: status_patch(current, computed, now_rfc3339()))
+                        computed: Mapping[str, Any], logger: Any) -> None:
+    try:
+        await patch_status(client, llmd,
+                           lambda current: status_patch(current, computed, now_rfc3339()))
+    except ApiError as exc:
+        # Not raised: kopf retries a failed timer only after its backoff (60 s), which would
+        # stop the autoscaling that long; the next tick computes and writes the status again.
+        logger.warning(f"autoscaling: cannot write the status: {exc}")
 
 
 def _live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # Terminating pods are neither capacity nor demand any more.
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    # Terminating pods are neither capacity nor demand any more; nor are pods that ended
+    # (an evicted pod stays, phase Failed, until it is garbage-collected, and its ReplicaSet
+    # has already replaced it).
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
     return sorted(live, key=lambda p: (p.get("metadata") or {}).get("name", ""))
 
 
@@ -120,7 +128,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     except ValueError as exc:
         logger.error(f"autoscaling: invalid policy: {exc}")
         await _write_status(_client(), llmd, {"conditions": inactive_conditions(
-            "InvalidPolicy", str(exc))})
+            "InvalidPolicy", str(exc))}, logger)
         return
     if not policy.enabled:
         return
@@ -142,7 +150,8 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         deployment = await get_deployment(client, namespace, name)
         if deployment is None:
             await _write_status(client, llmd, {"conditions": inactive_conditions(
-                "DeploymentNotFound", f"Deployment {namespace}/{name} does not exist yet")})
+                "DeploymentNotFound", f"Deployment {namespace}/{name} does not exist yet")},
+                                logger)
             return
         pods = _live_pods(await list_pods(client, namespace, name))
     except ApiError as exc:
@@ -181,7 +190,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         logger.info(f"autoscaling: {message}")
 
     computed = autoscaling_status(decision, state.last_scale_wall)
-    await _write_status(client, llmd, computed)
+    await _write_status(client, llmd, computed, logger)
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
