@@ -89,15 +89,19 @@ class LoRAAdapter:
         if not config_path.is_file() or not weights_path.is_file():
             raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
                              "adapter_model.safetensors (a PEFT adapter folder)")
-        config = json.loads(config_path.read_text())
+        config = read_config(name, config_path)
         _check_supported(name, config)
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
+        from safetensors import SafetensorError
         from safetensors.torch import load
 
         weights = weights_path.read_bytes()
-        tensors = load(weights)
+        try:
+            tensors = load(weights)
+        except SafetensorError as exc:  # truncated or not safetensors at all
+            raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.search(key)
@@ -136,7 +140,8 @@ class LoRAAdapter:
                                  "beyond the model's layers or not a projection it has")
             fused, offset, in_size, out_size = layout[module]
             a, b = ab["A"], ab["B"]
-            if (a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
+            if (a.dim() != 2 or b.dim() != 2  # before shape[1]: a 1-D tensor has none
+                    or a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
                     or b.shape[1] != rank):
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
@@ -157,6 +162,17 @@ class LoRAAdapter:
         return adapter
 
 
+def read_config(name: str, config_path: Path) -> dict:
+    """`adapter_config.json` as a dict; ValueError naming the adapter if it is not one."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {config_path} is not a JSON object")
+    return config
+
+
 def _check_supported(name: str, config: dict) -> None:
     unsupported = {
         "peft_type": config.get("peft_type", "LORA") != "LORA",
@@ -174,6 +190,19 @@ def _check_supported(name: str, config: dict) -> None:
                          "only)")
     if "r" not in config:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no 'r'")
+    # Checked here, not where they are used: a bad r or lora_alpha would otherwise fail as
+    # a TypeError or ZeroDivisionError (a 500), or pass lazy registration and fail every
+    # request naming the adapter.
+    rank = config["r"]
+    if isinstance(rank, float) and rank.is_integer():  # "r": 8.0 means 8
+        rank = int(rank)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'r' must be a positive "
+                         f"integer, not {config['r']!r}")
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'lora_alpha' must be a "
+                         f"number, not {alpha!r}")
 
 
 def _layout(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:

@@ -62,6 +62,16 @@ def write_atomic(target: Path, chunks: Iterable[bytes]) -> None:
         raise
 
 
+def make_cache_folder(path: str, folder: Path) -> None:
+    """Create `folder` in the adapter cache; ValueError naming `path` if it cannot be (a
+    read-only home in a container): a bare OSError would be a 500 for each request."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot create the adapter cache folder {folder}: {exc} "
+                         "(set ARGOSY_LORA_CACHE to a writable folder)") from exc
+
+
 def download_adapter(path: str, timeout: float = 60.0) -> Path:
     """The local folder holding the adapter `path` names (downloaded as the module says)."""
     repo, revision = parse_hub_path(path)
@@ -69,7 +79,7 @@ def download_adapter(path: str, timeout: float = 60.0) -> Path:
     folder = cache_root() / f"{repo.replace('/', '--')}-{key}"
     if _COMMIT.match(revision) and all((folder / name).is_file() for name in FILES):
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
+    make_cache_folder(path, folder)
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     headers = {"User-Agent": "argosy-lora-download"}
     if os.environ.get("HF_TOKEN"):

@@ -19,7 +19,6 @@ seconds for a large adapter, and other adapters' acquires and every release go o
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -39,7 +38,7 @@ def check_registrable(name: str, path: str) -> None:
     adapter): hf:// and s3:// paths must parse; a folder must hold both PEFT files and an
     adapter_config.json this server supports (no DoRA, biases, modules_to_save, ...). Shapes
     and module names are checked when the weights are loaded."""
-    from argosy_runtime.lora.adapter import _check_supported
+    from argosy_runtime.lora.adapter import _check_supported, read_config
 
     try:
         if hub.is_hub_path(path):
@@ -55,13 +54,7 @@ def check_registrable(name: str, path: str) -> None:
     if not config_path.is_file() or not (folder / "adapter_model.safetensors").is_file():
         raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
                          "adapter_model.safetensors (a PEFT adapter folder)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {name!r}: {config_path} is not a JSON object")
-    _check_supported(name, config)
+    _check_supported(name, read_config(name, config_path))
 
 
 class _Load:

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from argosy_runtime.lora.hub import FILES, cache_root, write_atomic
+from argosy_runtime.lora.hub import FILES, cache_root, make_cache_folder, write_atomic
 
 SCHEME = "s3://"
 _BUCKET = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # lenient: GCS and R2 accept more than S3
@@ -123,7 +123,7 @@ def download_adapter(path: str) -> Path:
     except botocore.exceptions.BotoCoreError as exc:  # e.g. an unknown AWS_PROFILE
         raise ValueError(f"{path}: cannot create an S3 client: {exc}") from exc
     folder = cache_folder(bucket, prefix, client.meta.endpoint_url)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_cache_folder(path, folder)
     with _locked(folder):
         for name in FILES:
             key = f"{prefix}/{name}" if prefix else name

@@ -90,7 +90,10 @@ class LoRAAdmin:
             try:
                 await on_fresh_thread(self.engine.load_lora_adapter, name, path)
             except (ValueError, OSError) as exc:
-                raise APIError(400, str(exc), param="lora_path") from exc
+                # The engine's messages about the name start with the field, as in
+                # "lora_name: 'x' is not a usable adapter name"; the rest are the folder's.
+                param = "lora_name" if str(exc).startswith("lora_name:") else "lora_path"
+                raise APIError(400, str(exc), param=param) from exc
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:

@@ -338,6 +338,10 @@ async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[in
                        code="queue_full",
                        headers={"Retry-After": str(ctx.config.retry_after_s)}) from exc
     if isinstance(exc, ValueError):
+        if lora_name is not None and lora_name not in ctx.lora_names:
+            # Its adapter was unloaded after check_model (while it waited for a slot, or
+            # before the engine thread took it): the 404 of any unknown model, not a 400.
+            ctx.check_model(model_name)
         raise bad_request(str(exc), param_from_value_error(str(exc))) from exc
     if isinstance(exc, EngineDeadError):
         raise APIError(503, str(exc), code="engine_unavailable") from exc
