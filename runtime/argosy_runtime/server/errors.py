@@ -64,10 +64,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def param_from_value_error(message: str) -> str | None:
     """`SamplingParams` messages start with the field name: 'top_p must be ...',
-    'structured_outputs.regex: ...'."""
+    'structured_outputs.regex: ...'. Field names are lower case: a message that starts with
+    a word ('LoRA adapter 'x': ...') names none."""
     first = message.split(" ", 1)[0].strip("'\"").rstrip(":")
     name = first.replace("_", "").replace("[", "").replace("]", "").replace(".", "")
-    return first if name.isalnum() else None
+    return first if name.isalnum() and first == first.lower() else None
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:

@@ -270,3 +270,16 @@ def test_int_sampling_values_are_accepted(http: httpx.Client, path: str) -> None
         body |= {"input": "hi", "max_output_tokens": 1, "store": False}
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ("top_p must be in (0, 1], got 2", "top_p"),
+    ("structured_outputs.regex: invalid regex", "structured_outputs.regex"),
+    ("stop_token_ids[0]: must be an integer", "stop_token_ids[0]"),
+    ("LoRA adapter 'x': cannot read adapter_model.safetensors", None),
+    ("The prompt is empty", None),
+])
+def test_the_param_of_an_engine_error_is_a_field_name(message: str, param: str | None) -> None:
+    from argosy_runtime.server.errors import param_from_value_error
+
+    assert param_from_value_error(message) == param
