@@ -94,35 +94,58 @@ def token_ends(tokenizer: Any, prompt_ids: Sequence[int], token_ids: Sequence[in
 
 
 class ReasoningStream:
-    """One choice's text in, (reasoning delta, answer delta) out."""
+    """One choice's text in, (reasoning delta, answer delta) out: what split_reasoning gives
+    the whole reply, in parts. Each delta looks at the new text only (and what is held back
+    with it), never the reply so far: a thought runs to tens of thousands of tokens, and the
+    event loop that does this serves every stream."""
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
-        self.text = ""
-        self.sent_reasoning = 0  # characters of split_reasoning's parts already sent
-        self.sent_answer = 0
+        self.phase = "start"  # then "reasoning", "answer", or "raw" (qwen3, no `<think>`)
+        self.held = ""  # received, not yet sent: what a tag may still take, or blanks
+        self.started = False  # the phase's first visible character is out (blanks before: none)
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
-        self.text += text
-        visible = self.text if finished else self.text[: len(self.text) - self._held()]
-        reasoning, answer = split_reasoning(self.parser, visible)
-        if not finished and reasoning is not None and not answer:
-            reasoning = reasoning.rstrip()  # blank lines before a `</think>` still to come
-        r_delta = (reasoning or "")[self.sent_reasoning:]
-        a_delta = answer[self.sent_answer:]
-        self.sent_reasoning += len(r_delta)
-        self.sent_answer += len(a_delta)
-        return r_delta, a_delta
+        self.held += text
+        reasoning = ""
+        if self.phase == "start":
+            head = self.held.lstrip()
+            if START.startswith(head) and not finished:
+                return "", ""  # may still become the opening tag that decides
+            if head.startswith(START):
+                self.phase, self.held = "reasoning", head[len(START):]
+            else:  # qwen3: no reasoning at all; deepseek_r1: the prompt opened it
+                self.phase = "raw" if self.parser == "qwen3" else "reasoning"
+        if self.phase == "reasoning":
+            end = self.held.find(END)
+            if end < 0:
+                keep = 0 if finished else _partial_tag_length(self.held, END)
+                reasoning = self._visible(len(self.held) - keep, finished)
+                return reasoning, ""
+            reasoning = self._visible(end, True)  # held now starts with the tag
+            self.phase, self.held, self.started = "answer", self.held[len(END):], False
+        if self.phase == "answer" and not self.started:  # the answer's leading blanks go
+            self.held = self.held.lstrip()
+            self.started = bool(self.held)
+        answer, self.held = self.held, ""
+        return reasoning, answer
 
-    def _held(self) -> int:
-        """How many trailing characters could still turn into a tag (or, before anything
-        else, into the opening `<think>` that decides whether there is reasoning at all)."""
-        head = self.text.lstrip()
-        if START.startswith(head):
-            return len(self.text)
-        if END in self.text or (self.parser == "qwen3" and not head.startswith(START)):
-            return 0  # past the thinking, or (qwen3, no opening tag) there is none
-        for n in range(min(len(END) - 1, len(self.text)), 0, -1):
-            if END.startswith(self.text[-n:]):
-                return n
-        return 0
+    def _visible(self, upto: int, last: bool) -> str:
+        """The reasoning in held[:upto], which leaves held: without leading blanks, and
+        trailing ones kept back until more reasoning follows (dropped if `last`)."""
+        part, self.held = self.held[:upto], self.held[upto:]
+        if not self.started:
+            part = part.lstrip()
+            self.started = bool(part)
+        body = part.rstrip()
+        if not last:
+            self.held = part[len(body):] + self.held
+        return body
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """The longest end of `text` that is a beginning of `tag` (it may become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

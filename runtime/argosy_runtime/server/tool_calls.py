@@ -101,20 +101,31 @@ def tool_calls_of(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]]
     a stop string), in which case the caller returns the text as content."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nested deeper than Python reads JSON
         return None
     tool = forced_tool(req)
     if tool is not None:  # the output is the arguments, exactly as streamed
         calls = [(tool.function.name, text)]
     else:
         try:
-            calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                     for item in value]
+            calls = [(item["name"], _sendable_arguments(item["parameters"])) for item in value]
         except (KeyError, TypeError):  # valid JSON of another shape (a stop string cut it)
             return None
     return [{"id": new_call_id(), "type": "function",
              "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]
+
+
+def _sendable_arguments(value: Any) -> str:
+    """A call's arguments as JSON text, non-ASCII characters as they are; all escaped if a
+    lone surrogate is in them (the output held an unpaired `\\udXXX` escape, which JSON
+    allows), since UTF-8, and so the response, cannot carry one. Both read back the same."""
+    arguments = json.dumps(value, ensure_ascii=False)
+    try:
+        arguments.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return arguments
 
 
 def reply_message(req: ChatCompletionRequest, text: str,

@@ -4,7 +4,9 @@ With `--tool-call-parser`, a chat request with `tools` and tool_choice "auto" (o
 OpenAI's default when tools are given) generates freely, and the calls the model wrote in its
 family's format come back as OpenAI `tool_calls` (finish_reason "tool_calls"); any other text
 stays content. Text that is not a well-formed call, or is cut off (max_tokens), is left as
-content, so nothing the model wrote is lost.
+content, so nothing the model wrote is lost: that includes JSON nested too deep to read, `NaN`
+and infinities (not JSON), and a lone surrogate escape (`"\\ud800"`: no UTF-8 response can
+carry it).
 
 - `hermes` (Qwen2.5, Hermes and many other tool-trained models): calls are blocks
 
@@ -157,7 +159,9 @@ class Llama3JsonToolCallStream(ToolCallParserStream):
     def finish(self) -> dict[str, Any]:
         """A reply that started as JSON: its calls, or the text if it is not calls."""
         text, self._pending = self._pending, ""
-        calls = _json_calls(text.strip().removeprefix(self.TAG)) if self._json else None
+        # blanks may follow the tag too, as `feed` allows when it decides the reply is JSON
+        body = text.strip().removeprefix(self.TAG).lstrip()
+        calls = _json_calls(body) if self._json else None
         if calls is None:
             return self._delta(text, [])
         self.calls = len(calls)
@@ -261,11 +265,16 @@ def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# JSON that is not read as a call: malformed, or nested deeper than Python's recursion limit
+# (a model stuck repeating "[" writes that), which json raises RecursionError for.
+_UNREADABLE = (json.JSONDecodeError, RecursionError)
+
+
 def _call_of(block: str) -> dict[str, Any] | None:
     """One OpenAI tool call from a block's JSON, or None if it is not one."""
     try:
         return _call_of_value(json.loads(block))
-    except json.JSONDecodeError:
+    except _UNREADABLE:
         return None
 
 
@@ -275,13 +284,36 @@ def _call_of_value(value: Any, call_id: str | None = None) -> dict[str, Any] | N
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = _arguments_json(arguments)
     return _call(value["name"], arguments, call_id)
 
 
-def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+def _arguments_json(value: Any) -> str | None:
+    """A call's arguments as JSON text; None for NaN and infinities (`NaN`, `1e999`), which
+    Python's json reads but JSON has not, so no client could read the arguments back."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _call(name: str, arguments: str | None, call_id: str | None = None
+          ) -> dict[str, Any] | None:
+    """An OpenAI tool call; None without arguments, or if a lone surrogate is in it (the
+    model wrote an unpaired `\\udXXX` escape), which UTF-8, and so the response, cannot
+    carry: the model's text then stays content, as any call not well-formed."""
+    if arguments is None or not _utf8(name + arguments):
+        return None
     return {"id": call_id or new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def new_mistral_call_id() -> str:
@@ -303,7 +335,7 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         try:
             value = json.loads(segments[0])
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             return None
         if not isinstance(value, list) or not value:
             return None
@@ -320,11 +352,14 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
         name = name.strip()
         try:
             value = json.loads(arguments)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             return None
         if not _MISTRAL_NAME.fullmatch(name) or not isinstance(value, dict):
             return None
-        calls.append(_call(name, json.dumps(value, ensure_ascii=False), new_mistral_call_id()))
+        call = _call(name, _arguments_json(value), new_mistral_call_id())
+        if call is None:
+            return None
+        calls.append(call)
     return calls
 
 
@@ -349,10 +384,13 @@ def _pythonic_calls(text: str) -> list[dict[str, Any]] | None:
         try:
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             # allow_nan=False: 1e999 is inf, which is not JSON; sets, bytes, complex raise too
-            calls.append(_call(node.func.id,
-                               json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+            call = _call(node.func.id,
+                         json.dumps(arguments, ensure_ascii=False, allow_nan=False))
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
+        if call is None:
+            return None
+        calls.append(call)
     return calls
 
 
@@ -362,7 +400,7 @@ def _json_calls(body: str) -> list[dict[str, Any]] | None:
     while pos < len(body):
         try:
             value, end = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             return None
         call = _call_of_value(value)
         if call is None:
