@@ -78,6 +78,11 @@ class ApiError(Exception):
         self.message = message
 
 
+# What an API call raises when it fails: an error answer (ApiError), or no answer at all (the
+# connection refused or dropped, DNS, TLS: aiohttp.ClientError; no answer in time).
+API_ERRORS: tuple[type[Exception], ...] = (ApiError, aiohttp.ClientError, TimeoutError)
+
+
 def _pem(data: str | bytes) -> bytes:
     """kubeconfig `*-data` fields are base64 of PEM; kopf may hand over PEM itself."""
     raw = data.encode() if isinstance(data, str) else data

@@ -59,17 +59,19 @@ def parse_model_source(source: str | None, path: str | None, fmt: str = "auto") 
         return ModelSource(kind="image", location=path)
     if not source:
         raise ValueError("spec.model: set exactly one of source or path")
-    if m := _HF.match(source):
+    # fullmatch: `$` alone also matches before a final newline, which the CRD's pattern
+    # refuses (an older CRD without the pattern let it through).
+    if m := _HF.fullmatch(source):
         file = m.group("file")
         if fmt == "gguf" and not (file and file.endswith(".gguf")):
             raise ValueError("spec.model.source: format gguf with hf:// must name the .gguf file "
                              "(hf://org/name/file.gguf)")
         return ModelSource(kind="hf", location=m.group("repo"), file=file)
-    if m := _S3.match(source):
+    if m := _S3.fullmatch(source):
         key = m.group("key")
         single = fmt == "gguf" or (fmt == "auto" and key.endswith(".gguf"))
         return ModelSource(kind="s3", location=source, single_file=single and not key.endswith("/"))
-    if m := _PVC.match(source):
+    if m := _PVC.fullmatch(source):
         subpath = (m.group("path") or "").strip("/")
         if ".." in subpath.split("/"):
             raise ValueError("spec.model.source: pvc:// path must not contain '..'")

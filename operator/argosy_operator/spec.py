@@ -81,6 +81,22 @@ RESERVED_SERVE_FLAGS: dict[str, str] = {
     "--served-model-name": "set spec.model.name instead",
     "--lora-modules-file": "set spec.runtime.loraAdapters instead",
 }
+# `argosy serve`'s parser expands an abbreviated long flag (argparse's allow_abbrev: `--por`
+# is `--port`), so a prefix of a reserved flag is refused too, except the serve flags that are
+# themselves such a prefix (an exact flag is never an abbreviation). The operator cannot import
+# the runtime's parser (torch); a test checks this set against it.
+SERVE_FLAGS_PREFIXING_RESERVED = frozenset({"--lora-modules"})
+
+
+def _reserved_flag(flag: str) -> str | None:
+    """The reserved flag that `flag` is or abbreviates, if any."""
+    if flag in RESERVED_SERVE_FLAGS:
+        return flag
+    if len(flag) <= 2 or not flag.startswith("--") or flag in SERVE_FLAGS_PREFIXING_RESERVED:
+        return None
+    # A prefix of several flags is ambiguous to argparse (the runtime would refuse to start);
+    # refused here as well, naming the first.
+    return next((r for r in RESERVED_SERVE_FLAGS if r.startswith(flag)), None)
 
 # Kubernetes' qualified names (label and annotation keys: an optional DNS-subdomain prefix
 # and "/", then at most 63 characters) and label values (at most 63 characters). The CRD
@@ -177,11 +193,17 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{field}: {quantity!r} must not be negative")
     for arg in out["runtime"]["extraArgs"]:
         flag = str(arg).split("=", 1)[0]
-        if flag in RESERVED_SERVE_FLAGS:
+        reserved = _reserved_flag(flag)
+        if reserved == flag:
             raise ValueError(f"spec.runtime.extraArgs: {flag} is set by the operator and "
                              f"cannot be overridden ({RESERVED_SERVE_FLAGS[flag]})")
+        if reserved is not None:
+            raise ValueError(f"spec.runtime.extraArgs: {flag} abbreviates {reserved}, which is "
+                             f"set by the operator and cannot be overridden "
+                             f"({RESERVED_SERVE_FLAGS[reserved]})")
     interval = str(out["monitoring"]["interval"])
-    if not interval or not _PROMETHEUS_DURATION.match(interval):
+    # fullmatch: `$` alone also matches before a final newline, which Prometheus refuses.
+    if not interval or not _PROMETHEUS_DURATION.fullmatch(interval):
         raise ValueError(f"spec.monitoring.interval: {interval!r} is not a Prometheus duration "
                          "(units from largest to smallest, each once: 30s, 1m30s, 500ms)")
     if out["replicas"] < 0:

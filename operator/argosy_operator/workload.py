@@ -31,9 +31,13 @@ def deployment_replicas(deployment: Mapping[str, Any] | None) -> int | None:
     return int((deployment.get("spec") or {}).get("replicas", 1))
 
 
-async def scale_deployment(client: KubeClient, namespace: str, name: str, replicas: int
-                           ) -> dict[str, Any]:
-    """Set spec.replicas of the LLMDeployment's Deployment (a merge patch of that one field)."""
+async def scale_deployment(client: KubeClient, namespace: str, name: str, replicas: int,
+                           *, resource_version: str | None = None) -> dict[str, Any]:
+    """Set spec.replicas of the LLMDeployment's Deployment (a merge patch of that one field);
+    with `resource_version`, only if the Deployment is still at it (ApiError 409 otherwise)."""
     if replicas < 0:
         raise ValueError(f"replicas: must be >= 0, got {replicas}")
-    return await client.patch(DEPLOYMENTS, namespace, name, {"spec": {"replicas": int(replicas)}})
+    patch: dict[str, Any] = {"spec": {"replicas": int(replicas)}}
+    if resource_version:
+        patch["metadata"] = {"resourceVersion": resource_version}
+    return await client.patch(DEPLOYMENTS, namespace, name, patch)

@@ -31,6 +31,9 @@ _CAMEL_TO_FIELD: dict[str, str] = {
 }
 _FIELD_TO_CAMEL = {v: k for k, v in _CAMEL_TO_FIELD.items()}
 
+# The CRD's maximum of autoscaling.maxReplicas, the same as that of spec.replicas.
+MAX_REPLICAS = 1000
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoscalingPolicy:
@@ -66,6 +69,8 @@ class AutoscalingPolicy:
                 raise bad(name, f"must be >= 0, got {value}")
         if self.max_replicas < 1:
             raise bad("max_replicas", f"must be >= 1, got {self.max_replicas}")
+        if self.max_replicas > MAX_REPLICAS:
+            raise bad("max_replicas", f"must be <= {MAX_REPLICAS}, got {self.max_replicas}")
         if self.min_replicas > self.max_replicas:
             raise bad("min_replicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
         for f in dataclasses.fields(self):

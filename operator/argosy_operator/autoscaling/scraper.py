@@ -5,8 +5,9 @@ Where a pod serves: `http://<status.podIP>:<port><path>`, with port and path fro
 defaults 8000 and /metrics). Tests point pods at loopback test servers by giving them podIP
 127.0.0.1 and the test server's port in that annotation; `url_for` is also injectable.
 
-A scrape that times out, errors, returns a non-200 or lacks a gauge becomes a `ReplicaSample`
-with `None` metrics: the decision then treats the replica as fully loaded, never as idle.
+A scrape that times out, errors, returns a non-200, a body over MAX_METRICS_BYTES or one that
+lacks a gauge becomes a `ReplicaSample` with `None` metrics: the decision then treats the
+replica as fully loaded, never as idle.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ PATH_ANNOTATION = "prometheus.io/path"
 DEFAULT_PORT = 8000
 DEFAULT_PATH = "/metrics"
 DEFAULT_TIMEOUT_SECONDS = 2.0
+# The most of a /metrics body read. A runtime's is some kB (more with many LoRA adapters); a
+# larger one is not the runtime's, and reading and parsing it would hold the operator's memory
+# and CPU (every object's timer shares one event loop) for the whole scrape timeout.
+MAX_METRICS_BYTES = 4 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +94,27 @@ def pod_metrics_url(pod: Mapping[str, Any]) -> str | None:
     return f"http://{host}:{port}{path}"
 
 
+async def _read_capped(resp: aiohttp.ClientResponse) -> str:
+    """The body as text; ValueError past MAX_METRICS_BYTES (a Content-Length says so at
+    once; a body without one is read only up to the cap)."""
+    too_large = ValueError(f"/metrics body larger than {MAX_METRICS_BYTES} bytes")
+    if (resp.content_length or 0) > MAX_METRICS_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > MAX_METRICS_BYTES:
+            raise too_large
+    return body.decode(resp.charset or "utf-8", errors="replace")
+
+
 async def scrape_url(session: aiohttp.ClientSession, url: str, timeout: float) -> ReplicaSample:
     """One ready replica: measured on success, `None` metrics (scrape failed) otherwise."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
-            text = await resp.text()
+            text = await _read_capped(resp)
         return parse_metrics(text)
     except asyncio.CancelledError:
         raise

@@ -5,8 +5,9 @@ Every tick (ARGOSY_AUTOSCALE_TICK_SECONDS, default 1 s; each object is scraped o
 name and namespace as the LLMDeployment), list its pods by the selector label, scrape the ready
 ones concurrently, read a gateway's scale-from-zero request (activation.py), feed the
 per-object `Autoscaler`, and when the decision changes the replica
-count, merge-patch the Deployment's `spec.replicas` (on a scale-down, after ranking the pods by
-`controller.kubernetes.io/pod-deletion-cost`, deletion_cost.py) and post an Event. The status
+count, merge-patch the Deployment's `spec.replicas`, guarded by the resourceVersion read (on a
+scale-down, after ranking the pods by `controller.kubernetes.io/pod-deletion-cost`,
+deletion_cost.py) and post an Event. The status
 (desiredReplicas, lastScaleTime, metrics, ScalingActive/ScalingLimited) goes through the
 reconciler's `patch_status` (resourceVersion-guarded, conditions merged), only when it changed.
 
@@ -39,8 +40,8 @@ from argosy_operator.autoscaling.scraper import scrape_pods
 from argosy_operator.autoscaling.status import autoscaling_status, inactive_conditions
 from argosy_operator.conditions import now_rfc3339
 from argosy_operator.constants import GROUP, PLURAL, VERSION
-from argosy_operator.kube import ApiError, KubeClient
-from argosy_operator.status import patch_status, status_patch
+from argosy_operator.kube import API_ERRORS, ApiError, KubeClient
+from argosy_operator.status import CONFLICT_RETRIES, patch_status, status_patch
 from argosy_operator.workload import (
     deployment_replicas,
     get_deployment,
@@ -80,9 +81,10 @@ async def _write_status(client: KubeClient, llmd: Mapping[str, Any],
     try:
         await patch_status(client, llmd,
                            lambda current: status_patch(current, computed, now_rfc3339()))
-    except ApiError as exc:
+    except API_ERRORS as exc:
         # Not raised: kopf retries a failed timer only after its backoff (60 s), which would
         # stop the autoscaling that long; the next tick computes and writes the status again.
+        # The same for every API call of a tick, an unreachable API server included.
         logger.warning(f"autoscaling: cannot write the status: {exc}")
 
 
@@ -109,7 +111,7 @@ async def _rank_pods_for_scale_down(client: KubeClient, namespace: str,
     scale down now (the ranking failed and a batch could be lost)."""
     try:
         await annotate_deletion_costs(client, namespace, pods, replicas)
-    except ApiError as exc:
+    except API_ERRORS as exc:
         if not batches_shared and any(r.holds_batches for r in replicas):
             logger.warning(f"autoscaling: cannot set pod-deletion-cost ({exc}); not scaling "
                            f"down while replicas hold batch requests")
@@ -117,6 +119,29 @@ async def _rank_pods_for_scale_down(client: KubeClient, namespace: str,
         logger.warning(f"autoscaling: cannot set pod-deletion-cost ({exc}); scaling down "
                        f"without ranking the pods")
     return True
+
+
+async def _scale(client: KubeClient, namespace: str, name: str, deployment: Mapping[str, Any],
+                 replicas: int) -> bool:
+    """Scale `deployment` (as read at the tick's start) to `replicas`, unless its spec.replicas
+    changed meanwhile (a `kubectl scale` during the scrape, up to 2 s): the decision was made
+    from the old count, so False, and the next tick decides from the new one. The patch is
+    guarded by the resourceVersion read; a conflict from another change (the Deployment
+    controller's status writes) is retried on a fresh read."""
+    before = deployment_replicas(deployment)
+    for _ in range(CONFLICT_RETRIES + 1):
+        try:
+            await scale_deployment(client, namespace, name, replicas,
+                                   resource_version=deployment["metadata"].get("resourceVersion"))
+            return True
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        fresh = await get_deployment(client, namespace, name)
+        if fresh is None or deployment_replicas(fresh) != before:
+            return False
+        deployment = fresh
+    return False
 
 
 async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
@@ -154,7 +179,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
                                 logger)
             return
         pods = _live_pods(await list_pods(client, namespace, name))
-    except ApiError as exc:
+    except API_ERRORS as exc:
         logger.warning(f"autoscaling: cannot read the Deployment or its pods: {exc}")
         return
     current = deployment_replicas(deployment) or 0
@@ -178,9 +203,14 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
                 client, namespace, pods, replicas, batches_shared, logger):
             return
         try:
-            await scale_deployment(client, namespace, name, decision.desired_replicas)
-        except ApiError as exc:
+            scaled = await _scale(client, namespace, name, deployment,
+                                  decision.desired_replicas)
+        except API_ERRORS as exc:
             logger.warning(f"autoscaling: cannot scale the Deployment: {exc}")
+            return
+        if not scaled:
+            logger.info("autoscaling: the Deployment's replicas changed while scraping; "
+                        "deciding again from them at the next tick")
             return
         state.last_scale_wall = time.time()
         direction = "ScaledUp" if decision.desired_replicas > current else "ScaledDown"

@@ -32,7 +32,8 @@ def check_name(name: str) -> None:
     label, and every child and pod carries the name as a label value (at most 63
     characters). Checked before any child is written: otherwise the Deployment would be
     created and the Service refused on every retry."""
-    if len(name) > MAX_NAME_LENGTH or not _DNS1035_LABEL.match(name):
+    # fullmatch: `$` alone also matches before a final newline, which Kubernetes refuses.
+    if len(name) > MAX_NAME_LENGTH or not _DNS1035_LABEL.fullmatch(name):
         raise ValueError(
             f"metadata.name: {name!r} cannot name the children (the Service takes the same "
             f"name): use at most {MAX_NAME_LENGTH} characters, lowercase letters, digits and "

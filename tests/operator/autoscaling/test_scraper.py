@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from aiohttp import web
 from argosy_operator.autoscaling.samples import ReplicaSample
 from argosy_operator.autoscaling.scraper import (
+    MAX_METRICS_BYTES,
     parse_metrics,
     pod_is_ready,
     pod_metrics_url,
@@ -145,6 +147,38 @@ async def test_connection_refused_is_a_failed_scrape() -> None:
         port = s.getsockname()[1]
     samples = await scrape_pods([pod(port)], timeout=0.5)
     assert samples[0].ready and not samples[0].is_measured
+
+
+async def test_an_oversized_metrics_body_is_a_failed_scrape(
+        serve: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A /metrics body over MAX_METRICS_BYTES is not read to its end (it would hold the
+    operator's memory and CPU for the whole timeout), with or without a Content-Length."""
+    def padded(size: int) -> bytes:
+        body = prometheus_text(0.25, 7, 3)
+        return body + b"# padding\n" * ((size - len(body)) // 10 + 1)
+
+    async def sized(request: web.Request) -> web.Response:
+        return web.Response(body=padded(MAX_METRICS_BYTES + 1), content_type="text/plain")
+
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        body = padded(MAX_METRICS_BYTES + 1)
+        for i in range(0, len(body), 1 << 16):
+            await resp.write(body[i:i + (1 << 16)])
+        return resp
+
+    async def large_but_within(request: web.Request) -> web.Response:
+        return web.Response(body=padded(MAX_METRICS_BYTES // 2), content_type="text/plain")
+
+    ports = [await serve(h) for h in (sized, streamed, large_but_within)]
+    with caplog.at_level(logging.DEBUG, logger="argosy_operator.autoscaling.scraper"):
+        samples = await scrape_pods([pod(p) for p in ports], timeout=2.0)
+    assert [(s.ready, s.is_measured) for s in samples] == [(True, False), (True, False),
+                                                           (True, True)]
+    reasons = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
+    assert len(reasons) == 2, caplog.text
 
 
 async def test_scrapes_run_concurrently(serve: Any) -> None:
