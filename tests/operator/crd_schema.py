@@ -64,6 +64,10 @@ def openapi_to_jsonschema(schema: dict[str, Any]) -> dict[str, Any]:
             out[key] = {k: openapi_to_jsonschema(v) for k, v in val.items()}
         elif key in ("items", "additionalProperties") and isinstance(val, dict):
             out[key] = openapi_to_jsonschema(val)
+        elif key == "pattern" and val.endswith("$") and not val.endswith("\\$"):
+            # The API server's Go regexps end `$` at the end of the text; Python's `$` also
+            # matches before a final newline ("30s\n" would pass here and fail there).
+            out[key] = val[:-1] + r"\Z"
         else:
             out[key] = val
     if schema.get("x-kubernetes-int-or-string"):

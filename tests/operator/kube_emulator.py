@@ -94,21 +94,22 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-
 
 
 def _object_errors(plural: str, obj: Mapping[str, Any]) -> list[str]:
-    """The API server's checks of metadata.labels (every kind) and of a Service's name."""
+    """The API server's checks of metadata.labels (every kind) and of a Service's name (Go
+    regexps: `$` is the end of the text, so fullmatch, not a trailing newline too)."""
     meta = obj.get("metadata") or {}
     errors = []
     name = meta.get("name") or ""
-    if plural == "services" and (len(name) > 63 or not _DNS1035.match(name)):
+    if plural == "services" and (len(name) > 63 or not _DNS1035.fullmatch(name)):
         errors.append(f"metadata.name: Invalid value: {name!r}: a DNS-1035 label must consist "
                       "of lower case alphanumeric characters or '-', start with an alphabetic "
                       "character, and end with an alphanumeric character")
     for key, value in (meta.get("labels") or {}).items():
         prefix, _, label = key.rpartition("/")
-        if (len(label) > 63 or not _LABEL_NAME.match(label)
-                or (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)))):
+        if (len(label) > 63 or not _LABEL_NAME.fullmatch(label)
+                or (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix)))):
             errors.append(f"metadata.labels: Invalid value: {key!r}: not a valid label key")
         if not isinstance(value, str) or len(value) > 63 or (
-                value and not _LABEL_NAME.match(value)):
+                value and not _LABEL_NAME.fullmatch(value)):
             errors.append(f"metadata.labels: Invalid value: {value!r}: a valid label must be "
                           "an empty string or consist of alphanumeric characters, '-', '_' or "
                           "'.', and must start and end with an alphanumeric character "

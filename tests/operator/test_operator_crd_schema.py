@@ -206,6 +206,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "monitoring.interval: '1s1m' does not match"),
     ("interval unit twice", with_spec(monitoring__interval="15s15s"),
      "monitoring.interval: '15s15s' does not match"),
+    # Go's `$` is the end of the text: the API server refuses a trailing newline.
+    ("interval with a trailing newline", with_spec(monitoring__interval="30s\n"),
+     "monitoring.interval: '30s\\n' does not match"),
     ("flags the operator sets", with_spec(runtime__extraArgs=["--max-num-seqs", "8",
                                                               "--port=9000"]),
      "runtime.extraArgs must not set --host, --port"),
