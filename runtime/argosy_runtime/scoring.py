@@ -83,13 +83,11 @@ def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, *, use_sep_to
     where a [SEP] id happens to be; a text may contain the [SEP] token itself."""
     if score_template is not None or not use_sep_token:
         if score_template is not None:
-            import jinja2
-
             messages = [{"role": "query", "content": text_1},
                         {"role": "document", "content": text_2}]
             try:
                 text = tokenizer.render_template(score_template, messages, False)  # no gen. prompt
-            except jinja2.TemplateError as exc:
+            except ValueError as exc:
                 raise ValueError(f"cannot apply the score template (--chat-template): {exc}"
                                  ) from exc
         else:

@@ -302,7 +302,8 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render `messages` with the jinja template `source` (a template given instead of
-        the tokenizer's, such as a score template), in `apply_chat_template`'s environment."""
+        the tokenizer's, such as a score template), in `apply_chat_template`'s environment.
+        ValueError when the template refuses them (or fails on them)."""
         variables: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -310,9 +311,16 @@ class Tokenizer:
             "unk_token": self.unk_token,
         }
         variables.update(template_kwargs)
-        return compile_chat_template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        import jinja2
+
+        try:
+            return compile_chat_template(source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as exc:
+            # `raise_exception(...)` is how a template refuses a conversation it cannot render
+            # (roles that do not alternate, a system message): the caller's input, a ValueError.
+            raise ValueError(str(exc)) from exc
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -155,7 +155,7 @@ def test_custom_template_features_match_transformers(tok: Tokenizer, hf_gguf_tok
     )
     assert custom.apply_chat_template(messages) == expected
     assert '"content": "Another, in 日本語 🎨?"' in expected  # tojson: no ASCII/HTML escaping
-    with pytest.raises(Exception, match="bad role tool"):
+    with pytest.raises(ValueError, match="bad role tool"):
         custom.apply_chat_template([{"role": "tool", "content": "x"}])
 
 

@@ -17,8 +17,12 @@ from model_factory import make_random_model_dir  # noqa: E402
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
 # Qwen3's switch, reduced to what it does to the prompt: an empty think block when off.
+# Refusing a system message with `raise_exception`, as Gemma's and Mistral's templates refuse
+# what they cannot render.
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
@@ -75,3 +79,16 @@ def test_misuse_is_a_400_naming_the_field(server: ServerProcess, body: dict) -> 
         resp = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "chat_template_kwargs", resp.text
+
+
+def test_a_conversation_the_template_refuses_is_a_400(server: ServerProcess) -> None:
+    """`raise_exception` in a template is how it says the conversation is not one it can
+    render: the client's mistake, a 400 with the template's words (it was a 500)."""
+    messages = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    for path in ("/tokenize", "/v1/chat/completions"):
+        resp = httpx.post(server.url + path, json={"model": "tiny", "messages": messages},
+                          timeout=60)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "messages", resp.text
+        assert "System role not supported" in error["message"], resp.text
