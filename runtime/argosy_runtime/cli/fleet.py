@@ -11,7 +11,8 @@ takes a YAML/JSON mapping of further policy fields in the LLMDeployment's camelC
 (e.g. '{scrapeIntervalSeconds: 2, targetQueueDepth: 2}'). With --min 0 the fleet goes to zero
 replicas after scaleToZeroIdleSeconds idle (default 600) and back up when a request comes:
 the gateway holds it until the new replica is ready (--replicas 0 starts at zero). Arguments
-after `--` go to every `argosy serve`. Ctrl-C or SIGTERM drains every replica and exits.
+after `--` go to every `argosy serve`. Ctrl-C or SIGTERM drains every replica and exits; a
+second one kills the replicas instead of waiting for them to drain.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import contextlib
     import logging
     import signal
 
@@ -99,10 +101,28 @@ def run(args: argparse.Namespace) -> int:
         fleet = Fleet(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second Ctrl-C: stop waiting for the replicas to drain
+                print("argosy fleet: killing the replicas", file=sys.stderr, flush=True)
+                fleet.kill()
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
+        # Loading the replicas can take minutes: a signal meanwhile stops the start-up (which
+        # drains what it started when cancelled) instead of waiting for it to finish.
+        starting = asyncio.ensure_future(fleet.start())
+        signalled = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return 0
+        signalled.cancel()
         try:
-            url = await fleet.start()
+            url = starting.result()
         except RuntimeError as exc:
             print(f"argosy fleet: {exc}", file=sys.stderr)
             return 1

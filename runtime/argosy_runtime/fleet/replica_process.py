@@ -57,6 +57,7 @@ class ReplicaProcess:
         self.serve_command = list(serve_command or DEFAULT_SERVE_COMMAND)
         self.log_path = Path(log_dir or ".") / f"replica-{port}.log"
         self.process: asyncio.subprocess.Process | None = None
+        self.ready = False  # has answered /ready once (until then its start-up is in charge)
         self.draining = False
 
     @property
@@ -103,6 +104,7 @@ class ReplicaProcess:
                         f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)
                     ) as resp:
                         if resp.status == 200:
+                            self.ready = True
                             return True
                 except (TimeoutError, aiohttp.ClientError):
                     pass

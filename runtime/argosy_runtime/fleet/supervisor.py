@@ -17,6 +17,7 @@ import logging
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +34,12 @@ from argosy_runtime.gateway.config import (
 from argosy_runtime.gateway.proxy.app import Gateway, start_gateway
 
 logger = logging.getLogger(__name__)
+
+# `argosy serve` flags the fleet gives every replica itself: one of them among the serve args
+# (after `--`) would override it (argparse keeps the last), e.g. a replica on another port than
+# the one the fleet polls for /ready and routes to.
+FLEET_SET_SERVE_FLAGS = ("--model", "--served-model-name", "--host", "--port")
+RESTART_BACKOFF_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.port <= 65535:  # else found out only once every replica has loaded
+            raise ValueError(f"port: must be a TCP port (0-65535), got {self.port}")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("min_replicas: give both --min and --max to autoscale")
         if self.min_replicas is not None and self.max_replicas is not None:
@@ -71,6 +80,14 @@ class FleetConfig:
                 )
         elif not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        for arg in self.serve_args:
+            flag = arg.split("=", 1)[0]
+            # argparse also takes an unambiguous prefix (--po for --port).
+            if len(flag) > 2 and any(f.startswith(flag) for f in FLEET_SET_SERVE_FLAGS):
+                raise ValueError(
+                    f"serve_args: {arg} is set by the fleet for every replica (replicas listen "
+                    "on free loopback ports; give --model/--served-model-name to the fleet)"
+                )
         if self.autoscaled:
             self.autoscaling_policy()  # a bad --autoscaling fails here, not in the background
 
@@ -135,7 +152,8 @@ class Fleet:
         self.processes.append(proc)
         await proc.start()
         if not await proc.wait_ready(self.config.ready_timeout_s):
-            self.processes.remove(proc)
+            if proc in self.processes:  # stop() may have drained and forgotten it meanwhile
+                self.processes.remove(proc)
             await proc.kill()
             raise RuntimeError(f"replica {proc.url} never became ready:\n{proc.log_tail()}")
         return proc
@@ -167,17 +185,58 @@ class Fleet:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Say what failed (a replica that never became ready, with its log) now, not as an
+            # "exception never retrieved" whenever the task is garbage-collected.
+            logger.error("%s", task.exception())
+
+    async def _replace(self) -> None:
+        """Start a replacement for a replica that exited, retrying with backoff while it fails
+        (its model no longer loads, memory not yet freed): the fleet must neither stay a
+        replica short for good nor restart a failing one in a tight loop."""
+        delay = 1.0
+        while True:
+            try:
+                await self.add_replica()
+                return
+            except RuntimeError as exc:
+                logger.error("%s\nretrying in %.0f s", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RESTART_BACKOFF_MAX_S)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Start the replicas and the gateway; returns the gateway's URL."""
+        """Start the replicas and the gateway; returns the gateway's URL. RuntimeError when a
+        replica never becomes ready or the gateway cannot listen (nothing is left running)."""
+        from argosy_runtime.cli.serve import check_listen_address  # light: no torch
+
+        c = self.config
+        try:  # before minutes of model loading, not after
+            check_listen_address(c.host, c.port)
+        except ValueError as exc:
+            raise RuntimeError(f"cannot serve the gateway: {exc}") from None
         try:
-            await asyncio.gather(*(self._launch() for _ in range(self.config.replicas)))
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"--log-dir {self.log_dir}: {exc.strerror or exc}") from None
+        try:
+            await asyncio.gather(*(self._launch() for _ in range(c.replicas)))
+            await self._start_gateway()
         except BaseException:
             await self.stop()
             raise
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
+        if c.autoscaled:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
+        logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
+        return self.gateway_url
+
+    async def _start_gateway(self) -> None:
         c = self.config
         gw_config = GatewayConfig(
             host=c.host,
@@ -195,13 +254,12 @@ class Fleet:
             health=HealthConfig(interval_s=c.health_interval_s, timeout_s=2.0),
         )
         self.gateway = Gateway(gw_config)
-        self._runner, port = await start_gateway(self.gateway, c.host, c.port)
+        try:
+            self._runner, port = await start_gateway(self.gateway, c.host, c.port)
+        except OSError as exc:  # the port was taken while the replicas loaded
+            raise RuntimeError(f"cannot serve the gateway on {c.host}:{c.port}: "
+                               f"{exc.strerror or exc}") from None
         self.gateway_url = f"http://{c.host}:{port}"
-        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
-        if c.autoscaled:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
-        logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
-        return self.gateway_url
 
     async def stop(self) -> None:
         """Stop autoscaling, close the gateway, drain every replica."""
@@ -220,12 +278,20 @@ class Fleet:
         )
         self.processes.clear()
 
+    def kill(self) -> None:
+        """SIGKILL every replica now: a stop() waiting for them to drain returns at once."""
+        for proc in self.processes:
+            if proc.alive:
+                with contextlib.suppress(ProcessLookupError):  # exited since
+                    proc.process.kill()
+
     async def _watch_processes(self) -> None:
         """Replace replicas that exit without being drained."""
         while True:
             await asyncio.sleep(1.0)
             for proc in list(self.processes):
-                if proc.process is None or proc.alive or proc.draining:
+                # One still starting is _launch's to give up on (else it is replaced twice).
+                if not proc.ready or proc.alive or proc.draining:
                     continue
                 code = proc.process.returncode
                 logger.warning("replica %s exited (code %s):\n%s", proc.url, code, proc.log_tail())
@@ -233,7 +299,7 @@ class Fleet:
                 if self.gateway is not None:
                     self.gateway.pools[self.config.name].remove(proc.url)
                 if self.config.restart:
-                    self._spawn(self.add_replica())
+                    self._spawn(self._replace())
 
     # -- autoscaling -------------------------------------------------------------------------
 

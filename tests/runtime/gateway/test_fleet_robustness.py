@@ -1,0 +1,333 @@
+"""`argosy fleet` under misuse and failure: bad flags, a busy gateway port, signals while the
+replicas load, replicas that die and whose replacements fail. Real processes and signals; the
+replicas are light stand-ins (fake_replica.py, or a script that never gets ready or fails to
+load) since the model is not the point here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
+
+FAKE_REPLICA = str(Path(__file__).with_name("fake_replica.py"))
+
+# `argosy fleet ARGV[2:]` whose replicas run the script ARGV[1] instead of `argosy serve` (the
+# same flags are passed to it).
+FLEET_DRIVER = """
+import sys
+from argosy_runtime.fleet import replica_process
+replica_process.DEFAULT_SERVE_COMMAND = (sys.executable, sys.argv[1])
+from argosy_runtime.cli.main import main
+sys.exit(main(["fleet", *sys.argv[2:]]))
+"""
+
+NEVER_READY = "import time\ntime.sleep(600)\n"  # a model that takes forever to load
+
+# fake_replica.py, unless the file named by $FAIL_IF_EXISTS exists: then it exits 1 at once,
+# like a replica whose model no longer loads.
+FLAKY = f"""
+import os, runpy, sys
+if os.path.exists(os.environ["FAIL_IF_EXISTS"]):
+    print("error: cannot load the model", flush=True)
+    sys.exit(1)
+sys.argv[0] = {FAKE_REPLICA!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_all(pids: set[int]) -> list[int]:
+    """SIGKILL the ones still running (so no test leaves a process behind); returns them."""
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+class FleetCli:
+    """`argosy fleet` as a subprocess, with every process it started remembered."""
+
+    def __init__(self, replica_script: str, args: list[str], tmp_path: Path) -> None:
+        self.stderr_path = tmp_path / "fleet.stderr"
+        cmd = [sys.executable, "-c", FLEET_DRIVER, replica_script, "--log-dir",
+               str(tmp_path / "logs"), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     stderr=open(self.stderr_path, "w"))  # noqa: SIM115
+        self.children: set[int] = set()
+
+    def watch_children(self, count: int, timeout: float = 20) -> None:
+        """Wait until the fleet has started `count` replica processes."""
+        deadline = time.monotonic() + timeout
+        while len(self.children) < count:
+            assert time.monotonic() < deadline, self.stderr()
+            assert self.proc.poll() is None, self.stderr()
+            self.children |= {c.pid for c in psutil.Process(self.proc.pid).children()}
+            time.sleep(0.1)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()[-3000:]
+
+    def close(self) -> list[int]:
+        """Kill whatever is left; returns the pids that had outlived the fleet."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        return _kill_all(self.children)
+
+
+@pytest.fixture
+def fleet_cli(tmp_path: Path) -> Iterator:
+    started: list[FleetCli] = []
+
+    def start(replica_script: str, *args: str) -> FleetCli:
+        started.append(FleetCli(replica_script, list(args), tmp_path))
+        return started[-1]
+
+    yield start
+    for cli in started:
+        cli.close()
+
+
+def _script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_replicas_load_stops_the_fleet_at_once(
+        fleet_cli, tmp_path: Path, sig: signal.Signals) -> None:
+    # Ctrl-C used to be held until every replica was ready (or the 300 s start-up timeout).
+    cli = fleet_cli(_script(tmp_path, "never_ready.py", NEVER_READY), "--port", "0",
+                    "--replicas", "2")
+    cli.watch_children(2)
+    sent = time.monotonic()
+    cli.proc.send_signal(sig)
+    try:
+        code = cli.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the fleet ignored {sig.name} while its replicas loaded")
+    assert time.monotonic() - sent < 15
+    assert code == 0, cli.stderr()
+    assert cli.close() == [], "replicas outlived the fleet"
+    assert "Traceback" not in cli.stderr()
+
+
+def test_a_busy_gateway_port_fails_before_any_replica_starts(fleet_cli, tmp_path: Path) -> None:
+    # It used to load every replica, then die with an OSError traceback, leaving them running.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cli = fleet_cli(FAKE_REPLICA, "--port", str(port), "--replicas", "2")
+        code = cli.proc.wait(timeout=30)
+    stderr = cli.stderr()
+    assert code == 1, stderr
+    assert ("argosy fleet: cannot serve the gateway: "
+            f"--host 127.0.0.1 --port {port}: cannot listen there") in stderr, stderr
+    assert "Traceback" not in stderr
+    assert not list((tmp_path / "logs").glob("replica-*.log")), "replicas were started"
+    assert cli.close() == []
+
+
+@pytest.mark.parametrize("flag", ["--port", "--host", "--model", "--served-model-name"])
+def test_serve_args_cannot_override_what_the_fleet_sets(flag: str) -> None:
+    # `-- --port 9000` made every replica listen on 9000 while the fleet polled the port it
+    # chose: a 300 s wait for a replica that would never answer there.
+    with pytest.raises(ValueError, match=f"{flag}.*set by the fleet"):
+        FleetConfig(serve_args=("--kv-cache-memory", "64MiB", flag, "x"))
+    with pytest.raises(ValueError, match=f"{flag}.*set by the fleet"):
+        FleetConfig(serve_args=(f"{flag}=x",))
+    assert FleetConfig(serve_args=("--kv-cache-memory", "64MiB")).serve_args
+
+
+def test_the_cli_refuses_serve_args_the_fleet_sets() -> None:
+    proc = subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", "fleet", "--",
+                           "--port", "9000"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "argosy fleet: serve_args: --port is set by the fleet" in proc.stderr, proc.stderr
+
+
+async def test_a_replacement_that_fails_to_start_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A dead replica's replacement that failed to load used to be given up on silently (an
+    # unretrieved task exception): the fleet stayed a replica short for good.
+    fail = tmp_path / "FAIL"
+    monkeypatch.setenv("FAIL_IF_EXISTS", str(fail))
+    flaky = _script(tmp_path, "flaky.py", FLAKY)
+    fleet = Fleet(FleetConfig(model="tiny", replicas=2, port=0,
+                              serve_command=(sys.executable, flaky), health_interval_s=0.2,
+                              log_dir=str(tmp_path / "logs"), ready_timeout_s=30))
+    await fleet.start()
+    pids = {p.process.pid for p in fleet.processes}
+    try:
+        pool = fleet.gateway.pools["tiny"]
+        fail.touch()  # from now on the model "does not load"
+        await fleet.processes[0].kill()
+        deadline = time.monotonic() + 20
+        while caplog.text.count("cannot load the model") < 2:  # two failed tries, logged
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        assert len(pool.available()) == 1
+        fail.unlink()  # loads again: the next try succeeds
+        deadline = time.monotonic() + 20
+        while len(pool.available()) < 2 or len(fleet.processes) != 2:
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        pids |= {p.process.pid for p in fleet.processes}
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
+
+
+# Ready at once, but ignores SIGTERM: a replica that does not drain.
+STUBBORN = """
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def _wait_until_serving(cli: FleetCli, replicas: int) -> None:
+    line = cli.proc.stdout.readline()  # one line per replica, then the gateway's
+    while "behind http://" not in line:
+        assert line, cli.stderr()
+        line = cli.proc.stdout.readline()
+    cli.watch_children(replicas)
+
+
+def test_sigterm_drains_every_replica_and_exits_0(fleet_cli) -> None:
+    cli = fleet_cli(FAKE_REPLICA, "--port", "0", "--replicas", "2")
+    _wait_until_serving(cli, 2)
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.proc.wait(timeout=20) == 0, cli.stderr()
+    assert cli.close() == []
+    assert "did not drain" not in cli.stderr()  # drained, not killed
+
+
+def test_a_second_signal_kills_replicas_that_do_not_drain(fleet_cli, tmp_path: Path) -> None:
+    # The first signal drains (up to 60 s per replica); a second one used to be ignored.
+    cli = fleet_cli(_script(tmp_path, "stubborn.py", STUBBORN), "--port", "0", "--replicas", "2")
+    _wait_until_serving(cli, 2)
+    cli.proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert cli.proc.poll() is None  # still draining
+    sent = time.monotonic()
+    cli.proc.send_signal(signal.SIGINT)
+    try:
+        code = cli.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a second signal did not stop the fleet")
+    assert time.monotonic() - sent < 10
+    assert code == 0, cli.stderr()
+    assert cli.close() == [], "replicas outlived the fleet"
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_bad_gateway_port_is_refused_up_front(fleet_cli, tmp_path: Path, port: str) -> None:
+    # 70000 used to start every replica, then die in a traceback; -1 blamed --host.
+    cli = fleet_cli(FAKE_REPLICA, "--port", port)
+    assert cli.proc.wait(timeout=30) == 2, cli.stderr()
+    assert f"argosy fleet: port: must be a TCP port (0-65535), got {port}" in cli.stderr()
+    assert not list((tmp_path / "logs").glob("replica-*.log")), "replicas were started"
+
+
+async def test_scale_down_drains_the_idle_replica_not_the_one_answering(tmp_path: Path) -> None:
+    import aiohttp
+
+    fleet = Fleet(FleetConfig(
+        model="tiny", replicas=2, min_replicas=1, max_replicas=2, port=0,
+        autoscaling={"scrapeIntervalSeconds": 0.3, "stableWindowSeconds": 1.5,
+                     "panicWindowSeconds": 0.6, "scaleDownStabilizationSeconds": 0.5},
+        serve_command=(sys.executable, FAKE_REPLICA), health_interval_s=0.15,
+        log_dir=str(tmp_path), ready_timeout_s=30, drain_timeout_s=10))  # fmt: skip
+    url = await fleet.start()
+    pids = {p.process.pid for p in fleet.processes}
+    try:
+        async with aiohttp.ClientSession() as s:
+            for proc in fleet.processes:  # a slow stream: 20 chunks, 0.25 s apart
+                await s.post(f"{proc.url}/control", json={"chunk_delay": 0.25, "num_chunks": 20})
+            body = {"model": "tiny", "prompt": "x", "stream": True}
+            async with s.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                busy = resp.headers["x-argosy-backend"]
+                text = (await resp.read()).decode()
+            # The fleet scaled down while the stream ran, draining the other replica.
+            assert [p.url for p in fleet.processes] == [busy]
+            assert text.count("data: ") == 21 and text.rstrip().endswith("[DONE]")
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
+
+
+def test_a_log_dir_that_cannot_be_made_is_reported(tmp_path: Path) -> None:
+    # It used to end in a FileExistsError traceback.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = subprocess.run([sys.executable, "-c", FLEET_DRIVER, FAKE_REPLICA, "--port", "0",
+                           "--log-dir", str(a_file / "logs")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert f"argosy fleet: --log-dir {a_file / 'logs'}: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# fake_replica.py that first takes the port $SQUAT_PORT (another program taking the gateway's
+# port while the replicas load); its pid goes to its log.
+SQUATTER = f"""
+import os, runpy, socket, sys
+squat = socket.socket()
+squat.bind(("127.0.0.1", int(os.environ["SQUAT_PORT"])))
+squat.listen()
+print("pid", os.getpid(), flush=True)
+sys.argv[0] = {FAKE_REPLICA!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+async def test_a_gateway_port_taken_while_replicas_load_stops_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The OSError used to escape start(), leaving the loaded replicas running.
+    from argosy_runtime.fleet.replica_process import free_port
+
+    port = free_port()
+    monkeypatch.setenv("SQUAT_PORT", str(port))
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=port, log_dir=str(tmp_path),
+                              serve_command=(sys.executable, _script(tmp_path, "s.py", SQUATTER)),
+                              ready_timeout_s=30))
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot serve the gateway on 127.0.0.1:{port}"):
+            await fleet.start()
+    finally:
+        (log,) = tmp_path.glob("replica-*.log")
+        pid = int(log.read_text().split()[1])
+        assert _kill_all({pid}) == [], "the replica outlived the failed start"
+    assert not fleet.processes
