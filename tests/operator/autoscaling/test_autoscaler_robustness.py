@@ -43,6 +43,18 @@ POLICY = AutoscalingPolicy(enabled=True, min_replicas=1, max_replicas=4,
                            target_queue_depth=0.5)
 
 
+async def create_at_one_replica(api: Api, spec: dict[str, Any]) -> None:
+    """Create the LLMDeployment "llm" with this autoscaling spec; its Deployment at 1."""
+    await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
+    await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
+    await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 1}})
+
+
+async def measured(api: Api) -> bool:
+    """Has the autoscaler written its first reading?"""
+    return "queueDepth" in await status(api, "llm")
+
+
 @pytest.mark.parametrize("waiting", [1e308, 1e30])
 def test_a_huge_queue_depth_scales_to_max_replicas_with_a_serialisable_status(
         waiting: float) -> None:
@@ -71,9 +83,7 @@ async def test_evicted_pods_are_not_replicas(api: Api, run_operator: Any) -> Non
     try:
         async with replica_set_controller(api, "llm", [server]):
             with run_operator():
-                await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 1}})
+                await create_at_one_replica(api, spec)
                 await make_pod(api, "llm", 9, server.port)
                 await api.call("PATCH", f"{POD_PATH}/llm-9/status", {"status": {
                     "phase": "Failed", "reason": "Evicted", "podIP": None,
@@ -112,14 +122,8 @@ async def test_deleting_the_llmdeployment_during_a_tick(api: Api, run_operator: 
     try:
         async with replica_set_controller(api, "llm", [server]):
             with run_operator() as runner:
-                await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 1}})
-
-                async def measured() -> Any:
-                    return "queueDepth" in await status(api, "llm")
-
-                await eventually(measured, 20, "the autoscaler's first status")
+                await create_at_one_replica(api, spec)
+                await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 server.delay = 0.3  # under the scrape timeout (0.5 s at a 1 s interval)
                 server.asked.clear()
                 await asyncio.wait_for(server.asked.wait(), 10)
@@ -158,14 +162,8 @@ async def test_a_refused_status_write_does_not_stall_the_autoscaler(
     try:
         async with replica_set_controller(api, "llm", servers):
             with run_operator() as runner:
-                await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 1}})
-
-                async def measured() -> Any:
-                    return "queueDepth" in await status(api, "llm")
-
-                await eventually(measured, 20, "the autoscaler's first status")
+                await create_at_one_replica(api, spec)
+                await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 refusing[0] = True
                 servers[0].values = {"kv": 0.3, "waiting": 3.0, "running": 4.0}  # new status
                 await asyncio.sleep(2.5)  # ticks whose status write is refused
@@ -215,14 +213,8 @@ async def test_disabling_autoscaling_clears_the_autoscalers_status(api: Api,
     try:
         async with replica_set_controller(api, "llm", [server]):
             with run_operator():
-                await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
-                await eventually(lambda: api.get_or_none(f"{DEP_PATH}/llm"), 10, "Deployment")
-                await api.call("PATCH", f"{DEP_PATH}/llm", {"spec": {"replicas": 1}})
-
-                async def measured() -> Any:
-                    return "queueDepth" in await status(api, "llm")
-
-                await eventually(measured, 20, "the autoscaler's first status")
+                await create_at_one_replica(api, spec)
+                await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 await api.call("PATCH", f"{LLMD_PATH}/llm",
                                {"spec": {"autoscaling": {"enabled": False}}})
 
