@@ -43,6 +43,10 @@ POLICY = AutoscalingPolicy(enabled=True, min_replicas=1, max_replicas=4,
                            target_queue_depth=0.5)
 
 
+ONE_TO_TWO = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "scrapeIntervalSeconds": 1,
+              "stableWindowSeconds": 3, "panicWindowSeconds": 2}
+
+
 async def create_at_one_replica(api: Api, spec: dict[str, Any]) -> None:
     """Create the LLMDeployment "llm" with this autoscaling spec; its Deployment at 1."""
     await api.call("POST", LLMD_PATH, llmd("llm", spec), "application/json")
@@ -117,12 +121,10 @@ async def test_deleting_the_llmdeployment_during_a_tick(api: Api, run_operator: 
     server = SlowMetricsServer()
     await server.start()
     server.values = {"kv": 0.3, "waiting": 4.0, "running": 4.0}
-    spec = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "scrapeIntervalSeconds": 1,
-            "stableWindowSeconds": 3, "panicWindowSeconds": 2}
     try:
         async with replica_set_controller(api, "llm", [server]):
             with run_operator() as runner:
-                await create_at_one_replica(api, spec)
+                await create_at_one_replica(api, ONE_TO_TWO)
                 await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 server.delay = 0.3  # under the scrape timeout (0.5 s at a 1 s interval)
                 server.asked.clear()
@@ -157,12 +159,10 @@ async def test_a_refused_status_write_does_not_stall_the_autoscaler(
         return prepare(request)
 
     monkeypatch.setattr(kube, "_prepare_patch", refuse_status)
-    spec = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "scrapeIntervalSeconds": 1,
-            "stableWindowSeconds": 3, "panicWindowSeconds": 2}
     try:
         async with replica_set_controller(api, "llm", servers):
             with run_operator() as runner:
-                await create_at_one_replica(api, spec)
+                await create_at_one_replica(api, ONE_TO_TWO)
                 await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 refusing[0] = True
                 servers[0].values = {"kv": 0.3, "waiting": 3.0, "running": 4.0}  # new status
@@ -208,12 +208,10 @@ async def test_disabling_autoscaling_clears_the_autoscalers_status(api: Api,
     server = MetricsServer()
     await server.start()
     server.values = {"kv": 0.3, "waiting": 4.0, "running": 4.0}
-    spec = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "scrapeIntervalSeconds": 1,
-            "stableWindowSeconds": 3, "panicWindowSeconds": 2}
     try:
         async with replica_set_controller(api, "llm", [server]):
             with run_operator():
-                await create_at_one_replica(api, spec)
+                await create_at_one_replica(api, ONE_TO_TWO)
                 await eventually(lambda: measured(api), 20, "the autoscaler's first status")
                 await api.call("PATCH", f"{LLMD_PATH}/llm",
                                {"spec": {"autoscaling": {"enabled": False}}})
