@@ -282,6 +282,10 @@ class CascadeConfig:
             )
 
 
+# The largest value of a tenant's limit: far beyond any real budget, well within a float.
+MAX_TENANT_LIMIT = 10**15
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     """One caller of the gateway (a team): its API keys and optional rate limits.
@@ -317,8 +321,13 @@ class TenantConfig:
             keys = _checked_keys(f"{where}.api_keys", self.api_keys)
         object.__setattr__(self, "keys", keys)
         for limit in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
-            if getattr(self, limit) is not None:
-                _positive_int(f"{where}.{limit}", getattr(self, limit))
+            value = getattr(self, limit)
+            if value is not None:
+                _positive_int(f"{where}.{limit}", value)
+                # The limiter's buckets hold floats: a number past a float's range would be
+                # an OverflowError there (at start-up, or killing the reload watcher).
+                if value > MAX_TENANT_LIMIT:
+                    raise ValueError(f"{where}.{limit}: at most 10^15")
         if self.priority is not None and (
             isinstance(self.priority, bool) or not isinstance(self.priority, int)
             or not -(1 << 31) <= self.priority < (1 << 31)
@@ -349,7 +358,9 @@ def read_keys_file(where: str, path: str) -> tuple[str, ...]:
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}: expected a file path, got {path!r}")
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte order mark (editors on Windows write one) is invisible and not
+        # whitespace, so it would otherwise become part of the first key, which never matches.
+        with open(path, encoding="utf-8-sig") as f:
             keys = tuple(line.strip() for line in f if line.strip())
     except OSError as exc:
         raise ValueError(f"{where}: cannot read {path!r}: {exc.strerror}") from exc

@@ -7,8 +7,9 @@ tokenizer).
 - A stream carries it in its usage chunk when the client asked for
   `stream_options.include_usage` (the Responses API always sends it, in its
   `response.completed` event). Without it the gateway estimates: one token per content chunk
-  relayed (a replica sends one chunk per decode step, about a token each) plus the prompt's
-  length in characters / 4, rounded up (about 4 characters a token for English text).
+  relayed, answer or reasoning (a replica sends one chunk per decode step, about a token
+  each) plus the prompt's length in characters / 4, rounded up (about 4 characters a token
+  for English text).
 - An error answer (4xx, 5xx) used no tokens.
 
 The meter reads a copy of each chunk after it was relayed; the relay itself is never delayed
@@ -67,7 +68,8 @@ def estimate(prompt_chars: int, content_chunks: int) -> Usage:
 
 
 def _is_content(event: Any) -> bool:
-    """An SSE event that carries generated text (not a role-only, finish or usage chunk)."""
+    """An SSE event that carries generated text, the answer's or its reasoning (not a
+    role-only, finish or usage chunk)."""
     if not isinstance(event, dict):
         return False
     if str(event.get("type", "")).endswith(".delta"):  # the Responses API's deltas
@@ -76,7 +78,10 @@ def _is_content(event: Any) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        if choice.get("text") or delta.get("content") or delta.get("tool_calls"):
+        # `reasoning_content`: a reasoning model's thinking (the runtime's --reasoning-parser),
+        # generated tokens like the answer's, often most of them.
+        if (choice.get("text") or delta.get("content") or delta.get("tool_calls")
+                or delta.get("reasoning_content")):
             return True
     return False
 
