@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+
+from argosy_runtime.model_loader.hf_checkpoint import open_safetensors
 
 # HF `architectures[0]` -> (our architecture name, is a sequence classifier).
 ENCODER_HF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -67,10 +68,10 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
                         ) -> dict[str, Any]:
     """The ModelSpec keyword arguments of a BERT / XLM-RoBERTa config.json (labels and the
     checkpoint dtype are added by the caller)."""
+    from argosy_runtime.model_loader.model_spec import config_float, config_int
+
     def need(key: str) -> int:
-        if key not in config:
-            raise ValueError(f"config.json: missing required field {key!r}")
-        return int(config[key])
+        return config_int(config, key)
 
     kind = config.get("position_embedding_type") or "absolute"
     if kind != "absolute":
@@ -81,23 +82,29 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
         raise ValueError(f"config.json: hidden_act {act!r} is not supported for "
                          f"{architecture} (one of {', '.join(ENCODER_ACTIVATIONS)})")
     hidden, heads = need("hidden_size"), need("num_attention_heads")
+    if heads <= 0:  # before dividing by it
+        raise ValueError(f"num_attention_heads must be a positive integer, got {heads}")
     if hidden % heads:
         raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by "
                          f"num_attention_heads ({heads})")
     # XLM-RoBERTa numbers positions from pad_token_id + 1: that many rows are never used.
-    offset = int(config.get("pad_token_id", 1)) + 1 if architecture == "xlm_roberta" else 0
+    offset = config_int(config, "pad_token_id", 1) + 1 if architecture == "xlm_roberta" else 0
     max_positions = need("max_position_embeddings") - offset
     if max_positions < 2:
         raise ValueError(f"config.json: max_position_embeddings leaves {max_positions} "
                          "usable positions")
+    # Absent: BERT's 2; null: none.
+    type_vocab_size = config_int(config, "type_vocab_size", 0) if "type_vocab_size" in config else 2
+    if type_vocab_size < 0:  # 0: no token-type embedding
+        raise ValueError(f"config.json: type_vocab_size must be 0 or more, got {type_vocab_size}")
     return dict(
         architecture=architecture, vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-        rms_norm_eps=float(config.get("layer_norm_eps", 1e-12)), rope_theta=10000.0,
+        rms_norm_eps=config_float(config, "layer_norm_eps", 1e-12), rope_theta=10000.0,
         rope_scaling=None, max_position_embeddings=max_positions, tie_word_embeddings=False,
         attention_bias=True, bos_token_id=None, eos_token_ids=(), has_lm_head=False,
-        hidden_act=act, type_vocab_size=int(config.get("type_vocab_size", 2) or 0),
+        hidden_act=act, type_vocab_size=type_vocab_size,
         position_offset=offset,
     )
 
@@ -117,7 +124,10 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
                     and str(m.get("type", "")).endswith("models.Pooling")), None)
     if pooling is None:
         return None, normalize
-    config = _read(folder / str(pooling.get("path", "")) / "config.json")
+    config_path = folder / str(pooling.get("path", "")) / "config.json"
+    config = _read(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} is not a JSON object (got a {type(config).__name__})")
     modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
     if not modes:
         return None, normalize
@@ -144,7 +154,7 @@ def _read(path: Path) -> Any:
         raise FileNotFoundError(f"{path} not found")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
@@ -182,7 +192,7 @@ def iter_encoder_weights(files: list[Path], spec: Any) -> Iterator[tuple[str, to
     """(our name, tensor) for every weight of an encoder checkpoint (see models/bert.py for
     the names); the model checks that nothing is missing or unexpected."""
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for stored in f.keys():
                 name = encoder_weight_name(stored, spec)
                 if name is not None:

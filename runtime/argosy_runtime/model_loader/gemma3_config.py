@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from argosy_runtime.model_loader.model_spec import config_float, config_int
+
 # transformers' Gemma3TextConfig defaults (checked against it in
 # tests/runtime/model_loader/test_loader_gemma3_spec.py).
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -93,7 +95,7 @@ def gemma_text_config(config: dict[str, Any], architecture: str = "gemma3"
                          "ignores it where Gemma3ForCausalLM applies it (Gemma 3 checkpoints "
                          "leave it null)")
 
-    num_layers = int(merged["num_hidden_layers"])
+    num_layers = config_int(merged, "num_hidden_layers")
     layer_types = merged.get("layer_types")
     if layer_types is None and gemma2:
         layer_types = ["sliding_attention" if (i + 1) % _GEMMA2_PATTERN else "full_attention"
@@ -113,7 +115,7 @@ def gemma_text_config(config: dict[str, Any], architecture: str = "gemma3"
     merged["layer_types"] = layer_types
     gemma = {
         "hidden_act": act,
-        "query_pre_attn_scalar": float(merged["query_pre_attn_scalar"]),
+        "query_pre_attn_scalar": config_float(merged, "query_pre_attn_scalar", None),
         "final_logit_softcapping": cap,
         "attn_logit_softcapping": attn_cap,
     }

@@ -165,6 +165,9 @@ def spec_from_gguf(reader: GGUFReader) -> ModelSpec:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     hidden = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
+    if num_heads <= 0:  # before dividing by it
+        raise ValueError(f"GGUF {gguf_arch}.attention.head_count must be a positive integer, "
+                         f"got {num_heads}")
     num_kv_heads = int(meta("attention.head_count_kv", num_heads))
     head_dim = int(meta("attention.key_length", hidden // num_heads))
     rope_dims = int(meta("rope.dimension_count", head_dim))
@@ -414,7 +417,11 @@ def dequantize_tensor(tensor: ReaderTensor, rope_heads: int | None = None) -> to
     if tensor.tensor_type == GGMLQuantizationType.F32:
         array = np.array(tensor.data, dtype=np.float32)
     else:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:  # gguf-py: I8..I64, F64, Q8_1, Q8_K
+            raise ValueError(f"GGUF tensor {tensor.name}: type {tensor.tensor_type.name} is not "
+                             f"supported ({exc})") from exc
     array = np.ascontiguousarray(array.reshape(hf_shape))
     if rope_heads is not None:
         array = np.ascontiguousarray(undo_rope_permutation(array, rope_heads))

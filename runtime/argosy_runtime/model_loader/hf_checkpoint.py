@@ -6,11 +6,12 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from argosy_runtime.model_loader import lm_head_classifier
 from argosy_runtime.model_loader.model_spec import ModelSpec
@@ -24,21 +25,40 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON file, raising FileNotFoundError / ValueError that name the file."""
+    """Parse a JSON file holding an object, raising FileNotFoundError / ValueError that name
+    the file."""
     if not path.is_file():
         raise FileNotFoundError(f"{path.name} not found in model folder {path.parent}")
     try:
         with path.open(encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):  # every caller reads fields: a list would fail as .get
+        raise ValueError(f"{path} is not a JSON object (got a {type(value).__name__})")
+    return value
+
+
+@contextmanager
+def open_safetensors(file: Path) -> Iterator[Any]:
+    """safe_open(file), its SafetensorError (a truncated or corrupt file, not a ValueError)
+    turned into a ValueError naming the file."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except SafetensorError as exc:
+        raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+    with handle as f:
+        yield f
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The folder's weight files: the shards listed by the index, or model.safetensors."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
         if not weight_map:
             raise ValueError(f"{index} has an empty weight_map")
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
@@ -56,7 +76,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def checkpoint_dtype(files: list[Path]) -> str:
     """The dtype of the floating point weights ("float32" | "bfloat16" | "float16")."""
-    with safe_open(str(files[0]), framework="pt") as f:
+    with open_safetensors(files[0]) as f:
         for name in f.keys():
             dtype = f.get_slice(name).get_dtype()
             if dtype in _SAFETENSORS_DTYPES:
@@ -241,6 +261,16 @@ def model_weight_name(stored_name: str) -> str:
     return "model." + stored_name
 
 
+def _float_tensor(f: Any, file: Path, stored: str) -> torch.Tensor:
+    """Tensor `stored` of the open file `f`: a weight must be floating point, as copying an
+    integer or bool tensor into a float parameter would load garbage without an error."""
+    tensor = f.get_tensor(stored)
+    if not tensor.is_floating_point():
+        raise ValueError(f"{file.name}: tensor {stored!r} is {tensor.dtype}, not a floating "
+                         "point weight")
+    return tensor
+
+
 def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for each model weight, in checkpoint dtype, file by file, named as the
     model expects (`model_weight_name`) whether or not the file has the `model.` prefix.
@@ -252,7 +282,7 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
     seen: set[str] = set()
     num_vision = 0
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for stored in f.keys():
                 if stored.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -264,7 +294,7 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                     continue  # tied: the forward reuses embed_tokens
                 if (spec.is_moe or spec.architecture == "phi3") and name not in expected:
                     split = split_fused_experts if spec.is_moe else split_phi3_fused
-                    tensors = split(name, f.get_tensor(stored), spec)
+                    tensors = split(name, _float_tensor(f, file, stored), spec)
                     if tensors is not None:  # fused experts (transformers 5) / Phi-3, split
                         for split_name, tensor in tensors:
                             if split_name in seen:
@@ -283,7 +313,7 @@ def iter_hf_weights(files: list[Path], spec: ModelSpec) -> Iterator[tuple[str, t
                     raise ValueError(f"{file.name}: tensor {stored!r} appears twice "
                                      f"(as {name!r} too)")
                 seen.add(name)
-                yield name, f.get_tensor(stored)
+                yield name, _float_tensor(f, file, stored)
     if num_vision:
         logger.info("%s: serving the text model only; skipped %d vision tower / projector "
                     "tensors", spec.architecture, num_vision)

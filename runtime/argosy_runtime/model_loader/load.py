@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from argosy_runtime.model_loader import (
@@ -33,7 +34,7 @@ def load_checkpoint(model: str | os.PathLike[str],
     if fmt == "hf":
         files = hf_checkpoint.safetensors_files(path)
         spec = hf_checkpoint.load_hf_spec(path, files, hf_overrides)
-        tokenizer = Tokenizer.from_hf_folder(path)
+        tokenizer = _hf_tokenizer(path)
         tokenizer.add_eos_token_ids(spec.eos_token_ids)
         spec = lm_head_classifier.resolve_token_ids(spec, tokenizer)  # classifier_from_token
         if spec.is_encoder:  # BERT / XLM-R: sentence-transformers pooling, [SEP] for pairs
@@ -41,9 +42,25 @@ def load_checkpoint(model: str | os.PathLike[str],
         return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="hf", _files=files)
     try:
         reader = open_gguf(path)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, IndexError) as exc:  # IndexError: a file cut inside the header
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-    spec = gguf_checkpoint.spec_from_gguf(reader)
-    tokenizer = Tokenizer.from_gguf(reader)
+    try:
+        spec = gguf_checkpoint.spec_from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+    except KeyError as exc:  # read_field: a metadata field the model or tokenizer needs is absent
+        raise ValueError(f"{path}: {exc.args[0]}") from exc
     tokenizer.add_eos_token_ids(spec.eos_token_ids)
     return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="gguf", _reader=reader)
+
+
+def _hf_tokenizer(folder: Path) -> Tokenizer:
+    """The folder's tokenizer. The tokenizers library reports a corrupt tokenizer.json as a
+    plain Exception, and a tokenizer_config.json that is not an object fails inside our
+    reader: both become one ValueError naming the folder (a missing file stays an OSError)."""
+    try:
+        return Tokenizer.from_hf_folder(folder)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"{folder}: cannot read the tokenizer (tokenizer.json, "
+                         f"tokenizer_config.json): {exc}") from exc

@@ -375,6 +375,14 @@ class ModelSpec:
             encoder_spec_fields,
         )
 
+        # Checked first: both lookups below hash these values.
+        names = config.get("architectures") or []
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"config.json: architectures must be a list of class names, "
+                             f"got {names!r}")
+        if not isinstance(config.get("model_type") or "", str):
+            raise ValueError(f"config.json: model_type must be a string, "
+                             f"got {config['model_type']!r}")
         encoder = encoder_architecture(config)
         if encoder is not None:  # BERT / XLM-RoBERTa: their own config fields
             return cls(**encoder_spec_fields(config, *encoder), checkpoint_dtype=checkpoint_dtype,
@@ -387,9 +395,11 @@ class ModelSpec:
             config, gemma = gemma_text_config(config, architecture)
         hidden_size = _require_int(config, "hidden_size")
         num_heads = _require_int(config, "num_attention_heads")
-        num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-        head_dim = config.get("head_dim")
+        num_kv_heads = config_int(config, "num_key_value_heads", num_heads) or num_heads
+        head_dim = config_int(config, "head_dim", None)
         if head_dim is None:
+            if num_heads <= 0:  # before dividing by it
+                raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads}")
             if hidden_size % num_heads != 0:
                 raise ValueError(
                     f"config.json: hidden_size ({hidden_size}) is not divisible by "
@@ -403,7 +413,7 @@ class ModelSpec:
         rope_theta, rope_scaling = _hf_rope(config)
         partial_rotary_factor = 1.0
         if architecture == "phi3":
-            rope_scaling, partial_rotary_factor = _phi3_rope(config, rope_scaling, int(head_dim))
+            rope_scaling, partial_rotary_factor = _phi3_rope(config, rope_scaling, head_dim)
         # Qwen2's config has no attention_bias field: its q/k/v projections always have a bias.
         # Qwen2-MoE's too (transformers 5 writes qkv_bias, default true).
         if architecture == "qwen2":
@@ -412,12 +422,13 @@ class ModelSpec:
             attention_bias = bool(config.get("qkv_bias", True))
         else:
             attention_bias = bool(config.get("attention_bias", False))
-        eos_ids = _as_id_list(config.get("eos_token_id"))
+        eos_ids = _as_id_list(config.get("eos_token_id"), "config.json: eos_token_id")
         if generation_config is not None:
-            eos_ids += _as_id_list(generation_config.get("eos_token_id"))
-        bos = config.get("bos_token_id")
+            eos_ids += _as_id_list(generation_config.get("eos_token_id"),
+                                   "generation_config.json: eos_token_id")
+        bos = config_int(config, "bos_token_id", None)
         if bos is None and generation_config is not None:
-            bos = generation_config.get("bos_token_id")
+            bos = config_int(generation_config, "bos_token_id", None, "generation_config.json")
         return cls(
             architecture=architecture,
             vocab_size=_require_int(config, "vocab_size"),
@@ -426,16 +437,16 @@ class ModelSpec:
             num_hidden_layers=_require_int(config, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim,
+            rms_norm_eps=config_float(config, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=config_int(config, "max_position_embeddings", 2048),
             # Headless configs may still say tie_word_embeddings (a transformers default):
             # without a head there is nothing to tie.
             tie_word_embeddings=has_lm_head and bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            bos_token_id=int(bos) if bos is not None else None,
+            bos_token_id=bos,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             checkpoint_dtype=checkpoint_dtype,
             has_lm_head=has_lm_head,
@@ -478,19 +489,19 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     if architecture not in MOE_ARCHITECTURES:
         return {}
     num_layers = _require_int(config, "num_hidden_layers")
-    num_experts = config.get("num_local_experts") if architecture == "mixtral" else None
-    num_experts = num_experts or config.get("num_experts") or config.get("num_local_experts")
-    if not num_experts:
+    keys = ("num_local_experts", "num_experts") if architecture == "mixtral" else (
+        "num_experts", "num_local_experts")
+    key = next((k for k in keys if config.get(k)), None)
+    if key is None:
         raise ValueError(f"config.json: a {architecture} model needs num_experts "
                          "(num_local_experts)")
-    top_k = config.get("num_experts_per_tok")
-    if top_k is None:
-        raise ValueError("config.json: missing required field 'num_experts_per_tok'")
+    num_experts = config_int(config, key)
+    top_k = config_int(config, "num_experts_per_tok")
     if architecture == "mixtral":
-        return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=_require_int(config, "intermediate_size"),
                     norm_topk_prob=True, sparse_layers=tuple(range(num_layers)))
-    step = int(config.get("decoder_sparse_step") or 1)
+    step = config_int(config, "decoder_sparse_step", 1) or 1
     if step <= 0:
         raise ValueError(f"config.json: decoder_sparse_step must be positive, got {step}")
     mlp_only = config.get("mlp_only_layers") or []
@@ -499,8 +510,8 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, "
                          f"got {mlp_only!r}")
     sparse = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
-    shared = int(config.get("shared_expert_intermediate_size") or 0)
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+    shared = config_int(config, "shared_expert_intermediate_size", 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=_require_int(config, "moe_intermediate_size"),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared if architecture == "qwen2_moe" else 0,
@@ -520,7 +531,7 @@ def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
             raise ValueError(f"config.json: id2label must number the classes 0..{len(by_index) - 1}, "
                              f"got {sorted(by_index)}")
         return tuple(by_index[i] for i in range(len(by_index)))
-    num_labels = int(config.get("num_labels") or 2)
+    num_labels = config_int(config, "num_labels", 2) or 2
     if num_labels < 1:
         raise ValueError(f"config.json: num_labels must be positive, got {num_labels}")
     return tuple(f"LABEL_{i}" for i in range(num_labels))
@@ -552,6 +563,7 @@ def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int 
     num_layers = int(config.get("num_hidden_layers", 0))
     if not window or architecture == "llama":
         return ()
+    window = config_int(config, "sliding_window")  # a list or a string is not a window
     if architecture == "phi3" and int(window) >= int(config.get("max_position_embeddings", 0) or 0):
         return ()  # Phi-3-128k's 262144: never reached, so plain causal attention is the same
     if architecture in ("mistral", "mixtral", "phi3"):
@@ -585,17 +597,33 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     dict holding `rope_theta`, `rope_type` and the scaling fields.
     """
     params = config.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):  # else silently theta 10000
+        raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
     if isinstance(params, dict):
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
         theta = config.get("rope_theta", 10000.0)
-        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else {}
+        scaling = config.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ValueError(f"config.json: rope_scaling must be an object, got {scaling!r}")
+        scaling = dict(scaling)
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling["type"]
-    if scaling.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), scaling
+    theta = _as_number(theta, "config.json: rope_theta")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return theta, None
+    # The fields models/rotary.py reads for these types: a KeyError there otherwise.
+    for key in _ROPE_SCALING_FIELDS.get(kind, ()):
+        if key not in scaling:
+            raise ValueError(f"config.json: {kind} rope scaling needs {key!r} "
+                             f"(has {', '.join(sorted(scaling))})")
+        # A factor of 0 divides the frequencies by 0: NaN rotations, garbage output.
+        if not _as_number(scaling[key], f"config.json: rope scaling {key}") > 0:
+            raise ValueError(f"config.json: rope scaling {key} must be positive, "
+                             f"got {scaling[key]!r}")
+    return theta, scaling
 
 
 def _phi3_rope(config: dict[str, Any], scaling: dict | None, head_dim: int
@@ -643,15 +671,58 @@ def _phi3_rope(config: dict[str, Any], scaling: dict | None, head_dim: int
     return scaling, partial
 
 
+_ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_REQUIRED = object()
+
+
+def config_int(config: dict[str, Any], key: str, default: Any = _REQUIRED,
+               file: str = "config.json") -> Any:
+    """`config[key]` as an int, `default` when it is absent or null (unless required):
+    ValueError naming the field for anything else than an integer (a string, a list, 64.5,
+    true), instead of a TypeError from int() or a value silently truncated."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            if key in config:
+                raise ValueError(f"{file}: {key} must be an integer, got null")
+            raise ValueError(f"{file}: missing required field {key!r}")
+        return default
+    return _as_int(value, f"{file}: {key}")
+
+
+def _as_int(value: Any, what: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def config_float(config: dict[str, Any], key: str, default: float | None) -> float | None:
+    """`config[key]` as a float (`default` when absent or null), ValueError naming the field
+    for anything else than a number."""
+    value = config.get(key)
+    return default if value is None else _as_number(value, f"config.json: {key}")
+
+
+def _as_number(value: Any, what: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
 def _require_int(config: dict[str, Any], key: str) -> int:
-    if key not in config:
-        raise ValueError(f"config.json: missing required field {key!r}")
-    return int(config[key])
+    return config_int(config, key)
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: Any, what: str) -> list[int]:
+    """A token id or a list of them (eos_token_id), ValueError naming `what` otherwise."""
     if value is None:
         return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{what} must be a token id or a list of token ids, got {value!r}")
+    return ids

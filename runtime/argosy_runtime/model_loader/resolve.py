@@ -18,7 +18,8 @@ def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
 
     A folder holding no config.json but exactly one .gguf file resolves to that file.
     Raises FileNotFoundError for a path that does not exist (or an alias whose package is not
-    installed) and ValueError for a file that is not a .gguf.
+    installed) and ValueError for a file that is not a .gguf or a folder of several .gguf
+    files without config.json.
     """
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -32,6 +33,10 @@ def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return ggufs[0], "gguf"
+        if not (path / "config.json").is_file() and ggufs:
+            raise ValueError(f"model folder {path} holds several .gguf files "
+                             f"({', '.join(g.name for g in ggufs)}) and no config.json: "
+                             "pass one of them")
         return path, "hf"
     if path.is_file():
         if path.suffix.lower() == ".gguf":
