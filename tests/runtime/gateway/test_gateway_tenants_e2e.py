@@ -106,3 +106,38 @@ async def test_tenants_in_front_of_a_real_replica(replica: ServerProcess, gatewa
     assert "'tight'" in limited.value.message
     assert await tokens_charged(url, "tight") == {
         "prompt": answered.usage.prompt_tokens, "completion": answered.usage.completion_tokens}
+
+
+async def test_a_tenant_reaches_only_its_own_stored_responses(replica: ServerProcess,
+                                                              gateway) -> None:
+    """Stored Responses are the creating tenant's: another tenant's key gets the same 404 as
+    an unknown id on every call on it, and cannot continue it; a client-sent X-Argosy-Owner
+    changes nothing."""
+    tenants = (TenantConfig(name="team-a", api_keys=(KEY_A,)),
+               TenantConfig(name="team-b", api_keys=("sk-team-b-e2e",)))
+    _, url = await gateway(GatewayConfig(
+        models=(ModelRouteConfig(name=MODEL, backends=(replica.url,)),), tenants=tenants,
+        replica_api_key=REPLICA_KEY, health=HealthConfig(interval_s=60)))
+    team_a = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    mine = await team_a.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                         temperature=0)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for spoof in ({}, {"X-Argosy-Owner": "team-a"}):
+            b = {"Authorization": "Bearer sk-team-b-e2e", **spoof}
+            for method, path in (("GET", f"/v1/responses/{mine.id}"),
+                                 ("GET", f"/v1/responses/{mine.id}/input_items"),
+                                 ("POST", f"/v1/responses/{mine.id}/cancel"),
+                                 ("DELETE", f"/v1/responses/{mine.id}")):
+                resp = await http.request(method, path, headers=b)
+                assert resp.status_code == 404, (method, path, resp.text)
+            follow_up = await http.post("/v1/responses", headers=b, json={
+                "model": MODEL, "input": "Go on", "max_output_tokens": 2,
+                "previous_response_id": mine.id})
+            assert follow_up.status_code == 404, follow_up.text
+            assert follow_up.json()["error"]["param"] == "previous_response_id"
+    # The creator still has it, and may continue it.
+    assert (await team_a.responses.retrieve(mine.id)).id == mine.id
+    follow_up = await team_a.responses.create(model=MODEL, input="Go on", max_output_tokens=2,
+                                              previous_response_id=mine.id, temperature=0)
+    assert follow_up.status == "completed" or follow_up.status == "incomplete"
+    await team_a.responses.delete(mine.id)

@@ -58,7 +58,7 @@ async def test_content_by_id_and_unknown_or_crafted_ids_are_404(
     file_id = (await _upload(client, data)).json()["id"]
     reads: list[str] = []
     get = store.get
-    monkeypatch.setattr(store, "get", lambda i: reads.append(i) or get(i))
+    monkeypatch.setattr(store, "get", lambda i, owner=None: reads.append(i) or get(i, owner))
     content = await client.get(f"/v1/files/{file_id}/content")
     assert content.status_code == 200 and content.content == data
     assert reads == [file_id]  # the metadata is read once
@@ -81,3 +81,52 @@ async def test_a_file_deleted_between_listing_and_reading_is_skipped_not_a_500(
     assert [f["id"] for f in listed.json()["data"]] == [kept]
     missing = await client.get(f"/v1/files/{gone}")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "file_not_found"
+
+
+def _as(owner: str) -> dict[str, str]:
+    return {"X-Argosy-Owner": owner}
+
+
+async def test_an_owner_sees_only_its_own_and_unowned_objects(
+        client: httpx.AsyncClient, store: FileStore) -> None:
+    """What a gateway with tenants sends (X-Argosy-Owner): objects are recorded as the
+    owner's, and another owner's id is the same 404 as an unknown one. A request without the
+    header (an open gateway, a direct call with the replica's key) sees everything; an object
+    stored before owners were recorded stays visible to every owner."""
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    mine = (await client.post("/v1/files", data={"purpose": "batch"}, headers=_as("a"),
+                              files={"file": ("in.jsonl", data)})).json()
+    assert "owner" not in mine
+    unowned = (await _upload(client, data)).json()["id"]
+    batch = await client.post("/v1/batches", headers=_as("a"), json={
+        "input_file_id": mine["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert batch.status_code == 200 and "owner" not in batch.json()
+    batch_id = batch.json()["id"]
+
+    async def ids(kind: str, headers: dict[str, str]) -> set[str]:
+        return {item["id"] for item in (await client.get(f"/v1/{kind}", headers=headers)
+                                        ).json()["data"]}
+
+    assert await ids("files", _as("b")) == {unowned}
+    assert await ids("files", _as("a")) == await ids("files", {}) == {mine["id"], unowned}
+    assert await ids("batches", _as("b")) == set()
+    assert await ids("batches", _as("a")) == await ids("batches", {}) == {batch_id}
+    unknown = await client.get("/v1/files/file-" + "0" * 32, headers=_as("b"))
+    for method, path, code in (("GET", f"/v1/files/{mine['id']}", "file_not_found"),
+                               ("GET", f"/v1/files/{mine['id']}/content", "file_not_found"),
+                               ("DELETE", f"/v1/files/{mine['id']}", "file_not_found"),
+                               ("GET", f"/v1/batches/{batch_id}", "batch_not_found"),
+                               ("POST", f"/v1/batches/{batch_id}/cancel", "batch_not_found")):
+        other = await client.request(method, path, headers=_as("b"))
+        assert other.status_code == 404, (method, path)
+        assert other.json()["error"]["code"] == code
+        if code == "file_not_found":  # word for word an unknown id's answer, but the id
+            assert other.json()["error"]["message"] == unknown.json()["error"]["message"] \
+                .replace("file-" + "0" * 32, mine["id"])
+    reuse = await client.post("/v1/batches", headers=_as("b"), json={
+        "input_file_id": mine["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert reuse.status_code == 404
+    assert (await client.get(f"/v1/files/{unowned}", headers=_as("b"))).status_code == 200
+    assert (await client.get(f"/v1/batches/{batch_id}", headers=_as("a"))).status_code == 200
+    assert (await client.get(f"/v1/files/{mine['id']}/content")).content == data
+    assert (await client.delete(f"/v1/files/{mine['id']}", headers=_as("a"))).status_code == 200

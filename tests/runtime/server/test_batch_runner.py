@@ -153,6 +153,27 @@ async def test_batch_requests_log_nothing_through_httpx(tmp_path: Path,
         f"{batch['id']}-{n}" for n in (1, 2, 3)]
 
 
+async def test_an_owned_batch_runs_as_its_owner_and_owns_its_output(tmp_path: Path) -> None:
+    """A batch a gateway tenant created (owners.py) sends its requests naming that owner, so
+    a line's previous_response_id reaches only the owner's responses; its output file is the
+    owner's. A batch made without an owner names none, as before."""
+    endpoint = Endpoint()
+    runner, file_id = _runner(tmp_path, endpoint)
+    runner.files.delete(file_id)
+    owned = runner.files.create(io.BytesIO(b'{"custom_id": "c", "method": "POST", "url": '
+                                           b'"/v1/completions", "body": {}}\n'),
+                                "in.jsonl", "batch", owner="team-a")["id"]
+    await runner.start()
+    batch = await _finish(runner, runner.create(owned, "/v1/completions", "24h", None,
+                                                owner="team-a"))
+    await runner.shutdown()
+    assert batch["status"] == "completed"
+    assert [h.get("x-argosy-owner") for h in endpoint.headers] == ["team-a"]
+    assert runner.files.get(batch["output_file_id"], "team-a")["owner"] == "team-a"
+    with pytest.raises(APIError):
+        runner.files.get(batch["output_file_id"], "team-b")
+
+
 # ---- replicas sharing one --batch-dir ----------------------------------------------------------
 
 async def _until(check: Any, what: str) -> None:

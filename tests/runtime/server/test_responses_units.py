@@ -168,6 +168,25 @@ def test_store_is_a_bounded_lru() -> None:
         ResponseStore(max_entries=0)
 
 
+def test_store_answers_another_owners_response_as_unknown() -> None:
+    """A request naming an owner (a gateway tenant's) reaches only that owner's responses
+    and those stored without one; a request naming none reaches all."""
+    store = ResponseStore()
+    mine, unowned = _entry(1), _entry(2)
+    mine.owner = "a"
+    store.put(mine)
+    store.put(unowned)
+    assert store.get("resp_1", owner="a") is mine and store.get("resp_1") is mine
+    assert store.get("resp_2", owner="b") is unowned
+    with pytest.raises(APIError) as other:
+        store.get("resp_1", "previous_response_id", owner="b")
+    with pytest.raises(APIError) as unknown:
+        store.get("resp_9", "previous_response_id", owner="b")
+    assert (other.value.status, other.value.code, other.value.param) == \
+        (unknown.value.status, unknown.value.code, unknown.value.param) == \
+        (404, "previous_response_not_found", "previous_response_id")
+
+
 def test_store_never_evicts_a_running_background_response() -> None:
     store = ResponseStore(max_entries=2)
     running = _entry(1)

@@ -13,6 +13,10 @@ reach the replica that holds its id:
   (`id_owners.py`, shared with the Responses API);
 - `GET /v1/files` and `GET /v1/batches` merge every replica's list, newest first, each id
   once (replicas sharing a `--batch-dir` all list the same ones).
+
+With tenants, every call here (lists and id lookups included) carries the tenant as
+`X-Argosy-Owner` (tenant_gate.py), so the replicas themselves list only the tenant's files
+and batches and answer 404 for another tenant's ids (server/owners.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ from collections.abc import Mapping
 
 # `authorization`: the client's own; with tenants, tenant_gate.py has already swapped the
 # tenant's key for the gateway's replica key (or removed it) before any handler runs.
-TO_REPLICA = ("content-type", "authorization", "accept", "x-request-id", "traceparent")
+# `x-argosy-owner`: the tenant, set by tenant_gate.py (which drops a client's own), so that
+# replicas keep each tenant's stored objects to itself.
+TO_REPLICA = ("content-type", "authorization", "accept", "x-request-id", "traceparent",
+              "x-argosy-owner")
 TO_CLIENT = ("content-type", "content-disposition", "retry-after", "x-request-id",
              "cache-control")
 

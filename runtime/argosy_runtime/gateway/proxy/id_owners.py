@@ -5,7 +5,8 @@ its id must reach that replica.
 Ids are remembered when the gateway sees them created (up to MAX_REMEMBERED_IDS, least
 recently used first out); an id not remembered (made before a gateway restart, or through
 another gateway instance) is looked for with `GET /v1/<kind>/<id>` on every replica in
-rotation.
+rotation. The lookup carries the request's `X-Argosy-Owner` (with tenants), so another
+tenant's id is found on no replica: the same 404 as an unknown id.
 """
 
 from __future__ import annotations

@@ -12,7 +12,12 @@ For every `/v1/*` request it
    and calls on stored responses only need the key;
 3. hands the handler a copy of the request whose `Authorization` is the gateway's
    `replica_api_key` (or none): the tenant's key never reaches a replica, and every path that
-   forwards client headers (headers.to_replica) forwards the replica key instead.
+   forwards client headers (headers.to_replica) forwards the replica key instead; and whose
+   `X-Argosy-Owner` names the tenant, so that replicas keep each tenant's stored files,
+   batches and responses to itself (server/owners.py).
+
+A client never chooses an owner: the `X-Argosy-Owner` it sends is dropped on every request,
+with tenants or without (then nobody owns what replicas store, as before tenants).
 
 A tenant's `priority` becomes its generation and embeddings requests' scheduling priority
 (`apply_priority`). The relay charges each answer's tokens through `meter()`, and every
@@ -52,6 +57,7 @@ from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
 from argosy_runtime.gateway.tenants.keys import KeyRing
 from argosy_runtime.gateway.tenants.limiter import Clock, Lease, Refusal, TenantLimiter
 from argosy_runtime.gateway.tenants.usage import UsageMeter
+from argosy_runtime.server.owners import OWNER_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +158,9 @@ class TenantGate:
         return {"Authorization": self._replica_authorization}
 
     def install(self, app: web.Application) -> None:
-        """Put the gate in front of `app`'s handlers (nothing without tenants)."""
+        """Put the gate in front of `app`'s handlers (without tenants, only the dropping of a
+        client's owner header)."""
+        app.middlewares.append(_drop_client_owner)
         if self.limiters:
             app.middlewares.append(self._middleware)
             app.on_response_prepare.append(_add_ratelimit_headers)
@@ -284,7 +292,7 @@ class TenantGate:
         request[_HEADERS] = limiter.headers()
         code = "500"
         try:
-            response = await handler(self._for_replicas(request))
+            response = await handler(self._for_replicas(request, tenant))
             code = str(response.status)
             return response
         except web.HTTPException as exc:
@@ -298,13 +306,25 @@ class TenantGate:
                 lease.release()
             self.metrics.tenant_requests.labels(tenant, code).inc()
 
-    def _for_replicas(self, request: web.Request) -> web.Request:
-        """The request with the tenant's key replaced by the replica key (or removed)."""
+    def _for_replicas(self, request: web.Request, tenant: str) -> web.Request:
+        """The request with the tenant's key replaced by the replica key (or removed), naming
+        the tenant as the owner of what it stores and reads."""
         headers = CIMultiDict(request.headers)
         headers.popall("Authorization", None)
         if self._replica_authorization is not None:
             headers["Authorization"] = self._replica_authorization
+        headers[OWNER_HEADER] = tenant
         return request.clone(headers=headers)
+
+
+@web.middleware
+async def _drop_client_owner(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Drop an owner header a client sent: only the gate names owners."""
+    if OWNER_HEADER in request.headers:
+        headers = CIMultiDict(request.headers)
+        headers.popall(OWNER_HEADER)
+        request = request.clone(headers=headers)
+    return await handler(request)
 
 
 async def _add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:

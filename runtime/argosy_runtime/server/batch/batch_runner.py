@@ -41,6 +41,7 @@ from argosy_runtime.server.batch.file_store import (
     write_json_atomic,
 )
 from argosy_runtime.server.errors import APIError
+from argosy_runtime.server.owners import OWNER_HEADER, visible_to
 from starlette.types import ASGIApp
 
 logger = logging.getLogger("argosy.batch")
@@ -99,14 +100,15 @@ class BatchRunner:
 
     # ---- the API ---------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict[str, str] | None) -> dict[str, Any]:
+               metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
+        """A new batch of `owner`'s (owners.py), from an input file `owner` may see."""
         if endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, "
                                 f"got {endpoint!r}", param="endpoint")
         if completion_window not in COMPLETION_WINDOW_S:
             raise APIError(400, f"completion_window must be '24h', got {completion_window!r}",
                            param="completion_window")
-        meta = self.files.get(input_file_id)
+        meta = self.files.get(input_file_id, owner)
         if meta["purpose"] != "batch":
             raise APIError(400, f"file {input_file_id!r} has purpose {meta['purpose']!r}, "
                                 "not 'batch'", param="input_file_id")
@@ -121,6 +123,7 @@ class BatchRunner:
             "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata, "model": None, "usage": None,
+            "owner": owner,  # not shown to clients (owners.public); owns its output files
         }
         lock = BatchLock.try_acquire(self.dir / f"{batch['id']}.lock")
         assert lock is not None  # a fresh id: nobody else can hold it
@@ -129,24 +132,26 @@ class BatchRunner:
         logger.info("created %s from %s for %s", batch["id"], input_file_id, endpoint)
         return batch
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        if batch_id in self.batches:
-            return self.batches[batch_id]
-        batch = read_json_record(self._record_path(batch_id))
-        if batch is None:
+    def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
+        """The batch's record (this runner's live one when it runs it); 404 for an unknown
+        id and for another owner's batch alike."""
+        batch = self.batches.get(batch_id) or read_json_record(self._record_path(batch_id))
+        if batch is None or not visible_to(batch.get("owner"), owner):
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id",
                            code="batch_not_found")
         return batch
 
-    def list(self) -> list[dict[str, Any]]:
-        """Every batch in the folder, newest first (this runner's own from memory)."""
+    def list(self, owner: str | None = None) -> list[dict[str, Any]]:
+        """Every batch in the folder `owner` may see, newest first (this runner's own from
+        memory)."""
         found = {}
         for path in self.dir.glob("batch_*.json"):
             batch = read_json_record(path)
             if batch is not None:
                 found[batch["id"]] = batch
         found.update(self.batches)
-        return sorted(found.values(), key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        return sorted((b for b in found.values() if visible_to(b.get("owner"), owner)),
+                      key=lambda b: (b["created_at"], b["id"]), reverse=True)
 
     def num_pending(self) -> int:
         """Requests of unfinished batches not answered yet (a gauge)."""
@@ -154,8 +159,8 @@ class BatchRunner:
                    - b["request_counts"]["failed"]
                    for b in self.batches.values() if b["status"] in ACTIVE)
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = self.get(batch_id)
+    def cancel(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
+        batch = self.get(batch_id, owner)
         if batch["status"] == "cancelling":
             return batch  # cancelled twice: the same answer as the first time
         if batch["status"] not in ("validating", "in_progress"):
@@ -333,7 +338,7 @@ class BatchRunner:
         request_id = f"{batch['id']}-{line.number}"
         delay = 0.25
         while True:
-            response = await self._post(batch["endpoint"], body, request_id)
+            response = await self._post(batch["endpoint"], body, request_id, batch.get("owner"))
             if response.status_code not in RETRY_STATUSES:
                 break
             if not self._should_continue(batch):
@@ -346,7 +351,8 @@ class BatchRunner:
         results.add(line.custom_id, response.status_code, request_id, payload)
         self._update_counts(batch, results)
 
-    async def _post(self, path: str, body: dict[str, Any], request_id: str) -> httpx.Response:
+    async def _post(self, path: str, body: dict[str, Any], request_id: str,
+                    owner: str | None) -> httpx.Response:
         """POST to this server's own handler, in process. Sent through the ASGI transport
         itself, not an httpx.AsyncClient: the client logs every request at INFO on the
         process-wide `httpx` logger, a second line beside the access log's, and quieting that
@@ -355,6 +361,8 @@ class BatchRunner:
         headers = {"x-request-id": request_id}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        if owner is not None:  # a line's previous_response_id may name only the owner's
+            headers[OWNER_HEADER] = owner  # responses, and what it stores is the owner's
         request = httpx.Request("POST", f"http://batch.internal{path}", json=body,
                                 headers=headers)
         response = await self._transport.handle_async_request(request)
@@ -379,7 +387,7 @@ class BatchRunner:
                 # An id fixed by the batch: finalizing again after a crash replaces the file.
                 file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, batch['id'] + name).hex}"
                 batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl",
-                                              file_id)["id"]
+                                              file_id, batch.get("owner"))["id"]
         self._set_status(batch, final)
         for _, path, _ in result_files:  # only now: until here a resume reads them
             path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from argosy_runtime.server.errors import APIError
+from argosy_runtime.server.owners import visible_to
 
 # OpenAI's limit for batch input files (200 MiB). The gateway accepts uploads up to the same
 # size (gateway/proxy/batch_routes.py), so whatever a replica takes passes through it.
@@ -34,8 +35,10 @@ class FileStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
 
-    def create(self, source: BinaryIO, filename: str, purpose: str) -> dict[str, Any]:
-        """Copy an upload into the store (at most `max_bytes`; more is a 413)."""
+    def create(self, source: BinaryIO, filename: str, purpose: str,
+               owner: str | None = None) -> dict[str, Any]:
+        """Copy an upload into the store (at most `max_bytes`; more is a 413), as `owner`'s
+        (owners.py; None: nobody's)."""
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch' (this server keeps files for the "
                                 f"Batch API only), got {purpose!r}", param="purpose")
@@ -55,9 +58,10 @@ class FileStore:
             tmp.rename(self.dir / file_id)
         finally:
             tmp.unlink(missing_ok=True)
-        return self._write_meta(file_id, filename, purpose, size)
+        return self._write_meta(file_id, filename, purpose, size, owner)
 
-    def adopt(self, path: Path, filename: str, file_id: str) -> dict[str, Any]:
+    def adopt(self, path: Path, filename: str, file_id: str,
+              owner: str | None = None) -> dict[str, Any]:
         """Put a finished batch's result file into the store as `batch_output`, under the id
         its batch chose. `path` stays where it is (a hard link, else a copy) until the batch
         has recorded its final status: a crash in between finalizes again from the same
@@ -69,33 +73,37 @@ class FileStore:
         except OSError:  # another file system, or links not supported
             shutil.copyfile(path, tmp)
         os.replace(tmp, self.dir / file_id)
-        return self._write_meta(file_id, filename, "batch_output", path.stat().st_size)
+        return self._write_meta(file_id, filename, "batch_output", path.stat().st_size, owner)
 
-    def get(self, file_id: str) -> dict[str, Any]:
+    def get(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
+        """The file's record (its `FileObject` and `owner`); 404 for an unknown id and for
+        another owner's file alike."""
         meta = read_json_record(self._meta_path(file_id))
-        if meta is None:
+        if meta is None or not visible_to(meta.get("owner"), owner):
             raise APIError(404, f"no file with id {file_id!r}", param="file_id",
                            code="file_not_found")
         return meta
 
-    def content(self, file_id: str) -> tuple[Path, dict[str, Any]]:
+    def content(self, file_id: str, owner: str | None = None) -> tuple[Path, dict[str, Any]]:
         """The file's bytes (a path) and its `FileObject`, from one read of the metadata; 404
         for an unknown id (the id is checked before it names a path)."""
-        meta = self.get(file_id)
+        meta = self.get(file_id, owner)
         return self.dir / file_id, meta
 
     def content_path(self, file_id: str) -> Path:
         return self.content(file_id)[0]
 
-    def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        """Newest first, like OpenAI's default order."""
+    def list(self, purpose: str | None = None,
+             owner: str | None = None) -> list[dict[str, Any]]:
+        """Newest first, like OpenAI's default order; only those `owner` may see."""
         files = [read_json_record(p) for p in self.dir.glob("file-*.json")]
         # None: deleted (by another replica) between the listing and the read.
-        files = [f for f in files if f is not None and (purpose is None or f["purpose"] == purpose)]
+        files = [f for f in files if f is not None and visible_to(f.get("owner"), owner)
+                 and (purpose is None or f["purpose"] == purpose)]
         return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
 
-    def delete(self, file_id: str) -> dict[str, Any]:
-        self.get(file_id)
+    def delete(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
+        self.get(file_id, owner)
         (self.dir / file_id).unlink(missing_ok=True)
         self._meta_path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
@@ -103,10 +111,11 @@ class FileStore:
     def _meta_path(self, file_id: str) -> Path:
         return record_path(self.dir, file_id, "file-")
 
-    def _write_meta(self, file_id: str, filename: str, purpose: str,
-                    size: int) -> dict[str, Any]:
+    def _write_meta(self, file_id: str, filename: str, purpose: str, size: int,
+                    owner: str | None) -> dict[str, Any]:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed"}
+                "filename": filename, "purpose": purpose, "status": "processed",
+                "owner": owner}  # not shown to clients (owners.public)
         write_json_atomic(self._meta_path(file_id), meta)
         return meta
 

@@ -1,5 +1,7 @@
 """The Batch API routes: `/v1/files` and `/v1/batches`, shaped like OpenAI's so the official
-client's `files` and `batches` resources work unchanged."""
+client's `files` and `batches` resources work unchanged. A request naming an owner (a gateway
+tenant's, owners.py) creates that owner's objects and sees only those; the `owner` the
+stores record is not part of the objects clients get (`public`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Annotated, Any, Literal
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.batch.pagination import page
+from argosy_runtime.server.owners import Owner, public
 from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,44 +29,47 @@ class CreateBatchRequest(BaseModel):
 def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> None:
     @app.post("/v1/files")
     async def upload_file(file: Annotated[UploadFile, File()],
-                          purpose: Annotated[str, Form()]) -> dict[str, Any]:
-        return await asyncio.to_thread(files.create, file.file, file.filename or "upload.jsonl",
-                                       purpose)
+                          purpose: Annotated[str, Form()],
+                          owner: Owner = None) -> dict[str, Any]:
+        return public(await asyncio.to_thread(files.create, file.file,
+                                              file.filename or "upload.jsonl", purpose, owner))
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None, after: str | None = None,
                          limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-                         order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
-        items = files.list(purpose)
+                         order: Literal["asc", "desc"] = "desc",
+                         owner: Owner = None) -> dict[str, Any]:
+        items = [public(f) for f in files.list(purpose, owner)]
         return page(items if order == "desc" else items[::-1], after, limit)
 
     @app.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str) -> dict[str, Any]:
-        return files.get(file_id)
+    async def retrieve_file(file_id: str, owner: Owner = None) -> dict[str, Any]:
+        return public(files.get(file_id, owner))
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> FileResponse:
-        path, meta = files.content(file_id)
+    async def file_content(file_id: str, owner: Owner = None) -> FileResponse:
+        path, meta = files.content(file_id, owner)
         return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
 
     @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str) -> dict[str, Any]:
-        return files.delete(file_id)
+    async def delete_file(file_id: str, owner: Owner = None) -> dict[str, Any]:
+        return files.delete(file_id, owner)
 
     @app.post("/v1/batches")
-    async def create_batch(body: CreateBatchRequest) -> dict[str, Any]:
-        return runner.create(body.input_file_id, body.endpoint, body.completion_window,
-                             body.metadata)
+    async def create_batch(body: CreateBatchRequest, owner: Owner = None) -> dict[str, Any]:
+        return public(runner.create(body.input_file_id, body.endpoint,
+                                    body.completion_window, body.metadata, owner))
 
     @app.get("/v1/batches")
     async def list_batches(after: str | None = None,
-                           limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
-        return page(runner.list(), after, limit)
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                           owner: Owner = None) -> dict[str, Any]:
+        return page([public(b) for b in runner.list(owner)], after, limit)
 
     @app.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str) -> dict[str, Any]:
-        return runner.get(batch_id)
+    async def retrieve_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
+        return public(runner.get(batch_id, owner))
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> dict[str, Any]:
-        return runner.cancel(batch_id)
+    async def cancel_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
+        return public(runner.cancel(batch_id, owner))

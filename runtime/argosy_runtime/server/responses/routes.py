@@ -10,6 +10,9 @@ resource works unchanged:
     DELETE /v1/responses/{id}                  forget it (a background one still running is
                                                cancelled first)
     GET    /v1/responses/{id}/input_items      the input items it was created from
+
+A request naming an owner (a gateway tenant's, owners.py) stores that owner's responses and
+reaches only those: another owner's id is the same 404 as an unknown one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from argosy_runtime.server.batch.pagination import page
 from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.owners import Owner
 from argosy_runtime.server.protocol import ErrorResponse
 from argosy_runtime.server.responses.background import BackgroundRun, BackgroundRuns
 from argosy_runtime.server.responses.protocol import ResponsesRequest
@@ -41,8 +45,9 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def retrieve(response_id: str, stream: bool = False,
-                       starting_after: Annotated[int | None, Query(ge=0)] = None) -> Response:
-        entry = store.get(response_id)
+                       starting_after: Annotated[int | None, Query(ge=0)] = None,
+                       owner: Owner = None) -> Response:
+        entry = store.get(response_id, owner=owner)
         if not stream:
             return JSONResponse(entry.response)
         run = _background(entry.run, "stream", "only a background response can be streamed "
@@ -52,8 +57,8 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
             run.follow(-1 if starting_after is None else starting_after), lambda: None)
 
     @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
-    async def cancel(response_id: str) -> dict[str, Any]:
-        entry = store.get(response_id)
+    async def cancel(response_id: str, owner: Owner = None) -> dict[str, Any]:
+        entry = store.get(response_id, owner=owner)
         # As OpenAI: a finished background response comes back unchanged (a second cancel
         # is a no-op).
         await _background(entry.run, None, "only a background response can be "
@@ -61,8 +66,8 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
         return entry.response
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
-    async def delete(response_id: str) -> dict[str, Any]:
-        run = store.get(response_id).run
+    async def delete(response_id: str, owner: Owner = None) -> dict[str, Any]:
+        run = store.get(response_id, owner=owner).run
         if run is not None:  # nobody could see or cancel it any more
             await run.cancel()
         store.delete(response_id)
@@ -71,8 +76,9 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
     @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
     async def input_items(response_id: str, after: str | None = None,
                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                          order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
-        items = list(store.get(response_id).input_items)
+                          order: Literal["asc", "desc"] = "desc",
+                          owner: Owner = None) -> dict[str, Any]:
+        items = list(store.get(response_id, owner=owner).input_items)
         return page(items if order == "asc" else items[::-1], after, limit)
 
 

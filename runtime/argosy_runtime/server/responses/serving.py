@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.owners import OWNER_HEADER
 from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -65,11 +66,13 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 async def create_response(request: Request, req: ResponsesRequest, ctx: ServingContext,
                           store: ResponseStore, runs: BackgroundRuns) -> Response:
     reject_unsupported(req)
+    # A gateway tenant's (owners.py): it owns what this stores and continues only its own.
+    owner = request.headers.get(OWNER_HEADER)
     tools = function_tools(req.tools)
     tool_choice = chat_tool_choice(req.tool_choice, tools)
     history: tuple[dict[str, Any], ...] = ()
     if req.previous_response_id is not None:
-        history = continued(store, req.previous_response_id)
+        history = continued(store, req.previous_response_id, owner)
     parsed = parse_input(req.input, history)
     if not (req.instructions is not None or history or parsed.messages):
         # reasoning items alone: they are not shown to the model, so nothing is left to answer
@@ -88,7 +91,7 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     def keep(response: dict[str, Any]) -> None:
         if req.store and response["status"] != "failed":  # nothing to continue from
             store.put(StoredResponse(response, (*history, *parsed.messages),
-                                     tuple(parsed.items)))
+                                     tuple(parsed.items), owner=owner))
 
     headers = {RESPONSE_ID_HEADER: response_id} if req.store else {}
     if req.background:  # chat streams (chat_request): the run reads it
@@ -96,7 +99,8 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
         entry = StoredResponse(response_object(req, response_id=response_id,
                                                created_at=created_at, model=model,
                                                status="queued", output=[]),
-                               (*history, *parsed.messages), tuple(parsed.items))
+                               (*history, *parsed.messages), tuple(parsed.items),
+                               owner=owner)
         entry.run = run = BackgroundRun(entry)
         store.put(entry)
         events = ResponseEventStream(req, response_id, created_at, model, on_done=run.update)
@@ -137,10 +141,11 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     return JSONResponse(response, headers=headers)
 
 
-def continued(store: ResponseStore, response_id: str) -> tuple[dict[str, Any], ...]:
+def continued(store: ResponseStore, response_id: str,
+              owner: str | None = None) -> tuple[dict[str, Any], ...]:
     """The conversation a `previous_response_id` continues: a finished answer's only (a
     background response still running, cancelled or failed has none to continue from)."""
-    previous = store.get(response_id, "previous_response_id")
+    previous = store.get(response_id, "previous_response_id", owner)
     status = previous.response["status"]
     if status not in ("completed", "incomplete"):
         raise bad_request(f"previous_response_id: response {response_id!r} is {status}; only "

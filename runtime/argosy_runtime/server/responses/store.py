@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from argosy_runtime.server.errors import APIError
+from argosy_runtime.server.owners import visible_to
 from argosy_runtime.server.responses.tools import chat_tool_call
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class StoredResponse:
     messages: tuple[dict[str, Any], ...]
     input_items: tuple[dict[str, Any], ...]  # this request's input, as listed by input_items
     run: BackgroundRun | None = None  # a background response's generation and events
+    owner: str | None = None  # the gateway tenant that created it (owners.py), if any
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """The messages a follow-up continues: the input so far and this response's reply
@@ -85,10 +87,12 @@ class ResponseStore:
                 break  # all running: the store runs over until the next put after they end
             del self._entries[oldest]
 
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        """The entry, or a 404 in OpenAI's words (`param`: the request field that named it)."""
+    def get(self, response_id: str, param: str | None = None,
+            owner: str | None = None) -> StoredResponse:
+        """The entry, or a 404 in OpenAI's words (`param`: the request field that named it),
+        also for another owner's entry (`owner`: the one the request names, owners.py)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or not visible_to(entry.owner, owner):
             what = "Previous response" if param == "previous_response_id" else "Response"
             raise APIError(404, f"{what} with id {response_id!r} not found (responses are "
                                 "kept in memory on the replica that made them)", param=param,
