@@ -8,12 +8,13 @@ base64 of its little-endian float32 bytes, a quarter of the JSON text of the flo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 
 from argosy_runtime.outputs import RequestOutput
 from argosy_runtime.pooling_params import PoolingParams
-from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import EmbeddingRequest, new_id
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
@@ -81,20 +82,29 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
                        ) -> list[RequestOutput] | None:
     """The final outputs of `prompts` (token ids already checked) run as pooling requests
     (`params`: embeddings or classification; a list: one per prompt), in order: one engine
-    request each, admitted
-    `INPUTS_IN_FLIGHT` at a time at `priority`. None when the client went away (logged; the
-    caller answers 499)."""
+    request each, admitted `_inputs_in_flight` at a time at `priority`. None when the client
+    went away (logged; the caller answers 499)."""
     log = request_log(request.scope)
     base_id = f"{new_id(kind)}-{request_id_of(request.scope)}"
     finals: list[RequestOutput] = []
+    # --request-timeout bounds the whole request, not each slice (run_to_completion's own
+    # timeout restarts with every slice).
+    timeout = ctx.config.request_timeout
+    deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     ctx.lifecycle.enter()
     try:
-        for start in range(0, len(prompts), INPUTS_IN_FLIGHT):
-            chunk = slice(start, start + INPUTS_IN_FLIGHT)
+        step = _inputs_in_flight(ctx)
+        for start in range(0, len(prompts), step):
+            chunk = slice(start, start + step)
             streams = await start_streams(ctx, f"{base_id}-{start}", prompts[chunk],
                                           params[chunk] if isinstance(params, list) else params,
                                           model_name, priority)
-            finals.extend(await run_to_completion(request, ctx, streams))
+            # Cancelled at the deadline, run_to_completion closes (aborts) the slice's streams.
+            async with asyncio.timeout_at(deadline):
+                finals.extend(await run_to_completion(request, ctx, streams))
+    except TimeoutError as exc:
+        raise APIError(408, f"request timed out after {timeout:g}s",
+                       code="request_timeout") from exc
     except ClientGone:
         log.update(finish_reason="client_disconnected")
         return None
@@ -102,6 +112,17 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
         ctx.lifecycle.exit()
     log.update(finish_reason="stop")
     return finals
+
+
+def _inputs_in_flight(ctx: ServingContext) -> int:
+    """How many inputs of one request to admit at a time: INPUTS_IN_FLIGHT, or fewer when
+    the waiting queue is bounded (`--max-waiting`) so tightly that even an idle server would
+    refuse a slice that size (it takes `--max-num-seqs` into the batch and `--max-waiting`
+    beside it): such a refusal is a 429 that no retry can get past."""
+    engine = ctx.engine
+    if not engine.max_waiting:  # 0: unbounded
+        return INPUTS_IN_FLIGHT
+    return min(INPUTS_IN_FLIGHT, engine.max_waiting + (engine.max_num_seqs or 0))
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
