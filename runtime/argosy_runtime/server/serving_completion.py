@@ -57,7 +57,7 @@ async def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prom
     if not items:
         raise bad_request(f"{param} must not be empty", param)
     if len(items) > max_items:
-        raise bad_request(f"at most {max_items} {param}s per request", param)
+        raise bad_request(f"{param}: at most {max_items} items per request", param)
     strings = [item for item in items if isinstance(item, str)]
     if not truncate:
         for text in strings:

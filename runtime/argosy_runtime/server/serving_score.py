@@ -166,7 +166,7 @@ def _texts(texts: str | list[str], param: str) -> list[str]:
     if not texts:
         raise bad_request(f"{param} must not be empty", param)
     if len(texts) > MAX_EMBEDDING_INPUTS:
-        raise bad_request(f"at most {MAX_EMBEDDING_INPUTS} {param}s per request", param)
+        raise bad_request(f"{param}: at most {MAX_EMBEDDING_INPUTS} items per request", param)
     return texts
 
 
