@@ -311,6 +311,16 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
     return out
 
 
+def admitted_at_once(ctx: ServingContext) -> int | None:
+    """How many requests an idle server admits at once (`--max-num-seqs` into the batch,
+    `--max-waiting` beside it), None when the waiting queue is unbounded. More prompts than
+    this in one request, admitted together, would get a 429 that no retry can get past."""
+    engine = ctx.engine
+    if not engine.max_waiting:  # 0: unbounded
+        return None
+    return engine.max_waiting + (engine.max_num_seqs or 0)
+
+
 async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                         params: Any, model_name: str,
                         priority: int = 0) -> list[RequestStream]:

@@ -15,6 +15,7 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
+    admitted_at_once,
     check_text_fits,
     compile_grammar,
     constraint_source,
@@ -149,6 +150,11 @@ async def create_completion(request: Request, req: CompletionRequest,
     log = request_log(request.scope)
     log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
                stream=bool(req.stream))
+    limit = admitted_at_once(ctx)
+    if limit is not None and len(prompts) > limit:  # they are admitted together
+        raise bad_request(f"prompt: {len(prompts)} prompts, but this server admits at most "
+                          f"{limit} requests at once (--max-num-seqs + --max-waiting); send "
+                          "fewer per request", "prompt")
     response_id = new_id("cmpl")
     created = now()
     ctx.lifecycle.enter()

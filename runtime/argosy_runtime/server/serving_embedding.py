@@ -20,6 +20,7 @@ from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
     ClientGone,
     ServingContext,
+    admitted_at_once,
     check_prompt,
     run_to_completion,
     start_streams,
@@ -116,13 +117,8 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
 
 def _inputs_in_flight(ctx: ServingContext) -> int:
     """How many inputs of one request to admit at a time: INPUTS_IN_FLIGHT, or fewer when
-    the waiting queue is bounded (`--max-waiting`) so tightly that even an idle server would
-    refuse a slice that size (it takes `--max-num-seqs` into the batch and `--max-waiting`
-    beside it): such a refusal is a 429 that no retry can get past."""
-    engine = ctx.engine
-    if not engine.max_waiting:  # 0: unbounded
-        return INPUTS_IN_FLIGHT
-    return min(INPUTS_IN_FLIGHT, engine.max_waiting + (engine.max_num_seqs or 0))
+    even an idle server would refuse a slice that size (admitted_at_once)."""
+    return min(INPUTS_IN_FLIGHT, admitted_at_once(ctx) or INPUTS_IN_FLIGHT)
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

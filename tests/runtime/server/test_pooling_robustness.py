@@ -100,3 +100,18 @@ def test_a_client_leaving_mid_request_frees_everything(server: ServerProcess, pa
     server.assert_back_to_idle(idle_kv, within=30)
     ok = httpx.post(server.url + "/v1/embeddings", json={"input": "Hi"}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_more_completion_prompts_than_the_server_admits_is_a_400(
+        tight_server: ServerProcess) -> None:
+    # A completion's prompts run together (one batch), so 7 prompts can never be admitted by
+    # a server that holds 6 requests: a 429 would ask for retries that cannot succeed.
+    body = {"model": MODEL, "prompt": [f"Story {i}:" for i in range(7)], "max_tokens": 2}
+    resp = httpx.post(tight_server.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and "at most 6" in error["message"], error
+    body["prompt"] = body["prompt"][:6]  # what fits is served
+    resp = httpx.post(tight_server.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 6
