@@ -7,7 +7,6 @@ kilobytes, not 200 MiB."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,15 +15,11 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-import uvicorn
 from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
 from argosy_runtime.gateway.proxy import app as gateway_app
 from argosy_runtime.gateway.proxy import batch_routes
-from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
-from argosy_runtime.server.batch.routes import add_batch_routes
-from argosy_runtime.server.errors import install_error_handlers
-from fastapi import FastAPI
+from batch_replica import BatchReplica, start_batch_replica
 
 BODY_LIMIT = 8 * 1024  # the gateway's request body limit in these tests
 FILE_LIMIT = 64 * 1024  # the file limit of the gateway and the replica
@@ -34,29 +29,16 @@ FILE_LIMIT = 64 * 1024  # the file limit of the gateway and the replica
 async def replica(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[tuple[str, FileStore]]]]:
     """`await replica(max_bytes[, root])` -> (URL, its FileStore): the replica's Batch API
     routes, on a folder of its own unless `root` names one to share."""
-    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+    started: list[BatchReplica] = []
 
     async def make(max_bytes: int, root: Path | None = None) -> tuple[str, FileStore]:
-        root = root or tmp_path / f"replica{len(servers)}"
-        app = FastAPI()
-        install_error_handlers(app)
-        files = FileStore(root, max_bytes=max_bytes)
-        add_batch_routes(app, files, BatchRunner(root, files, app, concurrency=1))
-        app.get("/ready")(lambda: {"ready": True})
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off",
-                                               log_level="warning"))
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            assert not task.done(), "the replica did not start"
-            await asyncio.sleep(0.01)
-        servers.append((server, task))
-        port = server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}", files
+        started.append(await start_batch_replica(root or tmp_path / f"replica{len(started)}",
+                                                 max_bytes))
+        return started[-1].url, started[-1].files
 
     yield make
-    for server, task in servers:
-        server.should_exit = True
-        await task
+    for r in started:
+        await r.stop()
 
 
 @pytest.fixture

@@ -13,18 +13,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import uvicorn
 from argosy_runtime.gateway.config import (
     GatewayConfig,
     HealthConfig,
     ModelRouteConfig,
     TenantConfig,
 )
-from argosy_runtime.server.batch.batch_runner import BatchRunner
-from argosy_runtime.server.batch.file_store import FileStore
-from argosy_runtime.server.batch.routes import add_batch_routes
-from argosy_runtime.server.errors import install_error_handlers
-from fastapi import FastAPI
+from batch_replica import BatchReplica, start_batch_replica
 
 KEY_A, KEY_B = "sk-isolation-a", "sk-isolation-b"
 LINE = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
@@ -35,31 +30,16 @@ LINE = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
 async def replica(tmp_path: Path) -> AsyncIterator[Callable[[], Awaitable[str]]]:
     """`await replica()` -> the URL of a replica with the real Batch API routes (its batches'
     requests get the app's 404: there is no model, which these tests do not need)."""
-    started: list[tuple[uvicorn.Server, asyncio.Task[None], BatchRunner]] = []
+    started: list[BatchReplica] = []
 
     async def make() -> str:
-        root = tmp_path / f"replica{len(started)}"
-        app = FastAPI()
-        install_error_handlers(app)
-        files = FileStore(root)
-        runner = BatchRunner(root, files, app, concurrency=1)
-        add_batch_routes(app, files, runner)
-        app.get("/ready")(lambda: {"ready": True})
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off",
-                                               log_level="warning"))
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            assert not task.done(), "the replica did not start"
-            await asyncio.sleep(0.01)
-        await runner.start()
-        started.append((server, task, runner))
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        started.append(await start_batch_replica(tmp_path / f"replica{len(started)}",
+                                                 run_batches=True))
+        return started[-1].url
 
     yield make
-    for server, task, runner in started:
-        await runner.shutdown()
-        server.should_exit = True
-        await task
+    for r in started:
+        await r.stop()
 
 
 def _config(urls: list[str], tenants: bool = True) -> GatewayConfig:
