@@ -61,6 +61,12 @@ def safetensors_files(folder: Path) -> list[Path]:
             raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
         if not weight_map:
             raise ValueError(f"{index} has an empty weight_map")
+        for name in weight_map.values():
+            # Shards sit beside the index: a path ("../x", "/x") would load weights from
+            # outside the model folder.
+            if not name or Path(name).name != name or name in (".", ".."):
+                raise ValueError(f"{index}: shard {name!r} is not a file name in the model "
+                                 "folder")
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
     elif (folder / SINGLE_FILE).is_file():
         files = [folder / SINGLE_FILE]

@@ -65,6 +65,23 @@ def test_index_weight_map_malformed(random_sharded_dir: Path, tmp_path: Path,
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors",
+                                   "/tmp/outside.safetensors", ".."])
+def test_index_shard_outside_the_folder(random_sharded_dir: Path, tmp_path: Path,
+                                        shard: str) -> None:
+    # A real shard outside the model folder: it must not be loaded through the index.
+    folder = _copy(random_sharded_dir, tmp_path)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"].values()))
+    shutil.copy(folder / first, folder.parent / "outside.safetensors")
+    index["weight_map"] = {name: shard if file == first else file
+                           for name, file in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"is not a file name in the model folder"):
+        load_checkpoint(folder)
+
+
 # ---- config.json fields of the wrong type ----------------------------------------------------
 
 @pytest.mark.parametrize(("field", "value"), [
