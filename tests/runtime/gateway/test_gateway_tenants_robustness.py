@@ -114,6 +114,39 @@ async def test_a_huge_limit_in_a_reloaded_file_is_refused_and_the_watcher_goes_o
         await until(limited)
 
 
+async def test_a_round_that_fails_to_apply_does_not_end_the_watching(
+        fake_replicas, gateway, tmp_path) -> None:
+    # An unexpected error while applying a valid reloaded file (played by a routing applier
+    # that raises once) used to end the watcher task: from then on a key removed from the
+    # config stayed valid until a restart.
+    (r,) = await fake_replicas(1)
+    mount = Mount(tmp_path / "argosy")
+    mount.write(gateway_yaml(r.url, [{"name": "a", "api_keys": [KEY, "sk-other"]}]))
+    config_, config_file = cli.load(args_for(mount.path))
+    gw, url = await gateway(config_, keys_poll_s=0.05, config_file=config_file)
+    apply_config, calls = gw.tenants.apply_config, []
+
+    def fails_once(config_: object) -> None:
+        calls.append(config_)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in applying routing")
+        apply_config(config_)
+
+    gw.tenants.apply_config = fails_once
+    async with aiohttp.ClientSession() as s:
+        mount.write(gateway_yaml(r.url, [{"name": "a", "api_keys": [KEY, "sk-other"],
+                                          "requests_per_minute": 1000}]))
+
+        async def tried() -> bool:
+            return bool(calls)
+        await until(tried)
+        mount.write(gateway_yaml(r.url, [{"name": "a", "api_keys": [KEY]}]))  # revoke one
+
+        async def revoked() -> bool:
+            return (await post(s, url, auth("sk-other"))).status == 401
+        await until(revoked)
+
+
 @pytest.mark.parametrize("header", [
     f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}", f"Bearer   {KEY}  ",
 ])

@@ -176,7 +176,13 @@ class TenantGate:
         """`reload` every `keys_poll_s` seconds, until cancelled."""
         while True:
             await asyncio.sleep(self.keys_poll_s)
-            await self.reload()
+            try:
+                await self.reload()
+            except Exception:
+                # A bug in applying one round (reload guards what it expects) must not end
+                # the watching: keys removed from their files would go on working.
+                logger.exception("tenants: a reload round failed; watching goes on")
+                self.metrics.config_reload_failures.inc()
 
     async def reload(self) -> None:
         """One round: the config file first (a new tenants section brings its own keys
