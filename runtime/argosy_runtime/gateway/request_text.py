@@ -81,14 +81,17 @@ def prompt_chars(path: str, body: dict[str, Any]) -> int:
     batch counts: a
     batch is often hundreds of inputs, and its answer (a vector per input) is the one most
     likely too large for the meter to read its `usage` from, so its first input alone would
-    undercharge it. Score and rerank requests: every text they send, each one embedded.
-    Other requests: the length of `prompt_text`."""
+    undercharge it. So does every prompt of a completions batch (each one generates). Score
+    and rerank requests: every text they send, each one embedded. Other requests: the length
+    of `prompt_text`."""
     if path in SCORE_PATHS or path in RERANK_PATHS:
         fields = ("text_1", "text_2") if path in SCORE_PATHS else ("query", "documents")
         return sum(_all_chars(body.get(f)) for f in fields)
-    inputs = body.get("input")
+    completions = path.endswith("/completions") and not path.endswith("/chat/completions")
+    batched = completions or path.endswith("/embeddings") or path in CLASSIFY_PATHS
+    inputs = body.get("prompt" if completions else "input")
     is_batch = isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs)
-    if (path.endswith("/embeddings") or path in CLASSIFY_PATHS) and is_batch:
+    if batched and is_batch:
         return sum(len(_first_prompt([item])) for item in inputs)
     return len(prompt_text(path, body))
 

@@ -60,6 +60,10 @@ def test_the_prefix_text_of_an_embeddings_request_is_its_input() -> None:
     # The token estimate counts every input of a batch, not only the first.
     assert prompt_chars(path, {"input": ["abcd", "ef", [1, 23]]}) == 4 + 2 + 4
     assert prompt_chars(path, {"input": [10, 11]}) == len("10 11")
+    # So does every prompt of a completions batch; a chat counts its rendered turns once.
+    assert prompt_chars("/v1/completions", {"prompt": ["abcd", "ef", [1, 23]]}) == 4 + 2 + 4
+    assert prompt_chars("/v1/completions", {"prompt": [10, 11]}) == len("10 11")
+    assert prompt_chars("/v1/completions", {"prompt": "abc"}) == 3
 
 
 async def test_embeddings_go_to_the_replicas_of_the_model_they_name(fake_replicas,
