@@ -297,8 +297,17 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
     beside the output, `max_tokens`
     (0 for pooling routes: the model's length; None, generation up to the model's length: one
     token held back, as vLLM does). Then each prompt is checked (`check_prompt`), so a k that
-    leaves no room for max_tokens is still a 400."""
+    leaves no room for max_tokens is still a 400. An encoder's k of 1 or 2 is a 400: see
+    below."""
     check_truncate_prompt_tokens(ctx, truncate)
+    if ctx.encoder and truncate in (1, 2):
+        # transformers' cut (vLLM's) keeps [CLS] and [SEP]: k = 2 leaves none of the text,
+        # so every text is the same prompt (two long texts score exactly 1.0), and k = 1
+        # cannot hold them (transformers then leaves the text whole). Neither is a cut.
+        raise bad_request(
+            f"truncate_prompt_tokens ({truncate}) must be at least 3 on this encoder model: "
+            "the cut keeps its [CLS] and [SEP] tokens and at least one token of the text",
+            "truncate_prompt_tokens")
     keep = truncate
     if truncate == -1:
         keep = max(1, ctx.max_model_len - (1 if max_tokens is None else max_tokens))

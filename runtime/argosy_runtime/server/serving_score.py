@@ -37,7 +37,7 @@ from argosy_runtime.scoring import (
     cross_encoder_prompt,
     pair_up,
 )
-from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.serving_common import (
@@ -95,7 +95,7 @@ async def create_score(request: Request, req: ScoreRequest, ctx: ServingContext)
         firsts, seconds = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
         scored = await _cross_encoder_scores(request, ctx, model_name, req.priority, "score",
                                              _pair_up(firsts, seconds),
-                                             req.truncate_prompt_tokens, "text_2")
+                                             req.truncate_prompt_tokens, ("text_1", "text_2"))
     else:
         firsts = await _tokenize(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
         seconds = await _tokenize(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
@@ -120,7 +120,7 @@ async def create_rerank(request: Request, req: RerankRequest, ctx: ServingContex
         documents = _texts(req.documents, "documents")
         scored = await _cross_encoder_scores(request, ctx, model_name, req.priority, "rerank",
                                              [(req.query, d) for d in documents],
-                                             req.truncate_prompt_tokens, "documents")
+                                             req.truncate_prompt_tokens, ("query", "documents"))
     else:
         [query] = await _tokenize(ctx, req.query, "query", req.truncate_prompt_tokens)
         documents = await _tokenize(ctx, req.documents, "documents", req.truncate_prompt_tokens)
@@ -172,10 +172,12 @@ def _texts(texts: str | list[str], param: str) -> list[str]:
 
 async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_name: str,
                                 priority: int, kind: str, pairs: list[tuple[str, str]],
-                                truncate: int | None, param: str
+                                truncate: int | None, fields: tuple[str, str]
                                 ) -> tuple[list[float], int] | None:
     """sigmoid(the head's logit) of each pair run as one prompt, and the prompt tokens run
-    (each distinct prompt once); None when the client went away."""
+    (each distinct prompt once); None when the client went away. `fields`: the request's
+    names for the pair's first and second texts, for the 400s."""
+    param = fields[1]
     if len(ctx.class_labels) != 1:
         raise bad_request(
             f"model: {model_name} is a classifier with {len(ctx.class_labels)} labels; scores "
@@ -198,6 +200,9 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
         field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") \
             else param
         raise bad_request(str(exc), field) from exc
+    for (a, b), prompt in zip(pairs, joined, strict=True):
+        if len(prompt.token_ids) > ctx.max_model_len:
+            raise await _pair_too_long(ctx, a, b, len(prompt.token_ids), fields)
     # Checked (vocabulary, length) as any pooling input; the token types key the pair too.
     checked = truncate_prompts(ctx, [p.token_ids for p in joined], None, param)
     prompts = [(tuple(ids), p.token_type_start) for ids, p in zip(checked, joined, strict=True)]
@@ -213,6 +218,19 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
     # probs of a one-label head: [sigmoid(logit)] (ClassificationOutput), vLLM's score.
     score = {key: out.classification.probs[0] for key, out in zip(distinct, finals, strict=True)}
     return [score[key] for key in prompts], prompt_tokens
+
+
+async def _pair_too_long(ctx: ServingContext, text_1: str, text_2: str, num_tokens: int,
+                         fields: tuple[str, str]) -> APIError:
+    """The 400 for a pair whose joined prompt is over the model's length. It names the field
+    of the pair's longer text, the one to shorten (either may be: a long query is as much
+    too long as a long document), and gives both texts' lengths."""
+    n_1, n_2 = await run_tokenizer(len(text_1) + len(text_2), lambda: [
+        len(ctx.tokenizer.encode(t, add_special_tokens=False)) for t in (text_1, text_2)])
+    return bad_request(
+        f"this model's maximum context length is {ctx.max_model_len} tokens; the pair's "
+        f"prompt has {num_tokens} tokens ({fields[0]}: {n_1}, {fields[1]}: {n_2})",
+        fields[0] if n_1 > n_2 else fields[1], code="context_length_exceeded")
 
 
 async def _cosine_scores(request: Request, ctx: ServingContext, model_name: str,

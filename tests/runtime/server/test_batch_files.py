@@ -69,6 +69,42 @@ async def test_content_by_id_and_unknown_or_crafted_ids_are_404(
         assert missing.json()["error"]["type"] == "not_found_error"
 
 
+async def test_a_download_racing_a_delete_is_a_404_or_the_whole_file(
+        client: httpx.AsyncClient, store: FileStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete (this replica's or another's) may land between a download's metadata read
+    and its bytes: that is a 404, not a 500 (a late stat of a path that is gone). A delete
+    after the download opened the file leaves it the whole file (the open handle reads on)."""
+    data = b'{"custom_id": "a"}\n' * 100
+    get = store.get
+
+    def get_then_deleted(file_id: str, owner: str | None = None) -> dict:
+        meta = get(file_id, owner)
+        monkeypatch.setattr(store, "get", get)  # the delete's own read is a plain one
+        store.delete(file_id)
+        return meta
+
+    file_id = (await _upload(client, data)).json()["id"]
+    monkeypatch.setattr(store, "get", get_then_deleted)
+    gone = await client.get(f"/v1/files/{file_id}/content")
+    assert gone.status_code == 404, gone.text
+    assert gone.json()["error"]["code"] == "file_not_found"
+
+    file_id = (await _upload(client, data)).json()["id"]
+    open_file = store.open
+
+    def opened_then_deleted(file_id: str, owner: str | None = None):  # noqa: ANN202
+        opened = open_file(file_id, owner)
+        store.delete(file_id)
+        return opened
+
+    monkeypatch.setattr(store, "open", opened_then_deleted)
+    whole = await client.get(f"/v1/files/{file_id}/content")
+    assert whole.status_code == 200 and whole.content == data
+    assert whole.headers["content-length"] == str(len(data))
+    assert 'filename="in.jsonl"' in whole.headers["content-disposition"]
+    assert (await client.get(f"/v1/files/{file_id}")).status_code == 404  # it was deleted
+
+
 async def test_a_file_deleted_between_listing_and_reading_is_skipped_not_a_500(
         client: httpx.AsyncClient, store: FileStore) -> None:
     """Replicas share the folder: another one may delete a file after this one listed the

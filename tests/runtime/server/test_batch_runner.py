@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +309,32 @@ async def test_a_crash_while_finalizing_neither_reruns_nor_orphans_results(
     output = (tmp_path / "files" / batch["output_file_id"]).read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in output) == ["c0", "c1", "c2"]
     assert not list((tmp_path / "batches").glob("*.jsonl"))  # working files gone once final
+
+
+async def test_a_batch_cancelled_while_validating_a_bad_file_ends_cancelled(
+        tmp_path: Path) -> None:
+    """OpenAI's cancel: cancelling, then cancelled. A cancel that lands while the input file
+    is read (a FIFO holds the read open until the test writes it) still ends `cancelled`
+    when the file turns out unusable, not `failed`; its errors stay listed."""
+    endpoint = Endpoint()
+    runner, file_id = _runner(tmp_path, endpoint)
+    fifo = runner.files.dir / file_id
+    fifo.unlink()
+    os.mkfifo(fifo)
+    await runner.start()
+    batch = runner.create(file_id, "/v1/completions", "24h", None)
+    await asyncio.sleep(0.05)  # the runner is now reading (blocked on) the input file
+    assert batch["status"] == "validating"
+    assert runner.cancel(batch["id"])["status"] == "cancelling"
+
+    def write_bad_input() -> None:
+        with fifo.open("wb") as f:
+            f.write(b"not json\n")
+
+    await asyncio.to_thread(write_bad_input)
+    batch = await _finish(runner, batch)
+    await runner.shutdown()
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
+    assert batch["failed_at"] is None and endpoint.bodies == []
+    assert batch["errors"]["data"][0]["code"] == "invalid_json_line"
+    assert runner.get(batch["id"])["status"] == "cancelled"  # as saved on disk too

@@ -270,9 +270,20 @@ def test_cross_encoder_classify_and_errors(reranker) -> None:  # noqa: ANN001
     assert_error(http, "/v1/score", {"text_1": [], "text_2": DOCS}, "text_1", "must not be empty")
     assert_error(http, "/v1/rerank", {"query": QUERY, "documents": []}, "documents",
                  "must not be empty")
-    assert_error(http, "/v1/rerank", {"query": QUERY * 300, "documents": ["x"]}, "documents",
-                 "maximum context length")
     assert_error(http, "/v1/embeddings", {"input": "Hi"}, "model", "sequence-classification")
+
+
+def test_a_too_long_pair_names_the_text_that_is_too_long(reranker) -> None:  # noqa: ANN001
+    """A pair over the model's length is a 400 naming the field whose text is the long one
+    (the one to shorten), the query's as well as the document's."""
+    http, _ = reranker
+    long = QUERY * 300  # ~2,100 tokens: more than the model's 2,048 alone
+    for path, body, param in (
+            ("/v1/rerank", {"query": long, "documents": ["x"]}, "query"),
+            ("/v1/rerank", {"query": "x", "documents": ["y", long]}, "documents"),
+            ("/v1/score", {"text_1": long, "text_2": "x"}, "text_1"),
+            ("/v1/score", {"text_1": "x", "text_2": ["y", long]}, "text_2")):
+        assert_error(http, path, body, param, "maximum context length")
 
 
 def test_classify_on_a_model_without_a_classification_head(http: httpx.Client) -> None:

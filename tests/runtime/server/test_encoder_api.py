@@ -97,6 +97,44 @@ def test_errors(embedder) -> None:  # noqa: ANN001
     assert r.status_code == 200, r.text
 
 
+def test_truncation_too_small_for_an_encoder_is_a_400(embedder) -> None:  # noqa: ANN001
+    """transformers' tokenizer(text, truncation=True, max_length=k) (vLLM's cut) keeps [CLS]
+    and [SEP]: k = 2 leaves nothing of the text (two long texts would score exactly 1.0),
+    k = 1 cannot even hold them (it leaves the text whole). Those k are a 400; from k = 3 on
+    the cut is transformers'."""
+    from transformers import AutoTokenizer
+
+    server, folder = embedder
+    hf, tok = load_hf(folder), AutoTokenizer.from_pretrained(str(folder))
+    long_1, long_2 = TEXTS[0] + " " + TEXTS[2], TEXTS[2] + " " + TEXTS[1]
+    assert tok(long_1, truncation=True, max_length=2)["input_ids"] == [
+        tok.cls_token_id, tok.sep_token_id]
+    assert tok(long_1, truncation=True, max_length=1)["input_ids"] == tok(long_1)["input_ids"]
+    for k in (1, 2):
+        for path, body in (("/v1/score", {"text_1": long_1, "text_2": long_2}),
+                           ("/v1/rerank", {"query": long_1, "documents": [long_2]})):
+            r = httpx.post(server.url + path, json={"model": "enc", **body,
+                                                    "truncate_prompt_tokens": k}, timeout=60)
+            assert r.status_code == 400, (path, k, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "truncate_prompt_tokens", error
+            assert "at least 3" in error["message"], error
+
+    @torch.no_grad()
+    def truncated_embedding(text: str, k: int) -> torch.Tensor:
+        enc = tok(text, truncation=True, max_length=k, return_tensors="pt")
+        return F.normalize(hf(**enc).last_hidden_state[0].mean(dim=0), dim=0)
+
+    r = httpx.post(server.url + "/v1/score", json={
+        "model": "enc", "text_1": long_1, "text_2": long_2, "truncate_prompt_tokens": 3},
+        timeout=60)
+    assert r.status_code == 200, r.text
+    want = F.cosine_similarity(truncated_embedding(long_1, 3), truncated_embedding(long_2, 3),
+                               dim=0).item()
+    assert r.json()["data"][0]["score"] == pytest.approx(want, abs=1e-5)
+    assert want < 1 - 1e-4  # one token of each text is left: different texts, different scores
+
+
 @torch.no_grad()
 def test_embedding_pooling_flag(embedder) -> None:  # noqa: ANN001
     """--embedding-pooling cls on an encoder whose own pooling is mean (the flag takes every
@@ -162,6 +200,11 @@ def test_rerank_cross_encoder(tmp: Path, arch: str) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["data"][0]["probs"][0] == pytest.approx(
             _truncated_reference_score(hf, folder, TEXTS[2], None, 5), abs=1e-6)
+        for k in (1, 2):  # nothing of the text would be left (see the test above)
+            r = httpx.post(server.url + "/v1/classify", json={
+                "model": "enc", "input": TEXTS[2], "truncate_prompt_tokens": k}, timeout=60)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
         r = httpx.post(server.url + "/v1/embeddings", json={"model": "enc", "input": "hi"},
                        timeout=60)
         assert r.status_code == 400, r.text

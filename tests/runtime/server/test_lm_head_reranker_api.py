@@ -105,7 +105,8 @@ def test_what_the_reranker_refuses(served) -> None:  # noqa: ANN001
     for path, body, param in [
             ("/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}, "text_2"),
             ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
-            ("/v1/rerank", {"query": QUERY * 300, "documents": ["x"]}, "documents"),
+            ("/v1/rerank", {"query": QUERY * 300, "documents": ["x"]}, "query"),  # the long one
+            ("/v1/rerank", {"query": QUERY, "documents": ["x", QUERY * 300]}, "documents"),
             ("/v1/embeddings", {"input": "Hi"}, "model"),
             ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "model")]:
         resp = http.post(path, json=body)

@@ -275,7 +275,11 @@ class BatchRunner:
                                   "line": None, "param": "input_file_id"}]
         if errors:
             batch["errors"] = {"object": "list", "data": errors}
-            self._set_status(batch, "failed")
+            # Cancelled while validating (here or through another replica's marker): the
+            # client was answered `cancelling`, which ends `cancelled` as on OpenAI's; the
+            # errors found stay listed.
+            self._honour_cancel_marker(batch)
+            self._set_status(batch, "cancelled" if batch["status"] == "cancelling" else "failed")
             logger.warning("%s failed validation: %s", batch["id"], errors[0]["message"])
             return
         results = BatchResults.open(self.dir, batch["id"])

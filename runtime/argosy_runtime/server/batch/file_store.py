@@ -80,15 +80,28 @@ class FileStore:
         another owner's file alike."""
         meta = read_json_record(self._meta_path(file_id))
         if meta is None or not visible_to(meta.get("owner"), owner):
-            raise APIError(404, f"no file with id {file_id!r}", param="file_id",
-                           code="file_not_found")
+            raise self._not_found(file_id)
         return meta
+
+    def _not_found(self, file_id: str) -> APIError:
+        return APIError(404, f"no file with id {file_id!r}", param="file_id",
+                        code="file_not_found")
 
     def content(self, file_id: str, owner: str | None = None) -> tuple[Path, dict[str, Any]]:
         """The file's bytes (a path) and its `FileObject`, from one read of the metadata; 404
         for an unknown id (the id is checked before it names a path)."""
         meta = self.get(file_id, owner)
         return self.dir / file_id, meta
+
+    def open(self, file_id: str, owner: str | None = None) -> tuple[BinaryIO, dict[str, Any]]:
+        """The file's bytes, opened, and its `FileObject`; 404 when it is unknown or deleted
+        (by this replica or another) after its metadata was read. Once open, a delete no
+        longer affects it: the handle reads the whole file."""
+        path, meta = self.content(file_id, owner)
+        try:
+            return path.open("rb"), meta
+        except FileNotFoundError:
+            raise self._not_found(file_id) from None
 
     def content_path(self, file_id: str) -> Path:
         return self.content(file_id)[0]

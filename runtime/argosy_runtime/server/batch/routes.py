@@ -6,14 +6,17 @@ stores record is not part of the objects clients get (`public`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Literal
+import os
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, BinaryIO, Literal
+from urllib.parse import quote
 
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.batch.pagination import page
 from argosy_runtime.server.owners import Owner, public
 from fastapi import FastAPI, File, Form, Query, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -47,9 +50,16 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
         return public(files.get(file_id, owner))
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str, owner: Owner = None) -> FileResponse:
-        path, meta = files.content(file_id, owner)
-        return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
+    async def file_content(file_id: str, owner: Owner = None) -> StreamingResponse:
+        # Opened before answering, and streamed from the handle: a delete racing the
+        # download is a 404 (not yet open) or the whole file (open), never a 500 from a
+        # late look at a path that is gone (what FileResponse does).
+        f, meta = await asyncio.to_thread(files.open, file_id, owner)
+        size = os.fstat(f.fileno()).st_size
+        return StreamingResponse(
+            _read_chunks(f), media_type="application/jsonl",
+            headers={"content-length": str(size),
+                     "content-disposition": _attachment(meta["filename"])})
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, owner: Owner = None) -> dict[str, Any]:
@@ -73,3 +83,21 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
         return public(runner.cancel(batch_id, owner))
+
+
+async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+    """The open file's bytes, read off the event loop, closed at the end (or when the client
+    goes away)."""
+    try:
+        while chunk := await asyncio.to_thread(f.read, 1 << 20):
+            yield chunk
+    finally:
+        f.close()
+
+
+def _attachment(filename: str) -> str:
+    """The Content-Disposition header FileResponse would send for `filename`."""
+    quoted = quote(filename)
+    if quoted != filename:
+        return f"attachment; filename*=utf-8''{quoted}"
+    return f'attachment; filename="{filename}"'
