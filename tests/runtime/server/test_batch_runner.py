@@ -136,6 +136,21 @@ async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
     assert batch["errors"]["data"][0]["code"] == "internal_error"
 
 
+async def test_an_input_file_deleted_before_it_is_read_is_file_not_found(tmp_path: Path) -> None:
+    # Its metadata read, its bytes gone (deleted meanwhile, here or by another replica): the
+    # batch fails naming the file, not as an internal error.
+    runner, file_id = _runner(tmp_path, Endpoint())
+    await runner.start()
+    batch = runner.create(file_id, "/v1/completions", "24h", None)
+    (tmp_path / "files" / file_id).unlink()
+    batch = await _finish(runner, batch)
+    await runner.shutdown()
+    assert batch["status"] == "failed"
+    error = batch["errors"]["data"][0]
+    assert (error["code"], error["param"]) == ("file_not_found", "input_file_id")
+    assert file_id in error["message"]
+
+
 async def test_batch_requests_log_nothing_through_httpx(tmp_path: Path,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The access log has a line per batch request; httpx adds none, and the runner leaves

@@ -270,8 +270,12 @@ class BatchRunner:
         try:
             path = self.files.content_path(batch["input_file_id"])
             lines, errors = await asyncio.to_thread(read_batch_input, path, batch["endpoint"])
-        except APIError as exc:  # the input file was deleted before the batch started
-            lines, errors = [], [{"code": "file_not_found", "message": exc.message,
+        except (APIError, FileNotFoundError) as exc:
+            # The input file was deleted before the batch started (FileNotFoundError: after
+            # its metadata was read, by this replica or another).
+            message = exc.message if isinstance(exc, APIError) else \
+                f"no file with id {batch['input_file_id']!r}"
+            lines, errors = [], [{"code": "file_not_found", "message": message,
                                   "line": None, "param": "input_file_id"}]
         if errors:
             batch["errors"] = {"object": "list", "data": errors}
