@@ -206,26 +206,11 @@ _GGUF_LAYER_NAMES = {
 @lru_cache(maxsize=1)
 def _embedded_tokenizer_metadata() -> dict:
     """{key: (GGUFValueType, python value)} of the embedded GGUF's tokenizer.* fields."""
-    from gguf import GGUFReader, GGUFValueType
+    from argosy_runtime.model_loader.gguf_metadata import open_gguf, read_field
 
-    out: dict = {}
-    for key, field in GGUFReader(str(embedded_gguf_path())).fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            if field.types[-1] == GGUFValueType.STRING:
-                value = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            else:
-                value = [field.parts[i].tolist()[0] for i in field.data]
-        elif kind == GGUFValueType.STRING:
-            value = bytes(field.parts[field.data[0]]).decode("utf-8")
-        elif kind == GGUFValueType.BOOL:
-            value = bool(field.parts[field.data[0]][0])
-        else:
-            value = int(field.parts[field.data[0]][0])
-        out[key] = (kind, value)
-    return out
+    reader = open_gguf(embedded_gguf_path())
+    return {key: (field.types[0], read_field(reader, key))
+            for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 def _llamacpp_permute(weights, n_head: int):
