@@ -22,7 +22,7 @@ from test_lora_api import PROMPT, peft_greedy_text, peft_model  # noqa: E402, F4
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
-MAX_TOKENS = 96  # long enough that the stream still runs when its adapter is unloaded
+MAX_TOKENS = 48  # long enough that the stream still runs when its adapter is unloaded
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,8 @@ def test_a_request_waiting_for_an_adapter_unloaded_meanwhile_is_a_404(
     with httpx.Client(base_url=lazy_server.url, timeout=60) as http:
         for name in ("holder", "waiter"):
             assert _load(http, name, str(peft_model[0])).status_code == 200
-        stream = client.completions.create(model="holder", prompt=PROMPT, max_tokens=400,
+        # 160 tokens: seconds of decoding, far longer than the waiter takes to queue.
+        stream = client.completions.create(model="holder", prompt=PROMPT, max_tokens=160,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         chunks = iter(stream)
