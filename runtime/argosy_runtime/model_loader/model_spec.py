@@ -393,8 +393,8 @@ class ModelSpec:
             from argosy_runtime.model_loader.gemma3_config import gemma_text_config
 
             config, gemma = gemma_text_config(config, architecture)
-        hidden_size = _require_int(config, "hidden_size")
-        num_heads = _require_int(config, "num_attention_heads")
+        hidden_size = config_int(config, "hidden_size")
+        num_heads = config_int(config, "num_attention_heads")
         num_kv_heads = config_int(config, "num_key_value_heads", num_heads) or num_heads
         head_dim = config_int(config, "head_dim", None)
         if head_dim is None:
@@ -431,10 +431,10 @@ class ModelSpec:
             bos = config_int(generation_config, "bos_token_id", None, "generation_config.json")
         return cls(
             architecture=architecture,
-            vocab_size=_require_int(config, "vocab_size"),
+            vocab_size=config_int(config, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_require_int(config, "intermediate_size"),
-            num_hidden_layers=_require_int(config, "num_hidden_layers"),
+            intermediate_size=config_int(config, "intermediate_size"),
+            num_hidden_layers=config_int(config, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -488,7 +488,7 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """
     if architecture not in MOE_ARCHITECTURES:
         return {}
-    num_layers = _require_int(config, "num_hidden_layers")
+    num_layers = config_int(config, "num_hidden_layers")
     keys = ("num_local_experts", "num_experts") if architecture == "mixtral" else (
         "num_experts", "num_local_experts")
     key = next((k for k in keys if config.get(k)), None)
@@ -499,7 +499,7 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     top_k = config_int(config, "num_experts_per_tok")
     if architecture == "mixtral":
         return dict(num_experts=num_experts, num_experts_per_tok=top_k,
-                    moe_intermediate_size=_require_int(config, "intermediate_size"),
+                    moe_intermediate_size=config_int(config, "intermediate_size"),
                     norm_topk_prob=True, sparse_layers=tuple(range(num_layers)))
     step = config_int(config, "decoder_sparse_step", 1) or 1
     if step <= 0:
@@ -512,7 +512,7 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     sparse = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
     shared = config_int(config, "shared_expert_intermediate_size", 0)
     return dict(num_experts=num_experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=_require_int(config, "moe_intermediate_size"),
+                moe_intermediate_size=config_int(config, "moe_intermediate_size"),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared if architecture == "qwen2_moe" else 0,
                 sparse_layers=sparse)
@@ -653,7 +653,7 @@ def _phi3_rope(config: dict[str, Any], scaling: dict | None, head_dim: int
     original = config.get("original_max_position_embeddings",
                           scaling.get("original_max_position_embeddings"))
     if original is None:
-        original = _require_int(config, "max_position_embeddings")
+        original = config_int(config, "max_position_embeddings")
     scaling["original_max_position_embeddings"] = int(original)
     rotary_half = int(head_dim * partial) // 2
     for key in ("short_factor", "long_factor"):
@@ -712,10 +712,6 @@ def _as_number(value: Any, what: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{what} must be a number, got {value!r}")
     return float(value)
-
-
-def _require_int(config: dict[str, Any], key: str) -> int:
-    return config_int(config, key)
 
 
 def _as_id_list(value: Any, what: str) -> list[int]:

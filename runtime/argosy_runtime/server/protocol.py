@@ -133,13 +133,16 @@ class CompletionRequest(_SamplingFields):
 
 
 class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings (OpenAI's), plus vLLM's `priority`."""
+    """POST /v1/embeddings (OpenAI's), plus vLLM's `priority` and `truncate_prompt_tokens`."""
 
     model_config = _FORBID
     model: str | None = None
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
+    # vLLM's: keep the last k tokens of each input (an encoder's [CLS] ... [SEP] cut); -1:
+    # the model's length; 0 or null: all of it.
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     user: str | None = None
     priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 

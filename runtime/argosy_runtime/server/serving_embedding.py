@@ -21,9 +21,9 @@ from argosy_runtime.server.serving_common import (
     ClientGone,
     ServingContext,
     admitted_at_once,
-    check_prompt,
     run_to_completion,
     start_streams,
+    truncate_prompts,
 )
 from argosy_runtime.server.serving_completion import normalize_prompts
 from fastapi.responses import JSONResponse
@@ -48,9 +48,9 @@ async def create_embedding(request: Request, req: EmbeddingRequest,
     # The full size is every model's; a shorter one only a Matryoshka-trained model's (the
     # engine checks, naming the sizes it accepts).
     dimensions = None if req.dimensions == ctx.embedding_size else req.dimensions
-    _, prompts = await normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS)
-    for ids in prompts:
-        check_prompt(ctx, ids, 0, param="input")
+    _, prompts = await normalize_prompts(ctx, req.input, "input", MAX_EMBEDDING_INPUTS,
+                                         req.truncate_prompt_tokens)
+    prompts = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "input")
     prompt_tokens = sum(len(p) for p in prompts)
     request_log(request.scope).update(model=model_name, prompt_tokens=prompt_tokens,
                                       inputs=len(prompts))

@@ -106,6 +106,28 @@ def test_context_length_error_has_its_code(http: httpx.Client) -> None:
     assert resp.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:
+    ids = offline_llm.get_tokenizer().encode(TEXTS[0])
+    k = 4
+    r = http.post("/v1/embeddings", json={"input": [TEXTS[0], TEXTS[2]], "encoding_format": "float",
+                                          "truncate_prompt_tokens": k})
+    assert r.status_code == 200, r.text
+    [cut] = offline_llm.embed([ids[-k:]])
+    [short] = offline_llm.embed([TEXTS[2]])  # shorter than k: left whole
+    data = r.json()["data"]
+    assert_vectors_equal(data[0]["embedding"], cut.embedding)
+    assert_vectors_equal(data[1]["embedding"], short.embedding)
+    assert r.json()["usage"]["prompt_tokens"] == k + len(short.prompt_token_ids)
+    # -1: as much as the model holds, so a text past --max-model-len (a 400 without it) fits.
+    long = http.post("/v1/embeddings", json={"input": "word " * 3000, "truncate_prompt_tokens": -1})
+    assert long.status_code == 200, long.text
+    assert long.json()["usage"]["prompt_tokens"] == 2048
+    for bad in (-2, 2049, True, "4"):
+        r = http.post("/v1/embeddings", json={"input": "Hi", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_more_inputs_than_one_slice_come_back_in_order(client: OpenAI, offline_llm) -> None:
     # 300 inputs: more than the 256 one request admits to the engine at a time.
     inputs = [f"item number {i}" for i in range(300)]

@@ -133,6 +133,18 @@ def test_truncation_too_small_for_an_encoder_is_a_400(embedder) -> None:  # noqa
                                dim=0).item()
     assert r.json()["data"][0]["score"] == pytest.approx(want, abs=1e-5)
     assert want < 1 - 1e-4  # one token of each text is left: different texts, different scores
+    # /v1/embeddings cuts the same way, and refuses the same k.
+    r = httpx.post(server.url + "/v1/embeddings", json={
+        "model": "enc", "input": [long_1, long_2], "truncate_prompt_tokens": 5,
+        "encoding_format": "float"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for text, item in zip((long_1, long_2), r.json()["data"], strict=True):
+        torch.testing.assert_close(torch.tensor(item["embedding"]), truncated_embedding(text, 5),
+                                   atol=1e-5, rtol=1e-5)
+    assert r.json()["usage"]["prompt_tokens"] == 10
+    r = httpx.post(server.url + "/v1/embeddings", json={
+        "model": "enc", "input": long_1, "truncate_prompt_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 @torch.no_grad()
