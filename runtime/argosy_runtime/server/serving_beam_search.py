@@ -29,6 +29,7 @@ from argosy_runtime.server.serving_common import (
     SSE_DONE,
     ClientGone,
     ServingContext,
+    admitted_at_once,
     run_to_completion,
     sse,
     start_streams,
@@ -48,14 +49,22 @@ _NOT_WITH_BEAM_SEARCH = (
     ("response_format", None), ("logprobs", None), ("top_logprobs", None), ("tools", None),
     ("prompt_logprobs", None),
 )
+# Fields whose 0 asks for something (the sampled token's log-probability, each prompt
+# token's), unlike top_k 0 or min_tokens 0; `0 in (None, False)` is true in Python (0 ==
+# False), so the test above would take them as unset and drop them silently.
+_ZERO_ASKS = ("logprobs", "prompt_logprobs")
 
 
 def beam_search_params(req: CompletionRequest | ChatCompletionRequest,
                        max_tokens: int) -> BeamSearchParams:
     for field, unset in _NOT_WITH_BEAM_SEARCH:
         value = getattr(req, field, unset)
-        if value not in (unset, False, [], {}) and not (
-                field == "response_format" and value.type == "text"):
+        if field in _ZERO_ASKS:
+            is_set = value is not None and value is not False  # chat's logprobs is a bool
+        else:
+            is_set = value not in (unset, False, [], {}) and not (
+                field == "response_format" and value.type == "text")
+        if is_set:
             raise bad_request(f"{field} is not supported with use_beam_search", field)
     return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
                             ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
@@ -93,6 +102,17 @@ async def beam_search_response(request: Request, ctx: ServingContext,
     """The whole reply of a completions (`prefixes`: echoed prompts) or chat request."""
     chat = isinstance(req, ChatCompletionRequest)
     params = beam_search_params(req, max_tokens)
+    # Each step scores every live beam of every prompt as its own request, all admitted
+    # together: more than the server admits at once would be a 429 from the second step on,
+    # after work was spent, and no retry could get past it.
+    limit = admitted_at_once(ctx)
+    beams = len(prompts) * params.beam_width
+    if limit is not None and beams > limit:
+        raise bad_request(
+            f"{len(prompts)} prompt(s) x beam width {params.beam_width} (n) = {beams} beams, "
+            f"each scored as a request every step, but this server admits at most {limit} "
+            "requests at once (--max-num-seqs + --max-waiting); ask for a smaller n or send "
+            "fewer prompts per request", "n" if params.beam_width > limit else "prompt")
     log = request_log(request.scope)
     log.update(model=model_name, prompt_tokens=sum(len(p) for p in prompts),
                stream=bool(req.stream), beam_width=params.beam_width)

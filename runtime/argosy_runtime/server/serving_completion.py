@@ -96,9 +96,11 @@ def logprobs_block(ctx: ServingContext, seq: CompletionOutput, start: int, end: 
     return block, offset
 
 
-def prompt_logprobs_block(ctx: ServingContext, out: RequestOutput, k: int) -> dict[str, Any]:
+def prompt_logprobs_block(ctx: ServingContext, out: RequestOutput,
+                          k: int) -> tuple[dict[str, Any], int]:
     """The `logprobs` object for an echoed prompt: each prompt token's log-probability given
-    the tokens before it (none for the first) and the top k there, offsets from 0."""
+    the tokens before it (none for the first) and the top k there, offsets from 0; and the
+    offset where the generated tokens start."""
     block: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                              "text_offset": []}
     offset, scored = 0, out.prompt_logprobs or []
@@ -112,7 +114,7 @@ def prompt_logprobs_block(ctx: ServingContext, out: RequestOutput, k: int) -> di
             token_text(ctx.tokenizer, t, alt): alt.logprob for t, alt in top_entries(entry, k)})
         block["text_offset"].append(offset)
         offset += len(text)
-    return block
+    return block, offset
 
 
 def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -133,12 +135,25 @@ async def create_completion(request: Request, req: CompletionRequest,
                           "use_beam_search", "max_tokens")
     max_tokens = 1 if score_only else req.max_tokens
     texts, prompts = await normalize_prompts(ctx, req.prompt, truncate=req.truncate_prompt_tokens)
-    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
-    # echo returns the prompt the model saw: a truncated one is decoded, not the text sent
+    try:
+        cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
+    except APIError as exc:
+        if score_only and exc.code == "context_length_exceeded":
+            # its message counts the one token the engine runs as "max_tokens 1", a value
+            # this client never sent: say what the limit is for max_tokens 0
+            raise bad_request(
+                f"this model's maximum context length is {ctx.max_model_len} tokens; echo "
+                "with max_tokens 0 still runs the model one token past the prompt, so the "
+                f"prompt may have at most {ctx.max_model_len - 1} tokens", "prompt",
+                code="context_length_exceeded") from exc
+        raise
+    # echo returns the prompt the model saw: a truncated one is decoded, not the text sent.
+    # Decoded with its special tokens, as vLLM echoes token ids: dropping them made the echo
+    # shorter than its logprobs `tokens`, whose text_offsets then overlapped the generated ones.
     texts = [t if len(c) == len(p) else None for t, c, p in zip(texts, cut, prompts)]
     prompts = cut
-    prefixes = [(t or ctx.tokenizer.decode(ids)) if req.echo else "" for t, ids in
-                zip(texts, prompts, strict=True)]
+    prefixes = [(t or ctx.tokenizer.decode(ids, skip_special_tokens=False)) if req.echo else ""
+                for t, ids in zip(texts, prompts, strict=True)]
     if req.use_beam_search:  # null max_tokens: up to the context's end, as for sampling
         max_tokens = max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
         return await beam_search_response(request, ctx, req, model_name, prompts,
@@ -200,12 +215,14 @@ async def create_completion(request: Request, req: CompletionRequest,
                     end = 0 if score_only else len(seq.token_ids)
                     if not delta and seq.finish_reason is None and (k is None or start == end):
                         continue
-                    lp = None
+                    lp = prompt_lp = None
                     if k is not None:
+                        if first and req.echo:  # the generated offsets follow the prompt's
+                            prompt_lp, offsets[c] = prompt_logprobs_block(ctx, out, k)
                         lp, offsets[c] = logprobs_block(ctx, seq, start, end, k,
-                                                         offsets.get(c, len(prefixes[i])))
-                        if first and req.echo:
-                            lp = joined(prompt_logprobs_block(ctx, out, k), lp)
+                                                         offsets.get(c, 0))
+                        if prompt_lp is not None:
+                            lp = joined(prompt_lp, lp)
                     text = (prefixes[i] if first else "") + delta
                     finish = "length" if score_only and seq.finish_reason else seq.finish_reason
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
@@ -242,9 +259,11 @@ async def create_completion(request: Request, req: CompletionRequest,
             lp = None
             if k is not None:
                 end = 0 if score_only else len(seq.token_ids)
-                lp = logprobs_block(ctx, seq, 0, end, k, len(prefixes[i]))[0]
-                if req.echo:
-                    lp = joined(prompt_logprobs_block(ctx, out, k), lp)
+                prompt_lp, offset = (prompt_logprobs_block(ctx, out, k) if req.echo
+                                     else (None, 0))  # the generated offsets follow the prompt's
+                lp = logprobs_block(ctx, seq, 0, end, k, offset)[0]
+                if prompt_lp is not None:
+                    lp = joined(prompt_lp, lp)
             choice = {"index": i * n + seq.index,
                       "text": prefixes[i] + ("" if score_only else seq.text), "logprobs": lp,
                       "finish_reason": "length" if score_only else seq.finish_reason}

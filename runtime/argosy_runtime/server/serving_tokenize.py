@@ -19,6 +19,8 @@ async def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if req.chat_template_kwargs is not None and req.messages is None:
         raise bad_request("chat_template_kwargs applies to messages only", "chat_template_kwargs")
+    if req.tools is not None and req.messages is None:  # only a chat template shows them
+        raise bad_request("tools applies to messages only", "tools")
     if req.messages is not None:  # as chat completions does: the template holds any BOS
         text = render_chat_text(ctx, req.messages, req.tools, req.add_generation_prompt,
                                 req.chat_template_kwargs)

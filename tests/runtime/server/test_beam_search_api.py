@@ -68,6 +68,10 @@ def test_chat_streamed_and_not_equal_the_offline_beam_search(client: OpenAI,
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ({"n": 11}, "n"),  # a width whose candidates outgrow the top log-probabilities
+    # 0 asks for log-probabilities too (the chosen token's, each prompt token's): they were
+    # dropped silently, since `0 in (None, False)` holds in Python
+    ({"logprobs": 0}, "logprobs"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
 ])
 def test_options_a_beam_search_cannot_honour_are_400s(http: httpx.Client, extra: dict,
                                                       param: str) -> None:

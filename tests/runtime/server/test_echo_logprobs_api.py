@@ -113,3 +113,41 @@ def test_prompt_logprobs_extra_on_completions_and_chat(http: httpx.Client, offli
                                                        "stream": True, "prompt_logprobs": 1})
     assert streamed.status_code == 400
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_token_prompt_keeps_its_special_tokens(http: httpx.Client, stream: bool) -> None:
+    """A token-id prompt with a special token (1 is <|im_start|>) is echoed as the model saw
+    it, as vLLM does; each text_offset is where its token starts in the text. The echo used
+    to drop the special token while `tokens` kept it, so the generated tokens' offsets went
+    back over the prompt's (text_offset [0, 0, ...])."""
+    ids = [1] + http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1,
+            "temperature": 0, "stream": stream}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        choices = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+                   if line.startswith("data: {")]
+    else:
+        choices = r.json()["choices"]
+    text = "".join(c["text"] for c in choices)
+    lp = {key: [x for c in choices for x in c["logprobs"][key]]
+          for key in ("tokens", "text_offset")}
+    assert text.startswith("<|im_start|>Hello"), text
+    assert "".join(lp["tokens"][:len(ids)]) == "<|im_start|>Hello"
+    starts = [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == starts
+
+
+def test_max_tokens_0_past_the_context_says_so(http: httpx.Client) -> None:
+    """The engine runs one token past a prompt scored with max_tokens 0: the 400 for a prompt
+    of max_model_len (2048) tokens used to blame a "max_tokens 1" the client never sent."""
+    body = {"model": MODEL, "prompt": [28] * 2048, "max_tokens": 0, "echo": True}
+    r = http.post("/v1/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt", r.text
+    assert err["code"] == "context_length_exceeded"
+    assert "max_tokens 1" not in err["message"] and "at most 2047" in err["message"], err
+    r = http.post("/v1/completions", json={**body, "prompt": [28] * 2047})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2047, r.text

@@ -147,6 +147,8 @@ CASES = [
      "tools"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 7}, 400, "presence_penalty"),
     (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "model"),
+    # tools go through the chat template with messages; with a prompt they were ignored
+    ("/tokenize", {"model": MODEL, "prompt": "x", "tools": TOOLS}, 400, "tools"),
 ]
 
 

@@ -119,6 +119,24 @@ async def test_a_queue_full_of_less_urgent_requests_never_refuses_a_more_urgent_
     await _until(lambda: _gauges(prod) == (0, 0), timeout=10)
 
 
+def test_a_beam_search_wider_than_the_server_admits_is_a_400(prod: ServerProcess) -> None:
+    """Each beam is scored as its own request every step: 2 prompts x width 6 = 12 beams is
+    more than 8 seats + 2 waiting, which used to get a 429 "retry later" from the second step
+    on (after the first step's work), on an idle server, whatever the client retried."""
+    body = {"model": MODEL, "prompt": ["Once upon a time", "Hi"], "max_tokens": 3, "n": 6,
+            "use_beam_search": True}
+    with httpx.Client(base_url=prod.url, headers=AUTH, timeout=120) as h:
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "at most 10" in r.json()["error"]["message"]
+        r = h.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "n": 6, "use_beam_search": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+        r = h.post("/v1/completions", json={**body, "n": 5})  # 10 beams fit
+        assert r.status_code == 200 and len(r.json()["choices"]) == 10, r.text
+
+
 async def test_request_timeout_aborts_plain_and_streamed(prod: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 1800, "ignore_eos": True}
     start = time.monotonic()
