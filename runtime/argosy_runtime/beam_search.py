@@ -23,6 +23,7 @@ a step computes about one partial block per beam, not the whole sequence again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,13 +127,13 @@ class BeamSearch:
         # Only the best beam_width candidates may finish; the rest are spares to stay live.
         for beam, end in zip(candidates[:width], ends):
             if end:
-                self.finished.append((beam.cum_logprob / length ** penalty, beam))
+                self.finished.append((_score(beam.cum_logprob, length, penalty), beam))
         self.finished.sort(key=lambda f: -f[0])
         del self.finished[width:]
         self.live = [beam for beam, end in zip(candidates, ends) if not end][:width]
         self.done = all(ends) or (
             len(self.finished) == width
-            and self.live[0].cum_logprob / length ** penalty <= self.finished[-1][0])
+            and _score(self.live[0].cum_logprob, length, penalty) <= self.finished[-1][0])
 
     def output(self, tokenizer: Any) -> BeamSearchOutput:
         """The finished hypotheses, best first (call once `done`)."""
@@ -146,6 +147,17 @@ class BeamSearch:
                 score=score, finish_reason="stop" if ended else "length",
                 stop_reason=tokens[-1] if ended else None))
         return BeamSearchOutput(sequences)
+
+
+def _score(cum_logprob: float, length: int, penalty: float) -> float:
+    """cum_logprob / length ** penalty, its limit where the power leaves a float's range (a
+    penalty of +-100 past ~1200 tokens: OverflowError, or a 0.0 divisor)."""
+    try:
+        return cum_logprob / length ** penalty
+    except (OverflowError, ZeroDivisionError):
+        if penalty > 0:  # divided by "infinity"
+            return -0.0 if cum_logprob < 0 else 0.0
+        return -math.inf if cum_logprob < 0 else 0.0
 
 
 def live_requests(searches: Sequence[BeamSearch]) -> list[tuple[BeamSearch, list[int]]]:

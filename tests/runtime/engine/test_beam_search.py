@@ -5,6 +5,7 @@ chunked prefill), with and without end tokens and length penalties."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from pathlib import Path
@@ -156,3 +157,16 @@ def test_only_the_best_width_candidates_may_finish() -> None:
     search = BeamSearch([1], BeamSearchParams(beam_width=2, max_tokens=3), [9])
     search.advance([{5: -0.1, 6: -0.2, 9: -0.3, 7: -0.4}])
     assert not search.finished and search.requests() == [[1, 5], [1, 6]]
+
+
+@pytest.mark.parametrize("penalty", [100.0, -100.0])
+def test_extreme_length_penalties_past_a_floats_range_still_finish(penalty: float) -> None:
+    """1300 ** 100 overflows a float and 1300 ** -100 is 0.0: the score is then its limit
+    (0 or -inf) instead of an OverflowError or ZeroDivisionError ending the search."""
+    search = BeamSearch([1], BeamSearchParams(beam_width=1, max_tokens=1300,
+                                              length_penalty=penalty), [2])
+    while not search.done:
+        search.advance([{5: -0.1, 6: -0.2}])
+    [best] = search.output(_Tokens()).sequences
+    assert len(best.tokens) == 1301 and best.finish_reason == "length"
+    assert best.score == (0.0 if penalty > 0 else -math.inf)
