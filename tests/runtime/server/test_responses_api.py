@@ -200,6 +200,15 @@ def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text",
      "text.format.name"),
     ({"input": "Hi " * 3000, "max_output_tokens": 5}, 400, "input", "maximum context length"),
+    # a schema llguidance cannot take (a 128-bit bound) was "text.format: Value is not JSON
+    # serializable", naming no field of the schema
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
+        "type": "integer", "maximum": 10**30}}}}, 400, "text",
+     "text.format.schema: the integer 1000000000000000000000000000000 is out of"),
+    # and this one killed the server (SIGSEGV inside llguidance)
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"const": -(2**63)}}}}], "tool_choice":
+      "required"}, 400, "tools", "tools: parameters: the integer -9223372036854775808"),
     ({"input": "Hi", "model": "no-such-model"}, 404, "model", "does not exist"),
     ({"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id",
      "resp_unknown"),

@@ -92,6 +92,23 @@ def test_timeout_event_fails_the_response() -> None:
     assert done == [events[-1]["response"]]  # the caller stores it or not (background: yes)
 
 
+def test_a_grammar_failing_mid_stream_is_named_in_responses_terms() -> None:
+    """A `text.format` schema failing mid-generation comes as chat's error event, worded in
+    chat's fields (`response_format`, `json_schema.schema`): the failed response names the
+    field this client wrote, as the unstreamed 400 does (`serving.in_responses_terms`)."""
+    error = {"error": {"message": "response_format: the grammar failed after 1 generated "
+                                  "token(s) (lexer error: too many expressions constructed)",
+                       "type": "invalid_request_error", "param": "response_format",
+                       "code": None}}
+    events, _ = _translate([_delta("["), _chunk(error), "data: [DONE]\n\n"])
+    final = events[-1]["response"]
+    assert final["status"] == "failed", final
+    assert final["error"]["message"].startswith("text.format: the grammar failed after 1 "), final
+    error["error"]["message"] = "response_format: json_schema.schema: bad"
+    events, _ = _translate([_chunk(error)])
+    assert events[-1]["response"]["error"]["message"] == "text.format.schema: bad"
+
+
 def test_an_aborted_answer_fails_the_response() -> None:
     # The server drained (SIGTERM) or aborted the request: chat's finish_reason "abort".
     events, _ = _translate([_delta("a"), _delta(None, "abort"), "data: [DONE]\n\n"])

@@ -122,6 +122,35 @@ def _sse(http: httpx.Client, path: str, body: dict,
     return events
 
 
+@pytest.mark.parametrize("constraint, param, words", [
+    # JSON text nested past Python's recursion limit was a RecursionError: a 500
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json",
+     "structured_outputs.json is nested too deeply"),
+    # a number llguidance cannot take was "Value is not JSON serializable: ...", param null
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": 10**30}}},
+     "structured_outputs.json", "structured_outputs.json: the integer 1000"),
+    # this one killed the server process (SIGSEGV inside llguidance)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "const": -(2**63)}}}}, "response_format",
+     "response_format: json_schema.schema: the integer -9223372036854775808 is out of"),
+    ({"structured_outputs": {"grammar": 'start: %json{"enum": [-9223372036854775808]}'}},
+     "structured_outputs.grammar", "structured_outputs.grammar: the integer"),
+    # compiled for over 20 s in 1.5 GB (2**31: longer than anyone waited), a thread pinned
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "multipleOf": 2**24}}}}, "response_format",
+     "response_format: json_schema.schema: multipleOf 16777216 has too many digits"),
+])
+def test_unusable_schemas_are_400s_naming_the_field(http: httpx.Client, constraint: dict,
+                                                    param: str, words: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 5, **body, **constraint})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith(words), err
+    assert http.get("/health").status_code == 200  # still serving
+
+
 def test_a_grammar_past_the_matcher_limits_is_a_400_before_any_token(http: httpx.Client) -> None:
     """The fuzzed `a{1000000}` compiles, then fails on its first token: it used to return
     one token with finish_reason "stop". The compile-time probe makes it a 400 naming the

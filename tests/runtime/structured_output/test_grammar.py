@@ -4,6 +4,7 @@ back, and specs that cannot compile are ValueErrors."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +15,11 @@ from argosy_runtime.structured_output.grammar import (
     INITIAL_LEXER_FUEL,
     GrammarCompiler,
     parser_limits,
+)
+from argosy_runtime.structured_output.params import (
+    MAX_MULTIPLE_OF,
+    MAX_SCHEMA_INTEGER,
+    MIN_SCHEMA_INTEGER,
 )
 
 CHOICES = ["The capital is Paris.", "The capital is Lyon!", "Paris", "I do not know."]
@@ -153,6 +159,30 @@ def test_specs_that_cannot_compile_are_value_errors(compiler, kwargs: dict, mess
     assert "\n" not in str(info.value) and str(info.value).startswith("structured_outputs")
     with pytest.raises(ValueError, match=message):
         compiler.compile(params)
+
+
+def test_integers_at_the_edges_of_the_supported_range_compile(compiler) -> None:
+    """llguidance 1.9 dies with SIGSEGV building a matcher for an integer that rounds to -2**63
+    as an f64 (`{"const": -9223372036854775808}`, and up to -2**63 + 512): params refuse those
+    (test_params.py). The bounds themselves compile; were a bound one off, this test process
+    would crash."""
+    for value in (MIN_SCHEMA_INTEGER, 2**63 - 1, MAX_SCHEMA_INTEGER):
+        compiler.check(StructuredOutputsParams(json={"const": value}))
+        compiler.check(StructuredOutputsParams(json={"enum": [value, 1]}))
+    compiler.check(StructuredOutputsParams(
+        grammar=f'start: %json{{"const": {MIN_SCHEMA_INTEGER}}}'))
+    # without %json a long number is only a literal: no integer check
+    compiler.check(StructuredOutputsParams(grammar='start: "-9223372036854775808"'))
+
+
+@pytest.mark.parametrize("multiple_of", [MAX_MULTIPLE_OF, 9973, 8192, 3125, 0.01, 0.9973, 1e-7])
+def test_multiple_of_up_to_the_limit_compiles_fast(compiler, multiple_of: float) -> None:
+    """Within MAX_MULTIPLE_OF (primes and powers of 2 and 5 are the slowest) a compile is
+    fast; past it params refuse (test_params.py): 999983 took ~7 s, 2**24 over 20 s."""
+    start = time.perf_counter()
+    for kind in ("integer", "number"):
+        compiler.check(StructuredOutputsParams(json={"type": kind, "multipleOf": multiple_of}))
+    assert time.perf_counter() - start < 2.0
 
 
 def test_compiles_concurrently_from_several_threads(checkpoint) -> None:

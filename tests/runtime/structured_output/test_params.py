@@ -33,6 +33,24 @@ def test_json_text_is_parsed_and_booleans_become_schemas() -> None:
     ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
     ({"json": [1, 2]}, "structured_outputs.json must be a JSON schema object"),
+    # JSON text nested deeper than Python's recursion limit: a RecursionError (a 500) before
+    ({"json": "[" * 5000 + "]" * 5000}, "structured_outputs.json is nested too deeply"),
+    ({"json": '{"items":' * 3000 + "{}" + "}" * 3000}, "structured_outputs.json is nested too"),
+    # integers llguidance cannot take: past 64 bits its error named no field (a 400 with
+    # param null); near -2**63 it crashed the whole process (SIGSEGV, see test_grammar.py)
+    ({"json": {"type": "integer", "minimum": 10**30}},
+     r"^structured_outputs.json: the integer 10{30} is out of the supported range"),
+    ({"json": {"const": -(2**63)}}, "structured_outputs.json: the integer -9223372036854775808"),
+    ({"json": '{"enum": [1, -9223372036854775296]}'}, "structured_outputs.json: the integer"),
+    ({"grammar": 'start: %json{"const": -9223372036854775808}'},
+     "structured_outputs.grammar: the integer -9223372036854775808 is out of"),
+    # a multipleOf llguidance compiles for seconds to hours (and GBs): 2**24 took over 20 s
+    ({"json": {"type": "integer", "multipleOf": 2**24}}, "multipleOf 16777216 has too many"),
+    ({"json": {"type": "number", "multipleOf": 0.99991}}, "multipleOf 0.99991 has too many"),
+    ({"json": {"properties": {"a": {"multipleOf": 999983}}}}, "structured_outputs.json: "),
+    ({"json": {"multipleOf": 10**400}}, "multipleOf 1000"),  # no OverflowError (a 500)
+    ({"grammar": 'start: %json{"type": "integer", "multipleOf": 99991000}'},
+     "structured_outputs.grammar: multipleOf 99991000 has too many digits"),
     ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
     ({"grammar": 5}, "structured_outputs.grammar must be a non-empty string"),
     ({"regex": "a" * 100_001}, "longer than"),

@@ -17,6 +17,7 @@ completions.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from argosy_runtime.server.errors import bad_request
@@ -107,3 +108,14 @@ def reject_unsupported(req: ResponsesRequest) -> None:
     if req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary):
         raise bad_request("reasoning.summary: reasoning summaries are not supported",
                           "reasoning")
+
+
+def in_responses_words(message: str) -> str:
+    """A chat error message in the fields of the Responses request: the 400s of
+    `serving.in_responses_terms`, and the error events of a stream that failed mid-generation
+    (a `text.format` schema past the matcher's limits), which come from chat worded alike."""
+    message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", message)
+    # chat's "response_format: json_schema.schema: ..." is the schema of text.format
+    message = message.replace("response_format: json_schema.schema", "text.format.schema")
+    message = message.replace("response_format: ", "text.format: ")
+    return message.replace("json_schema.schema", "text.format.schema")

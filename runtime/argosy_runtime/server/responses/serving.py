@@ -16,7 +16,6 @@ response, or follows its events when `stream` is set.
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
@@ -33,7 +32,11 @@ from argosy_runtime.server.protocol import (
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.responses.background import BackgroundRun, BackgroundRuns
 from argosy_runtime.server.responses.input_items import parse_input
-from argosy_runtime.server.responses.protocol import ResponsesRequest, reject_unsupported
+from argosy_runtime.server.responses.protocol import (
+    ResponsesRequest,
+    in_responses_words,
+    reject_unsupported,
+)
 from argosy_runtime.server.responses.response_object import (
     function_call_item,
     message_item,
@@ -209,7 +212,5 @@ def response_format(req: ResponsesRequest) -> ResponseFormat | None:
 def in_responses_terms(exc: APIError) -> APIError:
     """A chat error named in the fields of the Responses request."""
     exc.param = _PARAMS.get(exc.param or "", exc.param)
-    message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", exc.message)
-    message = message.replace("response_format: ", "text.format: ")
-    exc.message = message.replace("json_schema.schema", "text.format.schema")
+    exc.message = in_responses_words(exc.message)
     return exc

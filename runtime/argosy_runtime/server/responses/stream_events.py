@@ -34,7 +34,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from argosy_runtime.server.responses.protocol import ResponsesRequest
+from argosy_runtime.server.responses.protocol import ResponsesRequest, in_responses_words
 from argosy_runtime.server.responses.response_object import (
     function_call_item,
     message_item,
@@ -91,8 +91,8 @@ class ResponseEventStream:
                 data = _chat_data(chunk)
                 if data is None:
                     continue
-                if "error" in data:  # chat's timeout event: the response failed
-                    message = str(data["error"].get("message"))
+                if "error" in data:  # chat's timeout or failed-grammar event: it failed
+                    message = in_responses_words(str(data["error"].get("message")))
                     yield self.failed({"code": "server_error", "message": message})
                     return
                 usage = data.get("usage") or usage
