@@ -321,6 +321,12 @@ class Tokenizer:
             # `raise_exception(...)` is how a template refuses a conversation it cannot render
             # (roles that do not alternate, a system message): the caller's input, a ValueError.
             raise ValueError(str(exc)) from exc
+        except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
+            # A template that renders the model's own conversations fails on what this caller
+            # sent (a template variable of the wrong type: `messages[-keep_last:]` with a
+            # string): the caller's input too, not a server error.
+            raise ValueError(f"the chat template failed on this input: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -61,6 +61,9 @@ from starlette.responses import Response
 
 # Template variables a request sets through its own fields, never through chat_template_kwargs.
 _TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
+# Functions the server gives every template (transformers' globals): a value of that name
+# would replace the function, and the template calling it would fail.
+_TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")
 
 
 async def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
@@ -88,6 +91,9 @@ def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
             raise bad_request(f"chat_template_kwargs: {key!r} is set by the request itself "
                               f"(its messages, tools or add_generation_prompt)",
                               "chat_template_kwargs")
+        if key in _TEMPLATE_FUNCTIONS:
+            raise bad_request(f"chat_template_kwargs: {key!r} is a function the server gives "
+                              "the chat template", "chat_template_kwargs")
     messages: list[dict[str, Any]] = []
     for m in chat_messages:
         content = m.content

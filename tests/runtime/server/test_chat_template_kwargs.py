@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 # Qwen3's switch, reduced to what it does to the prompt: an empty think block when off.
 # Refusing a system message with `raise_exception`, as Gemma's and Mistral's templates refuse
 # what they cannot render.
+# `keep_last` is a template variable of this test's own: the last k messages.
 TEMPLATE = (
+    "{% if keep_last is defined %}{% set messages = messages[-keep_last:] %}{% endif %}"
     "{% for m in messages %}{% if m.role == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -71,6 +73,10 @@ def test_chat_completion_counts_the_rendered_prompt(server: ServerProcess) -> No
     {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
     {"messages": MESSAGES, "chat_template_kwargs": "enable_thinking"},
     {"prompt": "Hi", "chat_template_kwargs": {"enable_thinking": False}},
+    # a function the template calls, replaced by a string: a TypeError in the template (500)
+    {"messages": [{"role": "system", "content": "x"}],
+     "chat_template_kwargs": {"raise_exception": "no"}},
+    {"messages": MESSAGES, "chat_template_kwargs": {"strftime_now": 1}},
 ])
 def test_misuse_is_a_400_naming_the_field(server: ServerProcess, body: dict) -> None:
     for path in ("/tokenize", "/v1/chat/completions"):
@@ -92,3 +98,18 @@ def test_a_conversation_the_template_refuses_is_a_400(server: ServerProcess) -> 
         error = resp.json()["error"]
         assert error["param"] == "messages", resp.text
         assert "System role not supported" in error["message"], resp.text
+
+
+def test_a_template_variable_of_the_wrong_type_is_a_400(server: ServerProcess) -> None:
+    """The template fails on the caller's value (`messages[-"two":]`: a TypeError, once a
+    500): a 400 saying the template failed on this input."""
+    two = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, *MESSAGES]
+    assert _prompt(server, messages=two, chat_template_kwargs={"keep_last": 1}).count(
+        "<|im_start|>") == 2  # the last message and the generation prompt
+    for path in ("/tokenize", "/v1/chat/completions"):
+        resp = httpx.post(server.url + path, json={
+            "model": "tiny", "messages": two, "chat_template_kwargs": {"keep_last": "two"}},
+            timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert "the chat template failed on this input: TypeError" in resp.json()["error"][
+            "message"], resp.text
