@@ -676,9 +676,14 @@ class LLMEngine:
             # its output must never end as a normal "stop".
             error = None if req.grammar is None else req.grammar.error(req.output_token_ids)
             if error is not None:
+                params = req.params
+                # Token masks can leave no token the grammar allows: then the sampled token
+                # breaks it, and the hint is about the masks, not the grammar's size.
+                hint = ("allowed_token_ids / bad_words may exclude every token the grammar "
+                        "allows next" if params.allowed_token_ids or params.bad_words_token_ids
+                        else "use smaller repetition counts, lengths or nesting")
                 req.error = (f"structured_outputs: the grammar failed after "
-                             f"{req.num_output_tokens} generated token(s) ({error}); "
-                             "use smaller repetition counts, lengths or nesting")
+                             f"{req.num_output_tokens} generated token(s) ({error}); {hint}")
                 req.text += req.detokenizer.push([token])  # the text follows token_ids
                 status = RequestStatus.FINISHED_ERROR
             elif ends:

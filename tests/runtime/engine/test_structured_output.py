@@ -235,6 +235,18 @@ def test_a_grammar_failing_mid_generation_ends_in_error_and_disturbs_nobody(engi
     assert_no_leaks(engine)
 
 
+def test_token_masks_excluding_the_grammar_say_so(engine) -> None:
+    """allowed_token_ids with no digit under a digits-only regex: no token is allowed by both,
+    the request fails, and its error points at the masks, not at the grammar's size."""
+    letters = engine.tokenizer.encode("abc", add_special_tokens=False)
+    params = SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=letters,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]+"))
+    [failed] = run(engine, [("Count:", params)])
+    assert failed.finish_reason == "error"
+    assert "allowed_token_ids / bad_words may exclude every token" in failed.error, failed.error
+    assert_no_leaks(engine)
+
+
 def test_abort_mid_generation_frees_everything(engine) -> None:
     params = SamplingParams(max_tokens=64, temperature=0,
                             structured_outputs=StructuredOutputsParams(json=PERSON))
