@@ -5,6 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), each taking whole test files (--dist loadfile: a module's
+# server fixture starts once). Two on these 2-core machines: much of the suite waits on
+# server processes and sockets, so 2 workers finish in ~18 min what 1 does in ~30.
+# TEST_WORKERS=0 runs in this one process (pdb, -s).
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test bench lint
 
@@ -23,7 +28,7 @@ serve: install
 	$(BIN)/argosy serve --model smollm2-135m $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)  # -rs: each skip and its reason; the 30 slowest tests
+	$(BIN)/python -m pytest -q -rs --durations=30 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)  # -rs: each skip and its reason; the 30 slowest tests
 
 bench: install
 	$(BIN)/argosy bench offline $(ARGS)
