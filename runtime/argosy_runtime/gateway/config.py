@@ -65,9 +65,14 @@ def _positive(where: str, value: Any, *, allow_zero: bool = False) -> None:
         raise ValueError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def _positive_int(where: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where}: expected a positive integer, got {value!r}")
+def _positive_int(where: str, value: Any, *, allow_zero: bool = False) -> None:
+    """A count (tries, characters, entries, replicas): an int, not merely a number. A float
+    such as `max_attempts: 1.5` would pass `_positive`, start, and then fail every request
+    (the code slices and ranges with these), instead of stopping the start-up."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
+            value == 0 and not allow_zero):
+        kind = "an integer >= 0" if allow_zero else "a positive integer"
+        raise ValueError(f"{where}: expected {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,8 @@ class HealthConfig:
     def __post_init__(self) -> None:
         _positive("health.interval_s", self.interval_s)
         _positive("health.timeout_s", self.timeout_s)
-        _positive("health.unhealthy_after", self.unhealthy_after)
-        _positive("health.healthy_after", self.healthy_after)
+        _positive_int("health.unhealthy_after", self.unhealthy_after)
+        _positive_int("health.healthy_after", self.healthy_after)
 
 
 @dataclass(frozen=True)
@@ -123,16 +128,16 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing.policy: must be one of {POLICIES}, got {self.policy!r}")
-        _positive("routing.prefix_chars", self.prefix_chars)
-        _positive("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
-        _positive("routing.block_chars", self.block_chars)
-        _positive("routing.max_prefix_chars", self.max_prefix_chars)
-        _positive("routing.affinity_entries", self.affinity_entries)
+        _positive_int("routing.prefix_chars", self.prefix_chars)
+        _positive_int("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
+        _positive_int("routing.block_chars", self.block_chars)
+        _positive_int("routing.max_prefix_chars", self.max_prefix_chars)
+        _positive_int("routing.affinity_entries", self.affinity_entries)
         _positive("routing.load_factor", self.load_factor)
         if self.load_factor < 1.0:
             raise ValueError(f"routing.load_factor: must be >= 1.0, got {self.load_factor!r}")
-        _positive("routing.min_capacity", self.min_capacity)
-        _positive("routing.virtual_nodes", self.virtual_nodes)
+        _positive_int("routing.min_capacity", self.min_capacity)
+        _positive_int("routing.virtual_nodes", self.virtual_nodes)
         _positive("routing.kv_high_watermark", self.kv_high_watermark)
         for name in ("w_in_flight", "w_waiting", "w_kv"):
             _positive(f"routing.{name}", getattr(self, name), allow_zero=True)
@@ -191,7 +196,7 @@ class ActivationConfig:
 
     def __post_init__(self) -> None:
         _positive("activation.timeout_s", self.timeout_s)
-        _positive("activation.max_held", self.max_held)
+        _positive_int("activation.max_held", self.max_held)
         _positive("activation.refresh_s", self.refresh_s)
         if self.refresh_s > 30:
             raise ValueError(
@@ -213,8 +218,12 @@ class ModelRouteConfig:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError("models[].name: required")
-        if isinstance(self.backends, str):
-            raise ValueError(f"models[{self.name}].backends: expected a list of URLs")
+        # Checked before use: `backends: [8001]` (a port, not a URL) or a mapping must be
+        # this error naming the field, not an AttributeError traceback at start-up.
+        if not isinstance(self.backends, list | tuple) or not all(
+                isinstance(u, str) for u in self.backends):
+            raise ValueError(f"models[{self.name}].backends: expected a list of URLs, got "
+                             f"{self.backends!r}")
         object.__setattr__(self, "backends", tuple(u.rstrip("/") for u in self.backends))
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
@@ -264,12 +273,20 @@ class CascadeConfig:
                 raise ValueError(f"cascades[].{key}: required")
         if self.small == self.large:
             raise ValueError(f"cascades[{self.name}].large: must differ from small")
+        # Read from every request's headers: `header:` left empty in YAML (None) was a
+        # TypeError there, a 500 for every request to the route.
+        if not isinstance(self.header, str) or not self.header.strip():
+            raise ValueError(f"cascades[{self.name}].header: expected a header name, got "
+                             f"{self.header!r}")
         for key in ("prompt_chars_over", "max_tokens_over"):
             value = getattr(self, key)
             if value is not None:
                 _positive(f"cascades[{self.name}].{key}", value, allow_zero=True)
-        if isinstance(self.keywords, str):
-            raise ValueError(f"cascades[{self.name}].keywords: expected a list of strings")
+        if not isinstance(self.keywords, list | tuple) or not all(
+                isinstance(k, str) and k for k in self.keywords):
+            # An empty keyword is in every prompt: every request would go to the large model.
+            raise ValueError(f"cascades[{self.name}].keywords: expected a list of non-empty "
+                             f"strings, got {self.keywords!r}")
         object.__setattr__(self, "keywords", tuple(k.lower() for k in self.keywords))
         if self.min_mean_logprob is not None and (
             isinstance(self.min_mean_logprob, bool)
@@ -401,7 +418,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port: must be a TCP port, got {self.port!r}")
-        _positive("max_attempts", self.max_attempts)
+        _positive_int("max_attempts", self.max_attempts)
         _positive("connect_timeout_s", self.connect_timeout_s)
         if self.first_byte_timeout_s is not None:
             _positive("first_byte_timeout_s", self.first_byte_timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,7 +65,10 @@ def parse_replica_metrics(text: str) -> dict[str, Any]:
             continue
         for sample in family.samples:
             field = SCRAPED.get(sample.name)
-            if field is not None:
+            # NaN or ±Inf (a gauge whose replica divided by zero, another service's page)
+            # would poison the policies' load arithmetic: least-load compares scores, and a
+            # NaN one makes every comparison false. Such a sample says nothing; skip it.
+            if field is not None and math.isfinite(sample.value):
                 found[field] = found.get(field, 0.0) + float(sample.value)
     return found
 

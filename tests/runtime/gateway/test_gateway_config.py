@@ -91,6 +91,50 @@ def test_errors_name_the_field(data: dict, field: str) -> None:
         GatewayConfig.from_dict(data)
 
 
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        # Counts given as fractions used to start and then fail every request (a 500: the
+        # proxy ranges over max_attempts, the ring over virtual_nodes, and slices prompts).
+        ({"max_attempts": 1.5}, r"^max_attempts: expected a positive integer, got 1\.5"),
+        ({"routing": {"prefix_chars": 100.5}}, r"^routing\.prefix_chars: expected a positive"),
+        ({"routing": {"max_prefix_chars": 4096.0}}, r"^routing\.max_prefix_chars"),
+        ({"routing": {"block_chars": 64.5}}, r"^routing\.block_chars"),
+        ({"routing": {"virtual_nodes": 10.5}}, r"^routing\.virtual_nodes"),
+        ({"routing": {"min_prefix_chars": 0.5}}, r"^routing\.min_prefix_chars: expected an "
+                                                 r"integer >= 0"),
+        ({"health": {"unhealthy_after": 1.5}}, r"^health\.unhealthy_after"),
+        # Entries of the wrong type used to be an AttributeError traceback at start-up.
+        ({"models": [{"name": "a", "backends": [8001]}]}, r"models\[a\]\.backends: expected a "
+                                                          r"list of URLs"),
+        ({"models": [{"name": "a", "backends": {"url": "http://x"}}]}, r"models\[a\]\.backends"),
+        (
+            {"models": [{"name": "a", "backends": ["http://x"]},
+                        {"name": "b", "backends": ["http://y"]}],
+             "cascades": [{"name": "auto", "small": "a", "large": "b", "keywords": [1]}]},
+            r"cascades\[auto\]\.keywords: expected a list of non-empty strings",
+        ),
+        # `header:` left empty: a 500 for every request to the route (headers.get(None)).
+        (
+            {"models": [{"name": "a", "backends": ["http://x"]},
+                        {"name": "b", "backends": ["http://y"]}],
+             "cascades": [{"name": "auto", "small": "a", "large": "b", "header": None}]},
+            r"cascades\[auto\]\.header: expected a header name, got None",
+        ),
+        # An empty keyword is found in every prompt: everything would go to the large model.
+        (
+            {"models": [{"name": "a", "backends": ["http://x"]},
+                        {"name": "b", "backends": ["http://y"]}],
+             "cascades": [{"name": "auto", "small": "a", "large": "b", "keywords": ["x", ""]}]},
+            r"cascades\[auto\]\.keywords",
+        ),
+    ],
+)
+def test_a_mistyped_field_stops_the_start_naming_it(data: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GatewayConfig.from_dict(data)
+
+
 def test_activation_shorthands_and_empty_static_routes() -> None:
     on = GatewayConfig.from_dict({"models": [{"name": "a", "activation": True}]})
     assert on.models[0].activation == ActivationConfig() and on.models[0].backends == ()

@@ -44,3 +44,10 @@ def test_parse_a_replica_exporting_only_the_loaded_family() -> None:
     assert found["adapters"] == found["loaded_adapters"] == {"sql"}
     # A server without LoRA metrics at all says nothing (the gateway assumes it may serve).
     assert "adapters" not in parse_replica_metrics("# TYPE x gauge\nx 1\n")
+
+
+def test_parse_skips_samples_that_are_not_finite() -> None:
+    """NaN and infinities say nothing about a replica's load (routing compares the numbers)."""
+    page = ("argosy:kv_cache_usage_perc NaN\nargosy:num_requests_waiting +Inf\n"
+            'argosy:num_requests_running{a="1"} 2\nargosy:num_requests_running{a="2"} -Inf\n')
+    assert parse_replica_metrics(page) == {"num_running": 2.0}

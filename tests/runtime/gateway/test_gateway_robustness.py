@@ -22,6 +22,7 @@ from argosy_runtime.gateway.config import (
     TenantConfig,
 )
 from argosy_runtime.gateway.proxy import app as gateway_app
+from argosy_runtime.gateway.proxy.upstream import MAX_RETRY_AFTER_S, parse_retry_after
 
 COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 4}
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -149,6 +150,52 @@ async def test_json_nested_too_deep_is_a_400_not_a_500(fake_replicas, gateway) -
         async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
             assert resp.status == 200
     assert len(r.requests) == 1 and in_flight(gw) == [0]
+
+
+async def test_a_number_of_too_many_digits_is_a_400_not_a_500(fake_replicas, gateway) -> None:
+    """Python refuses to read an integer of more than 4300 digits (a plain ValueError, not a
+    JSONDecodeError): a 20 kB `max_tokens` is the client's malformed body, a 400 that does not
+    tell the client how to lift a Python limit, for every route that reads the body."""
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url))
+    huge = b"1" * 5000
+    cases = [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": ' + huge + b"}"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "seed": ' + huge + b"}"),
+        ("/v1/responses", b'{"model": "tiny", "input": "x", "max_output_tokens": ' + huge + b"}"),
+        ("/v1/batches", b'{"input_file_id": "f", "n": ' + huge + b"}"),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for path, raw in cases:
+            async with s.post(f"{url}{path}", data=raw,
+                              headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 400, (path, await resp.text())
+                error = await error_of(resp)
+                assert error["type"] == "invalid_request_error"
+                assert error["message"].startswith("malformed JSON body: a number has more digits")
+    assert r.requests == [] and in_flight(gw) == [0]
+
+
+async def test_a_wrong_method_is_a_405_naming_the_allowed_ones(fake_replicas, gateway) -> None:
+    """GET /v1/chat/completions (a client that forgot its body) was the catch-all's 404 "not
+    found", as if the gateway had no such route; the runtime server answers a 405 with
+    `Allow`, and so does the gateway now. Unknown paths stay 404."""
+    (r,) = await fake_replicas(1)
+    gw, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        for method, path, allow in [("GET", "/v1/chat/completions", "POST"),
+                                    ("PUT", "/v1/models", "GET, HEAD"),
+                                    ("POST", "/health", "GET, HEAD")]:
+            async with s.request(method, f"{url}{path}") as resp:
+                assert (resp.status, resp.headers.get("Allow")) == (405, allow), path
+                error = await error_of(resp)
+                assert error["type"] == "invalid_request_error"
+                assert error["message"] == (f"method not allowed: {method} {path} "
+                                            f"(allowed: {allow})")
+        async with s.get(f"{url}/v1/nope") as resp:
+            assert resp.status == 404 and "Allow" not in resp.headers
+            assert (await error_of(resp))["type"] == "not_found_error"
+    assert r.requests == []
 
 
 async def test_a_batch_upload_whose_first_line_nests_too_deep_is_not_a_500(
@@ -364,6 +411,50 @@ async def test_a_replica_listing_models_wrongly_breaks_nothing(fake_replicas, ga
                     assert (await resp.json())["data"] == []
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("policy", ["least-load", "prefix-affinity"])
+async def test_a_replica_scraping_nan_load_does_not_break_routing(fake_replicas, gateway,
+                                                                  policy: str) -> None:
+    """A replica whose /metrics says `NaN` (or `+Inf`) for a load gauge (a ratio whose
+    denominator was 0, another service's page): least-load (prefix affinity's fallback for
+    short prompts) compared NaN scores, found no replica tied with the best, and every
+    request of the model was a 500 (ZeroDivisionError) until the replica's next scrape. A
+    value that is not a number says nothing about the load: ignored, requests go on."""
+    odd, sane = await fake_replicas(2, kv_cache_usage=float("nan"), num_waiting=float("inf"))
+    sane.kv_cache_usage, sane.num_waiting = 0.5, 1
+    gw, url = await gateway(config(odd.url, sane.url, policy=policy))
+    await gw.health.probe_all()
+    assert all(r.scraped and r.healthy for r in gw.pools["tiny"].replicas)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == 200, await resp.text()
+    assert len(odd.requests) + len(sane.requests) == 4 and in_flight(gw) == [0, 0]
+    odd_replica = gw.pools["tiny"].get(odd.url)
+    assert (odd_replica.kv_cache_usage, odd_replica.num_waiting) == (0.0, 0.0)  # unscraped
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as resp:
+        assert resp.status == 200 and "NaN" not in await resp.text()
+
+
+async def test_a_retry_after_that_is_not_a_finite_delay_is_not_believed(fake_replicas,
+                                                                         gateway) -> None:
+    """A replica's 429 saying `Retry-After: inf` (a proxy's, a misconfigured server's) was a
+    500 (OverflowError rounding the wait for the client's own Retry-After), and the replica's
+    cooldown never ended: every later request of the model was that 500 too. Now the value
+    counts as unreadable (1 s), and a finite one is capped at MAX_RETRY_AFTER_S."""
+    (r,) = await fake_replicas(1, fail_next=1, fail_status=429, fail_retry_after="inf")
+    gw, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+            assert (resp.status, resp.headers.get("Retry-After")) == (429, "1")
+            assert (await error_of(resp))["message"] == "injected failure"
+        await asyncio.sleep(1.1)
+        async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+            assert resp.status == 200, await resp.text()
+    assert in_flight(gw) == [0]
+    assert [parse_retry_after(v) for v in ("nan", "-inf", "1e12", "2.5", "-3")] == [
+        1.0, 1.0, MAX_RETRY_AFTER_S, 2.5, 0.0]
 
 
 async def test_an_id_holding_path_characters_stays_one_path_segment(raw_replica, gateway) -> None:

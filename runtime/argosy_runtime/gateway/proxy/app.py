@@ -48,6 +48,7 @@ from argosy_runtime.gateway.proxy.errors import (
     bad_request,
     end_stream_with_error,
     error_response,
+    malformed_json,
     model_not_found,
     no_replica,
 )
@@ -213,6 +214,18 @@ class Gateway:
         )
 
     async def handle_unknown(self, request: web.Request) -> web.Response:
+        """404, or 405 with `Allow` when the path exists for other methods (GET
+        /v1/chat/completions), as the runtime server answers: aiohttp tries this catch-all
+        route after a path whose method did not match, which would say "not found"."""
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not request.match_info.route.resource:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            return error_response(
+                405, f"method not allowed: {request.method} {request.path} (allowed: "
+                     f"{', '.join(sorted(allowed))})",
+                headers={"Allow": ", ".join(sorted(allowed))})
         return error_response(404, f"not found: {request.method} {request.path}")
 
     async def _replica_models(self) -> list[dict[str, Any]]:
@@ -311,7 +324,7 @@ class Gateway:
         try:
             body = json.loads(raw)
         except MALFORMED_JSON as exc:
-            return bad_request(f"malformed JSON body: {exc}")
+            return malformed_json(exc)
         if not isinstance(body, dict):
             return bad_request("body: the request body must be a JSON object")
         model = body.get("model")
@@ -386,7 +399,7 @@ class Gateway:
             upstream.release()
         answer: Any = None
         if data is not None and status == 200:
-            with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+            with contextlib.suppress(*MALFORMED_JSON):  # not JSON: judged like no logprobs
                 answer = json.loads(data)
         confidence = cascade_rules.mean_logprob(answer) if isinstance(answer, dict) else None
         assert cascade.min_mean_logprob is not None

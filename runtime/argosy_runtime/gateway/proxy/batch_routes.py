@@ -34,6 +34,7 @@ from argosy_runtime.gateway.proxy.errors import (
     MALFORMED_JSON,
     bad_request,
     error_response,
+    malformed_json,
     model_not_found,
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
@@ -107,7 +108,7 @@ class BatchRoutes:
         try:
             body = json.loads(await request.read())
         except MALFORMED_JSON as exc:
-            return bad_request(f"malformed JSON body: {exc}")
+            return malformed_json(exc)
         file_id = body.get("input_file_id") if isinstance(body, dict) else None
         if not isinstance(file_id, str):
             return bad_request("input_file_id: a file id is required", param="input_file_id")

@@ -14,9 +14,11 @@ import json
 from aiohttp import web
 
 # What `json.loads` of a client's body raises when the body is not JSON the gateway can read:
-# invalid UTF-8, invalid JSON, or arrays/objects nested deeper than Python's recursion limit
-# (a few kB of "[" raise RecursionError), all the client's mistake: a 400, never a 500.
-MALFORMED_JSON = (UnicodeDecodeError, json.JSONDecodeError, RecursionError)
+# invalid UTF-8 and invalid JSON (UnicodeDecodeError, JSONDecodeError), an integer of more
+# than 4300 digits (a plain ValueError: Python's int-from-string limit, CVE-2020-10735), or
+# arrays/objects nested deeper than Python's recursion limit (a few kB of "[" raise
+# RecursionError), all the client's mistake: a 400, never a 500.
+MALFORMED_JSON = (ValueError, RecursionError)
 
 # HTTP status -> OpenAI error type, as the runtime server maps them.
 TYPES = {
@@ -52,6 +54,14 @@ def error_response(
 
 def bad_request(message: str, param: str | None = None) -> web.Response:
     return error_response(400, message, param=param)
+
+
+def malformed_json(exc: Exception) -> web.Response:
+    """The 400 for a body `json.loads` refused with `exc` (one of MALFORMED_JSON)."""
+    if type(exc) is ValueError:  # the digit limit: its text tells how to raise it in Python
+        return bad_request("malformed JSON body: a number has more digits than this gateway "
+                           "reads (4300)")
+    return bad_request(f"malformed JSON body: {exc}")
 
 
 def invalid_api_key() -> web.Response:

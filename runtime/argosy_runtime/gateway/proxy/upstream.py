@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError, asyncio.TimeoutError)
 _BROKEN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 DEFAULT_RETRY_AFTER_S = 1.0
+# The longest Retry-After a replica is taken at its word for. Nothing but time ends a
+# cooldown (good probes do not), so "inf" or "1e12" would keep the replica out for good (and
+# "inf" made the 429's own Retry-After an OverflowError, a 500).
+MAX_RETRY_AFTER_S = 300.0
 
 
 @dataclass
@@ -56,11 +61,15 @@ class Upstream:
 
 
 def parse_retry_after(value: str | None) -> float:
-    """Seconds from a `Retry-After` header (delta-seconds form; dates fall back to 1 s)."""
+    """Seconds from a `Retry-After` header (delta-seconds form; dates, and values that are
+    not finite numbers, fall back to 1 s), at most MAX_RETRY_AFTER_S."""
     try:
-        return max(0.0, float(value)) if value else DEFAULT_RETRY_AFTER_S
+        seconds = float(value) if value else DEFAULT_RETRY_AFTER_S
     except ValueError:
         return DEFAULT_RETRY_AFTER_S
+    if not math.isfinite(seconds):  # "nan", "inf": not a delay
+        return DEFAULT_RETRY_AFTER_S
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
 async def send(
