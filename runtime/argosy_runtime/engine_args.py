@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class EngineArgs:
     kv_cache_dtype: str = _opt("KV cache dtype: auto (same as dtype) or int8.", default="auto")
     block_size: int = _opt("Tokens per KV-cache block.", default=16)
     kv_cache_memory: int | None = _opt(
-        "Bytes of memory for the KV cache (default: 2 GiB on CPU; on CUDA, "
+        "Bytes of memory for the KV cache (default: 1 GiB on CPU; on CUDA, "
         "--kv-cache-memory-fraction of free memory).",
         default=None,
     )
@@ -253,6 +254,16 @@ def check_engine_options(args: EngineArgs) -> None:
         if args.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
                              f"(or unset), got {args.quantization!r}")
+    if args.speculative is not None:
+        # Checked now, not when the engine builds its proposer after loading the model and
+        # the KV cache: a bad --speculative otherwise failed only minutes later on a large
+        # model. Imported here for the same reason as the quantization package above.
+        from argosy_runtime.spec_decode.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.from_user(args.speculative)
+        except ValueError as exc:
+            raise ValueError(f"speculative (--speculative): {exc}") from None
 
 
 def _is_cap(value: object) -> bool:
@@ -287,7 +298,7 @@ def _cli_type(name: str, type_str: str) -> Any:
     if name == "hf_overrides":
         return parse_json_object
     if name == "kv_cache_memory":
-        return parse_bytes
+        return parse_bytes_arg
     if type_str.startswith("int"):
         return int
     if type_str.startswith("float"):
@@ -298,7 +309,7 @@ def _cli_type(name: str, type_str: str) -> Any:
 def _parse_speculative(value: str) -> dict[str, Any] | str:
     value = value.strip()
     if value.startswith("{"):
-        return json.loads(value)
+        return parse_json_object(value)  # its message, not "invalid _parse_speculative value"
     return value
 
 
@@ -317,7 +328,13 @@ def parse_lora_modules(value: str) -> dict[str, str]:
     """'a=/adapters/a,b=/adapters/b' or '{"a": "/adapters/a"}' -> {name: path}."""
     value = value.strip()
     if value.startswith("{"):
-        return json.loads(value)
+        modules = parse_json_object(value)  # its message, not "invalid parse_lora_modules value"
+        for name, path in modules.items():
+            # {"a": 1} or {"a": null} loaded the folder "1" or "None" once the model was loaded
+            if not name or not isinstance(path, str) or not path:
+                raise argparse.ArgumentTypeError(
+                    f"expected {{\"name\": \"/adapter/path\", ...}}, got {name!r}: {path!r}")
+        return modules
     modules = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         name, sep, path = item.partition("=")
@@ -328,13 +345,30 @@ def parse_lora_modules(value: str) -> dict[str, str]:
 
 
 def parse_bytes(value: str | int) -> int:
-    """'2GiB', '512MiB', '1e9' or a plain integer -> bytes."""
+    """'2GiB', '512MiB', '1e9' or a plain integer -> bytes; ValueError for anything else."""
     if isinstance(value, int):
         return value
     text = value.strip().lower().replace(" ", "")
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
              "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
-    for suffix, scale in units.items():
+    scale = 1
+    for suffix, unit in units.items():
         if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * scale)
-    return int(float(text))
+            text, scale = text[: -len(suffix)], unit
+            break
+    number = float(text) * scale
+    # float() takes "inf" and "nan": int() of inf is an OverflowError, which argparse does
+    # not turn into a usage error (a traceback), and no byte count is infinite anyway.
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite number of bytes: {value!r}")
+    return int(number)
+
+
+def parse_bytes_arg(value: str) -> int:
+    """parse_bytes as an argparse type: the error names the flag and says what it takes
+    (argparse's own message for a ValueError is "invalid parse_bytes value")."""
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes such as 2GiB, 512MiB or 1e9, got {value!r}") from None

@@ -45,6 +45,11 @@ def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
     (["--quantization", "fp8"], ["quantization", "fp8"]),  # was checked after loading
     # was uvicorn's "[Errno -2] Name or service not known", exit 3, after loading
     (["--host", "not a host"], ["--host", "not a host"]),
+    # was an OverflowError traceback from the byte-size parser
+    (["--kv-cache-memory", "inf"], ["--kv-cache-memory", "inf"]),
+    # was a TypeError traceback, once the model had loaded
+    (["--speculative", '{"num_speculative_tokens": "4"}'], ["--speculative",
+                                                            "num_speculative_tokens"]),
 ])
 def test_bad_serve_options_are_refused_before_loading(flags: list[str],
                                                       words: list[str]) -> None:
@@ -89,3 +94,44 @@ def test_bad_bench_offline_option_is_one_line() -> None:
     # was a ValueError traceback from int()
     assert_refused(argosy("bench", "offline", "--batch-sizes", "a,b"),
                    "argosy bench offline: error:", "--batch-sizes")
+
+
+@pytest.mark.parametrize("command,flags,words", [
+    # logging.basicConfig's "ValueError: Unknown level: 'LOUD'" traceback, exit 1
+    ("gateway", ["--log-level", "loud", "--backend", "m=http://127.0.0.1:1"],
+     ["argosy gateway: error:", "--log-level", "loud"]),
+    ("fleet", ["--log-level", "loud", "--replicas", "1"],
+     ["argosy fleet: error:", "--log-level", "loud"]),
+    # a yaml.YAMLError traceback (not a ValueError, so not caught), exit 1
+    ("gateway", ["--config", "BAD_YAML"], ["argosy gateway:", "--config", "YAML", "line 2"]),
+    ("fleet", ["--autoscaling", "{a: [b", "--min", "0", "--max", "1"],
+     ["argosy fleet:", "--autoscaling", "YAML"]),
+    ("autoscale-sim", ["--policy", "BAD_YAML", "--trace", "-"],
+     ["argosy autoscale-sim:", "policy", "YAML", "line 2"]),
+])
+def test_bad_log_level_or_yaml_of_other_commands(tmp_path: Path, command: str,
+                                                 flags: list[str], words: list[str]) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("a: [b\n")
+    flags = [str(bad_yaml) if flag == "BAD_YAML" else flag for flag in flags]
+    proc = argosy(command, *flags, timeout=30)
+    assert_refused(proc, *words)
+    last_line = proc.stderr.strip().splitlines()[-1]  # after argparse's usage, if any
+    assert all(word in last_line for word in words), proc.stderr
+
+
+def test_fleet_autoscaling_without_min_and_max_is_refused(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    # The overrides apply only to an autoscaled fleet: without --min/--max they were silently
+    # ignored (unknown fields too) and a fixed-size fleet started. In-process, with the fleet
+    # itself stubbed out, so that a regression starts no replica.
+    import argosy_runtime.fleet.supervisor as supervisor
+    from argosy_runtime.cli.main import main
+
+    def starts(config: object) -> None:
+        pytest.fail(f"the fleet started: {config}")
+
+    monkeypatch.setattr(supervisor, "Fleet", starts)
+    assert main(["fleet", "--replicas", "1", "--autoscaling", "{targetQueueDepth: 2}"]) == 2
+    err = capsys.readouterr().err
+    assert "--autoscaling" in err and "--min" in err and "--max" in err, err

@@ -29,12 +29,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
     from argosy_operator.autoscaling.simulator import load_policy, read_trace, simulate
 
     try:
         policy = load_policy(args.policy)
     except (OSError, ValueError) as exc:
         print(f"argosy autoscale-sim: policy {args.policy}: {exc}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:  # not a ValueError: was a traceback
+        print(f"argosy autoscale-sim: policy {args.policy}: not valid YAML: "
+              f"{' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     try:
         trace_file = sys.stdin if args.trace == "-" else open(args.trace, encoding="utf-8")  # noqa: SIM115

@@ -56,7 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="Do not replace a replica process that exits on its own.",
     )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
-    parser.add_argument("--log-level", default="info",
+    # choices: logging.basicConfig raised a ValueError traceback for an unknown level.
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error", "critical"],
                         help="Python logging level (default: %(default)s).")
     parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
     return parser
@@ -76,9 +78,17 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        overrides = yaml.safe_load(args.autoscaling) if args.autoscaling else {}
+        try:
+            overrides = yaml.safe_load(args.autoscaling) if args.autoscaling else {}
+        except yaml.YAMLError as exc:  # not a ValueError: was a traceback
+            raise ValueError(f"--autoscaling: not valid YAML: {' '.join(str(exc).split())}"
+                             ) from None
         if not isinstance(overrides, dict):
             raise ValueError("--autoscaling: expected a mapping")
+        if overrides and (args.min_replicas is None or args.max_replicas is None):
+            # Only an autoscaled fleet reads them: they were silently ignored (unknown
+            # fields included) and a fixed-size fleet started.
+            raise ValueError("--autoscaling needs --min and --max (it tunes the autoscaler)")
         config = fleet_config_from(
             model=args.model,
             served_model_name=args.served_model_name,

@@ -46,7 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "most this long before cutting them (default 30). In Kubernetes, put a preStop sleep "
         "in front and set terminationGracePeriodSeconds above both (docs/deploy.md).",
     )
-    parser.add_argument("--log-level", default="info",
+    # choices: logging.basicConfig raised a ValueError traceback for an unknown level.
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error", "critical"],
                         help="Python logging level (default: %(default)s).")
     return parser
 
@@ -99,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    import yaml
+
     from argosy_runtime.gateway.proxy.app import run_gateway
 
     logging.basicConfig(
@@ -108,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         config, config_file = load(args)
     except (OSError, ValueError) as exc:
         print(f"argosy gateway: {exc}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:  # not a ValueError: was a traceback
+        print(f"argosy gateway: --config {args.config}: not valid YAML: "
+              f"{' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     try:
         asyncio.run(run_gateway(config, config_file))

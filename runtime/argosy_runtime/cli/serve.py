@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from argosy_runtime.engine_args import EngineArgs, parse_bytes
+from argosy_runtime.engine_args import EngineArgs, parse_bytes_arg
 from argosy_runtime.server.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     EMBEDDING_POOLINGS,
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Seconds before a request is aborted (0: none; "
                              "default: %(default)s).")
     # A string default goes through parse_bytes like a typed value, and reads as written.
-    server.add_argument("--max-request-body-size", type=parse_bytes,
+    server.add_argument("--max-request-body-size", type=parse_bytes_arg,
                         default=f"{DEFAULT_MAX_REQUEST_BODY_BYTES >> 20}MiB", metavar="BYTES",
                         help="Largest request body (e.g. 16MiB, 1e6, 0: no limit); a larger "
                              "one gets 413 before it is read. Batch API uploads (POST "
@@ -131,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
     from argosy_runtime.tokenizer import load_chat_template
 
     try:
+        if args.api_key is not None and not args.api_key.strip():
+            # `--api-key "$KEY"` with KEY unset or empty: without this check the server
+            # started without authentication (only a blank of spaces was refused).
+            raise ValueError("--api-key is empty; leave it out to serve without a key")
         chat_template = (load_chat_template(args.chat_template)
                          if args.chat_template is not None else None)
         config = ServerConfig(

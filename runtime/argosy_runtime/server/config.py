@@ -73,9 +73,12 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (0: unbounded), got {self.max_waiting}")
-        if self.request_timeout < 0:
+        # "not >= 0", not "< 0": NaN compares false with everything, and a NaN timeout
+        # expires at once (asyncio): every request got 408, SIGTERM aborted without waiting.
+        # inf is fine: no limit.
+        if not self.request_timeout >= 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
-        if self.drain_timeout < 0:
+        if not self.drain_timeout >= 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_request_body_bytes < 0:
             raise ValueError("max_request_body_bytes must be >= 0 (0: no limit), "

@@ -33,6 +33,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.method not in ("ngram", "draft"):
             raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -54,6 +55,26 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be >= 1 or unset, got {self.disable_by_batch_size}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    def _check_types(self) -> None:
+        """ValueError for a field of the wrong JSON type: the range checks below raised a
+        TypeError on a string ('<=' between int and str) and let a float count through."""
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            optional = name in ("draft_layers", "disable_by_batch_size")
+            if (value is None and optional) or (isinstance(value, int)
+                                                and not isinstance(value, bool)):
+                continue
+            raise ValueError(f"{name} must be an integer{' or unset' if optional else ''}, "
+                             f"got {value!r}")
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+            raise ValueError(f"min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path or unset, got {self.model!r}")
 
     @classmethod
     def from_user(cls, value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:

@@ -46,3 +46,82 @@ def test_server_config_validation() -> None:
         ServerConfig(log_level="loud")
     with pytest.raises(ValueError, match="api_key"):
         ServerConfig(api_key="  ")
+
+
+def serve_exit_code(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """`argosy serve FLAGS`'s exit code, failing the test if it got as far as loading the
+    model (serve() is stubbed out: these flags must be refused before it)."""
+    import argosy_runtime.cli.serve as serve_cli
+
+    def loads(*_: object) -> int:
+        pytest.fail(f"argosy serve {' '.join(flags)} was accepted and went on to load the model")
+
+    monkeypatch.setattr(serve_cli, "serve", loads)
+    try:
+        return main(["serve", "--port", "0", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize("flags,words", [
+    # OverflowError traceback from int(float("inf")) in parse_bytes
+    (["--kv-cache-memory", "inf"], ["--kv-cache-memory", "inf"]),
+    (["--max-request-body-size", "inf"], ["--max-request-body-size", "inf"]),
+    # NaN compares false with everything, so it passed the ">= 0" checks: every request
+    # then timed out at once (408), and SIGTERM aborted running requests without waiting.
+    (["--request-timeout", "nan"], ["request_timeout", "nan"]),
+    (["--drain-timeout", "nan"], ["drain_timeout", "nan"]),
+    # Checked only once the model and the KV cache were loaded (exit 2 after minutes on a
+    # large model) ...
+    (["--speculative", '{"num_speculative_tokens": 0}'], ["--speculative",
+                                                          "num_speculative_tokens"]),
+    (["--speculative", "eagle"], ["--speculative", "eagle"]),
+    # ... or then a TypeError traceback ('<=' between int and str) ...
+    (["--speculative", '{"num_speculative_tokens": "4"}'], ["--speculative",
+                                                            "num_speculative_tokens"]),
+    # ... or accepted, a float where steps need an int
+    (["--speculative", '{"num_speculative_tokens": 2.5}'], ["--speculative",
+                                                            "num_speculative_tokens"]),
+    # argparse's "invalid _parse_speculative value", which says nothing of JSON
+    (["--speculative", '{"method": ngram}'], ["--speculative", "JSON"]),
+    (["--lora-modules", '{"a": "/x",'], ["--lora-modules", "JSON"]),
+    # an adapter path that is not a string: accepted, failed once the model had loaded
+    (["--lora-modules", '{"a": 1}'], ["--lora-modules", "a"]),
+    # silently no authentication ("--api-key $KEY" with KEY unset), while " " is refused
+    (["--api-key", ""], ["--api-key"]),
+])
+def test_bad_flag_values_exit_2_naming_the_flag(flags: list[str], words: list[str],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    assert serve_exit_code(flags, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_bad_speculative_config_is_refused_when_engine_args_are_built() -> None:
+    # LLM(...) / LLMEngine(...) too: before the model loads, as a ValueError, not a TypeError
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineArgs(speculative={"num_speculative_tokens": "4"})
+    with pytest.raises(ValueError, match="min_acceptance_rate"):
+        EngineArgs(speculative={"method": "ngram", "min_acceptance_rate": None})
+    assert EngineArgs(speculative="ngram").speculative == "ngram"
+    assert EngineArgs(speculative={"method": "draft", "quantization": "int4"}).speculative
+
+
+def test_kv_cache_memory_help_states_the_real_cpu_default() -> None:
+    from argosy_runtime.engine import _CPU_DEFAULT_KV_CACHE_MEMORY
+
+    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineArgs)}
+    # said "2 GiB on CPU" while the engine gives the cache 1 GiB
+    assert f"{_CPU_DEFAULT_KV_CACHE_MEMORY >> 30} GiB on CPU" in help_text["kv_cache_memory"]
+
+
+@pytest.mark.parametrize("flags", [["--request-timeout", "inf"], ["--drain-timeout", "inf"],
+                                   ["--kv-cache-memory", "1e9"], ["--lora-modules", ""]])
+def test_unusual_but_valid_flag_values_are_accepted(flags: list[str]) -> None:
+    # inf: no limit, as asyncio takes it; "" for --lora-modules: no adapters
+    args = build_parser().parse_args(["serve", *flags])
+    EngineArgs.from_cli_args(args)
+    ServerConfig(request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
