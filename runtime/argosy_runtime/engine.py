@@ -28,6 +28,7 @@ from argosy_runtime.batch_invariance import (
     check_batch_invariant_options,
 )
 from argosy_runtime.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from argosy_runtime.cpu_memory import available_memory
 from argosy_runtime.cpu_threads import configure_cpu_threads
 from argosy_runtime.detokenizer import IncrementalDetokenizer
 from argosy_runtime.distributed import (
@@ -244,6 +245,13 @@ class LLMEngine:
         if self.args.kv_cache_memory is not None:
             if self.args.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be > 0 bytes")
+            if self.device.type == "cpu":  # touched at once: past the memory left, a silent kill
+                available = available_memory()
+                if available is not None and self.args.kv_cache_memory > available:
+                    raise ValueError(
+                        f"kv_cache_memory ({self.args.kv_cache_memory / 2**30:.2f} GiB) is "
+                        f"more than this machine has available ({available / 2**30:.2f} GiB "
+                        "after the model loaded); give a smaller --kv-cache-memory")
             return self.args.kv_cache_memory
         if self.device.type == "cuda":  # every rank's cache alike: the smallest budget
             return min([kv_cache_budget(self.device, self.args.kv_cache_memory_fraction)]

@@ -61,7 +61,8 @@ def _build(cls: type, where: str, data: Any) -> Any:
 def _positive(where: str, value: Any, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{where}: expected a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
+    # "not >= 0": NaN (YAML's .nan) compares false with everything, and passed a "< 0" test
+    if not value >= 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
@@ -422,9 +423,7 @@ class GatewayConfig:
         _positive("connect_timeout_s", self.connect_timeout_s)
         if self.first_byte_timeout_s is not None:
             _positive("first_byte_timeout_s", self.first_byte_timeout_s)
-        if not isinstance(self.drain_timeout_s, (int, float)) or self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s: must be a number >= 0, got "
-                             f"{self.drain_timeout_s!r}")
+        _positive("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         names = [m.name for m in self.models]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:

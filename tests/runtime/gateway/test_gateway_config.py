@@ -55,6 +55,10 @@ def test_load_yaml(tmp_path: Path) -> None:
         ({"port": 70000}, r"^port"),
         ({"drain_timeout_s": -1}, r"^drain_timeout_s"),
         ({"drain_timeout_s": "30s"}, r"^drain_timeout_s"),
+        # NaN (YAML .nan) passed "< 0" checks: a drain of "up to nan s", a NaN health interval
+        ({"drain_timeout_s": float("nan")}, r"^drain_timeout_s: must be >= 0"),
+        ({"health": {"interval_s": float("nan")}}, r"health\.interval_s: must be > 0"),
+        ({"routing": {"w_kv": float("nan")}}, r"routing\.w_kv: must be >= 0"),
         ({"first_byte_timeout_s": 0}, r"^first_byte_timeout_s: must be > 0"),
         ({"first_byte_timeout_s": "60s"}, r"^first_byte_timeout_s: expected a number"),
         ({"bogus": 1}, r"config\.bogus"),
