@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from argosy_runtime.gateway.config import CascadeConfig
 from argosy_runtime.gateway.request_text import prompt_text, requested_max_tokens
 
@@ -28,6 +30,7 @@ REASON_LOW_CONFIDENCE = "low_confidence"
 REASON_CONFIDENT = "confident"
 REASON_NO_LOGPROBS = "no_logprobs"
 REASON_SMALL_FAILED = "small_failed"
+REASON_SMALL_UNAVAILABLE = "small_unavailable"
 
 
 @dataclass(frozen=True)
@@ -140,3 +143,12 @@ def strip_logprobs(response: dict[str, Any]) -> dict[str, Any]:
         if isinstance(choice, dict) and "logprobs" in choice:
             choice["logprobs"] = None
     return response
+
+
+def unavailable(upstream: object) -> bool:
+    """Whether the gateway's try of a model ended without it taking the request: no replica in
+    rotation (503), all of them busy (429) or failing (5xx after the retries). A replica's
+    answer (any status, a 4xx included: the client's mistake is the same on the large model)
+    is an `Upstream`, not a `web.Response`."""
+    return isinstance(upstream, web.Response) and (
+        upstream.status == 429 or upstream.status >= 500)

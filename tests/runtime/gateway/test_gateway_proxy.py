@@ -420,6 +420,46 @@ async def test_cascade_routes_and_reports(fake_replicas, gateway) -> None:
         assert line in text, line
 
 
+async def test_cascade_falls_back_to_large_when_small_cannot_take_the_request(
+        fake_replicas, gateway) -> None:
+    """The small model's replicas all failing (5xx after the retries) or its pool empty is no
+    answer: a request the rules sent there goes to the large model (`small_unavailable`),
+    streamed or not, with or without the confidence check; a client that asked for the small
+    model gets its error."""
+    (small,) = await fake_replicas(1, model="tiny", logprob=-0.2)
+    (large,) = await fake_replicas(1, model="big")
+    checked = CascadeConfig(name="auto", small="tiny", large="big", min_mean_logprob=-1.0)
+    plain = CascadeConfig(name="plain", small="tiny", large="big")
+    _, url = await gateway(config(("tiny", [small.url]), ("big", [large.url]),
+                                  cascades=(checked, plain), max_attempts=1))
+    async with aiohttp.ClientSession() as s:
+        # A client's mistake is the same on either model: passed through, not retried large.
+        small.fail_next, small.fail_status = 1, 400
+        async with s.post(f"{url}/v1/completions", json={"model": "plain", "prompt": "x"}) as resp:
+            assert resp.status == 400 and resp.headers["x-argosy-cascade"] == "small"
+        assert not large.requests
+        for route, extra in (("auto", {}), ("auto", {"stream": True}), ("plain", {})):
+            small.fail_next, small.fail_status = 1, 503
+            n_large = len(large.requests)
+            async with s.post(f"{url}/v1/completions",
+                              json={"model": route, "prompt": "hello", **extra}) as resp:
+                await resp.read()
+                assert resp.status == 200, (route, extra)
+                assert (resp.headers["x-argosy-cascade"],
+                        resp.headers["x-argosy-cascade-reason"]) == ("large", "small_unavailable")
+            assert len(large.requests) == n_large + 1 and large.requests[-1]["model"] == "big"
+        # Forced to the small tier: its error, not the large model's answer.
+        small.fail_next = 1
+        n_large = len(large.requests)
+        async with s.post(f"{url}/v1/completions", json={"model": "auto:small", "prompt": "x"}) as resp:
+            assert resp.status == 503 and resp.headers["x-argosy-cascade"] == "small"
+        assert len(large.requests) == n_large
+        async with s.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    assert ('argosy:gateway_cascade_decisions_total{reason="small_unavailable",route="auto",'
+            'tier="large"} 2.0') in text
+
+
 async def test_lora_adapters_route_to_their_base_models_replicas(fake_replicas, gateway) -> None:
     (a,) = await fake_replicas(1, model="tiny")
     (b,) = await fake_replicas(1, model="big")

@@ -374,20 +374,39 @@ class Gateway:
         decision = cascade_rules.decide(cascade, path, body, request.headers, forced_tier)
         extra = {"x-argosy-cascade": decision.tier, "x-argosy-cascade-reason": decision.reason}
         routed = dict(body, model=decision.model)
+
+        async def large_instead(reason: str, headers_extra: dict[str, str] | None = None
+                                ) -> web.StreamResponse:
+            self.metrics.cascade_decisions.labels(cascade.name, "large", reason).inc()
+            large = dict(body, model=cascade.large)
+            return await self._relay(
+                request, cascade.large, path, large, json.dumps(large).encode(), headers,
+                started, {"x-argosy-cascade": "large", "x-argosy-cascade-reason": reason,
+                          **(headers_extra or {})})
+
+        # The small model chosen by the rules (not asked for by the client) that cannot take
+        # the request (no replica, all busy or failing) is no answer: the large one gives it.
+        can_fall_back = decision.tier == "small" and decision.reason not in (
+            cascade_rules.REASON_HEADER, cascade_rules.REASON_MODEL_NAME)
         # The confidence check reads chat/completions logprobs; a Responses request has none.
         if not decision.check_confidence or path == "/v1/responses":
+            raw = json.dumps(routed).encode()
+            upstream = await self._send(decision.model, path, routed, raw, headers)
+            if can_fall_back and cascade_rules.unavailable(upstream):
+                return await large_instead(cascade_rules.REASON_SMALL_UNAVAILABLE)
             self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
-            return await self._relay(
-                request, decision.model, path, routed, json.dumps(routed).encode(), headers,
-                started, extra,
-            )
+            return await self._relay_upstream(request, decision.model, path, routed, upstream,
+                                              started, extra)
 
         # Non-streamed and a confidence threshold is set: ask the small model for logprobs,
         # read its whole answer, and decide whether the large model must answer instead.
         asked, added = cascade_rules.request_logprobs(path, routed)
         upstream = await self._send(decision.model, path, asked, json.dumps(asked).encode(), headers)
         if isinstance(upstream, web.Response):
+            if can_fall_back and cascade_rules.unavailable(upstream):
+                return await large_instead(cascade_rules.REASON_SMALL_UNAVAILABLE)
             self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
+            upstream.headers.update(extra)
             return upstream
         status = upstream.response.status
         try:
@@ -406,15 +425,8 @@ class Gateway:
         low = confidence is not None and confidence < cascade.min_mean_logprob
         if data is None or low:
             reason = cascade_rules.REASON_LOW_CONFIDENCE if low else cascade_rules.REASON_SMALL_FAILED
-            self.metrics.cascade_decisions.labels(cascade.name, "large", reason).inc()
-            large = dict(body, model=cascade.large)
-            extra = {"x-argosy-cascade": "large", "x-argosy-cascade-reason": reason}
-            if confidence is not None:
-                extra["x-argosy-cascade-confidence"] = f"{confidence:.4f}"
-            return await self._relay(
-                request, cascade.large, path, large, json.dumps(large).encode(), headers,
-                started, extra,
-            )
+            return await large_instead(reason, {} if confidence is None else {
+                "x-argosy-cascade-confidence": f"{confidence:.4f}"})
         if status != 200:  # the client's own error (4xx): pass it through as the server said it
             reason = decision.reason
         elif confidence is None:
@@ -513,6 +525,19 @@ class Gateway:
     ) -> web.StreamResponse:
         """Send to a replica and stream its answer to the client as it arrives."""
         upstream = await self._send(model, path, body, raw, headers, adapter, pin)
+        return await self._relay_upstream(request, model, path, body, upstream, started, extra)
+
+    async def _relay_upstream(
+        self,
+        request: web.Request,
+        model: str,
+        path: str,
+        body: dict[str, Any],
+        upstream: Upstream | web.Response,
+        started: float,
+        extra: dict[str, str],
+    ) -> web.StreamResponse:
+        """Stream a sent request's answer (or the error `_send` gave instead) to the client."""
         if isinstance(upstream, web.Response):
             upstream.headers.update(extra)
             return upstream
