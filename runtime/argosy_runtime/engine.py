@@ -348,6 +348,7 @@ class LLMEngine:
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise ValueError("params must be a SamplingParams or a PoolingParams")
         self._check_task(params)
+        self._check_sequence_ids_free(request_id, params)
         if lora_name is not None and lora_name not in self.lora_paths:
             raise ValueError(f"lora_name: no LoRA adapter {lora_name!r}; serving "
                              f"{sorted(self.lora_paths) or 'none'}")
@@ -412,6 +413,20 @@ class LLMEngine:
                 self.scheduler.add_request(child)
         self._groups[request_id] = children
         self.stats.prompt_tokens += len(prompt_ids)
+
+    def _check_sequence_ids_free(self, request_id: str,
+                                 params: SamplingParams | PoolingParams) -> None:
+        """The sequences of n > 1 run as "<id>#<i>", and sequence ids key the scheduler and
+        the KV block tables: a request named like another's live sequence ("a#1" beside "a"
+        with n=2), or whose sequences would be named like a live request, would share its
+        block table and overwrite its K/V. Refused like any id in use."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        seq_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        for sid in seq_ids:
+            if sid in self.scheduler.requests or any(
+                    c.request_id == sid for _, children in self._lora_waiting for c in children):
+                raise ValueError(f"request_id {request_id!r} is already in use (sequence "
+                                 f"{sid!r} is running)")
 
     def _max_blocks_held(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of `num_tokens` tokens holds at once: all of them,

@@ -197,6 +197,7 @@ class Scheduler:
             # Victims went back to waiting behind `req` (they rank lower), so `i` is still it.
             self.waiting.pop(i)
             req.num_computed_tokens = num_computed
+            self.kv_cache.record_prefix_lookup(req.num_tokens, num_computed)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING

@@ -54,7 +54,7 @@ class KVCacheManager:
         self._num_released: dict[str, int] = {}
         # request id -> blocks it gave a hash since begin_step (their K/V are this step's).
         self._hashed_this_step: dict[str, list[KVCacheBlock]] = {}
-        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_queries = 0  # tokens looked up (by admitted requests)
         self.prefix_cache_hits = 0  # tokens found
 
     @property
@@ -116,9 +116,16 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count the lookup a request was admitted with. Not counted in `get_computed_blocks`:
+        a head of the queue that cannot be admitted yet is looked up again every step, and
+        counting each of those would inflate both counters past the requests' cached_tokens
+        and skew the hit rate toward whoever waits longest."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def _num_skipped(self, num_computed_tokens: int) -> int:
         return num_skipped_blocks(num_computed_tokens, self.sliding_window, self.block_size)

@@ -68,6 +68,22 @@ def test_duplicate_request_id_is_rejected(engine) -> None:  # noqa: ANN001
     drain(engine)
 
 
+@pytest.mark.parametrize("first,second", [(("par", 2), ("par#1", 1)), (("par#1", 1), ("par", 2))])
+def test_request_id_of_another_requests_sequence_is_rejected(engine, first, second) -> None:  # noqa: ANN001
+    """n > 1 runs sequences "<id>#<i>", which key the scheduler and the block tables: a request
+    named like a live one (either way round) would share its block table and overwrite it."""
+    (id1, n1), (id2, n2) = first, second
+    alone = {}
+    for rid, n in (first, second):
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, n=n))
+        alone[rid] = [c.token_ids for c in drain(engine)[rid].outputs]
+    engine.add_request(id1, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, n=n1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(id2, [9, 8], SamplingParams(max_tokens=4, temperature=0, n=n2))
+    assert [c.token_ids for c in drain(engine)[id1].outputs] == alone[id1]
+    assert_no_leaks(engine)
+
+
 def test_abort_mid_generation_frees_blocks_at_once(engine) -> None:  # noqa: ANN001
     for i in range(4):
         engine.add_request(f"a{i}", [9 + i] * 30, SamplingParams(max_tokens=50, ignore_eos=True))

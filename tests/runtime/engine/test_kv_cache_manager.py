@@ -38,7 +38,7 @@ def test_growing_request_gets_blocks_only_at_block_boundaries() -> None:
     assert len(kv.block_ids("a")) == 2
 
 
-def test_prefix_hits_share_blocks_and_count_hits() -> None:
+def test_prefix_hits_share_blocks_and_a_lookup_alone_counts_nothing() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(13))  # 3 full blocks + 1 token
     assert kv.get_computed_blocks("a", prompt) == []
@@ -46,8 +46,11 @@ def test_prefix_hits_share_blocks_and_count_hits() -> None:
     other = prompt[:8] + [500, 501, 502, 503, 504]  # shares the first two blocks only
     hits = kv.get_computed_blocks("b", other)
     assert [b.block_id for b in hits] == kv.block_ids("a")[:2]
-    assert kv.prefix_cache_hits == 8
-    assert kv.prefix_cache_queries == 26
+    # Counted when the scheduler admits a request with its hits (record_prefix_lookup), not
+    # per lookup: a blocked head of the queue is looked up again every step.
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+    kv.record_prefix_lookup(len(other), len(hits) * kv.block_size)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (13, 8)
     free_before = kv.num_free_blocks
     assert kv.allocate_slots("b", other, 13, hits)
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]

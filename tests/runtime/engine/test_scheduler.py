@@ -226,3 +226,21 @@ def test_a_victim_scheduled_in_step_1_is_unscheduled_and_its_tokens_return() -> 
     assert scheduled(out) == {"lo-old": 1, "urgent": 7}
     assert out.num_batched_tokens == 8
     assert out.preempted == [new] and new not in s.running
+
+
+def test_prefix_cache_counters_count_a_waiting_request_once_when_admitted() -> None:
+    """A request held at the head of the queue (blocks short) is looked up in the prefix cache
+    every step; only its admission counts, so the counters agree with its num_cached_tokens
+    (what the server reports as cached_tokens) and the hit rate is not skewed toward it."""
+    s = make(num_blocks=6, budget=32)
+    a = req("a", 21, 0.0)  # 6 blocks, enough until it passes 24 tokens
+    s.add_request(a)
+    run_step(s)
+    s.add_request(req("b", 17, 1.0))  # a's first 4 blocks are hits; its 5th: none free
+    for _ in range(3):
+        assert run_step(s) == {"a": 1}
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (21, 0)
+    s.finish_request(a, RequestStatus.FINISHED_STOPPED)
+    assert run_step(s) == {"b": 1}
+    assert s.requests["b"].num_cached_tokens == 16
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (21 + 17, 16)
