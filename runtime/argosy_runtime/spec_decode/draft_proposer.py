@@ -132,7 +132,11 @@ class DraftProposer:
             # Blocks for every position this step may write, before the scheduler runs. Only
             # the computed prefix is offered for prefix-cache hashing: the block holding the
             # last token must not become a cache entry before the target has written it.
+            # The salt as the scheduler passes it: accepted drafts can complete a request's
+            # first block, hashed here first, and an unsalted hash would let a request on
+            # another LoRA adapter (or none) reuse this adapter's K/V.
             if not kv.allocate_slots(req.request_id, req.token_ids[: req.num_computed_tokens], n + k,
+                                     salt=req.cache_salt,
                                      num_computed_tokens=req.num_computed_tokens):
                 continue
             start = self._catch_up_start(req)

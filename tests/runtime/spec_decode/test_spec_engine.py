@@ -149,3 +149,31 @@ def test_embedded_model_copy_task_accepts_drafts_and_matches_plain_decoding() ->
     stats = spec.engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens >= 0.5 * stats.spec_decode_num_draft_tokens > 0
     assert_no_leaks(spec.engine)
+
+
+def test_draft_proposer_hashes_lora_blocks_with_the_adapters_salt(tmp_path: Path) -> None:
+    # A 2-token prompt and block_size 4: accepted drafts complete the first block, which the
+    # draft proposer's slot allocation hashed before the scheduler did. It must carry the
+    # adapter's salt, or a base-model request with the same tokens would reuse LoRA K/V.
+    from argosy_runtime.kv_cache.kv_cache_manager import hash_block_tokens
+    from model_factory import make_peft_adapter
+
+    model = make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)
+    # A near-zero adapter: the base-model self-draft agrees with it, so drafts are accepted.
+    lora = make_peft_adapter(model, tmp_path / "a", 1, r=4, lora_alpha=0.01,
+                             target_modules=["q_proj", "v_proj"])
+    engine = LLMEngine(model=str(model), dtype="float32", block_size=4,
+                       lora_modules={"a": str(lora)},
+                       speculative={"method": "draft", "draft_layers": 2, "adaptive": False,
+                                    "num_speculative_tokens": 4})
+    prompt = [5, 6]
+    engine.add_request("x", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                   ignore_eos=True), lora_name="a")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+    first_block = (prompt + tokens)[:4]
+    assert engine.kv_cache.pool.get_cached_block(hash_block_tokens(None, first_block)) is None
+    assert_no_leaks(engine)
