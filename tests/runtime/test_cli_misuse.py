@@ -102,6 +102,7 @@ def test_bad_bench_offline_option_is_one_line() -> None:
      ["argosy gateway: error:", "--log-level", "loud"]),
     ("fleet", ["--log-level", "loud", "--replicas", "1"],
      ["argosy fleet: error:", "--log-level", "loud"]),
+    ("serve", ["--log-level", "loud"], ["argosy serve: error:", "--log-level", "loud"]),
     # a yaml.YAMLError traceback (not a ValueError, so not caught), exit 1
     ("gateway", ["--config", "BAD_YAML"], ["argosy gateway:", "--config", "YAML", "line 2"]),
     ("fleet", ["--autoscaling", "{a: [b", "--min", "0", "--max", "1"],
@@ -118,6 +119,15 @@ def test_bad_log_level_or_yaml_of_other_commands(tmp_path: Path, command: str,
     assert_refused(proc, *words)
     last_line = proc.stderr.strip().splitlines()[-1]  # after argparse's usage, if any
     assert all(word in last_line for word in words), proc.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway", "fleet"])
+def test_log_level_is_case_insensitive_for_every_command(command: str) -> None:
+    # `argosy serve --log-level INFO` was refused while the gateway and fleet took it.
+    from argosy_runtime.cli.main import build_parser
+
+    args, _ = build_parser().parse_known_args([command, "--log-level", "WARNING"])
+    assert args.log_level == "warning"
 
 
 def test_fleet_autoscaling_without_min_and_max_is_refused(

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from argosy_runtime.log_levels import add_log_level_argument
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -56,10 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="Do not replace a replica process that exits on its own.",
     )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
-    # choices: logging.basicConfig raised a ValueError traceback for an unknown level.
-    parser.add_argument("--log-level", default="info", type=str.lower,
-                        choices=["debug", "info", "warning", "error", "critical"],
-                        help="Python logging level (default: %(default)s).")
+    add_log_level_argument(parser)
     parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
     return parser
 

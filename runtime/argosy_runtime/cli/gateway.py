@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from argosy_runtime.log_levels import add_log_level_argument
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -46,10 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "most this long before cutting them (default 30). In Kubernetes, put a preStop sleep "
         "in front and set terminationGracePeriodSeconds above both (docs/deploy.md).",
     )
-    # choices: logging.basicConfig raised a ValueError traceback for an unknown level.
-    parser.add_argument("--log-level", default="info", type=str.lower,
-                        choices=["debug", "info", "warning", "error", "critical"],
-                        help="Python logging level (default: %(default)s).")
+    add_log_level_argument(parser)
     return parser
 
 

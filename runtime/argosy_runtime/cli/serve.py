@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from argosy_runtime.engine_args import EngineArgs, parse_bytes_arg
+from argosy_runtime.log_levels import add_log_level_argument
 from argosy_runtime.server.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     EMBEDDING_POOLINGS,
@@ -70,9 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="On SIGTERM, seconds to let running requests finish before "
                              "aborting them (default: %(default)s).")
-    server.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"],
-                        help="Server log level (default: %(default)s).")
+    add_log_level_argument(server)
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="Read tool calls the model writes in this format and return them "
                              "as tool_calls (hermes: <tool_call>{json}</tool_call>, Qwen2.5 "
