@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +228,12 @@ def check_engine_options(args: EngineArgs) -> None:
             also = f", or unset for {unset}" if unset is not None else ""
             raise ValueError(f"{name} ({_flag(name)}) must be an integer >= {lo}{also}; "
                              f"got {value!r}")
+    # More OpenMP threads than CPUs never helps, and a huge count crashed the process in
+    # the first matrix multiply (--cpu-threads 100000: a segfault inside torch).
+    cpus = os.cpu_count() or 1
+    if args.cpu_threads is not None and args.cpu_threads > cpus:
+        raise ValueError(f"cpu_threads (--cpu-threads) must be at most {cpus}, the CPUs of "
+                         f"this machine; got {args.cpu_threads}")
     if args.block_size not in BLOCK_SIZES or isinstance(args.block_size, bool):
         raise ValueError(f"block_size (--block-size) must be a power of two in [1, 128], "
                          f"got {args.block_size!r}")

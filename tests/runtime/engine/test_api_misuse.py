@@ -43,6 +43,7 @@ def assert_still_serving(llm: LLM, reference: str) -> None:
     ({"served_model_name": ""}, "served_model_name"),  # was silently the model name
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"quantization": "fp8"}, "quantization"),  # was checked only after loading
+    ({"cpu_threads": 100_000}, "cpu_threads"),  # was a segfault in the first matmul
 ])
 def test_bad_engine_options_name_the_option_before_loading(kwargs, field, monkeypatch) -> None:  # noqa: ANN001
     import argosy_runtime.model_loader as loader
