@@ -100,6 +100,19 @@ class LLMEngine:
             check_encoder_options(args)
         self.served_model_name = args.served_model_name or args.model
         self.max_model_len = self._max_model_len(args.max_model_len)
+        # Built before the weights load: a token budget below max_model_len without chunked
+        # prefill is refused at once rather than after minutes of loading.
+        default_budget = 2048 if self.device.type == "cuda" else 512
+        chunked = args.enable_chunked_prefill and not self.spec.is_encoder
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or (
+                default_budget if chunked else max(default_budget, self.max_model_len)
+            ),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=chunked,
+            max_loras=args.max_loras,
+        )
         quant_config = self._quantization_config(checkpoint)
         self.quantization = quant_config.method if quant_config is not None else "none"
         # Ranks 1..N-1 of a tensor-parallel engine (this process is rank 0), or None.
@@ -120,17 +133,6 @@ class LLMEngine:
                                         args.enable_prefix_caching and not self.spec.is_encoder)
         if self.tensor_parallel_workers is not None:  # every rank's cache has the same blocks
             self.tensor_parallel_workers.allocate(self.cache_config)
-        default_budget = 2048 if self.device.type == "cuda" else 512
-        chunked = args.enable_chunked_prefill and not self.spec.is_encoder
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or (
-                default_budget if chunked else max(default_budget, self.max_model_len)
-            ),
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=chunked,
-            max_loras=args.max_loras,
-        )
         # Every layer windowed alike (Mistral, Phi-3-mini-4k, Qwen3-MoE with a window): blocks
         # behind the window go back to the pool as a request advances. Mixed models (Gemma
         # 2/3) keep every block: their full-attention layers read them all.

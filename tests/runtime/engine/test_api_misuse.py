@@ -56,6 +56,21 @@ def test_bad_engine_options_name_the_option_before_loading(kwargs, field, monkey
         LLM(model="smollm2-135m", **kwargs)
 
 
+def test_a_token_budget_below_max_model_len_without_chunking_is_refused_before_the_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The checkpoint's config is read (max_model_len comes from it), but its weights are not:
+    # the refusal came only after the model had loaded.
+    from argosy_runtime.engine import LLMEngine
+
+    def no_weights(*args, **kw):  # noqa: ANN002, ANN003
+        raise AssertionError("the weights must not load for a bad option")
+
+    monkeypatch.setattr(LLMEngine, "_load_model", no_weights)
+    with pytest.raises(ValueError, match=r"without chunked prefill, max_num_batched_tokens \(64\)"):
+        LLM(model="smollm2-135m", max_model_len=128, max_num_batched_tokens=64,
+            enable_chunked_prefill=False)
+
+
 def test_kv_cache_memory_takes_sizes_as_the_flag_does() -> None:
     assert EngineArgs(kv_cache_memory="64MiB").kv_cache_memory == 64 << 20
     assert EngineArgs(kv_cache_memory=1e9).kv_cache_memory == 10**9
