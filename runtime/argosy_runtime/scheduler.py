@@ -9,7 +9,9 @@ then arrival.
 Preemption frees a running request's blocks; it goes back to waiting and is recomputed later
 (prefix caching makes that cheap). The victim is always the lowest-ranked running request
 (highest priority value, then newest), in two cases:
-- a running request needs blocks that are not free (memory): that step admits nothing new;
+- a running request needs blocks that are not free (memory): that step admits nothing new.
+  Its speculative draft tokens are dropped first (the step verifies none of them): a draft is
+  a bet on future tokens, never worth another request's recomputation;
 - the head of the waiting queue cannot be admitted (`max_num_seqs` reached or blocks short)
   and it strictly outranks the victim by priority. Equal priorities never preempt each other,
   so first come first served within a priority never thrashes; and nobody is preempted for a
@@ -142,6 +144,10 @@ class Scheduler:
                 req.request_id, req.token_ids, req.num_computed_tokens + num_new,
                 salt=req.cache_salt, num_computed_tokens=req.num_computed_tokens,
             ):
+                if num_spec:  # drafts are a bet, not owed: drop them before preempting anyone
+                    num_new -= num_spec
+                    num_spec = 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)

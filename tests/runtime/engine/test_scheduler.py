@@ -91,6 +91,34 @@ def test_preemption_takes_the_newest_request_and_it_resumes_later() -> None:
     assert s.kv_cache.num_free_blocks == 6
 
 
+def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted() -> None:
+    # 4 blocks of 4: a and b (8 tokens each after two steps) hold two each. a's three ngram
+    # drafts would need a third block; without them both still fit.
+    s = make(num_blocks=4, block_size=4, budget=32)
+    a, b = req("a", 6, 0.0), req("b", 6, 1.0, base=50)
+    s.add_request(a)
+    s.add_request(b)
+    assert run_step(s) == {"a": 6, "b": 6}
+    assert run_step(s) == {"a": 1, "b": 1}
+    assert s.kv_cache.pool.num_free_blocks == 0
+    a.spec_token_ids = [1, 2, 3]
+    out = s.schedule()
+    assert out.preempted == []  # b was preempted for a's drafts before
+    assert [(sr.request.request_id, sr.num_new_tokens, sr.num_spec_tokens)
+            for sr in out.scheduled] == [("a", 1, 0), ("b", 1, 0)]
+
+
+def test_drafts_that_fit_are_scheduled() -> None:
+    s = make(num_blocks=8, block_size=4, budget=32)
+    a = req("a", 6, 0.0)
+    s.add_request(a)
+    run_step(s)
+    run_step(s)
+    a.spec_token_ids = [1, 2, 3]
+    out = s.schedule()
+    assert [(sr.num_new_tokens, sr.num_spec_tokens) for sr in out.scheduled] == [(4, 3)]
+
+
 def test_lower_priority_value_is_admitted_first() -> None:
     s = make(max_seqs=1, budget=64)
     s.add_request(req("late-but-urgent", 2, 5.0, priority=-1))
