@@ -2,7 +2,9 @@
 
 Each rank holds 1/N of every decoder layer: its share of the attention heads (query and
 key/value heads alike, so its KV cache holds only those heads) and of the MLP's intermediate
-columns (every expert's, in an MoE layer). The projections into a layer's heads and columns
+columns (every expert's, in an MoE layer). With fewer KV heads than ranks (Qwen2.5-1.5B's 2
+over 4 GPUs), each rank holds the one KV head its query heads read: each KV head is
+replicated on N / num_key_value_heads ranks (as vLLM does), and the KV cache with it. The projections into a layer's heads and columns
 (q/k/v, gate/up) are split by output rows and need no communication; the projections out of
 them (o_proj, down_proj) are split by input columns, so each rank's output is a partial sum
 and one all-reduce per attention block and per MLP block adds them up. Embeddings, norms, the
@@ -39,6 +41,8 @@ def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
     sizes = {"num_attention_heads": spec.num_attention_heads,
              "num_key_value_heads": spec.num_key_value_heads,
              "intermediate_size": spec.intermediate_size}
+    if _replicates_kv_heads(spec.num_key_value_heads, world_size):
+        del sizes["num_key_value_heads"]
     if spec.is_moe:
         sizes["moe_intermediate_size"] = spec.moe_intermediate_size
         if spec.shared_expert_intermediate_size:
@@ -48,7 +52,13 @@ def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide this {spec.architecture} model: "
             f"{', '.join(uneven)} (each rank takes an equal share of the heads and MLP columns; "
-            "pick a size that divides them)")
+            "pick a size that divides them; the KV heads may also be fewer than the ranks if "
+            "their count divides it)")
+
+
+def _replicates_kv_heads(num_kv_heads: int, world_size: int) -> bool:
+    """Fewer KV heads than ranks, each on world_size / num_kv_heads of them."""
+    return num_kv_heads < world_size and world_size % num_kv_heads == 0
 
 
 def shard_spec(spec: ModelSpec, world_size: int) -> ModelSpec:
@@ -57,19 +67,26 @@ def shard_spec(spec: ModelSpec, world_size: int) -> ModelSpec:
     return dataclasses.replace(
         spec,
         num_attention_heads=spec.num_attention_heads // world_size,
-        num_key_value_heads=spec.num_key_value_heads // world_size,
+        num_key_value_heads=max(1, spec.num_key_value_heads // world_size),
         intermediate_size=spec.intermediate_size // world_size,
         moe_intermediate_size=spec.moe_intermediate_size // world_size,
         shared_expert_intermediate_size=spec.shared_expert_intermediate_size // world_size,
     )
 
 
-def shard_tensor(hf_name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank `rank`'s slice of the checkpoint tensor `hf_name` (the whole tensor if replicated)."""
+def shard_tensor(hf_name: str, tensor: torch.Tensor, rank: int, world_size: int,
+                 num_kv_heads: int | None = None) -> torch.Tensor:
+    """Rank `rank`'s slice of the checkpoint tensor `hf_name` (the whole tensor if replicated).
+    `num_kv_heads`: the model's, needed only when it is below `world_size`."""
     parts = hf_name.split(".")
     if len(parts) < 2:
         return tensor
     projection = parts[-2]
+    if (projection in ("k_proj", "v_proj") and num_kv_heads is not None
+            and _replicates_kv_heads(num_kv_heads, world_size)):
+        # Rank r's query heads are heads r * H/N .. (r + 1) * H/N - 1, all in KV group
+        # r // (N / num_kv_heads) (a group is H / num_kv_heads query heads, a multiple of H/N).
+        return tensor.chunk(num_kv_heads, dim=0)[rank // (world_size // num_kv_heads)]
     if projection in _SPLIT_ROWS:  # weight [out, in] or bias [out]
         return tensor.chunk(world_size, dim=0)[rank]
     if projection in _SPLIT_COLUMNS:
@@ -96,7 +113,8 @@ class ShardedCheckpoint:
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, tensor in self._checkpoint.iter_weights():
             # contiguous: a column slice is a strided view, and the loaders copy or quantize it
-            yield hf_name, shard_tensor(hf_name, tensor, self.rank, self.world_size).contiguous()
+            yield hf_name, shard_tensor(hf_name, tensor, self.rank, self.world_size,
+                                        self._checkpoint.spec.num_key_value_heads).contiguous()
 
 
 class TensorParallelGroup:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from argosy_runtime.distributed import ShardedCheckpoint, shard_spec, shard_tensor
@@ -27,6 +29,26 @@ def test_uneven_split_names_what_does_not_divide(embedded) -> None:
         shard_spec(embedded.spec, 2)
     with pytest.raises(ValueError, match="positive integer"):
         shard_spec(embedded.spec, 0)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(embedded) -> None:
+    # 12 heads, 3 KV heads (groups of 4 query heads) over 6 ranks: two query heads and one KV
+    # head each, every KV head on the 2 ranks whose query heads read it. 4 ranks do not
+    # divide the 3 KV heads.
+    spec = dataclasses.replace(embedded.spec, num_attention_heads=12, num_key_value_heads=3)
+    assert shard_spec(spec, 6).num_key_value_heads == 1
+    with pytest.raises(ValueError, match="num_key_value_heads 3"):
+        shard_spec(spec, 4)
+    k = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3 * 4, 2)  # 3 heads of dim 4
+    heads = k.chunk(3)
+    for rank in range(6):  # query heads 2r, 2r + 1: KV group r // 2
+        assert torch.equal(shard_tensor("model.layers.0.self_attn.k_proj.weight", k, rank, 6,
+                                        num_kv_heads=3), heads[rank // 2])
+        assert torch.equal(shard_tensor("model.layers.0.self_attn.v_proj.bias", k[:, 0], rank, 6,
+                                        num_kv_heads=3), heads[rank // 2][:, 0])
+    q = torch.randn(12 * 4, 2)  # still split by rank
+    assert torch.equal(shard_tensor("model.layers.0.self_attn.q_proj.weight", q, 4, 6,
+                                    num_kv_heads=3), q.chunk(6)[4])
 
 
 @pytest.mark.parametrize("name, dim", [

@@ -68,6 +68,22 @@ def test_moe_with_bias_and_shared_expert_over_two_ranks(tmp_path) -> None:
         _stop(engine)
 
 
+def test_fewer_kv_heads_than_ranks_are_replicated_over_four_ranks(tmp_path) -> None:
+    """8 query heads in 2 KV groups over 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV
+    head 1 (with its q/k/v biases, Qwen2), and the tokens are still transformers' greedy ones."""
+    folder = make_random_model_dir(tmp_path, "qwen2", num_hidden_layers=2, hidden_size=64,
+                                   num_attention_heads=8, num_key_value_heads=2)
+    ref = FullForwardReference.from_folder(folder)
+    prompts = random_prompts(3, (7, 15), vocab=ref.model.config.vocab_size)
+    engine = LLMEngine(model=str(folder), dtype="float32", tensor_parallel_size=4)
+    try:
+        assert engine.model.spec.num_key_value_heads == 1
+        assert_equals_reference(run_requests(engine, [(p, greedy(6)) for p in prompts]),
+                                prompts, ref, 6)
+    finally:
+        _stop(engine)
+
+
 def test_ngram_speculative_decoding_over_three_ranks(embedded_reference) -> None:
     """Verification chunks (1 + k tokens per sequence) go to the workers like prompt chunks:
     on a prompt the model continues by copying, drafts are proposed and accepted, and the
