@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from argosy_runtime.log_levels import LOG_LEVELS
 from argosy_runtime.pooling_params import POOLING_TYPES
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Tool-call formats for tool_choice "auto" (server/tool_parsers.py has one stream for each).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 # How /v1/embeddings pools a prompt's hidden states: every PoolingParams pooling.
@@ -101,4 +101,12 @@ class ServerConfig:
     @staticmethod
     def api_key_from_env(cli_value: str | None) -> str | None:
         """--api-key wins; otherwise ARGOSY_API_KEY (empty means no auth)."""
-        return cli_value or os.environ.get("ARGOSY_API_KEY") or None
+        if cli_value:
+            return cli_value
+        env_value = os.environ.get("ARGOSY_API_KEY")
+        if env_value and not env_value.strip():
+            # Refused here, not by __post_init__: its "api_key must not be empty" does not
+            # say the blank came from the environment, not from a flag.
+            raise ValueError("ARGOSY_API_KEY is only whitespace; unset it (or set it empty) "
+                             "to serve without a key")
+        return env_value or None

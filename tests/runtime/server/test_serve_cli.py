@@ -100,6 +100,21 @@ def test_bad_flag_values_exit_2_naming_the_flag(flags: list[str], words: list[st
         assert word in err, (word, err)
 
 
+def test_blank_api_key_env_exits_2_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    # "  " used to reach ServerConfig, whose "api_key must not be empty" named no variable
+    monkeypatch.setenv("ARGOSY_API_KEY", "  ")
+    assert serve_exit_code([], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "ARGOSY_API_KEY" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="ARGOSY_API_KEY"):
+        ServerConfig.api_key_from_env(None)
+    # a flag still wins over the blank variable; an empty variable still means no key
+    assert ServerConfig.api_key_from_env("k") == "k"
+    monkeypatch.setenv("ARGOSY_API_KEY", "")
+    assert ServerConfig.api_key_from_env(None) is None
+
+
 def test_bad_speculative_config_is_refused_when_engine_args_are_built() -> None:
     # LLM(...) / LLMEngine(...) too: before the model loads, as a ValueError, not a TypeError
     with pytest.raises(ValueError, match="num_speculative_tokens"):
