@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -27,8 +28,25 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def loads_strict(body: bytes) -> Any:
-    """`json.loads`, raising `json.JSONDecodeError` for a string holding a lone surrogate."""
-    value = json.loads(body)
+    """`json.loads`, raising `json.JSONDecodeError` for a string holding a lone surrogate,
+    and for the bodies `json.loads` refuses with another error (FastAPI answers those with a
+    bare "There was an error parsing the body", naming no cause)."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(
+            f"the body is not valid {exc.encoding} ({exc.reason} at byte {exc.start})",
+            "", 0) from exc
+    except ValueError as exc:
+        # The only other ValueError of json.loads: an integer literal longer than Python's
+        # int-string conversion limit (a guard against quadratic-time parsing).
+        raise json.JSONDecodeError(
+            f"number too large: an integer has more than {sys.get_int_max_str_digits()} "
+            "digits", "", 0) from exc
+    except RecursionError as exc:
+        raise json.JSONDecodeError("the body is nested too deeply", "", 0) from exc
     encoding = json.detect_encoding(body)
     suspect = (_SURROGATE_ESCAPE_BYTES.search(body) if encoding == "utf-8"
                else _SURROGATE_ESCAPE.search(body.decode(encoding, "surrogatepass")))

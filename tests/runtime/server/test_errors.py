@@ -257,6 +257,38 @@ def test_surrogate_pairs_and_escaped_backslashes_are_fine(http: httpx.Client) ->
     assert text == "\U0001f600 and \\ud83d"
 
 
+# Bodies json.loads refuses with an error other than JSONDecodeError: FastAPI answered each
+# with a bare "There was an error parsing the body" that named no cause.
+UNPARSABLE_CASES = [
+    # past Python's int-string conversion limit (4300 digits)
+    (C, b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", ["number too large", "4300"]),
+    (RESP, b'{"input": "hi", "max_output_tokens": -' + b"9" * 4301 + b"}",
+     ["number too large", "4300"]),
+    ("/tokenize", b'{"prompt": "caf\xe9"}', ["not valid utf-8"]),  # Latin-1, not UTF-8
+    (C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ["nested too deeply"]),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "words"), UNPARSABLE_CASES)
+def test_unparsable_body_is_a_400_naming_the_cause(http: httpx.Client, path: str, raw: bytes,
+                                                   words: list[str]) -> None:
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    err = _check_error_body(r, 400)
+    assert err["type"] == "invalid_request_error", err
+    for word in words:
+        assert word in err["message"], err
+    # the same connection still serves
+    assert http.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+
+
+def test_integer_at_the_digit_limit_is_parsed(http: httpx.Client) -> None:
+    # 4300 digits is still a number: refused by the field check, not by the parser
+    raw = b'{"prompt": "x", "max_tokens": ' + b"1" * 4300 + b"}"
+    r = http.post(C, content=raw, headers={"content-type": "application/json"})
+    err = _check_error_body(r, 400)
+    assert err["param"] == "max_tokens" and "number too large" not in err["message"], err
+
+
 @pytest.mark.parametrize("path", [C, CHAT, RESP])
 def test_int_sampling_values_are_accepted(http: httpx.Client, path: str) -> None:
     """Float fields are strict (no booleans, no strings) yet take an int, as JSON writes 1."""
