@@ -182,6 +182,16 @@ def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
     assert r.text.format.type == "json_schema" and r.text.format.name == "yes_no"
 
 
+@pytest.mark.parametrize("fmt", [{"type": "json_object"}, {"type": "text"},
+                                 {"type": "json_object", "schema": None}])
+def test_text_format_without_schema_fields_is_accepted(client: OpenAI, fmt: dict) -> None:
+    # the other side of refusing json_schema-only fields: bare types (or explicit nulls) pass
+    r = client.responses.create(model=MODEL, input="Say hi in JSON.", max_output_tokens=4,
+                                temperature=0, store=False, text={"format": fmt})
+    assert r.status in ("completed", "incomplete")
+    assert r.text.format.type == fmt["type"]
+
+
 @pytest.mark.parametrize("body, status, param, words", [
     ({"input": "Hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ({"input": 123}, 400, "input", "expected a string or a list of input items"),
@@ -199,6 +209,14 @@ def test_text_format_json_schema_constrains_the_output(client: OpenAI) -> None:
     ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text",
      "text.format.name"),
+    # json_schema-only fields with another type were accepted, the schema silently ignored
+    ({"input": "Hi", "text": {"format": {"type": "json_object", "schema": {
+        "type": "object"}}}}, 400, "text", "text.format.schema: only allowed with type "
+     "'json_schema', not 'json_object'"),
+    ({"input": "Hi", "text": {"format": {"type": "text", "name": "n"}}}, 400, "text",
+     "text.format.name: only allowed with type 'json_schema', not 'text'"),
+    ({"input": "Hi", "text": {"format": {"type": "json_object", "strict": True}}}, 400, "text",
+     "text.format.strict"),
     ({"input": "Hi " * 3000, "max_output_tokens": 5}, 400, "input", "maximum context length"),
     # a schema llguidance cannot take (a 128-bit bound) was "text.format: Value is not JSON
     # serializable", naming no field of the schema

@@ -197,6 +197,14 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
 def response_format(req: ResponsesRequest) -> ResponseFormat | None:
     """`text.format` as chat's `response_format` (constrained decoding for JSON)."""
     fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "json_schema":
+        # OpenAI's "text" and "json_object" formats have only `type`: a schema sent with them
+        # would otherwise be ignored (and echoed back) while the output went unconstrained.
+        for field, value in (("name", fmt.name), ("description", fmt.description),
+                             ("schema", fmt.schema_), ("strict", fmt.strict)):
+            if value is not None:
+                raise bad_request(f"text.format.{field}: only allowed with type 'json_schema', "
+                                  f"not {fmt.type!r}", "text")
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
