@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
+from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
@@ -135,18 +136,10 @@ async def create_completion(request: Request, req: CompletionRequest,
                           "use_beam_search", "max_tokens")
     max_tokens = 1 if score_only else req.max_tokens
     texts, prompts = await normalize_prompts(ctx, req.prompt, truncate=req.truncate_prompt_tokens)
-    try:
-        cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
-    except APIError as exc:
-        if score_only and exc.code == "context_length_exceeded":
-            # its message counts the one token the engine runs as "max_tokens 1", a value
-            # this client never sent: say what the limit is for max_tokens 0
-            raise bad_request(
-                f"this model's maximum context length is {ctx.max_model_len} tokens; echo "
-                "with max_tokens 0 still runs the model one token past the prompt, so the "
-                f"prompt may have at most {ctx.max_model_len - 1} tokens", "prompt",
-                code="context_length_exceeded") from exc
-        raise
+    # max_tokens 0 needs no room past the prompt: it may fill the whole context
+    # (_score_whole_context runs such a prompt)
+    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt",
+                           0 if score_only else max_tokens)
     # echo returns the prompt the model saw: a truncated one is decoded, not the text sent.
     # Decoded with its special tokens, as vLLM echoes token ids: dropping them made the echo
     # shorter than its logprobs `tokens`, whose text_offsets then overlapped the generated ones.
@@ -172,10 +165,12 @@ async def create_completion(request: Request, req: CompletionRequest,
                           "fewer per request", "prompt")
     response_id = new_id("cmpl")
     created = now()
+    engine_prompts, engine_params = (_score_whole_context(prompts, params, ctx.max_model_len)
+                                     if score_only else (prompts, params))
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      prompts, params, model_name, req.priority)
+                                      engine_prompts, engine_params, model_name, req.priority)
     except BaseException:
         ctx.lifecycle.exit()
         raise
@@ -203,6 +198,8 @@ async def create_completion(request: Request, req: CompletionRequest,
             offsets: dict[int, int] = {}
             finals: dict[int, RequestOutput] = {}
             async for i, out in merge_streams(streams, constraint_source(req), log):
+                if score_only:
+                    out = _with_whole_prompt(out, prompts[i])
                 finals[i] = out
                 for seq in out.outputs:
                     c = i * n + seq.index
@@ -252,7 +249,8 @@ async def create_completion(request: Request, req: CompletionRequest,
         return Response(status_code=499)
     finally:
         ctx.lifecycle.exit()
-    finals = dict(enumerate(finals_list))
+    finals = {i: _with_whole_prompt(out, prompts[i]) if score_only else out
+              for i, out in enumerate(finals_list)}
     choices = []
     for i, out in finals.items():
         for seq in out.outputs:
@@ -276,6 +274,39 @@ async def create_completion(request: Request, req: CompletionRequest,
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))
     return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
                          "model": model_name, "choices": choices, "usage": usage})
+
+
+def _score_whole_context(prompts: list[list[int]], params: SamplingParams, max_model_len: int
+                         ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Engine prompts and params for echo with max_tokens 0 (score_only). The engine always
+    runs one token past a prompt, so one of max_model_len tokens cannot run whole: it runs
+    without its last token, and that token is made the one "sampled" (allowed_token_ids).
+    Logprobs come from the raw distribution, as prompt logprobs do, so the sampled
+    position's are the last prompt token's; `_with_whole_prompt` puts them back."""
+    each: list[SamplingParams] = []
+    engine_prompts: list[list[int]] = []
+    for ids in prompts:
+        if len(ids) < max_model_len:
+            engine_prompts.append(ids)
+            each.append(params)
+            continue
+        k = params.prompt_logprobs  # the generated token is dropped: no other field matters
+        engine_prompts.append(ids[:-1])
+        each.append(SamplingParams(n=params.n, temperature=0.0, max_tokens=1, ignore_eos=True,
+                                   logprobs=k, prompt_logprobs=k, allowed_token_ids=[ids[-1]]))
+    return engine_prompts, each
+
+
+def _with_whole_prompt(out: RequestOutput, prompt: list[int]) -> RequestOutput:
+    """A finished output of `_score_whole_context`'s shortened prompt, as if the whole
+    prompt had run: its last token back, with the sampled position's logprobs as its own."""
+    if not out.finished or len(out.prompt_token_ids) == len(prompt):  # it ran whole
+        return out
+    out.prompt_token_ids = [*out.prompt_token_ids, prompt[-1]]
+    seq_logprobs = out.outputs[0].logprobs if out.outputs else None
+    if out.prompt_logprobs is not None and seq_logprobs:
+        out.prompt_logprobs = [*out.prompt_logprobs, seq_logprobs[0]]  # a copy: the engine's
+    return out
 
 
 def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput],

@@ -140,14 +140,68 @@ def test_echoed_token_prompt_keeps_its_special_tokens(http: httpx.Client, stream
     assert lp["text_offset"] == starts
 
 
-def test_max_tokens_0_past_the_context_says_so(http: httpx.Client) -> None:
-    """The engine runs one token past a prompt scored with max_tokens 0: the 400 for a prompt
-    of max_model_len (2048) tokens used to blame a "max_tokens 1" the client never sent."""
-    body = {"model": MODEL, "prompt": [28] * 2048, "max_tokens": 0, "echo": True}
+def test_max_tokens_0_scores_a_prompt_filling_the_context(http: httpx.Client,
+                                                         offline_llm) -> None:
+    """echo with max_tokens 0 generates nothing, so a prompt of max_model_len (2048) tokens
+    fits; it was a 400 (the engine runs one token past a prompt, and the check counted it)."""
+    tok = offline_llm.engine.tokenizer
+    head = (tok.encode("The quick brown fox jumps over the lazy dog. " * 300))[:2047]
+    # the reference: the offline engine's logprobs of every position, the 2048th included
+    # (the sampled position of the 2047-token prompt); the last token is the second most
+    # likely, so the score cannot come from a mask that left it the only choice
+    ref = offline_llm.generate([head], SamplingParams(max_tokens=1, temperature=0,
+                                                       logprobs=3, prompt_logprobs=3))[0]
+    last_entry = ref.outputs[0].logprobs[0]
+    last = next(t for t, lp in last_entry.items() if lp.rank == 2)
+    ids = head + [last]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3}
     r = http.post("/v1/completions", json=body)
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "prompt", r.text
-    assert err["code"] == "context_length_exceeded"
-    assert "max_tokens 1" not in err["message"] and "at most 2047" in err["message"], err
-    r = http.post("/v1/completions", json={**body, "prompt": [28] * 2047})
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2047, r.text
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["text"] == tok.decode(ids, skip_special_tokens=False)
+    assert choice["finish_reason"] == "length"
+    usage = r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2048, 0), usage
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 2048
+    want = [*ref.prompt_logprobs, last_entry]
+    for pos in (1, 1000, 2046, 2047):
+        assert lp["token_logprobs"][pos] == pytest.approx(want[pos][ids[pos]].logprob,
+                                                          abs=1e-4), pos
+        assert sorted(lp["top_logprobs"][pos].values(), reverse=True) == pytest.approx(
+            sorted((x.logprob for x in want[pos].values() if x.rank <= 3), reverse=True),
+            abs=1e-4), pos
+    assert lp["token_logprobs"][2047] < max(lp["top_logprobs"][2047].values())  # rank 2
+    # streamed: the same single chunk
+    streamed = [line for line in http.post("/v1/completions", json={**body, "stream": True})
+                .text.splitlines() if line.startswith("data: {")]
+    assert len(streamed) == 1
+    [streamed_choice] = json.loads(streamed[0][6:])["choices"]
+    assert streamed_choice["logprobs"]["tokens"] == lp["tokens"]
+    assert streamed_choice["logprobs"]["token_logprobs"][2047] == pytest.approx(
+        lp["token_logprobs"][2047], abs=1e-4)
+    # without logprobs: the echo alone; vLLM's prompt_logprobs extra: the last one too
+    plain = http.post("/v1/completions", json={**body, "logprobs": None, "prompt_logprobs": 1})
+    assert plain.status_code == 200, plain.text
+    [plain_choice] = plain.json()["choices"]
+    assert plain_choice["text"] == choice["text"] and plain_choice["logprobs"] is None
+    assert len(plain_choice["prompt_logprobs"]) == 2048
+    assert plain_choice["prompt_logprobs"][2047][str(last)]["logprob"] == pytest.approx(
+        lp["token_logprobs"][2047], abs=1e-4)
+    # n > 1 and a batch beside a shorter prompt: each choice scores its own whole prompt
+    r = http.post("/v1/completions", json={**body, "prompt": [ids, ids[:5]], "n": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [2048, 2048, 5, 5]
+    assert choices[1]["logprobs"]["token_logprobs"][2047] == pytest.approx(
+        lp["token_logprobs"][2047], abs=1e-4)
+    assert r.json()["usage"]["prompt_tokens"] == 2053
+    # a token to generate still needs room past the prompt
+    for extra in ({"max_tokens": 1}, {"max_tokens": 1, "echo": False}):
+        r = http.post("/v1/completions", json={**body, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt", r.text
+        assert err["code"] == "context_length_exceeded" and "2048" in err["message"], err
+    # and past the context, max_tokens 0 is still refused
+    r = http.post("/v1/completions", json={**body, "prompt": ids + [28]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
