@@ -157,6 +157,11 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # bounded: int() refuses 4300+ dig
 
 def constraint_source(req: CompletionRequest | ChatCompletionRequest) -> str | None:
     """The request field that constrains the output, if any: one at most."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        # would be ignored, leaving the output unconstrained by the schema the client sent
+        raise bad_request(f"response_format.json_schema: only allowed with type 'json_schema', "
+                          f"not {fmt.type!r}", "response_format")
     sources = []  # the 400 names the last one: an extra or tools added to a plain request
     if req.response_format is not None and req.response_format.type != "text":
         sources.append("response_format")

@@ -125,6 +125,12 @@ CASES = [
      "response_format"),
     (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
+    # a schema with another type was ignored: the output went unconstrained
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {
+        "type": "json_object", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400,
+     "response_format"),
+    (C, {"model": MODEL, "prompt": "hi", "response_format": {
+        "type": "text", "json_schema": {"name": "x"}}}, 400, "response_format"),
     (CHAT, {"model": MODEL, "messages": MSG, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400,
      "response_format"),
