@@ -32,6 +32,8 @@ from typing import Any
 import yaml
 
 POLICIES = ("round-robin", "least-load", "prefix-affinity")
+# The largest least-load weight (routing.w_*): far past any useful ratio between the terms.
+MAX_ROUTING_WEIGHT = 1e6
 DISCOVERY_SOURCES = ("pods", "endpointslices")
 # The label the Argosy operator selects an LLMDeployment's runtime pods by (its value is the
 # LLMDeployment's name); equal to argosy_operator.constants.LABEL_LLMD, kept literal here so the
@@ -141,7 +143,15 @@ class RoutingConfig:
         _positive_int("routing.virtual_nodes", self.virtual_nodes)
         _positive("routing.kv_high_watermark", self.kv_high_watermark)
         for name in ("w_in_flight", "w_waiting", "w_kv"):
-            _positive(f"routing.{name}", getattr(self, name), allow_zero=True)
+            value = getattr(self, name)
+            _positive(f"routing.{name}", value, allow_zero=True)
+            # A weight of 1e308 (or .inf) makes a score of two in-flight requests inf; inf -
+            # inf is NaN, and least-load's ordering (and its tie rotation) breaks. Weights
+            # only matter relative to each other, so a bound far past any useful ratio costs
+            # nothing and keeps every score finite.
+            if value > MAX_ROUTING_WEIGHT:
+                raise ValueError(f"routing.{name}: must be <= {MAX_ROUTING_WEIGHT:g} (weights "
+                                 f"only matter relative to each other), got {value!r}")
         if not isinstance(self.adapter_affinity, bool):
             raise ValueError(
                 f"routing.adapter_affinity: expected true or false, got {self.adapter_affinity!r}"
@@ -165,6 +175,21 @@ class KubernetesBackendConfig:
     resync_s: float = 300.0
 
     def __post_init__(self) -> None:
+        # Checked here, not at discovery: a selector that is not a string (`label_selector:
+        # 5`, or a YAML mapping of labels) fails every list call, which discovery retries
+        # forever, logging a warning, and the model never gets a replica. A blank one would
+        # select every pod of the namespace.
+        if self.label_selector is not None and (
+                not isinstance(self.label_selector, str) or not self.label_selector.strip()):
+            raise ValueError(
+                "kubernetes.label_selector: expected a Kubernetes label selector string such "
+                f"as 'app=llm,tier in (a,b)', got {self.label_selector!r}")
+        for key in ("llmdeployment", "namespace", "port_name"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"kubernetes.{key}: expected a string, got "
+                                 f"{getattr(self, key)!r}")
+        if self.api_url is not None and not isinstance(self.api_url, str):
+            raise ValueError(f"kubernetes.api_url: expected a URL string, got {self.api_url!r}")
         if not self.llmdeployment and not self.label_selector:
             raise ValueError("kubernetes.llmdeployment: required (or give label_selector)")
         if self.source not in DISCOVERY_SOURCES:
@@ -410,6 +435,11 @@ class GatewayConfig:
     # On SIGTERM the gateway stops accepting connections and gives the answers in flight
     # (streams included) this long to finish before it cuts them and exits.
     drain_timeout_s: float = 30.0
+    # The longest the gateway waits for the next bytes of a request's body (nginx's
+    # client_body_timeout): a client that sends the headers and then stalls mid-body gets a
+    # 408 and its connection closed instead of holding it forever. Between reads, not for the
+    # whole body: a 200 MiB batch upload over a slow link must still get through.
+    client_body_timeout_s: float = 60.0
     # API keys and rate limits per tenant; empty: no authentication and no limits.
     tenants: tuple[TenantConfig, ...] = ()
     # What the gateway sends replicas as `Authorization: Bearer ...` (their --api-key) in place
@@ -424,6 +454,7 @@ class GatewayConfig:
         if self.first_byte_timeout_s is not None:
             _positive("first_byte_timeout_s", self.first_byte_timeout_s)
         _positive("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
+        _positive("client_body_timeout_s", self.client_body_timeout_s)
         names = [m.name for m in self.models]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:

@@ -90,7 +90,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "argosy:gateway_requests",
-            "Requests answered, by model, replica and HTTP status.",
+            "Requests answered, by model, replica and HTTP status (499: the client went away "
+            "before the answer ended; 502 after a 200: the replica broke mid-answer).",
             ["model", "backend", "code"],
             registry=r,
         )

@@ -43,7 +43,10 @@ class LeastLoadPolicy(Policy):
             return None
         scores = [self.score(c) for c in candidates]
         best = min(scores)
-        tied = [c for c, s in zip(candidates, scores, strict=True) if s - best < 1e-9]
+        # `s <= best + eps`, not `s - best < eps`: were scores ever inf (config bounds the
+        # weights, the health checker drops non-finite gauges, so only absurd finite gauges
+        # could do it), inf - inf is NaN and no replica would tie, not even the best.
+        tied = [c for c, s in zip(candidates, scores, strict=True) if s <= best + 1e-9]
         replica = tied[self._tie % len(tied)]
         self._tie += 1
         return replica

@@ -59,7 +59,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
     PinnedPolicy,
     ResponsesRoutes,
 )
-from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
+from argosy_runtime.gateway.proxy.tenant_gate import CLIENT_CLOSED, TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_text
 from argosy_runtime.gateway.routing import Routing
@@ -154,8 +154,12 @@ class Gateway:
                     413, f"request body is larger than this gateway's limit of {limit} bytes "
                          f"({limit / 2**20:g} MiB)", code="request_too_large")
 
-        app = web.Application(client_max_size=limit, middlewares=[body_too_large])
+        # Outermost: the tenants' gate inside counts a failed request as its 500.
+        app = web.Application(client_max_size=limit,
+                              middlewares=[internal_error, body_too_large])
         self.tenants.install(app)
+        # Innermost, so that the tenants' gate counts (and releases) a 408 like any answer.
+        app.middlewares.append(body_timeout(self.config.client_body_timeout_s))
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         for path in POOLING_PATHS:  # /v1/embeddings, scores, reranks, classifications
@@ -461,28 +465,35 @@ class Gateway:
         pin: str | None = None,
     ) -> Upstream | web.Response:
         assert self.session is not None
-        activator = self.activators.get(model)
-        if activator is not None and activator.needed():
-            held = await self._hold(model, activator)
-            if held is not None:
-                self.metrics.requests.labels(model, "", str(held.status)).inc()
-                return held
-        routing = self.routing  # one snapshot for all of this request's tries
-        route = RouteRequest(
-            prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter
-        )
-        result = await send(
-            session=self.session,
-            config=self.config,
-            metrics=self.metrics,
-            pool=self.pools[model],
-            policy=routing.policies[model] if pin is None else PinnedPolicy(pin),
-            route=route,
-            path=path,
-            body=raw,
-            headers=headers,
-            adapter=adapter,
-        )
+        try:
+            activator = self.activators.get(model)
+            if activator is not None and activator.needed():
+                held = await self._hold(model, activator)
+                if held is not None:
+                    self.metrics.requests.labels(model, "", str(held.status)).inc()
+                    return held
+            routing = self.routing  # one snapshot for all of this request's tries
+            route = RouteRequest(
+                prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter
+            )
+            result = await send(
+                session=self.session,
+                config=self.config,
+                metrics=self.metrics,
+                pool=self.pools[model],
+                policy=routing.policies[model] if pin is None else PinnedPolicy(pin),
+                route=route,
+                path=path,
+                body=raw,
+                headers=headers,
+                adapter=adapter,
+            )
+        except asyncio.CancelledError:
+            # The client went away while its request was held or before the replica's
+            # first byte: counted as the 499 a client leaving mid-answer counts as
+            # (_relay_upstream), so that every request the gateway took is counted once.
+            self.metrics.requests.labels(model, "", CLIENT_CLOSED).inc()
+            raise
         if isinstance(result, web.Response):
             self.metrics.requests.labels(model, "", str(result.status)).inc()
         return result
@@ -552,7 +563,14 @@ class Gateway:
         out.headers.update(extra)
         out.headers["x-argosy-backend"] = upstream.replica.url
         charged = self.tenants.meter(request, path, body, resp.status, resp.content_type)
-        finished = False
+        # The `code` this request counts under in argosy:gateway_requests_total. The status
+        # line already went out with the replica's status, but an answer cut short is not
+        # one: a client that went away counts as 499 (nginx's "client closed request", as
+        # the tenants' counter has it), a replica that broke mid-answer as 502 (what the
+        # client's error event says: bad_gateway_error). Dashboards summing the counter then
+        # see every request, and these never pass for successes. A failure nobody expected
+        # (a gateway bug, after the status line went out) counts as the 500 it is.
+        code = "500"
         last = b""  # the last bytes relayed: does the stream so far end between two events?
         try:
             await out.prepare(request)
@@ -565,19 +583,22 @@ class Gateway:
                 charged.feed(chunk)
                 last = (last + chunk)[-4:]
             await out.write_eof()
-            finished = True
+            code = str(resp.status)
         except asyncio.CancelledError:
             # The client went away (handler cancelled): closing the upstream connection (in
             # release) tells the replica to abort the request and free its KV cache.
             self.metrics.client_disconnects.labels(model).inc()
+            code = CLIENT_CLOSED
             raise
         except ConnectionResetError:
             # A write found the client gone (also a client that closes right after the last
             # event, before the end of the chunked body): same as above, nothing to answer.
             self.metrics.client_disconnects.labels(model).inc()
+            code = CLIENT_CLOSED
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             # The replica died mid-answer; bytes already reached the client, so no retry.
             logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
+            code = "502"
             upstream.replica.mark_failure(self.config.health.unhealthy_after)
             if resp.content_type == "text/event-stream":  # a JSON body has no room for one
                 await end_stream_with_error(out, last, upstream.replica.url)
@@ -588,9 +609,88 @@ class Gateway:
         finally:
             upstream.release()
             charged.finish()  # what reached the client, also when the answer was cut short
-            if finished:
-                self._count(model, upstream, resp.status, started)
+            self.metrics.requests.labels(model, upstream.replica.url, code).inc()
+            if code == str(resp.status):  # whole: its latency is "to the last byte"
+                self.metrics.latency.labels(model).observe(time.monotonic() - started)
         return out
+
+
+@web.middleware
+async def internal_error(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A bug in the gateway (an exception no handler expected) answers an OpenAI-shaped 500,
+    not aiohttp's plain-text page, which the openai client cannot read, and logs the
+    traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise  # aiohttp's own answers (404, 405, 413, ...): the client's errors, not ours
+    except Exception as exc:
+        if request.writer.output_size > 0:
+            # The answer has started: only cutting the connection is left, which aiohttp
+            # does (and logs the traceback).
+            raise
+        logger.exception("%s %s failed in the gateway", request.method, request.path)
+        if isinstance(exc, TimeoutError):  # aiohttp answers one with a 504: keep its status
+            return error_response(504, "the gateway timed out handling this request")
+        # As the runtime server answers its own: nothing of the exception leaks to clients.
+        return error_response(500, "internal server error (in the gateway; see its log)")
+
+
+def body_timeout(timeout_s: float) -> Any:
+    """The middleware that answers 408 to a request whose body stops arriving: no byte of it
+    for `timeout_s` (config: `client_body_timeout_s`). A watchdog, not a timeout around each
+    read, so that every way a handler reads a body (whole, or a streamed upload) is covered.
+    The check runs every quarter of the timeout, so a stall is caught within 1.25x of it."""
+    step = timeout_s / 4
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        content = request.content
+        if content.is_eof():  # no body, or all of it came with the headers: nothing to wait
+            return await handler(request)
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        seen = content.total_bytes
+        last_progress = loop.time()
+        expired = False
+
+        def check() -> None:
+            nonlocal seen, last_progress, expired, timer
+            if content.is_eof():
+                return  # the whole body is in: whatever the handler does next is not ours
+            if content.total_bytes != seen:
+                seen, last_progress = content.total_bytes, loop.time()
+            elif loop.time() - last_progress >= timeout_s:
+                expired = True
+                task.cancel()  # the handler waits on the body: stop it there
+                return
+            timer = loop.call_later(step, check)
+
+        timer = loop.call_later(step, check)
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            # Ours alone (not also the client going away, nor a shutdown): answer it.
+            if not expired or task.uncancel() > 0 or request.writer.output_size > 0:
+                raise
+            logger.info("%s %s: no body bytes for %g s; answered 408", request.method,
+                        request.path, timeout_s)
+            resp = error_response(
+                408, f"the request body stopped arriving: no bytes of it for {timeout_s:g} s",
+                code="request_timeout")
+            # The rest of the body may never come: send the answer, then close at once
+            # (aiohttp would otherwise linger up to 10 s reading what is left of the body).
+            resp.force_close()  # "Connection: close"
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()  # after what is buffered (the answer) is written
+            return resp
+        finally:
+            timer.cancel()
+
+    return middleware
 
 
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
