@@ -181,7 +181,12 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
         await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
-        raise kopf.TemporaryError(str(exc), delay=30) from exc
+        # A child still being deleted (an LLMDeployment deleted and applied again, as GitOps
+        # tools replace one) is gone in seconds: retry soon. Someone else's object stays
+        # until a person acts: back off as for API errors (a fixed 30 s was both too slow
+        # for the first and too frequent for the second).
+        delay = reapply_retry_delay(retry) if exc.being_deleted else apply_retry_delay(retry)
+        raise kopf.TemporaryError(str(exc), delay=delay) from exc
     except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
         # A child refused (403 RBAC, 422 invalid, 5xx) or the API server unreachable: say so
         # on the owner, and let kopf retry later and later (a 403 or 422 stays until someone

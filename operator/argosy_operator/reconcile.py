@@ -43,7 +43,15 @@ from argosy_operator.spec import autoscaling_enabled, normalize_spec
 
 class ChildConflictError(Exception):
     """A child's name is taken by an object the operator does not manage (or it is being
-    deleted); retrying later may help, overwriting it would not be ours to do."""
+    deleted); retrying later may help, overwriting it would not be ours to do.
+
+    `being_deleted`: the object is on its way out (its finalizers or the garbage collector
+    hold it), which clears by itself, usually within seconds; someone else's object stays
+    until a person acts."""
+
+    def __init__(self, message: str, *, being_deleted: bool = False) -> None:
+        super().__init__(message)
+        self.being_deleted = being_deleted
 
 
 @dataclass
@@ -96,7 +104,8 @@ def _check_ours(res: Resource, live: Mapping[str, Any], owner_uid: str | None) -
     meta = live.get("metadata") or {}
     kind = live.get("kind", res.plural)
     if meta.get("deletionTimestamp"):
-        raise ChildConflictError(f"{kind} {meta.get('name')} is being deleted; retrying")
+        raise ChildConflictError(f"{kind} {meta.get('name')} is being deleted; retrying",
+                                 being_deleted=True)
     if not _is_ours(live, owner_uid):
         raise ChildConflictError(
             f"{kind} {meta.get('name')} exists and is not managed by {OPERATOR_NAME}; "

@@ -127,6 +127,53 @@ async def test_an_api_error_on_a_child_is_a_condition_and_backs_off(
     assert _cond(await _status(api), "Degraded")["status"] == "False"
 
 
+async def _reconcile_delay(retry: int, api: Api) -> float:
+    """kopf's retry delay from one create/update reconcile that must fail (TemporaryError)."""
+    from argosy_operator import handlers
+
+    body = await api.call("GET", f"{LLMD_PATH}/chat")
+    with pytest.raises(kopf.TemporaryError) as err:
+        await handlers.reconcile_llmdeployment(body=body, meta=body["metadata"],
+                                               logger=logging.getLogger("test"), retry=retry)
+    return err.value.delay
+
+
+async def test_a_child_being_deleted_is_retried_soon_and_a_foreign_one_backs_off(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child held by a finalizer while it is deleted (an LLMDeployment deleted and applied
+    again, as GitOps tools replace one) goes away by itself: retried within seconds, and
+    re-created once it is gone. Someone else's object in a child's place stays until a
+    person acts: retried later and later. (Both waited a fixed 30 s.)"""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await api.call("PATCH", f"{SVC_PATH}/chat",
+                       {"metadata": {"finalizers": ["example.com/hold"]}},
+                       "application/merge-patch+json")
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        assert (await api.get_or_none(f"{SVC_PATH}/chat"))["metadata"]["deletionTimestamp"]
+        soon = [await _reconcile_delay(retry, api) for retry in range(2)]
+        assert soon == [handlers.reapply_retry_delay(0), handlers.reapply_retry_delay(1)]
+        assert soon[0] <= 1.0
+        assert "being deleted" in _cond(await _status(api), "Degraded")["message"]
+        await api.call("PATCH", f"{SVC_PATH}/chat", {"metadata": {"finalizers": None}},
+                       "application/merge-patch+json")
+        assert await api.get_or_none(f"{SVC_PATH}/chat") is None  # gone with its finalizer
+        body = await api.call("GET", f"{LLMD_PATH}/chat")
+        await handlers.reconcile_llmdeployment(body=body, meta=body["metadata"],
+                                               logger=logging.getLogger("test"), retry=2)
+        assert (await api.get_or_none(f"{SVC_PATH}/chat"))["metadata"]["labels"]
+
+        await api.call("DELETE", f"{SVC_PATH}/chat")
+        await api.call("POST", SVC_PATH, {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "chat", "namespace": NS},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}, "application/json")
+        later = [await _reconcile_delay(retry, api) for retry in range(4)]
+        assert later == [handlers.apply_retry_delay(r) for r in range(4)]
+        assert later == sorted(later) and later[0] >= 10 and later[-1] > later[0]
+
+
 @pytest.mark.parametrize("interval", ["1s1m", "15s15s", "30ms1h"])
 def test_a_scrape_interval_the_servicemonitor_refuses_is_an_invalid_spec(interval: str
                                                                         ) -> None:
