@@ -126,7 +126,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     metrics.batch_pending.set_function(batches.num_pending)
     # Added first, so it runs inside RequestContextMiddleware: a 413 is authenticated first,
     # logged and counted like any other answer.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       upload_max_bytes=files.max_bytes)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key,
                        on_response=metrics.on_http)
 

@@ -11,8 +11,10 @@ import pytest
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.batch.routes import add_batch_routes
+from argosy_runtime.server.body_limit import BodySizeLimitMiddleware
 from argosy_runtime.server.errors import install_error_handlers
 from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope, Send
 
 LIMIT = 4096  # the store's upload limit here (a replica's is MAX_FILE_BYTES)
 
@@ -50,6 +52,55 @@ async def test_an_upload_over_the_limit_is_a_413_naming_the_limit(
     assert f"upload limit of {LIMIT} bytes" in error["message"]
     assert [f["id"] for f in store.list()] == [at_limit.json()["id"]]  # nothing half-stored
     assert not list(store.dir.glob(".*.part"))
+
+
+async def test_an_upload_far_over_the_limit_is_refused_before_it_is_spooled_whole(
+        tmp_path: Path, store: FileStore) -> None:
+    """The form (its file spooled to a temporary file) is parsed before the route can check
+    the size: a 413 only then let a client fill the disk with one upload of any size. The
+    server's middleware cuts an upload off at the file limit plus the form's room, whether
+    its size is announced or not, with the store's own 413, and stores nothing."""
+    app = FastAPI()
+    install_error_handlers(app)
+    add_batch_routes(app, store, BatchRunner(tmp_path, store, app, concurrency=1))
+    read = 0
+
+    async def counting(scope: Scope, receive: Receive, send: Send) -> None:
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            return message
+        await app(scope, counted, send)
+
+    limited = BodySizeLimitMiddleware(counting, max_bytes=16 << 20, upload_max_bytes=LIMIT)
+    head = (b'--B\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--B\r\ncontent-disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            b'content-type: application/jsonl\r\n\r\n')
+    chunk, chunks = b"x" * (1 << 20), 64  # 64 MiB, far over the 4 KiB limit
+
+    async def body():  # noqa: ANN202 (chunked: no content-length)
+        yield head
+        for _ in range(chunks):
+            yield chunk
+        yield b"\r\n--B--\r\n"
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=limited),
+                                 base_url="http://replica") as client:
+        headers = {"content-type": "multipart/form-data; boundary=B"}
+        refused = await client.post("/v1/files", content=body(), headers=headers)
+        announced = await client.post("/v1/files", headers=headers,
+                                      content=head + chunk * 4 + b"\r\n--B--\r\n")
+        fits = await _upload(client, b"x" * LIMIT)  # the limit itself still passes
+    assert refused.status_code == announced.status_code == 413, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "file", "file_too_large")
+    assert f"upload limit of {LIMIT} bytes" in error["message"]
+    assert announced.json() == refused.json()
+    assert read - LIMIT < 3 * len(chunk)  # never the whole 64 MiB (nor the announced 4)
+    assert fits.status_code == 200, fits.text
+    assert [f["id"] for f in store.list()] == [fits.json()["id"]]
 
 
 async def test_content_by_id_and_unknown_or_crafted_ids_are_404(
@@ -166,3 +217,23 @@ async def test_an_owner_sees_only_its_own_and_unowned_objects(
     assert (await client.get(f"/v1/batches/{batch_id}", headers=_as("a"))).status_code == 200
     assert (await client.get(f"/v1/files/{mine['id']}/content")).content == data
     assert (await client.delete(f"/v1/files/{mine['id']}", headers=_as("a"))).status_code == 200
+
+
+async def test_batch_create_names_its_fields_in_errors(client: httpx.AsyncClient) -> None:
+    """An unknown input file is a 404 naming `input_file_id` (the create's field, not the
+    store's `file_id`); metadata keys and values over OpenAI's 64 and 512 characters are a 400
+    (they were stored, at any size, on every batch record)."""
+    body = {"input_file_id": "file-" + "0" * 32, "endpoint": "/v1/completions",
+            "completion_window": "24h"}
+    missing = await client.post("/v1/batches", json=body)
+    assert missing.status_code == 404
+    assert (missing.json()["error"]["param"], missing.json()["error"]["code"]) == (
+        "input_file_id", "file_not_found")
+    body["input_file_id"] = (await _upload(client, b'{"custom_id": "a"}\n')).json()["id"]
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+        refused = await client.post("/v1/batches", json={**body, "metadata": metadata})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "metadata"
+    fits = await client.post("/v1/batches", json={**body, "metadata": {"k" * 64: "v" * 512}})
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["metadata"] == {"k" * 64: "v" * 512}

@@ -17,7 +17,11 @@ from argosy_runtime.server.batch.pagination import page
 from argosy_runtime.server.owners import Owner, public
 from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# OpenAI's metadata limits: 16 pairs, keys of at most 64 characters, values of at most 512.
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
 class CreateBatchRequest(BaseModel):
@@ -26,7 +30,7 @@ class CreateBatchRequest(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
 
 
 def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> None:
