@@ -136,19 +136,55 @@ async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
     assert batch["errors"]["data"][0]["code"] == "internal_error"
 
 
-async def test_an_input_file_deleted_before_it_is_read_is_file_not_found(tmp_path: Path) -> None:
-    # Its metadata read, its bytes gone (deleted meanwhile, here or by another replica): the
-    # batch fails naming the file, not as an internal error.
-    runner, file_id = _runner(tmp_path, Endpoint())
+async def test_an_input_file_deleted_after_create_still_runs_and_resumes(
+        tmp_path: Path) -> None:
+    """OpenAI lets a client delete a batch's input file while the batch runs. The batch
+    used to read the input from the store: deleted before validation it failed, and deleted
+    while it ran, a restart (or another replica taking it over) failed it on resume with its
+    answers so far left in `batches/` for good. It keeps its own link to the bytes now."""
+    draining = [False]
+    endpoint = Endpoint(on_request=lambda n: draining.__setitem__(0, n >= 1))
+    runner, file_id = _runner(tmp_path, endpoint, draining)
     await runner.start()
     batch = runner.create(file_id, "/v1/completions", "24h", None)
-    (tmp_path / "files" / file_id).unlink()
+    runner.files.delete(file_id)  # before the batch has read it
     batch = await _finish(runner, batch)
     await runner.shutdown()
-    assert batch["status"] == "failed"
-    error = batch["errors"]["data"][0]
-    assert (error["code"], error["param"]) == ("file_not_found", "input_file_id")
-    assert file_id in error["message"]
+    assert batch["status"] == "in_progress"  # drained after its first request
+    assert batch["request_counts"]["completed"] == 1
+
+    endpoint.on_request = None  # the next start on the same folder
+    draining[0] = False
+    again = BatchRunner(tmp_path, runner.files, endpoint.app, concurrency=1)
+    await again.start()
+    batch = await _finish(again, again.batches[batch["id"]])
+    await again.shutdown()
+    assert batch["status"] == "completed", batch  # was: failed, file_not_found
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(endpoint.bodies) == 3
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == [f"{batch['id']}.json"]
+
+
+async def test_an_input_file_deleted_as_the_batch_is_created_is_a_404(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its metadata read, its bytes gone (deleted meanwhile, here or by another replica): the
+    # create is a 404 naming the field, and leaves nothing behind.
+    runner, file_id = _runner(tmp_path, Endpoint())
+    await runner.start()
+    get = runner.files.get
+
+    def get_then_deleted(file_id: str, owner: str | None = None) -> dict[str, Any]:
+        meta = get(file_id, owner)
+        (tmp_path / "files" / file_id).unlink(missing_ok=True)
+        return meta
+
+    monkeypatch.setattr(runner.files, "get", get_then_deleted)
+    with pytest.raises(APIError) as caught:
+        runner.create(file_id, "/v1/completions", "24h", None)
+    await runner.shutdown()
+    error = caught.value
+    assert (error.status, error.code, error.param) == (404, "file_not_found", "input_file_id")
+    assert list((tmp_path / "batches").iterdir()) == [] and runner.batches == {}
 
 
 async def test_batch_requests_log_nothing_through_httpx(tmp_path: Path,
@@ -353,3 +389,19 @@ async def test_a_batch_cancelled_while_validating_a_bad_file_ends_cancelled(
     assert batch["failed_at"] is None and endpoint.bodies == []
     assert batch["errors"]["data"][0]["code"] == "invalid_json_line"
     assert runner.get(batch["id"])["status"] == "cancelled"  # as saved on disk too
+
+
+async def test_a_batch_model_is_a_string_or_none(tmp_path: Path) -> None:
+    """The batch's `model` (OpenAI's: a string) came from its first line's body as it was: a
+    line's `model: 5` (the endpoint's 400) made the batch object's `model` the number 5."""
+    files = FileStore(tmp_path)
+    data = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": model, "prompt": "p"}}) + "\n"
+                   for i, model in enumerate([5, "m"])).encode()
+    file_id = files.create(io.BytesIO(data), "in.jsonl", "batch")["id"]
+    runner = BatchRunner(tmp_path, files, Endpoint().app, concurrency=1)
+    await runner.start()
+    batch = await _finish(runner, runner.create(file_id, "/v1/completions", "24h", None))
+    await runner.shutdown()
+    assert batch["status"] == "completed"
+    assert batch["model"] is None  # was 5

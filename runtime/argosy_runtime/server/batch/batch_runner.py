@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -108,7 +110,11 @@ class BatchRunner:
         if completion_window not in COMPLETION_WINDOW_S:
             raise APIError(400, f"completion_window must be '24h', got {completion_window!r}",
                            param="completion_window")
-        meta = self.files.get(input_file_id, owner)
+        try:
+            meta = self.files.get(input_file_id, owner)
+        except APIError as exc:  # the store's 404 names its own `file_id`; here it is this
+            raise APIError(exc.status, exc.message, param="input_file_id",
+                           code=exc.code) from None
         if meta["purpose"] != "batch":
             raise APIError(400, f"file {input_file_id!r} has purpose {meta['purpose']!r}, "
                                 "not 'batch'", param="input_file_id")
@@ -127,10 +133,33 @@ class BatchRunner:
         }
         lock = BatchLock.try_acquire(self.dir / f"{batch['id']}.lock")
         assert lock is not None  # a fresh id: nobody else can hold it
+        try:
+            self._keep_input(batch["id"], input_file_id)
+        except BaseException:
+            lock.release()
+            (self.dir / f"{batch['id']}.lock").unlink(missing_ok=True)
+            raise
         self._save(batch)
         self._own(batch, lock)
         logger.info("created %s from %s for %s", batch["id"], input_file_id, endpoint)
         return batch
+
+    def _input_path(self, batch_id: str) -> Path:
+        return self.dir / f"{batch_id}.input.jsonl"
+
+    def _keep_input(self, batch_id: str, input_file_id: str) -> None:
+        """The batch's own hold on its input's bytes (a hard link, else a copy) until it
+        ends: the client may delete the input file meanwhile (OpenAI allows it), and a batch
+        resumed after a restart, or taken over by another replica, reads its input again."""
+        source = self.files.content_path(input_file_id)
+        target = self._input_path(batch_id)
+        try:
+            os.link(source, target)
+        except FileNotFoundError:  # deleted since its metadata was read
+            raise APIError(404, f"no file with id {input_file_id!r}", param="input_file_id",
+                           code="file_not_found") from None
+        except OSError:  # links not supported here
+            shutil.copyfile(source, target)
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
         """The batch's record (this runner's live one when it runs it); 404 for an unknown
@@ -231,6 +260,7 @@ class BatchRunner:
             if batch["status"] not in ACTIVE:  # done for good: nobody needs these again
                 (self.dir / f"{batch_id}.lock").unlink(missing_ok=True)
                 self._cancel_marker(batch_id).unlink(missing_ok=True)
+                self._input_path(batch_id).unlink(missing_ok=True)
             self._locks.pop(batch_id).release()
 
         self._launch(batch)
@@ -268,7 +298,9 @@ class BatchRunner:
     async def _run(self, batch: dict[str, Any]) -> None:
         self._honour_cancel_marker(batch)
         try:
-            path = self.files.content_path(batch["input_file_id"])
+            path = self._input_path(batch["id"])
+            if not path.exists():  # a batch recorded before batches kept their input
+                path = self.files.content_path(batch["input_file_id"])
             lines, errors = await asyncio.to_thread(read_batch_input, path, batch["endpoint"])
         except (APIError, FileNotFoundError) as exc:
             # The input file was deleted before the batch started (FileNotFoundError: after
@@ -288,7 +320,8 @@ class BatchRunner:
             return
         results = BatchResults.open(self.dir, batch["id"])
         batch["request_counts"]["total"] = len(lines)
-        batch["model"] = lines[0].body.get("model")
+        model = lines[0].body.get("model")  # the endpoint's 400 when it is no string
+        batch["model"] = model if isinstance(model, str) else None
         if batch["status"] == "validating":
             self._set_status(batch, "in_progress")
         await self._dispatch(batch, [ln for ln in lines if ln.custom_id not in results.done],
