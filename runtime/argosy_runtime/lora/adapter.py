@@ -168,6 +168,9 @@ def read_config(name: str, config_path: Path) -> dict:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path}: {exc}") from exc
+    except RecursionError as exc:  # json's, on arrays or objects nested thousands deep
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path}: its JSON is "
+                         "nested too deeply") from exc
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {name!r}: {config_path} is not a JSON object")
     return config

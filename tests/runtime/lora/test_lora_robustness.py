@@ -63,6 +63,9 @@ BROKEN = {
     "config-null": (_write("adapter_config.json", b"null"), "not a JSON object"),
     "config-not-json": (_write("adapter_config.json", b"{r: 4"), "cannot read"),
     "config-not-utf8": (_write("adapter_config.json", b'{"r": 4, "x": "\xff"}'), "cannot read"),
+    # a RecursionError out of json: a traceback at start-up, a 500 over HTTP
+    "config-nested": (_write("adapter_config.json", b"[" * 100_000 + b"]" * 100_000),
+                      "nested too deeply"),
     "r-null": (_patch_config(r=None), "'r' must be a positive integer"),
     "r-zero": (_patch_config(r=0), "'r' must be a positive integer"),
     "r-zero-rslora": (_patch_config(r=0, use_rslora=True), "'r' must be a positive integer"),

@@ -44,6 +44,8 @@ def broken(peft_model, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
                              json.dumps({**config, "r": 0}).encode()),
         "garbage-weights": variant("garbage-weights", "adapter_model.safetensors",
                                    b"not safetensors" * 8),
+        "nested-config": variant("nested-config", "adapter_config.json",
+                                 b"[" * 100_000 + b"]" * 100_000),
     }
 
 
@@ -71,10 +73,12 @@ def _load(http: httpx.Client, name: str, path: str) -> httpx.Response:
 
 def test_broken_adapters_are_400s_naming_them(eager_server: ServerProcess, broken) -> None:
     """A config that is not an object, r = 0 and unreadable weights used to be 500s (an
-    AttributeError, a ZeroDivisionError, a SafetensorError out of the loader)."""
+    AttributeError, a ZeroDivisionError, a SafetensorError out of the loader), and so was a
+    config nested too deeply for json (a RecursionError)."""
     expected = {"list-config": "is not a JSON object",
                 "rank-zero": "'r' must be a positive integer, not 0",
-                "garbage-weights": "cannot read"}
+                "garbage-weights": "cannot read",
+                "nested-config": "nested too deeply"}
     with httpx.Client(base_url=eager_server.url, timeout=60) as http:
         for name, path in broken.items():
             resp = _load(http, name, path)
