@@ -63,6 +63,7 @@ logger = logging.getLogger("argosy.engine")
 
 _CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 _KV_CACHE_DTYPES = ("auto", "int8")
+MAX_LORA_NAME_CHARS = 256  # an adapter name: a model id, not a document
 # The params an embedding request's Request carries: it never samples, so none apply.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
 
@@ -308,9 +309,13 @@ class LLMEngine:
         Callable from any thread while the engine runs: the name -> adapter map is replaced,
         never mutated, so a step sees the old map or the new one; requests already admitted
         keep the adapter object they started with. ValueError names what is wrong."""
-        if not isinstance(name, str) or not name or name == self.served_model_name:
-            raise ValueError(f"lora_name: {name!r} is not a usable adapter name (empty, or "
-                             "the base model's own name)")
+        if (not isinstance(name, str) or not name.strip() or name == self.served_model_name
+                or len(name) > MAX_LORA_NAME_CHARS or any(c < " " or c == "\x7f" for c in name)):
+            # Control characters too: a name is a `model` in requests and /v1/models and a
+            # Prometheus label value, where a NUL or a newline breaks the exposition.
+            raise ValueError(f"lora_name: {name!r} is not a usable adapter name (blank, "
+                             f"longer than {MAX_LORA_NAME_CHARS} characters, with control "
+                             "characters, or the base model's own name)")
         if self.tensor_parallel_workers is not None:
             raise ValueError("LoRA adapters cannot be served with tensor_parallel_size > 1 "
                              "(their weights are not split over the ranks)")

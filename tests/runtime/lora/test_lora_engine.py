@@ -213,8 +213,14 @@ def test_adapters_load_and_unload_while_requests_run(model_dir, adapters, refere
     hits_before = engine.get_stats().prefix_cache_hits
     assert run(engine, [("tuned", 0)]) == [references["attn-rs"][0]]
     assert engine.get_stats().prefix_cache_hits == hits_before
-    with pytest.raises(ValueError, match="not a usable adapter name"):
-        engine.load_lora_adapter(engine.served_model_name, str(folder))
+    # the base model's name; blank; a NUL or newline (a Prometheus label value and a `model`
+    # in /v1/models: a NUL broke the metrics exposition); a name far past any model id
+    for name in (engine.served_model_name, " ", "a\x00b", "a\nb", "x" * 257):
+        with pytest.raises(ValueError, match="not a usable adapter name"):
+            engine.load_lora_adapter(name, str(folder))
+    served = set(engine.lora_paths)
+    engine.load_lora_adapter("org/tuned-v2 (ünïcode)", str(folder))  # names as users write them
+    assert set(engine.lora_paths) == served | {"org/tuned-v2 (ünïcode)"}
     assert_no_leaks(engine)
 
 
