@@ -23,7 +23,6 @@ Every validation error is a ValueError that names the offending field (``models[
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,51 +30,39 @@ from typing import Any
 
 import yaml
 
+from argosy_runtime.gateway.config_checks import build, check_keys, positive, positive_int
+
+# Kubernetes discovery and tenants are configured in modules of their own; their names are
+# importable from here too, as they always were.
+from argosy_runtime.gateway.kubernetes_config import (
+    DEFAULT_INSTANCE_LABEL,
+    DISCOVERY_SOURCES,
+    KubernetesBackendConfig,
+)
+from argosy_runtime.gateway.tenant_config import MAX_TENANT_LIMIT, TenantConfig, read_keys_file
+
+__all__ = [
+    "DEFAULT_INSTANCE_LABEL",
+    "DISCOVERY_SOURCES",
+    "MAX_ROUTING_WEIGHT",
+    "MAX_TENANT_LIMIT",
+    "POLICIES",
+    "ActivationConfig",
+    "CascadeConfig",
+    "GatewayConfig",
+    "HealthConfig",
+    "KubernetesBackendConfig",
+    "ModelRouteConfig",
+    "RoutingConfig",
+    "TenantConfig",
+    "load_config",
+    "parse_backend_flag",
+    "read_keys_file",
+]
+
 POLICIES = ("round-robin", "least-load", "prefix-affinity")
 # The largest least-load weight (routing.w_*): far past any useful ratio between the terms.
 MAX_ROUTING_WEIGHT = 1e6
-DISCOVERY_SOURCES = ("pods", "endpointslices")
-# The label the Argosy operator selects an LLMDeployment's runtime pods by (its value is the
-# LLMDeployment's name); equal to argosy_operator.constants.LABEL_LLMD, kept literal here so the
-# gateway does not depend on the operator package.
-DEFAULT_INSTANCE_LABEL = "argosy.dev/llmdeployment"
-
-
-def _check_keys(where: str, data: dict[str, Any], cls: type) -> None:
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if key not in known:
-            raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(known))})")
-
-
-def _build(cls: type, where: str, data: Any) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
-    _check_keys(where, data, cls)
-    try:
-        return cls(**data)
-    except TypeError as exc:  # a wrong type that __post_init__ did not catch
-        raise ValueError(f"{where}: {exc}") from exc
-
-
-def _positive(where: str, value: Any, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}: expected a number, got {value!r}")
-    # "not >= 0": NaN (YAML's .nan) compares false with everything, and passed a "< 0" test
-    if not value >= 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
-def _positive_int(where: str, value: Any, *, allow_zero: bool = False) -> None:
-    """A count (tries, characters, entries, replicas): an int, not merely a number. A float
-    such as `max_attempts: 1.5` would pass `_positive`, start, and then fail every request
-    (the code slices and ranges with these), instead of stopping the start-up."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
-            value == 0 and not allow_zero):
-        kind = "an integer >= 0" if allow_zero else "a positive integer"
-        raise ValueError(f"{where}: expected {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,10 +77,10 @@ class HealthConfig:
     healthy_after: int = 1
 
     def __post_init__(self) -> None:
-        _positive("health.interval_s", self.interval_s)
-        _positive("health.timeout_s", self.timeout_s)
-        _positive_int("health.unhealthy_after", self.unhealthy_after)
-        _positive_int("health.healthy_after", self.healthy_after)
+        positive("health.interval_s", self.interval_s)
+        positive("health.timeout_s", self.timeout_s)
+        positive_int("health.unhealthy_after", self.unhealthy_after)
+        positive_int("health.healthy_after", self.healthy_after)
 
 
 @dataclass(frozen=True)
@@ -131,20 +118,20 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing.policy: must be one of {POLICIES}, got {self.policy!r}")
-        _positive_int("routing.prefix_chars", self.prefix_chars)
-        _positive_int("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
-        _positive_int("routing.block_chars", self.block_chars)
-        _positive_int("routing.max_prefix_chars", self.max_prefix_chars)
-        _positive_int("routing.affinity_entries", self.affinity_entries)
-        _positive("routing.load_factor", self.load_factor)
+        positive_int("routing.prefix_chars", self.prefix_chars)
+        positive_int("routing.min_prefix_chars", self.min_prefix_chars, allow_zero=True)
+        positive_int("routing.block_chars", self.block_chars)
+        positive_int("routing.max_prefix_chars", self.max_prefix_chars)
+        positive_int("routing.affinity_entries", self.affinity_entries)
+        positive("routing.load_factor", self.load_factor)
         if self.load_factor < 1.0:
             raise ValueError(f"routing.load_factor: must be >= 1.0, got {self.load_factor!r}")
-        _positive_int("routing.min_capacity", self.min_capacity)
-        _positive_int("routing.virtual_nodes", self.virtual_nodes)
-        _positive("routing.kv_high_watermark", self.kv_high_watermark)
+        positive_int("routing.min_capacity", self.min_capacity)
+        positive_int("routing.virtual_nodes", self.virtual_nodes)
+        positive("routing.kv_high_watermark", self.kv_high_watermark)
         for name in ("w_in_flight", "w_waiting", "w_kv"):
             value = getattr(self, name)
-            _positive(f"routing.{name}", value, allow_zero=True)
+            positive(f"routing.{name}", value, allow_zero=True)
             # A weight of 1e308 (or .inf) makes a score of two in-flight requests inf; inf -
             # inf is NaN, and least-load's ordering (and its tie rotation) breaks. Weights
             # only matter relative to each other, so a bound far past any useful ratio costs
@@ -156,54 +143,6 @@ class RoutingConfig:
             raise ValueError(
                 f"routing.adapter_affinity: expected true or false, got {self.adapter_affinity!r}"
             )
-
-
-@dataclass(frozen=True)
-class KubernetesBackendConfig:
-    """Replicas discovered from the Pods (or EndpointSlices) of an LLMDeployment."""
-
-    llmdeployment: str = ""
-    namespace: str = "default"
-    # Default selector: `argosy.dev/llmdeployment=<llmdeployment>`.
-    label_selector: str | None = None
-    source: str = "pods"
-    port: int = 8000
-    port_name: str = "http"
-    # API server URL; default: in-cluster service account, else $KUBECONFIG / ~/.kube/config.
-    api_url: str | None = None
-    # Re-list this often even when the watch stream is quiet (a safety net, not the mechanism).
-    resync_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        # Checked here, not at discovery: a selector that is not a string (`label_selector:
-        # 5`, or a YAML mapping of labels) fails every list call, which discovery retries
-        # forever, logging a warning, and the model never gets a replica. A blank one would
-        # select every pod of the namespace.
-        if self.label_selector is not None and (
-                not isinstance(self.label_selector, str) or not self.label_selector.strip()):
-            raise ValueError(
-                "kubernetes.label_selector: expected a Kubernetes label selector string such "
-                f"as 'app=llm,tier in (a,b)', got {self.label_selector!r}")
-        for key in ("llmdeployment", "namespace", "port_name"):
-            if not isinstance(getattr(self, key), str):
-                raise ValueError(f"kubernetes.{key}: expected a string, got "
-                                 f"{getattr(self, key)!r}")
-        if self.api_url is not None and not isinstance(self.api_url, str):
-            raise ValueError(f"kubernetes.api_url: expected a URL string, got {self.api_url!r}")
-        if not self.llmdeployment and not self.label_selector:
-            raise ValueError("kubernetes.llmdeployment: required (or give label_selector)")
-        if self.source not in DISCOVERY_SOURCES:
-            raise ValueError(
-                f"kubernetes.source: must be one of {DISCOVERY_SOURCES}, got {self.source!r}"
-            )
-        if not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise ValueError(f"kubernetes.port: must be a TCP port, got {self.port!r}")
-        _positive("kubernetes.resync_s", self.resync_s)
-
-    @property
-    def selector(self) -> str:
-        """The label selector sent to the API server."""
-        return self.label_selector or f"{DEFAULT_INSTANCE_LABEL}={self.llmdeployment}"
 
 
 @dataclass(frozen=True)
@@ -221,9 +160,9 @@ class ActivationConfig:
     refresh_s: float = 15.0
 
     def __post_init__(self) -> None:
-        _positive("activation.timeout_s", self.timeout_s)
-        _positive_int("activation.max_held", self.max_held)
-        _positive("activation.refresh_s", self.refresh_s)
+        positive("activation.timeout_s", self.timeout_s)
+        positive_int("activation.max_held", self.max_held)
+        positive("activation.refresh_s", self.refresh_s)
         if self.refresh_s > 30:
             raise ValueError(
                 f"activation.refresh_s: must be <= 30 (the operator trusts a stamp for 60 s), "
@@ -307,7 +246,7 @@ class CascadeConfig:
         for key in ("prompt_chars_over", "max_tokens_over"):
             value = getattr(self, key)
             if value is not None:
-                _positive(f"cascades[{self.name}].{key}", value, allow_zero=True)
+                positive(f"cascades[{self.name}].{key}", value, allow_zero=True)
         if not isinstance(self.keywords, list | tuple) or not all(
                 isinstance(k, str) and k for k in self.keywords):
             # An empty keyword is in every prompt: every request would go to the large model.
@@ -323,95 +262,6 @@ class CascadeConfig:
                 f"cascades[{self.name}].min_mean_logprob: must be a number <= 0, "
                 f"got {self.min_mean_logprob!r}"
             )
-
-
-# The largest value of a tenant's limit: far beyond any real budget, well within a float.
-MAX_TENANT_LIMIT = 10**15
-
-
-@dataclass(frozen=True)
-class TenantConfig:
-    """One caller of the gateway (a team): its API keys and optional rate limits.
-
-    Keys come inline (`api_keys`, for local use) or from a file holding one key per line
-    (`api_keys_file`, a mounted Kubernetes Secret); `keys` holds them either way. Keys are kept
-    out of repr() so that a logged config never shows one.
-    """
-
-    name: str = ""
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    api_keys_file: str | None = None
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None  # prompt + completion tokens
-    max_concurrent: int | None = None  # requests in flight at once
-    # The most urgent scheduling `priority` (the runtime's: lower runs first, preempts higher)
-    # this tenant's generation requests may have; also their default. None: as sent.
-    priority: int | None = None
-    keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError("tenants[].name: required")
-        where = f"tenants[{self.name}]"
-        if bool(self.api_keys) == (self.api_keys_file is not None):
-            raise ValueError(f"{where}: give exactly one of 'api_keys' or 'api_keys_file'")
-        if self.api_keys_file is not None:
-            keys = read_keys_file(f"{where}.api_keys_file", self.api_keys_file)
-        else:
-            if isinstance(self.api_keys, str) or not isinstance(self.api_keys, list | tuple):
-                raise ValueError(f"{where}.api_keys: expected a list of keys")
-            object.__setattr__(self, "api_keys", tuple(self.api_keys))
-            keys = _checked_keys(f"{where}.api_keys", self.api_keys)
-        object.__setattr__(self, "keys", keys)
-        for limit in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
-            value = getattr(self, limit)
-            if value is not None:
-                _positive_int(f"{where}.{limit}", value)
-                # The limiter's buckets hold floats: a number past a float's range would be
-                # an OverflowError there (at start-up, or killing the reload watcher).
-                if value > MAX_TENANT_LIMIT:
-                    raise ValueError(f"{where}.{limit}: at most 10^15")
-        if self.priority is not None and (
-            isinstance(self.priority, bool) or not isinstance(self.priority, int)
-            or not -(1 << 31) <= self.priority < (1 << 31)
-        ):
-            raise ValueError(f"{where}.priority: expected an integer in [-2^31, 2^31 - 1] "
-                             f"(lower runs first), got {self.priority!r}")
-
-    @property
-    def key_source(self) -> str:
-        """The field the keys came from (for error messages)."""
-        return "api_keys_file" if self.api_keys_file is not None else "api_keys"
-
-
-def _checked_keys(where: str, keys: Any) -> tuple[str, ...]:
-    """`keys` without repeats, in order; ValueError when one is not a usable key."""
-    for key in keys:
-        # The message never quotes the key: errors end up in logs.
-        if not isinstance(key, str) or not key or any(c.isspace() for c in key):
-            raise ValueError(f"{where}: every key must be a non-empty string without whitespace")
-    return tuple(dict.fromkeys(keys))
-
-
-def read_keys_file(where: str, path: str) -> tuple[str, ...]:
-    """The keys in `path`, one per line (surrounding whitespace and blank lines ignored),
-    without repeats; ValueError naming `where` when the file cannot be read or holds no valid
-    key. The gateway reads each `api_keys_file` with it at start-up and again while it runs
-    (gateway/tenants/key_files.py)."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{where}: expected a file path, got {path!r}")
-    try:
-        # utf-8-sig: a byte order mark (editors on Windows write one) is invisible and not
-        # whitespace, so it would otherwise become part of the first key, which never matches.
-        with open(path, encoding="utf-8-sig") as f:
-            keys = tuple(line.strip() for line in f if line.strip())
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read {path!r}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: {path!r} is not UTF-8 text") from exc
-    if not keys:
-        raise ValueError(f"{where}: {path!r} holds no key (one key per line)")
-    return _checked_keys(where, keys)
 
 
 @dataclass(frozen=True)
@@ -449,12 +299,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port: must be a TCP port, got {self.port!r}")
-        _positive_int("max_attempts", self.max_attempts)
-        _positive("connect_timeout_s", self.connect_timeout_s)
+        positive_int("max_attempts", self.max_attempts)
+        positive("connect_timeout_s", self.connect_timeout_s)
         if self.first_byte_timeout_s is not None:
-            _positive("first_byte_timeout_s", self.first_byte_timeout_s)
-        _positive("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
-        _positive("client_body_timeout_s", self.client_body_timeout_s)
+            positive("first_byte_timeout_s", self.first_byte_timeout_s)
+        positive("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
+        positive("client_body_timeout_s", self.client_body_timeout_s)
         names = [m.name for m in self.models]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
@@ -498,7 +348,7 @@ class GatewayConfig:
         """Build from a parsed YAML/JSON mapping, validating every field."""
         if not isinstance(data, dict):
             raise ValueError("config: expected a mapping at the top level")
-        _check_keys("config", data, cls)
+        check_keys("config", data, cls)
         data = dict(data)
         models = []
         for i, raw in enumerate(data.pop("models", None) or []):
@@ -506,18 +356,18 @@ class GatewayConfig:
                 raise ValueError(f"models[{i}]: expected a mapping")
             raw = dict(raw)
             if raw.get("kubernetes") is not None:
-                raw["kubernetes"] = _build(
+                raw["kubernetes"] = build(
                     KubernetesBackendConfig, f"models[{i}].kubernetes", raw["kubernetes"]
                 )
             activation = raw.get("activation")
             if activation is not None:  # `true` takes the defaults, `false` is off
-                raw["activation"] = None if activation is False else _build(
+                raw["activation"] = None if activation is False else build(
                     ActivationConfig, f"models[{i}].activation",
                     {} if activation is True else activation,
                 )
-            models.append(_build(ModelRouteConfig, f"models[{i}]", raw))
+            models.append(build(ModelRouteConfig, f"models[{i}]", raw))
         cascades = tuple(
-            _build(CascadeConfig, f"cascades[{i}]", raw)
+            build(CascadeConfig, f"cascades[{i}]", raw)
             for i, raw in enumerate(data.pop("cascades", None) or [])
         )
         if "tenants" in data and data["tenants"] is not None and not data["tenants"]:
@@ -525,13 +375,13 @@ class GatewayConfig:
             raise ValueError("tenants: an empty list; give at least one tenant, or leave "
                              "'tenants' out to run without API keys")
         tenants = tuple(
-            _build(TenantConfig, f"tenants[{i}]", raw)
+            build(TenantConfig, f"tenants[{i}]", raw)
             for i, raw in enumerate(data.pop("tenants", None) or [])
         )
         if not data.get("replica_api_key"):
             data["replica_api_key"] = os.environ.get("ARGOSY_REPLICA_API_KEY") or None
-        routing = _build(RoutingConfig, "routing", data.pop("routing", None))
-        health = _build(HealthConfig, "health", data.pop("health", None))
+        routing = build(RoutingConfig, "routing", data.pop("routing", None))
+        health = build(HealthConfig, "health", data.pop("health", None))
         return cls(
             models=tuple(models), cascades=cascades, routing=routing, health=health,
             tenants=tenants, **data,

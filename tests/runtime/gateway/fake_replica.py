@@ -91,7 +91,7 @@ class FakeReplica:
         for path in ("/v1/classify", "/classify"):
             app.router.add_post(path, self._classify)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/control", self._control)  # test-only: set knobs from outside
@@ -129,6 +129,9 @@ class FakeReplica:
         adapters = [{**base, "id": name, "parent": self.model}
                     for name in (*self.adapters, *self.registered_adapters)]
         return web.json_response({"object": "list", "data": [base, *adapters]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:
         return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)

@@ -46,7 +46,6 @@ from argosy_runtime.gateway.proxy.batch_routes import BatchRoutes
 from argosy_runtime.gateway.proxy.errors import (
     MALFORMED_JSON,
     bad_request,
-    end_stream_with_error,
     error_response,
     malformed_json,
     model_not_found,
@@ -54,12 +53,13 @@ from argosy_runtime.gateway.proxy.errors import (
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
+from argosy_runtime.gateway.proxy.relay import BROKEN, CLIENT_CLOSED, UNEXPECTED, relay
 from argosy_runtime.gateway.proxy.responses_routes import (
     RESPONSE_ID_HEADER,
     PinnedPolicy,
     ResponsesRoutes,
 )
-from argosy_runtime.gateway.proxy.tenant_gate import CLIENT_CLOSED, TenantGate
+from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
 from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_text
 from argosy_runtime.gateway.routing import Routing
@@ -418,6 +418,13 @@ class Gateway:
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             logger.warning("small model's replica broke mid-answer: %r", exc)
             data = None  # nothing reached the client yet: the large model answers instead
+        except asyncio.CancelledError:
+            # The client went away while the small model's answer was read: a 499, as a
+            # client leaving mid-answer counts anywhere else (_relay_upstream).
+            self.metrics.requests.labels(decision.model, upstream.replica.url,
+                                         CLIENT_CLOSED).inc()
+            self.metrics.client_disconnects.labels(decision.model).inc()
+            raise
         finally:
             upstream.release()
         answer: Any = None
@@ -521,6 +528,14 @@ class Gateway:
         self.metrics.requests.labels(model, upstream.replica.url, str(status)).inc()
         self.metrics.latency.labels(model).observe(time.monotonic() - started)
 
+    def count_by_id(self, backend: str, code: str) -> None:
+        """Count a call on a stored object (a Batch API file or batch, a stored response)
+        that the replica at `backend` answered, under the model whose replica that is;
+        `code` as for generations (relay.py)."""
+        model = next((name for name, pool in self.pools.items()
+                      if pool.get(backend) is not None), "")
+        self.metrics.requests.labels(model, backend, code).inc()
+
     async def _relay(
         self,
         request: web.Request,
@@ -563,54 +578,24 @@ class Gateway:
         out.headers.update(extra)
         out.headers["x-argosy-backend"] = upstream.replica.url
         charged = self.tenants.meter(request, path, body, resp.status, resp.content_type)
-        # The `code` this request counts under in argosy:gateway_requests_total. The status
-        # line already went out with the replica's status, but an answer cut short is not
-        # one: a client that went away counts as 499 (nginx's "client closed request", as
-        # the tenants' counter has it), a replica that broke mid-answer as 502 (what the
-        # client's error event says: bad_gateway_error). Dashboards summing the counter then
-        # see every request, and these never pass for successes. A failure nobody expected
-        # (a gateway bug, after the status line went out) counts as the 500 it is.
-        code = "500"
-        last = b""  # the last bytes relayed: does the stream so far end between two events?
+        code = UNEXPECTED  # the code it counts under (relay.py); a gateway bug leaves this
         try:
-            await out.prepare(request)
-            if upstream.first_chunk:
-                await out.write(upstream.first_chunk)
-                charged.feed(upstream.first_chunk)
-                last = upstream.first_chunk[-4:]
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-                charged.feed(chunk)
-                last = (last + chunk)[-4:]
-            await out.write_eof()
-            code = str(resp.status)
+            code = await relay(request, out, resp, upstream.replica.url,
+                               first_chunk=upstream.first_chunk, feed=charged.feed)
         except asyncio.CancelledError:
-            # The client went away (handler cancelled): closing the upstream connection (in
-            # release) tells the replica to abort the request and free its KV cache.
-            self.metrics.client_disconnects.labels(model).inc()
-            code = CLIENT_CLOSED
+            code = CLIENT_CLOSED  # the client went away (handler cancelled)
             raise
-        except ConnectionResetError:
-            # A write found the client gone (also a client that closes right after the last
-            # event, before the end of the chunked body): same as above, nothing to answer.
-            self.metrics.client_disconnects.labels(model).inc()
-            code = CLIENT_CLOSED
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            # The replica died mid-answer; bytes already reached the client, so no retry.
-            logger.warning("replica %s broke mid-answer: %r", upstream.replica.url, exc)
-            code = "502"
-            upstream.replica.mark_failure(self.config.health.unhealthy_after)
-            if resp.content_type == "text/event-stream":  # a JSON body has no room for one
-                await end_stream_with_error(out, last, upstream.replica.url)
-            # End the client's connection without a clean end of stream, so the client sees
-            # the answer was cut short instead of a silently truncated one.
-            if request.transport is not None:
-                request.transport.close()
         finally:
+            # Closing the upstream connection of an unfinished answer tells the replica to
+            # abort the request and free its KV cache.
             upstream.release()
             charged.finish()  # what reached the client, also when the answer was cut short
             self.metrics.requests.labels(model, upstream.replica.url, code).inc()
-            if code == str(resp.status):  # whole: its latency is "to the last byte"
+            if code == CLIENT_CLOSED:
+                self.metrics.client_disconnects.labels(model).inc()
+            elif code == BROKEN:
+                upstream.replica.mark_failure(self.config.health.unhealthy_after)
+            elif code == str(resp.status):  # whole: its latency is "to the last byte"
                 self.metrics.latency.labels(model).observe(time.monotonic() - started)
         return out
 

@@ -37,7 +37,7 @@ from argosy_runtime.gateway.proxy.errors import (
     malformed_json,
     model_not_found,
 )
-from argosy_runtime.gateway.proxy.headers import to_client, to_replica
+from argosy_runtime.gateway.proxy.headers import to_replica
 from argosy_runtime.server.batch.file_store import MAX_FILE_BYTES, file_too_large
 from argosy_runtime.server.batch.pagination import page
 
@@ -125,8 +125,8 @@ class BatchRoutes:
         if owner is None:
             return _not_found("batch" if kind == "batches" else "file",
                               request.match_info["id"])
-        if request.path.endswith("/content"):
-            return await self._stream(request, owner)
+        if request.path.endswith("/content"):  # relayed as it arrives (output files can be large)
+            return await self.gateway.id_owners.call(request, owner, stream=True)
         return await self._call(request, owner, data=await request.read() or None,
                                 content_type=request.headers.get("Content-Type"))
 
@@ -188,20 +188,6 @@ class BatchRoutes:
         return await self.gateway.id_owners.call(
             request, url, data=data, content_type=content_type,
             id_keys=("id", "output_file_id", "error_file_id"))
-
-    async def _stream(self, request: web.Request, url: str) -> web.StreamResponse:
-        """A file's content, relayed as it arrives (output files can be large)."""
-        try:
-            async with self._session().get(url + request.path_qs,
-                                           headers=to_replica(request.headers)) as resp:
-                out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
-                await out.prepare(request)
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return error_response(502, f"replica {url} failed: {exc!r}")
 
     def _session(self) -> aiohttp.ClientSession:
         return self.gateway.id_owners.session()

@@ -21,8 +21,9 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from argosy_runtime.gateway.proxy.errors import end_stream_with_error, error_response
+from argosy_runtime.gateway.proxy.errors import error_response
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
+from argosy_runtime.gateway.proxy.relay import BROKEN, CLIENT_CLOSED, UNEXPECTED, relay
 
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
@@ -74,12 +75,13 @@ class IdOwners:
         return found[0] if found else None
 
     async def call(self, request: web.Request, url: str, *, data: Any = None,
-                   content_type: str | None = None,
-                   id_keys: Iterable[str] = ("id",)) -> web.StreamResponse:
+                   content_type: str | None = None, id_keys: Iterable[str] = ("id",),
+                   stream: bool = False) -> web.StreamResponse:
         """Send the request to one replica and answer with its (small JSON) answer; the ids
         an answer holds under `id_keys` are remembered as living there. An event stream (a
-        background response's, `GET /v1/responses/{id}?stream=true`) is relayed as it
-        arrives instead."""
+        background response's, `GET /v1/responses/{id}?stream=true`), or any answer with
+        `stream` (a file's content, which can be large), is relayed as it arrives instead.
+        Counted in argosy:gateway_requests_total as generations are (relay.py)."""
         # The body is the gateway's own (JSON, or a re-encoded upload): so is its type.
         headers = to_replica(request.headers, content_type=False)
         if content_type:
@@ -88,15 +90,25 @@ class IdOwners:
         timeout = ({"timeout": aiohttp.ClientTimeout(
             total=None, sock_connect=self.gateway.config.connect_timeout_s)}
             if "stream" in request.query else {})
+        code = UNEXPECTED  # what it counts under; a gateway bug leaves this
         try:
             async with self.session().request(request.method, url + request.path_qs,
                                               data=data, headers=headers, **timeout) as resp:
-                if resp.content_type == "text/event-stream":
-                    return await _relay_stream(request, resp)
+                if stream or resp.content_type == "text/event-stream":
+                    out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
+                    code = await relay(request, out, resp, url)
+                    return out
                 body = await resp.read()
                 status, relayed = resp.status, to_client(resp.headers)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+                code = str(status)
+        except (TimeoutError, aiohttp.ClientError) as exc:  # before any byte reached the client
+            code = BROKEN
             return error_response(502, f"replica {url} failed: {exc!r}")
+        except asyncio.CancelledError:
+            code = CLIENT_CLOSED  # the client went away (handler cancelled)
+            raise
+        finally:
+            self.gateway.count_by_id(url, code)
         if status == 200:
             try:
                 answer = json.loads(body)
@@ -112,24 +124,3 @@ class IdOwners:
         assert self.gateway.session is not None
         return self.gateway.session
 
-
-async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse
-                        ) -> web.StreamResponse:
-    out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
-    await out.prepare(request)
-    last = b""  # the last bytes relayed: does the stream so far end between two events?
-    try:
-        async for chunk in resp.content.iter_any():
-            await out.write(chunk)
-            last = (last + chunk)[-4:]
-        await out.write_eof()
-    except ConnectionResetError:
-        pass  # the client left; closing the replica connection stops only this relay
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-        # The replica broke mid-stream: say so in an error event (as the generation relay
-        # does), then cut the client's connection too, so that it sees the stream did not
-        # end cleanly (and can resume it with starting_after).
-        await end_stream_with_error(out, last, str(resp.url.origin()))
-        if request.transport is not None:
-            request.transport.close()
-    return out

@@ -51,6 +51,7 @@ from argosy_runtime.background_tasks import running
 from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
+from argosy_runtime.gateway.proxy.relay import CLIENT_CLOSED
 from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_chars
 from argosy_runtime.gateway.tenants.config_file import ConfigFile, ConfigRefused, Reloaded
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS, KeyFiles
@@ -69,7 +70,6 @@ logger = logging.getLogger(__name__)
 # (tenants/usage.py).
 ADMITTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
                   *POOLING_PATHS)
-CLIENT_CLOSED = "499"  # the `code` of a request whose client went away (nginx's convention)
 
 
 def _request_key(name: str, kind: Any) -> Any:

@@ -1,0 +1,333 @@
+"""argosy:gateway_requests_total counts every request the gateway relays, with the code of
+what reached the client (proxy/relay.py): the calls on stored objects (a stored response, its
+events; Batch API files and batches) as generations are, and a client that leaves during
+the cascade's confidence check as a 499. Also: the fake replica registers no deprecated
+(bare function) handler."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from argosy_runtime.gateway.config import (
+    CascadeConfig,
+    GatewayConfig,
+    HealthConfig,
+    ModelRouteConfig,
+)
+from batch_replica import start_batch_replica
+from fake_replica import FakeReplica
+
+
+def config(*urls: str, **kw) -> GatewayConfig:
+    kw.setdefault("health", HealthConfig(interval_s=60))  # no probes: only the test's requests
+    return GatewayConfig(models=(ModelRouteConfig(name="tiny", backends=urls),), **kw)
+
+
+async def requests_total(s: aiohttp.ClientSession, url: str, **labels: str) -> float:
+    """argosy:gateway_requests_total for exactly these labels (0 when absent)."""
+    async with s.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    wanted = sorted(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        m = re.match(r"^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
+        if m and m.group(1) == "argosy:gateway_requests_total" and sorted(
+                (m.group(2) or "").split(",")) == wanted:
+            return float(m.group(3))
+    return 0.0
+
+
+async def all_counted(s: aiohttp.ClientSession, url: str) -> dict[tuple[str, str, str], float]:
+    """Every argosy:gateway_requests_total sample: (model, backend, code) -> count."""
+    async with s.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for m in re.finditer(r'^argosy:gateway_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels["model"], labels["backend"], labels["code"]] = float(m.group(2))
+    return out
+
+
+async def eventually(probe, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await probe():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+class StoredReplica:
+    """A replica holding stored responses and files (any id): a stored response's events
+    (`GET /v1/responses/{id}?stream=true`) and a file's content come in `chunks` pieces,
+    `delay` seconds apart."""
+
+    def __init__(self, chunks: int = 4, delay: float = 0.01) -> None:
+        self.chunks, self.delay = chunks, delay
+        self.disconnects = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/v1/responses/{id}", self._response)
+        app.router.add_get("/v1/files/{id}", self._file)
+        app.router.add_get("/v1/files/{id}/content", self._content)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=0.2)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def kill(self) -> None:
+        """Every open connection cut, then the port closed."""
+        assert self._runner is not None and self._runner.server is not None
+        for handler in list(self._runner.server.connections):
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
+    async def _file(self, request: web.Request) -> web.Response:
+        return web.json_response({"id": request.match_info["id"], "object": "file"})
+
+    async def _response(self, request: web.Request) -> web.StreamResponse:
+        if "stream" not in request.query:
+            return web.json_response({"id": request.match_info["id"], "object": "response"})
+        return await self._pieces(request, "text/event-stream",
+                                  lambda i: b'data: {"type": "event", "n": %d}\n\n' % i)
+
+    async def _content(self, request: web.Request) -> web.StreamResponse:
+        return await self._pieces(request, "application/octet-stream",
+                                  lambda i: b'{"custom_id": "c%d"}\n' % i)
+
+    async def _pieces(self, request: web.Request, content_type: str, piece) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": content_type})
+        await resp.prepare(request)
+        try:
+            for i in range(self.chunks):
+                await resp.write(piece(i))
+                await asyncio.sleep(self.delay)
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        return resp
+
+
+@pytest.fixture
+async def stored_replica() -> AsyncIterator[StoredReplica]:
+    replica = StoredReplica()
+    await replica.start()
+    yield replica
+    await replica.stop()
+
+
+# -- stored responses ---------------------------------------------------------------------------
+
+
+async def test_calls_on_a_stored_response_count_under_its_replicas_model(stored_replica,
+                                                                        gateway) -> None:
+    r = stored_replica
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/responses/resp_a") as resp:
+            assert resp.status == 200 and (await resp.json())["id"] == "resp_a"
+        async with s.get(f"{url}/v1/responses/resp_a?stream=true") as resp:
+            assert resp.status == 200
+            assert (await resp.read()).count(b"data: ") == r.chunks
+        # The owner lookups (GET /v1/responses/{id} on every replica) are the gateway's own.
+        assert await all_counted(s, url) == {("tiny", r.url, "200"): 2}
+
+
+async def test_a_stored_responses_stream_whose_client_leaves_counts_as_a_499(stored_replica,
+                                                                             gateway) -> None:
+    r = stored_replica
+    r.chunks, r.delay = 50, 0.05
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.get(f"{url}/v1/responses/resp_a?stream=true")
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        resp.close()  # the client goes away mid-stream
+
+        async def counted() -> bool:
+            return await requests_total(s, url, model="tiny", backend=r.url, code="499") == 1
+
+        await eventually(counted)
+        assert await requests_total(s, url, model="tiny", backend=r.url, code="200") == 0
+    await eventually(lambda: asyncio.sleep(0, r.disconnects == 1))
+
+
+async def test_a_stored_responses_stream_whose_replica_dies_counts_as_a_502(stored_replica,
+                                                                            gateway) -> None:
+    r = stored_replica
+    r.chunks, r.delay = 50, 0.05
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/responses/resp_a?stream=true") as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            await r.kill()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        assert await all_counted(s, url) == {("tiny", r.url, "502"): 1}
+
+
+async def test_a_call_on_a_stored_response_whose_replica_is_gone_counts_as_a_502(
+        stored_replica, gateway) -> None:
+    r = stored_replica
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/responses/resp_a") as resp:
+            assert resp.status == 200  # remembered as living on r
+        await r.stop()  # still in rotation: no probe has run since
+        async with s.get(f"{url}/v1/responses/resp_a") as resp:
+            assert resp.status == 502
+        assert await all_counted(s, url) == {("tiny", r.url, "200"): 1,
+                                             ("tiny", r.url, "502"): 1}
+
+
+# -- Batch API ----------------------------------------------------------------------------------
+
+
+async def test_batch_api_calls_count_under_the_model_of_their_replica(tmp_path: Path,
+                                                                      gateway) -> None:
+    replica = await start_batch_replica(tmp_path / "replica")
+    try:
+        _, url = await gateway(config(replica.url))
+        line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "tiny", "prompt": "x"}}).encode() + b"\n"
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused",
+                                      max_retries=0) as client:
+            uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(line)),
+                                                 purpose="batch")
+            assert (await client.files.retrieve(uploaded.id)).id == uploaded.id
+            assert (await client.files.content(uploaded.id)).content == line
+            batch = await client.batches.create(input_file_id=uploaded.id,
+                                                endpoint="/v1/completions",
+                                                completion_window="24h")
+            await client.batches.retrieve(batch.id)
+            with pytest.raises(openai.NotFoundError):  # the gateway's own 404: no replica
+                await client.files.retrieve("file-nowhere")
+        async with aiohttp.ClientSession() as s:
+            assert await all_counted(s, url) == {("tiny", replica.url, "200"): 5}
+    finally:
+        await replica.stop()
+
+
+async def test_a_files_content_cut_by_its_replica_counts_as_a_502_and_ends_badly(
+        stored_replica, gateway) -> None:
+    """The content is relayed as it arrives: a replica that breaks mid-way cuts the client's
+    connection (it never looks whole), and it counts as the 502 it is."""
+    r = stored_replica
+    r.chunks, r.delay = 50, 0.05
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/files/file-a/content") as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n")
+            await r.kill()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(resp.read(), 5)  # not a stream left hanging
+        assert await all_counted(s, url) == {("tiny", r.url, "502"): 1}
+
+
+async def test_a_files_content_whose_client_leaves_counts_as_a_499(stored_replica,
+                                                                   gateway) -> None:
+    r = stored_replica
+    r.chunks, r.delay = 50, 0.05
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        resp = await s.get(f"{url}/v1/files/file-a/content")
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n")
+        resp.close()
+
+        async def counted() -> bool:
+            return await all_counted(s, url) == {("tiny", r.url, "499"): 1}
+
+        await eventually(counted)
+
+
+# -- the cascade's confidence check ---------------------------------------------------------------
+
+
+class StallingReplica(FakeReplica):
+    """Sends the first bytes of a non-streamed answer, then nothing more."""
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"id": "x", ')
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        return resp
+
+
+async def test_a_client_leaving_during_the_confidence_check_counts_as_a_499(fake_replicas,
+                                                                            gateway) -> None:
+    small = StallingReplica(model="tiny")
+    await small.start()
+    try:
+        (large,) = await fake_replicas(1, model="big")
+        cascade = CascadeConfig(name="auto", small="tiny", large="big", min_mean_logprob=-1.0)
+        gw, url = await gateway(GatewayConfig(
+            models=(ModelRouteConfig(name="tiny", backends=(small.url,)),
+                    ModelRouteConfig(name="big", backends=(large.url,))),
+            cascades=(cascade,), health=HealthConfig(interval_s=60)))
+        chat = {"model": "auto", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(TimeoutError):  # the small model's answer has begun by then
+                await s.post(f"{url}/v1/chat/completions", json=chat,
+                             timeout=aiohttp.ClientTimeout(total=0.5))
+
+            async def counted() -> bool:
+                return await all_counted(s, url) == {("tiny", small.url, "499"): 1}
+
+            await eventually(counted)
+        await eventually(lambda: asyncio.sleep(0, small.disconnects == 1))
+        assert not large.requests
+        assert gw.pools["tiny"].replicas[0].in_flight == 0
+    finally:
+        await small.stop()
+
+
+# -- the fake replica ------------------------------------------------------------------------------
+
+
+async def test_the_fake_replica_registers_no_deprecated_handler() -> None:
+    """A bare function (a lambda) as a handler makes aiohttp warn on every replica started:
+    hundreds of warnings over the suite, hiding the ones that matter."""
+    replica = FakeReplica()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await replica.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{replica.url}/health") as resp:
+                assert resp.status == 200 and await resp.json() == {"status": "ok"}
+    finally:
+        await replica.stop()
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == []
