@@ -149,6 +149,15 @@ class LoRAAdapter:
                                  + (f" (B spans the whole fused {module}: the rows of "
                                     f"{_FUSED_PARTS[module]} in turn)" if module in _FUSED_PARTS
                                     else ""))
+            for which, t in (("A", a), ("B", b)):
+                # Caught here, not in the first request: integer weights fail its matmul,
+                # and NaN or inf ones turn every answer of the adapter into garbage.
+                if not t.is_floating_point():
+                    raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
+                                     f"is {t.dtype}; LoRA weights are floating point")
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
+                                     "has values that are not finite (NaN or inf)")
             stacks.setdefault((layer, fused), []).append((offset, a, b))
         for (layer, fused), parts in stacks.items():
             b_stacked = torch.zeros(fused_out[fused], rank * len(parts))

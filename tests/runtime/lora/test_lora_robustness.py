@@ -58,6 +58,16 @@ def _flatten_a(folder: Path) -> None:
               str(path))
 
 
+def _map_weights(change: Callable[[str, torch.Tensor], torch.Tensor]) -> Callable[[Path], None]:
+    """Every tensor of the adapter's safetensors replaced by change(key, tensor)."""
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "adapter_model.safetensors"
+        save_file({k: change(k, v) for k, v in load_file(str(path)).items()}, str(path))
+    return edit
+
+
 BROKEN = {
     "config-a-list": (_write("adapter_config.json", b"[1, 2]"), "not a JSON object"),
     "config-null": (_write("adapter_config.json", b"null"), "not a JSON object"),
@@ -79,6 +89,11 @@ BROKEN = {
     "weights-empty": (_write("adapter_model.safetensors", b""),
                       "cannot read .*adapter_model.safetensors"),
     "a-one-dimensional": (_flatten_a, "has shapes"),
+    # loaded without complaint before: NaN weights turned every answer into empty text, and
+    # integer ones failed in the first matmul
+    "weights-nan": (_map_weights(lambda k, v: v.fill_(float("nan")) if "lora_B" in k else v),
+                    "not finite"),
+    "weights-int": (_map_weights(lambda k, v: v.to(torch.int32)), "int32"),
 }
 
 
