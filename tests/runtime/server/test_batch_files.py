@@ -156,6 +156,27 @@ async def test_a_download_racing_a_delete_is_a_404_or_the_whole_file(
     assert (await client.get(f"/v1/files/{file_id}")).status_code == 404  # it was deleted
 
 
+async def test_of_two_racing_deletes_one_deletes_and_the_other_is_a_404(
+        client: httpx.AsyncClient, store: FileStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas share the folder: two deletes of one file (two clients, or a retry through
+    another replica) may both pass the existence check. Only one of them deleted it: the
+    other is the 404 it would have been a moment later (both answered deleted: true)."""
+    file_id = (await _upload(client, b'{"custom_id": "a"}\n')).json()["id"]
+    get = store.get
+
+    def get_then_deleted_by_the_other(file_id: str, owner: str | None = None) -> dict:
+        meta = get(file_id, owner)
+        monkeypatch.setattr(store, "get", get)
+        store.delete(file_id)  # the other delete, after this one's check
+        return meta
+
+    monkeypatch.setattr(store, "get", get_then_deleted_by_the_other)
+    late = await client.delete(f"/v1/files/{file_id}")
+    assert late.status_code == 404, late.text
+    assert late.json()["error"]["code"] == "file_not_found"
+    assert not list(store.dir.glob(f"{file_id}*"))
+
+
 async def test_a_file_deleted_between_listing_and_reading_is_skipped_not_a_500(
         client: httpx.AsyncClient, store: FileStore) -> None:
     """Replicas share the folder: another one may delete a file after this one listed the

@@ -117,8 +117,13 @@ class FileStore:
 
     def delete(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
         self.get(file_id, owner)
+        try:
+            # The record first: of two deletes racing past the check above (replicas share
+            # the folder), the one whose unlink takes it deleted the file; the other is a 404.
+            self._meta_path(file_id).unlink()
+        except FileNotFoundError:
+            raise self._not_found(file_id) from None
         (self.dir / file_id).unlink(missing_ok=True)
-        self._meta_path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def _meta_path(self, file_id: str) -> Path:
