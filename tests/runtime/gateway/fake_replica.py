@@ -39,8 +39,40 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
     )
 
 
+class Served:
+    """Serving an aiohttp app on a loopback port (`url`), and stopping or killing it: shared by
+    the fake replicas of the gateway's tests."""
+
+    url: str
+    _runner: web.AppRunner | None
+
+    async def _serve(self, app: web.Application, port: int = 0) -> str:
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.2
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{bound}"
+        return self.url
+
+    async def kill(self) -> None:
+        """Die like a killed process: every open connection is cut, then the port closes."""
+        if self._runner is not None and self._runner.server is not None:
+            for handler in list(self._runner.server.connections):
+                if handler.transport is not None:
+                    handler.transport.abort()
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
 @dataclass
-class FakeReplica:
+class FakeReplica(Served):
     """One fake replica; knobs change its behaviour between requests."""
 
     model: str = "tiny"
@@ -95,28 +127,7 @@ class FakeReplica:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/control", self._control)  # test-only: set knobs from outside
-        self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.2
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{bound}"
-        return self.url
-
-    async def kill(self) -> None:
-        """Die like a killed process: every open connection is cut, then the port closes."""
-        if self._runner is not None and self._runner.server is not None:
-            for handler in list(self._runner.server.connections):
-                if handler.transport is not None:
-                    handler.transport.abort()
-        await self.stop()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        return await self._serve(app, port)
 
     async def _control(self, request: web.Request) -> web.Response:
         for key, value in (await request.json()).items():

@@ -7,51 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
+from functools import partial
 
 import aiohttp
 import openai
 import pytest
 from argosy_runtime.gateway.backends.replica import Replica
-from argosy_runtime.gateway.config import (
-    GatewayConfig,
-    HealthConfig,
-    KubernetesBackendConfig,
-    ModelRouteConfig,
-    RoutingConfig,
-)
+from argosy_runtime.gateway.config import GatewayConfig, KubernetesBackendConfig, RoutingConfig
 from argosy_runtime.gateway.policies import LeastLoadPolicy, RouteRequest
 from argosy_runtime.gateway.proxy import app as gateway_app
+from gateway_helpers import counts_a_499_not_a_200, eventually, requests_total, tiny_config
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-def config(*urls: str, **kw) -> GatewayConfig:
-    kw.setdefault("health", HealthConfig(interval_s=60))  # no probes: only the test's requests
-    return GatewayConfig(
-        models=(ModelRouteConfig(name="tiny", backends=urls, policy="round-robin"),), **kw)
-
-
-async def requests_total(s: aiohttp.ClientSession, url: str, **labels: str) -> float:
-    """argosy:gateway_requests_total for exactly these labels (0 when absent)."""
-    async with s.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    wanted = sorted(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        m = re.match(r"^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
-        if m and m.group(1) == "argosy:gateway_requests_total" and sorted(
-                (m.group(2) or "").split(",")) == wanted:
-            return float(m.group(3))
-    return 0.0
-
-
-async def eventually(probe, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await probe():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+config = partial(tiny_config, policy="round-robin")  # the model `tiny` on these backends
 
 
 # -- 1. an unexpected exception is an OpenAI-shaped 500 ---------------------------------------
@@ -157,12 +126,7 @@ async def test_a_stream_whose_client_leaves_mid_way_counts_as_a_499(fake_replica
         assert resp.status == 200
         await resp.content.readuntil(b"\n\n")
         resp.close()  # the client goes away mid-stream
-
-        async def counted() -> bool:
-            return await requests_total(s, url, model="tiny", backend=r.url, code="499") == 1
-
-        await eventually(counted)
-        assert await requests_total(s, url, model="tiny", backend=r.url, code="200") == 0
+        await counts_a_499_not_a_200(s, url, r.url)
     await eventually(lambda: asyncio.sleep(0, r.disconnects == 1))
     assert gw.pools["tiny"].replicas[0].in_flight == 0
 

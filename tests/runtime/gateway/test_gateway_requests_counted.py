@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import re
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,47 +24,12 @@ from argosy_runtime.gateway.config import (
     ModelRouteConfig,
 )
 from batch_replica import start_batch_replica
-from fake_replica import FakeReplica
+from fake_replica import FakeReplica, Served
+from gateway_helpers import all_counted, counts_a_499_not_a_200, eventually
+from gateway_helpers import tiny_config as config
 
 
-def config(*urls: str, **kw) -> GatewayConfig:
-    kw.setdefault("health", HealthConfig(interval_s=60))  # no probes: only the test's requests
-    return GatewayConfig(models=(ModelRouteConfig(name="tiny", backends=urls),), **kw)
-
-
-async def requests_total(s: aiohttp.ClientSession, url: str, **labels: str) -> float:
-    """argosy:gateway_requests_total for exactly these labels (0 when absent)."""
-    async with s.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    wanted = sorted(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        m = re.match(r"^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
-        if m and m.group(1) == "argosy:gateway_requests_total" and sorted(
-                (m.group(2) or "").split(",")) == wanted:
-            return float(m.group(3))
-    return 0.0
-
-
-async def all_counted(s: aiohttp.ClientSession, url: str) -> dict[tuple[str, str, str], float]:
-    """Every argosy:gateway_requests_total sample: (model, backend, code) -> count."""
-    async with s.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    out = {}
-    for m in re.finditer(r'^argosy:gateway_requests_total\{([^}]*)\} (\S+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out[labels["model"], labels["backend"], labels["code"]] = float(m.group(2))
-    return out
-
-
-async def eventually(probe, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await probe():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-class StoredReplica:
+class StoredReplica(Served):
     """A replica holding stored responses and files (any id): a stored response's events
     (`GET /v1/responses/{id}?stream=true`) and a file's content come in `chunks` pieces,
     `delay` seconds apart."""
@@ -82,25 +46,7 @@ class StoredReplica:
         app.router.add_get("/v1/responses/{id}", self._response)
         app.router.add_get("/v1/files/{id}", self._file)
         app.router.add_get("/v1/files/{id}/content", self._content)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=0.2)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-
-    async def kill(self) -> None:
-        """Every open connection cut, then the port closed."""
-        assert self._runner is not None and self._runner.server is not None
-        for handler in list(self._runner.server.connections):
-            if handler.transport is not None:
-                handler.transport.abort()
-        await self.stop()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._serve(app)
 
     async def _ready(self, _: web.Request) -> web.Response:
         return web.json_response({"ready": True})
@@ -140,6 +86,24 @@ async def stored_replica() -> AsyncIterator[StoredReplica]:
     await replica.stop()
 
 
+@pytest.fixture
+async def slow_stored(stored_replica, gateway) -> tuple[StoredReplica, str]:
+    """The stored replica sending 50 pieces 0.05 s apart, and the URL of a gateway to it."""
+    r = stored_replica
+    r.chunks, r.delay = 50, 0.05
+    _, url = await gateway(config(r.url))
+    return r, url
+
+
+async def first_piece(s: aiohttp.ClientSession, url: str, path: str,
+                      end: bytes) -> aiohttp.ClientResponse:
+    """GET `path` through the gateway: a 200, read up to the end of its first piece."""
+    resp = await s.get(f"{url}{path}")
+    assert resp.status == 200
+    await resp.content.readuntil(end)
+    return resp
+
+
 # -- stored responses ---------------------------------------------------------------------------
 
 
@@ -157,34 +121,22 @@ async def test_calls_on_a_stored_response_count_under_its_replicas_model(stored_
         assert await all_counted(s, url) == {("tiny", r.url, "200"): 2}
 
 
-async def test_a_stored_responses_stream_whose_client_leaves_counts_as_a_499(stored_replica,
-                                                                             gateway) -> None:
-    r = stored_replica
-    r.chunks, r.delay = 50, 0.05
-    _, url = await gateway(config(r.url))
+async def test_a_stored_responses_stream_whose_client_leaves_counts_as_a_499(
+        slow_stored) -> None:
+    r, url = slow_stored
     async with aiohttp.ClientSession() as s:
-        resp = await s.get(f"{url}/v1/responses/resp_a?stream=true")
-        assert resp.status == 200
-        await resp.content.readuntil(b"\n\n")
+        resp = await first_piece(s, url, "/v1/responses/resp_a?stream=true", b"\n\n")
         resp.close()  # the client goes away mid-stream
-
-        async def counted() -> bool:
-            return await requests_total(s, url, model="tiny", backend=r.url, code="499") == 1
-
-        await eventually(counted)
-        assert await requests_total(s, url, model="tiny", backend=r.url, code="200") == 0
+        await counts_a_499_not_a_200(s, url, r.url)
     await eventually(lambda: asyncio.sleep(0, r.disconnects == 1))
 
 
-async def test_a_stored_responses_stream_whose_replica_dies_counts_as_a_502(stored_replica,
-                                                                            gateway) -> None:
-    r = stored_replica
-    r.chunks, r.delay = 50, 0.05
-    _, url = await gateway(config(r.url))
+async def test_a_stored_responses_stream_whose_replica_dies_counts_as_a_502(
+        slow_stored) -> None:
+    r, url = slow_stored
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"{url}/v1/responses/resp_a?stream=true") as resp:
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n\n")
+        async with await first_piece(s, url, "/v1/responses/resp_a?stream=true",
+                                     b"\n\n") as resp:
             await r.kill()
             with pytest.raises(aiohttp.ClientPayloadError):
                 await resp.read()
@@ -234,31 +186,22 @@ async def test_batch_api_calls_count_under_the_model_of_their_replica(tmp_path: 
 
 
 async def test_a_files_content_cut_by_its_replica_counts_as_a_502_and_ends_badly(
-        stored_replica, gateway) -> None:
+        slow_stored) -> None:
     """The content is relayed as it arrives: a replica that breaks mid-way cuts the client's
     connection (it never looks whole), and it counts as the 502 it is."""
-    r = stored_replica
-    r.chunks, r.delay = 50, 0.05
-    _, url = await gateway(config(r.url))
+    r, url = slow_stored
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"{url}/v1/files/file-a/content") as resp:
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n")
+        async with await first_piece(s, url, "/v1/files/file-a/content", b"\n") as resp:
             await r.kill()
             with pytest.raises(aiohttp.ClientPayloadError):
                 await asyncio.wait_for(resp.read(), 5)  # not a stream left hanging
         assert await all_counted(s, url) == {("tiny", r.url, "502"): 1}
 
 
-async def test_a_files_content_whose_client_leaves_counts_as_a_499(stored_replica,
-                                                                   gateway) -> None:
-    r = stored_replica
-    r.chunks, r.delay = 50, 0.05
-    _, url = await gateway(config(r.url))
+async def test_a_files_content_whose_client_leaves_counts_as_a_499(slow_stored) -> None:
+    r, url = slow_stored
     async with aiohttp.ClientSession() as s:
-        resp = await s.get(f"{url}/v1/files/file-a/content")
-        assert resp.status == 200
-        await resp.content.readuntil(b"\n")
+        resp = await first_piece(s, url, "/v1/files/file-a/content", b"\n")
         resp.close()
 
         async def counted() -> bool:
