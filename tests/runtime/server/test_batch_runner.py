@@ -113,16 +113,24 @@ async def test_answers_cut_by_a_drain_stay_pending_and_resume(tmp_path: Path) ->
     assert batch["status"] == "in_progress"
     assert batch["request_counts"]["completed"] == 1  # the aborted answer is not a result
 
-    endpoint.on_request = None  # the next start on the same folder
-    draining[0] = False
-    again = BatchRunner(tmp_path, runner.files, endpoint.app, concurrency=1)
-    await again.start()
-    batch = await _finish(again, again.batches[batch["id"]])
-    await again.shutdown()
+    batch = await _resume(tmp_path, runner, endpoint, draining, batch["id"])
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     output = (tmp_path / "files" / batch["output_file_id"]).read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in output) == ["c0", "c1", "c2"]
+
+
+async def _resume(tmp_path: Path, runner: BatchRunner, endpoint: Endpoint,
+                  draining: list[bool], batch_id: str) -> dict:
+    """Start a new runner on the same folder (a restart, or another replica taking over),
+    no longer draining, and run the batch it finds to its end."""
+    endpoint.on_request = None
+    draining[0] = False
+    again = BatchRunner(tmp_path, runner.files, endpoint.app, concurrency=1)
+    await again.start()
+    batch = await _finish(again, again.batches[batch_id])
+    await again.shutdown()
+    return batch
 
 
 async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
@@ -153,12 +161,7 @@ async def test_an_input_file_deleted_after_create_still_runs_and_resumes(
     assert batch["status"] == "in_progress"  # drained after its first request
     assert batch["request_counts"]["completed"] == 1
 
-    endpoint.on_request = None  # the next start on the same folder
-    draining[0] = False
-    again = BatchRunner(tmp_path, runner.files, endpoint.app, concurrency=1)
-    await again.start()
-    batch = await _finish(again, again.batches[batch["id"]])
-    await again.shutdown()
+    batch = await _resume(tmp_path, runner, endpoint, draining, batch["id"])
     assert batch["status"] == "completed", batch  # was: failed, file_not_found
     assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert len(endpoint.bodies) == 3
