@@ -19,11 +19,14 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-# Only an escape can put a surrogate in a decoded string: raw surrogate bytes are invalid
-# UTF-8 and fail to decode already. A match may be a false alarm (an escaped backslash
-# before "ud83d", or a valid pair), so the decoded value is then searched for a lone one.
+# An escape can put a surrogate in a decoded string. A match may be a false alarm (an escaped
+# backslash before "ud83d", or a valid pair), so the decoded value is then searched for a
+# lone one.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+# So can raw surrogate bytes (ED A0..BF: invalid UTF-8, but json.loads decodes bytes with
+# "surrogatepass"). 0xED is never a continuation byte, so a match is always one.
+_SURROGATE_UTF8_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -48,6 +51,11 @@ def loads_strict(body: bytes) -> Any:
     except RecursionError as exc:
         raise json.JSONDecodeError("the body is nested too deeply", "", 0) from exc
     encoding = json.detect_encoding(body)
+    raw = _SURROGATE_UTF8_BYTES.search(body) if encoding.startswith("utf-8") else None
+    if raw is not None:
+        raise json.JSONDecodeError(
+            f"the body is not valid utf-8 (a UTF-16 surrogate encoded at byte {raw.start()})",
+            "", 0)
     suspect = (_SURROGATE_ESCAPE_BYTES.search(body) if encoding == "utf-8"
                else _SURROGATE_ESCAPE.search(body.decode(encoding, "surrogatepass")))
     if suspect is not None:

@@ -298,13 +298,17 @@ def _score_whole_context(prompts: list[list[int]], params: SamplingParams, max_m
 
 
 def _with_whole_prompt(out: RequestOutput, prompt: list[int]) -> RequestOutput:
-    """A finished output of `_score_whole_context`'s shortened prompt, as if the whole
+    """An output of `_score_whole_context`'s shortened prompt, as if the whole
     prompt had run: its last token back, with the sampled position's logprobs as its own."""
-    if not out.finished or len(out.prompt_token_ids) == len(prompt):  # it ran whole
+    if len(out.prompt_token_ids) == len(prompt):  # it ran whole (or was put back already)
         return out
     out.prompt_token_ids = [*out.prompt_token_ids, prompt[-1]]
-    seq_logprobs = out.outputs[0].logprobs if out.outputs else None
-    if out.prompt_logprobs is not None and seq_logprobs:
+    # Any sequence that sampled (all sample the same token): with n > 1 the sequences
+    # prefill one after another, and a stream sends the first one's choice before the
+    # request finishes.
+    seq_logprobs = next((s.logprobs for s in out.outputs if s.logprobs), None)
+    if (out.prompt_logprobs is not None and seq_logprobs
+            and len(out.prompt_logprobs) == len(prompt) - 1):
         out.prompt_logprobs = [*out.prompt_logprobs, seq_logprobs[0]]  # a copy: the engine's
     return out
 

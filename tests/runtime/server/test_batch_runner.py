@@ -408,3 +408,34 @@ async def test_a_batch_model_is_a_string_or_none(tmp_path: Path) -> None:
     await runner.shutdown()
     assert batch["status"] == "completed"
     assert batch["model"] is None  # was 5
+
+
+async def test_an_input_kept_by_a_copy_where_links_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the folder takes no hard links, the batch keeps a copy of its input (removed
+    when it ends); a copy that fails (a full disk) fails the create and leaves nothing
+    behind: its partial copy stayed in `batches/` for good."""
+    def no_links(source: Any, target: Any) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(batch_runner.os, "link", no_links)
+    runner, file_id = _runner(tmp_path, Endpoint())
+    await runner.start()
+    batch = runner.create(file_id, "/v1/completions", "24h", None)
+    runner.files.delete(file_id)
+    batch = await _finish(runner, batch)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 3
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == [f"{batch['id']}.json"]
+
+    file_id = runner.files.create(io.BytesIO(b'{"custom_id": "a"}\n'), "in.jsonl",
+                                  "batch")["id"]
+
+    def disk_full(source: Any, target: Any) -> None:
+        Path(target).write_bytes(b'{"cust')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(batch_runner.shutil, "copyfile", disk_full)
+    with pytest.raises(OSError):
+        runner.create(file_id, "/v1/completions", "24h", None)
+    await runner.shutdown()
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == [f"{batch['id']}.json"]

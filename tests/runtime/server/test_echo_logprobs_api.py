@@ -205,3 +205,34 @@ def test_max_tokens_0_scores_a_prompt_filling_the_context(http: httpx.Client,
     # and past the context, max_tokens 0 is still refused
     r = http.post("/v1/completions", json={**body, "prompt": ids + [28]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+def test_max_tokens_0_whole_context_streamed_with_n_2(http: httpx.Client) -> None:
+    """Streamed, each of n choices of a prompt filling the context echoes it whole. The n
+    sequences prefill one after the other (512-token steps on the CPU), so the first one
+    finishes while its request does not: its chunk went out with the shortened prompt (2047
+    tokens, the last one's logprob missing). Sampling fields change no prompt logprob."""
+    ids = http.post("/tokenize", json={
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 300}).json()["tokens"][:2048]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2}
+    whole = http.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    want = whole.json()["choices"][0]["logprobs"]
+    r = http.post("/v1/completions", json={**body, "n": 2, "stream": True,
+                                           "temperature": 1.5, "presence_penalty": 2,
+                                           "logit_bias": {str(ids[-1]): -100}})
+    assert r.status_code == 200, r.text
+    choices = [c for line in r.text.splitlines() if line.startswith("data: {")
+               for c in json.loads(line[6:])["choices"]]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    for c in choices:
+        lp = c["logprobs"]
+        assert lp["tokens"] == want["tokens"] and len(lp["tokens"]) == 2048
+        assert lp["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-4)
+        assert c["finish_reason"] == "length"
+    # cut to the context by truncate_prompt_tokens -1: the same whole-context prompt
+    cut = http.post("/v1/completions", json={**body, "prompt": [28] * 100 + ids,
+                                             "truncate_prompt_tokens": -1})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 2048
+    assert cut.json()["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        want["token_logprobs"][1:], abs=1e-4)

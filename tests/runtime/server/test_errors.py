@@ -271,6 +271,8 @@ UNPARSABLE_CASES = [
     (RESP, b'{"input": "hi", "max_output_tokens": -' + b"9" * 4301 + b"}",
      ["number too large", "4300"]),
     ("/tokenize", b'{"prompt": "caf\xe9"}', ["not valid utf-8"]),  # Latin-1, not UTF-8
+    # a UTF-16 surrogate encoded as UTF-8 bytes (not an escape): json.loads lets it through
+    (C, b'{"prompt": "Hi \xed\xa0\xbd", "max_tokens": 1}', ["not valid utf-8", "byte 15"]),
     (C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ["nested too deeply"]),
 ]
 

@@ -135,11 +135,12 @@ class BatchRunner:
         assert lock is not None  # a fresh id: nobody else can hold it
         try:
             self._keep_input(batch["id"], input_file_id)
-        except BaseException:
+            self._save(batch)
+        except BaseException:  # nothing left behind: no lock, no (partial) copy, no record
             lock.release()
             (self.dir / f"{batch['id']}.lock").unlink(missing_ok=True)
+            self._input_path(batch["id"]).unlink(missing_ok=True)
             raise
-        self._save(batch)
         self._own(batch, lock)
         logger.info("created %s from %s for %s", batch["id"], input_file_id, endpoint)
         return batch
@@ -151,11 +152,11 @@ class BatchRunner:
         """The batch's own hold on its input's bytes (a hard link, else a copy) until it
         ends: the client may delete the input file meanwhile (OpenAI allows it), and a batch
         resumed after a restart, or taken over by another replica, reads its input again."""
-        source = self.files.content_path(input_file_id)
         target = self._input_path(batch_id)
         try:
+            source = self.files.content_path(input_file_id)
             os.link(source, target)
-        except FileNotFoundError:  # deleted since its metadata was read
+        except (APIError, FileNotFoundError):  # deleted since its metadata was read
             raise APIError(404, f"no file with id {input_file_id!r}", param="input_file_id",
                            code="file_not_found") from None
         except OSError:  # links not supported here
