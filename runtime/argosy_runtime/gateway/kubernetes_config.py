@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from argosy_runtime.gateway.config_checks import positive
@@ -12,6 +13,7 @@ DISCOVERY_SOURCES = ("pods", "endpointslices")
 # LLMDeployment's name); equal to argosy_operator.constants.LABEL_LLMD, kept literal here so the
 # gateway does not depend on the operator package.
 DEFAULT_INSTANCE_LABEL = "argosy.dev/llmdeployment"
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class KubernetesBackendConfig:
             if not isinstance(getattr(self, key), str):
                 raise ValueError(f"kubernetes.{key}: expected a string, got "
                                  f"{getattr(self, key)!r}")
+        # Part of every API path: a blank one (`namespace: ""`) or one with a slash fails
+        # every list call the same way, forever.
+        if not _NAMESPACE.fullmatch(self.namespace):
+            raise ValueError("kubernetes.namespace: expected a namespace name (lowercase "
+                             f"letters, digits and '-'), got {self.namespace!r}")
         if self.api_url is not None and not isinstance(self.api_url, str):
             raise ValueError(f"kubernetes.api_url: expected a URL string, got {self.api_url!r}")
         if not self.llmdeployment and not self.label_selector:

@@ -58,6 +58,26 @@ async def test_a_bug_in_the_gateway_is_an_openai_error_and_its_traceback_is_logg
     assert r.requests == [] and gw.pools["tiny"].replicas[0].in_flight == 0
 
 
+async def test_a_body_that_does_not_decode_is_the_clients_400_not_a_gateway_bug(
+        fake_replicas, gateway, caplog) -> None:
+    """A request body aiohttp cannot read (a Content-Encoding that does not decode) is the
+    client's error: a 400, not a 500 logged as a bug in the gateway."""
+    (r,) = await fake_replicas(1)
+    _, url = await gateway(config(r.url))
+    with caplog.at_level(logging.INFO):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/completions", data=b"not gzip at all",
+                              headers={"Content-Encoding": "gzip",
+                                       "Content-Type": "application/json"}) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+    assert set(error) == ERROR_FIELDS and error["type"] == "invalid_request_error"
+    assert "gzip" in error["message"]
+    assert not [rec for rec in caplog.records  # nothing logged as the gateway's bug
+                if rec.levelno >= logging.ERROR and rec.name.startswith("argosy_runtime")]
+    assert r.requests == []
+
+
 async def test_the_openai_client_reads_the_gateways_500(fake_replicas, gateway,
                                                         monkeypatch) -> None:
     (r,) = await fake_replicas(1)
@@ -258,7 +278,10 @@ def test_a_label_selector_that_is_not_a_selector_string_stops_the_start(selector
 
 
 @pytest.mark.parametrize(("field", "value"), [("namespace", None), ("llmdeployment", ["a"]),
-                                              ("port_name", 8000), ("api_url", 1)])
+                                              ("port_name", 8000), ("api_url", 1),
+                                              # in every API path: these fail every call
+                                              ("namespace", ""), ("namespace", "a/b"),
+                                              ("namespace", "LLM ")])
 def test_other_kubernetes_strings_are_checked_too(field: str, value) -> None:
     with pytest.raises(ValueError, match=rf"^kubernetes\.{field}: expected a"):
         KubernetesBackendConfig(**{"llmdeployment": "a", field: value})

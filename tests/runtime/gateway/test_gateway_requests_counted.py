@@ -210,6 +210,23 @@ async def test_a_files_content_whose_client_leaves_counts_as_a_499(slow_stored) 
         await eventually(counted)
 
 
+async def test_a_files_content_slower_than_the_sessions_timeout_is_not_cut(
+        stored_replica, gateway, monkeypatch) -> None:
+    """A large output file to a slow client can take longer than the upstream session's
+    default total timeout (aiohttp's 5 min, shrunk here): relayed with no total timeout, as
+    a stored response's events are, it must not be cut (and counted as a 502) part-way."""
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT",
+                        aiohttp.ClientTimeout(total=0.3, sock_connect=30))
+    r = stored_replica
+    r.chunks, r.delay = 8, 0.1  # 0.8 s in all
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.get(f"{url}/v1/files/file-a/content") as resp:
+            assert resp.status == 200
+            assert (await resp.read()).count(b"custom_id") == r.chunks
+        assert await all_counted(s, url) == {("tiny", r.url, "200"): 1}
+
+
 # -- the cascade's confidence check ---------------------------------------------------------------
 
 
@@ -255,6 +272,34 @@ async def test_a_client_leaving_during_the_confidence_check_counts_as_a_499(fake
         assert gw.pools["tiny"].replicas[0].in_flight == 0
     finally:
         await small.stop()
+
+
+async def test_a_request_the_large_model_takes_for_an_unavailable_small_counts_once(
+        fake_replicas, gateway) -> None:
+    """The small model that cannot take a request (its replicas failing) is no answer: the
+    large model's answer is counted, not also the small model's refusal."""
+    (small,) = await fake_replicas(1, model="tiny")
+    (large,) = await fake_replicas(1, model="big")
+    plain = CascadeConfig(name="plain", small="tiny", large="big")
+    checked = CascadeConfig(name="auto", small="tiny", large="big", min_mean_logprob=-1.0)
+    _, url = await gateway(GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=(small.url,)),
+                ModelRouteConfig(name="big", backends=(large.url,))),
+        cascades=(plain, checked), health=HealthConfig(interval_s=60), max_attempts=1))
+    async with aiohttp.ClientSession() as s:
+        for route, extra in (("plain", {}), ("plain", {"stream": True}), ("auto", {})):
+            small.fail_next, small.fail_status = 1, 503
+            async with s.post(f"{url}/v1/completions",
+                              json={"model": route, "prompt": "hello", **extra}) as resp:
+                await resp.read()
+                assert (resp.status, resp.headers["x-argosy-cascade"]) == (200, "large")
+        # Asked for by name, the small model's error is the answer: counted as such.
+        small.fail_next = 1
+        async with s.post(f"{url}/v1/completions",
+                          json={"model": "plain:small", "prompt": "hello"}) as resp:
+            assert resp.status == 503
+        assert await all_counted(s, url) == {("big", large.url, "200"): 3,
+                                             ("tiny", "", "503"): 1}
 
 
 # -- the fake replica ------------------------------------------------------------------------------

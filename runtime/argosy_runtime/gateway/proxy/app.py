@@ -53,6 +53,11 @@ from argosy_runtime.gateway.proxy.errors import (
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
+from argosy_runtime.gateway.proxy.middlewares import (
+    body_timeout,
+    internal_error,
+    unreadable_body,
+)
 from argosy_runtime.gateway.proxy.relay import BROKEN, CLIENT_CLOSED, UNEXPECTED, relay
 from argosy_runtime.gateway.proxy.responses_routes import (
     RESPONSE_ID_HEADER,
@@ -158,8 +163,10 @@ class Gateway:
         app = web.Application(client_max_size=limit,
                               middlewares=[internal_error, body_too_large])
         self.tenants.install(app)
-        # Innermost, so that the tenants' gate counts (and releases) a 408 like any answer.
-        app.middlewares.append(body_timeout(self.config.client_body_timeout_s))
+        # Innermost, so that the tenants' gate counts (and releases) a 408 or 400 like any
+        # answer.
+        app.middlewares.extend([body_timeout(self.config.client_body_timeout_s),
+                                unreadable_body])
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         for path in POOLING_PATHS:  # /v1/embeddings, scores, reranks, classifications
@@ -395,7 +402,8 @@ class Gateway:
         # The confidence check reads chat/completions logprobs; a Responses request has none.
         if not decision.check_confidence or path == "/v1/responses":
             raw = json.dumps(routed).encode()
-            upstream = await self._send(decision.model, path, routed, raw, headers)
+            upstream = await self._send(decision.model, path, routed, raw, headers,
+                                        fallback=can_fall_back)
             if can_fall_back and cascade_rules.unavailable(upstream):
                 return await large_instead(cascade_rules.REASON_SMALL_UNAVAILABLE)
             self.metrics.cascade_decisions.labels(cascade.name, decision.tier, decision.reason).inc()
@@ -405,7 +413,8 @@ class Gateway:
         # Non-streamed and a confidence threshold is set: ask the small model for logprobs,
         # read its whole answer, and decide whether the large model must answer instead.
         asked, added = cascade_rules.request_logprobs(path, routed)
-        upstream = await self._send(decision.model, path, asked, json.dumps(asked).encode(), headers)
+        upstream = await self._send(decision.model, path, asked, json.dumps(asked).encode(),
+                                    headers, fallback=can_fall_back)
         if isinstance(upstream, web.Response):
             if can_fall_back and cascade_rules.unavailable(upstream):
                 return await large_instead(cascade_rules.REASON_SMALL_UNAVAILABLE)
@@ -470,15 +479,26 @@ class Gateway:
         headers: Mapping[str, str],
         adapter: str | None = None,
         pin: str | None = None,
+        *,
+        fallback: bool = False,
     ) -> Upstream | web.Response:
+        """Send to one of `model`'s replicas: its open answer, or the error to answer instead.
+        `fallback`: a cascade's large model answers when this one cannot take the request
+        (cascade_rules.unavailable); that refusal is then not counted, the large model's
+        answer is (each request once in argosy:gateway_requests_total)."""
         assert self.session is not None
+
+        def refused(response: web.Response) -> web.Response:
+            if not (fallback and cascade_rules.unavailable(response)):
+                self.metrics.requests.labels(model, "", str(response.status)).inc()
+            return response
+
         try:
             activator = self.activators.get(model)
             if activator is not None and activator.needed():
                 held = await self._hold(model, activator)
                 if held is not None:
-                    self.metrics.requests.labels(model, "", str(held.status)).inc()
-                    return held
+                    return refused(held)
             routing = self.routing  # one snapshot for all of this request's tries
             route = RouteRequest(
                 prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter
@@ -502,7 +522,7 @@ class Gateway:
             self.metrics.requests.labels(model, "", CLIENT_CLOSED).inc()
             raise
         if isinstance(result, web.Response):
-            self.metrics.requests.labels(model, "", str(result.status)).inc()
+            return refused(result)
         return result
 
     async def _hold(self, model: str, activator: Activator) -> web.Response | None:
@@ -598,84 +618,6 @@ class Gateway:
             elif code == str(resp.status):  # whole: its latency is "to the last byte"
                 self.metrics.latency.labels(model).observe(time.monotonic() - started)
         return out
-
-
-@web.middleware
-async def internal_error(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A bug in the gateway (an exception no handler expected) answers an OpenAI-shaped 500,
-    not aiohttp's plain-text page, which the openai client cannot read, and logs the
-    traceback."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise  # aiohttp's own answers (404, 405, 413, ...): the client's errors, not ours
-    except Exception as exc:
-        if request.writer.output_size > 0:
-            # The answer has started: only cutting the connection is left, which aiohttp
-            # does (and logs the traceback).
-            raise
-        logger.exception("%s %s failed in the gateway", request.method, request.path)
-        if isinstance(exc, TimeoutError):  # aiohttp answers one with a 504: keep its status
-            return error_response(504, "the gateway timed out handling this request")
-        # As the runtime server answers its own: nothing of the exception leaks to clients.
-        return error_response(500, "internal server error (in the gateway; see its log)")
-
-
-def body_timeout(timeout_s: float) -> Any:
-    """The middleware that answers 408 to a request whose body stops arriving: no byte of it
-    for `timeout_s` (config: `client_body_timeout_s`). A watchdog, not a timeout around each
-    read, so that every way a handler reads a body (whole, or a streamed upload) is covered.
-    The check runs every quarter of the timeout, so a stall is caught within 1.25x of it."""
-    step = timeout_s / 4
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-        content = request.content
-        if content.is_eof():  # no body, or all of it came with the headers: nothing to wait
-            return await handler(request)
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        seen = content.total_bytes
-        last_progress = loop.time()
-        expired = False
-
-        def check() -> None:
-            nonlocal seen, last_progress, expired, timer
-            if content.is_eof():
-                return  # the whole body is in: whatever the handler does next is not ours
-            if content.total_bytes != seen:
-                seen, last_progress = content.total_bytes, loop.time()
-            elif loop.time() - last_progress >= timeout_s:
-                expired = True
-                task.cancel()  # the handler waits on the body: stop it there
-                return
-            timer = loop.call_later(step, check)
-
-        timer = loop.call_later(step, check)
-        try:
-            return await handler(request)
-        except asyncio.CancelledError:
-            # Ours alone (not also the client going away, nor a shutdown): answer it.
-            if not expired or task.uncancel() > 0 or request.writer.output_size > 0:
-                raise
-            logger.info("%s %s: no body bytes for %g s; answered 408", request.method,
-                        request.path, timeout_s)
-            resp = error_response(
-                408, f"the request body stopped arriving: no bytes of it for {timeout_s:g} s",
-                code="request_timeout")
-            # The rest of the body may never come: send the answer, then close at once
-            # (aiohttp would otherwise linger up to 10 s reading what is left of the body).
-            resp.force_close()  # "Connection: close"
-            await resp.prepare(request)
-            await resp.write_eof()
-            if request.transport is not None:
-                request.transport.close()  # after what is buffered (the answer) is written
-            return resp
-        finally:
-            timer.cancel()
-
-    return middleware
 
 
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -86,10 +86,11 @@ class IdOwners:
         headers = to_replica(request.headers, content_type=False)
         if content_type:
             headers["Content-Type"] = content_type
-        # A stream lasts as long as its generation: no total timeout (the session's is 5 min).
+        # A stream lasts as long as its generation, a large file's content as long as the
+        # client takes to read it: no total timeout (the session's is 5 min).
         timeout = ({"timeout": aiohttp.ClientTimeout(
             total=None, sock_connect=self.gateway.config.connect_timeout_s)}
-            if "stream" in request.query else {})
+            if stream or "stream" in request.query else {})
         code = UNEXPECTED  # what it counts under; a gateway bug leaves this
         try:
             async with self.session().request(request.method, url + request.path_qs,
