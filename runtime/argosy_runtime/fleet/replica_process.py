@@ -58,6 +58,7 @@ class ReplicaProcess:
         self.log_path = Path(log_dir or ".") / f"replica-{port}.log"
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False  # has answered /ready once (until then its start-up is in charge)
+        self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
         self.draining = False
 
     @property
@@ -104,7 +105,7 @@ class ReplicaProcess:
                         f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)
                     ) as resp:
                         if resp.status == 200:
-                            self.ready = True
+                            self.ready, self.ready_at = True, time.monotonic()
                             return True
                 except (TimeoutError, aiohttp.ClientError):
                     pass

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 # the one the fleet polls for /ready and routes to.
 FLEET_SET_SERVE_FLAGS = ("--model", "--served-model-name", "--host", "--port")
 RESTART_BACKOFF_MAX_S = 60.0
+# A replica that exits within this long of becoming ready crashed at start (a model that
+# loads but fails its first step, a bad flag found late): in a row, such exits are a crash
+# loop, and each replacement waits twice as long as the last (up to RESTART_BACKOFF_MAX_S).
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,16 @@ class FleetConfig:
                     f"serve_args: {arg} is set by the fleet for every replica (replicas listen "
                     "on free loopback ports; give --model/--served-model-name to the fleet)"
                 )
+        # --min/--max set these: in --autoscaling they were silently overridden.
+        overridden = [k for k in ("enabled", "minReplicas", "maxReplicas") if k in self.autoscaling]
+        if overridden:
+            raise ValueError(f"--autoscaling: {', '.join(overridden)} cannot be set there (the "
+                             "fleet autoscales between --min and --max)")
         if self.autoscaled:
-            self.autoscaling_policy()  # a bad --autoscaling fails here, not in the background
+            try:  # a bad --autoscaling fails here, not in the background
+                self.autoscaling_policy()
+            except OverflowError as exc:  # an integer too large for a float (YAML 1000...0)
+                raise ValueError(f"--autoscaling: a value is out of range ({exc})") from None
 
     def autoscaling_policy(self) -> Any:
         """The AutoscalingPolicy from --min/--max and the --autoscaling overrides."""
@@ -133,6 +146,10 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self.decisions: list[Any] = []  # autoscaler decisions, newest last
+        self._quick_exits = 0  # replicas in a row that exited soon after becoming ready
+        # Replacements waiting to start (_replace's backoff): without them, the autoscaler
+        # would start replicas of its own for the ones missing, a crash loop's backoff aside.
+        self._replacing = 0
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -150,12 +167,20 @@ class Fleet:
         """Start one replica and wait until it is ready; raise with its log if it is not."""
         proc = self._new_process()
         self.processes.append(proc)
-        await proc.start()
+        try:
+            await proc.start()
+        except OSError as exc:  # its log cannot be written (the log dir gone), fork failed
+            self.processes.remove(proc)  # else a replica that never runs counts as one
+            raise RuntimeError(f"replica {proc.url} could not start: {exc}") from None
         if not await proc.wait_ready(self.config.ready_timeout_s):
             if proc in self.processes:  # stop() may have drained and forgotten it meanwhile
                 self.processes.remove(proc)
+            code = proc.process.returncode if proc.process is not None else None
             await proc.kill()
-            raise RuntimeError(f"replica {proc.url} never became ready:\n{proc.log_tail()}")
+            why = (f"exited ({_exit_reason(code)}) before it was ready" if code is not None
+                   else f"was not ready within {self.config.ready_timeout_s:g} s")
+            raise RuntimeError(f"replica {proc.url} {why}; the end of its log "
+                               f"({proc.log_path}):\n{proc.log_tail() or '(empty)'}")
         return proc
 
     async def add_replica(self) -> ReplicaProcess:
@@ -194,19 +219,28 @@ class Fleet:
             # "exception never retrieved" whenever the task is garbage-collected.
             logger.error("%s", task.exception())
 
-    async def _replace(self) -> None:
-        """Start a replacement for a replica that exited, retrying with backoff while it fails
-        (its model no longer loads, memory not yet freed): the fleet must neither stay a
-        replica short for good nor restart a failing one in a tight loop."""
-        delay = 1.0
-        while True:
-            try:
-                await self.add_replica()
-                return
-            except RuntimeError as exc:
-                logger.error("%s\nretrying in %.0f s", exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, RESTART_BACKOFF_MAX_S)
+    async def _replace(self, wait: float = 0.0) -> None:
+        """Start a replacement for a replica that exited (after `wait` seconds: a crash
+        loop's backoff), retrying with backoff while it fails (its model no longer loads,
+        memory not yet freed): the fleet must neither stay a replica short for good nor
+        restart a failing one in a tight loop."""
+        self._replacing += 1  # while none runs: the autoscaler counts it as starting
+        try:
+            await asyncio.sleep(wait)
+            delay = max(1.0, min(2 * wait, RESTART_BACKOFF_MAX_S))
+            while True:
+                self._replacing -= 1  # in self.processes while it starts
+                try:
+                    await self.add_replica()
+                    return
+                except RuntimeError as exc:
+                    logger.error("%s\nretrying in %.0f s", exc, delay)
+                finally:
+                    self._replacing += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RESTART_BACKOFF_MAX_S)
+        finally:
+            self._replacing -= 1
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -269,6 +303,11 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.gateway is not None:
+            # Requests held for a replica (scale from zero) are answered 503 now: none will
+            # start, and the gateway's drain would wait for them (drain_timeout_s) in vain.
+            for activator in self.gateway.activators.values():
+                activator.unreachable = "the fleet is stopping: no replica will start"
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -293,13 +332,26 @@ class Fleet:
                 # One still starting is _launch's to give up on (else it is replaced twice).
                 if not proc.ready or proc.alive or proc.draining:
                     continue
-                code = proc.process.returncode
-                logger.warning("replica %s exited (code %s):\n%s", proc.url, code, proc.log_tail())
+                logger.warning("replica %s exited (%s); the end of its log (%s):\n%s", proc.url,
+                               _exit_reason(proc.process.returncode), proc.log_path,
+                               proc.log_tail() or "(empty)")
                 self.processes.remove(proc)
                 if self.gateway is not None:
                     self.gateway.pools[self.config.name].remove(proc.url)
                 if self.config.restart:
-                    self._spawn(self._replace())
+                    self._spawn(self._replace(self._restart_wait(proc)))
+
+    def _restart_wait(self, proc: ReplicaProcess) -> float:
+        """How long to wait before replacing `proc`, which exited: at once, unless replicas
+        keep exiting soon after becoming ready (a crash loop: 2, 4, 8... s)."""
+        lived = time.monotonic() - (proc.ready_at or 0.0)
+        self._quick_exits = self._quick_exits + 1 if lived < CRASH_LOOP_WINDOW_S else 0
+        if self._quick_exits < 2:
+            return 0.0
+        wait = min(2.0 ** (self._quick_exits - 1), RESTART_BACKOFF_MAX_S)
+        logger.error("replicas keep exiting soon after becoming ready (%d in a row): the next "
+                     "one starts in %.0f s (see the log above)", self._quick_exits, wait)
+        return wait
 
     # -- autoscaling -------------------------------------------------------------------------
 
@@ -329,7 +381,7 @@ class Fleet:
             await asyncio.sleep(policy.scrape_interval_seconds)
             assert self.gateway is not None
             pool = self.gateway.pools[c.name]
-            samples = []
+            samples = [ReplicaSample(ready=False)] * self._replacing
             for proc in self.live:
                 replica = pool.get(proc.url)
                 if replica is None or not replica.is_available() or not replica.scraped:
@@ -349,7 +401,7 @@ class Fleet:
             now = time.monotonic()
             window.add(MetricsSample(t=now, replicas=tuple(samples), held_requests=held,
                                      batches_shared=c.batches_shared))
-            current = len(self.live)
+            current = len(self.live) + self._replacing
             decision = decide(policy, current, window.samples(), state, now)
             state = decision.state
             self.decisions.append(decision)
@@ -370,6 +422,14 @@ class Fleet:
                 ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].in_flight))
                 for proc, _ in ready[: current - decision.desired_replicas]:
                     self._spawn(self.drain_replica(proc))
+
+
+def _exit_reason(code: int | None) -> str:
+    """'code 1', or 'killed by SIGKILL' (a negative return code is the signal's number)."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"code {code}"
 
 
 def fleet_config_from(**kwargs: Any) -> FleetConfig:

@@ -54,6 +54,27 @@ def test_config_validation() -> None:
         FleetConfig(min_replicas=1, max_replicas=2, autoscaling={"stableWindowSeconds": 5})
 
 
+@pytest.mark.parametrize("overrides", [{"minReplicas": 3}, {"maxReplicas": 1},
+                                       {"enabled": False}])
+def test_autoscaling_overrides_cannot_set_what_min_and_max_set(overrides: dict) -> None:
+    # They were silently overridden: `--autoscaling '{minReplicas: 3}'` ran with --min's 1,
+    # `{enabled: false}` autoscaled all the same.
+    with pytest.raises(ValueError, match=f"--autoscaling: {next(iter(overrides))} cannot be set"):
+        FleetConfig(replicas=1, min_replicas=1, max_replicas=2, autoscaling=overrides)
+
+
+def test_an_autoscaling_value_too_large_for_a_float_is_a_config_error() -> None:
+    # YAML reads 1 followed by 400 zeros as an int: float() of it was an OverflowError
+    # traceback from `argosy fleet`.
+    proc = subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", "fleet", "--min",
+                           "1", "--max", "2", "--autoscaling",
+                           "{scrapeIntervalSeconds: 1" + "0" * 400 + "}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "argosy fleet: --autoscaling: a value is out of range" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_the_cli_reports_a_bad_config_on_stderr() -> None:
     proc = subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", "fleet",
                            "--autoscaling", "[1]"], capture_output=True, text=True, timeout=60)

@@ -6,12 +6,16 @@ load) since the model is not the point here."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -331,3 +335,140 @@ async def test_a_gateway_port_taken_while_replicas_load_stops_them(
         pid = int(log.read_text().split()[1])
         assert _kill_all({pid}) == [], "the replica outlived the failed start"
     assert not fleet.processes
+
+
+# fake_replica.py; while the file named by $DIE_IF_EXISTS exists, it exits (code 3) about a
+# second after it started: ready, then dead, like a model that loads but fails its first step.
+DIES_SOON = f"""
+import os, runpy, sys, threading, time
+if os.path.exists(os.environ["DIE_IF_EXISTS"]):
+    def die():
+        time.sleep(1.0)
+        print("fatal: CUDA error on the first step", flush=True)
+        os._exit(3)
+    threading.Thread(target=die, daemon=True).start()
+sys.argv[0] = {FAKE_REPLICA!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+async def test_replicas_that_keep_crashing_after_start_are_restarted_with_backoff(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each replacement was started at once: a replica that crashed right after becoming ready
+    # was restarted every ~2 s forever (each restart a model load, and a new log file).
+    caplog.set_level(logging.INFO, logger="argosy_runtime.fleet")
+    die = tmp_path / "DIE"
+    monkeypatch.setenv("DIE_IF_EXISTS", str(die))
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, health_interval_s=0.2,
+                              serve_command=(sys.executable, _script(tmp_path, "d.py", DIES_SOON)),
+                              log_dir=str(tmp_path / "logs"), ready_timeout_s=30))
+    await fleet.start()
+    pids = {p.process.pid for p in fleet.processes}
+    try:
+        die.touch()
+        await fleet.processes[0].kill()  # replaced at once: a crash is not yet a crash loop
+        deadline = time.monotonic() + 20
+        while "2 in a row" not in caplog.text:  # the replacement crashed too
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+            pids |= {p.process.pid for p in fleet.processes if p.process}
+        assert "the next one starts in 2 s" in caplog.text
+        # How each one ended, said plainly (it was "code -9" and an empty line).
+        assert "exited (killed by SIGKILL); the end of its log" in caplog.text
+        assert "exited (code 3); the end of its log" in caplog.text
+        waited = time.monotonic()
+        die.unlink()  # the next one lives
+        while not fleet.gateway.pools["tiny"].available():
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - waited > 1.5, "restarted without waiting"
+        pids |= {p.process.pid for p in fleet.processes}
+        starts = [r for r in caplog.records if "starting (pid" in r.getMessage()]
+        assert len(starts) == 3, caplog.text  # the first, the first replacement, this one
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
+
+
+async def test_a_replacement_whose_log_cannot_be_written_is_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The OSError from opening its log (the log dir gone, a file in its place) ended the
+    # replacement for good, and the replica that never ran stayed in fleet.processes: the
+    # fleet stayed a replica short, and the autoscaler counted one that did not exist.
+    logs = tmp_path / "logs"
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, health_interval_s=0.2,
+                              serve_command=(sys.executable, FAKE_REPLICA),
+                              log_dir=str(logs), ready_timeout_s=30))
+    await fleet.start()
+    pids = {p.process.pid for p in fleet.processes}
+    try:
+        for log in logs.iterdir():
+            log.unlink()
+        logs.rmdir()
+        logs.write_text("")  # a file where the log dir was
+        await fleet.processes[0].kill()
+        deadline = time.monotonic() + 20
+        while "could not start" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        assert "retrying in 1 s" in caplog.text
+        assert fleet.processes == []
+        logs.unlink()  # the next try makes the folder again
+        while not fleet.gateway.pools["tiny"].available():
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        assert len(fleet.processes) == 1
+        pids |= {p.process.pid for p in fleet.processes}
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
+
+
+SLOW_START = f"""
+import runpy, sys, time
+time.sleep(30)  # a model that takes a while to load
+sys.argv[0] = {FAKE_REPLICA!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_scaling_up_from_zero_stops_the_fleet_at_once(
+        fleet_cli, tmp_path: Path, sig: signal.Signals) -> None:
+    # The request held for the replica being started kept the gateway's drain waiting
+    # (drain_timeout_s, 30 s), a second signal no help: the held request now gets its 503.
+    cli = fleet_cli(_script(tmp_path, "slow.py", SLOW_START), "--port", "0", "--replicas", "0",
+                    "--min", "0", "--max", "2", "--model", "tiny", "--autoscaling",
+                    "{scrapeIntervalSeconds: 0.3, stableWindowSeconds: 1.5, "
+                    "panicWindowSeconds: 0.6}")
+    line = cli.proc.stdout.readline()
+    assert "behind http://" in line, cli.stderr()
+    url = line.split("behind ")[1].split()[0]
+    answers: list[object] = []
+
+    def held() -> None:
+        request = urllib.request.Request(f"{url}/v1/completions", headers={
+            "Content-Type": "application/json"}, data=b'{"model": "tiny", "prompt": "x"}')
+        try:
+            urllib.request.urlopen(request, timeout=60)
+        except urllib.error.HTTPError as exc:
+            answers.append(exc.code)
+        except OSError as exc:
+            answers.append(exc)
+
+    client = threading.Thread(target=held, daemon=True)
+    client.start()
+    cli.watch_children(1)  # the autoscaler is starting a replica for the held request
+    sent = time.monotonic()
+    cli.proc.send_signal(sig)
+    try:
+        code = cli.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the fleet took more than 15 s to stop on {sig.name}")
+    assert time.monotonic() - sent < 15
+    assert code == 0, cli.stderr()
+    client.join(10)
+    assert answers == [503]
+    assert cli.close() == [], "replicas outlived the fleet"
+    assert "Traceback" not in cli.stderr()

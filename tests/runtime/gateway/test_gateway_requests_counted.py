@@ -208,6 +208,7 @@ async def test_a_files_content_whose_client_leaves_counts_as_a_499(slow_stored) 
             return await all_counted(s, url) == {("tiny", r.url, "499"): 1}
 
         await eventually(counted)
+        assert await client_disconnects(s, url, "tiny") == 1
 
 
 async def test_a_files_content_slower_than_the_sessions_timeout_is_not_cut(
@@ -319,3 +320,51 @@ async def test_the_fake_replica_registers_no_deprecated_handler() -> None:
     finally:
         await replica.stop()
     assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == []
+
+
+# -- refusals and clients leaving before the first byte -------------------------------------------
+
+
+async def client_disconnects(s: aiohttp.ClientSession, url: str, model: str) -> float:
+    """argosy:gateway_client_disconnects_total for `model` (0 when absent)."""
+    async with s.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    wanted = f'argosy:gateway_client_disconnects_total{{model="{model}"}} '
+    return next((float(line[len(wanted):]) for line in text.splitlines()
+                 if line.startswith(wanted)), 0.0)
+
+
+async def test_a_client_leaving_before_the_first_byte_counts_as_a_disconnect(
+        fake_replicas, gateway) -> None:
+    """Left before the replica's first byte (Gateway._send) or mid-answer (relay): both are
+    a 499 in argosy:gateway_requests_total and a client disconnect."""
+    (r,) = await fake_replicas(1, first_byte_delay=30)
+    _, url = await gateway(config(r.url))
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(TimeoutError):
+            await s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                         timeout=aiohttp.ClientTimeout(total=0.5))
+
+        async def counted() -> bool:
+            return await all_counted(s, url) == {("tiny", "", "499"): 1}
+
+        await eventually(counted)
+        assert await client_disconnects(s, url, "tiny") == 1
+
+
+async def test_an_upload_with_no_replica_available_counts_as_a_generations_503(
+        gateway) -> None:
+    gone = "http://127.0.0.1:9"  # nothing listens there: the start-up probe fails too
+    gw, url = await gateway(config(gone))
+    gw.pools["tiny"].replicas[0].healthy = False  # out of rotation
+    line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": "x"}}).encode() + b"\n"
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused",
+                                  max_retries=0) as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.files.create(file=("in.jsonl", io.BytesIO(line)), purpose="batch")
+        assert refused.value.status_code == 503
+        with pytest.raises(openai.InternalServerError):
+            await client.completions.create(model="tiny", prompt="x")
+    async with aiohttp.ClientSession() as s:
+        assert await all_counted(s, url) == {("tiny", "", "503"): 2}

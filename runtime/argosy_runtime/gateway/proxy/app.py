@@ -518,8 +518,10 @@ class Gateway:
         except asyncio.CancelledError:
             # The client went away while its request was held or before the replica's
             # first byte: counted as the 499 a client leaving mid-answer counts as
-            # (_relay_upstream), so that every request the gateway took is counted once.
+            # (_relay_upstream), also in argosy:gateway_client_disconnects_total, so that
+            # every request the gateway took is counted once.
             self.metrics.requests.labels(model, "", CLIENT_CLOSED).inc()
+            self.metrics.client_disconnects.labels(model).inc()
             raise
         if isinstance(result, web.Response):
             return refused(result)
@@ -555,6 +557,8 @@ class Gateway:
         model = next((name for name, pool in self.pools.items()
                       if pool.get(backend) is not None), "")
         self.metrics.requests.labels(model, backend, code).inc()
+        if code == CLIENT_CLOSED:  # as _relay_upstream counts a client that left
+            self.metrics.client_disconnects.labels(model).inc()
 
     async def _relay(
         self,

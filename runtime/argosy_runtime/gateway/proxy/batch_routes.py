@@ -36,6 +36,7 @@ from argosy_runtime.gateway.proxy.errors import (
     error_response,
     malformed_json,
     model_not_found,
+    no_replica,
 )
 from argosy_runtime.gateway.proxy.headers import to_replica
 from argosy_runtime.server.batch.file_store import MAX_FILE_BYTES, file_too_large
@@ -96,8 +97,9 @@ class BatchRoutes:
                 return pool
             replica = self._uploads_policy().choose(self.gateway.pools[pool].available(),
                                                     RouteRequest())
-            if replica is None:
-                return error_response(503, f"no replica of {pool!r} is available")
+            if replica is None:  # counted as a generation's refusal is (Gateway._send)
+                self.gateway.metrics.requests.labels(pool, "", "503").inc()
+                return no_replica(pool)
             spool.seek(0)
             data = aiohttp.FormData()
             data.add_field("purpose", purpose)
