@@ -4,12 +4,14 @@ Each rank holds 1/N of every decoder layer: its share of the attention heads (qu
 key/value heads alike, so its KV cache holds only those heads) and of the MLP's intermediate
 columns (every expert's, in an MoE layer). With fewer KV heads than ranks (Qwen2.5-1.5B's 2
 over 4 GPUs), each rank holds the one KV head its query heads read: each KV head is
-replicated on N / num_key_value_heads ranks (as vLLM does), and the KV cache with it. The projections into a layer's heads and columns
-(q/k/v, gate/up) are split by output rows and need no communication; the projections out of
-them (o_proj, down_proj) are split by input columns, so each rank's output is a partial sum
-and one all-reduce per attention block and per MLP block adds them up. Embeddings, norms, the
-router and the LM head are replicated: every rank ends each layer with the same hidden state,
-and only rank 0 computes logits and samples.
+replicated on N / num_key_value_heads ranks (as vLLM does), and the KV cache with it.
+
+The projections into a layer's heads and columns (q/k/v, gate/up) are split by output rows
+and need no communication; the projections out of them (o_proj, down_proj) are split by input
+columns, so each rank's output is a partial sum and one all-reduce per attention block and
+per MLP block adds them up. Embeddings, norms, the router and the LM head are replicated:
+every rank ends each layer with the same hidden state, and only rank 0 computes logits and
+samples.
 
 A rank's model is an ordinary model of the shard's shape (`shard_spec`) that reduces after
 those two blocks (`LlamaForCausalLM.use_tensor_parallel`); its weights are the checkpoint's,

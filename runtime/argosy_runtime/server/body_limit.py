@@ -119,24 +119,20 @@ class BodySizeLimitMiddleware:
             await self._reject_upload(send)
 
     async def _reject_upload(self, send: Send) -> None:
-        payload = json.dumps(error_body(file_too_large(self.upload_max_bytes),
-                                        "invalid_request_error", "file",
-                                        "file_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_413(send, file_too_large(self.upload_max_bytes), "file", "file_too_large")
 
     async def _reject(self, send: Send) -> None:
-        payload = json.dumps(error_body(body_too_large(self.max_bytes), "invalid_request_error",
-                                        None, "request_too_large")).encode()
-        # Connection: close, since the rest of the body is never read.
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_413(send, body_too_large(self.max_bytes), None, "request_too_large")
+
+
+async def _send_413(send: Send, message: str, param: str | None, code: str) -> None:
+    payload = json.dumps(error_body(message, "invalid_request_error", param, code)).encode()
+    # Connection: close, since the rest of the body is never read (or only drained).
+    await send({"type": "http.response.start", "status": 413, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 async def _drain(receive: Receive) -> None:

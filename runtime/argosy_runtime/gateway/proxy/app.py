@@ -430,9 +430,7 @@ class Gateway:
         except asyncio.CancelledError:
             # The client went away while the small model's answer was read: a 499, as a
             # client leaving mid-answer counts anywhere else (_relay_upstream).
-            self.metrics.requests.labels(decision.model, upstream.replica.url,
-                                         CLIENT_CLOSED).inc()
-            self.metrics.client_disconnects.labels(decision.model).inc()
+            self.count(decision.model, upstream.replica.url, CLIENT_CLOSED)
             raise
         finally:
             upstream.release()
@@ -490,7 +488,7 @@ class Gateway:
 
         def refused(response: web.Response) -> web.Response:
             if not (fallback and cascade_rules.unavailable(response)):
-                self.metrics.requests.labels(model, "", str(response.status)).inc()
+                self.count(model, "", str(response.status))
             return response
 
         try:
@@ -520,8 +518,7 @@ class Gateway:
             # first byte: counted as the 499 a client leaving mid-answer counts as
             # (_relay_upstream), also in argosy:gateway_client_disconnects_total, so that
             # every request the gateway took is counted once.
-            self.metrics.requests.labels(model, "", CLIENT_CLOSED).inc()
-            self.metrics.client_disconnects.labels(model).inc()
+            self.count(model, "", CLIENT_CLOSED)
             raise
         if isinstance(result, web.Response):
             return refused(result)
@@ -546,8 +543,15 @@ class Gateway:
         self.metrics.activation_wait.labels(model).observe(time.monotonic() - started)
         return None
 
+    def count(self, model: str, backend: str, code: str) -> None:
+        """One request in argosy:gateway_requests_total (`code`: relay.py); a client that
+        left (499) also in argosy:gateway_client_disconnects_total."""
+        self.metrics.requests.labels(model, backend, code).inc()
+        if code == CLIENT_CLOSED:
+            self.metrics.client_disconnects.labels(model).inc()
+
     def _count(self, model: str, upstream: Upstream, status: int, started: float) -> None:
-        self.metrics.requests.labels(model, upstream.replica.url, str(status)).inc()
+        self.count(model, upstream.replica.url, str(status))
         self.metrics.latency.labels(model).observe(time.monotonic() - started)
 
     def count_by_id(self, backend: str, code: str) -> None:
@@ -556,9 +560,7 @@ class Gateway:
         `code` as for generations (relay.py)."""
         model = next((name for name, pool in self.pools.items()
                       if pool.get(backend) is not None), "")
-        self.metrics.requests.labels(model, backend, code).inc()
-        if code == CLIENT_CLOSED:  # as _relay_upstream counts a client that left
-            self.metrics.client_disconnects.labels(model).inc()
+        self.count(model, backend, code)
 
     async def _relay(
         self,
@@ -614,10 +616,8 @@ class Gateway:
             # abort the request and free its KV cache.
             upstream.release()
             charged.finish()  # what reached the client, also when the answer was cut short
-            self.metrics.requests.labels(model, upstream.replica.url, code).inc()
-            if code == CLIENT_CLOSED:
-                self.metrics.client_disconnects.labels(model).inc()
-            elif code == BROKEN:
+            self.count(model, upstream.replica.url, code)
+            if code == BROKEN:
                 upstream.replica.mark_failure(self.config.health.unhealthy_after)
             elif code == str(resp.status):  # whole: its latency is "to the last byte"
                 self.metrics.latency.labels(model).observe(time.monotonic() - started)

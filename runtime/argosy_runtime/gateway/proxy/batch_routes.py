@@ -98,7 +98,7 @@ class BatchRoutes:
             replica = self._uploads_policy().choose(self.gateway.pools[pool].available(),
                                                     RouteRequest())
             if replica is None:  # counted as a generation's refusal is (Gateway._send)
-                self.gateway.metrics.requests.labels(pool, "", "503").inc()
+                self.gateway.count(pool, "", "503")
                 return no_replica(pool)
             spool.seek(0)
             data = aiohttp.FormData()

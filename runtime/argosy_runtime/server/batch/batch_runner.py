@@ -112,9 +112,8 @@ class BatchRunner:
                            param="completion_window")
         try:
             meta = self.files.get(input_file_id, owner)
-        except APIError as exc:  # the store's 404 names its own `file_id`; here it is this
-            raise APIError(exc.status, exc.message, param="input_file_id",
-                           code=exc.code) from None
+        except APIError:  # the store's 404 names its own `file_id`; here it is this
+            raise _no_input_file(input_file_id) from None
         if meta["purpose"] != "batch":
             raise APIError(400, f"file {input_file_id!r} has purpose {meta['purpose']!r}, "
                                 "not 'batch'", param="input_file_id")
@@ -157,8 +156,7 @@ class BatchRunner:
             source = self.files.content_path(input_file_id)
             os.link(source, target)
         except (APIError, FileNotFoundError):  # deleted since its metadata was read
-            raise APIError(404, f"no file with id {input_file_id!r}", param="input_file_id",
-                           code="file_not_found") from None
+            raise _no_input_file(input_file_id) from None
         except OSError:  # links not supported here
             shutil.copyfile(source, target)
 
@@ -469,3 +467,9 @@ def _was_aborted(body: dict[str, Any]) -> bool:
     if body.get("object") == "response":
         return body.get("status") == "failed"
     return any(c.get("finish_reason") == "abort" for c in body.get("choices") or ())
+
+
+def _no_input_file(input_file_id: str) -> APIError:
+    """The file store's 404, naming the batch's field."""
+    return APIError(404, f"no file with id {input_file_id!r}", param="input_file_id",
+                    code="file_not_found")
