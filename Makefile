@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), each taking whole test files (--dist loadfile: a module's
 # server fixture starts once). Two on these 2-core machines: much of the suite waits on
-# server processes and sockets, so 2 workers finish in ~18 min what 1 does in ~30.
+# server processes and sockets, so 2 workers finish in ~22 min what 1 does in ~30 or more.
 # TEST_WORKERS=0 runs in this one process (pdb, -s).
 TEST_WORKERS ?= 2
 
