@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from argosy_runtime.engine_args import check_max_loras
+from argosy_runtime.kv_cache.layout import KVCacheLayout
 
 _DTYPES = {
     "float32": torch.float32,
@@ -44,6 +45,9 @@ class CacheConfig:
     num_blocks: int
     cache_dtype: torch.dtype  # torch.int8 for the int8 KV cache
     enable_prefix_caching: bool
+    # Which page slot and block table each layer uses (kv_cache/layout.py); None: one table
+    # and pages of every layer.
+    layout: KVCacheLayout | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

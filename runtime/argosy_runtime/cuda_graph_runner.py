@@ -6,8 +6,9 @@ replaying it removes that overhead. Shapes are fixed per graph, so:
 - a pure-decode batch of n sequences runs in the smallest bucket >= n; rows n..bucket-1 are
   padding: token 0 at position 0, cache slot -1 (nothing written), context length 0
   (attention yields zeros), so they touch no real sequence;
-- block tables are copied into a static [max_batch, max_blocks_per_seq] table; the decode
-  kernel sizes its context splits from that width, never from device values;
+- block tables are copied into a static [max_batch, max_blocks_per_seq] table (one per block
+  table of a hybrid KV layout, kv_cache/layout.py, with its own slots); the decode kernel
+  sizes its context splits from that width, never from device values;
 - anything else (prefill chunks, speculative verification, batches above the largest
   bucket, block tables wider than the capture) runs eagerly.
 The attention backend must be graph-safe (no host reads of device values):
@@ -53,6 +54,7 @@ class CUDAGraphRunner:
         max_batch_size: int = 256,
         buckets: tuple[int, ...] | None = None,
         enable_graphs: bool | None = None,
+        num_tables: int = 1,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -77,8 +79,9 @@ class CUDAGraphRunner:
         # Static inputs shared by all buckets (a bucket of size b uses the first b rows).
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((num_tables, n), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(num_tables, n, max_blocks_per_seq, dtype=torch.int32,
+                                        device=dev)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
@@ -87,15 +90,18 @@ class CUDAGraphRunner:
 
     # ---- static inputs ------------------------------------------------------------------
     def _meta(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
+        metas = [AttentionMetadata(
+            slot_mapping=self.slot_mapping[t, :bucket],
             num_decodes=bucket,
-            decode_block_tables=self.block_tables[:bucket],
+            decode_block_tables=self.block_tables[t, :bucket],
             decode_context_lens=self.context_lens[:bucket],
             prefill_query_lens=[],
             prefill_seq_lens=[],
-            prefill_block_tables=self.block_tables[:0],
-        )
+            prefill_block_tables=self.block_tables[t, :0],
+        ) for t in range(len(self.block_tables))]
+        if len(metas) > 1:
+            metas[0].table_metadata = metas
+        return metas[0]
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta,
@@ -127,13 +133,16 @@ class CUDAGraphRunner:
         width = meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(meta.decode_context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(meta.decode_block_tables, non_blocking=True)
+        for t in range(len(self.block_tables)):
+            table_meta = meta.for_table(t)
+            self.slot_mapping[t, :n].copy_(table_meta.slot_mapping, non_blocking=True)
+            self.block_tables[t, :n, :width].copy_(table_meta.decode_block_tables,
+                                                   non_blocking=True)
         if n < bucket:  # padding rows: write nothing, attend to nothing
             self.input_ids[n:bucket].zero_()
             self.positions[n:bucket].zero_()
-            self.slot_mapping[n:bucket].fill_(-1)
+            self.slot_mapping[:, n:bucket].fill_(-1)
             self.context_lens[n:bucket].zero_()
 
     # ---- capture / run ------------------------------------------------------------------

@@ -39,8 +39,7 @@ from argosy_runtime.distributed import (
     kv_cache_budget,
 )
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.kv_cache import KVCacheManager
-from argosy_runtime.kv_cache.sliding_window import max_blocks_held, uniform_sliding_window
+from argosy_runtime.kv_cache import kv_cache_layout, make_kv_cache_manager
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_loader import ModelSpec
@@ -125,22 +124,28 @@ class LLMEngine:
             self.model.use_batch_invariant_kernels()
 
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
-        bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype)
+        # Windowed layers give back the blocks behind their window as a request advances:
+        # on one block table when every layer has the same window (Mistral, Phi-3-mini-4k),
+        # on tables of their own beside the full layers' otherwise (Gemma 2/3).
+        layout = kv_cache_layout(self.spec.layer_sliding_windows, self.spec.num_hidden_layers,
+                                 self.max_model_len)
+        bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype,
+                                                   layout.page_layers)
         if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
             num_blocks = args.max_num_seqs * -(-self.max_model_len // args.block_size)
         else:
             num_blocks = self._kv_cache_memory() // bytes_per_block
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
-                                        args.enable_prefix_caching and not self.spec.is_encoder)
+                                        args.enable_prefix_caching and not self.spec.is_encoder,
+                                        layout)
         if self.tensor_parallel_workers is not None:  # every rank's cache has the same blocks
             self.tensor_parallel_workers.allocate(self.cache_config)
-        # Every layer windowed alike (Mistral, Phi-3-mini-4k, Qwen3-MoE with a window): blocks
-        # behind the window go back to the pool as a request advances. Mixed models (Gemma
-        # 2/3) keep every block: their full-attention layers read them all.
-        self.kv_cache = KVCacheManager(self.cache_config.num_blocks, args.block_size,
-                                       self.cache_config.enable_prefix_caching,
-                                       sliding_window=uniform_sliding_window(
-                                           self.spec.layer_sliding_windows))
+        self.kv_cache = make_kv_cache_manager(self.cache_config.num_blocks, args.block_size,
+                                              self.cache_config.enable_prefix_caching, layout)
+        if layout.is_hybrid:
+            logger.info("KV cache: %d block tables (windows %s) on pages of %d layers",
+                        layout.num_tables, ", ".join(str(w or "full") for w in
+                                                     layout.table_windows), layout.page_layers)
         self.runner = ModelRunner(self.model, self.cache_config, self.kv_cache, self.device,
                                   self.spec.vocab_size, seed=args.seed,
                                   max_model_len=self.max_model_len,
@@ -436,18 +441,18 @@ class LLMEngine:
                                  f"{sid!r} is running)")
 
     def _max_blocks_held(self, num_tokens: int) -> int:
-        """The most KV blocks a sequence of `num_tokens` tokens holds at once: all of them,
-        or with blocks freed behind a sliding window, the window plus one step's tokens (a
-        prefill chunk, or a decode with its drafts). Without chunked prefill a preempted
-        request recomputes all its tokens in one step: all of them."""
+        """The most KV blocks a sequence of `num_tokens` tokens holds at once, over all its
+        block tables: all of them, or on a table that frees blocks behind a sliding window,
+        the window plus one step's tokens (a prefill chunk, or a decode with its drafts).
+        Without chunked prefill a preempted request recomputes all its tokens in one step:
+        all of them."""
         sc = self.scheduler_config
         step = num_tokens
         if sc.enable_chunked_prefill:
             step = sc.max_num_batched_tokens
             if self.proposer is not None:  # drafts get slots before the step's budget cuts them
                 step = max(step, 1 + self.proposer.config.num_speculative_tokens)
-        return max_blocks_held(num_tokens, step, self.kv_cache.sliding_window,
-                               self.kv_cache.block_size)
+        return self.kv_cache.max_blocks_held(num_tokens, step)
 
     def _check_task(self, params: SamplingParams | PoolingParams) -> None:
         """What this checkpoint can do: generate with an lm_head, classify with a

@@ -18,7 +18,7 @@ from argosy_kernels.reshape_and_cache import KV_SCALE_DTYPE
 from argosy_runtime.attention import TorchAttentionBackend
 from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.config import CacheConfig
-from argosy_runtime.kv_cache import KVCacheManager
+from argosy_runtime.kv_cache import HybridKVCacheManager, KVCacheManager, single_table_layout
 from argosy_runtime.lora import LoRAAdapter, LoRABatch
 from argosy_runtime.model_loader import ModelSpec
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
@@ -45,16 +45,19 @@ class ModelRunnerOutput:
     pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype) -> int:
-    """Bytes one cache block takes over all layers: K and V, plus an int8 cache's scales
-    (one KV_SCALE_DTYPE per token per kv head, for K and for V)."""
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, cache_dtype: torch.dtype,
+                             page_layers: int | None = None) -> int:
+    """Bytes one cache block (page) takes over `page_layers` layers (default: all of them,
+    kv_cache/layout.py): K and V, plus an int8 cache's scales (one KV_SCALE_DTYPE per token
+    per kv head, for K and for V)."""
     s = model.spec
-    per_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim
+    layers = s.num_hidden_layers if page_layers is None else page_layers
+    per_token = 2 * layers * s.num_key_value_heads * s.head_dim
     elem = torch.tensor([], dtype=cache_dtype).element_size()
     scales = 0
     if cache_dtype == torch.int8:
         scale_elem = torch.tensor([], dtype=KV_SCALE_DTYPE).element_size()
-        scales = 2 * s.num_hidden_layers * s.num_key_value_heads * scale_elem
+        scales = 2 * layers * s.num_key_value_heads * scale_elem
     return block_size * (per_token * elem + scales)
 
 
@@ -77,7 +80,8 @@ def use_cuda_graphs(device: torch.device, enabled: bool, spec: ModelSpec,
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, kv_cache: KVCacheManager,
+    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig,
+                 kv_cache: KVCacheManager | HybridKVCacheManager | None,
                  device: torch.device, vocab_size: int, seed: int = 0,
                  max_model_len: int = 0, enable_cuda_graphs: bool = False,
                  batch_invariant: bool = False, tensor_parallel_workers: Any = None) -> None:
@@ -104,15 +108,18 @@ class ModelRunner:
         )
         # An encoder (models/bert.py) attends within the step only: its blocks are bookkeeping.
         num_cache_blocks = cache_config.num_blocks if getattr(model, "uses_kv_cache", True) else 0
-        shape = (s.num_hidden_layers, 2, num_cache_blocks, self.block_size,
+        # Pages of `page_layers` layers; each layer reads its slot through its block table.
+        layout = cache_config.layout or single_table_layout(s.num_hidden_layers)
+        model.kv_layer_tables = layout.layer_tables if layout.is_hybrid else None
+        shape = (layout.page_layers, 2, num_cache_blocks, self.block_size,
                  s.num_key_value_heads, s.head_dim)
         # Zero-filled: padded positions are masked, but 0 * NaN garbage would still be NaN.
         self.kv = torch.zeros(shape, dtype=cache_config.cache_dtype, device=device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(s.num_hidden_layers)]
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in layout.layer_slots]
         self.kv_scales = None
         if cache_config.cache_dtype == torch.int8:
             self.scales = torch.ones(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
-            self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(s.num_hidden_layers)]
+            self.kv_scales = [(self.scales[i, 0], self.scales[i, 1]) for i in layout.layer_slots]
         self.graph_runner = None
         if use_cuda_graphs(device, enable_cuda_graphs, s, model.tensor_parallel is not None):
             from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
@@ -120,6 +127,7 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(
                 model, self.kv_caches, self.kv_scales, self.backend,
                 max_blocks_per_seq=-(-max_model_len // self.block_size), device=device,
+                num_tables=layout.num_tables,
             )
             self.graph_runner.capture()
         generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -135,6 +143,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             tokens = req.token_ids[start : start + sr.num_new_tokens - sr.num_spec_tokens]
             tokens = tokens + req.spec_token_ids[: sr.num_spec_tokens]
+            # [blocks], or [tables, blocks] for a hybrid layout (kv_cache/layout.py)
             block_ids = np.asarray(self.kv_cache.block_ids(req.request_id), dtype=np.int64)
             entries.append((block_ids, start, tokens))
         return entries

@@ -13,7 +13,8 @@ import torch
 
 from argosy_runtime.attention.metadata import AttentionMetadata
 
-# One sequence's part of a batch: (its block ids, position of its first new token, new tokens)
+# One sequence's part of a batch: (its block ids, position of its first new token, new tokens).
+# The block ids are one row per block table with a hybrid KV layout (kv_cache/layout.py).
 BatchEntry = tuple[np.ndarray, int, Sequence[int]]
 
 
@@ -32,52 +33,63 @@ def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.de
     queries on the same block table): every layer writes all new K/V before attention reads,
     so row i sees rows < i of its chunk. They must come first: attention treats the first
     `num_decodes` tokens as decode rows. The rows of the batch are the same either way.
+    Entries with a block table per row give metadata per table (`table_metadata`).
     """
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    decode_tables, decode_lens = [], []
-    prefill_tables, q_lens, seq_lens = [], [], []
-    for block_ids, start, tokens in entries:
+    decode_entries: list[int] = []  # per decode row, its entry
+    prefill_entries: list[int] = []
+    decode_lens, q_lens, seq_lens = [], [], []
+    for i, (_, start, tokens) in enumerate(entries):
         end = start + len(tokens)
         input_ids.extend(tokens)
-        pos = np.arange(start, end)
-        positions.append(pos)
-        slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
+        positions.append(np.arange(start, end))
         if len(tokens) <= decode_rows_up_to:
-            if prefill_tables:
+            if q_lens:
                 raise ValueError(f"entries of up to {decode_rows_up_to} tokens (decode rows) "
                                  "must come before longer ones")
-            decode_tables.extend([block_ids] * len(tokens))
+            decode_entries.extend([i] * len(tokens))
             decode_lens.extend(range(start + 1, end + 1))
         else:
-            prefill_tables.append(block_ids)
+            prefill_entries.append(i)
             q_lens.append(len(tokens))
             seq_lens.append(end)
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+    # Every entry's block ids in one [tables, entries, blocks] array (zero-padded): slots
+    # and the decode and prefill tables are then gathers from it, for every table at once.
+    block_ids = [np.asarray(ids) for ids, _, _ in entries]
+    widths = [ids.shape[-1] for ids in block_ids]
+    num_tables = block_ids[0].shape[0] if block_ids and block_ids[0].ndim == 2 else 1
+    padded = np.zeros((num_tables, len(entries), max(widths, default=1)), dtype=np.int64)
+    for i, ids in enumerate(block_ids):
+        padded[:, i, : widths[i]] = ids
+    pos = np.concatenate(positions)
+    token_entries = np.repeat(np.arange(len(entries)), [len(t) for _, _, t in entries])
+    slots = padded[:, token_entries, pos // block_size] * block_size + pos % block_size
+    decode_width = max((widths[i] for i in decode_entries), default=1)
+    prefill_width = max((widths[i] for i in prefill_entries), default=1)
+    # Contiguous: numpy may lay out a gather's result in another order, and kernels take
+    # each table's rows as contiguous tensors.
+    slot_mapping = torch.from_numpy(np.ascontiguousarray(slots)).to(device)
+    decode_tables = torch.from_numpy(np.ascontiguousarray(
+        padded[:, decode_entries, :decode_width], dtype=np.int32)).to(device)
+    prefill_tables = torch.from_numpy(np.ascontiguousarray(
+        padded[:, prefill_entries, :prefill_width], dtype=np.int32)).to(device)
+    # The lengths are the same for every table.
+    decode_context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    metas = [AttentionMetadata(
+        slot_mapping=slot_mapping[t],
         num_decodes=len(decode_lens),
-        decode_block_tables=_pad_tables(decode_tables, device),
-        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+        decode_block_tables=decode_tables[t],
+        decode_context_lens=decode_context_lens,
         prefill_query_lens=q_lens,
         prefill_seq_lens=seq_lens,
-        prefill_block_tables=_pad_tables(prefill_tables, device),
-        prefill_query_start_loc=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32,
-                                             device=device),
-        prefill_seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-    )
-    return (
-        torch.tensor(input_ids, dtype=torch.long, device=device),
-        torch.from_numpy(np.concatenate(positions)).to(device),
-        meta,
-    )
-
-
-def _pad_tables(tables: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    if not tables:
-        return torch.zeros((0, 1), dtype=torch.int32, device=device)
-    width = max(len(t) for t in tables)
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return torch.from_numpy(out).to(device)
+        prefill_block_tables=prefill_tables[t],
+        prefill_query_start_loc=query_start_loc,
+        prefill_seq_lens_t=seq_lens_t,
+    ) for t in range(num_tables)]
+    if num_tables > 1:
+        metas[0].table_metadata = metas
+    input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
+    return input_ids_t, torch.from_numpy(pos).to(device), metas[0]

@@ -2,7 +2,8 @@
 
 The runner orders sequences with one query token (decodes) first, then the sequences with
 several (prompt chunks, speculative verification). Where the C++ decode layers run, short
-chunks are decode rows too (one per token, see build_batch). Every layer reuses this object.
+chunks are decode rows too (one per token, see build_batch). Every layer reuses this object
+(with a hybrid KV layout, every layer of the same block table: `for_table`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class AttentionMetadata:
     # Paged-kernel form of the prefill part (Triton path): offsets into the prefill tokens.
     prefill_query_start_loc: torch.Tensor | None = None  # int32 [num_prefills + 1]
     prefill_seq_lens_t: torch.Tensor | None = None  # int32 [num_prefills]
+    # A hybrid KV layout (kv_cache/layout.py): the metadata of each block table, this one
+    # (table 0) first; the others differ in their block tables and slots only. None: one table.
+    table_metadata: list[AttentionMetadata] | None = None
+
+    def for_table(self, table: int) -> AttentionMetadata:
+        return self if self.table_metadata is None else self.table_metadata[table]
 
     @property
     def num_prefills(self) -> int:

@@ -4,8 +4,9 @@ A full block is identified by a hash chain: hash(parent block's hash, this block
 so equal hashes mean equal whole prefixes. Only full blocks are cached; the last partial block
 of a request is always private to it.
 
-With `sliding_window` set (every layer attends through that window), blocks that fall behind
-the window are released as the request advances (kv_cache/sliding_window.py): their table
+With `sliding_window` set (the layers this table serves attend through that window: every
+layer of a Mistral, or a hybrid layout's windowed layers, kv_cache/layout.py), blocks that
+fall behind the window are released as the request advances (kv_cache/sliding_window.py): their table
 entries point at the pool's null block from then on, so a request holds about
 W / block_size + the step's blocks however long it grows. Released full blocks keep their
 hash like any freed block, and a prefix lookup needs only the blocks the window still reads.
@@ -25,7 +26,11 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from argosy_runtime.kv_cache.block_pool import BlockPool, KVCacheBlock
-from argosy_runtime.kv_cache.sliding_window import longest_window_hit, num_skipped_blocks
+from argosy_runtime.kv_cache.sliding_window import (
+    longest_window_hit,
+    max_blocks_held,
+    num_skipped_blocks,
+)
 
 
 def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
@@ -35,9 +40,12 @@ def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
-        """`sliding_window`: the window of every layer, when all share one (blocks behind it
-        are then released early); None for full attention or mixed layers."""
+                 sliding_window: int | None = None, pool: BlockPool | None = None,
+                 table_id: int = 0) -> None:
+        """`sliding_window`: the window of the layers this table serves (blocks behind it are
+        then released early); None for full attention. `pool`: a pool shared with other
+        tables (kv_cache/hybrid_kv_cache_manager.py; it must reserve the null block if this
+        table slides), whose cache entries this table keys apart by its `table_id`."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -45,8 +53,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_caching,
-                              reserve_null_block=sliding_window is not None)
+        self.table_id = table_id
+        self.pool = pool if pool is not None else BlockPool(
+            num_blocks, enable_caching, reserve_null_block=sliding_window is not None)
+        if sliding_window is not None and self.pool.null_block is None:
+            raise ValueError("a sliding-window table needs a pool with a null block")
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_block_hashes: dict[str, list[int]] = {}
         # request id -> how many leading table entries are the null block (released), so
@@ -76,6 +87,8 @@ class KVCacheManager:
         LoRA adapter) never share blocks."""
         hashes = self._req_block_hashes.setdefault(request_id, [])
         bs = self.block_size
+        if self.table_id and not hashes:  # another table's pages for the same tokens
+            salt = hash((salt, "table", self.table_id))
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
             parent = hashes[-1] if hashes else salt
@@ -134,18 +147,30 @@ class KVCacheManager:
                      computed: Sequence[KVCacheBlock] = (), extra_free: int = 0,
                      num_computed_tokens: int = 0) -> bool:
         """Would `allocate_slots` succeed now (with `extra_free` more free blocks)?"""
+        return (self.num_blocks_taken(request_id, num_tokens, computed, num_computed_tokens)
+                <= self.pool.num_free_blocks + extra_free)
+
+    def num_blocks_taken(self, request_id: str, num_tokens: int,
+                         computed: Sequence[KVCacheBlock] = (),
+                         num_computed_tokens: int = 0) -> int:
+        """How many blocks `allocate_slots` would take out of the free queue, net: new
+        blocks, plus cache hits sitting in it (they stop being free once touched; not those
+        behind the window, which are never touched), less the blocks falling behind the
+        window (they come back, unless another request shares them)."""
         blocks = self.req_to_blocks.get(request_id, [])
-        need = -(-num_tokens // self.block_size) - len(blocks) - len(computed)
+        need = max(0, -(-num_tokens // self.block_size) - len(blocks) - len(computed))
         skip = self._num_skipped(num_computed_tokens)
-        # Cache hits that are sitting in the free queue stop being free once touched (not
-        # those behind the window: they are never touched).
-        free = self.pool.num_free_blocks - sum(
-            1 for i, b in enumerate(computed, len(blocks))
-            if i >= skip and b.ref_cnt == 0 and b is not self.pool.null_block)
-        # Blocks falling behind the window come back, unless another request shares them.
-        free += sum(1 for b in blocks[self._num_released.get(request_id, 0) : skip]
-                    if b.ref_cnt == 1)
-        return need <= free + extra_free
+        taken = sum(1 for i, b in enumerate(computed, len(blocks))
+                    if i >= skip and b.ref_cnt == 0 and b is not self.pool.null_block)
+        returned = sum(1 for b in blocks[self._num_released.get(request_id, 0) : skip]
+                       if b.ref_cnt == 1)
+        return need + taken - returned
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once when a step adds
+        at most `max_step_tokens` of them (kv_cache/sliding_window.py)."""
+        return max_blocks_held(num_tokens, max_step_tokens, self.sliding_window,
+                               self.block_size)
 
     def num_blocks_freed_by(self, request_ids: Iterable[str],
                             keep: Sequence[KVCacheBlock] = ()) -> int:
@@ -225,6 +250,13 @@ class KVCacheManager:
             hashed = self._hashed_this_step.pop(request_id, [])
         for block in hashed:
             self.pool.uncache_block(block)
+
+    def release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the request's blocks no query from `num_computed_tokens` on reads (as
+        `allocate_slots` does first)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            self._release_behind_window(request_id, blocks, self._num_skipped(num_computed_tokens))
 
     def _release_behind_window(self, request_id: str, blocks: list[KVCacheBlock],
                                skip: int) -> None:

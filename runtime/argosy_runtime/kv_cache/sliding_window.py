@@ -10,7 +10,8 @@ final (speculative drafts sit after it and a rollback never goes below it), so a
 block is never needed again.
 
 Models that mix windowed and full-attention layers (Gemma 2/3, Qwen2 with max_window_layers)
-keep every block: their full layers read all of them (one block table serves every layer).
+give their windowed layers block tables of their own (kv_cache/layout.py), which release
+blocks the same way, while the full layers' tables keep all of theirs.
 """
 
 from __future__ import annotations
@@ -19,15 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 Block = TypeVar("Block")
-
-
-def uniform_sliding_window(layer_windows: Sequence[int | None]) -> int | None:
-    """The window when every layer has the same one (blocks may then be freed), else None."""
-    if not layer_windows or layer_windows[0] is None:
-        return None
-    if any(w != layer_windows[0] for w in layer_windows):
-        return None
-    return layer_windows[0]
 
 
 def num_skipped_blocks(num_computed_tokens: int, window: int | None, block_size: int) -> int:

@@ -109,14 +109,15 @@ class CpuDecodeLayers:
                  ) -> torch.Tensor:
         """The hidden states after every layer, or the first `num_layers` (before the final
         norm); `hidden` is updated in place, as the module path's residual adds do."""
-        meta, (cos, signed_sin), scale = ctx.meta, ctx.rope_tables, ctx.backend.scale
+        (cos, signed_sin), scale = ctx.rope_tables, ctx.backend.scale
         decode_layer = torch.ops.argosy_cpu.decode_layer
-        if self.batch_invariant:  # per sequence: its block table, tokens in cache, rows
-            tables, starts, lens = meta.prefill_sequences()
-        else:  # per row
-            tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
         for i, (input_norm, post_norm, weights, kinds, params, q_norm, k_norm, window) in enumerate(
                 self.layer_args[:num_layers]):
+            meta = ctx.meta_for(i)  # this layer's block table (kv_cache/layout.py)
+            if self.batch_invariant:  # per sequence: its block table, tokens in cache, rows
+                tables, starts, lens = meta.prefill_sequences()
+            else:  # per row
+                tables, lens, starts = meta.decode_block_tables, meta.decode_context_lens, None
             key_cache, value_cache = ctx.kv_caches[i]
             k_scale, v_scale = ctx.kv_scales[i] if ctx.kv_scales is not None else (None, None)
             lora, lora_scales = ([], []) if ctx.lora is None else ctx.lora.decode_layer_args(i)

@@ -128,7 +128,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta,
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta_for(self.layer_idx),
                                   **ctx.cache_kwargs(self.layer_idx), **self._window_kwargs)
         out = out.reshape(-1, self.q_size)
         o = self.o_proj(out)
@@ -230,6 +230,15 @@ class ForwardContext:
         # An encoder's step (models/bert.py): per sequence, where token type 1 starts (None:
         # all type 0), from each request's PoolingParams.token_type_start.
         self.token_type_starts: list[int | None] | None = None
+        # A hybrid KV layout (kv_cache/layout.py): per layer, the block table it reads. Set
+        # per step from the model (LlamaForCausalLM.kv_layer_tables); None: one table.
+        self.layer_tables: tuple[int, ...] | None = None
+
+    def meta_for(self, layer_idx: int) -> AttentionMetadata:
+        """The step's metadata for this layer's block table."""
+        if self.layer_tables is None:
+            return self.meta
+        return self.meta.for_table(self.layer_tables[layer_idx])
 
     def cache_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
         if self.kv_scales is None:
@@ -295,6 +304,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cpu_decode: CpuDecodeLayers | None = None  # set by use_fused_cpu_ops
         self.tensor_parallel: Any = None  # set by use_tensor_parallel
+        # Per layer, the block table it reads (kv_cache/layout.py): set by the model runner
+        # whose cache has a hybrid layout; None: one table.
+        self.kv_layer_tables: tuple[int, ...] | None = None
         # Chunks up to this long are decode rows (attention/batch.py build_batch): set by
         # use_fused_cpu_ops, for which they are cheaper; 1 (decodes only) elsewhere.
         self.decode_rows_up_to = 1
@@ -403,6 +415,7 @@ class LlamaForCausalLM(nn.Module):
         step, shared by every layer)."""
         ctx.positions = positions
         ctx.local_rotary = self.local_rotary
+        ctx.layer_tables = self.kv_layer_tables
         if self.ops != "triton":
             ctx.rope_tables = self.rotary.tables(positions)
             if self.local_rotary is not None:

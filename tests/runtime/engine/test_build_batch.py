@@ -39,3 +39,27 @@ def test_short_chunks_as_decode_rows() -> None:
     # decode_rows_first gives the order build_batch needs, stable within each group
     assert decode_rows_first([6, 3, 1, 9, 3], 3) == [1, 2, 4, 0, 3]
     assert decode_rows_first([6, 3, 1, 9, 3]) == [2, 0, 1, 3, 4]
+
+
+def test_one_block_table_per_row_gives_metadata_per_table() -> None:
+    """Entries with block ids per table (a hybrid KV layout): each table's slots and tables
+    come from its own row, contiguous (the C++ kernels refuse strided ones); the lengths
+    are shared. Table 1's leading null entries (0) are kept as they are."""
+    a = np.array([[7, 2, 3], [0, 4, 6]])
+    b = np.array([[5, 1], [8, 9]])
+    _, _, meta = build_batch([(a, 9, [11]), (b, 2, [12, 13, 14])], BLOCK, CPU)
+    assert meta.for_table(0) is meta and meta.table_metadata is not None
+    one = meta.for_table(1)
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 1 * 4]
+    assert one.slot_mapping.tolist() == [6 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 9 * 4]
+    assert meta.decode_block_tables.tolist() == [[7, 2, 3]]
+    assert one.decode_block_tables.tolist() == [[0, 4, 6]]
+    assert meta.prefill_block_tables.tolist() == [[5, 1]]
+    assert one.prefill_block_tables.tolist() == [[8, 9]]
+    assert one.decode_context_lens is meta.decode_context_lens
+    for m in (meta, one):
+        for t in (m.slot_mapping, m.decode_block_tables, m.prefill_block_tables):
+            assert t.is_contiguous()
+    # One table: no per-table list, and for_table(0) is the metadata itself.
+    _, _, single = build_batch([(a[0], 9, [11])], BLOCK, CPU)
+    assert single.table_metadata is None and single.for_table(0) is single

@@ -83,8 +83,9 @@ def test_prefix_hits_and_preemption(gemma2) -> None:  # noqa: ANN001
     """A shared prefix longer than the window (cache hits start a chunk mid-window) and a KV
     pool too small for all requests (preempted ones recompute)."""
     folder, ref = gemma2
-    # Per token: 4 layers x (K, V) x 2 kv heads x 32 dims x 4 bytes = 2048 bytes.
-    check_window_prefix_hits_and_preemption(folder, ref, 2048, 24, 18, (3, 9, 1, 12), 16)
+    # Pages of two layers (one full table, one windowed; kv_cache/layout.py), per token:
+    # 2 layers x (K, V) x 2 kv heads x 32 dims x 4 bytes = 1024 bytes.
+    check_window_prefix_hits_and_preemption(folder, ref, 1024, 24, 18, (3, 9, 1, 12), 16)
 
 
 def test_ngram_speculative_decoding_equals_transformers(gemma2) -> None:  # noqa: ANN001

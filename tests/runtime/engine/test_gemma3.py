@@ -28,6 +28,7 @@ from engine_helpers import (
     greedy,
     random_prompts,
     run_requests,
+    tokens_and_logprobs,
 )
 from model_factory import (
     embedded_tokenizer_files,
@@ -84,8 +85,9 @@ def test_prefix_hits_and_preemption(gemma3) -> None:  # noqa: ANN001
     """A shared prefix longer than the window (cache hits start a chunk mid-window) and a KV
     pool too small for all requests (preempted ones recompute)."""
     folder, ref = gemma3
-    # Per token: 4 layers x (K, V) x 2 kv heads x 32 dims x 4 bytes = 2048 bytes.
-    check_window_prefix_hits_and_preemption(folder, ref, 2048, 24, 18, (3, 9, 1, 12), 16)
+    # Pages of one layer (one full table, three windowed; kv_cache/layout.py), per token:
+    # (K, V) x 2 kv heads x 32 dims x 4 bytes = 512 bytes. 40 pages (39 and the null page).
+    check_window_prefix_hits_and_preemption(folder, ref, 512, 40, 18, (3, 9, 1, 12), 16)
 
 
 def test_ngram_speculative_decoding_equals_transformers(gemma3) -> None:  # noqa: ANN001
@@ -281,3 +283,127 @@ def test_attention_logit_softcapping_is_refused(tmp_path) -> None:  # noqa: ANN0
     folder = gemma3_dir(tmp_path, attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="Gemma 3 attention ignores it"):
         LLM(model=str(folder), dtype="float32")
+
+
+# ---- the hybrid KV layout (kv_cache/layout.py): one full table, three windowed ones ---------
+# Pages of one layer: per token, (K, V) x 2 kv heads x 32 dims x 4 bytes = 512 bytes.
+PAGE_BYTES_PER_TOKEN = 512
+
+
+def _hybrid_engine(folder, pages: int, **kwargs) -> LLMEngine:  # noqa: ANN001
+    """float32, 4-token blocks, 8-token steps, `pages` one-layer pages of KV memory."""
+    return LLMEngine(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=8,
+                     kv_cache_memory=pages * 4 * PAGE_BYTES_PER_TOKEN, **kwargs)
+
+
+def test_hybrid_layout_fits_more_long_sequences(gemma3, monkeypatch) -> None:  # noqa: ANN001
+    """Three 60-token sequences (15 blocks each) in the memory of 95 one-layer pages. On the
+    hybrid layout each holds its 15 full-layer pages and at most 5 per windowed table (the
+    window of 8 plus an 8-token step): 30, so all three run at once. On one table of
+    four-layer blocks the same memory is 23 blocks: 15 each, so requests are preempted.
+    Both equal transformers."""
+    folder, ref = gemma3
+    prompts = random_prompts(20, (20, 17, 23))
+    new = [60 - len(p) for p in prompts]
+    hybrid = _hybrid_engine(folder, 95)
+    layout = hybrid.cache_config.layout
+    assert (layout.num_tables, layout.page_layers, hybrid.kv_cache.num_blocks) == (4, 1, 94)
+    assert hybrid.kv_cache.max_blocks_held(60, 8) == 15 + 3 * 5
+    outputs = run_requests(hybrid, [(p, greedy(n)) for p, n in zip(prompts, new)])
+    assert hybrid.get_stats().num_preemptions == 0
+    for out, prompt, n in zip(outputs, prompts, new):
+        assert_equals_reference([out], [prompt], ref, n)
+    assert_no_leaks(hybrid)
+
+    from argosy_runtime.kv_cache import single_table_layout
+
+    monkeypatch.setattr("argosy_runtime.engine.kv_cache_layout",
+                        lambda windows, num_layers, max_len: single_table_layout(num_layers))
+    one_table = _hybrid_engine(folder, 95)
+    assert one_table.kv_cache.num_blocks == 23
+    outputs = run_requests(one_table, [(p, greedy(n)) for p, n in zip(prompts, new)])
+    assert one_table.get_stats().num_preemptions > 0
+    for out, prompt, n in zip(outputs, prompts, new):
+        assert_equals_reference([out], [prompt], ref, n)
+
+
+def test_int8_kv_cache_on_hybrid_tables(gemma3, monkeypatch) -> None:  # noqa: ANN001
+    """The int8 cache's scales are laid out like the K/V (a slot per page layer, read through
+    each layer's table): past the window, the same tokens and logprobs as an int8 cache on
+    one table, and close to transformers (the int8 rounding moves this model's logprobs by
+    up to ~0.15 either way)."""
+    folder, ref = gemma3
+    prompts = random_prompts(17, (5, 33))
+    engine = _hybrid_engine(folder, 60, kv_cache_dtype="int8")
+    assert tuple(engine.runner.scales.shape[:3]) == (1, 2, engine.cache_config.num_blocks)
+    hybrid = [tokens_and_logprobs(o)
+              for o in run_requests(engine, [(p, greedy(16)) for p in prompts])]
+    assert_no_leaks(engine)
+    from argosy_runtime.kv_cache import single_table_layout
+
+    monkeypatch.setattr("argosy_runtime.engine.kv_cache_layout",
+                        lambda windows, num_layers, max_len: single_table_layout(num_layers))
+    one_table = _hybrid_engine(folder, 60, kv_cache_dtype="int8")
+    outputs = run_requests(one_table, [(p, greedy(16)) for p in prompts])
+    for (tokens, logprobs), out in zip(hybrid, outputs):
+        assert out.outputs[0].token_ids == tokens
+        assert max(abs(a - b) for a, b in zip(tokens_and_logprobs(out)[1], logprobs)) < 1e-5
+    assert_close(outputs, prompts, ref, 16, tol=0.25)
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "draft", "draft_layers": 2, "num_speculative_tokens": 3},
+    {"method": "draft", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False},
+], ids=["self-draft", "separate-draft"])
+def test_draft_models_on_hybrid_tables(gemma3, speculative: dict) -> None:  # noqa: ANN001
+    """A self-draft runs the target's first layers (a windowed and the full one) on their
+    own tables; a separate draft reads table 0 (the full one) in a cache of its own. Drafts
+    get slots in every table and rejected ones roll back in every table. Small pool, long
+    sequences, repetitive prompts so drafts are accepted."""
+    folder, ref = gemma3
+    engine = _hybrid_engine(folder, 70, speculative=speculative)
+    prompts = [[5, 6, 7, 8] * 6, random_prompts(12, (26,))[0]]
+    outputs = run_requests(engine, [(p, greedy(30)) for p in prompts])
+    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert_equals_reference(outputs, prompts, ref, 30)
+    assert_no_leaks(engine)
+
+
+def test_tensor_parallel_ranks_share_the_hybrid_layout(gemma3) -> None:  # noqa: ANN001
+    """Two ranks, one KV head each (256 bytes per token and page): rank 0 sends every
+    table's block ids; each rank's cache has the same pages."""
+    folder, ref = gemma3
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4, tensor_parallel_size=2,
+                       max_num_batched_tokens=8, kv_cache_memory=40 * 4 * 256)
+    try:
+        assert engine.kv_cache.num_blocks == 39 and engine.cache_config.layout.num_tables == 4
+        prompts = random_prompts(13, (30,))
+        assert_equals_reference(run_requests(engine, [(prompts[0], greedy(30))]), prompts, ref, 30)
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_decode_graph_buffers_carry_every_table(gemma3) -> None:  # noqa: ANN001
+    """The CUDA graph runner's static inputs (here padded and run eagerly on the CPU, as a
+    replay would read them): a block table and slot mapping per table. Decode steps of two
+    sequences run through them, padded to a bucket of 4, and still equal transformers."""
+    from argosy_runtime.cuda_graph_runner import CUDAGraphRunner
+
+    folder, ref = gemma3
+    engine = _hybrid_engine(folder, 95)
+    runner = engine.runner
+    runner.backend.fused_cpu_ops = False  # the C++ kernel refuses padding rows (length 0)
+    graphs = CUDAGraphRunner(engine.model, runner.kv_caches, runner.kv_scales, runner.backend,
+                             max_blocks_per_seq=32, device=engine.device, max_batch_size=4,
+                             buckets=(4,), enable_graphs=False, num_tables=4)
+    graphs._graphs = {0: None}  # noqa: SLF001 (truthy, no bucket 0: run() pads, runs eagerly)
+    runs = []
+    run = graphs.run
+    graphs.run = lambda *args: runs.append(1) or run(*args)
+    runner.graph_runner = graphs
+    prompts = random_prompts(14, (9, 21))
+    assert_equals_reference(run_requests(engine, [(p, greedy(20)) for p in prompts]),
+                            prompts, ref, 20)
+    assert len(runs) >= 15
+    assert_no_leaks(engine)

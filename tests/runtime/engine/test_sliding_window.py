@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from argosy_runtime import LLM, LLMEngine
+from argosy_runtime.model_runner import kv_cache_bytes_per_block
 from engine_helpers import (
     FullForwardReference,
     assert_equals_reference,
@@ -312,11 +313,51 @@ def test_speculative_decoding_with_released_blocks(mistral, speculative: dict) -
     assert_no_leaks(engine)
 
 
-def test_mixed_window_models_keep_every_block(qwen2) -> None:  # noqa: ANN001
-    """A full-attention layer reads every block: no null block, nothing released."""
-    folder, _ = qwen2
+def test_mixed_windows_get_block_tables_of_their_own(qwen2) -> None:  # noqa: ANN001
+    """Qwen2 with max_window_layers 1: the full layer 0 on one block table, the windowed
+    layers 1 and 2 on one each, pages of one layer (kv_cache/layout.py). 90 tokens (23
+    blocks) hold 23 full-layer pages and at most 6 per windowed table: 35 pages of the 39
+    given, where one table of 3-layer blocks would have 13 blocks and refuse the request."""
+    folder, ref = qwen2
     engine = LLMEngine(model=str(folder), dtype="float32", block_size=4)
-    assert engine.kv_cache.sliding_window is None and engine.kv_cache.pool.null_block is None
+    page_bytes = kv_cache_bytes_per_block(engine.model, 4, torch.float32, page_layers=1)
+    engine = LLMEngine(model=str(folder), dtype="float32", block_size=4,
+                       max_num_batched_tokens=8, kv_cache_memory=40 * page_bytes)
+    layout = engine.cache_config.layout
+    assert layout.table_windows == (None, QWEN2_WINDOW, QWEN2_WINDOW)
+    assert layout.layer_tables == (0, 1, 2) and engine.kv_cache.num_blocks == 39
+    assert engine.kv_cache.max_blocks_held(90, 8) == 23 + 2 * 6
+    prompts = random_prompts(15, (30,))
+    done, peak = _run_tracking_peak(engine, prompts, 60)
+    assert peak <= 35
+    assert_equals_reference([done["r0"]], prompts, ref, 60)
+    assert_no_leaks(engine)
+
+
+@pytest.fixture(scope="module")
+def qwen2_64(tmp_path_factory):  # noqa: ANN001, ANN201
+    """The Qwen2 model with head_dim 64 (the C++ decode layers' size)."""
+    return windowed_dir(tmp_path_factory.mktemp("models"), "qwen2", QWEN2_WINDOW, head_dim=64,
+                        init_std=0.15)
+
+
+def test_cpu_decode_layers_read_each_layers_table(qwen2_64, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """bfloat16 decode steps through cpu_ops.decode_layer on the hybrid layout: each layer
+    reads its own block table (the full layer 0 its own, layers 1-2 theirs), the same bits
+    as the module path, past the window."""
+    from engine_helpers import record_cpp_layer_calls
+
+    llm = LLM(model=str(qwen2_64), dtype="bfloat16", block_size=4, enable_prefix_caching=False)
+    model = llm.engine.model
+    if model.cpu_decode is None:
+        pytest.skip("the fused C++ kernels did not build here")
+    assert llm.engine.cache_config.layout.num_tables == 3
+    prompts = random_prompts(16, (6, 25, 40))
+    calls = record_cpp_layer_calls(monkeypatch)
+    fast = [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))]
+    assert calls, "decode steps took the C++ layers"
+    model.cpu_decode = None
+    assert [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))] == fast
 
 
 def test_tensor_parallel_ranks_get_the_null_block_entries(mistral) -> None:  # noqa: ANN001

@@ -14,7 +14,6 @@ from argosy_runtime.kv_cache.sliding_window import (
     longest_window_hit,
     max_blocks_held,
     num_skipped_blocks,
-    uniform_sliding_window,
 )
 
 NULL = 0  # the null block's id
@@ -210,13 +209,8 @@ def test_longest_window_hit_scans_for_the_run_the_window_needs() -> None:
     assert longest_window_hit([], lookup, 6, 4) == (0, [])
 
 
-def test_only_a_window_shared_by_every_layer_frees_blocks() -> None:
-    assert uniform_sliding_window((4096,) * 32) == 4096
-    assert uniform_sliding_window(()) is None
-    assert uniform_sliding_window((None, 12, 12)) is None  # Qwen2 max_window_layers
-    assert uniform_sliding_window((512, 512, 512, None)) is None  # Gemma's global layers
-    assert uniform_sliding_window((8, 16)) is None
-    # Without a window the manager reserves no null block and releases nothing.
+def test_without_a_window_nothing_is_released() -> None:
+    """No null block reserved, every block kept."""
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert kv.pool.null_block is None and kv.num_blocks == 8
     assert kv.allocate_slots("a", list(range(20)), 20, num_computed_tokens=19)
