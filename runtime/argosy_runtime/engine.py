@@ -639,6 +639,11 @@ class LLMEngine:
                 tokens = result.sampled.get(req.request_id, [])
                 logprobs = result.logprobs.get(req.request_id)
             if not tokens:
+                if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                    # A prompt-only request: its prompt (and its prompt logprobs) is done.
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                    req.metrics.finished_time = now
+                    progressed[req.parent_id] = None
                 continue
             self._append_tokens(req, tokens, logprobs)
             self._jump_forward(req)

@@ -227,7 +227,7 @@ class ModelRunner:
             if sr.num_spec_tokens:
                 spec_rows.append((sr, len(rows), sr.num_spec_tokens + 1))
                 rows.extend(range(offset + n - sr.num_spec_tokens - 1, offset + n))
-            elif sr.completes_sequence:
+            elif sr.completes_sequence and req.max_tokens:  # max_tokens 0: prompt only
                 sample_rows.append((sr, len(rows)))
                 rows.append(offset + n - 1)
             offset += n

@@ -21,6 +21,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=k` returns the sampled token's logprob plus the top-k alternatives per generated
     token; `prompt_logprobs=k` does the same for every prompt token after the first.
+    `max_tokens=0` is a prompt-only request: the prompt runs (scored with `prompt_logprobs`)
+    and nothing is generated, so a prompt may fill the whole context (max_model_len).
     Every field is validated here; a bad value raises `ValueError` naming the field.
     """
 
@@ -86,7 +88,7 @@ class SamplingParams:
         if self.repetition_penalty == 0.0:
             raise ValueError("repetition_penalty must be > 0, got 0")
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, 1 << 30)
+            _check_int("max_tokens", self.max_tokens, 0, 1 << 30)
         _check_int("min_tokens", self.min_tokens, 0, 1 << 30)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(

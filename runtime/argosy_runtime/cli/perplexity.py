@@ -75,7 +75,8 @@ def perplexity(llm: Any, token_ids: list[int], window: int = 512, stride: int = 
 
     spans = sliding_windows(len(token_ids), window, stride)
     prompts = [token_ids[b:e] for b, e, _ in spans]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    # Prompt-only: nothing is generated, so a window may be as long as max_model_len.
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
     outputs = llm.generate(prompts, params)
     nll = 0.0
     count = 0

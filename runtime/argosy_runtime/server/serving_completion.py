@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
-from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.protocol import CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
@@ -129,17 +128,14 @@ async def create_completion(request: Request, req: CompletionRequest,
     reject_unsupported(req)
     # OpenAI's legacy scoring idiom (lm-evaluation-harness): echo with max_tokens 0 returns the
     # prompt, and with logprobs each prompt token's log-probability, generating nothing (the
-    # engine runs one token, which is dropped).
-    score_only = bool(req.echo) and req.max_tokens == 0
+    # engine's prompt-only request, which needs no room past the prompt: it may fill the
+    # whole context).
     if req.max_tokens == 0 and (not req.echo or req.use_beam_search):
         raise bad_request("max_tokens 0 returns the prompt alone: it needs echo, without "
                           "use_beam_search", "max_tokens")
-    max_tokens = 1 if score_only else req.max_tokens
+    max_tokens = req.max_tokens
     texts, prompts = await normalize_prompts(ctx, req.prompt, truncate=req.truncate_prompt_tokens)
-    # max_tokens 0 needs no room past the prompt: it may fill the whole context
-    # (_score_whole_context runs such a prompt)
-    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt",
-                           0 if score_only else max_tokens)
+    cut = truncate_prompts(ctx, prompts, req.truncate_prompt_tokens, "prompt", max_tokens)
     # echo returns the prompt the model saw: a truncated one is decoded, not the text sent.
     # Decoded with its special tokens, as vLLM echoes token ids: dropping them made the echo
     # shorter than its logprobs `tokens`, whose text_offsets then overlapped the generated ones.
@@ -165,12 +161,10 @@ async def create_completion(request: Request, req: CompletionRequest,
                           "fewer per request", "prompt")
     response_id = new_id("cmpl")
     created = now()
-    engine_prompts, engine_params = (_score_whole_context(prompts, params, ctx.max_model_len)
-                                     if score_only else (prompts, params))
     ctx.lifecycle.enter()
     try:
         streams = await start_streams(ctx, f"{response_id}-{request_id_of(request.scope)}",
-                                      engine_prompts, engine_params, model_name, req.priority)
+                                      prompts, params, model_name, req.priority)
     except BaseException:
         ctx.lifecycle.exit()
         raise
@@ -198,18 +192,15 @@ async def create_completion(request: Request, req: CompletionRequest,
             offsets: dict[int, int] = {}
             finals: dict[int, RequestOutput] = {}
             async for i, out in merge_streams(streams, constraint_source(req), log):
-                if score_only:
-                    out = _with_whole_prompt(out, prompts[i])
                 finals[i] = out
                 for seq in out.outputs:
                     c = i * n + seq.index
                     if c in sent_chars and sent_chars[c] < 0:
                         continue  # already finished
                     first = c not in sent_chars
-                    delta, new_sent = (("", 0) if score_only else
-                                       visible_text(seq, sent_chars.get(c, 0), hold))
+                    delta, new_sent = visible_text(seq, sent_chars.get(c, 0), hold)
                     start = sent_tokens.get(c, 0)
-                    end = 0 if score_only else len(seq.token_ids)
+                    end = len(seq.token_ids)
                     if not delta and seq.finish_reason is None and (k is None or start == end):
                         continue
                     lp = prompt_lp = None
@@ -221,13 +212,12 @@ async def create_completion(request: Request, req: CompletionRequest,
                         if prompt_lp is not None:
                             lp = joined(prompt_lp, lp)
                     text = (prefixes[i] if first else "") + delta
-                    finish = "length" if score_only and seq.finish_reason else seq.finish_reason
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
-                                  "finish_reason": finish}],
-                                _usage(prompts, finals, score_only) if continuous_usage else None)
+                                  "finish_reason": seq.finish_reason}],
+                                _usage(prompts, finals) if continuous_usage else None)
                     sent_chars[c] = new_sent if seq.finish_reason is None else -1
                     sent_tokens[c] = end
-            usage = _usage(prompts, finals, score_only)
+            usage = _usage(prompts, finals)
             log.update(completion_tokens=usage["completion_tokens"],
                        finish_reason=_reasons(finals))
             if include_usage:
@@ -249,74 +239,34 @@ async def create_completion(request: Request, req: CompletionRequest,
         return Response(status_code=499)
     finally:
         ctx.lifecycle.exit()
-    finals = {i: _with_whole_prompt(out, prompts[i]) if score_only else out
-              for i, out in enumerate(finals_list)}
+    finals = dict(enumerate(finals_list))
     choices = []
     for i, out in finals.items():
         for seq in out.outputs:
             lp = None
             if k is not None:
-                end = 0 if score_only else len(seq.token_ids)
+                end = len(seq.token_ids)
                 prompt_lp, offset = (prompt_logprobs_block(ctx, out, k) if req.echo
                                      else (None, 0))  # the generated offsets follow the prompt's
                 lp = logprobs_block(ctx, seq, 0, end, k, offset)[0]
                 if prompt_lp is not None:
                     lp = joined(prompt_lp, lp)
             choice = {"index": i * n + seq.index,
-                      "text": prefixes[i] + ("" if score_only else seq.text), "logprobs": lp,
-                      "finish_reason": "length" if score_only else seq.finish_reason}
+                      "text": prefixes[i] + seq.text, "logprobs": lp,
+                      "finish_reason": seq.finish_reason}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(ctx.tokenizer, out,
                                                                  req.prompt_logprobs)
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
-    usage = _usage(prompts, finals, score_only)
+    usage = _usage(prompts, finals)
     log.update(completion_tokens=usage["completion_tokens"], finish_reason=_reasons(finals))
     return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
                          "model": model_name, "choices": choices, "usage": usage})
 
 
-def _score_whole_context(prompts: list[list[int]], params: SamplingParams, max_model_len: int
-                         ) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Engine prompts and params for echo with max_tokens 0 (score_only). The engine always
-    runs one token past a prompt, so one of max_model_len tokens cannot run whole: it runs
-    without its last token, and that token is made the one "sampled" (allowed_token_ids).
-    Logprobs come from the raw distribution, as prompt logprobs do, so the sampled
-    position's are the last prompt token's; `_with_whole_prompt` puts them back."""
-    each: list[SamplingParams] = []
-    engine_prompts: list[list[int]] = []
-    for ids in prompts:
-        if len(ids) < max_model_len:
-            engine_prompts.append(ids)
-            each.append(params)
-            continue
-        k = params.prompt_logprobs  # the generated token is dropped: no other field matters
-        engine_prompts.append(ids[:-1])
-        each.append(SamplingParams(n=params.n, temperature=0.0, max_tokens=1, ignore_eos=True,
-                                   logprobs=k, prompt_logprobs=k, allowed_token_ids=[ids[-1]]))
-    return engine_prompts, each
-
-
-def _with_whole_prompt(out: RequestOutput, prompt: list[int]) -> RequestOutput:
-    """An output of `_score_whole_context`'s shortened prompt, as if the whole
-    prompt had run: its last token back, with the sampled position's logprobs as its own."""
-    if len(out.prompt_token_ids) == len(prompt):  # it ran whole (or was put back already)
-        return out
-    out.prompt_token_ids = [*out.prompt_token_ids, prompt[-1]]
-    # Any sequence that sampled (all sample the same token): with n > 1 the sequences
-    # prefill one after another, and a stream sends the first one's choice before the
-    # request finishes.
-    seq_logprobs = next((s.logprobs for s in out.outputs if s.logprobs), None)
-    if (out.prompt_logprobs is not None and seq_logprobs
-            and len(out.prompt_logprobs) == len(prompt) - 1):
-        out.prompt_logprobs = [*out.prompt_logprobs, seq_logprobs[0]]  # a copy: the engine's
-    return out
-
-
-def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput],
-           score_only: bool = False) -> dict[str, Any]:
-    generated = 0 if score_only else sum(len(s.token_ids) for out in finals.values()
-                                         for s in out.outputs)
+def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    generated = sum(len(s.token_ids) for out in finals.values() for s in out.outputs)
     return usage_info(sum(len(p) for p in prompts), generated,
                       sum(out.num_cached_tokens for out in finals.values()))
 

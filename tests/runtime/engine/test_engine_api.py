@@ -41,7 +41,7 @@ def test_bad_prompts_raise_value_errors_and_others_keep_running(engine, prompt, 
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_p": 0.0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"n": 1000}, "n"),
+    ({"max_tokens": -1}, "max_tokens"), ({"n": 0}, "n"), ({"n": 1000}, "n"),
     ({"logprobs": 10**6}, "logprobs"), ({"temperature": float("nan")}, "temperature"),
     ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": [""]}, "stop"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),

@@ -78,3 +78,20 @@ def test_cli_quantized_weights_are_smaller(tiny_model: Path, tmp_path: Path, cap
         # a random model at float32: quantization noise moves perplexity only a little
         assert sizes[quant]["perplexity"] == pytest.approx(base["perplexity"], rel=0.05)
     assert sizes["int4"]["weight_bytes"] < sizes["int8"]["weight_bytes"]
+
+
+def test_a_window_may_fill_the_whole_context(tmp_path: Path, capsys) -> None:
+    """Windows of max_model_len tokens (64 here) run whole: each is a prompt-only request,
+    so no room is held back for a generated token."""
+    import transformers
+
+    model = make_random_model_dir(tmp_path, "llama", init_std=0.05, max_position_embeddings=64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
+    path = tmp_path / "text.txt"
+    path.write_text("Every window here is exactly as long as the model's context. " * 12)
+    num_tokens = len(tokenizer(path.read_text()).input_ids)
+    assert num_tokens > 64
+    assert main(["perplexity", "--model", str(model), "--dtype", "float32", "--window", "64",
+                 "--stride", "32", str(path)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == num_tokens - 1
