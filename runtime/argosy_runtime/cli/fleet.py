@@ -57,6 +57,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_false",
         help="Do not replace a replica process that exits on its own.",
     )
+    parser.add_argument(
+        "--liveness-timeout",
+        dest="liveness_timeout_s",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="Kill and replace a ready replica whose /health has failed (an error status, or "
+        "no answer within 5 s) for this many seconds: a hung process or a dead engine "
+        "(default %(default)g, as the operator's livenessProbe; 0: never).",
+    )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
     add_log_level_argument(parser)
     parser.add_argument("serve_args", nargs="*", help="Arguments after -- for argosy serve.")
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             serve_args=tuple(args.serve_args),
             log_dir=args.log_dir,
             restart=args.restart,
+            liveness_timeout_s=args.liveness_timeout_s,
         )
     except ValueError as exc:
         print(f"argosy fleet: {exc}", file=sys.stderr)

@@ -60,6 +60,8 @@ class ReplicaProcess:
         self.ready = False  # has answered /ready once (until then its start-up is in charge)
         self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
         self.draining = False
+        # time.monotonic() of the first of the liveness checks it is failing in a row, or None
+        self.failing_since: float | None = None
 
     @property
     def url(self) -> str:

@@ -5,7 +5,10 @@ system and for end-to-end tests. With `min_replicas`/`max_replicas` set, the aut
 decision function (argosy_operator.autoscaling.decide, the same one the operator runs in a
 cluster) is fed the replicas' scraped KV usage and queue depth every scrape interval, and the
 fleet starts replica processes or drains them (out of rotation first, then SIGTERM) to match.
-A replica process that dies unexpectedly is taken out of rotation and replaced.
+A replica process that dies unexpectedly is taken out of rotation and replaced; so is one
+that fails its liveness check (/health answering an error, or nothing, for
+`liveness_timeout_s`: a hung process or a dead engine thread), as the operator's pods'
+livenessProbe does in a cluster.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from argosy_runtime.fleet.replica_process import ReplicaProcess, free_port
@@ -45,6 +49,8 @@ RESTART_BACKOFF_MAX_S = 60.0
 # loads but fails its first step, a bad flag found late): in a row, such exits are a crash
 # loop, and each replacement waits twice as long as the last (up to RESTART_BACKOFF_MAX_S).
 CRASH_LOOP_WINDOW_S = 60.0
+# One /health probe's limit (the operator's livenessProbe timeoutSeconds).
+LIVENESS_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,17 @@ class FleetConfig:
     drain_timeout_s: float = 60.0
     restart: bool = True
     health_interval_s: float = 1.0
+    # A ready replica whose /health fails this long is killed and replaced (0: never).
+    # 60 s: the operator's livenessProbe (4 failures, 15 s apart).
+    liveness_timeout_s: float = 60.0
     serve_command: tuple[str, ...] | None = None  # default: `argosy serve` (this interpreter)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if not self.liveness_timeout_s >= 0:  # NaN too
+            raise ValueError(f"liveness_timeout: must be >= 0 seconds (0: off), got "
+                             f"{self.liveness_timeout_s}")
         if not 0 <= self.port <= 65535:  # else found out only once every replica has loaded
             raise ValueError(f"port: must be a TCP port (0-65535), got {self.port}")
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -265,6 +277,8 @@ class Fleet:
             await self.stop()
             raise
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
+        if c.liveness_timeout_s:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._check_liveness()))
         if c.autoscaled:
             self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
         logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
@@ -340,6 +354,34 @@ class Fleet:
                     self.gateway.pools[self.config.name].remove(proc.url)
                 if self.config.restart:
                     self._spawn(self._replace(self._restart_wait(proc)))
+
+    async def _check_liveness(self) -> None:
+        """Kill (SIGKILL) a ready replica whose /health has failed for liveness_timeout_s:
+        _watch_processes then replaces it. Starting and draining replicas are not probed
+        (start-up has its own timeout; a drain its own)."""
+        timeout = aiohttp.ClientTimeout(total=min(LIVENESS_PROBE_TIMEOUT_S,
+                                                  self.config.liveness_timeout_s))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await asyncio.sleep(self.config.health_interval_s)
+                probed = [p for p in self.processes if p.ready and p.alive and not p.draining]
+                failures = await asyncio.gather(*(_health_failure(session, p.url)
+                                                  for p in probed))
+                now = time.monotonic()
+                for proc, failure in zip(probed, failures):
+                    if failure is None:
+                        proc.failing_since = None
+                        continue
+                    if proc.failing_since is None:
+                        proc.failing_since = now
+                        logger.warning("replica %s failed its liveness check: %s", proc.url,
+                                       failure)
+                    elif now - proc.failing_since >= self.config.liveness_timeout_s:
+                        logger.error("replica %s has failed its liveness check for %.0f s "
+                                     "(%s): killing it to replace it", proc.url,
+                                     now - proc.failing_since, failure)
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.process.kill()
 
     def _restart_wait(self, proc: ReplicaProcess) -> float:
         """How long to wait before replacing `proc`, which exited: at once, unless replicas
@@ -422,6 +464,17 @@ class Fleet:
                 ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].in_flight))
                 for proc, _ in ready[: current - decision.desired_replicas]:
                     self._spawn(self.drain_replica(proc))
+
+
+async def _health_failure(session: aiohttp.ClientSession, url: str) -> str | None:
+    """Why the replica's /health failed (an error status, no answer), None if it is fine."""
+    try:
+        async with session.get(f"{url}/health") as resp:
+            return None if resp.status == 200 else f"/health answered {resp.status}"
+    except TimeoutError:
+        return "/health did not answer in time"
+    except aiohttp.ClientError as exc:
+        return f"/health: {exc}"
 
 
 def _exit_reason(code: int | None) -> str:

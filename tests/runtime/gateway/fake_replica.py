@@ -91,6 +91,7 @@ class FakeReplica(Served):
     fail_retry_after: int | None = None
     rate_limited: float | None = None  # answer 429 with this Retry-After while set
     ready: bool = True
+    healthy: bool = True  # False: /health answers 503, as a server whose engine died
     first_byte_delay: float = 0.0  # after the headers, before the first body byte
     chunk_delay: float = 0.01
     models_delay: float = 0.0  # before answering /v1/models
@@ -142,6 +143,8 @@ class FakeReplica(Served):
         return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            return web.json_response({"status": "engine dead"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:

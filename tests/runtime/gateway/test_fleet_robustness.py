@@ -468,3 +468,51 @@ def test_a_signal_while_scaling_up_from_zero_stops_the_fleet_at_once(
     assert answers == [503]
     assert cli.close() == [], "replicas outlived the fleet"
     assert "Traceback" not in cli.stderr()
+
+
+@pytest.mark.parametrize("failure", ["engine dead", "hung"])
+async def test_a_replica_failing_its_liveness_check_is_killed_and_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, failure: str) -> None:
+    """A ready replica whose /health answers 503 (its engine thread died: the process lives
+    on) or does not answer at all (SIGSTOP: a hung process) for liveness_timeout_s is killed
+    and replaced; the other replica is left alone. The gateway had already taken a hung one
+    out of rotation, but only this puts the fleet back to two replicas."""
+    import aiohttp
+
+    caplog.set_level(logging.WARNING, logger="argosy_runtime.fleet.supervisor")
+    fleet = Fleet(FleetConfig(model="tiny", replicas=2, port=0,
+                              serve_command=(sys.executable, FAKE_REPLICA), health_interval_s=0.2,
+                              liveness_timeout_s=1.0, log_dir=str(tmp_path), ready_timeout_s=30))
+    await fleet.start()
+    sick, well = fleet.processes
+    pids = {sick.process.pid, well.process.pid}
+    try:
+        if failure == "hung":
+            os.kill(sick.process.pid, signal.SIGSTOP)
+        else:
+            async with aiohttp.ClientSession() as s:
+                await s.post(f"{sick.url}/control", json={"healthy": False})
+        deadline = time.monotonic() + 20
+        while sick in fleet.processes or len(fleet.processes) != 2 or not all(
+                p.ready for p in fleet.processes):
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        assert sick.process.returncode == -signal.SIGKILL and well in fleet.processes
+        assert well.process.returncode is None
+        assert f"replica {sick.url} has failed its liveness check" in caplog.text
+        pool = fleet.gateway.pools["tiny"]
+        deadline = time.monotonic() + 10
+        while len(pool.available()) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        pids |= {p.process.pid for p in fleet.processes}
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
+
+
+def test_a_negative_liveness_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="liveness_timeout"):
+        FleetConfig(liveness_timeout_s=-1)
+    with pytest.raises(ValueError, match="liveness_timeout"):
+        FleetConfig(liveness_timeout_s=float("nan"))
