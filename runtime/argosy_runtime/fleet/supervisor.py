@@ -162,6 +162,11 @@ class Fleet:
         # Replacements waiting to start (_replace's backoff): without them, the autoscaler
         # would start replicas of its own for the ones missing, a crash loop's backoff aside.
         self._replacing = 0
+        # Scale-ups that failed in a row (the replica never became ready), and when the
+        # autoscaler may try again: each failure doubles the wait (1 s up to
+        # RESTART_BACKOFF_MAX_S), so a model that no longer loads is not restarted every tick.
+        self._failed_scale_ups = 0
+        self._scale_up_after = 0.0
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -355,6 +360,19 @@ class Fleet:
                 if self.config.restart:
                     self._spawn(self._replace(self._restart_wait(proc)))
 
+    async def _scale_up(self) -> None:
+        """One more replica for the autoscaler; a failure delays the next scale-up."""
+        try:
+            await self.add_replica()
+        except RuntimeError as exc:
+            self._failed_scale_ups += 1
+            delay = min(2.0 ** (self._failed_scale_ups - 1), RESTART_BACKOFF_MAX_S)
+            self._scale_up_after = time.monotonic() + delay
+            logger.error("autoscaler: scale-up failed (%d in a row; the next in %.0f s at the "
+                         "earliest): %s", self._failed_scale_ups, delay, exc)
+        else:
+            self._failed_scale_ups = 0
+
     async def _check_liveness(self) -> None:
         """Kill (SIGKILL) a ready replica whose /health has failed for liveness_timeout_s:
         _watch_processes then replaces it. Starting and draining replicas are not probed
@@ -455,8 +473,12 @@ class Fleet:
                 current, decision.desired_replicas, decision.reason, decision.message,
             )  # fmt: skip
             if decision.desired_replicas > current:
+                if now < self._scale_up_after:
+                    logger.info("autoscaler: holding the scale-up %.0f s more (the last "
+                                "%d failed)", self._scale_up_after - now, self._failed_scale_ups)
+                    continue
                 for _ in range(decision.desired_replicas - current):
-                    self._spawn(self.add_replica())
+                    self._spawn(self._scale_up())
             else:
                 # Drain the least busy ready replicas, those holding batch requests last (the
                 # decision keeps enough replicas for them); never one still starting.

@@ -516,3 +516,43 @@ def test_a_negative_liveness_timeout_is_refused() -> None:
         FleetConfig(liveness_timeout_s=-1)
     with pytest.raises(ValueError, match="liveness_timeout"):
         FleetConfig(liveness_timeout_s=float("nan"))
+
+
+async def test_failed_scale_ups_back_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queue asks for a second replica whose model no longer loads: each failed scale-up
+    doubles the wait before the next (1, 2, 4 s), where the autoscaler used to start one
+    every tick. Once it loads again, the scale-up happens and the count resets."""
+    import aiohttp
+
+    caplog.set_level(logging.INFO, logger="argosy_runtime.fleet")
+    fail = tmp_path / "FAIL"
+    monkeypatch.setenv("FAIL_IF_EXISTS", str(fail))
+    flaky = _script(tmp_path, "flaky.py", FLAKY)
+    fleet = Fleet(FleetConfig(
+        model="tiny", replicas=1, min_replicas=1, max_replicas=2, port=0,
+        autoscaling={"scrapeIntervalSeconds": 0.2, "stableWindowSeconds": 1.0,
+                     "panicWindowSeconds": 0.4},
+        serve_command=(sys.executable, flaky), health_interval_s=0.15,
+        log_dir=str(tmp_path / "logs"), ready_timeout_s=30))  # fmt: skip
+    await fleet.start()
+    pids = {p.process.pid for p in fleet.processes}
+    try:
+        fail.touch()
+        async with aiohttp.ClientSession() as s:
+            await s.post(f"{fleet.processes[0].url}/control", json={"num_waiting": 50})
+        await asyncio.sleep(5.0)
+        failed = caplog.text.count("autoscaler: scale-up failed")
+        assert 1 <= failed <= 3, caplog.text  # at ~0, ~1 and ~3 s at the earliest
+        assert "holding the scale-up" in caplog.text
+        fail.unlink()
+        deadline = time.monotonic() + 20
+        while len(fleet.gateway.pools["tiny"].available()) < 2:
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.1)
+        assert fleet._failed_scale_ups == 0  # noqa: SLF001
+        pids |= {p.process.pid for p in fleet.processes}
+    finally:
+        await fleet.stop()
+    assert _kill_all(pids) == []
