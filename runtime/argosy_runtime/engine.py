@@ -39,7 +39,7 @@ from argosy_runtime.distributed import (
     kv_cache_budget,
 )
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.kv_cache import kv_cache_layout, make_kv_cache_manager
+from argosy_runtime.kv_cache import kv_cache_layout, make_kv_cache_manager, single_table_layout
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_loader import ModelSpec
@@ -129,6 +129,12 @@ class LLMEngine:
         # on tables of their own beside the full layers' otherwise (Gemma 2/3).
         layout = kv_cache_layout(self.spec.layer_sliding_windows, self.spec.num_hidden_layers,
                                  self.max_model_len)
+        if layout.is_hybrid and self._draft_has_own_cache():
+            # Its cache needs a block per page of the shared pool (table 0's pages may be any
+            # of them): with pages of a few layers that is several times the KV budget.
+            logger.info("KV cache: one block table for every layer (a separate draft model "
+                        "reads one table)")
+            layout = single_table_layout(self.spec.num_hidden_layers)
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype,
                                                    layout.page_layers)
         if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
@@ -439,6 +445,13 @@ class LLMEngine:
                     c.request_id == sid for _, children in self._lora_waiting for c in children):
                 raise ValueError(f"request_id {request_id!r} is already in use (sequence "
                                  f"{sid!r} is running)")
+
+    def _draft_has_own_cache(self) -> bool:
+        if self.args.speculative is None:
+            return False
+        from argosy_runtime.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_user(self.args.speculative).has_own_cache
 
     def _max_blocks_held(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of `num_tokens` tokens holds at once, over all its

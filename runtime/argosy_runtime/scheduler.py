@@ -32,10 +32,12 @@ request may still be preempted in this step (by it, or by a later admission, whi
 higher), while a request it does not outrank cannot be (waiting requests are admitted in rank
 order and only preempt requests they outrank). Equal priorities keep sharing.
 
-On a model whose every layer has the same sliding window, `allocate_slots` first releases the
-blocks behind the window of the step's first query (kv_cache/sliding_window.py), and
-`can_allocate` counts them as free: a long windowed request needs about the window plus its
-chunk, not its whole context, to be admitted or to keep running.
+On a block table of sliding-window layers (every layer of a Mistral; the windowed tables of a
+hybrid layout, kv_cache/layout.py), `allocate_slots` first releases the blocks behind the
+window of the step's first query (kv_cache/sliding_window.py), and `can_allocate` counts them
+as free: there a long request needs about the window plus its chunk, not its whole context,
+to be admitted or to keep running. The scheduler is the same for either manager
+(KVCacheManager, HybridKVCacheManager): it only passes their prefix hits back to them.
 """
 
 from __future__ import annotations

@@ -64,6 +64,11 @@ def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.de
         padded[:, i, : widths[i]] = ids
     pos = np.concatenate(positions)
     token_entries = np.repeat(np.arange(len(entries)), [len(t) for _, _, t in entries])
+    short = pos // block_size >= np.asarray(widths)[token_entries]
+    if short.any():  # its slots would come from the zero padding
+        i = int(token_entries[short.argmax()])
+        raise ValueError(f"entry {i}: {widths[i]} blocks cannot hold positions up to "
+                         f"{int(positions[i][-1])}")
     slots = padded[:, token_entries, pos // block_size] * block_size + pos % block_size
     decode_width = max((widths[i] for i in decode_entries), default=1)
     prefill_width = max((widths[i] for i in prefill_entries), default=1)

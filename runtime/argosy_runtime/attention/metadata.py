@@ -31,7 +31,11 @@ class AttentionMetadata:
     table_metadata: list[AttentionMetadata] | None = None
 
     def for_table(self, table: int) -> AttentionMetadata:
-        return self if self.table_metadata is None else self.table_metadata[table]
+        if self.table_metadata is not None:
+            return self.table_metadata[table]
+        if table:
+            raise IndexError(f"block table {table}: this step's metadata has one table")
+        return self
 
     @property
     def num_prefills(self) -> int:

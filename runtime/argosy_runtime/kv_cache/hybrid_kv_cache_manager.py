@@ -12,8 +12,8 @@ call a KVCacheManager:
 - space is checked for all tables at once against the shared free queue, before any of them
   changes: `allocate_slots` gives all tables their blocks or changes nothing;
 - `block_ids` returns one row per table (the model runner's batch carries them all);
-  `req_to_blocks` and `num_released_blocks` are table 0's (a separate draft model's cache is
-  indexed by table 0 alone).
+  `req_to_blocks` and `num_released_blocks` are table 0's. (A separate draft model, whose
+  cache would need a block per page, never runs on this layout: the engine keeps one table.)
 """
 
 from __future__ import annotations
@@ -103,20 +103,14 @@ class HybridKVCacheManager:
         if not self.can_allocate(request_id, num_total_tokens, computed,
                                  num_computed_tokens=num_computed_tokens):
             return False
-        # Every table's blocks behind its window go back first: they may be what another
-        # table takes. Then no table gives any back, and each fits in what the others leave.
+        # Every table releases and takes its hits before any takes new blocks: else one
+        # table's new block could be a cached-free hit another table is about to take, and
+        # both would write it. can_allocate counted all of it against the free queue.
+        per_table = _per_table(computed, len(self.tables))
+        for t, hits in zip(self.tables, per_table):
+            t.take_computed_blocks(request_id, hits, num_computed_tokens)
         for t in self.tables:
-            t.release_behind_window(request_id, num_computed_tokens)
-        # Every table's hits leave the free queue before any table takes new blocks from it:
-        # else one table's new block could be a cached-free hit another table is about to
-        # take, and both would write it. This reference is dropped once all are allocated.
-        held = [b for hit in computed for b in hit]
-        self.pool.touch(held)
-        for i, (t, hits) in enumerate(zip(self.tables, _per_table(computed, len(self.tables)))):
-            if not t.allocate_slots(request_id, token_ids, num_total_tokens, hits, salt,
-                                    num_computed_tokens):
-                raise RuntimeError(f"KV table {i} refused blocks the pool was checked to have")
-        self.pool.free_blocks(reversed(held))
+            t.take_new_blocks(request_id, token_ids, num_total_tokens, salt)
         return True
 
     def num_blocks_freed_by(self, request_ids: Iterable[str], keep: Sequence[Hit] = ()) -> int:

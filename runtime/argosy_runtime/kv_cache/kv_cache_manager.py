@@ -88,7 +88,7 @@ class KVCacheManager:
         hashes = self._req_block_hashes.setdefault(request_id, [])
         bs = self.block_size
         if self.table_id and not hashes:  # another table's pages for the same tokens
-            salt = hash((salt, "table", self.table_id))
+            salt = hash((salt, self.table_id))
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
             parent = hashes[-1] if hashes else salt
@@ -208,6 +208,16 @@ class KVCacheManager:
         if not self.can_allocate(request_id, num_total_tokens, computed,
                                  num_computed_tokens=num_computed_tokens):
             return False
+        self.take_computed_blocks(request_id, computed, num_computed_tokens)
+        self.take_new_blocks(request_id, token_ids, num_total_tokens, salt)
+        return True
+
+    # allocate_slots' two phases, once `can_allocate` said yes. A hybrid layout's tables
+    # (kv_cache/hybrid_kv_cache_manager.py) run the first on every table before the second:
+    # then no table's new block can be a cached-free hit another table is about to take.
+    def take_computed_blocks(self, request_id: str, computed: Sequence[KVCacheBlock],
+                             num_computed_tokens: int) -> None:
+        """Release the blocks behind the window, then take references on the hits."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
         skip = self._num_skipped(num_computed_tokens)
         self._release_behind_window(request_id, blocks, skip)
@@ -221,6 +231,11 @@ class KVCacheManager:
             blocks.extend(computed)
             if null is not None:
                 self._num_released[request_id] = min(skip, len(blocks))
+
+    def take_new_blocks(self, request_id: str, token_ids: Sequence[int], num_total_tokens: int,
+                        salt: int | None = None) -> None:
+        """New blocks up to `num_total_tokens`; the full ones become cache entries."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
         need = -(-num_total_tokens // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
@@ -233,7 +248,6 @@ class KVCacheManager:
             for i in range(num_full):
                 if self.pool.cache_block(blocks[i], hashes[i]):
                     self._hashed_this_step.setdefault(request_id, []).append(blocks[i])
-        return True
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the blocks hashed before hold written K/V."""
@@ -250,13 +264,6 @@ class KVCacheManager:
             hashed = self._hashed_this_step.pop(request_id, [])
         for block in hashed:
             self.pool.uncache_block(block)
-
-    def release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
-        """Give back the request's blocks no query from `num_computed_tokens` on reads (as
-        `allocate_slots` does first)."""
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks:
-            self._release_behind_window(request_id, blocks, self._num_skipped(num_computed_tokens))
 
     def _release_behind_window(self, request_id: str, blocks: list[KVCacheBlock],
                                skip: int) -> None:

@@ -56,6 +56,12 @@ class SpeculativeConfig:
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
 
+    @property
+    def has_own_cache(self) -> bool:
+        """A separate draft model (`model`, or a quantized copy of the target), with a KV
+        cache of its own on the target's block table 0; a self-draft shares the target's."""
+        return self.method == "draft" and (self.model is not None or self.quantization is not None)
+
     def _check_types(self) -> None:
         """ValueError for a field of the wrong JSON type: the range checks below raised a
         TypeError on a string ('<=' between int and str) and let a float count through."""

@@ -62,7 +62,7 @@ class DraftProposer:
         target = engine.model
         self.vocab_size = engine.spec.vocab_size
         self._state: dict[str, _DraftState] = {}
-        if config.model is None and config.quantization is None:
+        if not config.has_own_cache:
             total = target.spec.num_hidden_layers
             n = config.draft_layers or max(1, total // 4)
             if n > total:

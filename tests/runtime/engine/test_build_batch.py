@@ -63,3 +63,12 @@ def test_one_block_table_per_row_gives_metadata_per_table() -> None:
     # One table: no per-table list, and for_table(0) is the metadata itself.
     _, _, single = build_batch([(a[0], 9, [11])], BLOCK, CPU)
     assert single.table_metadata is None and single.for_table(0) is single
+
+
+def test_a_block_table_too_short_for_its_positions_is_refused() -> None:
+    """Positions 4-8 need 3 blocks of 4: with 2, the last slots would have come from the
+    zero padding (block 0, a windowed table's null block)."""
+    with pytest.raises(ValueError, match="cannot hold positions up to 8"):
+        build_batch([(np.array([3, 5]), 4, [1, 2, 3, 4, 5])], BLOCK, CPU)
+    with pytest.raises(IndexError, match="one table"):
+        build_batch([(np.array([3, 5]), 4, [1])], BLOCK, CPU)[2].for_table(1)

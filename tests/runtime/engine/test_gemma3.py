@@ -357,11 +357,17 @@ def test_int8_kv_cache_on_hybrid_tables(gemma3, monkeypatch) -> None:  # noqa: A
 ], ids=["self-draft", "separate-draft"])
 def test_draft_models_on_hybrid_tables(gemma3, speculative: dict) -> None:  # noqa: ANN001
     """A self-draft runs the target's first layers (a windowed and the full one) on their
-    own tables; a separate draft reads table 0 (the full one) in a cache of its own. Drafts
-    get slots in every table and rejected ones roll back in every table. Small pool, long
-    sequences, repetitive prompts so drafts are accepted."""
+    own tables: drafts get slots in every table and rejected ones roll back in every table.
+    A separate draft keeps one table for every layer: its own cache has a block per page,
+    which on pages of one layer would be 4x the KV budget. Small pool, long sequences,
+    repetitive prompts so drafts are accepted."""
     folder, ref = gemma3
     engine = _hybrid_engine(folder, 70, speculative=speculative)
+    self_draft = "draft_layers" in speculative
+    assert engine.cache_config.layout.is_hybrid == self_draft
+    if not self_draft:  # the draft's cache: as many bytes per block as the target's, once
+        draft_bytes = engine.proposer.proposer.kv.nbytes
+        assert draft_bytes == engine.runner.kv.nbytes <= 70 * 4 * PAGE_BYTES_PER_TOKEN
     prompts = [[5, 6, 7, 8] * 6, random_prompts(12, (26,))[0]]
     outputs = run_requests(engine, [(p, greedy(30)) for p in prompts])
     assert engine.get_stats().spec_decode_num_draft_tokens > 0
