@@ -826,7 +826,10 @@ class LLMEngine:
             prompt_token_ids=first.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            prompt_logprobs=first.prompt_logprobs,
+            # The sequences score the same prompt; the furthest along has them all first
+            # (a preempted first sequence may lag another that already finished).
+            prompt_logprobs=max((c.prompt_logprobs for c in children),
+                                key=lambda lp: -1 if lp is None else len(lp)),
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=first.metrics,
         )

@@ -64,8 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=float,
         default=60.0,
         help="Kill and replace a ready replica whose /health has failed (an error status, or "
-        "no answer within 5 s) for this many seconds: a hung process or a dead engine "
-        "(default %(default)g, as the operator's livenessProbe; 0: never).",
+        "no answer within 5 s, or within this timeout if shorter) for this many seconds: a "
+        "hung process or a dead engine (default %(default)g, as the operator's "
+        "livenessProbe; 0: never; else at least 1).",
     )
     parser.add_argument("--log-dir", help="Where replica logs go (default: a temp folder).")
     add_log_level_argument(parser)

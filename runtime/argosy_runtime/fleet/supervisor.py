@@ -82,8 +82,10 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
-        if not self.liveness_timeout_s >= 0:  # NaN too
-            raise ValueError(f"liveness_timeout: must be >= 0 seconds (0: off), got "
+        if not (self.liveness_timeout_s == 0 or self.liveness_timeout_s >= 1):  # NaN too
+            # Below a second, an ordinary pause (a long step holding the GIL) would kill
+            # healthy replicas.
+            raise ValueError(f"liveness_timeout: must be 0 (off) or at least 1 second, got "
                              f"{self.liveness_timeout_s}")
         if not 0 <= self.port <= 65535:  # else found out only once every replica has loaded
             raise ValueError(f"port: must be a TCP port (0-65535), got {self.port}")
@@ -167,6 +169,7 @@ class Fleet:
         # RESTART_BACKOFF_MAX_S), so a model that no longer loads is not restarted every tick.
         self._failed_scale_ups = 0
         self._scale_up_after = 0.0
+        self._hold_logged = False
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -283,7 +286,7 @@ class Fleet:
             raise
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
         if c.liveness_timeout_s:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._check_liveness()))
+            self._tasks.append(asyncio.get_running_loop().create_task(self._liveness()))
         if c.autoscaled:
             self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
         logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
@@ -365,13 +368,27 @@ class Fleet:
         try:
             await self.add_replica()
         except RuntimeError as exc:
-            self._failed_scale_ups += 1
-            delay = min(2.0 ** (self._failed_scale_ups - 1), RESTART_BACKOFF_MAX_S)
-            self._scale_up_after = time.monotonic() + delay
+            now = time.monotonic()
+            if now >= self._scale_up_after:  # the first failure of its round
+                if now - self._scale_up_after > RESTART_BACKOFF_MAX_S:
+                    self._failed_scale_ups = 0  # the last failure is long past
+                self._failed_scale_ups += 1
+                delay = min(2.0 ** (self._failed_scale_ups - 1), RESTART_BACKOFF_MAX_S)
+                self._scale_up_after = now + delay
+                self._hold_logged = False
             logger.error("autoscaler: scale-up failed (%d in a row; the next in %.0f s at the "
-                         "earliest): %s", self._failed_scale_ups, delay, exc)
+                         "earliest): %s", self._failed_scale_ups, self._scale_up_after - now, exc)
         else:
             self._failed_scale_ups = 0
+
+    async def _liveness(self) -> None:
+        try:
+            await self._check_liveness()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never die silently: hung replicas would stay unnoticed
+            logger.exception("liveness checks stopped")
+            raise
 
     async def _check_liveness(self) -> None:
         """Kill (SIGKILL) a ready replica whose /health has failed for liveness_timeout_s:
@@ -394,6 +411,8 @@ class Fleet:
                         proc.failing_since = now
                         logger.warning("replica %s failed its liveness check: %s", proc.url,
                                        failure)
+                    elif proc.draining or proc not in self.processes:
+                        continue  # drained (or gone) while it was probed: not ours to kill
                     elif now - proc.failing_since >= self.config.liveness_timeout_s:
                         logger.error("replica %s has failed its liveness check for %.0f s "
                                      "(%s): killing it to replace it", proc.url,
@@ -463,6 +482,15 @@ class Fleet:
                                      batches_shared=c.batches_shared))
             current = len(self.live) + self._replacing
             decision = decide(policy, current, window.samples(), state, now)
+            if decision.desired_replicas > current and now < self._scale_up_after:
+                # The last scale-up failed: none now, and the decision state stays as if
+                # this tick had not decided one.
+                if not self._hold_logged:
+                    self._hold_logged = True
+                    logger.info("autoscaler: holding the scale-up to %d for %.0f s (the "
+                                "last failed)", decision.desired_replicas,
+                                self._scale_up_after - now)
+                continue
             state = decision.state
             self.decisions.append(decision)
             del self.decisions[:-100]
@@ -473,10 +501,6 @@ class Fleet:
                 current, decision.desired_replicas, decision.reason, decision.message,
             )  # fmt: skip
             if decision.desired_replicas > current:
-                if now < self._scale_up_after:
-                    logger.info("autoscaler: holding the scale-up %.0f s more (the last "
-                                "%d failed)", self._scale_up_after - now, self._failed_scale_ups)
-                    continue
                 for _ in range(decision.desired_replicas - current):
                     self._spawn(self._scale_up())
             else:

@@ -346,7 +346,7 @@ DIES_SOON = f"""
 import os, runpy, sys, threading, time
 if os.path.exists(os.environ["DIE_IF_EXISTS"]):
     def die():
-        time.sleep(1.0)
+        time.sleep(2.0)  # after it is ready (1 s was too short on a loaded machine)
         print("fatal: CUDA error on the first step", flush=True)
         os._exit(3)
     threading.Thread(target=die, daemon=True).start()
@@ -511,11 +511,12 @@ async def test_a_replica_failing_its_liveness_check_is_killed_and_replaced(
     assert _kill_all(pids) == []
 
 
-def test_a_negative_liveness_timeout_is_refused() -> None:
+@pytest.mark.parametrize("seconds", [-1, 0.2, float("nan")])
+def test_a_liveness_timeout_below_a_second_is_refused(seconds: float) -> None:
+    # Under a second an ordinary pause would kill healthy replicas.
     with pytest.raises(ValueError, match="liveness_timeout"):
-        FleetConfig(liveness_timeout_s=-1)
-    with pytest.raises(ValueError, match="liveness_timeout"):
-        FleetConfig(liveness_timeout_s=float("nan"))
+        FleetConfig(liveness_timeout_s=seconds)
+    assert FleetConfig(liveness_timeout_s=0).liveness_timeout_s == 0  # off
 
 
 async def test_failed_scale_ups_back_off(
@@ -546,6 +547,8 @@ async def test_failed_scale_ups_back_off(
         failed = caplog.text.count("autoscaler: scale-up failed")
         assert 1 <= failed <= 3, caplog.text  # at ~0, ~1 and ~3 s at the earliest
         assert "holding the scale-up" in caplog.text
+        # Held ticks decide nothing: the history holds the scale-ups tried, not one per tick.
+        assert sum(1 for d in fleet.decisions if d.changed) <= failed + 1
         fail.unlink()
         deadline = time.monotonic() + 20
         while len(fleet.gateway.pools["tiny"].available()) < 2:

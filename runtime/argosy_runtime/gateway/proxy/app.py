@@ -33,7 +33,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from argosy_runtime.background_tasks import cancel_and_wait
 from argosy_runtime.gateway import cascade as cascade_rules
 from argosy_runtime.gateway.activation import Activator, kubernetes_signal
 from argosy_runtime.gateway.backends.discovery import Discovery, make_discovery
@@ -58,6 +57,7 @@ from argosy_runtime.gateway.proxy.middlewares import (
     internal_error,
     unreadable_body,
 )
+from argosy_runtime.gateway.proxy.model_catalog import ModelCatalog
 from argosy_runtime.gateway.proxy.relay import BROKEN, CLIENT_CLOSED, UNEXPECTED, relay
 from argosy_runtime.gateway.proxy.responses_routes import (
     RESPONSE_ID_HEADER,
@@ -106,9 +106,8 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self._discoveries: list[Discovery] = []
-        self._adapter_parents: dict[str, str] = {}  # LoRA adapter name -> configured model
-        self._adapter_lookup: asyncio.Task[None] | None = None  # the last /v1/models round
-        self._adapters_seen_at = 0.0
+        # The models served (/v1/models) and the LoRA adapters' parent models.
+        self.catalog = ModelCatalog(self)
         # Replicas holding Batch API files and batches, and stored responses, by id.
         self.id_owners = IdOwners(self)
 
@@ -140,7 +139,7 @@ class Gateway:
             await self.health.stop()
         for discovery in self._discoveries:
             await discovery.stop()
-        await cancel_and_wait(self._adapter_lookup)
+        await self.catalog.close()
         if self.session is not None:
             await self.session.close()
 
@@ -171,9 +170,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         for path in POOLING_PATHS:  # /v1/embeddings, scores, reranks, classifications
             app.router.add_post(path, self.handle_generate)
-        app.router.add_get("/v1/models", self.handle_models)
-        # `.+`: a model id may hold slashes (org/model); clients send them as %2F.
-        app.router.add_get("/v1/models/{model:.+}", self.handle_model)
+        self.catalog.add_to(app)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -239,89 +236,6 @@ class Gateway:
                 headers={"Allow": ", ".join(sorted(allowed))})
         return error_response(404, f"not found: {request.method} {request.path}")
 
-    async def _replica_models(self) -> list[dict[str, Any]]:
-        """Every in-rotation replica's /v1/models entries (LoRA adapters among them)."""
-        assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s)
-
-        async def fetch(url: str) -> list[dict[str, Any]]:
-            try:
-                async with self.session.get(f"{url}/v1/models", timeout=timeout,
-                                            headers=self.tenants.replica_headers) as resp:
-                    if resp.status != 200:
-                        return []
-                    data = await resp.json(content_type=None)
-                    # Anything but a list object (another service on that port, a broken
-                    # proxy) lists nothing: one odd replica must not make /v1/models, and
-                    # every unknown model's lookup (_look_up_adapters), a 500 for all.
-                    entries = data.get("data") if isinstance(data, dict) else None
-                    return [m for m in entries or [] if isinstance(m, dict)]
-            except (TimeoutError, aiohttp.ClientError, ValueError):
-                return []
-
-        urls = self.replica_urls()
-        return [m for models in await asyncio.gather(*(fetch(u) for u in urls)) for m in models]
-
-    def replica_urls(self) -> list[str]:
-        """Every replica in rotation, of every model."""
-        return sorted({r.url for pool in self.pools.values() for r in pool.available()})
-
-    async def _adapter_parent(self, model: str) -> str | None:
-        """The configured model behind a LoRA adapter name: the pool one of whose replicas
-        lists it in its metrics, else (an adapter added since the last health check) what the
-        replicas' /v1/models say, each adapter listed with its `parent`."""
-        for name, pool in self.pools.items():
-            if any(model in (replica.adapters or ()) for replica in pool.replicas):
-                return name
-        if model not in self._adapter_parents:
-            await self._look_up_adapters()
-        return self._adapter_parents.get(model)
-
-    async def _look_up_adapters(self) -> None:
-        """Read every replica's /v1/models into `_adapter_parents`. A round in progress is
-        shared by the requests that arrive meanwhile (they wait for it, rather than being
-        told their adapter does not exist); a new one starts at most once a second."""
-        lookup = self._adapter_lookup
-        if lookup is None or (lookup.done() and time.monotonic() - self._adapters_seen_at > 1.0):
-            self._adapters_seen_at = time.monotonic()
-            lookup = self._adapter_lookup = asyncio.get_running_loop().create_task(
-                self._read_adapter_parents())
-        # Shielded: a client that goes away must not cancel the round the others wait on.
-        await asyncio.shield(lookup)
-
-    async def _read_adapter_parents(self) -> None:
-        for m in await self._replica_models():
-            parent = m.get("parent")
-            if isinstance(parent, str) and parent in self.pools:
-                self._adapter_parents[str(m.get("id"))] = parent
-
-    async def _models(self) -> dict[str, dict[str, Any]]:
-        """Union of every in-rotation replica's /v1/models, plus every configured model (one
-        scaled to zero has no replica to list it, and a client that picks models from this
-        list would otherwise never send the request that wakes it) and the cascade routes."""
-        merged: dict[str, dict[str, Any]] = {}
-        for m in await self._replica_models():
-            merged.setdefault(str(m.get("id")), m)
-        for name in [*self.pools, *self.cascades]:
-            merged.setdefault(
-                name,
-                {"id": name, "object": "model", "created": 0, "owned_by": "argosy-gateway"},
-            )
-        return merged
-
-    async def handle_models(self, request: web.Request) -> web.Response:
-        models = await self._models()
-        return web.json_response({"object": "list", "data": list(models.values())})
-
-    async def handle_model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{model} (the openai client's models.retrieve): the same entry the
-        list holds, or the 404 a request naming an unknown model gets."""
-        model = request.match_info["model"]
-        models = await self._models()
-        if model not in models:
-            return model_not_found(model, [*self.pools, *self.cascades])
-        return web.json_response(models[model])
-
     # -- generation --------------------------------------------------------------------------
 
     async def handle_generate(
@@ -352,7 +266,7 @@ class Gateway:
         route_name, forced_tier = cascade_rules.split_route_name(model)
         cascade = self.cascades.get(route_name)
         if cascade is None:
-            pool = model if model in self.pools else await self._adapter_parent(model)
+            pool = model if model in self.pools else await self.catalog.adapter_parent(model)
             if pool is None:
                 return model_not_found(model, [*self.pools, *self.cascades])
             if pin is not None and pin not in {r.url for r in self.pools[pool].replicas}:

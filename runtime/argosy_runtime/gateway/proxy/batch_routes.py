@@ -152,7 +152,7 @@ class BatchRoutes:
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 return 502, None
 
-        answers = await asyncio.gather(*(fetch(u) for u in self.gateway.replica_urls()))
+        answers = await asyncio.gather(*(fetch(u) for u in self.gateway.catalog.replica_urls()))
         refused = [(s, b) for s, b in answers if s != 200 and isinstance(b, dict)]
         if refused and not any(s == 200 for s, _ in answers):
             return web.json_response(refused[0][1], status=refused[0][0])  # e.g. a 401
@@ -178,7 +178,7 @@ class BatchRoutes:
                                "batch to a replica of that model", param="file")
         if model in gateway.pools:
             return model
-        parent = await gateway._adapter_parent(model)
+        parent = await gateway.catalog.adapter_parent(model)
         if parent is not None:
             return parent
         return model_not_found(model, list(gateway.pools))

@@ -49,7 +49,7 @@ class IdOwners:
     async def owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
         """The URL of the replica in rotation holding `obj_id` (a `/v1/<kind>/<id>`), or
         None when no replica in rotation knows it."""
-        urls = self.gateway.replica_urls()
+        urls = self.gateway.catalog.replica_urls()
         known = self._owners.get(obj_id)
         if known in urls:
             return known
