@@ -45,7 +45,8 @@ class RequestAbortedError(EngineDeadError):
 class RequestObserver(Protocol):
     """Receives per-request timings (the server's Prometheus histograms implement this)."""
 
-    def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None: ...
+    def on_scheduled(self, queue_time_s: float) -> None: ...
+    def on_first_token(self, ttft_s: float) -> None: ...
     def on_tokens(self, gap_s: float, num_tokens: int) -> None: ...
     def on_finished(self, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int,
                     finish_reason: str | None) -> None: ...
@@ -56,6 +57,7 @@ class _Tracker:
     """Per-request bookkeeping kept by the worker thread (monotonic seconds)."""
 
     arrival: float
+    scheduled: bool = False  # its queue time was observed
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
@@ -387,15 +389,16 @@ class AsyncEngine:
         tracker = self._trackers.get(out.request_id)
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         if tracker is not None and self.observer is not None:
+            m = out.metrics
+            if not tracker.scheduled and m is not None and m.first_scheduled_time is not None:
+                # Every request, those that produce no token too (embeddings, prompt-only).
+                tracker.scheduled = True
+                self.observer.on_scheduled(max(0.0, m.first_scheduled_time - m.arrival_time))
             new = num_tokens - tracker.num_tokens
             if new > 0:
                 if tracker.first_token is None:
                     tracker.first_token = now
-                    queue_time = None
-                    m = out.metrics
-                    if m is not None and m.first_scheduled_time is not None:
-                        queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
-                    self.observer.on_first_token(now - tracker.arrival, queue_time)
+                    self.observer.on_first_token(now - tracker.arrival)
                     new -= len(out.outputs)  # the first token of each sequence is TTFT
                 if new > 0 and tracker.last_token is not None:
                     # tokens per sequence this step (> 1 only with speculative decoding)

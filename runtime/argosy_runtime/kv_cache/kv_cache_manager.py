@@ -6,8 +6,8 @@ of a request is always private to it.
 
 With `sliding_window` set (the layers this table serves attend through that window: every
 layer of a Mistral, or a hybrid layout's windowed layers, kv_cache/layout.py), blocks that
-fall behind the window are released as the request advances (kv_cache/sliding_window.py): their table
-entries point at the pool's null block from then on, so a request holds about
+fall behind the window are released as the request advances (kv_cache/sliding_window.py):
+their table entries point at the pool's null block from then on, so a request holds about
 W / block_size + the step's blocks however long it grows. Released full blocks keep their
 hash like any freed block, and a prefix lookup needs only the blocks the window still reads.
 

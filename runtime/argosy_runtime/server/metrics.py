@@ -169,10 +169,11 @@ class ServerMetrics:
                                                      get_adapter_loads))
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
-    def on_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:
+    def on_scheduled(self, queue_time_s: float) -> None:
+        self.queue.observe(queue_time_s)
+
+    def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
-        if queue_time_s is not None:
-            self.queue.observe(queue_time_s)
 
     def on_tokens(self, gap_s: float, num_tokens: int) -> None:
         # Several tokens of one sequence in one step (speculative decoding) share its gap.

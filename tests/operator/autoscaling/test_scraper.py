@@ -202,6 +202,7 @@ def test_parses_what_the_runtime_server_exports() -> None:
     metrics = ServerMetrics("smollm2-135m")
     metrics.attach_engine(lambda: EngineStats(num_requests_running=5, kv_cache_usage=0.42),
                           lambda: 3, {"block_size": "16"})
-    metrics.on_first_token(0.05, 0.01)
+    metrics.on_scheduled(0.01)
+    metrics.on_first_token(0.05)
     metrics.batch_pending.set_function(lambda: 12)
     assert gauges(parse_metrics(metrics.render().decode())) == (0.42, 3.0, 5.0, 12.0)

@@ -232,6 +232,21 @@ def test_metrics_expose_design_names(server: ServerProcess, client: OpenAI) -> N
     assert 0.0 <= after["argosy:kv_cache_usage_perc"] <= 1.0
 
 
+def test_requests_without_tokens_count_their_queue_time(server: ServerProcess,
+                                                        client: OpenAI) -> None:
+    """An embedding and an echo-scoring request (max_tokens 0) produce no token: no time to
+    first token, but their queue time is observed like any request's (it was not)."""
+    before = server.metrics()
+    client.embeddings.create(model=MODEL, input="queued like any other request")
+    client.completions.create(model=MODEL, prompt="scored, not continued", max_tokens=0,
+                              echo=True, logprobs=0)
+    after = server.metrics()
+    count = "argosy:request_queue_time_seconds_count"
+    assert after[count] - before.get(count, 0) == 2
+    ttft = "argosy:time_to_first_token_seconds_count"
+    assert after.get(ttft, 0) == before.get(ttft, 0)
+
+
 def test_health_ready_open(http: httpx.Client) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").status_code == 200
