@@ -190,19 +190,25 @@ def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # noqa: ANN001
 def test_cpu_decode_layers_equal_the_module_path(mistral_64, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """bfloat16 decode steps through cpu_ops.decode_layer pass each layer's window: the same
     bits as the module path (Attention -> backend -> cpu_ops.decode_attention)."""
+    folder, _ = mistral_64
+    _cpp_layers_equal_module_path(folder, random_prompts(8, (6, 25, 40)), monkeypatch)
+
+
+def _cpp_layers_equal_module_path(folder, prompts, monkeypatch) -> LLM:  # noqa: ANN001
+    """bfloat16 greedy tokens and logprobs through the C++ decode layers (which must run)
+    equal those of the module path, bit for bit. Returns the LLM."""
     from engine_helpers import record_cpp_layer_calls
 
-    folder, _ = mistral_64
     llm = LLM(model=str(folder), dtype="bfloat16", block_size=4, enable_prefix_caching=False)
     model = llm.engine.model
     if model.cpu_decode is None:
         pytest.skip("the fused C++ kernels did not build here")
-    prompts = random_prompts(8, (6, 25, 40))
     calls = record_cpp_layer_calls(monkeypatch)
     fast = [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))]
     assert calls, "decode steps took the C++ layers"
     model.cpu_decode = None
     assert [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))] == fast
+    return llm
 
 
 def test_batch_invariant_mode_with_windows(mistral_64) -> None:  # noqa: ANN001
@@ -345,19 +351,8 @@ def test_cpu_decode_layers_read_each_layers_table(qwen2_64, monkeypatch: pytest.
     """bfloat16 decode steps through cpu_ops.decode_layer on the hybrid layout: each layer
     reads its own block table (the full layer 0 its own, layers 1-2 theirs), the same bits
     as the module path, past the window."""
-    from engine_helpers import record_cpp_layer_calls
-
-    llm = LLM(model=str(qwen2_64), dtype="bfloat16", block_size=4, enable_prefix_caching=False)
-    model = llm.engine.model
-    if model.cpu_decode is None:
-        pytest.skip("the fused C++ kernels did not build here")
+    llm = _cpp_layers_equal_module_path(qwen2_64, random_prompts(16, (6, 25, 40)), monkeypatch)
     assert llm.engine.cache_config.layout.num_tables == 3
-    prompts = random_prompts(16, (6, 25, 40))
-    calls = record_cpp_layer_calls(monkeypatch)
-    fast = [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))]
-    assert calls, "decode steps took the C++ layers"
-    model.cpu_decode = None
-    assert [_tokens_and_logprobs(o) for o in llm.generate(prompts, greedy(16))] == fast
 
 
 def test_tensor_parallel_ranks_get_the_null_block_entries(mistral) -> None:  # noqa: ANN001
