@@ -49,6 +49,8 @@ RESTART_BACKOFF_MAX_S = 60.0
 # loads but fails its first step, a bad flag found late): in a row, such exits are a crash
 # loop, and each replacement waits twice as long as the last (up to RESTART_BACKOFF_MAX_S).
 CRASH_LOOP_WINDOW_S = 60.0
+# Tries to start a replica whose port another process took before it could listen.
+PORT_ATTEMPTS = 3
 # One /health probe's limit (the operator's livenessProbe timeoutSeconds).
 LIVENESS_PROBE_TIMEOUT_S = 5.0
 
@@ -184,24 +186,34 @@ class Fleet:
         )
 
     async def _launch(self) -> ReplicaProcess:
-        """Start one replica and wait until it is ready; raise with its log if it is not."""
-        proc = self._new_process()
-        self.processes.append(proc)
-        try:
-            await proc.start()
-        except OSError as exc:  # its log cannot be written (the log dir gone), fork failed
-            self.processes.remove(proc)  # else a replica that never runs counts as one
-            raise RuntimeError(f"replica {proc.url} could not start: {exc}") from None
-        if not await proc.wait_ready(self.config.ready_timeout_s):
+        """Start one replica and wait until it is ready; raise with its log if it is not.
+        A replica whose free port was taken by another process before it could listen (the
+        port is picked here, bound there) is started again on another port."""
+        attempt = 0
+        while True:
+            attempt += 1
+            proc = self._new_process()
+            self.processes.append(proc)
+            try:
+                await proc.start()
+            except OSError as exc:  # its log cannot be written (the log dir gone), fork failed
+                self.processes.remove(proc)  # else a replica that never runs counts as one
+                raise RuntimeError(f"replica {proc.url} could not start: {exc}") from None
+            if await proc.wait_ready(self.config.ready_timeout_s):
+                return proc
             if proc in self.processes:  # stop() may have drained and forgotten it meanwhile
                 self.processes.remove(proc)
             code = proc.process.returncode if proc.process is not None else None
             await proc.kill()
+            tail = proc.log_tail()
+            if code is not None and attempt < PORT_ATTEMPTS and _port_taken(tail):
+                logger.warning("replica %s could not listen (the port was taken meanwhile); "
+                               "starting it on another port", proc.url)
+                continue
             why = (f"exited ({_exit_reason(code)}) before it was ready" if code is not None
                    else f"was not ready within {self.config.ready_timeout_s:g} s")
             raise RuntimeError(f"replica {proc.url} {why}; the end of its log "
-                               f"({proc.log_path}):\n{proc.log_tail() or '(empty)'}")
-        return proc
+                               f"({proc.log_path}):\n{tail or '(empty)'}")
 
     async def add_replica(self) -> ReplicaProcess:
         """Start a replica and put it into rotation once ready."""
@@ -521,6 +533,13 @@ async def _health_failure(session: aiohttp.ClientSession, url: str) -> str | Non
         return "/health did not answer in time"
     except aiohttp.ClientError as exc:
         return f"/health: {exc}"
+
+
+def _port_taken(log_tail: str) -> bool:
+    """Whether a replica's log says its port was in use: `argosy serve`'s check before the
+    model loads, or the server's bind after."""
+    text = log_tail.lower()
+    return "address already in use" in text or "cannot listen there" in text
 
 
 def _exit_reason(code: int | None) -> str:

@@ -559,3 +559,34 @@ async def test_failed_scale_ups_back_off(
     finally:
         await fleet.stop()
     assert _kill_all(pids) == []
+
+
+async def test_a_replica_whose_port_was_taken_starts_on_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fleet picks a free port and the replica binds it later: another process may take
+    it in between (here one listens on the first port handed out). That replica used to fail
+    the whole start-up; it starts again on another port."""
+    from argosy_runtime.fleet import supervisor
+    from argosy_runtime.fleet.replica_process import free_port
+
+    caplog.set_level(logging.WARNING, logger="argosy_runtime.fleet.supervisor")
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    monkeypatch.setattr(supervisor, "free_port", lambda: next(ports, None) or free_port())
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, health_interval_s=0.2,
+                              serve_command=(sys.executable, FAKE_REPLICA),
+                              log_dir=str(tmp_path), ready_timeout_s=30))
+    try:
+        await fleet.start()
+        pids = {p.process.pid for p in fleet.processes}
+        assert [p.port for p in fleet.processes] != [taken] and len(fleet.processes) == 1
+        assert f"replica http://127.0.0.1:{taken} could not listen" in caplog.text
+        assert len(fleet.gateway.pools["tiny"].available()) == 1
+    finally:
+        await fleet.stop()
+        squatter.close()
+    assert _kill_all(pids) == []
