@@ -90,7 +90,7 @@ class CUDAGraphRunner:
 
     # ---- static inputs ------------------------------------------------------------------
     def _meta(self, bucket: int) -> AttentionMetadata:
-        metas = [AttentionMetadata(
+        return AttentionMetadata.of_tables([AttentionMetadata(
             slot_mapping=self.slot_mapping[t, :bucket],
             num_decodes=bucket,
             decode_block_tables=self.block_tables[t, :bucket],
@@ -98,10 +98,7 @@ class CUDAGraphRunner:
             prefill_query_lens=[],
             prefill_seq_lens=[],
             prefill_block_tables=self.block_tables[t, :0],
-        ) for t in range(len(self.block_tables))]
-        if len(metas) > 1:
-            metas[0].table_metadata = metas
-        return metas[0]
+        ) for t in range(len(self.block_tables))])
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.model.rotary, self.backend, self.kv_caches, meta,

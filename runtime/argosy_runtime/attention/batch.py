@@ -83,7 +83,7 @@ def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.de
     decode_context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
     query_start_loc = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=device)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    metas = [AttentionMetadata(
+    meta = AttentionMetadata.of_tables([AttentionMetadata(
         slot_mapping=slot_mapping[t],
         num_decodes=len(decode_lens),
         decode_block_tables=decode_tables[t],
@@ -93,8 +93,6 @@ def build_batch(entries: Sequence[BatchEntry], block_size: int, device: torch.de
         prefill_block_tables=prefill_tables[t],
         prefill_query_start_loc=query_start_loc,
         prefill_seq_lens_t=seq_lens_t,
-    ) for t in range(num_tables)]
-    if num_tables > 1:
-        metas[0].table_metadata = metas
+    ) for t in range(num_tables)])
     input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
-    return input_ids_t, torch.from_numpy(pos).to(device), metas[0]
+    return input_ids_t, torch.from_numpy(pos).to(device), meta

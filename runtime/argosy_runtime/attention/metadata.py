@@ -30,6 +30,14 @@ class AttentionMetadata:
     # (table 0) first; the others differ in their block tables and slots only. None: one table.
     table_metadata: list[AttentionMetadata] | None = None
 
+    @staticmethod
+    def of_tables(metas: list[AttentionMetadata]) -> AttentionMetadata:
+        """The step's metadata from one per block table (table 0 first): table 0's, which
+        reaches the others through `for_table` when there are several."""
+        if len(metas) > 1:
+            metas[0].table_metadata = metas
+        return metas[0]
+
     def for_table(self, table: int) -> AttentionMetadata:
         if self.table_metadata is not None:
             return self.table_metadata[table]

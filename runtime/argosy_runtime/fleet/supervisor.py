@@ -297,10 +297,14 @@ class Fleet:
             await self.stop()
             raise
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
+        # Loops that must never die silently: the fleet would stop replacing hung replicas
+        # or scaling, unnoticed.
         if c.liveness_timeout_s:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._liveness()))
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                _logged_if_it_stops(self._check_liveness(), "liveness checks")))
         if c.autoscaled:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._autoscale()))
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                _logged_if_it_stops(self._autoscale_loop(), "autoscaler")))
         logger.info("fleet of %d x %s behind %s", len(self.processes), c.name, self.gateway_url)
         return self.gateway_url
 
@@ -385,22 +389,12 @@ class Fleet:
                 if now - self._scale_up_after > RESTART_BACKOFF_MAX_S:
                     self._failed_scale_ups = 0  # the last failure is long past
                 self._failed_scale_ups += 1
-                delay = min(2.0 ** (self._failed_scale_ups - 1), RESTART_BACKOFF_MAX_S)
-                self._scale_up_after = now + delay
+                self._scale_up_after = now + _backoff(self._failed_scale_ups)
                 self._hold_logged = False
             logger.error("autoscaler: scale-up failed (%d in a row; the next in %.0f s at the "
                          "earliest): %s", self._failed_scale_ups, self._scale_up_after - now, exc)
         else:
             self._failed_scale_ups = 0
-
-    async def _liveness(self) -> None:
-        try:
-            await self._check_liveness()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never die silently: hung replicas would stay unnoticed
-            logger.exception("liveness checks stopped")
-            raise
 
     async def _check_liveness(self) -> None:
         """Kill (SIGKILL) a ready replica whose /health has failed for liveness_timeout_s:
@@ -439,21 +433,12 @@ class Fleet:
         self._quick_exits = self._quick_exits + 1 if lived < CRASH_LOOP_WINDOW_S else 0
         if self._quick_exits < 2:
             return 0.0
-        wait = min(2.0 ** (self._quick_exits - 1), RESTART_BACKOFF_MAX_S)
+        wait = _backoff(self._quick_exits)
         logger.error("replicas keep exiting soon after becoming ready (%d in a row): the next "
                      "one starts in %.0f s (see the log above)", self._quick_exits, wait)
         return wait
 
     # -- autoscaling -------------------------------------------------------------------------
-
-    async def _autoscale(self) -> None:
-        try:
-            await self._autoscale_loop()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never die silently: the fleet would stop scaling unnoticed
-            logger.exception("autoscaler stopped")
-            raise
 
     async def _autoscale_loop(self) -> None:
         from argosy_operator.autoscaling import (
@@ -522,6 +507,23 @@ class Fleet:
                 ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].in_flight))
                 for proc, _ in ready[: current - decision.desired_replicas]:
                     self._spawn(self.drain_replica(proc))
+
+
+def _backoff(failures: int) -> float:
+    """Seconds to wait after `failures` in a row: 1, 2, 4... up to RESTART_BACKOFF_MAX_S."""
+    return min(2.0 ** (failures - 1), RESTART_BACKOFF_MAX_S)
+
+
+async def _logged_if_it_stops(loop: Any, name: str) -> None:
+    """Run a background loop; an exception that ends it is logged with its traceback now
+    (not whenever the task is collected), then raised."""
+    try:
+        await loop
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("%s stopped", name)
+        raise
 
 
 async def _health_failure(session: aiohttp.ClientSession, url: str) -> str | None:
