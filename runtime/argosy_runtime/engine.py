@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,7 @@ from argosy_runtime.distributed import (
     kv_cache_budget,
 )
 from argosy_runtime.engine_args import EngineArgs
-from argosy_runtime.kv_cache import kv_cache_layout, make_kv_cache_manager, single_table_layout
+from argosy_runtime.kv_cache import kv_cache_layout, make_kv_cache_manager
 from argosy_runtime.lora import LoRAAdapter, LoRAModulesFile
 from argosy_runtime.lora.registry import LoRARegistry
 from argosy_runtime.model_loader import ModelSpec
@@ -57,6 +57,9 @@ from argosy_runtime.request import Request, RequestStatus
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.scheduler import Scheduler
 from argosy_runtime.structured_output.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from argosy_runtime.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("argosy.engine")
 
@@ -123,24 +126,24 @@ class LLMEngine:
             check_batch_invariant_model(self.spec)
             self.model.use_batch_invariant_kernels()
 
+        speculative = self._speculative_config()
+        # A separate draft model loads before the KV cache is sized: on a GPU its weights
+        # must not be counted as cache memory, and its own cache (a page per page of the
+        # target's, spec_decode/draft_cache.py) shares the budget.
+        draft_model, draft_bytes_per_page = self._load_draft_model(speculative)
+
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         # Windowed layers give back the blocks behind their window as a request advances:
         # on one block table when every layer has the same window (Mistral, Phi-3-mini-4k),
         # on tables of their own beside the full layers' otherwise (Gemma 2/3).
         layout = kv_cache_layout(self.spec.layer_sliding_windows, self.spec.num_hidden_layers,
                                  self.max_model_len)
-        if layout.is_hybrid and self._draft_has_own_cache():
-            # Its cache needs a block per page of the shared pool (table 0's pages may be any
-            # of them): with pages of a few layers that is several times the KV budget.
-            logger.info("KV cache: one block table for every layer (a separate draft model "
-                        "reads one table)")
-            layout = single_table_layout(self.spec.num_hidden_layers)
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype,
                                                    layout.page_layers)
         if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
             num_blocks = args.max_num_seqs * -(-self.max_model_len // args.block_size)
         else:
-            num_blocks = self._kv_cache_memory() // bytes_per_block
+            num_blocks = self._kv_cache_memory() // (bytes_per_block + draft_bytes_per_page)
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
                                         args.enable_prefix_caching and not self.spec.is_encoder,
                                         layout)
@@ -159,7 +162,7 @@ class LLMEngine:
                                   batch_invariant=args.batch_invariant,
                                   tensor_parallel_workers=self.tensor_parallel_workers)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
-        self.proposer = self._build_proposer()
+        self.proposer = self._build_proposer(speculative, draft_model)
 
         self._groups: dict[str, list[Request]] = {}  # parent request id -> its n sequences
         self._stop_ids = set(self.tokenizer.eos_token_ids) | set(self.spec.eos_token_ids)
@@ -338,16 +341,41 @@ class LLMEngine:
         self.lora_registry.unregister(name)
         logger.info("LoRA adapter %s unloaded", name)
 
-    def _build_proposer(self) -> Any:
+    def _speculative_config(self) -> SpeculativeConfig | None:
         if self.args.speculative is None:
             return None
         if not self.spec.has_lm_head:
             raise ValueError("speculative: a headless embedding or a classification "
                              "checkpoint has no language-model head: it generates nothing to "
                              "speculate on; leave speculative out")
+        from argosy_runtime.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_user(self.args.speculative)
+
+    def _load_draft_model(self, speculative: SpeculativeConfig | None
+                          ) -> tuple[LlamaForCausalLM | None, int]:
+        """A separate draft model (or None), and the bytes of its cache per target page."""
+        if speculative is None or not speculative.has_own_cache:
+            return None, 0
+        from argosy_runtime.spec_decode.draft_cache import draft_cache_bytes_per_page
+        from argosy_runtime.spec_decode.draft_proposer import (
+            draft_max_positions,
+            draft_num_layers,
+            load_draft_model,
+        )
+
+        model = load_draft_model(self, speculative)
+        return model, draft_cache_bytes_per_page(
+            model, draft_num_layers(model, speculative),
+            draft_max_positions(model, self.max_model_len), self.args.block_size, self.dtype)
+
+    def _build_proposer(self, speculative: SpeculativeConfig | None,
+                        draft_model: LlamaForCausalLM | None) -> Any:
+        if speculative is None:
+            return None
         from argosy_runtime.spec_decode import build_proposer
 
-        return build_proposer(self, self.args.speculative)
+        return build_proposer(self, speculative, draft_model)
 
     # ---- public API --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -445,13 +473,6 @@ class LLMEngine:
                     c.request_id == sid for _, children in self._lora_waiting for c in children):
                 raise ValueError(f"request_id {request_id!r} is already in use (sequence "
                                  f"{sid!r} is running)")
-
-    def _draft_has_own_cache(self) -> bool:
-        if self.args.speculative is None:
-            return False
-        from argosy_runtime.spec_decode.config import SpeculativeConfig
-
-        return SpeculativeConfig.from_user(self.args.speculative).has_own_cache
 
     def _max_blocks_held(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of `num_tokens` tokens holds at once, over all its
@@ -596,6 +617,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(req, status)
+        if self.proposer is not None:
+            self.proposer.finish(req.request_id)
         if req.lora is not None:
             self.lora_registry.release(req.lora.name)
 

@@ -52,12 +52,13 @@ class EngineArgs:
     kv_cache_dtype: str = _opt("KV cache dtype: auto (same as dtype) or int8.", default="auto")
     block_size: int = _opt("Tokens per KV-cache block.", default=16)
     kv_cache_memory: int | None = _opt(
-        "Bytes of memory for the KV cache (default: 1 GiB on CPU; on CUDA, "
-        "--kv-cache-memory-fraction of free memory).",
+        "Bytes of memory for the KV cache, a separate speculative draft's included "
+        "(default: 1 GiB on CPU; on CUDA, --kv-cache-memory-fraction of free memory).",
         default=None,
     )
     kv_cache_memory_fraction: float = _opt(
-        "On CUDA, the fraction of free device memory (after weights) given to the KV cache.",
+        "On CUDA, the fraction of free device memory (after the weights, a draft's "
+        "included) given to the KV cache.",
         default=0.85,
     )
     enable_prefix_caching: bool = _opt("Reuse KV blocks of shared prompt prefixes.", default=True)

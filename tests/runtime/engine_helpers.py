@@ -10,11 +10,17 @@ from argosy_runtime.scheduler import Scheduler, SchedulerOutput
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every block is back in the pool (cached-free counts as free), no block table left."""
+    """Every block is back in the pool (cached-free counts as free), no block table left, in
+    the target's cache and in a separate draft's."""
     assert not engine.has_unfinished_requests()
     kv = engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
     assert kv.req_to_blocks == {}
+    draft_cache = getattr(getattr(engine.proposer, "proposer", None), "cache", None)
+    if draft_cache is not None:  # a separate draft's own blocks (spec_decode/draft_cache.py)
+        draft = draft_cache.manager
+        assert draft.num_free_blocks == draft.num_blocks, (draft.num_free_blocks, draft.num_blocks)
+        assert draft.req_to_blocks == {}
 
 
 def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:

@@ -12,8 +12,8 @@ call a KVCacheManager:
 - space is checked for all tables at once against the shared free queue, before any of them
   changes: `allocate_slots` gives all tables their blocks or changes nothing;
 - `block_ids` returns one row per table (the model runner's batch carries them all);
-  `req_to_blocks` and `num_released_blocks` are table 0's. (A separate draft model, whose
-  cache would need a block per page, never runs on this layout: the engine keeps one table.)
+  `req_to_blocks` and `num_released_blocks` are table 0's. (A separate draft model has a
+  manager of its own, spec_decode/draft_cache.py.)
 """
 
 from __future__ import annotations

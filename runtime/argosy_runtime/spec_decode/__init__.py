@@ -7,19 +7,22 @@ which preserves the target distribution.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import SpeculativeDecoder
 
 if TYPE_CHECKING:
     from argosy_runtime.engine import LLMEngine
+    from argosy_runtime.models.llama import LlamaForCausalLM
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder", "build_proposer"]
 
 
-def build_proposer(engine: LLMEngine, spec: dict[str, Any] | str) -> SpeculativeDecoder:
-    config = SpeculativeConfig.from_user(spec)
+def build_proposer(engine: LLMEngine, config: SpeculativeConfig,
+                   draft_model: LlamaForCausalLM | None = None) -> SpeculativeDecoder:
+    """`draft_model`: a separate draft, loaded before the KV cache was sized
+    (draft_proposer.load_draft_model)."""
     if config.method == "ngram":
         from argosy_runtime.spec_decode.ngram_proposer import NgramProposer
 
@@ -27,5 +30,5 @@ def build_proposer(engine: LLMEngine, spec: dict[str, Any] | str) -> Speculative
     else:
         from argosy_runtime.spec_decode.draft_proposer import DraftProposer
 
-        proposer = DraftProposer(engine, config)
+        proposer = DraftProposer(engine, config, draft_model)
     return SpeculativeDecoder(engine, config, proposer)

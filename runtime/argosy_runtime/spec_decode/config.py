@@ -59,7 +59,7 @@ class SpeculativeConfig:
     @property
     def has_own_cache(self) -> bool:
         """A separate draft model (`model`, or a quantized copy of the target), with a KV
-        cache of its own on the target's block table 0; a self-draft shares the target's."""
+        cache and blocks of its own (draft_cache.py); a self-draft shares the target's."""
         return self.method == "draft" and (self.model is not None or self.quantization is not None)
 
     def _check_types(self) -> None:

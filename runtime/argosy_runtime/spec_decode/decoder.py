@@ -58,6 +58,13 @@ class SpeculativeDecoder:
         self._adaptive: dict[str, _Adaptive] = {}
         self._proposals: dict[str, Proposal] = {}
 
+    def finish(self, request_id: str) -> None:
+        """The request is done: what was kept for it goes (a separate draft's blocks too)."""
+        self._adaptive.pop(request_id, None)
+        self._proposals.pop(request_id, None)
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(request_id)
+
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on every running decode that should speculate this step.
 

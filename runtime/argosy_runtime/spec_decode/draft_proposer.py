@@ -9,12 +9,12 @@ Two kinds of draft:
   writes for draft positions are rewritten by the target's verification pass of the same step
   (every layer writes all new K/V before attention reads), so they never leak into results.
 - **separate draft** (`model` = a path with the same vocabulary, or `quantization` = "int4"/
-  "int8" for a quantized copy of the target): its own K/V tensor, indexed by the *same* block
-  tables and slot mapping as the target (same num_blocks and block_size), so it needs no block
-  manager of its own. It is brought up to date lazily: before proposing, the draft runs over
-  every token of the request it has not seen (the whole prompt the first time, then usually
-  one or two tokens per step), so requests that pause speculating (adaptive k) or get
-  preempted simply catch up later.
+  "int8" for a quantized copy of the target): K/V of its own, on blocks of its own
+  (spec_decode/draft_cache.py: its own manager and layout, as many pages as the target's), so
+  it runs beside any target layout. It is brought up to date lazily: before proposing, the
+  draft runs over every token of the request it has not seen (the whole prompt the first time,
+  then usually one or two tokens per step), so requests that pause speculating (adaptive k)
+  or get preempted simply catch up later.
 
 Exactness never depends on the draft: greedy verification keeps only tokens equal to the
 target's argmax, and sampled drafts are drawn from the distribution q returned with them, so
@@ -23,6 +23,7 @@ rejection sampling stays exact whatever q is (a stale draft cache only lowers ac
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,10 +36,13 @@ from argosy_runtime.models.build import build_model
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
+from argosy_runtime.spec_decode.draft_cache import DraftCache
 
 if TYPE_CHECKING:
     from argosy_runtime.engine import LLMEngine
     from argosy_runtime.request import Request
+
+logger = logging.getLogger("argosy.spec_decode")
 
 
 @dataclass
@@ -50,10 +54,50 @@ class _DraftState:
     pending: list[int] = field(default_factory=list)  # drafts written at valid, valid + 1, ...
 
 
+def draft_num_layers(model: LlamaForCausalLM, config: SpeculativeConfig) -> int:
+    """The layers of a separate draft that run: `draft_layers`, or all of them."""
+    n = config.draft_layers or model.spec.num_hidden_layers
+    if n > model.spec.num_hidden_layers:
+        raise ValueError(f"draft_layers ({n}) exceeds the draft's "
+                         f"{model.spec.num_hidden_layers} layers")
+    return n
+
+
+def draft_max_positions(model: LlamaForCausalLM, max_model_len: int) -> int:
+    """The positions a separate draft runs: the target's, as far as its rotary reaches."""
+    return min(max_model_len, model.spec.max_position_embeddings)
+
+
+def load_draft_model(engine: LLMEngine, config: SpeculativeConfig) -> LlamaForCausalLM:
+    """A separate draft (`config.has_own_cache`): `config.model`, or the target's checkpoint,
+    quantized as `config.quantization` says, on the target's device."""
+    from argosy_runtime.model_loader import load_checkpoint
+
+    checkpoint = engine.checkpoint if config.model is None else load_checkpoint(config.model)
+    spec = checkpoint.spec
+    if spec.vocab_size != engine.spec.vocab_size:
+        raise ValueError(
+            f"speculative model {config.model!r} has vocab_size {spec.vocab_size}, but the "
+            f"target has {engine.spec.vocab_size}: the draft must share the target's tokenizer"
+        )
+    quant_config = None
+    if config.quantization is not None:
+        from argosy_runtime.quantization import QuantizationConfig
+
+        quant_config = QuantizationConfig(method=config.quantization)
+    # On the target's device with the same fast kernels: a draft is only worth it if cheap.
+    model = build_model(checkpoint, engine.dtype, engine.device,
+                        min(engine.max_model_len, spec.max_position_embeddings), quant_config)
+    draft_num_layers(model, config)  # a bad draft_layers is refused before the cache is sized
+    return model
+
+
 class DraftProposer:
     """Proposes with a draft model; `SpeculativeDecoder` calls `propose_batch` each step."""
 
-    def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
+    def __init__(self, engine: LLMEngine, config: SpeculativeConfig,
+                 draft_model: LlamaForCausalLM | None = None) -> None:
+        """`draft_model`: a separate draft's (`load_draft_model`); None for a self-draft."""
         # A proxy: the engine owns this object, so a strong reference back would keep a
         # dropped engine (and its KV cache) alive until the garbage collector ran.
         self.engine = weakref.proxy(engine)
@@ -76,42 +120,18 @@ class DraftProposer:
             self.kv_scales = runner.kv_scales
             return
         self.shares_target_cache = False
-        self.model = self._load_draft(config)
-        spec = self.model.spec
-        n = config.draft_layers or spec.num_hidden_layers
-        if n > spec.num_hidden_layers:
-            raise ValueError(f"draft_layers ({n}) exceeds the draft's {spec.num_hidden_layers} layers")
-        self.num_layers = n
-        self.max_positions = min(engine.max_model_len, spec.max_position_embeddings)
+        self.model = draft_model
+        self.num_layers = draft_num_layers(draft_model, config)
+        self.max_positions = draft_max_positions(draft_model, engine.max_model_len)
+        spec = draft_model.spec
         # The target's kind of backend (Triton on CUDA, the fused CPU kernels on the CPU).
         self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
                                             spec.head_dim, spec.attention_scale)
         cc = engine.cache_config
-        # [layers, k/v, num_blocks, block_size, kv_heads, head_dim]: same blocks as the target.
-        shape = (n, 2, cc.num_blocks, cc.block_size, spec.num_key_value_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(n)]
+        self.cache = DraftCache(draft_model, self.num_layers, self.max_positions, cc.num_blocks,
+                                cc.block_size, engine.dtype, engine.device)
+        self.kv_caches = self.cache.kv_caches
         self.kv_scales = None
-
-    def _load_draft(self, config: SpeculativeConfig) -> LlamaForCausalLM:
-        from argosy_runtime.model_loader import load_checkpoint
-
-        engine = self.engine
-        checkpoint = engine.checkpoint if config.model is None else load_checkpoint(config.model)
-        spec = checkpoint.spec
-        if spec.vocab_size != engine.spec.vocab_size:
-            raise ValueError(
-                f"speculative model {config.model!r} has vocab_size {spec.vocab_size}, but the "
-                f"target has {engine.spec.vocab_size}: the draft must share the target's tokenizer"
-            )
-        quant_config = None
-        if config.quantization is not None:
-            from argosy_runtime.quantization import QuantizationConfig
-
-            quant_config = QuantizationConfig(method=config.quantization)
-        # On the target's device with the same fast kernels: a draft is only worth it if cheap.
-        return build_model(checkpoint, engine.dtype, engine.device,
-                           min(engine.max_model_len, spec.max_position_embeddings), quant_config)
 
     # ---- proposing ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -119,7 +139,8 @@ class DraftProposer:
         """Up to k draft tokens per request (with their distribution q for sampled requests)."""
         kv = self.engine.kv_cache
         for rid in [r for r in self._state if r not in kv.req_to_blocks]:
-            del self._state[rid]  # finished or preempted
+            self.forget(rid)  # finished or preempted
+        drafting = {req.request_id for req, _ in batch}
         proposals = [Proposal([]) for _ in batch]
         live: list[tuple[int, Request, int, np.ndarray]] = []  # (batch index, req, k, blocks)
         entries: list[tuple[np.ndarray, int, list[int]]] = []  # (block ids, first position, tokens)
@@ -128,6 +149,10 @@ class DraftProposer:
             # Draft positions go up to n + k - 2 (the target verifies up to n + k - 1).
             k = min(k, self.max_positions - n + 1)
             if k <= 0:
+                continue
+            start = self._catch_up_start(req)
+            if not self.shares_target_cache and not self._allocate_draft_blocks(
+                    req.request_id, n + k, start, drafting):
                 continue
             # Blocks for every position this step may write, before the scheduler runs. Only
             # the computed prefix is offered for prefix-cache hashing: the block holding the
@@ -139,8 +164,8 @@ class DraftProposer:
                                      salt=req.cache_salt,
                                      num_computed_tokens=req.num_computed_tokens):
                 continue
-            start = self._catch_up_start(req)
-            blocks = np.asarray(kv.block_ids(req.request_id), dtype=np.int64)
+            own = kv if self.shares_target_cache else self.cache
+            blocks = np.asarray(own.block_ids(req.request_id), dtype=np.int64)
             live.append((i, req, k, blocks))
             entries.append((blocks, start, req.token_ids[start:n]))
         if not live:
@@ -173,28 +198,42 @@ class DraftProposer:
         """First position the draft must (re)compute for this request."""
         if self.shares_target_cache:
             return req.num_computed_tokens  # the target's cache holds everything before
-        kv = self.engine.kv_cache
-        blocks = kv.req_to_blocks[req.request_id]
-        state = self._state.get(req.request_id)
+        blocks = self.engine.kv_cache.req_to_blocks[req.request_id]
+        state = self._state.pop(req.request_id, None)
         if state is None or state.blocks is not blocks:
-            # New request, or preempted and re-admitted with new blocks: recompute from 0
-            # (prefix-cache hits may hold another request's draft K/V of the same tokens, but
-            # recomputing is cheap for a small draft and always right).
+            # New request, or preempted and re-admitted with new target blocks: recompute
+            # from 0 (a preempted request's draft K/V are valid still, but cheap to redo).
+            self.cache.free(req.request_id)
             state = _DraftState(blocks)
-            self._state[req.request_id] = state
+        self._state[req.request_id] = state  # last in the order: most recently drafted
         for token in state.pending:  # drafts the target accepted keep their draft K/V
             if state.valid < req.num_tokens and req.token_ids[state.valid] == token:
                 state.valid += 1
             else:
                 break
         state.pending = []
-        # Rolled-back blocks (past num_computed_tokens) were released and may be reused.
+        # Drafts the target rejected sit past its computed tokens: recomputed.
         state.valid = min(state.valid, req.num_computed_tokens)
-        # With a sliding window the blocks behind it were released (their table entries are
-        # the null block): never write there. The draft then reads zeros for the keys before
-        # this position, which costs acceptance only, never exactness.
-        state.valid = max(state.valid, kv.num_released_blocks(req.request_id) * kv.block_size)
         return state.valid
+
+    def _allocate_draft_blocks(self, request_id: str, num_tokens: int, start: int,
+                               drafting: set[str]) -> bool:
+        """Draft blocks for the request's first `num_tokens` positions. When the draft's pool
+        is short, the draft K/V of requests not drafting this step go first, least recently
+        drafted first (they catch up from 0 if they draft again); False if still short."""
+        idle = (rid for rid in list(self._state) if rid not in drafting)
+        while not self.cache.allocate(request_id, num_tokens, start):
+            victim = next(idle, None)
+            if victim is None:
+                logger.debug("draft cache full: request %s goes undrafted this step", request_id)
+                return False
+            self.forget(victim)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's draft K/V (a separate draft's blocks go back to its pool)."""
+        if self._state.pop(request_id, None) is not None:
+            self.cache.free(request_id)
 
     def _choose(self, reqs: list[Request], logits: torch.Tensor
                 ) -> tuple[list[int], list[torch.Tensor | None] | None]:

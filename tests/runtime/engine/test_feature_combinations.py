@@ -235,8 +235,15 @@ def bytes_per_block(engine_kwargs: dict, block_size: int) -> int:
     # Both tiny models: 2 layers x 2 KV heads x head_dim 16, K and V.
     elems = 2 * 2 * 2 * 16
     if engine_kwargs.get("kv_cache_dtype") == "int8":  # int8 values + a scale per token and head
-        return block_size * (elems + 2 * 2 * 2 * KV_SCALE_DTYPE.itemsize)
-    return block_size * elems * 4
+        size = block_size * (elems + 2 * 2 * 2 * KV_SCALE_DTYPE.itemsize)
+    else:
+        size = block_size * elems * 4
+    speculative = engine_kwargs.get("speculative") or {}
+    if speculative.get("quantization") or speculative.get("model"):
+        # A separate draft (a copy of the model) has a float32 block of its own per block,
+        # from the same budget (spec_decode/draft_cache.py).
+        size += block_size * elems * 4
+    return size
 
 
 @pytest.mark.parametrize("case", list(CASES))

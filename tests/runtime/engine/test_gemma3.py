@@ -353,24 +353,45 @@ def test_int8_kv_cache_on_hybrid_tables(gemma3, monkeypatch) -> None:  # noqa: A
 
 @pytest.mark.parametrize("speculative", [
     {"method": "draft", "draft_layers": 2, "num_speculative_tokens": 3},
-    {"method": "draft", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False},
+    {"method": "draft", "model": "the target's folder", "num_speculative_tokens": 3,
+     "adaptive": False},
 ], ids=["self-draft", "separate-draft"])
 def test_draft_models_on_hybrid_tables(gemma3, speculative: dict) -> None:  # noqa: ANN001
     """A self-draft runs the target's first layers (a windowed and the full one) on their
     own tables: drafts get slots in every table and rejected ones roll back in every table.
-    A separate draft keeps one table for every layer: its own cache has a block per page,
-    which on pages of one layer would be 4x the KV budget. Small pool, long sequences,
-    repetitive prompts so drafts are accepted."""
+    A separate draft (a copy of the target) has a cache of its own in the same hybrid layout,
+    a page per target page, within the same KV budget, and its windowed tables give back
+    their pages too: every draft is accepted past the window. Small pool, long sequences,
+    repetitive prompts so the self-draft's drafts are accepted."""
     folder, ref = gemma3
-    engine = _hybrid_engine(folder, 70, speculative=speculative)
-    self_draft = "draft_layers" in speculative
-    assert engine.cache_config.layout.is_hybrid == self_draft
-    if not self_draft:  # the draft's cache: as many bytes per block as the target's, once
-        draft_bytes = engine.proposer.proposer.kv.nbytes
-        assert draft_bytes == engine.runner.kv.nbytes <= 70 * 4 * PAGE_BYTES_PER_TOKEN
+    if "model" in speculative:
+        speculative = {**speculative, "model": str(folder)}
+    engine = _hybrid_engine(folder, 140, speculative=speculative)
+    layout = engine.cache_config.layout
+    assert layout.is_hybrid
+    if "draft_layers" in speculative:
+        assert engine.kv_cache.num_blocks == 139  # and the null block
+    else:  # the budget holds both caches: 70 one-layer pages each
+        draft = engine.proposer.proposer.cache
+        assert draft.layout == layout
+        assert draft.manager.num_blocks == engine.kv_cache.num_blocks == 69
+        assert draft.kv.nbytes == engine.runner.kv.nbytes == 70 * 4 * PAGE_BYTES_PER_TOKEN
+        released = []  # after each step: r0's draft pages given back on a windowed table
+        step = engine.step
+
+        def step_and_look():  # noqa: ANN202
+            outputs = step()
+            released.append(draft.manager.tables[1].num_released_blocks("r0"))
+            return outputs
+
+        engine.step = step_and_look
     prompts = [[5, 6, 7, 8] * 6, random_prompts(12, (26,))[0]]
     outputs = run_requests(engine, [(p, greedy(30)) for p in prompts])
-    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    if "model" in speculative:
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+        assert max(released) >= 10  # of r0's 14 blocks (56 tokens), behind the window of 8
     assert_equals_reference(outputs, prompts, ref, 30)
     assert_no_leaks(engine)
 

@@ -308,10 +308,13 @@ def test_more_long_sequences_fit_at_once(mistral) -> None:  # noqa: ANN001
 ], ids=["ngram", "separate-draft"])
 def test_speculative_decoding_with_released_blocks(mistral, speculative: dict) -> None:  # noqa: ANN001
     """Drafts get slots past the final tokens and rejected ones roll back: blocks are released
-    from final tokens only. A separate draft (its own cache on the same block tables) never
-    writes behind the window. Repetitive prompts so drafts are proposed and accepted."""
+    from final tokens only. A separate draft has a cache of its own, from the same budget (12
+    blocks each), whose blocks behind the window go back too. Repetitive prompts so drafts
+    are proposed and accepted."""
     folder, ref = mistral
-    engine = _windowed_engine(folder, 12, speculative=speculative)
+    separate = speculative["method"] == "draft"
+    engine = _windowed_engine(folder, 24 if separate else 12, speculative=speculative)
+    assert engine.kv_cache.num_blocks == 11  # (the null block)
     prompts = [[5, 6, 7, 8] * 6, random_prompts(12, (26,))[0]]
     done, peak = _run_tracking_peak(engine, prompts, 40)
     assert engine.get_stats().spec_decode_num_draft_tokens > 0

@@ -25,6 +25,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # chunks: requests get preempted and come back through prefix-cache hits on their own blocks
 # and on the prefix all prompts share.
 TIGHT = dict(dtype="float32", block_size=4, kv_cache_memory=20 * 2048, max_num_batched_tokens=16)
+TIGHT_BLOCKS = 20
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,6 +78,23 @@ def reference(models: dict[str, Path]) -> dict[str, list[int]]:
                prompts(6, 0), GREEDY)
 
 
+def draft_block_bytes(folder: Path) -> int:
+    """Bytes of a float32 cache block of 4 tokens over every layer of the model in `folder`."""
+    c = json.loads((folder / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 4 * 2 * c["num_hidden_layers"] * c.get("num_key_value_heads",
+                                                   c["num_attention_heads"]) * head_dim * 4
+
+
+def tight(kind: str, models: dict[str, Path]) -> dict:
+    """TIGHT, with room for a separate draft's cache (it shares the KV budget, a block of
+    its own per target block) so that the target keeps its 20 blocks."""
+    if kind == "self":
+        return TIGHT
+    draft = models["target" if kind == "int4" else kind]
+    return {**TIGHT, "kv_cache_memory": TIGHT_BLOCKS * (2048 + draft_block_bytes(draft))}
+
+
 def draft_spec(kind: str, k: int, models: dict[str, Path]) -> dict:
     spec: dict = {"method": "draft", "num_speculative_tokens": k, "adaptive": False}
     if kind == "self":
@@ -92,8 +110,9 @@ def draft_spec(kind: str, k: int, models: dict[str, Path]) -> dict:
                          + [("near", k) for k in (1, 4, 8)] + [("copy", 3), ("small", 3), ("int4", 2)])
 def test_greedy_draft_speculation_is_exact(kind: str, k: int, models: dict[str, Path],
                                            reference: dict[str, list[int]]) -> None:
-    engine = LLMEngine(model=str(models["target"]), **TIGHT,
+    engine = LLMEngine(model=str(models["target"]), **tight(kind, models),
                        speculative=draft_spec(kind, k, models))
+    assert engine.kv_cache.num_blocks == TIGHT_BLOCKS
     assert run(engine, prompts(6, 0), GREEDY) == reference
     stats = engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
@@ -126,7 +145,7 @@ def test_sampled_requests_with_aborts_leave_no_blocks_and_are_reproducible(
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
 
     def sample() -> tuple[dict[str, list[int]], LLMEngine]:
-        engine = LLMEngine(model=str(models["target"]), **TIGHT,
+        engine = LLMEngine(model=str(models["target"]), **tight(kind, models),
                            speculative={**draft_spec(kind, 4, models), "adaptive": True})
         return run(engine, prompts(5, 3), params, abort_after={"r1": 2, "r3": 4}), engine
 
@@ -136,6 +155,54 @@ def test_sampled_requests_with_aborts_leave_no_blocks_and_are_reproducible(
     assert engine.get_stats().spec_decode_num_draft_tokens > 0
     assert_no_leaks(engine)
     assert sample()[0] == first
+
+
+def test_a_draft_short_of_blocks_leaves_requests_undrafted_and_stays_exact(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A separate draft's cache shares the KV budget, a block of its own per target block
+    (16 each here), but not the target's prefix cache: four requests on one 16-token prompt
+    share its 4 blocks in the target and hold a copy each in the draft. The draft runs short:
+    it gives up the K/V of requests not drafting this step first, then leaves a request
+    undrafted. The output is still the target's alone, and both pools end empty."""
+    from argosy_runtime.spec_decode.draft_proposer import DraftProposer
+
+    allocated: list[bool] = []
+    forgotten_running: list[str] = []
+    allocate, forget = DraftProposer._allocate_draft_blocks, DraftProposer.forget
+
+    def spy_allocate(self, request_id, num_tokens, start, drafting):  # noqa: ANN001, ANN202
+        allocated.append(allocate(self, request_id, num_tokens, start, drafting))
+        return allocated[-1]
+
+    def spy_forget(self, request_id):  # noqa: ANN001, ANN202
+        if request_id in self.engine.scheduler.requests:
+            forgotten_running.append(request_id)
+        forget(self, request_id)
+
+    monkeypatch.setattr(DraftProposer, "_allocate_draft_blocks", spy_allocate)
+    monkeypatch.setattr(DraftProposer, "forget", spy_forget)
+    prompt = prompts(1, 5)[0][:16]
+    requests = [prompt] * 4
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 8, 10, 12)]
+    options = dict(dtype="float32", block_size=4, kv_cache_memory=16 * (2048 + 2048))
+    plain = LLMEngine(model=str(models["target"]), **options)
+    expected = [run(plain, [p], q)["r0"] for p, q in zip(requests, params)]
+    engine = LLMEngine(model=str(models["target"]), **options,
+                       speculative=draft_spec("copy", 3, models))
+    assert engine.kv_cache.num_blocks == engine.proposer.proposer.cache.manager.num_blocks == 16
+    for i, (p, q) in enumerate(zip(requests, params)):
+        engine.add_request(f"r{i}", p, q)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert [outputs[f"r{i}"] for i in range(4)] == expected
+    assert True in allocated and False in allocated
+    assert forgotten_running  # a running request's draft K/V made room
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert_no_leaks(engine)
 
 
 def test_draft_with_another_vocabulary_is_rejected(models: dict[str, Path], tmp_path: Path) -> None:
