@@ -14,8 +14,10 @@ Run with `kopf run -A --standalone -m argosy_operator.handlers` (or `argosy oper
 - namespaced (`-n`), a timer on each LLMDeployment that asks for a ServiceMonitor: once the
   CRD is served and the ServiceMonitor is missing -> `reconcile` of that LLMDeployment.
 
-There are no deletion handlers and no finalizers: every child carries an owner reference, and
-Kubernetes' garbage collector deletes the children with their LLMDeployment.
+There are no deletion handlers: every child carries an owner reference, and Kubernetes'
+garbage collector deletes the children with their LLMDeployment. kopf's own finalizer is on an
+LLMDeployment only while one of the timers runs for it (autoscaling; namespaced, the
+ServiceMonitor recheck), until that timer has stopped (docs/operator.md).
 """
 
 from __future__ import annotations
@@ -71,6 +73,37 @@ def get_client() -> KubeClient:
     return client
 
 
+class GenerationProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's progress annotations, forgotten once the spec changes (a new generation).
+
+    A reconcile that failed (an API error, a ChildConflict) waits for its retry, up to
+    APPLY_RETRY_DELAYS[-1]; kopf keeps that wait, and the count of tries behind it, across
+    later changes of the object. So a spec that fixes the failure (dropping the child whose
+    name is taken, say) was applied only when the wait of the old generation ran out,
+    minutes later. Each record notes the generation it was written for; a record of another
+    generation is not handed to kopf, which then reconciles the new spec at once, counting
+    tries from zero."""
+
+    _GENERATION = "generation"
+
+    def fetch(self, *, key: Any, body: kopf.Body) -> Any:
+        record = super().fetch(key=key, body=body)
+        if record is None:
+            return None
+        record = dict(record)
+        generation = record.pop(self._GENERATION, None)
+        if generation is not None and generation != body.get("metadata", {}).get("generation"):
+            return None
+        # Without the note: kopf stores a record again only when it differs from the fetched.
+        return record
+
+    def store(self, *, key: Any, record: Any, body: kopf.Body, patch: Any) -> None:
+        generation = body.get("metadata", {}).get("generation")
+        if generation is not None:
+            record = {**record, self._GENERATION: generation}
+        super().store(key=key, record=record, body=body, patch=patch)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # One operator replica (the Deployment uses the Recreate strategy): no peering objects.
@@ -95,7 +128,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.reporting_component = OPERATOR_NAME
     settings.posting.reporting_instance = os.environ.get("POD_NAME", OPERATOR_NAME)
     # Keep kopf's bookkeeping out of status (which users and the autoscaler read).
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.progress_storage = GenerationProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=KOPF_PREFIX, key="last-handled-configuration")
     # Watch only the operator's own children and pods, filtered by the API server (the

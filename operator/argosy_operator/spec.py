@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from argosy_operator.autoscaling.policy import AutoscalingPolicy
 from argosy_operator.constants import RUNTIME_IMAGE_CPU, RUNTIME_IMAGE_CUDA
 
 # Nested objects whose keys get defaults. Optional fields without a default are absent here.
@@ -176,6 +177,11 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     autoscaling = out["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         raise ValueError("spec.autoscaling.minReplicas: must be <= maxReplicas")
+    if autoscaling["enabled"]:
+        # Every rule the autoscaler's timer checks, so that a policy it cannot run is refused
+        # here (Degraded InvalidSpec) rather than only by the timer, which would scale nothing.
+        # The CRD checks panicWindowSeconds <= stableWindowSeconds only since it has the rule.
+        AutoscalingPolicy.from_spec(autoscaling)
     if out["rollout"]["progressDeadlineSeconds"] <= out["runtime"]["startupTimeoutSeconds"]:
         raise ValueError("spec.rollout.progressDeadlineSeconds: must exceed "
                          "runtime.startupTimeoutSeconds")

@@ -114,11 +114,23 @@ def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None
     return base
 
 
+def _without_nulls(value: Any) -> Any:
+    """`value` as the API server stores it after a merge patch: a null deletes its key."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def status_patch(current: Mapping[str, Any] | None, computed: Mapping[str, Any], now: str
                  ) -> dict[str, Any] | None:
-    """The fields of `computed` that differ from `current` (conditions merged); None if none."""
+    """The fields of `computed` that differ from `current` (conditions merged); None if none.
+
+    A null in `computed` means "absent" (the patch deletes the key): compared as such, or a
+    nested null (the autoscaler's `status.autoscaling.limitedBy`, say) would differ from the
+    stored object forever, and every tick would write the same status again."""
     current = current or {}
-    patch = {k: v for k, v in computed.items() if k != "conditions" and current.get(k) != v}
+    patch = {k: v for k, v in computed.items()
+             if k != "conditions" and current.get(k) != _without_nulls(v)}
     if "conditions" in computed:
         merged = merge_conditions(current.get("conditions"), computed["conditions"], now)
         if merged != list(current.get("conditions") or []):

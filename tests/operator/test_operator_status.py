@@ -192,6 +192,29 @@ def test_status_patch_is_none_when_nothing_changed() -> None:
     assert set(patch) == {"readyReplicas", "conditions"}
 
 
+def test_an_unchanged_autoscaling_decision_writes_no_status_again() -> None:
+    """The autoscaler's status holds nested nulls (limitedBy, the ratios without data), which
+    the API server's merge patch drops: the stored status must still count as unchanged, or
+    every tick (each scrapeIntervalSeconds, per LLMDeployment) sends the same status again."""
+    from argosy_operator.autoscaling.decision import DecisionState, decide
+    from argosy_operator.autoscaling.policy import AutoscalingPolicy
+    from argosy_operator.autoscaling.status import autoscaling_status
+    from kmock._internal.dicts import merge_patch_dict  # RFC 7386, as the API server applies
+
+    decision = decide(AutoscalingPolicy(enabled=True), 1, [], DecisionState(), 10.0)
+    computed = autoscaling_status(decision, None)
+    assert computed["autoscaling"]["limitedBy"] is None
+    first = status_patch({}, computed, "T1")
+    assert first is not None
+    stored = merge_patch_dict({}, first)
+    assert "limitedBy" not in stored["autoscaling"]
+    assert status_patch(stored, autoscaling_status(decision, None), "T2") is None
+    # A field that goes away is still deleted (its null is sent).
+    stored["autoscaling"]["limitedBy"] = "MaxReplicas"
+    patch = status_patch(stored, autoscaling_status(decision, None), "T3")
+    assert patch is not None and patch["autoscaling"]["limitedBy"] is None
+
+
 # --- writing the status under concurrency ----------------------------------------------------
 
 

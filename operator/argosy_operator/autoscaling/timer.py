@@ -52,6 +52,7 @@ from argosy_operator.workload import (
 TIMER_ID = "autoscaling"
 TICK_SECONDS = float(os.environ.get("ARGOSY_AUTOSCALE_TICK_SECONDS", "1.0"))
 _MEMO_KEY = "argosy_autoscaling"
+_INVALID_KEY = "argosy_autoscaling_invalid"  # the invalid policy last logged
 
 
 @dataclasses.dataclass
@@ -151,10 +152,15 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     try:
         policy = AutoscalingPolicy.from_spec(spec.get("autoscaling"))
     except ValueError as exc:
-        logger.error(f"autoscaling: invalid policy: {exc}")
+        if memo.get(_INVALID_KEY) != str(exc):
+            # Once per policy, not per tick: an error line a second for as long as the spec
+            # stays as it is buried the operator's log (the reconcile reports InvalidSpec).
+            memo[_INVALID_KEY] = str(exc)
+            logger.error(f"autoscaling: invalid policy: {exc}")
         await _write_status(_client(), llmd, {"conditions": inactive_conditions(
             "InvalidPolicy", str(exc))}, logger)
         return
+    memo.pop(_INVALID_KEY, None)
     if not policy.enabled:
         return
 
