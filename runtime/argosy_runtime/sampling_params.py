@@ -12,13 +12,17 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_BAD_WORDS = 128  # vLLM's default VLLM_MAX_NUM_BAD_WORDS (it counts token sequences)
+# Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
+# ~1e-38 or less overflows them to inf, and the softmax then samples NaNs (token 0 every step).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
 
-    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `temperature == 0` (or below GREEDY_TEMPERATURE) means greedy. `top_k <= 0` and
+    `top_p == 1` disable those filters.
     `logprobs=k` returns the sampled token's logprob plus the top-k alternatives per generated
     token; `prompt_logprobs=k` does the same for every prompt token after the first.
     `max_tokens=0` is a prompt-only request: the prompt runs (scored with `prompt_logprobs`)
@@ -134,7 +138,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self) -> SamplingParams:
         import copy

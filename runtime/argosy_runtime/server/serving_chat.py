@@ -143,10 +143,21 @@ def chat_logprobs(ctx: ServingContext, seq: CompletionOutput, start: int, end: i
         for t, alt in top_entries(entry, k):
             alt_text = token_text(ctx.tokenizer, t, alt)
             alts.append({"token": alt_text, "logprob": alt.logprob,
-                         "bytes": list(alt_text.encode())})
+                         "bytes": token_bytes(ctx, t, alt_text)})
         content.append({"token": text, "logprob": -9999.0 if lp is None else lp.logprob,
-                        "bytes": list(text.encode()), "top_logprobs": alts})
+                        "bytes": token_bytes(ctx, token_id, text), "top_logprobs": alts})
     return {"content": content}
+
+
+def token_bytes(ctx: ServingContext, token_id: int, text: str) -> list[int]:
+    """OpenAI's `bytes` of a token: its own bytes, so that the tokens of a character split
+    across several (an emoji is 3 tokens of byte-level BPE, each decoded alone as U+FFFD)
+    join back into it; the text's UTF-8 when it decodes whole (or is a special token)."""
+    if "\ufffd" in text:
+        raw = ctx.engine.engine.grammar_compiler.token_bytes(token_id)
+        if raw is not None:
+            return list(raw)
+    return list(text.encode())
 
 
 async def create_chat_completion(request: Request, req: ChatCompletionRequest,

@@ -70,16 +70,15 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
     tool = forced_tool(req)
     if tool is not None:
         return StructuredOutputsParams(json=tool.function.parameters or _NO_ARGUMENTS)
-    items, defs = [], {}
-    for tool in req.tools:
+    items = []
+    for i, tool in enumerate(req.tools):
         params = copy.deepcopy(tool.function.parameters or _NO_ARGUMENTS)
-        # "#/$defs/..." references resolve against the root schema: lift every tool's $defs.
-        defs_of_tool = params.pop("$defs", {})
-        if not isinstance(defs_of_tool, dict):
+        if not isinstance(params.get("$defs", {}), dict):
             raise bad_request(f"tools: $defs of {tool.function.name!r} must be an object", "tools")
-        for name, schema in defs_of_tool.items():
-            if defs.setdefault(name, schema) != schema:
-                raise bad_request(f"tools define $defs/{name} differently", "tools")
+        # Each tool's schema is a resource of its own ($id), so that its local references
+        # ("#/$defs/X", draft-07's "#/definitions/X", "#" for itself) resolve against it, not
+        # against this array: two tools may then define the same $defs name differently.
+        params.setdefault("$id", f"urn:argosy:tool:{i}")
         items.append({"type": "object",
                       "properties": {"name": {"enum": [tool.function.name]},
                                      "parameters": params},
@@ -87,8 +86,6 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return StructuredOutputsParams(json=schema)
 
 

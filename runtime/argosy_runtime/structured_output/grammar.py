@@ -73,6 +73,26 @@ class GrammarCompiler:
         """Raise ValueError if the spec cannot compile; otherwise cache it."""
         self._prototype(params)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a (non-special) token stands for: a byte-level BPE token can hold part
+        of a UTF-8 character, which its decoded text shows as U+FFFD. None for a special
+        token or an id outside the vocabulary."""
+        with self._lock:
+            ll_tokenizer = self._llguidance_tokenizer()
+        if not 0 <= token_id < self._vocab_size or ll_tokenizer.is_special_token(token_id):
+            return None
+        return ll_tokenizer.decode_bytes([token_id])
+
+    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        """(Under the lock.)"""
+        import llguidance
+
+        if self._ll_tokenizer is None:  # about 0.2 s for a 49k vocabulary, once
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
+                eos_token=self._eos_token_ids or None)
+        return self._ll_tokenizer
+
     def _prototype(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         import llguidance
 
@@ -82,10 +102,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-            if self._ll_tokenizer is None:  # about 0.2 s for a 49k vocabulary, once
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                    eos_token=self._eos_token_ids or None)
+            self._llguidance_tokenizer()
         matcher = llguidance.LLMatcher(self._ll_tokenizer, _llguidance_grammar(params),
                                        log_level=0, limits=parser_limits())
         if matcher.is_error():

@@ -97,10 +97,12 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> str:
-        """Identifies the compiled grammar: equal keys compile to the same matcher."""
+        """Identifies the compiled grammar: equal keys compile to the same matcher. Not
+        sorted: the order of a schema's `properties` is the order its output writes them
+        (reasoning before answer), so two orders are two grammars."""
         spec = {name: getattr(self, name) for name in
                 ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")}
-        return json.dumps(spec, sort_keys=True)
+        return json.dumps(spec)
 
 
 def _schema_dict(schema: object) -> dict[str, Any]:

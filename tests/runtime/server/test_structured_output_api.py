@@ -286,3 +286,22 @@ def test_a_stream_failing_mid_generation_sends_its_text_before_the_error(
     assert "".join(c["choices"][0]["delta"].get("content") or ""
                    for c in chunks) == "".join(tokens)
     assert _access_log(server, rid)["finish_reason"] == "error"
+
+
+def test_logprob_bytes_of_a_character_split_across_tokens_join_into_it(client: OpenAI) -> None:
+    """An emoji is three byte-level tokens, each decoded alone as U+FFFD: their `bytes` are
+    the token's own (OpenAI's), which join into the character, in the stream too."""
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8, logprobs=True,
+              top_logprobs=2, extra_body={"structured_outputs": {"regex": "😀é!"}})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "😀é!"
+    assert any(t.token == "\ufffd" for t in content)  # a real split
+    assert bytes(b for t in content for b in t.bytes).decode() == "😀é!"
+    for t in content:
+        for alt in t.top_logprobs:
+            assert alt.bytes == list(alt.token.encode()) or alt.token == "\ufffd"
+    streamed = [t for chunk in client.chat.completions.create(**kw, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content]
+    assert bytes(b for t in streamed for b in t.bytes).decode() == "😀é!"

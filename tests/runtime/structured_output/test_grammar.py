@@ -300,3 +300,21 @@ def _grammar_of(kwargs: dict) -> str:
     from argosy_runtime.structured_output.grammar import _llguidance_grammar
 
     return _llguidance_grammar(StructuredOutputsParams(**kwargs))
+
+
+def test_schemas_that_differ_only_in_property_order_are_not_one_grammar(
+        compiler, checkpoint) -> None:
+    """The output writes properties in the schema's order (a "reasoning" before its
+    "answer"): a schema must not get the cached grammar of its reordered twin."""
+    tok = checkpoint.tokenizer
+    props = {"reasoning": {"type": "string"}, "answer": {"type": "integer"}}
+    first, second = ({"type": "object", "properties": dict(order),
+                      "required": ["answer", "reasoning"], "additionalProperties": False}
+                     for order in (props.items(), reversed(props.items())))
+    for schema, text in ((first, '{"reasoning":"x","answer":1}'),
+                         (second, '{"answer":1,"reasoning":"x"}')):
+        grammar = compiler.compile(StructuredOutputsParams(json=schema,
+                                                           disable_any_whitespace=True))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert all(grammar.allowed_tokens(ids[:n])[ids[n]] for n in range(len(ids))), text
+        assert grammar.is_done(ids)

@@ -1,0 +1,75 @@
+"""The grammar of tool_choice "required" (server/tool_calls.py) on the embedded model's real
+tokenizer: each tool's local `$ref`s resolve against that tool's own parameters schema, not
+against the array of calls the output is."""
+
+from __future__ import annotations
+
+import pytest
+from argosy_runtime.model_loader import load_checkpoint
+from argosy_runtime.server.protocol import ChatCompletionRequest
+from argosy_runtime.server.tool_calls import tool_call_constraint
+from argosy_runtime.structured_output.grammar import GrammarCompiler
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def compiler(checkpoint) -> GrammarCompiler:
+    return GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size,
+                           checkpoint.tokenizer.eos_token_ids)
+
+
+def _item(p: dict) -> dict:
+    return {"type": "object", "properties": p, "required": list(p),
+            "additionalProperties": False}
+
+
+# Two pydantic-style tools whose nested models share a name but not a shape, a draft-07 tool
+# ("definitions"), and a recursive one ("#": its own parameters).
+TOOLS = [
+    {"type": "function", "function": {"name": "a", "parameters": {
+        **_item({"x": {"$ref": "#/$defs/Item"}}),
+        "$defs": {"Item": _item({"p": {"type": "integer"}})}}}},
+    {"type": "function", "function": {"name": "b", "parameters": {
+        **_item({"y": {"$ref": "#/$defs/Item"}}),
+        "$defs": {"Item": _item({"q": {"type": "boolean"}})}}}},
+    {"type": "function", "function": {"name": "c", "parameters": {
+        **_item({"z": {"$ref": "#/definitions/Z"}}), "definitions": {"Z": {"type": "null"}}}}},
+    {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                         "v": {"type": "integer"}},
+        "required": ["v"], "additionalProperties": False}}},
+]
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer, text: str) -> bool:
+    """Whether the tool-call grammar takes `text` as a whole output, token by token."""
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                tool_choice="required")
+    params = tool_call_constraint(req)
+    params.disable_any_whitespace = True
+    grammar = compiler.compile(params)
+    out: list[int] = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not grammar.allowed_tokens(out)[token]:
+            return False
+        out.append(token)
+    return grammar.is_done(out)
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ('[{"name":"a","parameters":{"x":{"p":1}}}]', True),
+    ('[{"name":"b","parameters":{"y":{"q":true}}}]', True),
+    ('[{"name":"a","parameters":{"x":{"q":true}}}]', False),  # b's Item, not a's
+    ('[{"name":"c","parameters":{"z":null}}]', True),
+    ('[{"name":"tree","parameters":{"kids":[{"kids":[],"v":2}],"v":1}}]', True),
+    # "#" is the tool's parameters, not the array of calls around them
+    ('[{"name":"tree","parameters":{"kids":[[{"name":"tree","parameters":{"v":2}}]],"v":1}}]',
+     False),
+])
+def test_each_tools_references_resolve_in_its_own_schema(compiler, checkpoint, text: str,
+                                                         ok: bool) -> None:
+    assert _accepts(compiler, checkpoint.tokenizer, text) is ok
