@@ -33,7 +33,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ReplicaProcess:
     """A runtime server subprocess: `start`, `wait_ready`, `drain` (SIGTERM), `kill`.
 
-    Its output goes to `log_path` (a pipe nobody reads would fill and stall the server).
+    Its output goes to `log_path` (a pipe nobody reads would fill and stall the server). It
+    runs in a process group of its own (pgid = its pid) that the processes it starts join
+    (the tensor-parallel workers): `kill` SIGKILLs the whole group, so none is left behind,
+    blocked on a parent that is gone.
     """
 
     def __init__(
@@ -59,7 +62,8 @@ class ReplicaProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False  # has answered /ready once (until then its start-up is in charge)
         self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
-        self.draining = False
+        self.draining = False  # being drained: taken out of the fleet, not to be replaced
+        self.stopping = False  # SIGTERM sent (`terminate`): it is exiting or about to be killed
         # time.monotonic() of the first of the liveness checks it is failing in a row, or None
         self.failing_since: float | None = None
 
@@ -88,6 +92,7 @@ class ReplicaProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
                 env=_replica_env(),
+                start_new_session=True,  # a process group of its own, for `kill`
             )
         finally:
             log.close()
@@ -120,23 +125,46 @@ class ReplicaProcess:
         if self.process is None:
             return None
         self.draining = True
+        return await self.terminate(timeout, "draining it")
+
+    async def terminate(self, grace: float, why: str) -> int | None:
+        """SIGTERM to the server (it can log, finish or give up what runs, and stop its
+        workers itself); if it has not exited `grace` seconds later, SIGKILL to its whole
+        process group (`kill`). Whatever of the group outlives it is killed too. Returns the
+        exit code; `why` is for the log."""
+        if self.process is None:
+            return None
+        self.stopping = True
         if self.process.returncode is None:
+            logger.info("replica %s (pid %d): SIGTERM (%s)", self.url, self.process.pid, why)
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
         try:
-            return await asyncio.wait_for(self.process.wait(), timeout)
+            code = await asyncio.wait_for(self.process.wait(), grace)
         except TimeoutError:
-            logger.warning("replica %s did not drain in %.0f s; killing it", self.url, timeout)
+            logger.warning("replica %s (pid %d) did not exit within %g s of SIGTERM (%s): "
+                           "SIGKILL to its process group", self.url, self.process.pid, grace, why)
             return await self.kill()
+        self.kill_group()  # a worker it left behind
+        return code
 
     async def kill(self) -> int | None:
-        """SIGKILL, no draining."""
+        """SIGKILL to its whole process group, no draining. Returns the exit code."""
         if self.process is None:
             return None
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+        self.kill_group()
         return await self.process.wait()
+
+    def kill_group(self) -> None:
+        """SIGKILL now to the replica and every process of its group (its workers)."""
+        if self.process is None:
+            return
+        # Its pgid is its pid (start_new_session), and stays taken while any process of the
+        # group lives, even after the replica itself has exited and been reaped. (Not
+        # self.process.kill() as well: Popen polls first, and reaping the replica there
+        # would leave asyncio's child watcher to report exit code 255.)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def log_tail(self, n: int = 20) -> str:
         try:

@@ -8,7 +8,8 @@ fleet starts replica processes or drains them (out of rotation first, then SIGTE
 A replica process that dies unexpectedly is taken out of rotation and replaced; so is one
 that fails its liveness check (/health answering an error, or nothing, for
 `liveness_timeout_s`: a hung process or a dead engine thread), as the operator's pods'
-livenessProbe does in a cluster.
+livenessProbe does in a cluster: SIGTERM, then SIGKILL to its whole process group (its
+tensor-parallel workers too) after LIVENESS_KILL_GRACE_S.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ CRASH_LOOP_WINDOW_S = 60.0
 PORT_ATTEMPTS = 3
 # One /health probe's limit (the operator's livenessProbe timeoutSeconds).
 LIVENESS_PROBE_TIMEOUT_S = 5.0
+# A replica that fails its liveness check gets SIGTERM, then SIGKILL (its whole process group)
+# this long after if it has not exited: time to log and let go of its workers, not to drain
+# (its requests are not going to finish). `argosy serve` gives its HTTP server 5 s too.
+LIVENESS_KILL_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -356,11 +361,10 @@ class Fleet:
         self.processes.clear()
 
     def kill(self) -> None:
-        """SIGKILL every replica now: a stop() waiting for them to drain returns at once."""
+        """SIGKILL every replica (and its workers) now: a stop() waiting for them to drain
+        returns at once."""
         for proc in self.processes:
-            if proc.alive:
-                with contextlib.suppress(ProcessLookupError):  # exited since
-                    proc.process.kill()
+            proc.kill_group()
 
     async def _watch_processes(self) -> None:
         """Replace replicas that exit without being drained."""
@@ -374,6 +378,7 @@ class Fleet:
                                _exit_reason(proc.process.returncode), proc.log_path,
                                proc.log_tail() or "(empty)")
                 self.processes.remove(proc)
+                proc.kill_group()  # workers it left behind (a crash runs no clean-up)
                 if self.gateway is not None:
                     self.gateway.pools[self.config.name].remove(proc.url)
                 if self.config.restart:
@@ -397,15 +402,18 @@ class Fleet:
             self._failed_scale_ups = 0
 
     async def _check_liveness(self) -> None:
-        """Kill (SIGKILL) a ready replica whose /health has failed for liveness_timeout_s:
-        _watch_processes then replaces it. Starting and draining replicas are not probed
-        (start-up has its own timeout; a drain its own)."""
+        """Stop a ready replica whose /health has failed for liveness_timeout_s (SIGTERM, then
+        SIGKILL to its process group after LIVENESS_KILL_GRACE_S, in the background: the
+        others are still probed meanwhile); _watch_processes then replaces it. Starting,
+        draining and stopping replicas are not probed (start-up has its own timeout; a drain
+        its own)."""
         timeout = aiohttp.ClientTimeout(total=min(LIVENESS_PROBE_TIMEOUT_S,
                                                   self.config.liveness_timeout_s))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 await asyncio.sleep(self.config.health_interval_s)
-                probed = [p for p in self.processes if p.ready and p.alive and not p.draining]
+                probed = [p for p in self.processes
+                          if p.ready and p.alive and not p.draining and not p.stopping]
                 failures = await asyncio.gather(*(_health_failure(session, p.url)
                                                   for p in probed))
                 now = time.monotonic()
@@ -421,10 +429,12 @@ class Fleet:
                         continue  # drained (or gone) while it was probed: not ours to kill
                     elif now - proc.failing_since >= self.config.liveness_timeout_s:
                         logger.error("replica %s has failed its liveness check for %.0f s "
-                                     "(%s): killing it to replace it", proc.url,
-                                     now - proc.failing_since, failure)
-                        with contextlib.suppress(ProcessLookupError):
-                            proc.process.kill()
+                                     "(%s): stopping it to replace it (SIGTERM, SIGKILL to "
+                                     "its process group after %g s)", proc.url,
+                                     now - proc.failing_since, failure, LIVENESS_KILL_GRACE_S)
+                        proc.stopping = True  # not probed again while the task below runs
+                        self._spawn(proc.terminate(LIVENESS_KILL_GRACE_S,
+                                                   "its liveness check failed"))
 
     def _restart_wait(self, proc: ReplicaProcess) -> float:
         """How long to wait before replacing `proc`, which exited: at once, unless replicas

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from argosy_runtime.fleet import supervisor
 from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
 
 FAKE_REPLICA = str(Path(__file__).with_name("fake_replica.py"))
@@ -237,7 +238,7 @@ def test_sigterm_drains_every_replica_and_exits_0(fleet_cli) -> None:
     cli.proc.send_signal(signal.SIGTERM)
     assert cli.proc.wait(timeout=20) == 0, cli.stderr()
     assert cli.close() == []
-    assert "did not drain" not in cli.stderr()  # drained, not killed
+    assert "SIGKILL" not in cli.stderr()  # drained, not killed
 
 
 def test_a_second_signal_kills_replicas_that_do_not_drain(fleet_cli, tmp_path: Path) -> None:
@@ -472,14 +473,17 @@ def test_a_signal_while_scaling_up_from_zero_stops_the_fleet_at_once(
 
 @pytest.mark.parametrize("failure", ["engine dead", "hung"])
 async def test_a_replica_failing_its_liveness_check_is_killed_and_replaced(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, failure: str) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        failure: str) -> None:
     """A ready replica whose /health answers 503 (its engine thread died: the process lives
-    on) or does not answer at all (SIGSTOP: a hung process) for liveness_timeout_s is killed
-    and replaced; the other replica is left alone. The gateway had already taken a hung one
-    out of rotation, but only this puts the fleet back to two replicas."""
+    on) or does not answer at all (SIGSTOP: a hung process) for liveness_timeout_s is stopped
+    (SIGTERM, SIGKILL after the grace period) and replaced; the other replica is left alone.
+    The gateway had already taken a hung one out of rotation, but only this puts the fleet
+    back to two replicas."""
     import aiohttp
 
-    caplog.set_level(logging.WARNING, logger="argosy_runtime.fleet.supervisor")
+    monkeypatch.setattr(supervisor, "LIVENESS_KILL_GRACE_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="argosy_runtime.fleet")
     fleet = Fleet(FleetConfig(model="tiny", replicas=2, port=0,
                               serve_command=(sys.executable, FAKE_REPLICA), health_interval_s=0.2,
                               liveness_timeout_s=1.0, log_dir=str(tmp_path), ready_timeout_s=30))
@@ -497,8 +501,9 @@ async def test_a_replica_failing_its_liveness_check_is_killed_and_replaced(
                 p.ready for p in fleet.processes):
             assert time.monotonic() < deadline, caplog.text
             await asyncio.sleep(0.1)
-        assert sick.process.returncode == -signal.SIGKILL and well in fleet.processes
-        assert well.process.returncode is None
+        # A live process drains on SIGTERM (exit 0); a stopped one cannot: SIGKILL.
+        assert sick.process.returncode == (0 if failure == "engine dead" else -signal.SIGKILL)
+        assert well in fleet.processes and well.process.returncode is None
         assert f"replica {sick.url} has failed its liveness check" in caplog.text
         pool = fleet.gateway.pools["tiny"]
         deadline = time.monotonic() + 10
@@ -509,6 +514,86 @@ async def test_a_replica_failing_its_liveness_check_is_killed_and_replaced(
     finally:
         await fleet.stop()
     assert _kill_all(pids) == []
+
+
+# Ready, /health always 503 (a dead engine), ignores SIGTERM (prints when it gets one), and
+# has started a child process that outlives it unless killed with it: a replica's
+# tensor-parallel worker. Prints the child's pid.
+UNHEALTHY_WITH_A_WORKER = """
+import http.server, signal, subprocess, sys
+def on_sigterm(*_):
+    print("SIGTERM ignored", flush=True)
+signal.signal(signal.SIGTERM, on_sigterm)
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("worker pid", worker.pid, flush=True)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ready" else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+async def _liveness_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Start a fleet of one UNHEALTHY_WITH_A_WORKER replica (not replaced), wait until it has
+    exited; returns it, when the fleet saw it exit (time.time()), its worker's pid."""
+    monkeypatch.setattr(supervisor, "LIVENESS_KILL_GRACE_S", 1.0)
+    script = _script(tmp_path, "unhealthy.py", UNHEALTHY_WITH_A_WORKER)
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, restart=False,
+                              serve_command=(sys.executable, script), health_interval_s=0.2,
+                              liveness_timeout_s=1.0, log_dir=str(tmp_path), ready_timeout_s=30))
+    await fleet.start()
+    (sick,) = fleet.processes
+    worker, left = None, []
+    try:
+        deadline = time.monotonic() + 20
+        while sick.alive:
+            if worker is None and "worker pid" in sick.log_tail():
+                worker = int(sick.log_tail().split("worker pid ")[1].split()[0])
+            assert time.monotonic() < deadline, sick.log_tail()
+            await asyncio.sleep(0.02)
+        exited_at = time.time()
+        if worker is None:
+            worker = int(sick.log_tail().split("worker pid ")[1].split()[0])
+    finally:
+        await fleet.stop()
+        if worker is not None:
+            await asyncio.sleep(0.5)  # a SIGKILL is delivered, not waited for
+            left = _kill_all({worker})
+    return sick, exited_at, left
+
+
+async def test_a_replica_that_ignores_sigterm_is_killed_after_the_grace_period(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The liveness kill was a SIGKILL at once: the replica could not log or let go of its
+    workers. Now SIGTERM first; one that ignores it (or cannot act on it) is SIGKILLed once
+    the grace period (1 s here) has passed."""
+    caplog.set_level(logging.INFO, logger="argosy_runtime.fleet")
+    sick, exited_at, _ = await _liveness_kill(tmp_path, monkeypatch)
+    assert sick.process.returncode == -signal.SIGKILL
+    assert "SIGTERM ignored" in sick.log_tail(), sick.log_tail()
+    sigterm = f"replica {sick.url} (pid {sick.process.pid}): SIGTERM (its liveness check failed)"
+    (sent,) = [r for r in caplog.records if r.getMessage() == sigterm]
+    assert exited_at - sent.created >= 1.0  # the grace period
+    assert f"replica {sick.url} has failed its liveness check" in caplog.text
+    assert (f"replica {sick.url} (pid {sick.process.pid}) did not exit within 1 s of SIGTERM "
+            "(its liveness check failed): SIGKILL to its process group") in caplog.text
+
+
+async def test_a_replica_killed_for_liveness_leaves_no_worker_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain SIGKILL of the replica left its child processes (tensor-parallel workers)
+    running, orphaned; its whole process group is killed now."""
+    sick, _, left = await _liveness_kill(tmp_path, monkeypatch)
+    assert sick.process.returncode == -signal.SIGKILL
+    assert left == [], "the replica's worker outlived it"
 
 
 @pytest.mark.parametrize("seconds", [-1, 0.2, float("nan")])
