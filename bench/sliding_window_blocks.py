@@ -9,10 +9,14 @@ layer (one whole sequence). `--arch mistral`: every layer windowed, one block ta
 windows: one block table, every block kept until the request ends (as before either was
 built); "release" is the engine as it is. It prints, per mode, the most requests running in
 one step, the most pages held (one page: a block of `page_layers` layers), the preemptions,
-the wall time, and whether both modes' tokens are equal.
+the wall time, and whether both modes' tokens are equal. `--draft`: speculative decoding with
+a separate draft (a copy of the model, 3 tokens) whose cache (spec_decode/draft_cache.py)
+takes a page per target page from the same memory, which is doubled; in "keep" mode the
+draft's cache is one table too (as it was before drafts had layouts of their own).
 
     python bench/sliding_window_blocks.py
     python bench/sliding_window_blocks.py --arch gemma3
+    python bench/sliding_window_blocks.py --arch gemma3 --draft
     python bench/sliding_window_blocks.py --window 128 --requests 8 --new 1500
 """
 
@@ -41,14 +45,22 @@ def bytes_per_token(folder: Path) -> int:
 
 
 def run(folder: Path, args: argparse.Namespace, release: bool) -> dict:
+    memory = args.pool * args.block_size * bytes_per_token(folder)
     kwargs = dict(model=str(folder), dtype="float32", block_size=args.block_size,
                   max_num_batched_tokens=args.step_tokens, max_num_seqs=args.requests,
-                  kv_cache_memory=args.pool * args.block_size * bytes_per_token(folder))
+                  kv_cache_memory=memory)
+    if args.draft:
+        kwargs.update(kv_cache_memory=2 * memory, speculative={
+            "method": "draft", "model": str(folder), "num_speculative_tokens": 3,
+            "adaptive": False})
     if release:
         engine = LLMEngine(**kwargs)
     else:  # one table, no window known to the KV manager: every block kept
-        with mock.patch("argosy_runtime.engine.kv_cache_layout",
-                        lambda windows, num_layers, max_len: single_table_layout(num_layers)):
+        def one_table(windows, num_layers, max_len):  # noqa: ANN001, ANN202
+            return single_table_layout(num_layers)
+
+        with mock.patch("argosy_runtime.engine.kv_cache_layout", one_table), \
+                mock.patch("argosy_runtime.spec_decode.draft_cache.kv_cache_layout", one_table):
             engine = LLMEngine(**kwargs)
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     for i in range(args.requests):
@@ -70,6 +82,8 @@ def run(folder: Path, args: argparse.Namespace, release: bool) -> dict:
                 page_layers=layout.page_layers, tables=layout.num_tables,
                 most_running=most_running, most_blocks=most_blocks, steps=steps,
                 preemptions=engine.get_stats().num_preemptions,
+                drafts=engine.get_stats().spec_decode_num_draft_tokens,
+                accepted=engine.get_stats().spec_decode_num_accepted_tokens,
                 seconds=round(time.perf_counter() - started, 1), tokens=tokens)
 
 
@@ -98,6 +112,8 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=65,
                    help="KV memory in blocks of every layer (the null block included)")
     p.add_argument("--step-tokens", type=int, default=256, help="max_num_batched_tokens")
+    p.add_argument("--draft", action="store_true",
+                   help="speculate with a separate draft (a copy of the model)")
     args = p.parse_args()
     folder = model_dir(args)
     print(f"{args.arch}, window {args.window}, block_size {args.block_size}, {args.requests} requests of "
@@ -109,7 +125,8 @@ def main() -> None:
         print(f"{r['mode']:>8}: {r['tables']} table(s), pages of {r['page_layers']} layers, "
               f"usable pages {r['usable_blocks']}, most running "
               f"{r['most_running']}, most pages held {r['most_blocks']}, preemptions "
-              f"{r['preemptions']}, steps {r['steps']}, {r['seconds']} s")
+              f"{r['preemptions']}, steps {r['steps']}, {r['seconds']} s"
+              + (f", drafts accepted {r['accepted']}/{r['drafts']}" if args.draft else ""))
     print("tokens equal:", results[0]["tokens"] == results[1]["tokens"])
 
 

@@ -128,9 +128,9 @@ class LLMEngine:
 
         speculative = self._speculative_config()
         # A separate draft model loads before the KV cache is sized: on a GPU its weights
-        # must not be counted as cache memory, and its own cache (a page per page of the
-        # target's, spec_decode/draft_cache.py) shares the budget.
-        draft_model, draft_bytes_per_page = self._load_draft_model(speculative)
+        # must not be counted as cache memory, and its own cache (spec_decode/draft_cache.py)
+        # shares the budget.
+        draft_model = self._load_draft_model(speculative)
 
         cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         # Windowed layers give back the blocks behind their window as a request advances:
@@ -140,10 +140,16 @@ class LLMEngine:
                                  self.max_model_len)
         bytes_per_block = kv_cache_bytes_per_block(self.model, args.block_size, cache_dtype,
                                                    layout.page_layers)
+        draft_bytes = 0.0  # the draft cache's bytes per target page
+        if draft_model is not None:
+            from argosy_runtime.spec_decode.draft_cache import draft_cache_bytes_per_target_page
+
+            draft_bytes = draft_cache_bytes_per_target_page(
+                draft_model, speculative, self.max_model_len, layout, args.block_size, self.dtype)
         if self.spec.is_encoder:  # no KV tensor (models/bert.py): blocks for a full batch
             num_blocks = args.max_num_seqs * -(-self.max_model_len // args.block_size)
         else:
-            num_blocks = self._kv_cache_memory() // (bytes_per_block + draft_bytes_per_page)
+            num_blocks = int(self._kv_cache_memory() // (bytes_per_block + draft_bytes))
         self.cache_config = CacheConfig(args.block_size, int(num_blocks), cache_dtype,
                                         args.enable_prefix_caching and not self.spec.is_encoder,
                                         layout)
@@ -353,21 +359,13 @@ class LLMEngine:
         return SpeculativeConfig.from_user(self.args.speculative)
 
     def _load_draft_model(self, speculative: SpeculativeConfig | None
-                          ) -> tuple[LlamaForCausalLM | None, int]:
-        """A separate draft model (or None), and the bytes of its cache per target page."""
+                          ) -> LlamaForCausalLM | None:
+        """A separate draft model, or None."""
         if speculative is None or not speculative.has_own_cache:
-            return None, 0
-        from argosy_runtime.spec_decode.draft_cache import draft_cache_bytes_per_page
-        from argosy_runtime.spec_decode.draft_proposer import (
-            draft_max_positions,
-            draft_num_layers,
-            load_draft_model,
-        )
+            return None
+        from argosy_runtime.spec_decode.draft_proposer import load_draft_model
 
-        model = load_draft_model(self, speculative)
-        return model, draft_cache_bytes_per_page(
-            model, draft_num_layers(model, speculative),
-            draft_max_positions(model, self.max_model_len), self.args.block_size, self.dtype)
+        return load_draft_model(self, speculative)
 
     def _build_proposer(self, speculative: SpeculativeConfig | None,
                         draft_model: LlamaForCausalLM | None) -> Any:

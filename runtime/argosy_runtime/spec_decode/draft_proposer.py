@@ -36,7 +36,7 @@ from argosy_runtime.models.build import build_model
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
-from argosy_runtime.spec_decode.draft_cache import DraftCache
+from argosy_runtime.spec_decode.draft_cache import DraftCache, draft_max_positions, draft_num_layers
 
 if TYPE_CHECKING:
     from argosy_runtime.engine import LLMEngine
@@ -52,20 +52,6 @@ class _DraftState:
     blocks: list  # the KV manager's block list object: a new object means new blocks
     valid: int = 0  # positions [0, valid) hold this request's draft K/V
     pending: list[int] = field(default_factory=list)  # drafts written at valid, valid + 1, ...
-
-
-def draft_num_layers(model: LlamaForCausalLM, config: SpeculativeConfig) -> int:
-    """The layers of a separate draft that run: `draft_layers`, or all of them."""
-    n = config.draft_layers or model.spec.num_hidden_layers
-    if n > model.spec.num_hidden_layers:
-        raise ValueError(f"draft_layers ({n}) exceeds the draft's "
-                         f"{model.spec.num_hidden_layers} layers")
-    return n
-
-
-def draft_max_positions(model: LlamaForCausalLM, max_model_len: int) -> int:
-    """The positions a separate draft runs: the target's, as far as its rotary reaches."""
-    return min(max_model_len, model.spec.max_position_embeddings)
 
 
 def load_draft_model(engine: LLMEngine, config: SpeculativeConfig) -> LlamaForCausalLM:
@@ -128,8 +114,11 @@ class DraftProposer:
         self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
                                             spec.head_dim, spec.attention_scale)
         cc = engine.cache_config
-        self.cache = DraftCache(draft_model, self.num_layers, self.max_positions, cc.num_blocks,
-                                cc.block_size, engine.dtype, engine.device)
+        self.cache = DraftCache(draft_model, config, engine.max_model_len, cc.layout,
+                                cc.num_blocks, cc.block_size, engine.dtype, engine.device)
+        # Catch-ups longer than the target's step run in chunks of it: the draft's windowed
+        # tables then give back what falls behind between chunks, as the target's do.
+        self.catch_up_chunk = engine.scheduler_config.max_num_batched_tokens
         self.kv_caches = self.cache.kv_caches
         self.kv_scales = None
 
@@ -151,9 +140,10 @@ class DraftProposer:
             if k <= 0:
                 continue
             start = self._catch_up_start(req)
-            if not self.shares_target_cache and not self._allocate_draft_blocks(
-                    req.request_id, n + k, start, drafting):
-                continue
+            if not self.shares_target_cache:
+                start = self._catch_up_in_chunks(req, start, n + k, drafting)
+                if start is None:
+                    continue
             # Blocks for every position this step may write, before the scheduler runs. Only
             # the computed prefix is offered for prefix-cache hashing: the block holding the
             # last token must not become a cache entry before the target has written it.
@@ -199,13 +189,12 @@ class DraftProposer:
         if self.shares_target_cache:
             return req.num_computed_tokens  # the target's cache holds everything before
         blocks = self.engine.kv_cache.req_to_blocks[req.request_id]
-        state = self._state.pop(req.request_id, None)
+        state = self._state.get(req.request_id)
         if state is None or state.blocks is not blocks:
             # New request, or preempted and re-admitted with new target blocks: recompute
             # from 0 (a preempted request's draft K/V are valid still, but cheap to redo).
             self.cache.free(req.request_id)
-            state = _DraftState(blocks)
-        self._state[req.request_id] = state  # last in the order: most recently drafted
+            state = self._state[req.request_id] = _DraftState(blocks)
         for token in state.pending:  # drafts the target accepted keep their draft K/V
             if state.valid < req.num_tokens and req.token_ids[state.valid] == token:
                 state.valid += 1
@@ -216,18 +205,41 @@ class DraftProposer:
         state.valid = min(state.valid, req.num_computed_tokens)
         return state.valid
 
+    def _catch_up_in_chunks(self, req: Request, start: int, num_tokens: int,
+                            drafting: set[str]) -> int | None:
+        """Run the draft over its catch-up but the last `catch_up_chunk` tokens, a chunk at a
+        time, then take the blocks of the request's first `num_tokens` positions for the rest
+        and this step's drafts. Returns where the rest starts, or None when the draft's pool
+        is short (the request goes undrafted this step; the chunks run stay done)."""
+        rid = req.request_id
+        while req.num_tokens - start > self.catch_up_chunk:
+            end = start + self.catch_up_chunk
+            if not self._allocate_draft_blocks(rid, end, start, drafting):
+                return None
+            blocks = np.asarray(self.cache.block_ids(rid), dtype=np.int64)
+            self._forward([(blocks, start, req.token_ids[start:end])])
+            start = self._state[rid].valid = end
+        return start if self._allocate_draft_blocks(rid, num_tokens, start, drafting) else None
+
     def _allocate_draft_blocks(self, request_id: str, num_tokens: int, start: int,
                                drafting: set[str]) -> bool:
-        """Draft blocks for the request's first `num_tokens` positions. When the draft's pool
-        is short, the draft K/V of requests not drafting this step go first, least recently
-        drafted first (they catch up from 0 if they draft again); False if still short."""
-        idle = (rid for rid in list(self._state) if rid not in drafting)
-        while not self.cache.allocate(request_id, num_tokens, start):
-            victim = next(idle, None)
-            if victim is None:
+        """Draft blocks for the request's first `num_tokens` positions (`start`: the first
+        it computes). When the draft's pool is short and freeing the draft K/V of the requests
+        not drafting this step makes room, they go, least recently drafted first (they catch
+        up from 0 if they draft again); False, freeing nothing, when it would not."""
+        cache = self.cache
+        if not cache.allocate(request_id, num_tokens, start):
+            idle = [rid for rid in self._state if rid not in drafting]
+            if not cache.could_allocate(request_id, num_tokens, start, idle):
                 logger.debug("draft cache full: request %s goes undrafted this step", request_id)
                 return False
-            self.forget(victim)
+            for victim in idle:
+                self.forget(victim)
+                if cache.allocate(request_id, num_tokens, start):
+                    break
+            else:
+                return False
+        self._state[request_id] = self._state.pop(request_id)  # now the most recently drafted
         return True
 
     def forget(self, request_id: str) -> None:

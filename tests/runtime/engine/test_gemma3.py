@@ -396,6 +396,23 @@ def test_draft_models_on_hybrid_tables(gemma3, speculative: dict) -> None:  # no
     assert_no_leaks(engine)
 
 
+def test_a_separate_draft_catches_up_a_long_prompt_in_chunks(gemma3) -> None:  # noqa: ANN001
+    """A draft meets a 60-token prompt with 39 pages of its own (15 blocks in each of 4
+    tables at once would be 60): it catches up 8 tokens at a time, its windowed tables
+    giving back what falls behind between chunks, as the target's prefill does, so it
+    drafts (every draft of a copy accepted) instead of leaving the request undrafted."""
+    folder, ref = gemma3
+    engine = _hybrid_engine(folder, 80, speculative={
+        "method": "draft", "model": str(folder), "num_speculative_tokens": 3, "adaptive": False})
+    assert engine.proposer.proposer.cache.manager.num_blocks == 39
+    prompts = random_prompts(19, (60,))
+    outputs = run_requests(engine, [(prompts[0], greedy(20))])
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert_equals_reference(outputs, prompts, ref, 20)
+    assert_no_leaks(engine)
+
+
 def test_tensor_parallel_ranks_share_the_hybrid_layout(gemma3) -> None:  # noqa: ANN001
     """Two ranks, one KV head each (256 bytes per token and page): rank 0 sends every
     table's block ids; each rank's cache has the same pages."""
