@@ -62,8 +62,10 @@ LORA_MOUNT = "/etc/argosy/lora"
 LORA_FILE_KEY = "adapters.json"
 
 # Condition types. The autoscaler (argosy_operator.autoscaling) owns ScalingActive and
-# ScalingLimited; the reconciler owns the other three.
+# ScalingLimited; the reconciler owns the others. Stalled (kstatus' name for a failure that
+# retrying cannot fix: GitOps tools report the object failed) appears once a spec is refused.
 COND_READY = "Ready"
 COND_PROGRESSING = "Progressing"
 COND_DEGRADED = "Degraded"
-OWNED_CONDITIONS = (COND_READY, COND_PROGRESSING, COND_DEGRADED)
+COND_STALLED = "Stalled"
+OWNED_CONDITIONS = (COND_READY, COND_PROGRESSING, COND_DEGRADED, COND_STALLED)

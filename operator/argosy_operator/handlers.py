@@ -44,6 +44,7 @@ from argosy_operator.constants import (
     VERSION,
 )
 from argosy_operator.kube import (
+    API_ERRORS,
     CONFIGMAPS,
     LLMDEPLOYMENTS,
     PDBS,
@@ -165,16 +166,20 @@ async def close_client(**_: Any) -> None:
         await client.close()
 
 
-def _post_degraded_event(body: Any, patch: dict[str, Any] | None, base: Mapping[str, Any]) -> None:
+def _post_degraded_event(body: Any, patch: dict[str, Any] | None, base: Mapping[str, Any], *,
+                         on_new_message: bool = False) -> None:
     """A Warning event when the Degraded condition turns True or changes its reason (not on
-    every status write while it stays degraded for the same reason). `base` is the object the
-    patch was computed against: comparing with a stale body would announce a reason that a
-    concurrent handler already wrote (and announced)."""
+    every status write while it stays degraded for the same reason); with `on_new_message`
+    also when its message or generation changes (another refused spec). `base` is the object
+    the patch was computed against: comparing with a stale body would announce a reason that
+    a concurrent handler already wrote (and announced)."""
     cond = find_condition((patch or {}).get("conditions"), COND_DEGRADED)
     if cond is None or cond.get("status") != "True":
         return
     before = find_condition((base.get("status") or {}).get("conditions"), COND_DEGRADED) or {}
-    if before.get("status") == "True" and before.get("reason") == cond.get("reason"):
+    announced = before == cond if on_new_message else (
+        before.get("status") == "True" and before.get("reason") == cond.get("reason"))
+    if announced:
         return
     kopf.event(body, type="Warning", reason=str(cond.get("reason")),
                message=str(cond.get("message")))
@@ -210,7 +215,9 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
     except ValueError as exc:
         # A spec the children cannot be built from: a stale CRD let it through, or the CRD
         # cannot express the rule (the name, label values, ...). Retrying would not help.
-        await _report_degraded(client, llmd, "InvalidSpec", str(exc), generation)
+        # Nothing was written: the children of the last applied spec keep running. This
+        # generation was looked at (observedGeneration) and failed for good (Stalled).
+        await _write_status(client, llmd, generation, retry, invalid_spec=str(exc))
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
         await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
@@ -231,8 +238,26 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         # kopf.event, not kopf.info: the latter obeys posting.level (WARNING, see configure).
         kopf.event(body, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                    message=action)
-    patch, base = await refresh_status(client, llmd, observed_generation=generation)
-    _post_degraded_event(body, patch, base)
+    await _write_status(client, llmd, generation, retry)
+
+
+async def _write_status(client: KubeClient, llmd: dict[str, Any], generation: int | None,
+                        retry: int, *, invalid_spec: str | None = None) -> None:
+    """The status of a reconciled (or refused) generation, with its Warning event. Should the
+    API server fail the write, kopf retries the reconcile (a no-op for the children) later:
+    observedGeneration is written only here."""
+    try:
+        patch, base = await refresh_status(client, llmd, observed_generation=generation,
+                                           invalid_spec=invalid_spec)
+    except API_ERRORS as exc:
+        raise kopf.TemporaryError(f"writing the status failed: {_describe(exc)}",
+                                  delay=apply_retry_delay(retry)) from exc
+    _post_degraded_event(llmd, patch, base, on_new_message=invalid_spec is not None)
+
+
+def _describe(exc: BaseException) -> str:
+    """An API error for one log line (a TimeoutError's str is empty)."""
+    return str(exc) or type(exc).__name__
 
 
 _log = logging.getLogger("argosy.operator")
@@ -292,14 +317,14 @@ async def _still_exists(client: KubeClient, meta: Mapping[str, Any]) -> bool:
     return live is not None and (live.get("metadata") or {}).get("uid") == meta.get("uid")
 
 
-# Seconds between the attempts of a reapply that failed; the last one repeats until it
-# succeeds or the owner is gone. kopf retries create/update/resume handlers (TemporaryError)
-# but never event handlers, so the reapply retries itself. It waits in the worker kopf runs
-# for the deleted child, which gets no other event (a re-created child has another uid), or
-# for the edited one, whose later events kopf holds meanwhile and then hands over as one (the
-# latest: the owner's status catches up then; only API errors fail a revert, and while the API
-# server fails, status writes would fail too); kopf cancels it at shutdown, and the resume
-# reconcile after a restart covers it.
+# Seconds between the attempts of a reapply (or of a status-only refresh) that failed; the
+# last one repeats until it succeeds or the owner is gone. kopf retries create/update/resume
+# handlers (TemporaryError) but never event handlers, so the reapply retries itself. It waits
+# in the worker kopf runs for the deleted child, which gets no other event (a re-created child
+# has another uid), or for the edited one, whose later events kopf holds meanwhile and then
+# hands over as one (the latest: the owner's status catches up then; only API errors fail a
+# revert, and while the API server fails, status writes would fail too); kopf cancels it at
+# shutdown, and the resume reconcile after a restart covers it.
 REAPPLY_RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -366,11 +391,29 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
     if reapply:
         await _reapply(client, namespace, owner)
         return
-    llmd = await _live_owner(client, namespace, owner)
-    if llmd is None:
-        return
-    patch, base = await refresh_status(client, llmd)
+    # Retried like a reapply (kopf never retries an event handler): without a later event of
+    # this child, a failed refresh would leave the status stale.
+    attempt = 0
+    while not await _try_refresh(client, namespace, owner):
+        await asyncio.sleep(reapply_retry_delay(attempt))
+        attempt += 1
+
+
+async def _try_refresh(client: KubeClient, namespace: str, owner: str) -> bool:
+    """One try of a status-only refresh: True when done (or the owner is gone); False, after
+    one log line, when the API server failed it (a conflict that outlasted patch_status's
+    retries, a 5xx, no answer in time)."""
+    try:
+        llmd = await _live_owner(client, namespace, owner)
+        if llmd is None:
+            return True
+        patch, base = await refresh_status(client, llmd)
+    except API_ERRORS as exc:
+        _log.warning("refreshing the status of %s/%s failed (retrying): %s",
+                     namespace, owner, _describe(exc))
+        return False
     _post_degraded_event(llmd, patch, base)
+    return True
 
 
 _CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}

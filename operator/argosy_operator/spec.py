@@ -246,7 +246,7 @@ def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
 
 
 def autoscaling_enabled(spec: Mapping[str, Any]) -> bool:
-    return bool(spec.get("autoscaling", {}).get("enabled", False))
+    return bool((spec.get("autoscaling") or {}).get("enabled", False))
 
 
 def max_replicas(spec: Mapping[str, Any]) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 from argosy_operator.autoscaling.status import SCALING_ACTIVE, disabled_status
 from argosy_operator.builders.common import endpoint_url, selector_string
 from argosy_operator.conditions import condition, find_condition, merge_conditions, now_rfc3339
-from argosy_operator.constants import COND_DEGRADED, COND_PROGRESSING, COND_READY
+from argosy_operator.constants import COND_DEGRADED, COND_PROGRESSING, COND_READY, COND_STALLED
 from argosy_operator.kube import LLMDEPLOYMENTS, ApiError, KubeClient
 from argosy_operator.pod_problems import pod_problems
 from argosy_operator.spec import autoscaling_enabled, with_defaults
@@ -53,7 +53,9 @@ def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None
     base: dict[str, Any] = {
         "selector": selector_string(name),
         "endpoint": endpoint_url(llmd, spec["service"]["port"]),
-        "model": spec["model"]["name"],
+        # .get: an object admitted under an older CRD may lack it (a KeyError here failed
+        # every pod event of that object).
+        "model": spec["model"].get("name"),
     }
     if observed_generation is not None:
         base["observedGeneration"] = int(observed_generation)
@@ -114,6 +116,16 @@ def compute_status(llmd: Mapping[str, Any], deployment: Mapping[str, Any] | None
     return base
 
 
+def refused_spec_conditions(message: str, gen: int | None) -> list[dict[str, Any]]:
+    """The reconciler's conditions for a generation whose spec it refused (InvalidSpec): a
+    failure no retry fixes (Stalled, which kstatus and the GitOps tools built on it report as
+    failed), not Ready and not progressing, whatever the pods of the last applied spec, which
+    keep running, do."""
+    return [condition(type_, status, "InvalidSpec", message, gen) for type_, status in (
+        (COND_READY, False), (COND_PROGRESSING, False), (COND_DEGRADED, True),
+        (COND_STALLED, True))]
+
+
 def _without_nulls(value: Any) -> Any:
     """`value` as the API server stores it after a merge patch: a null deletes its key."""
     if isinstance(value, Mapping):
@@ -172,12 +184,14 @@ async def patch_status(client: KubeClient, llmd: Mapping[str, Any],
 
 
 async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
-                         observed_generation: int | None = None
+                         observed_generation: int | None = None,
+                         invalid_spec: str | None = None
                          ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Read the Deployment and pods, write the status if it changed; returns the patch (None
     when nothing changed) and the object it was computed against (after conflict retries).
 
     `observed_generation=None` keeps the recorded one (child events do not reconcile the spec).
+    `invalid_spec`: the reconcile of `observed_generation` refused its spec with this message.
     """
     meta = llmd["metadata"]
 
@@ -186,15 +200,29 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
         # conflict must not reuse pods listed before the write that caused the conflict (a
         # stale pod list turned Degraded back on and posted a second Warning).
         deployment = await get_deployment(client, meta["namespace"], meta["name"])
-        pods = await list_pods(client, meta["namespace"], meta["name"])
+        # A refused spec's conditions do not depend on the pods (and a name refused as too
+        # long for a label value would make the API server refuse the pods' label selector).
+        pods = [] if invalid_spec is not None else await list_pods(
+            client, meta["namespace"], meta["name"])
         gen = observed_generation
         computed = compute_status(llmd, deployment, pods,
                                   current.get("observedGeneration") if gen is None else gen)
         degraded = find_condition(current.get("conditions"), COND_DEGRADED) or {}
-        if gen is None and degraded.get("reason") in RECONCILE_FAILURES:
+        stalled = find_condition(current.get("conditions"), COND_STALLED)
+        if invalid_spec is not None:
+            computed["conditions"] = refused_spec_conditions(invalid_spec, gen)
+        elif gen is None and (stalled or {}).get("status") == "True":
+            # A refused spec's conditions stay until a reconcile succeeds; a pod event
+            # updates the replica counts only.
+            computed["conditions"] = []
+        elif gen is None and degraded.get("reason") in RECONCILE_FAILURES:
             # Only a successful reconcile clears a reconcile failure, not a pod event.
             computed["conditions"] = [c for c in computed["conditions"]
                                       if c["type"] != COND_DEGRADED]
+        elif gen is not None and stalled is not None:
+            # This generation was applied: whatever an earlier one refused is over.
+            computed["conditions"].append(condition(
+                COND_STALLED, False, "AsExpected", "the spec was applied", gen))
         if not autoscaling_enabled(llmd.get("spec") or {}) \
                 and find_condition(current.get("conditions"), SCALING_ACTIVE):
             # Autoscaling was switched off: its timer stopped, so clear what it wrote (the
