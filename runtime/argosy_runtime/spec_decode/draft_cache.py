@@ -33,6 +33,7 @@ from argosy_runtime.model_runner import kv_cache_bytes_per_block
 from argosy_runtime.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from argosy_runtime.model_loader import ModelSpec
     from argosy_runtime.spec_decode.config import SpeculativeConfig
 
 
@@ -45,9 +46,9 @@ def draft_num_layers(model: LlamaForCausalLM, config: SpeculativeConfig) -> int:
     return n
 
 
-def draft_max_positions(model: LlamaForCausalLM, max_model_len: int) -> int:
+def draft_max_positions(spec: ModelSpec, max_model_len: int) -> int:
     """The positions a separate draft runs: the target's, as far as its rotary reaches."""
-    return min(max_model_len, model.spec.max_position_embeddings)
+    return min(max_model_len, spec.max_position_embeddings)
 
 
 def draft_cache_layout(model: LlamaForCausalLM, config: SpeculativeConfig,
@@ -55,7 +56,7 @@ def draft_cache_layout(model: LlamaForCausalLM, config: SpeculativeConfig,
     """The layout of the layers the draft runs."""
     num_layers = draft_num_layers(model, config)
     return kv_cache_layout(model.spec.layer_sliding_windows[:num_layers], num_layers,
-                           draft_max_positions(model, max_model_len))
+                           draft_max_positions(model.spec, max_model_len))
 
 
 def draft_pages_per_target_page(target: KVCacheLayout, draft: KVCacheLayout) -> float:

@@ -49,7 +49,7 @@ logger = logging.getLogger("argosy.spec_decode")
 class _DraftState:
     """What a separate draft's cache holds for one request."""
 
-    blocks: list  # the KV manager's block list object: a new object means new blocks
+    blocks: list  # the target's block list object: a new object means new target blocks
     valid: int = 0  # positions [0, valid) hold this request's draft K/V
     pending: list[int] = field(default_factory=list)  # drafts written at valid, valid + 1, ...
 
@@ -73,7 +73,7 @@ def load_draft_model(engine: LLMEngine, config: SpeculativeConfig) -> LlamaForCa
         quant_config = QuantizationConfig(method=config.quantization)
     # On the target's device with the same fast kernels: a draft is only worth it if cheap.
     model = build_model(checkpoint, engine.dtype, engine.device,
-                        min(engine.max_model_len, spec.max_position_embeddings), quant_config)
+                        draft_max_positions(spec, engine.max_model_len), quant_config)
     draft_num_layers(model, config)  # a bad draft_layers is refused before the cache is sized
     return model
 
@@ -108,7 +108,7 @@ class DraftProposer:
         self.shares_target_cache = False
         self.model = draft_model
         self.num_layers = draft_num_layers(draft_model, config)
-        self.max_positions = draft_max_positions(draft_model, engine.max_model_len)
+        self.max_positions = draft_max_positions(draft_model.spec, engine.max_model_len)
         spec = draft_model.spec
         # The target's kind of backend (Triton on CUDA, the fused CPU kernels on the CPU).
         self.backend = type(runner.backend)(spec.num_attention_heads, spec.num_key_value_heads,
