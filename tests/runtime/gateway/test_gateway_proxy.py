@@ -9,12 +9,14 @@ import time
 import aiohttp
 import pytest
 import yarl
+from aiohttp import web
 from argosy_runtime.gateway.config import (
     CascadeConfig,
     GatewayConfig,
     HealthConfig,
     ModelRouteConfig,
 )
+from fake_replica import Served
 
 
 def config(*routes: tuple[str, list[str]], policy: str = "round-robin", **kw) -> GatewayConfig:
@@ -150,6 +152,32 @@ async def test_5xx_before_first_byte_is_retried_once(fake_replicas, gateway) -> 
     assert 'argosy:gateway_retries_total{model="tiny",reason="upstream_5xx"} 1.0' in text
     # One 5xx is not yet enough to leave rotation (unhealthy_after=2).
     assert gw.pools["tiny"].get(a.url).healthy
+
+
+async def test_a_request_the_runtime_fails_with_500_takes_no_replica_out_of_rotation(
+        fake_replicas, gateway) -> None:
+    # The runtime's own 500 (OpenAI-shaped: an exception on one request, a generation that
+    # failed) is that request's failure; the replica's engine trouble answers 503. Counted
+    # toward unhealthy_after, a client sending one such request twice took every replica
+    # out of rotation (each try lands on another one) and everyone else got 503s.
+    a, b = await fake_replicas(2)
+    a.fail_next = b.fail_next = 2
+    gw, url = await gateway(config(("tiny", [a.url, b.url])))
+    pool = gw.pools["tiny"]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 500  # retried on the other replica, which failed it too
+        assert pool.get(a.url).healthy and pool.get(b.url).healthy
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 200
+        # A 503 (engine dead, draining) still counts: twice in a row takes a replica out.
+        a.fail_next = b.fail_next = 2
+        a.fail_status = b.fail_status = 503
+        for _ in range(2):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 503
+        assert not pool.get(a.url).healthy and not pool.get(b.url).healthy
 
 
 async def test_503_with_retry_after_keeps_the_replica_out_for_that_long(fake_replicas, gateway) -> None:
@@ -313,6 +341,24 @@ async def test_retry_after_is_honoured(fake_replicas, gateway) -> None:
         assert len(a.requests) + len(b.requests) == before
 
 
+async def test_the_gateways_retry_after_is_never_shorter_than_the_wait(
+        fake_replicas, gateway) -> None:
+    # Rounded to the nearest second (2.3 s left -> "2"), a client honouring Retry-After came
+    # back while every replica was still cooling down and got another 429.
+    (r,) = await fake_replicas(1, rate_limited=3)
+    gw, url = await gateway(config(("tiny", [r.url])))
+    replica = gw.pools["tiny"].get(r.url)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429  # the replica's, its Retry-After as the gateway counts it
+            assert time.monotonic() + int(resp.headers["Retry-After"]) >= replica.cooldown_until
+        await asyncio.sleep(0.7)  # 2.3 s of the 3 left
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429  # the gateway's own: all replicas are cooling down
+            assert time.monotonic() + int(resp.headers["Retry-After"]) >= replica.cooldown_until
+    assert len(r.requests) == 1
+
+
 async def test_unready_replica_leaves_rotation_and_is_probed_back(fake_replicas, gateway) -> None:
     a, b = await fake_replicas(2)
     cfg = config(("tiny", [a.url, b.url]),
@@ -343,6 +389,26 @@ async def test_unready_replica_leaves_rotation_and_is_probed_back(fake_replicas,
         async with s.get(f"{url}/ready") as resp:
             assert resp.status == 200
     assert pool.get(a.url).healthy
+
+
+async def test_replicas_busy_with_a_retry_after_keep_the_gateway_ready(
+        fake_replicas, gateway) -> None:
+    # A replica whose queue is full (429 + Retry-After) is busy, not gone. /ready is the
+    # gateway's own readiness probe: a 503 there during a load spike on one model pulled the
+    # gateway from its Service, and every model's clients found no gateway at all.
+    (busy,) = await fake_replicas(1, rate_limited=30)
+    (other,) = await fake_replicas(1, model="other")
+    gw, url = await gateway(config(("tiny", [busy.url]), ("other", [other.url])))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+        assert gw.pools["tiny"].available() == []  # cooling down: sent nothing meanwhile
+        async with s.get(f"{url}/ready") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["replicas_in_rotation"] == {"tiny": 1, "other": 1}
+        async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 429  # the gateway's own, with the remaining wait
+        assert len(busy.requests) == 1
 
 
 async def test_least_load_reads_scraped_metrics(fake_replicas, gateway) -> None:
@@ -551,3 +617,55 @@ async def test_adapter_requests_prefer_the_replica_with_the_adapter_loaded(
         async with s.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) as r:
             assert r.status == 200 and r.headers["x-argosy-backend"] == registered.url
     assert not lacks.requests
+
+
+class _StoringReplica(Served):
+    """A replica holding the stored response `resp_1`, and full (429, Retry-After: 30) for
+    new generations."""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/v1/responses/{id}", self._stored)
+        app.router.add_post("/v1/responses", self._full)
+        self.posted = 0
+        await self._serve(app)
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        if request.match_info["id"] != "resp_1":
+            return web.json_response({"error": {"message": "no such response"}}, status=404)
+        return web.json_response({"id": "resp_1", "object": "response"})
+
+    async def _full(self, request: web.Request) -> web.Response:
+        self.posted += 1
+        return web.json_response({"error": {"message": "queue full", "type": "rate_limit_error"}},
+                                 status=429, headers={"Retry-After": "30"})
+
+
+async def test_a_busy_replicas_stored_responses_are_not_answered_404(
+        fake_replicas, gateway) -> None:
+    # A replica whose queue is full (429 + Retry-After) still holds its stored responses:
+    # calls on them were answered 404 ("no response with id ... on any replica"), and a
+    # follow-up to one 404 previous_response_not_found (or, with another replica idle, 503
+    # "no replica"), which clients take as gone for good.
+    r = _StoringReplica()
+    await r.start()
+    try:
+        (idle,) = await fake_replicas(1)
+        gw, url = await gateway(config(("tiny", [r.url, idle.url])))
+        gw.pools["tiny"].get(r.url).set_retry_after(30)  # as its 429's Retry-After does
+        follow_up = {"model": "tiny", "input": "and then?", "previous_response_id": "resp_1"}
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/v1/responses/resp_1") as resp:
+                assert resp.status == 200 and (await resp.json())["id"] == "resp_1"
+            async with s.post(f"{url}/v1/responses", json=follow_up) as resp:
+                assert resp.status == 429, await resp.text()
+                assert 29 <= int(resp.headers["Retry-After"]) <= 30
+            async with s.get(f"{url}/v1/responses/resp_2") as resp:
+                assert resp.status == 404  # an id no replica holds still is one
+        assert r.posted == 0 and idle.requests == []  # the follow-up waits for its replica
+    finally:
+        await r.stop()

@@ -9,7 +9,7 @@
     GET  /v1/models                              merged across all replicas and cascade routes
     /v1/files, /v1/batches                       the Batch API, to the replica holding each id
     GET  /health                                 the gateway process is up
-    GET  /ready                                  every model has a replica in rotation
+    GET  /ready                                  every model has a healthy replica (or can wake)
     GET  /metrics                                the gateway's Prometheus metrics
 
 With `tenants` configured, every /v1/* request needs a tenant's key and generation (and
@@ -49,6 +49,7 @@ from argosy_runtime.gateway.proxy.errors import (
     malformed_json,
     model_not_found,
     no_replica,
+    retry_after_value,
 )
 from argosy_runtime.gateway.proxy.headers import to_client, to_replica
 from argosy_runtime.gateway.proxy.id_owners import IdOwners
@@ -206,7 +207,12 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def handle_ready(self, request: web.Request) -> web.Response:
-        per_model = {name: len(pool.available()) for name, pool in self.pools.items()}
+        # Healthy replicas, cooling down after a 429's (or a draining 503's) Retry-After
+        # included: they are busy, not gone, and their clients get the gateway's 429 with
+        # Retry-After. Counted out, a load spike would pull the gateway from its Service's
+        # endpoints, and every model's clients would find no gateway instead.
+        per_model = {name: sum(r.healthy for r in pool.replicas)
+                     for name, pool in self.pools.items()}
         # A model that scales from zero is served with no replica too: the gateway must stay
         # in its Service's endpoints, or no request could ever reach it to wake the model.
         ready = bool(per_model) and all(
@@ -411,6 +417,15 @@ class Gateway:
                 held = await self._hold(model, activator)
                 if held is not None:
                     return refused(held)
+            pinned = self.pools[model].get(pin) if pin is not None else None
+            if pinned is not None and pinned.healthy and not pinned.is_available():
+                # The only replica that may answer is inside its Retry-After window: busy,
+                # so the client's 429 with what is left of it (not a 503 that says the
+                # model has no replica).
+                return refused(error_response(
+                    429, f"the replica holding this conversation ({pin}) is busy; retry later",
+                    headers={"Retry-After": retry_after_value(
+                        pinned.cooldown_until - time.monotonic())}))
             routing = self.routing  # one snapshot for all of this request's tries
             route = RouteRequest(
                 prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter

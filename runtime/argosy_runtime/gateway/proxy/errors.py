@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 
 from aiohttp import web
 
@@ -82,13 +83,20 @@ def model_not_found(model: str, served: list[str]) -> web.Response:
     )
 
 
+def retry_after_value(seconds: float) -> str:
+    """A `Retry-After` value for a wait of `seconds`: whole seconds, rounded up (a client
+    that retries after a rounded-down wait finds the replicas still cooling down and gets
+    another 429), at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
 def no_replica(model: str, retry_after: float | None = None) -> web.Response:
     """503 when no replica of `model` is in rotation (429 with Retry-After when all are full)."""
     if retry_after is not None:
         return error_response(
             429,
             f"all replicas of {model!r} are busy; retry later",
-            headers={"Retry-After": str(max(1, round(retry_after)))},
+            headers={"Retry-After": retry_after_value(retry_after)},
         )
     return error_response(503, f"no replica of {model!r} is available")
 

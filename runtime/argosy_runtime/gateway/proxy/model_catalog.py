@@ -64,8 +64,12 @@ class ModelCatalog:
         return [m for models in await asyncio.gather(*(fetch(u) for u in urls)) for m in models]
 
     def replica_urls(self) -> list[str]:
-        """Every replica in rotation, of every model."""
-        return sorted({r.url for pool in self.gateway.pools.values() for r in pool.available()})
+        """Every healthy replica, of every model, those inside a Retry-After window included:
+        their queue is full, but they still list their models and answer calls on what they
+        store (left out, a busy replica's stored responses, files and batches would be
+        answered 404, as if gone for good)."""
+        return sorted({r.url for pool in self.gateway.pools.values() for r in pool.replicas
+                       if r.healthy})
 
     async def adapter_parent(self, model: str) -> str | None:
         """The configured model behind a LoRA adapter name: the pool one of whose replicas

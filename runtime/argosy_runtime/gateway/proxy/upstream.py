@@ -30,6 +30,7 @@ from argosy_runtime.gateway.proxy.errors import (
     is_openai_error,
     no_replica,
     replica_error,
+    retry_after_value,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ async def send(
             # Every replica we tried is full: report when the first one will take work again.
             wait = pool.earliest_retry_after()
             if wait is not None:
-                last_error.headers["Retry-After"] = str(max(1, round(wait)))
+                last_error.headers["Retry-After"] = retry_after_value(wait)
         return last_error
     return no_replica(pool.model, pool.earliest_retry_after() if _all_cooling(pool) else None)
 
@@ -172,16 +173,23 @@ async def _attempt(
                                    f"HTTP: {str(exc.message)[:200]}")
     if resp.status == 429 or resp.status >= 500:
         data = await _read_quietly(resp)
+        openai_error = is_openai_error(data)
         if resp.status == 429:
             replica.set_retry_after(parse_retry_after(resp.headers.get("Retry-After")))
             metrics.retries.labels(pool.model, "retry_after").inc()
         else:
-            replica.mark_failure(config.health.unhealthy_after)
+            # The runtime's own 500 is one request failing (an exception on it, a generation
+            # that failed): the replica answered, and its engine trouble answers 503. Counted
+            # toward `unhealthy_after`, a client resending one such request would take every
+            # replica out of rotation (each try lands on another one) and fail all the others'
+            # requests with 503s.
+            if not (resp.status == 500 and openai_error):
+                replica.mark_failure(config.health.unhealthy_after)
             if resp.headers.get("Retry-After"):  # e.g. a draining replica's 503
                 replica.set_retry_after(parse_retry_after(resp.headers["Retry-After"]))
             metrics.retries.labels(pool.model, "upstream_5xx").inc()
         retry_after = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-        if not is_openai_error(data):
+        if not openai_error:
             # Not the runtime's own error: clients get the OpenAI shape all the same.
             return replica_error(resp.status, replica.url, data, retry_after)
         return web.Response(
