@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "argosy_runtime.cli.main", "serve")
+# After a replica exits, how long what is left of its process group may take to exit by itself.
+GROUP_EXIT_GRACE_S = 1.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,7 +147,7 @@ class ReplicaProcess:
             logger.warning("replica %s (pid %d) did not exit within %g s of SIGTERM (%s): "
                            "SIGKILL to its process group", self.url, self.process.pid, grace, why)
             return await self.kill()
-        self.kill_group()  # a worker it left behind
+        await self._kill_group_left_behind()
         return code
 
     async def kill(self) -> int | None:
@@ -154,6 +156,19 @@ class ReplicaProcess:
             return None
         self.kill_group()
         return await self.process.wait()
+
+    async def _kill_group_left_behind(self, grace: float = GROUP_EXIT_GRACE_S) -> None:
+        """After the replica exited: what is left of its group gets `grace` seconds to exit
+        by itself (a multiprocessing resource tracker removing the shared memory of its
+        workers), then SIGKILL (a worker it left behind)."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)  # the group still has a process?
+            except (ProcessLookupError, PermissionError):
+                return
+            await asyncio.sleep(0.05)
+        self.kill_group()
 
     def kill_group(self) -> None:
         """SIGKILL now to the replica and every process of its group (its workers)."""

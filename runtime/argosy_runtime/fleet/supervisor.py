@@ -354,8 +354,11 @@ class Fleet:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        # One being stopped for failing its liveness check (its stop was cancelled above) is
+        # hung: killed, not drained, or it would hold the fleet's exit for drain_timeout_s.
         await asyncio.gather(
-            *(p.drain(self.config.drain_timeout_s) for p in self.processes),
+            *(p.kill() if p.stopping and not p.draining else p.drain(self.config.drain_timeout_s)
+              for p in self.processes),
             return_exceptions=True,
         )
         self.processes.clear()

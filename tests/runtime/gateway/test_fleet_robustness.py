@@ -596,6 +596,78 @@ async def test_a_replica_killed_for_liveness_leaves_no_worker_behind(
     assert left == [], "the replica's worker outlived it"
 
 
+async def test_a_fleet_stopped_while_a_hung_replica_is_being_killed_does_not_drain_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopping the fleet inside a liveness kill's grace period cancels that kill: the hung
+    replica (it ignores SIGTERM) is then killed at once, not drained, which would hold the
+    fleet's exit for drain_timeout_s (20 s here)."""
+    monkeypatch.setattr(supervisor, "LIVENESS_KILL_GRACE_S", 30.0)
+    script = _script(tmp_path, "unhealthy.py", UNHEALTHY_WITH_A_WORKER)
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, restart=False,
+                              serve_command=(sys.executable, script), health_interval_s=0.2,
+                              liveness_timeout_s=1.0, drain_timeout_s=20.0,
+                              log_dir=str(tmp_path), ready_timeout_s=30))
+    await fleet.start()
+    (sick,) = fleet.processes
+    try:
+        deadline = time.monotonic() + 20
+        while "SIGTERM ignored" not in sick.log_tail():  # the liveness kill has begun
+            assert time.monotonic() < deadline, sick.log_tail()
+            await asyncio.sleep(0.05)
+        worker = int(sick.log_tail().split("worker pid ")[1].split()[0])
+    finally:
+        started = time.monotonic()
+        await fleet.stop()
+        stopped_in = time.monotonic() - started
+    assert stopped_in < 10, stopped_in
+    assert sick.process.returncode == -signal.SIGKILL
+    await asyncio.sleep(0.5)  # a SIGKILL is delivered, not waited for
+    assert _kill_all({worker}) == [], "the replica's worker outlived it"
+
+
+EXITS_CLEANLY_WITH_A_TRACKER = r"""
+import http.server, os, signal, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+# Like multiprocessing's resource tracker: notices its parent is gone, cleans up for a
+# moment (0.3 s), and leaves a mark.
+tracker = subprocess.Popen([sys.executable, "-c", (
+    "import os, sys, time\n"
+    "parent = os.getppid()\n"
+    "while os.getppid() == parent: time.sleep(0.02)\n"
+    "time.sleep(0.3)\n"
+    "open(sys.argv[1], 'w').write('cleaned up')\n"), sys.argv[1]])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+server.serve_forever()
+"""
+
+
+async def test_what_a_replica_leaves_to_clean_up_after_a_clean_exit_is_not_killed(
+        tmp_path: Path) -> None:
+    """A drained replica exits 0; a process of its group that cleans up after it (a
+    resource tracker removing its workers' shared memory) gets a moment to finish before
+    the rest of the group is SIGKILLed."""
+    mark = tmp_path / "mark"
+    script = _script(tmp_path, "clean.py", EXITS_CLEANLY_WITH_A_TRACKER)
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, restart=False,
+                              serve_command=(sys.executable, script, str(mark)),
+                              log_dir=str(tmp_path), ready_timeout_s=30))
+    await fleet.start()
+    (replica,) = fleet.processes
+    await fleet.stop()
+    assert replica.process.returncode == 0
+    assert mark.read_text() == "cleaned up"
+
+
 @pytest.mark.parametrize("seconds", [-1, 0.2, float("nan")])
 def test_a_liveness_timeout_below_a_second_is_refused(seconds: float) -> None:
     # Under a second an ordinary pause would kill healthy replicas.
