@@ -121,6 +121,10 @@ class DraftProposer:
         self.catch_up_chunk = engine.scheduler_config.max_num_batched_tokens
         self.kv_caches = self.cache.kv_caches
         self.kv_scales = None
+        layout = self.cache.layout
+        logger.info("speculative draft cache: %d blocks, %d block table(s) on pages of %d "
+                    "layers (%.0f MiB, from the KV budget)", self.cache.manager.num_blocks,
+                    layout.num_tables, layout.page_layers, self.cache.kv.nbytes / 2**20)
 
     # ---- proposing ------------------------------------------------------------------------
     @torch.inference_mode()
