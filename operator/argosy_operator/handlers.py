@@ -55,8 +55,13 @@ from argosy_operator.kube import (
     Resource,
 )
 from argosy_operator.reconcile import ChildConflictError, reconcile
-from argosy_operator.spec import DEFAULTS
-from argosy_operator.status import patch_status, refresh_status, status_patch
+from argosy_operator.spec import DEFAULTS, InvalidSpecError
+from argosy_operator.status import (
+    patch_status,
+    refresh_status,
+    refusal_superseded,
+    status_patch,
+)
 
 KOPF_PREFIX = "kopf.argosy.dev"
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={OPERATOR_NAME},{LABEL_LLMD}"
@@ -189,10 +194,15 @@ async def _report_degraded(client: KubeClient, llmd: dict[str, Any], reason: str
                            message: str, generation: int | None) -> None:
     """Degraded=True with `reason` (and a Warning event the first time it is set)."""
     cond = condition(COND_DEGRADED, True, reason, message, generation)
-    patch, _ = await patch_status(client, llmd, lambda cur: status_patch(
+    patch, base = await patch_status(client, llmd, lambda cur: status_patch(
         cur, {"conditions": [cond]}, now_rfc3339()))
     if patch is not None:
         kopf.event(llmd, type="Warning", reason=reason, message=message)
+    if refusal_superseded(base):
+        # This generation replaced a refused spec: the refusal's Ready, Progressing and
+        # Stalled give way to what the children say (a retried failure is in progress, not
+        # failed for good).
+        await refresh_status(client, llmd)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -212,9 +222,10 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
                 logger.info("deleted meanwhile; nothing to reconcile")
                 return
             result = await reconcile(client, llmd)
-    except ValueError as exc:
+    except InvalidSpecError as exc:
         # A spec the children cannot be built from: a stale CRD let it through, or the CRD
         # cannot express the rule (the name, label values, ...). Retrying would not help.
+        # Only this error: any other (a ValueError from a bad API answer, say) is retried.
         # Nothing was written: the children of the last applied spec keep running. This
         # generation was looked at (observedGeneration) and failed for good (Stalled).
         await _write_status(client, llmd, generation, retry, invalid_spec=str(exc))
@@ -363,6 +374,13 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
                 # owner, as a create or update would (a Warning event when it changes).
                 await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
                 return False
+            except InvalidSpecError as exc:
+                # The update handler reported it (InvalidSpec); no retry helps until the spec
+                # changes, and that change reconciles (re-creating the child) anyway.
+                _log.warning("not reapplying the children of %s/%s: its spec is refused (%s); "
+                             "a missing child comes back once the spec is fixed",
+                             namespace, owner, exc)
+                return True
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             if llmd is not None:
                 await _report_apply_failed(client, llmd, exc,

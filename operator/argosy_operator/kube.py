@@ -69,7 +69,8 @@ DISCOVERY_CACHE_SECONDS = 30.0
 
 
 class ApiError(Exception):
-    """A non-2xx answer: `status` (HTTP code), `reason` (Kubernetes reason), `message`."""
+    """A non-2xx answer, or a 2xx whose body is not JSON: `status` (HTTP code), `reason`
+    (Kubernetes reason; InvalidResponse for a body that is not JSON), `message`."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(f"{status} {reason}: {message}")
@@ -81,6 +82,15 @@ class ApiError(Exception):
 # What an API call raises when it fails: an error answer (ApiError), or no answer at all (the
 # connection refused or dropped, DNS, TLS: aiohttp.ClientError; no answer in time).
 API_ERRORS: tuple[type[Exception], ...] = (ApiError, aiohttp.ClientError, TimeoutError)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """The JSON object in `text` (a Kubernetes Status), else {}."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return {}
+    return payload if isinstance(payload, dict) else {}
 
 
 def _pem(data: str | bytes) -> bytes:
@@ -137,7 +147,8 @@ class KubeClient:
     async def request(self, method: str, path: str, *, body: Any = None,
                       params: Mapping[str, str] | None = None,
                       content_type: str = "application/json") -> Any:
-        """One API call; returns the decoded JSON body; raises ApiError on non-2xx."""
+        """One API call; returns the decoded JSON body; raises ApiError on an error status
+        (whatever its body) or on a body that is not JSON."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=30), headers=self._headers)
@@ -145,13 +156,21 @@ class KubeClient:
         headers = {"Content-Type": content_type} if data is not None else {}
         async with self._session.request(method, self.server + path, data=data, params=params,
                                          headers=headers, ssl=self._ssl) as resp:
-            text = await resp.text()
-            payload: Any = json.loads(text) if text else None
-            if resp.status >= 400:
-                p = payload if isinstance(payload, dict) else {}
-                raise ApiError(resp.status, str(p.get("reason", resp.reason)),
-                               str(p.get("message", text[:500])))
-            return payload
+            # errors="replace": a proxy's page in another charset is an ApiError below, not a
+            # UnicodeDecodeError.
+            text = await resp.text(errors="replace")
+        # The status first: a proxy in front of the API server answers a 502/503/504 in plain
+        # text, which must be an API error (retried), never a ValueError (which callers could
+        # take for a refused spec).
+        if resp.status >= 400:
+            p = _json_object(text)
+            raise ApiError(resp.status, str(p.get("reason", resp.reason)),
+                           str(p.get("message", text[:500])))
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            raise ApiError(resp.status, "InvalidResponse",
+                           f"the answer is not JSON: {text[:500]!r}") from None
 
     # --- verbs -------------------------------------------------------------------------------
 

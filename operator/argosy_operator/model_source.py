@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from argosy_operator.constants import MODEL_MOUNT
+from argosy_operator.spec import InvalidSpecError
 
 _HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[\w./-]+))?$")
 _S3 = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>.+)$")
@@ -52,20 +53,20 @@ class ModelSource:
 
 
 def parse_model_source(source: str | None, path: str | None, fmt: str = "auto") -> ModelSource:
-    """Parse spec.model.source / spec.model.path; raise ValueError naming the field."""
+    """Parse spec.model.source / spec.model.path; raise InvalidSpecError naming the field."""
     if path:
         if source:
-            raise ValueError("spec.model: set exactly one of source or path")
+            raise InvalidSpecError("spec.model: set exactly one of source or path")
         return ModelSource(kind="image", location=path)
     if not source:
-        raise ValueError("spec.model: set exactly one of source or path")
+        raise InvalidSpecError("spec.model: set exactly one of source or path")
     # fullmatch: `$` alone also matches before a final newline, which the CRD's pattern
     # refuses (an older CRD without the pattern let it through).
     if m := _HF.fullmatch(source):
         file = m.group("file")
         if fmt == "gguf" and not (file and file.endswith(".gguf")):
-            raise ValueError("spec.model.source: format gguf with hf:// must name the .gguf file "
-                             "(hf://org/name/file.gguf)")
+            raise InvalidSpecError("spec.model.source: format gguf with hf:// must name the "
+                                   ".gguf file (hf://org/name/file.gguf)")
         return ModelSource(kind="hf", location=m.group("repo"), file=file)
     if m := _S3.fullmatch(source):
         key = m.group("key")
@@ -74,7 +75,7 @@ def parse_model_source(source: str | None, path: str | None, fmt: str = "auto") 
     if m := _PVC.fullmatch(source):
         subpath = (m.group("path") or "").strip("/")
         if ".." in subpath.split("/"):
-            raise ValueError("spec.model.source: pvc:// path must not contain '..'")
+            raise InvalidSpecError("spec.model.source: pvc:// path must not contain '..'")
         return ModelSource(kind="pvc", location=m.group("claim"), subpath=subpath)
-    raise ValueError(f"spec.model.source: {source!r} is not hf://org/name[/file], "
-                     "s3://bucket/key or pvc://claim[/path]")
+    raise InvalidSpecError(f"spec.model.source: {source!r} is not hf://org/name[/file], "
+                           "s3://bucket/key or pvc://claim[/path]")

@@ -16,6 +16,13 @@ from typing import Any
 from argosy_operator.autoscaling.policy import AutoscalingPolicy
 from argosy_operator.constants import RUNTIME_IMAGE_CPU, RUNTIME_IMAGE_CUDA
 
+
+class InvalidSpecError(ValueError):
+    """A spec the operator cannot turn into children the API server accepts, raised before
+    any child is written; the reconcile reports it as InvalidSpec and does not retry. Other
+    errors (a ValueError from anywhere else included) are never taken for a refused spec."""
+
+
 # Nested objects whose keys get defaults. Optional fields without a default are absent here.
 DEFAULTS: dict[str, Any] = {
     "replicas": 1,
@@ -115,14 +122,15 @@ def _check_metadata_map(field: str, values: Mapping[str, Any], *, labels: bool) 
         if (len(name) > 63 or not _QUALIFIED_NAME.fullmatch(name)
                 or (slash and (not prefix or len(prefix) > 253
                                or not _DNS_SUBDOMAIN.fullmatch(prefix)))):
-            raise ValueError(f"{field}: {key!r} is not a valid key ([prefix/]name: a name of "
-                             "at most 63 letters, digits, '-', '_' or '.', starting and ending "
-                             "with a letter or digit; a DNS subdomain as prefix)")
+            raise InvalidSpecError(
+                f"{field}: {key!r} is not a valid key ([prefix/]name: a name of at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit; "
+                "a DNS subdomain as prefix)")
         if labels and (len(str(value)) > 63 or (value and not _QUALIFIED_NAME.fullmatch(
                 str(value)))):
-            raise ValueError(f"{field}.{key}: {value!r} is not a valid label value (at most "
-                             "63 letters, digits, '-', '_' or '.', starting and ending with a "
-                             "letter or digit, or empty)")
+            raise InvalidSpecError(
+                f"{field}.{key}: {value!r} is not a valid label value (at most 63 letters, "
+                "digits, '-', '_' or '.', starting and ending with a letter or digit, or empty)")
 
 
 # Seconds between SIGTERM's drain deadline and the kubelet's SIGKILL: process exit, flushing.
@@ -146,45 +154,50 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a deep copy of `spec` with every default filled in; raise ValueError, naming
-    the field, on specs the builders cannot turn into children the API server accepts (the
+    """Return a deep copy of `spec` with every default filled in; raise InvalidSpecError,
+    naming the field, on specs the builders cannot turn into children the API server accepts (the
     CRD rejects most of these before they get here; the rest it cannot express)."""
     out = with_defaults(spec)
     model = out["model"]
     if not model.get("name"):
-        raise ValueError("spec.model.name: required (the name clients send in 'model')")
+        raise InvalidSpecError("spec.model.name: required (the name clients send in 'model')")
     if bool(model.get("source")) == bool(model.get("path")):
-        raise ValueError("spec.model: set exactly one of source or path")
+        raise InvalidSpecError("spec.model: set exactly one of source or path")
     speculative = out["runtime"].get("speculative")
     if speculative is not None:
         out["runtime"]["speculative"] = _merge_defaults(SPECULATIVE_DEFAULTS, speculative)
         if out["runtime"]["speculative"]["method"] == "draft" and not speculative.get("draftModel"):
-            raise ValueError("spec.runtime.speculative.draftModel: required when method is draft")
+            raise InvalidSpecError(
+                "spec.runtime.speculative.draftModel: required when method is draft")
     adapter_names = [a.get("name") for a in out["runtime"].get("loraAdapters") or []]
     if len(set(adapter_names)) != len(adapter_names) or model["name"] in adapter_names:
-        raise ValueError("spec.runtime.loraAdapters: names must be unique and differ from "
-                         "model.name")
+        raise InvalidSpecError("spec.runtime.loraAdapters: names must be unique and differ "
+                               "from model.name")
     max_loras, max_loaded_loras = out["runtime"].get("maxLoras"), out["runtime"].get(
         "maxLoadedLoras")
     if max_loras is not None and max_loaded_loras is not None and max_loras > max_loaded_loras:
         # The runtime refuses to start otherwise (engine_args.check_max_loaded_loras): a
         # step runs only loaded adapters.
-        raise ValueError("spec.runtime.maxLoras: must be <= runtime.maxLoadedLoras")
+        raise InvalidSpecError("spec.runtime.maxLoras: must be <= runtime.maxLoadedLoras")
     if out["runtime"].get("quantization") == "int4" and out["runtime"]["dtype"] == "float32":
-        raise ValueError("spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
+        raise InvalidSpecError(
+            "spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
     if out["runtime"]["batchInvariant"]:
         _check_batch_invariant(out)
     autoscaling = out["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
-        raise ValueError("spec.autoscaling.minReplicas: must be <= maxReplicas")
+        raise InvalidSpecError("spec.autoscaling.minReplicas: must be <= maxReplicas")
     if autoscaling["enabled"]:
         # Every rule the autoscaler's timer checks, so that a policy it cannot run is refused
         # here (Degraded InvalidSpec) rather than only by the timer, which would scale nothing.
         # The CRD checks panicWindowSeconds <= stableWindowSeconds only since it has the rule.
-        AutoscalingPolicy.from_spec(autoscaling)
+        try:
+            AutoscalingPolicy.from_spec(autoscaling)
+        except ValueError as exc:
+            raise InvalidSpecError(str(exc)) from exc
     if out["rollout"]["progressDeadlineSeconds"] <= out["runtime"]["startupTimeoutSeconds"]:
-        raise ValueError("spec.rollout.progressDeadlineSeconds: must exceed "
-                         "runtime.startupTimeoutSeconds")
+        raise InvalidSpecError("spec.rollout.progressDeadlineSeconds: must exceed "
+                               "runtime.startupTimeoutSeconds")
     for field, values, labels in (
             ("spec.podTemplate.labels", out["podTemplate"].get("labels"), True),
             ("spec.podTemplate.annotations", out["podTemplate"].get("annotations"), False),
@@ -196,24 +209,25 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                             ("spec.model.cacheSizeLimit", out["model"].get("cacheSizeLimit"))):
         # The CRD's quantity pattern admits a sign; the API server refuses negative sizes.
         if quantity is not None and str(quantity).startswith("-"):
-            raise ValueError(f"{field}: {quantity!r} must not be negative")
+            raise InvalidSpecError(f"{field}: {quantity!r} must not be negative")
     for arg in out["runtime"]["extraArgs"]:
         flag = str(arg).split("=", 1)[0]
         reserved = _reserved_flag(flag)
         if reserved == flag:
-            raise ValueError(f"spec.runtime.extraArgs: {flag} is set by the operator and "
-                             f"cannot be overridden ({RESERVED_SERVE_FLAGS[flag]})")
+            raise InvalidSpecError(f"spec.runtime.extraArgs: {flag} is set by the operator "
+                                   f"and cannot be overridden ({RESERVED_SERVE_FLAGS[flag]})")
         if reserved is not None:
-            raise ValueError(f"spec.runtime.extraArgs: {flag} abbreviates {reserved}, which is "
-                             f"set by the operator and cannot be overridden "
-                             f"({RESERVED_SERVE_FLAGS[reserved]})")
+            raise InvalidSpecError(f"spec.runtime.extraArgs: {flag} abbreviates {reserved}, "
+                                   f"which is set by the operator and cannot be overridden "
+                                   f"({RESERVED_SERVE_FLAGS[reserved]})")
     interval = str(out["monitoring"]["interval"])
     # fullmatch: `$` alone also matches before a final newline, which Prometheus refuses.
     if not interval or not _PROMETHEUS_DURATION.fullmatch(interval):
-        raise ValueError(f"spec.monitoring.interval: {interval!r} is not a Prometheus duration "
-                         "(units from largest to smallest, each once: 30s, 1m30s, 500ms)")
+        raise InvalidSpecError(
+            f"spec.monitoring.interval: {interval!r} is not a Prometheus duration (units from "
+            "largest to smallest, each once: 30s, 1m30s, 500ms)")
     if out["replicas"] < 0:
-        raise ValueError("spec.replicas: must be >= 0")
+        raise InvalidSpecError("spec.replicas: must be >= 0")
     return out
 
 
@@ -223,11 +237,11 @@ def _check_batch_invariant(spec: Mapping[str, Any]) -> None:
     reject the same ones at apply time."""
     runtime = spec["runtime"]
     if runtime["dtype"] not in ("auto", "bfloat16"):
-        raise ValueError("spec.runtime.batchInvariant: needs runtime.dtype auto or bfloat16 "
-                         "(not float32 or float16)")
+        raise InvalidSpecError("spec.runtime.batchInvariant: needs runtime.dtype auto or "
+                               "bfloat16 (not float32 or float16)")
     if spec["resources"]["gpus"] > 0:
-        raise ValueError("spec.runtime.batchInvariant: runs on CPUs only: resources.gpus "
-                         "must be 0")
+        raise InvalidSpecError("spec.runtime.batchInvariant: runs on CPUs only: resources.gpus "
+                               "must be 0")
 
 
 def runtime_image(spec: Mapping[str, Any]) -> str:

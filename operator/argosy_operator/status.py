@@ -126,6 +126,14 @@ def refused_spec_conditions(message: str, gen: int | None) -> list[dict[str, Any
         (COND_STALLED, True))]
 
 
+def refusal_superseded(llmd: Mapping[str, Any]) -> bool:
+    """Whether `llmd`'s status says Stalled for a spec refused at an earlier generation than
+    its current one (a newer spec not yet applied: in progress, not failed)."""
+    stalled = find_condition((llmd.get("status") or {}).get("conditions"), COND_STALLED) or {}
+    return (stalled.get("status") == "True" and stalled.get("observedGeneration")
+            != (llmd.get("metadata") or {}).get("generation"))
+
+
 def _without_nulls(value: Any) -> Any:
     """`value` as the API server stores it after a merge patch: a null deletes its key."""
     if isinstance(value, Mapping):
@@ -211,15 +219,24 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
         stalled = find_condition(current.get("conditions"), COND_STALLED)
         if invalid_spec is not None:
             computed["conditions"] = refused_spec_conditions(invalid_spec, gen)
-        elif gen is None and (stalled or {}).get("status") == "True":
-            # A refused spec's conditions stay until a reconcile succeeds; a pod event
-            # updates the replica counts only.
+        elif gen is None and (stalled or {}).get("status") == "True" \
+                and stalled.get("observedGeneration") == meta.get("generation"):
+            # The current spec is refused: its conditions stay until a reconcile succeeds; a
+            # pod event updates the replica counts only.
             computed["conditions"] = []
-        elif gen is None and degraded.get("reason") in RECONCILE_FAILURES:
-            # Only a successful reconcile clears a reconcile failure, not a pod event.
-            computed["conditions"] = [c for c in computed["conditions"]
-                                      if c["type"] != COND_DEGRADED]
-        elif gen is not None and stalled is not None:
+        elif gen is None:
+            if degraded.get("reason") in RECONCILE_FAILURES:
+                # Only a successful reconcile clears a reconcile failure, not a pod event.
+                computed["conditions"] = [c for c in computed["conditions"]
+                                          if c["type"] != COND_DEGRADED]
+            if (stalled or {}).get("status") == "True":
+                # Refused at an earlier generation: the current spec is not applied yet (or
+                # failed in a way that is retried), which is in progress, not failed for good.
+                computed["conditions"].append(condition(
+                    COND_STALLED, False, "SpecChanged",
+                    "the refused spec was replaced; the current one is not applied yet",
+                    meta.get("generation")))
+        elif stalled is not None:
             # This generation was applied: whatever an earlier one refused is over.
             computed["conditions"].append(condition(
                 COND_STALLED, False, "AsExpected", "the spec was applied", gen))

@@ -179,3 +179,162 @@ async def test_a_failed_status_write_after_a_reconcile_is_retried_by_kopf(
         assert (await _status(api))["observedGeneration"] == 1
         await _reconcile(api, retry=2)
     assert (await _status(api))["observedGeneration"] == 2
+
+
+async def test_a_plain_text_5xx_is_retried_not_taken_for_a_refused_spec(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy in front of the API server answers one read of a reconcile with a plain-text
+    503: an API error, retried (ApplyFailed, in progress), not a refused spec (it was a
+    JSONDecodeError, a ValueError, which the reconcile took for InvalidSpec: Stalled for
+    good, and the edit never applied)."""
+    import aiohttp.web
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        handle, failures = kube._handle, [1]
+
+        async def proxy_hiccup(request: Any) -> Any:
+            if request.method == "GET" and request.url.path == f"{DEP_PATH}/chat" \
+                    and failures:
+                failures.pop()
+                return aiohttp.web.Response(
+                    status=503, text="upstream connect error or disconnect/reset before headers")
+            return await handle(request)
+
+        monkeypatch.setattr(kube, "_handle", proxy_hiccup)
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"replicas": 3}})
+        with pytest.raises(kopf.TemporaryError, match="503"):
+            await _reconcile(api)
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        assert _cond(obj["status"], "Degraded")["reason"] == "ApplyFailed"
+        assert "upstream connect error" in _cond(obj["status"], "Degraded")["message"]
+        assert _cond(obj["status"], "Stalled") == {}
+        assert kstatus(obj) == "InProgress"
+        await _reconcile(api, retry=1)
+        assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 3
+        assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Current"
+
+
+async def test_a_value_error_that_is_not_about_the_spec_is_not_a_refused_spec(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only InvalidSpecError is a refused spec: any other ValueError out of a reconcile (a
+    bug, an answer the client could not decode) goes to kopf, which retries it, and the
+    status neither records the generation nor says Stalled."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        client = handlers._state["client"]
+        request, failures = client.request, [ValueError("Expecting value: line 1 column 1")]
+
+        async def undecodable(method: str, path: str, **kwargs: Any) -> Any:
+            if method == "GET" and path == f"{DEP_PATH}/chat" and failures:
+                raise failures.pop()
+            return await request(method, path, **kwargs)
+
+        monkeypatch.setattr(client, "request", undecodable)
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"replicas": 3}})
+        with pytest.raises(ValueError, match="Expecting value") as err:
+            await _reconcile(api)
+        assert not isinstance(err.value, kopf.PermanentError)
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        assert obj["status"]["observedGeneration"] == 1
+        assert _cond(obj["status"], "Stalled") == {}
+        await _reconcile(api, retry=1)
+        assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 3
+
+
+async def _refuse_an_edit(kube: Any, api: Api) -> None:
+    """Generation 2: an interval the ServiceMonitor refuses (admitted by an older CRD)."""
+    kube.crd_validation = False
+    await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "1s1m"}}})
+    with pytest.raises(kopf.PermanentError):
+        await _reconcile(api)
+    assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
+
+
+async def test_a_fixed_spec_failing_with_a_retried_error_is_no_longer_stalled(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused spec fixed by an edit whose reconcile then fails in a way that is retried
+    (someone else's Service in the way): the old refusal's Stalled=True and Ready/Progressing
+    InvalidSpec go at once (in progress, not failed), and pod events do not bring them back
+    (they froze the conditions of any stored Stalled=True, whatever its generation)."""
+    from argosy_operator import handlers
+
+    svc_path = f"/api/v1/namespaces/{NS}/services"
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await _refuse_an_edit(kube, api)
+        await api.call("DELETE", f"{svc_path}/chat")
+        await api.call("POST", svc_path, {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}, "application/json")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+        with pytest.raises(kopf.TemporaryError, match="not managed by argosy-operator"):
+            await _reconcile(api)
+
+        def check(obj: dict[str, Any]) -> None:
+            status = obj["status"]
+            stalled = _cond(status, "Stalled")
+            assert (stalled["status"], stalled["observedGeneration"]) == ("False", 3), stalled
+            for type_ in ("Ready", "Progressing"):
+                assert _cond(status, type_)["reason"] != "InvalidSpec", status
+            degraded = _cond(status, "Degraded")
+            assert (degraded["reason"], degraded["observedGeneration"]) == ("ChildConflict", 3)
+            assert kstatus(obj) == "InProgress"
+
+        check(await api.call("GET", f"{LLMD_PATH}/chat"))
+        await api.call("PATCH", f"{DEP_PATH}/chat/status", {"status": {
+            "observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2,
+            "availableReplicas": 2}})
+        await handlers.pod_changed(meta={"labels": {"argosy.dev/llmdeployment": "chat"}},
+                                   namespace=NS)
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        check(obj)
+        assert _cond(obj["status"], "Ready")["reason"] == "AllReplicasReady"
+
+        await api.call("DELETE", f"{svc_path}/chat")  # the foreign Service goes away
+        await _reconcile(api, retry=1)
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        assert _cond(obj["status"], "Stalled")["reason"] == "AsExpected"
+        assert kstatus(obj) == "Current"
+
+
+async def test_a_child_deleted_while_the_spec_is_refused_is_one_log_line(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The Service deleted by hand while the spec is refused: no child can be built from that
+    spec, so the reapply says so in one warning (no traceback; the event handler died with
+    one) and stops; the fixed spec brings the Service back."""
+    from argosy_operator import handlers
+
+    svc_path = f"/api/v1/namespaces/{NS}/services"
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await _refuse_an_edit(kube, api)
+        await api.call("DELETE", f"{svc_path}/chat")
+        with caplog.at_level(logging.WARNING, logger="argosy.operator"):
+            await handlers._refresh_owner(NS, "chat", reapply=True)
+        lines = [r for r in caplog.records if r.name == "argosy.operator"]
+        assert len(lines) == 1 and lines[0].exc_info is None
+        assert "spec is refused" in lines[0].getMessage()
+        assert "spec.monitoring.interval" in lines[0].getMessage()
+        assert await api.get_or_none(f"{svc_path}/chat") is None
+        assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
+
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+        await _reconcile(api)
+        assert await api.get_or_none(f"{svc_path}/chat") is not None
+
+
+def test_only_a_refused_spec_is_an_invalid_spec_error() -> None:
+    """The reconcile reports InvalidSpec (and stops retrying) only for InvalidSpecError,
+    which each check of the spec raises; any other ValueError is retried."""
+    from argosy_operator.builders.common import check_name
+    from argosy_operator.model_source import parse_model_source
+    from argosy_operator.spec import InvalidSpecError, normalize_spec
+
+    for bad in (lambda: check_name("Chat.v1"),
+                lambda: normalize_spec({"model": {"name": "m", "path": "/m"}, "replicas": -1}),
+                lambda: normalize_spec({"model": {"name": "m", "path": "/m"}, "autoscaling": {
+                    "enabled": True, "panicWindowSeconds": 90}}),
+                lambda: parse_model_source("ftp://x", None)):
+        with pytest.raises(InvalidSpecError):
+            bad()

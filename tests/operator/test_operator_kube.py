@@ -196,3 +196,42 @@ async def test_a_late_answer_does_not_replace_a_fresher_one(
         assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 2
     finally:
         await client.close()
+
+
+async def test_an_answer_that_is_not_json_is_an_api_error() -> None:
+    """A proxy between the operator and the API server answers in plain text (a 502, 503 or
+    504 while the API server restarts): an ApiError with the start of the body, like any
+    error status, never a JSONDecodeError (a ValueError, which the reconcile took for a
+    refused spec). A 2xx whose body is not JSON is an ApiError too."""
+    import aiohttp.web
+
+    answers = [(503, "upstream connect error or disconnect/reset before headers"),
+               (502, "<html>" + "x" * 2000 + "</html>"), (200, "<html>login</html>")]
+
+    async def answer(_request: Any) -> aiohttp.web.Response:
+        status, text = answers.pop(0)
+        return aiohttp.web.Response(status=status, text=text)
+
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = KubeClient(f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(ApiError) as err:
+            await client.get(LLMDEPLOYMENTS, "ml", "chat")
+        assert (err.value.status, err.value.reason) == (503, "Service Unavailable")
+        assert err.value.message == "upstream connect error or disconnect/reset before headers"
+        with pytest.raises(ApiError) as err:
+            await client.list(DEPLOYMENTS, "ml")
+        assert err.value.status == 502 and len(err.value.message) == 500
+        with pytest.raises(ApiError) as err:
+            await client.get(LLMDEPLOYMENTS, "ml", "chat")
+        assert (err.value.status, err.value.reason) == (200, "InvalidResponse")
+        assert "login" in err.value.message
+    finally:
+        await client.close()
+        await runner.cleanup()

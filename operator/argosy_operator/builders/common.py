@@ -18,6 +18,7 @@ from argosy_operator.constants import (
     LABEL_NAME,
     OPERATOR_NAME,
 )
+from argosy_operator.spec import InvalidSpecError
 
 # A DNS-1035 label: what a Service may be named (the strictest rule a child's name meets).
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -25,7 +26,7 @@ MAX_NAME_LENGTH = 63
 
 
 def check_name(name: str) -> None:
-    """Raise ValueError unless the LLMDeployment's `name` can name its children.
+    """Raise InvalidSpecError unless the LLMDeployment's `name` can name its children.
 
     Kubernetes admits any DNS subdomain as the LLMDeployment's name (dots, a leading digit,
     up to 253 characters), but its Service takes the same name, which must be a DNS-1035
@@ -34,7 +35,7 @@ def check_name(name: str) -> None:
     created and the Service refused on every retry."""
     # fullmatch: `$` alone also matches before a final newline, which Kubernetes refuses.
     if len(name) > MAX_NAME_LENGTH or not _DNS1035_LABEL.fullmatch(name):
-        raise ValueError(
+        raise InvalidSpecError(
             f"metadata.name: {name!r} cannot name the children (the Service takes the same "
             f"name): use at most {MAX_NAME_LENGTH} characters, lowercase letters, digits and "
             "'-', starting with a letter and ending with a letter or digit; the name cannot "
