@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from argosy_runtime import StructuredOutputsParams
-from argosy_runtime.model_loader import load_checkpoint
 from argosy_runtime.structured_output.grammar import (
     INITIAL_LEXER_FUEL,
     GrammarCompiler,
@@ -23,17 +22,6 @@ from argosy_runtime.structured_output.params import (
 )
 
 CHOICES = ["The capital is Paris.", "The capital is Lyon!", "Paris", "I do not know."]
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def compiler(checkpoint) -> GrammarCompiler:
-    return GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size,
-                           checkpoint.tokenizer.eos_token_ids)
 
 
 @pytest.fixture(scope="module")

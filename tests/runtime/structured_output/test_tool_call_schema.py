@@ -5,21 +5,9 @@ against the array of calls the output is."""
 from __future__ import annotations
 
 import pytest
-from argosy_runtime.model_loader import load_checkpoint
 from argosy_runtime.server.protocol import ChatCompletionRequest
 from argosy_runtime.server.tool_calls import tool_call_constraint
 from argosy_runtime.structured_output.grammar import GrammarCompiler
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def compiler(checkpoint) -> GrammarCompiler:
-    return GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size,
-                           checkpoint.tokenizer.eos_token_ids)
 
 
 def _item(p: dict) -> dict:
