@@ -345,10 +345,19 @@ async def start_streams(ctx: ServingContext, base_id: str, prompts: list[list[in
     each = params if isinstance(params, list) else [params] * len(prompts)
     lora_name = ctx.lora_name(model_name)
     # gather posts every add before awaiting any, so the prompts join the batch together
-    results = await asyncio.gather(*(ctx.engine.add(rid, p, ps, priority=priority,
-                                                    lora_name=lora_name)
-                                     for rid, p, ps in zip(ids, prompts, each, strict=True)),
-                                   return_exceptions=True)
+    adds = [asyncio.ensure_future(ctx.engine.add(rid, p, ps, priority=priority,
+                                                 lora_name=lora_name))
+            for rid, p, ps in zip(ids, prompts, each, strict=True)]
+    try:
+        results = await asyncio.gather(*adds, return_exceptions=True)
+    except asyncio.CancelledError:
+        # Cancelled while admitting (a cancelled batch's request, a beam search's deadline):
+        # an add cut short aborts its own request, but those already admitted have no
+        # reader, and ran on to their last token (their streams kept for good).
+        for add in adds:  # all done by now: gather waits for its children's cancellation
+            if add.done() and not add.cancelled() and add.exception() is None:
+                add.result().close()
+        raise
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]
     if not errors:

@@ -198,3 +198,40 @@ def test_a_request_waiting_for_an_adapter_unloaded_meanwhile_is_a_404(
         assert finish == "length"  # the holder never noticed
         assert http.post("/v1/unload_lora_adapter",
                          json={"lora_name": "holder"}).status_code == 200
+
+
+def test_a_response_on_an_adapter_unloaded_while_it_runs_is_still_answered(
+        eager_server: ServerProcess, peft_model) -> None:  # noqa: F811
+    """Unloading an adapter lets the requests already running on it finish on it, and so a
+    non-streamed /v1/responses answer on it comes back (200, its model the adapter's name).
+    The Responses route checked the model name a second time after generating, and answered
+    the finished response with a 404 model_not_found."""
+    import threading
+
+    client = OpenAI(base_url=eager_server.url + "/v1", api_key="unused", max_retries=0,
+                    timeout=120)
+    with httpx.Client(base_url=eager_server.url, timeout=60) as http:
+        assert _load(http, "respond", str(peft_model[0])).status_code == 200
+        idle_kv = eager_server.running_and_kv()[1]
+        result: list[object] = []
+
+        def respond() -> None:
+            try:  # 160 tokens: seconds of decoding, far longer than the unload takes
+                result.append(client.responses.create(
+                    model="respond", input=PROMPT, max_output_tokens=160, temperature=0,
+                    extra_body={"ignore_eos": True}))
+            except BaseException as exc:  # noqa: BLE001 (checked below)
+                result.append(exc)
+
+        thread = threading.Thread(target=respond)
+        thread.start()
+        while eager_server.running_and_kv()[0] < 1:
+            assert thread.is_alive(), result
+        assert http.post("/v1/unload_lora_adapter",
+                         json={"lora_name": "respond"}).status_code == 200
+        thread.join(120)
+        assert len(result) == 1 and not isinstance(result[0], BaseException), result
+        response = result[0]
+        assert response.model == "respond" and response.status == "incomplete"
+        assert response.usage.output_tokens == 160
+        eager_server.assert_back_to_idle(idle_kv, within=10)

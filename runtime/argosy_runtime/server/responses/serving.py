@@ -89,7 +89,10 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
         answer = await create_chat_completion(request, chat, ctx)
     except APIError as exc:
         raise in_responses_terms(exc) from None
-    model = ctx.check_model(req.model)
+    # The served name chat checked (ctx.check_model's answer), not checked again: a LoRA
+    # adapter unloaded while its request runs lets it finish on it (lora_admin.py), and a
+    # second check after generating answered that finished response with a 404.
+    model = req.model or ctx.model_name
 
     def keep(response: dict[str, Any]) -> None:
         if req.store and response["status"] != "failed":  # nothing to continue from
