@@ -231,12 +231,17 @@ async def reconcile_llmdeployment(body: kopf.Body, meta: kopf.Meta, logger: logg
         await _write_status(client, llmd, generation, retry, invalid_spec=str(exc))
         raise kopf.PermanentError(str(exc)) from exc
     except ChildConflictError as exc:
-        await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
         # A child still being deleted (an LLMDeployment deleted and applied again, as GitOps
         # tools replace one) is gone in seconds: retry soon. Someone else's object stays
         # until a person acts: back off as for API errors (a fixed 30 s was both too slow
         # for the first and too frequent for the second).
         delay = reapply_retry_delay(retry) if exc.being_deleted else apply_retry_delay(retry)
+        try:
+            await _report_degraded(client, llmd, "ChildConflict", str(exc), generation)
+        except API_ERRORS as status_exc:
+            # Retried like the conflict itself (not a raw exception with kopf's backoff).
+            raise kopf.TemporaryError(
+                f"{exc}; reporting it failed: {_describe(status_exc)}", delay=delay) from exc
         raise kopf.TemporaryError(str(exc), delay=delay) from exc
     except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
         # A child refused (403 RBAC, 422 invalid, 5xx) or the API server unreachable: say so
@@ -354,6 +359,10 @@ async def _reapply(client: KubeClient, namespace: str, owner: str) -> None:
         attempt += 1
 
 
+# uid -> the refused generation whose "not reapplying" warning `_try_reapply` logged.
+_refusal_logged: dict[str | None, int | None] = {}
+
+
 async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
                        first_try: bool) -> bool:
     """One try of `_reapply`: True when done (reconciled, or the owner is gone); False when
@@ -376,10 +385,23 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
                 return False
             except InvalidSpecError as exc:
                 # The update handler reported it (InvalidSpec); no retry helps until the spec
-                # changes, and that change reconciles (re-creating the child) anyway.
-                _log.warning("not reapplying the children of %s/%s: its spec is refused (%s); "
-                             "a missing child comes back once the spec is fixed",
-                             namespace, owner, exc)
+                # changes, and that change reconciles (re-creating the child) anyway. Once per
+                # refused generation: every later event of a drifted child comes here again.
+                uid = (llmd.get("metadata") or {}).get("uid")
+                if _refusal_logged.get(uid) != generation:
+                    _refusal_logged[uid] = generation
+                    _log.warning("not reapplying the children of %s/%s: its spec is refused "
+                                 "(%s); a missing or changed child is restored once the spec "
+                                 "is fixed", namespace, owner, exc)
+                # A status-only refresh, as for any child event: the replica counts follow
+                # the children of the last applied spec, the refusal's conditions stay.
+                try:
+                    patch, base = await refresh_status(client, llmd)
+                except API_ERRORS as status_exc:
+                    _log.warning("refreshing the status of %s/%s failed (retrying): %s",
+                                 namespace, owner, _describe(status_exc))
+                    return False
+                _post_degraded_event(llmd, patch, base)
                 return True
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             if llmd is not None:
@@ -538,9 +560,15 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
         return
     # The API server lists a CRD in discovery (what reconcile checks) just after it marks it
     # Established: wait for that, briefly. Fresh answers, which the reconciles below then use.
+    # A failed discovery request (a proxy's 503) is no answer either: ask again. Raising would
+    # lose these reconciles (the CRD's uid is already marked seen).
     for attempt in range(len(REAPPLY_RETRY_DELAYS)):
-        if await client.has_resource(SERVICEMONITORS, fresh=True):
-            break
+        try:
+            if await client.has_resource(SERVICEMONITORS, fresh=True):
+                break
+        except API_ERRORS as exc:
+            _log.warning("asking API discovery for the ServiceMonitor API failed: %s",
+                         _describe(exc))
         await asyncio.sleep(reapply_retry_delay(attempt))
     owners = [(o["metadata"]["namespace"], o["metadata"]["name"])
               for o in await client.list(LLMDEPLOYMENTS, None) if _wants_servicemonitor(o)]
@@ -579,8 +607,18 @@ async def servicemonitor_recheck(meta: kopf.Meta, namespace: str | None, **_: An
     now served (namespaced runs only, see above); otherwise do nothing."""
     client = get_client()
     name = meta.get("name")
-    # Fresh: a cached "absent" (from a reconcile) would delay noticing the CRD by its TTL.
-    if not namespace or not name or not await client.has_resource(SERVICEMONITORS, fresh=True):
+    if not namespace or not name:
+        return
+    try:
+        # Fresh: a cached "absent" (from a reconcile) would delay noticing the CRD by its TTL.
+        if not await client.has_resource(SERVICEMONITORS, fresh=True):
+            return
+    except API_ERRORS as exc:
+        # No answer (a proxy's 503, say): the next tick asks again. One line, not kopf's
+        # traceback and 60 s timer backoff.
+        _log.warning("asking API discovery for the ServiceMonitor API failed (checking "
+                     "%s/%s again in %g s): %s", namespace, name,
+                     SERVICEMONITOR_RECHECK_SECONDS, _describe(exc))
         return
     if await client.get(SERVICEMONITORS, namespace, name) is not None:
         return  # ours, or someone else's: a conflict is the reconciles' to report

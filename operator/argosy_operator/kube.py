@@ -225,8 +225,11 @@ class KubeClient:
             payload = await self.request("GET", base)
             served = frozenset(r.get("name") for r in payload.get("resources", []))
         except ApiError as exc:
-            if exc.status not in (404, 503):
-                raise  # not cached: the next call asks again
+            # Only 404 says the group-version is not served. Any other error (a proxy's 503,
+            # say) is no answer: raised and not cached, so a reconcile fails and is retried
+            # rather than skip (or never delete) the ServiceMonitor, and the next call asks.
+            if exc.status != 404:
+                raise
             served = frozenset()
         # A slow answer to an earlier question must not replace a fresher one (a reconcile's
         # "absent" landing after the CRD handler's fresh "served").

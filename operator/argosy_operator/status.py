@@ -126,6 +126,13 @@ def refused_spec_conditions(message: str, gen: int | None) -> list[dict[str, Any
         (COND_STALLED, True))]
 
 
+def spec_refused(llmd: Mapping[str, Any]) -> bool:
+    """Whether `llmd`'s status says its current spec (this generation) was refused."""
+    stalled = find_condition((llmd.get("status") or {}).get("conditions"), COND_STALLED) or {}
+    return (stalled.get("status") == "True" and stalled.get("observedGeneration")
+            == (llmd.get("metadata") or {}).get("generation"))
+
+
 def refusal_superseded(llmd: Mapping[str, Any]) -> bool:
     """Whether `llmd`'s status says Stalled for a spec refused at an earlier generation than
     its current one (a newer spec not yet applied: in progress, not failed)."""

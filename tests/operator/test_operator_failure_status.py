@@ -214,6 +214,44 @@ async def test_a_plain_text_5xx_is_retried_not_taken_for_a_refused_spec(
         assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Current"
 
 
+async def test_a_discovery_5xx_fails_the_reconcile_not_the_servicemonitor(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy's plain-text 503 to the ServiceMonitor discovery request is no answer, not "the
+    CRD is absent": the reconcile fails (ApplyFailed, retried, generation not observed) and is
+    not cached, so the retry applies the edit (it succeeded without touching the
+    ServiceMonitor, recorded the generation, and the unwanted ServiceMonitor stayed)."""
+    import aiohttp.web
+    from argosy_operator import handlers
+    from argosy_operator.kube import SERVICEMONITORS
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        sm_path = SERVICEMONITORS.path(NS, "chat")
+        assert await api.get_or_none(sm_path) is not None
+        handlers._state["client"].forget_discovery(SERVICEMONITORS)
+        handle, failures = kube._handle, [1]
+
+        async def proxy_hiccup(request: Any) -> Any:
+            if request.method == "GET" and failures \
+                    and request.url.path == SERVICEMONITORS.discovery_path:
+                failures.pop()
+                return aiohttp.web.Response(status=503, text="upstream connect error")
+            return await handle(request)
+
+        monkeypatch.setattr(kube, "_handle", proxy_hiccup)
+        await api.call("PATCH", f"{LLMD_PATH}/chat",
+                       {"spec": {"monitoring": {"serviceMonitor": False}}})
+        with pytest.raises(kopf.TemporaryError, match="503"):
+            await _reconcile(api)
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        assert obj["status"]["observedGeneration"] == 1
+        assert _cond(obj["status"], "Degraded")["reason"] == "ApplyFailed"
+        assert kstatus(obj) == "InProgress"
+        assert await api.get_or_none(sm_path) is not None
+        await _reconcile(api, retry=1)
+        assert await api.get_or_none(sm_path) is None
+        assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Current"
+
+
 async def test_a_value_error_that_is_not_about_the_spec_is_not_a_refused_spec(
         kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only InvalidSpecError is a refused spec: any other ValueError out of a reconcile (a
@@ -322,6 +360,100 @@ async def test_a_child_deleted_while_the_spec_is_refused_is_one_log_line(
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
         await _reconcile(api)
         assert await api.get_or_none(f"{svc_path}/chat") is not None
+
+
+async def test_the_autoscaler_does_not_act_on_a_refused_spec(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused edit that turns autoscaling on (minReplicas 4): the autoscaling timer does
+    not scale the running Deployment of the last applied spec (it scaled it to 4) and says
+    why (ScalingActive False, SpecRefused); once a spec is applied it scales."""
+    from argosy_operator.autoscaling import timer
+
+    async def tick() -> None:
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        await timer.autoscale(body=obj, spec=obj["spec"], name="chat", namespace=NS,
+                              memo=kopf.Memo(), logger=logging.getLogger("test"))
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        kube.crd_validation = False
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+            "runtime": {"extraArgs": ["--port=9"]},
+            "autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 6}}})
+        with pytest.raises(kopf.PermanentError):
+            await _reconcile(api)
+        assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
+        await tick()
+        assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 2
+        status = await _status(api)
+        active = _cond(status, "ScalingActive")
+        assert (active["status"], active["reason"]) == ("False", "SpecRefused"), active
+        assert _cond(status, "Stalled")["status"] == "True"  # the timer left it
+
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"runtime": {"extraArgs": []}}})
+        await _reconcile(api)
+        await tick()
+        assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 4
+
+
+async def test_a_child_drifted_while_the_spec_is_refused_still_updates_the_status(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The Deployment scaled by hand while the spec is refused: it cannot be reverted from
+    that spec, so the "spec is refused" warning comes once for the generation (not at every
+    later event of the Deployment), and its events still update the replica counts (they
+    stopped: the reapply returned before any status refresh); the refusal's conditions stay."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await _refuse_an_edit(kube, api)
+        await api.call("PATCH", f"{DEP_PATH}/chat", {"spec": {"replicas": 5}})
+        dep = await api.call("GET", f"{DEP_PATH}/chat")
+        with caplog.at_level(logging.WARNING, logger="argosy.operator"):
+            for ready in (1, 2, 3):
+                await api.call("PATCH", f"{DEP_PATH}/chat/status", {"status": {
+                    "observedGeneration": dep["metadata"]["generation"], "replicas": 5,
+                    "updatedReplicas": 5, "readyReplicas": ready}})
+                dep = await api.call("GET", f"{DEP_PATH}/chat")
+                await handlers.deployment_changed(event={"type": "MODIFIED"}, body=dep,
+                                                  meta=dep["metadata"], namespace=NS)
+                status = await _status(api)
+                assert (status["replicas"], status["readyReplicas"]) == (5, ready), status
+        refused = [r for r in caplog.records
+                   if r.name == "argosy.operator" and "spec is refused" in r.getMessage()]
+        assert len(refused) == 1, [r.getMessage() for r in refused]
+        obj = await api.call("GET", f"{LLMD_PATH}/chat")
+        assert kstatus(obj) == "Failed"
+        assert _cond(obj["status"], "Ready")["reason"] == "InvalidSpec"
+        assert dep["spec"]["replicas"] == 5  # not reverted from the refused spec
+
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"monitoring": {"interval": "30s"}}})
+        await _reconcile(api)
+        assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 2
+
+
+async def test_a_failed_child_conflict_report_is_a_temporary_error(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone else's Service in the way and the status write failing too: a TemporaryError
+    with the conflict's backoff (as for every other failure of a reconcile), not the raw
+    ApiError of the status write (kopf's traceback and its own retry delay)."""
+    from argosy_operator import handlers
+
+    svc_path = f"/api/v1/namespaces/{NS}/services"
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        await api.call("DELETE", f"{svc_path}/chat")
+        await api.call("POST", svc_path, {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "chat", "namespace": NS, "labels": {"team": "web"}},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}, "application/json")
+        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"replicas": 3}})
+        _fail_status_writes(monkeypatch, [ApiError(503, "ServiceUnavailable", "etcd down")])
+        with pytest.raises(kopf.TemporaryError, match="not managed by argosy-operator") as err:
+            await _reconcile(api, retry=2)
+        assert "etcd down" in str(err.value)
+        assert err.value.delay == handlers.apply_retry_delay(2)
+        await api.call("DELETE", f"{svc_path}/chat")  # the foreign Service goes away
+        await _reconcile(api, retry=3)
+        assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Current"
 
 
 def test_only_a_refused_spec_is_an_invalid_spec_error() -> None:

@@ -763,6 +763,54 @@ async def test_a_cached_absent_answer_does_not_delay_noticing_the_crd(
             assert len(_discovery_reads(kube)) == 3
 
 
+def _fail_discovery_once(kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next ServiceMonitor discovery request gets a proxy's plain-text 503."""
+    import aiohttp.web
+
+    handle, failures = kube._handle, [1]
+
+    async def proxy_hiccup(request: Any) -> Any:
+        if request.method == "GET" and failures \
+                and request.url.path == "/apis/monitoring.coreos.com/v1":
+            failures.pop()
+            return aiohttp.web.Response(status=503, text="upstream connect error")
+        return await handle(request)
+
+    monkeypatch.setattr(kube, "_handle", proxy_hiccup)
+
+
+@pytest.mark.no_servicemonitor
+@pytest.mark.parametrize("path", ["recheck-timer", "crd-handler"])
+async def test_a_discovery_5xx_does_not_stop_noticing_the_crd(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, path: str) -> None:
+    """Discovery answering a plain-text 503 (an error, not "absent", since reconciles must not
+    take it for a missing CRD): the recheck timer logs one line and checks again at its next
+    tick, which creates the ServiceMonitor; the CRD handler asks again and reconciles."""
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        owner = await api.get_or_none(f"{LLMD_PATH}/chat")
+        crd = await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        reconciled = _count_reconciles(monkeypatch, "name")
+        _fail_discovery_once(kube, monkeypatch)
+        with caplog.at_level(logging.WARNING, logger="argosy.operator"):
+            if path == "recheck-timer":
+                await handlers.servicemonitor_recheck(meta=owner["metadata"], namespace=NS)
+                assert reconciled == []
+                await handlers.servicemonitor_recheck(meta=owner["metadata"], namespace=NS)
+            else:
+                monkeypatch.setitem(handlers._state, "clusterwide", True)
+                monkeypatch.setattr(handlers, "_established_crds", set())
+                await handlers.servicemonitor_crd_changed(
+                    event={"type": "ADDED", "object": crd}, body=crd, meta=crd["metadata"])
+        assert reconciled == ["chat"]
+        assert await api.get_or_none(f"{SM_PATH}/chat") is not None
+        lines = [r for r in caplog.records if r.name == "argosy.operator"]
+        assert len(lines) == 1 and lines[0].exc_info is None, lines
+        assert "upstream connect error" in lines[0].getMessage()
+
+
 def test_the_servicemonitor_recheck_runs_only_namespaced_and_where_wanted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from argosy_operator import handlers

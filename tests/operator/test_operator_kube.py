@@ -130,8 +130,9 @@ async def test_discovery_answers_are_reused_until_they_expire(
 @pytest.mark.no_servicemonitor
 async def test_an_absent_api_is_cached_and_an_error_is_not(
         kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """404 (the CRD not installed) is an answer and is reused; a 500 raises and is not kept:
-    the next call asks again."""
+    """404 (the CRD not installed) is an answer and is reused; a 500 or a proxy's 503 raises
+    and is not kept: the next call asks again."""
+    import aiohttp.web
     import kmock
 
     client = KubeClient(str(kube.url))
@@ -156,6 +157,23 @@ async def test_an_absent_api_is_cached_and_an_error_is_not(
         assert await client.has_resource(PDBS)
         assert await client.has_resource(PDBS)
         assert _discovery_gets(kube, PDBS.discovery_path) == 2
+
+        # A proxy's plain-text 503 is an error too, not "absent" (cached, a reconcile took it
+        # for a missing CRD and left the ServiceMonitor as it was).
+        async def proxy_503_once(request: Any) -> Any:
+            if request.url.path == SERVICEMONITORS.discovery_path and failures:
+                failures.pop()
+                return aiohttp.web.Response(status=503, text="upstream connect error")
+            return await handle(request)
+
+        failures.append(1)
+        client.forget_discovery(SERVICEMONITORS)
+        monkeypatch.setattr(kube, "_handle", proxy_503_once)
+        with pytest.raises(ApiError) as err:
+            await client.has_resource(SERVICEMONITORS)
+        assert err.value.status == 503
+        assert not await client.has_resource(SERVICEMONITORS)  # asked again: a 404
+        assert _discovery_gets(kube, SERVICEMONITORS.discovery_path) == 3
     finally:
         await client.close()
 

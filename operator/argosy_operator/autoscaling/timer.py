@@ -41,7 +41,7 @@ from argosy_operator.autoscaling.status import autoscaling_status, inactive_cond
 from argosy_operator.conditions import now_rfc3339
 from argosy_operator.constants import GROUP, PLURAL, VERSION
 from argosy_operator.kube import API_ERRORS, ApiError, KubeClient
-from argosy_operator.status import CONFLICT_RETRIES, patch_status, status_patch
+from argosy_operator.status import CONFLICT_RETRIES, patch_status, spec_refused, status_patch
 from argosy_operator.workload import (
     deployment_replicas,
     get_deployment,
@@ -162,6 +162,14 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         return
     memo.pop(_INVALID_KEY, None)
     if not policy.enabled:
+        return
+    if spec_refused(llmd):
+        # The reconcile refused this generation's spec (Stalled=True, InvalidSpec): the
+        # children of the last applied spec stay as they are, their replicas included, until
+        # a spec is applied. Scaling from the refused spec's policy would change them.
+        await _write_status(_client(), llmd, {"conditions": inactive_conditions(
+            "SpecRefused", "the current spec is refused (see the Stalled condition): not "
+            "scaling until a spec is applied")}, logger)
         return
 
     now = time.monotonic()
