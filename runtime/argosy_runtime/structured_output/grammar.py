@@ -61,6 +61,7 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._no_token_bytes = False  # llguidance could not read the tokenizer (token_bytes)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -76,9 +77,19 @@ class GrammarCompiler:
     def token_bytes(self, token_id: int) -> bytes | None:
         """The bytes a (non-special) token stands for: a byte-level BPE token can hold part
         of a UTF-8 character, which its decoded text shows as U+FFFD. None for a special
-        token or an id outside the vocabulary."""
+        token or an id outside the vocabulary, or when llguidance cannot read the tokenizer
+        (asked once)."""
         with self._lock:
-            ll_tokenizer = self._llguidance_tokenizer()
+            if self._no_token_bytes:
+                return None
+            try:
+                ll_tokenizer = self._llguidance_tokenizer()
+            except Exception as exc:  # logprobs must not fail where they worked without it
+                self._no_token_bytes = True
+                logger.warning("logprob bytes: llguidance cannot read this tokenizer (%s); "
+                               "the bytes of each token's decoded text are given instead",
+                               _one_line(str(exc)))
+                return None
         if not 0 <= token_id < self._vocab_size or ll_tokenizer.is_special_token(token_id):
             return None
         return ll_tokenizer.decode_bytes([token_id])

@@ -306,3 +306,22 @@ def test_schemas_that_differ_only_in_property_order_are_not_one_grammar(
         ids = tok.encode(text, add_special_tokens=False)
         assert all(grammar.allowed_tokens(ids[:n])[ids[n]] for n in range(len(ids))), text
         assert grammar.is_done(ids)
+
+
+def test_token_bytes_give_up_once_when_llguidance_cannot_read_the_tokenizer(
+        checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Chat logprobs ask for the bytes of a token that splits a character: a tokenizer
+    llguidance cannot read gives None (the server then encodes the text), once, not a 500
+    on every such token."""
+    compiler = GrammarCompiler(checkpoint.tokenizer, checkpoint.spec.vocab_size,
+                               checkpoint.tokenizer.eos_token_ids)
+    calls = []
+
+    def unreadable() -> None:
+        calls.append(1)
+        raise RuntimeError("unsupported tokenizer")
+
+    monkeypatch.setattr(compiler, "_llguidance_tokenizer", unreadable)
+    assert compiler.token_bytes(100) is None
+    assert compiler.token_bytes(101) is None
+    assert calls == [1]
