@@ -161,6 +161,7 @@ class LoRARegistry:
                 self._cond.wait()
             pending = self._loading[name] = _Load()
             path = self.paths[name]
+            registration = self._in_force.get(name, 0)
         try:
             adapter = self._load(name, path)
         except BaseException as exc:
@@ -175,9 +176,10 @@ class LoRARegistry:
             pending.done = True
             del self._loading[name]
             self.num_loads += 1
-            # Unregistered or re-registered meanwhile: this caller still gets what it asked
-            # for, but the registry keeps only the current registration's adapter.
-            if self.paths.get(name) == path:
+            # Unregistered or re-registered meanwhile (the same path too: weights retrained
+            # in place): this caller still gets what it asked for, but the registry keeps only
+            # the current registration's adapter.
+            if self._in_force.get(name, 0) == registration and self.paths.get(name) == path:
                 self._set_loaded(name, adapter)
             self._pins[name] += count
             self._cond.notify_all()

@@ -316,3 +316,24 @@ def test_a_registration_still_loading_never_overwrites_a_later_change(then: str)
         assert reg.paths == {} and reg.loaded == {}
     reg.register("a", "/next")  # later changes still apply
     assert reg.paths == {"a": "/next"} and reg.loaded["a"].path == "/next"
+
+
+def test_a_load_begun_before_a_reregistration_of_the_same_path_is_not_kept() -> None:
+    """Weights retrained in place: unload and load again under the same path while a
+    request's on-demand load of the old weights is still reading them. That request gets
+    what it asked for; the registry does not keep it, so the next request loads afresh."""
+    loader = GatedLoader()
+    reg = LoRARegistry(loader, 2)  # lazy: acquire loads on first use
+    reg.register("a", "hf://org/a")
+    loader.gates["hf://org/a"] = threading.Event()
+    old = threading.Thread(target=reg.acquire, args=("a",))
+    old.start()
+    assert loader.entered.wait(10)  # the request's load is reading the old weights
+    reg.unregister("a")
+    reg.register("a", "hf://org/a")
+    loader.gates["hf://org/a"].set()
+    old.join(10)
+    reg.release("a")
+    assert "a" not in reg.loaded
+    reg.acquire("a")
+    assert loader.calls == ["a", "a"]
