@@ -395,14 +395,7 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
                                  "is fixed", namespace, owner, exc)
                 # A status-only refresh, as for any child event: the replica counts follow
                 # the children of the last applied spec, the refusal's conditions stay.
-                try:
-                    patch, base = await refresh_status(client, llmd)
-                except API_ERRORS as status_exc:
-                    _log.warning("refreshing the status of %s/%s failed (retrying): %s",
-                                 namespace, owner, _describe(status_exc))
-                    return False
-                _post_degraded_event(llmd, patch, base)
-                return True
+                return await _try_refresh(client, namespace, owner, llmd)
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             if llmd is not None:
                 await _report_apply_failed(client, llmd, exc,
@@ -439,14 +432,16 @@ async def _refresh_owner(namespace: str | None, owner: str | None, *,
         attempt += 1
 
 
-async def _try_refresh(client: KubeClient, namespace: str, owner: str) -> bool:
-    """One try of a status-only refresh: True when done (or the owner is gone); False, after
-    one log line, when the API server failed it (a conflict that outlasted patch_status's
-    retries, a 5xx, no answer in time)."""
+async def _try_refresh(client: KubeClient, namespace: str, owner: str,
+                       llmd: dict[str, Any] | None = None) -> bool:
+    """One try of a status-only refresh of the owner (`llmd`, or read now): True when done (or
+    the owner is gone); False, after one log line, when the API server failed it (a conflict
+    that outlasted patch_status's retries, a 5xx, no answer in time)."""
     try:
-        llmd = await _live_owner(client, namespace, owner)
         if llmd is None:
-            return True
+            llmd = await _live_owner(client, namespace, owner)
+            if llmd is None:
+                return True
         patch, base = await refresh_status(client, llmd)
     except API_ERRORS as exc:
         _log.warning("refreshing the status of %s/%s failed (retrying): %s",
