@@ -126,19 +126,26 @@ def refused_spec_conditions(message: str, gen: int | None) -> list[dict[str, Any
         (COND_STALLED, True))]
 
 
+def _refusal(status: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The Stalled condition while it is True (a spec was refused), else None; its
+    observedGeneration is the refused generation."""
+    stalled = find_condition((status or {}).get("conditions"), COND_STALLED)
+    return stalled if (stalled or {}).get("status") == "True" else None
+
+
 def spec_refused(llmd: Mapping[str, Any]) -> bool:
     """Whether `llmd`'s status says its current spec (this generation) was refused."""
-    stalled = find_condition((llmd.get("status") or {}).get("conditions"), COND_STALLED) or {}
-    return (stalled.get("status") == "True" and stalled.get("observedGeneration")
-            == (llmd.get("metadata") or {}).get("generation"))
+    refusal = _refusal(llmd.get("status"))
+    return refusal is not None and refusal.get("observedGeneration") == (
+        llmd.get("metadata") or {}).get("generation")
 
 
 def refusal_superseded(llmd: Mapping[str, Any]) -> bool:
     """Whether `llmd`'s status says Stalled for a spec refused at an earlier generation than
     its current one (a newer spec not yet applied: in progress, not failed)."""
-    stalled = find_condition((llmd.get("status") or {}).get("conditions"), COND_STALLED) or {}
-    return (stalled.get("status") == "True" and stalled.get("observedGeneration")
-            != (llmd.get("metadata") or {}).get("generation"))
+    refusal = _refusal(llmd.get("status"))
+    return refusal is not None and refusal.get("observedGeneration") != (
+        llmd.get("metadata") or {}).get("generation")
 
 
 def _without_nulls(value: Any) -> Any:
@@ -224,10 +231,11 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
                                   current.get("observedGeneration") if gen is None else gen)
         degraded = find_condition(current.get("conditions"), COND_DEGRADED) or {}
         stalled = find_condition(current.get("conditions"), COND_STALLED)
+        refusal = _refusal(current)
         if invalid_spec is not None:
             computed["conditions"] = refused_spec_conditions(invalid_spec, gen)
-        elif gen is None and (stalled or {}).get("status") == "True" \
-                and stalled.get("observedGeneration") == meta.get("generation"):
+        elif gen is None and refusal is not None \
+                and refusal.get("observedGeneration") == meta.get("generation"):
             # The current spec is refused: its conditions stay until a reconcile succeeds; a
             # pod event updates the replica counts only.
             computed["conditions"] = []
@@ -236,7 +244,7 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
                 # Only a successful reconcile clears a reconcile failure, not a pod event.
                 computed["conditions"] = [c for c in computed["conditions"]
                                           if c["type"] != COND_DEGRADED]
-            if (stalled or {}).get("status") == "True":
+            if refusal is not None:
                 # Refused at an earlier generation: the current spec is not applied yet (or
                 # failed in a way that is retried), which is in progress, not failed for good.
                 computed["conditions"].append(condition(
