@@ -282,6 +282,10 @@ class GatewayConfig:
     # done, so any default would cut long generations. When set, a try whose replica sends no
     # byte of the answer in this long is abandoned (the replica drops it) and retried.
     first_byte_timeout_s: float | None = None
+    # Off by default (a stream of a request queued behind a long backlog can be quiet for
+    # minutes). When set, an answer whose replica sends no new bytes for this long after its
+    # first byte (a replica hung mid-stream) is cut like a replica that broke mid-answer.
+    stream_idle_timeout_s: float | None = None
     # On SIGTERM the gateway stops accepting connections and gives the answers in flight
     # (streams included) this long to finish before it cuts them and exits.
     drain_timeout_s: float = 30.0
@@ -303,6 +307,8 @@ class GatewayConfig:
         positive("connect_timeout_s", self.connect_timeout_s)
         if self.first_byte_timeout_s is not None:
             positive("first_byte_timeout_s", self.first_byte_timeout_s)
+        if self.stream_idle_timeout_s is not None:
+            positive("stream_idle_timeout_s", self.stream_idle_timeout_s)
         positive("drain_timeout_s", self.drain_timeout_s, allow_zero=True)
         positive("client_body_timeout_s", self.client_body_timeout_s)
         names = [m.name for m in self.models]

@@ -61,6 +61,8 @@ def test_load_yaml(tmp_path: Path) -> None:
         ({"routing": {"w_kv": float("nan")}}, r"routing\.w_kv: must be >= 0"),
         ({"first_byte_timeout_s": 0}, r"^first_byte_timeout_s: must be > 0"),
         ({"first_byte_timeout_s": "60s"}, r"^first_byte_timeout_s: expected a number"),
+        ({"stream_idle_timeout_s": 0}, r"^stream_idle_timeout_s: must be > 0"),
+        ({"stream_idle_timeout_s": float("nan")}, r"^stream_idle_timeout_s: must be > 0"),
         ({"bogus": 1}, r"config\.bogus"),
         (
             {"models": [{"name": "a", "backends": ["http://x"]}],

@@ -350,6 +350,82 @@ async def test_a_background_responses_stream_cut_by_its_replica_ends_with_an_err
     assert_ends_with_error_event(received, bad.url)
 
 
+async def test_a_stream_its_replica_stops_feeding_is_cut_after_stream_idle_timeout(
+        fake_replicas, gateway) -> None:
+    """A replica hung mid-stream (its first event sent, then nothing) is cut after
+    `stream_idle_timeout_s` like one that broke: the client gets the error event and a cut
+    connection instead of waiting forever, the replica sees its client leave (so it frees
+    the request's KV), and the try counts as a failure toward `unhealthy_after`."""
+    (hung,) = await fake_replicas(1, chunk_delay=30.0, num_chunks=2)
+    gw, url = await gateway(config(hung.url, stream_idle_timeout_s=0.5,
+                                   health=HealthConfig(interval_s=60, unhealthy_after=1)))
+    received = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in resp.content.iter_any():
+                    received += chunk
+        async with s.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    events = [e for e in received.split(b"\n\n") if e]
+    assert len(events) == 2 and hung.text_of(0).encode() in events[0]
+    error = json.loads(events[1][6:])["error"]
+    assert error["type"] == "bad_gateway_error" and hung.url in error["message"]
+    for _ in range(50):
+        if hung.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert hung.disconnects == 1 and hung.completed == 0
+    assert not gw.pools["tiny"].get(hung.url).healthy
+    assert in_flight(gw) == [0]
+    assert f'argosy:gateway_requests_total{{backend="{hung.url}",code="502",model="tiny"}} 1.0' \
+        in metrics
+
+
+async def test_stream_idle_timeout_does_not_cut_a_stream_that_keeps_flowing(
+        fake_replicas, gateway) -> None:
+    """The deadline is between two reads, not on the whole answer: a stream slower in all
+    (1.2 s) than the timeout (0.5 s), but never quiet that long, runs to its end."""
+    (r,) = await fake_replicas(1, chunk_delay=0.3, num_chunks=4)
+    gw, url = await gateway(config(r.url, stream_idle_timeout_s=0.5))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            raw = await resp.read()
+    assert raw.endswith(b"data: [DONE]\n\n") and r.completed == 1
+    assert gw.pools["tiny"].get(r.url).healthy
+
+
+async def test_a_stored_responses_stream_its_replica_stops_feeding_is_cut(raw_replica,
+                                                                          gateway) -> None:
+    """The same deadline for a stored response's events relayed from the replica holding it
+    (`GET /v1/responses/{id}?stream=true`)."""
+
+    async def answer(line: bytes, writer: asyncio.StreamWriter) -> None:
+        if b"stream=true" in line:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n"
+                         + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(30)  # hung
+        else:  # the gateway asking who holds the id
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    hung = await raw_replica(answer)
+    _, url = await gateway(config(hung.url, stream_idle_timeout_s=0.5))
+    received = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/responses/resp_x?stream=true") as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in resp.content.iter_any():
+                    received += chunk
+    assert_ends_with_error_event(received, hung.url)
+
+
 EVENT = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n'
 
 

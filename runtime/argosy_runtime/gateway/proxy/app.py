@@ -536,7 +536,8 @@ class Gateway:
         code = UNEXPECTED  # the code it counts under (relay.py); a gateway bug leaves this
         try:
             code = await relay(request, out, resp, upstream.replica.url,
-                               first_chunk=upstream.first_chunk, feed=charged.feed)
+                               first_chunk=upstream.first_chunk, feed=charged.feed,
+                               idle_timeout_s=self.config.stream_idle_timeout_s)
         except asyncio.CancelledError:
             code = CLIENT_CLOSED  # the client went away (handler cancelled)
             raise

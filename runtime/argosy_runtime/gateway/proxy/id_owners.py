@@ -97,7 +97,9 @@ class IdOwners:
                                               data=data, headers=headers, **timeout) as resp:
                 if stream or resp.content_type == "text/event-stream":
                     out = web.StreamResponse(status=resp.status, headers=to_client(resp.headers))
-                    code = await relay(request, out, resp, url)
+                    code = await relay(
+                        request, out, resp, url,
+                        idle_timeout_s=self.gateway.config.stream_idle_timeout_s)
                     return out
                 body = await resp.read()
                 status, relayed = resp.status, to_client(resp.headers)

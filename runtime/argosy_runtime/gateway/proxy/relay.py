@@ -19,6 +19,7 @@ Dashboards summing the counter then see every request, and these never pass for 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -34,15 +35,24 @@ BROKEN = "502"  # the `code` of an answer whose replica broke mid-way
 UNEXPECTED = "500"  # the `code` of an answer a gateway bug cut short
 
 
+class StreamIdle(Exception):
+    """The replica sent no bytes of an unfinished answer for `stream_idle_timeout_s`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no bytes for stream_idle_timeout_s ({seconds:g} s)")
+
+
 async def relay(request: web.Request, out: web.StreamResponse,
                 resp: aiohttp.ClientResponse, backend: str, *, first_chunk: bytes = b"",
-                feed: Callable[[bytes], None] | None = None) -> str:
+                feed: Callable[[bytes], None] | None = None,
+                idle_timeout_s: float | None = None) -> str:
     """Prepare `out` and write `first_chunk` (bytes of the body already read), then the rest
     of `resp`'s body as it arrives, each piece also given to `feed`; returns the code the
     answer counts under (see above). A replica (`backend`, its URL) that breaks mid-answer
     ends an event stream with an error event, and the client's connection is cut without a
     clean end, so that the client sees the answer was cut short (a stored response's events
-    can then be resumed with `starting_after`)."""
+    can then be resumed with `starting_after`). A replica that sends nothing for
+    `idle_timeout_s` (None: no limit) counts as one that broke."""
     last = b""  # the last bytes relayed: does the stream so far end between two events?
     try:
         await out.prepare(request)
@@ -51,7 +61,16 @@ async def relay(request: web.Request, out: web.StreamResponse,
             if feed is not None:
                 feed(first_chunk)
             last = first_chunk[-4:]
-        async for chunk in resp.content.iter_any():
+        while True:
+            try:
+                async with asyncio.timeout(idle_timeout_s) as idle:
+                    chunk = await resp.content.readany()
+            except TimeoutError:
+                if idle.expired():  # ours, not the session's own timeout
+                    raise StreamIdle(idle_timeout_s) from None
+                raise
+            if not chunk:
+                break
             await out.write(chunk)
             if feed is not None:
                 feed(chunk)
@@ -62,10 +81,11 @@ async def relay(request: web.Request, out: web.StreamResponse,
         # event, before the end of the chunked body): nothing to answer. Before the replica's
         # errors: aiohttp's ClientConnectionResetError is both.
         return CLIENT_CLOSED
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-        # The replica died mid-answer (or its answer outlasted the session's timeout); bytes
-        # already reached the client, so no retry.
-        logger.warning("replica %s broke mid-answer: %r", backend, exc)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError,
+            StreamIdle) as exc:
+        # The replica died or hung mid-answer (or its answer outlasted the session's timeout);
+        # bytes already reached the client, so no retry.
+        logger.warning("replica %s broke mid-answer: %s", backend, exc)
         if resp.content_type == "text/event-stream":  # a JSON body has no room for one
             await end_stream_with_error(out, last, backend)
         if request.transport is not None:
