@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from argosy_runtime.background_tasks import running
@@ -62,6 +62,7 @@ class LoRAAdmin:
         self.engine = engine
         self.allow_http_updates = allow_http_updates
         self._lock = asyncio.Lock()
+        self._changes: set[asyncio.Task[Any]] = set()  # in progress (a task needs a holder)
 
     def names(self) -> tuple[str, ...]:
         """Every adapter served (listed in /v1/models), loaded in memory or not."""
@@ -81,9 +82,26 @@ class LoRAAdmin:
             raise APIError(404, "runtime LoRA updates are off; start the server with "
                            "--allow-runtime-lora-updates", code="runtime_lora_updates_disabled")
 
+    async def _in_turn(self, change: Callable[[], Awaitable[T]]) -> T:
+        """`change()` under the lock, run to its end even when the request awaiting it is
+        cancelled (its client went away mid-load): a loading thread cannot be stopped, and
+        letting go of the lock before it ends would let the next change race it."""
+
+        async def locked() -> T:
+            async with self._lock:
+                return await change()
+
+        task = asyncio.ensure_future(locked())
+        self._changes.add(task)
+        # Nobody may await it any more: take its outcome so asyncio does not log it as lost.
+        task.add_done_callback(lambda t: (self._changes.discard(t),
+                                          t.cancelled() or t.exception()))
+        return await asyncio.shield(task)
+
     async def load(self, name: str, path: str) -> str:
         self._check_allowed()
-        async with self._lock:
+
+        async def load() -> None:
             if name in self.names():
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                                param="lora_name")
@@ -94,6 +112,8 @@ class LoRAAdmin:
                 # "lora_name: 'x' is not a usable adapter name"; the rest are the folder's.
                 param = "lora_name" if str(exc).startswith("lora_name:") else "lora_path"
                 raise APIError(400, str(exc), param=param) from exc
+
+        await self._in_turn(load)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:
