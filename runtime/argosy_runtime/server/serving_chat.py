@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,6 +60,8 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+# Conversations this long or longer are rendered through the chat template on a worker thread.
+RENDER_OFF_LOOP_MESSAGES = 1000
 # Template variables a request sets through its own fields, never through chat_template_kwargs.
 _TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
 # Functions the server gives every template (transformers' globals): a value of that name
@@ -72,8 +75,15 @@ async def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
                           truncate: int | None = None) -> list[int]:
     """The prompt token ids of a conversation, through the model's chat template (without
     `truncate`, a text too long for the model is a 400 before it is tokenized)."""
-    text = render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True,
-                            template_kwargs=template_kwargs)
+    def render() -> str:
+        return render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True,
+                                template_kwargs=template_kwargs)
+
+    # A template is Python (jinja) run per message: ~5 us each, so a 16 MiB body of tiny
+    # messages held the event loop, and every stream on it, for 2.5 s. On a thread the loop
+    # keeps its turns (the GIL switches between them); short chats stay inline.
+    text = (await asyncio.to_thread(render) if len(chat_messages) >= RENDER_OFF_LOOP_MESSAGES
+            else render())
     if not truncate:
         check_text_fits(ctx, text, "messages")
     # The template already holds any BOS it wants; adding special tokens would double it.
