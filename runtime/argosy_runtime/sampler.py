@@ -1,7 +1,8 @@
 """Token sampling for a whole batch at once.
 
-Order per row: penalties (repetition, frequency, presence), min_tokens masking, logit_bias,
-the request's token masks (allowed_token_ids, bad_words) and the structured-output grammar's
+Order per row: min_tokens masking, logit_bias, penalties (repetition, frequency, presence;
+vLLM's and transformers' order: the repetition penalty scales the biased logit), the
+request's token masks (allowed_token_ids, bad_words) and the structured-output grammar's
 mask on the raw logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p ->
 sample. (The masks set -inf, which no penalty or bias undoes, so their place in the order does
 not matter; vLLM applies them first.) Sampling uses
@@ -127,11 +128,14 @@ class Sampler:
         return sampled
 
     def process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Penalties, min_tokens masking, logit_bias, the token masks and the grammar mask:
+        """min_tokens masking, logit_bias, penalties, the token masks and the grammar mask:
         the logits greedy decoding takes the argmax of (speculative verification calls this
         at every draft position, so the masks hold there too)."""
-        logits = self._apply_penalties(logits[:, : self.vocab_size], requests)
-        logits = self._apply_logit_bias(self._mask_min_tokens(logits, requests), requests)
+        # logit_bias before the penalties, as vLLM and transformers: the (multiplicative)
+        # repetition penalty scales the biased logit. min_tokens' -inf stays -inf either way.
+        logits = self._apply_logit_bias(self._mask_min_tokens(logits[:, : self.vocab_size],
+                                                              requests), requests)
+        logits = self._apply_penalties(logits, requests)
         return self._mask_grammar(self._mask_tokens(logits, requests), requests)
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -201,7 +205,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     cum_before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    mask = cum_before >= p
+    # Only rows that asked for a nucleus: the float32 cumsum can reach 1.0 before the last
+    # tokens, and a top_p=1 row must not lose its tail because another row in the batch
+    # uses top-k/top-p (its distribution, and a seeded request's tokens, would then depend
+    # on the batch).
+    mask = (cum_before >= p) & (p < 1.0)
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
