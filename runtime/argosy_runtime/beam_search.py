@@ -46,8 +46,12 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if (not isinstance(self.length_penalty, (int, float))
+                or isinstance(self.length_penalty, bool) or not math.isfinite(self.length_penalty)):
+            # NaN scores every hypothesis NaN: the ranking and the stop rule mean nothing.
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):  # "false" would be truthy: the opposite
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 @dataclass

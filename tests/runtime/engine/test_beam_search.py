@@ -123,6 +123,20 @@ def test_widths_limited_by_the_log_probabilities_per_request() -> None:
             BeamSearchParams(**bad)
 
 
+
+@pytest.mark.parametrize(("bad", "field"), [
+    (dict(length_penalty=float("nan")), "length_penalty"),
+    (dict(length_penalty=float("inf")), "length_penalty"),
+    (dict(ignore_eos="false"), "ignore_eos"),
+    (dict(ignore_eos=None), "ignore_eos"),
+])
+def test_bad_length_penalty_or_ignore_eos_is_a_clear_error(bad: dict, field: str) -> None:
+    """A NaN length_penalty scored every hypothesis NaN (the ranking and the stop rule then
+    meant nothing), and ignore_eos="false" was truthy: end tokens silently ignored."""
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(beam_width=2, max_tokens=4, **bad)
+
+
 def test_prompt_too_long_is_a_clear_error(random_llama_dir) -> None:  # noqa: ANN001
     llm = LLM(model=str(random_llama_dir), dtype="float32", max_model_len=32)
     with pytest.raises(ValueError, match="exceeds max_model_len"):
