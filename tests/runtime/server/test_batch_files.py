@@ -258,3 +258,37 @@ async def test_batch_create_names_its_fields_in_errors(client: httpx.AsyncClient
     fits = await client.post("/v1/batches", json={**body, "metadata": {"k" * 64: "v" * 512}})
     assert fits.status_code == 200, fits.text
     assert fits.json()["metadata"] == {"k" * 64: "v" * 512}
+
+
+async def test_files_list_newest_first_even_within_one_second(
+        client: httpx.AsyncClient) -> None:
+    """`created_at` counts seconds: files uploaded in the same second were ordered by their
+    random ids, so `files.list(limit=1)` could miss the newest upload."""
+    ids = [(await _upload(client, b'{"custom_id": "a"}\n')).json()["id"] for _ in range(6)]
+    newest_first = await client.get("/v1/files")
+    assert [f["id"] for f in newest_first.json()["data"]] == ids[::-1]
+    oldest_first = await client.get("/v1/files", params={"order": "asc"})
+    assert [f["id"] for f in oldest_first.json()["data"]] == ids
+
+
+@pytest.mark.parametrize("order", ["desc", "asc"])
+async def test_deleting_each_page_while_paginating_reaches_every_file(
+        client: httpx.AsyncClient, order: str) -> None:
+    """The official client's auto-pagination asks for `after=<last id of the page>`: deleting
+    the files of each page as it comes (a "delete all my files" loop) made that cursor
+    unknown, and the next page came back empty, leaving the rest of the files behind."""
+    for _ in range(5):
+        await _upload(client, b'{"custom_id": "a"}\n')
+    after: str | None = None
+    deleted = 0
+    while True:
+        params = {"limit": 2, "order": order, **({"after": after} if after else {})}
+        listed = (await client.get("/v1/files", params=params)).json()
+        for f in listed["data"]:
+            assert (await client.delete(f"/v1/files/{f['id']}")).json()["deleted"]
+            deleted += 1
+        if not listed["has_more"]:
+            break
+        after = listed["last_id"]
+    assert deleted == 5
+    assert (await client.get("/v1/files")).json()["data"] == []

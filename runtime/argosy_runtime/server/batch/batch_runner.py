@@ -38,6 +38,8 @@ from argosy_runtime.server.batch.batch_lock import BatchLock
 from argosy_runtime.server.batch.batch_results import BatchResults
 from argosy_runtime.server.batch.file_store import (
     FileStore,
+    list_key,
+    new_id,
     read_json_record,
     record_path,
     write_json_atomic,
@@ -117,9 +119,9 @@ class BatchRunner:
         if meta["purpose"] != "batch":
             raise APIError(400, f"file {input_file_id!r} has purpose {meta['purpose']!r}, "
                                 "not 'batch'", param="input_file_id")
-        created = int(time.time())
+        batch_id, created = new_id("batch_")  # ids sort in creation order (file_store.py)
         batch = {
-            "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint,
+            "id": batch_id, "object": "batch", "endpoint": endpoint,
             "errors": None, "input_file_id": input_file_id,
             "completion_window": completion_window, "status": "validating",
             "output_file_id": None, "error_file_id": None, "created_at": created,
@@ -179,7 +181,7 @@ class BatchRunner:
                 found[batch["id"]] = batch
         found.update(self.batches)
         return sorted((b for b in found.values() if visible_to(b.get("owner"), owner)),
-                      key=lambda b: (b["created_at"], b["id"]), reverse=True)
+                      key=list_key, reverse=True)
 
     def num_pending(self) -> int:
         """Requests of unfinished batches not answered yet (a gauge)."""

@@ -42,7 +42,7 @@ class FileStore:
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch' (this server keeps files for the "
                                 f"Batch API only), got {purpose!r}", param="purpose")
-        file_id = f"file-{uuid.uuid4().hex}"
+        file_id, created_at = new_id("file-")
         tmp = self.dir / f".{file_id}.part"
         size = 0
         try:
@@ -58,7 +58,7 @@ class FileStore:
             tmp.rename(self.dir / file_id)
         finally:
             tmp.unlink(missing_ok=True)
-        return self._write_meta(file_id, filename, purpose, size, owner)
+        return self._write_meta(file_id, filename, purpose, size, owner, created_at)
 
     def adopt(self, path: Path, filename: str, file_id: str,
               owner: str | None = None) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class FileStore:
         # None: deleted (by another replica) between the listing and the read.
         files = [f for f in files if f is not None and visible_to(f.get("owner"), owner)
                  and (purpose is None or f["purpose"] == purpose)]
-        return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+        return sorted(files, key=list_key, reverse=True)
 
     def delete(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
         self.get(file_id, owner)
@@ -130,15 +130,46 @@ class FileStore:
         return record_path(self.dir, file_id, "file-")
 
     def _write_meta(self, file_id: str, filename: str, purpose: str, size: int,
-                    owner: str | None) -> dict[str, Any]:
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                    owner: str | None, created_at: int | None = None) -> dict[str, Any]:
+        created_at = int(time.time()) if created_at is None else created_at
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at,
                 "filename": filename, "purpose": purpose, "status": "processed",
                 "owner": owner}  # not shown to clients (owners.public)
         write_json_atomic(self._meta_path(file_id), meta)
         return meta
 
 
-MAX_ID_CHARS = 64  # after the prefix; ours have 32 hex digits
+MAX_ID_CHARS = 64  # after the prefix; ours have 32 or 36 hex digits
+_CLOCK_DIGITS, _ID_DIGITS = 16, 36  # an id from new_id: the clock's 16 hex digits, 20 random
+
+
+def new_id(prefix: str) -> tuple[str, int]:
+    """A new file or batch id and its `created_at`, both from one read of the clock. The id
+    starts with the time in nanoseconds, so ids sort in creation order: `created_at` counts
+    whole seconds, and objects made in one second used to list in the order of random ids.
+    A list cursor whose object was deleted meanwhile still tells where it stood
+    (`cursor_key`)."""
+    ns = time.time_ns()
+    return f"{prefix}{ns:0{_CLOCK_DIGITS}x}{uuid.uuid4().hex[:_ID_DIGITS - _CLOCK_DIGITS]}", \
+        ns // 10**9
+
+
+def list_key(record: dict[str, Any]) -> tuple[int, str]:
+    """The order of listed files and batches (newest last)."""
+    return record["created_at"], record["id"]
+
+
+def cursor_key(obj_id: str, prefix: str) -> tuple[int, str] | None:
+    """`list_key` of the object with this id, from the id alone (None for an id that does
+    not tell: not one of `new_id`'s, such as a batch's result file or an older id)."""
+    rest = obj_id[len(prefix):]
+    if not (obj_id.startswith(prefix) and len(rest) == _ID_DIGITS and rest.isascii()
+            and rest.isalnum()):
+        return None
+    try:
+        return int(rest[:_CLOCK_DIGITS], 16) // 10**9, obj_id
+    except ValueError:
+        return None
 
 
 def record_path(folder: Path, obj_id: str, prefix: str) -> Path:

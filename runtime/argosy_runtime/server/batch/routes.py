@@ -12,7 +12,7 @@ from typing import Annotated, Any, BinaryIO, Literal
 from urllib.parse import quote
 
 from argosy_runtime.server.batch.batch_runner import BatchRunner
-from argosy_runtime.server.batch.file_store import FileStore
+from argosy_runtime.server.batch.file_store import FileStore, cursor_key
 from argosy_runtime.server.batch.pagination import page
 from argosy_runtime.server.owners import Owner, public
 from fastapi import FastAPI, File, Form, Query, UploadFile
@@ -47,7 +47,9 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
                          order: Literal["asc", "desc"] = "desc",
                          owner: Owner = None) -> dict[str, Any]:
         items = [public(f) for f in files.list(purpose, owner)]
-        return page(items if order == "desc" else items[::-1], after, limit)
+        return page(items if order == "desc" else items[::-1], after, limit,
+                    after_key=cursor_key(after, "file-") if after else None,
+                    descending=order == "desc")
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str, owner: Owner = None) -> dict[str, Any]:
@@ -78,7 +80,8 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
     async def list_batches(after: str | None = None,
                            limit: Annotated[int, Query(ge=1, le=100)] = 20,
                            owner: Owner = None) -> dict[str, Any]:
-        return page([public(b) for b in runner.list(owner)], after, limit)
+        return page([public(b) for b in runner.list(owner)], after, limit,
+                    after_key=cursor_key(after, "batch_") if after else None)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
