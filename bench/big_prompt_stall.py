@@ -29,6 +29,10 @@ CASES = {  # name: (path, body of a prompt `text`)
     "chat": ("/v1/chat/completions", lambda t: {
         "messages": [{"role": "user", "content": t}], "max_tokens": 1}),
     "tokenize": ("/tokenize", lambda t: {"prompt": t}),
+    # As many tiny messages as fill the same bytes (~40 bytes each): the chat template's cost.
+    "chat_many_messages": ("/v1/chat/completions", lambda t: {
+        "messages": [{"role": "user", "content": f"w{i}"} for i in range(len(t) // 40)],
+        "max_tokens": 1}),
 }
 
 
