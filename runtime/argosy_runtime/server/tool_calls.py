@@ -4,7 +4,8 @@ The model's output is constrained to JSON that describes the call, then returned
 `tool_calls`:
 
 - a named function (`{"type": "function", "function": {"name": "f"}}`): the output is f's
-  arguments, matching its `parameters` schema; one call, `finish_reason` "stop" (as OpenAI);
+  arguments, matching its `parameters` schema; one call, `finish_reason` "stop" (as OpenAI),
+  or "length" with the arguments cut short (as streamed, and as vLLM);
 - "required": the output is a JSON array of `{"name": ..., "parameters": {...}}`, each item
   matching one of the tools (at most one item when `parallel_tool_calls` is false);
   `finish_reason` "tool_calls".
@@ -93,21 +94,17 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_calls_of(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI tool_calls for a finished output; None when it is not complete JSON (cut by
-    a stop string), in which case the caller returns the text as content."""
+def tool_calls_of(text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI tool_calls of a finished "required" output (a JSON array of calls); None
+    when it is not complete JSON (cut by a stop string), in which case the caller returns the
+    text as content."""
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # nested deeper than Python reads JSON
+        calls = [(item["name"], _sendable_arguments(item["parameters"])) for item in value]
+    # RecursionError: nested deeper than Python reads JSON; KeyError, TypeError: valid JSON
+    # of another shape (a stop string cut it)
+    except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
         return None
-    tool = forced_tool(req)
-    if tool is not None:  # the output is the arguments, exactly as streamed
-        calls = [(tool.function.name, text)]
-    else:
-        try:
-            calls = [(item["name"], _sendable_arguments(item["parameters"])) for item in value]
-        except (KeyError, TypeError):  # valid JSON of another shape (a stop string cut it)
-            return None
     return [{"id": new_call_id(), "type": "function",
              "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]
@@ -128,11 +125,17 @@ def _sendable_arguments(value: Any) -> str:
 def reply_message(req: ChatCompletionRequest, text: str,
                   finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish_reason of a finished choice that must call tools."""
-    calls = tool_calls_of(req, text) if finish_reason == "stop" else None
+    tool = forced_tool(req)
+    if tool is not None and text:
+        # A named function's output is its arguments, cut short (max_tokens, a stop string)
+        # or not: one call, as streamed (ToolCallStream) and as vLLM answers it.
+        call = {"id": new_call_id(), "type": "function",
+                "function": {"name": tool.function.name, "arguments": text}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
+    calls = tool_calls_of(text) if finish_reason == "stop" else None
     if calls is None:  # cut short (max_tokens, a stop string): give the text back as it is
         return {"role": "assistant", "content": text}, finish_reason
-    finish = "stop" if forced_tool(req) is not None else "tool_calls"
-    return {"role": "assistant", "content": None, "tool_calls": calls}, finish
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
 
 class ToolCallStream:

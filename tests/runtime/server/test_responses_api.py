@@ -227,6 +227,9 @@ def test_text_format_without_schema_fields_is_accepted(client: OpenAI, fmt: dict
     ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {
         "type": "object", "properties": {"a": {"const": -(2**63)}}}}], "tool_choice":
       "required"}, 400, "tools", "tools: parameters: the integer -9223372036854775808"),
+    # OpenAI's metadata limits (16 pairs was already checked), as on the Batch API
+    ({"input": "Hi", "metadata": {"k" * 65: "v"}}, 400, "metadata", "at most 64 characters"),
+    ({"input": "Hi", "metadata": {"k": "v" * 513}}, 400, "metadata", "at most 512 characters"),
     ({"input": "Hi", "model": "no-such-model"}, 404, "model", "does not exist"),
     ({"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id",
      "resp_unknown"),
@@ -240,6 +243,27 @@ def test_errors_are_4xx_naming_the_field(http: httpx.Client, body: dict, status:
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_metadata_at_openais_limits_is_accepted(client: OpenAI) -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False,
+                                metadata=metadata)
+    assert r.metadata == metadata
+
+
+def test_null_store_and_stream_mean_their_defaults(client: OpenAI, http: httpx.Client) -> None:
+    """JSON null for an optional field is its default: `store` true (a background response
+    with `store: null` was a 400, and a foreground one was not stored), `stream` false."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": None,
+            "stream": None}
+    r = http.post("/v1/responses", json={**body, "background": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["store"] is True and r.json()["status"] in ("queued", "in_progress")
+    assert _poll(client, r.json()["id"]).status == "incomplete"
+    made = http.post("/v1/responses", json=body).json()
+    assert made["store"] is True and made["object"] == "response"
+    assert client.responses.retrieve(made["id"]).output_text == made["output"][0]["content"][0]["text"]
 
 
 def test_unknown_response_id_is_a_404(http: httpx.Client) -> None:
@@ -271,6 +295,53 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: ServerProcess) -> Non
             assert running == 1 and kv > idle_kv
     server.assert_back_to_idle(idle_kv, within=1.0)
     assert "client_disconnected" in server.log_text()
+
+
+def test_a_streamed_response_is_stored_from_its_start(server: ServerProcess, client: OpenAI,
+                                                     http: httpx.Client) -> None:
+    """The id `response.created` names is retrievable while the response
+    streams (`in_progress`; it was a 404 until the end) and cannot be continued yet; one whose
+    client left is forgotten."""
+    body = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 40,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        events = _events(r.iter_lines())
+        response_id = next(events)["response"]["id"]
+        assert client.responses.retrieve(response_id).status == "in_progress"
+        follow = http.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                  "previous_response_id": response_id})
+        assert follow.status_code == 400 and "in_progress" in follow.json()["error"]["message"]
+        last = list(events)[-1]
+    assert last["type"] == "response.incomplete"
+    assert http.get(f"/v1/responses/{response_id}").json() == last["response"]
+
+    with httpx.Client(base_url=server.url, timeout=60) as h, \
+            h.stream("POST", "/v1/responses", json={**body, "max_output_tokens": 1500}) as r:
+        left = next(_events(r.iter_lines()))["response"]["id"]
+    deadline = time.monotonic() + 10
+    while http.get(f"/v1/responses/{left}").status_code != 404:
+        assert time.monotonic() < deadline, "a response whose client left is still stored"
+        time.sleep(0.05)
+
+
+def test_a_failed_streamed_response_is_stored_as_failed() -> None:
+    """A response past --request-timeout ends `failed`, and is retrievable as such (it was
+    never stored), though not continued: there is no answer to continue from."""
+    server = ServerProcess("--request-timeout", "1").wait_ready()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            with h.stream("POST", "/v1/responses", json={
+                    "model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 1500,
+                    "ignore_eos": True, "stream": True}) as r:
+                last = list(_events(r.iter_lines()))[-1]
+            assert last["type"] == "response.failed"
+            stored = h.get(f"/v1/responses/{last['response']['id']}")
+            assert stored.status_code == 200 and stored.json() == last["response"]
+            follow = h.post("/v1/responses", json={
+                "model": MODEL, "input": "Hi", "previous_response_id": last["response"]["id"]})
+            assert follow.status_code == 400 and "failed" in follow.json()["error"]["message"]
+    finally:
+        server.stop()
 
 
 def _poll(client: OpenAI, response_id: str, timeout: float = 60.0) -> Response:

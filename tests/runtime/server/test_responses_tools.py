@@ -117,6 +117,21 @@ def test_streamed_call_events(client: OpenAI, http: httpx.Client) -> None:
         ("function_call", "get_weather", whole.output[0].arguments)
 
 
+def test_a_forced_call_cut_short_is_an_incomplete_function_call(client: OpenAI) -> None:
+    """Cut by max_output_tokens, a forced call is the same incomplete `function_call` item
+    streamed or not (unstreamed, it was a `message` holding the cut arguments)."""
+    cut = {**FORCED, "max_output_tokens": 4, "store": False}
+    whole = client.responses.create(**cut)
+    assert whole.status == "incomplete"
+    [item] = whole.output
+    assert (item.type, item.status, item.name) == ("function_call", "incomplete", "get_weather")
+    last = list(client.responses.create(**cut, stream=True))[-1]
+    assert last.type == "response.incomplete"
+    [streamed] = last.response.output
+    assert (streamed.type, streamed.status, streamed.name, streamed.arguments) == \
+        ("function_call", "incomplete", "get_weather", item.arguments)
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools",
      "tools[0].type: 'file_search' is a built-in OpenAI tool"),

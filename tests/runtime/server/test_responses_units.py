@@ -185,6 +185,24 @@ def test_store_is_a_bounded_lru() -> None:
         ResponseStore(max_entries=0)
 
 
+def test_store_replace_leaves_a_deleted_response_gone() -> None:
+    """A streamed response's end replaces its in_progress entry, or a client that left
+    forgets it; a DELETE while it streamed stays final (it does not come back at the end)."""
+    store = ResponseStore()
+    started, done = _entry(1), _entry(1)
+    store.put(started)
+    store.replace(started, done)
+    assert store.get("resp_1") is done
+    store.replace(started, None)  # no longer the stored one: nothing happens
+    assert store.get("resp_1") is done
+    store.replace(done, None)
+    assert len(store) == 0
+    store.put(started)
+    store.delete("resp_1")
+    store.replace(started, done)
+    assert len(store) == 0
+
+
 def test_store_answers_another_owners_response_as_unknown() -> None:
     """A request naming an owner (a gateway tenant's) reaches only that owner's responses
     and those stored without one; a request naming none reaches all."""

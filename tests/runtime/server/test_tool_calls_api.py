@@ -69,6 +69,25 @@ def test_named_function_is_called_with_valid_arguments(client: OpenAI) -> None:
     assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
 
 
+def test_a_named_function_cut_by_max_tokens_is_still_a_tool_call(client: OpenAI) -> None:
+    """A named function's reply is its arguments, cut short or not: tool_calls streamed or
+    not, as vLLM (unstreamed, the cut arguments were the message's content)."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=GET_WEATHER, temperature=0,
+              max_tokens=4)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    with pytest.raises(json.JSONDecodeError):  # cut: not yet whole JSON
+        json.loads(call.function.arguments)
+
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    [streamed] = streamed_calls(chunks).values()
+    assert (streamed["name"], streamed["arguments"]) == ("get_weather", call.function.arguments)
+
+
 def test_required_calls_one_or_more_tools(client: OpenAI) -> None:
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
               max_tokens=120)

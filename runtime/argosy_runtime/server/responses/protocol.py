@@ -20,9 +20,19 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from argosy_runtime.server.batch.routes import MetadataKey, MetadataValue
 from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.protocol import VLLMExtras
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -69,12 +79,13 @@ class ResponsesRequest(VLLMExtras):
     # bounds as on chat completions (protocol._SamplingFields)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    stream: StrictBool | None = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    store: StrictBool | None = True
+    store: StrictBool = True
     text: TextConfig | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    # OpenAI's limits (16 pairs, keys up to 64 characters, values up to 512), as on batches
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     parallel_tool_calls: StrictBool | None = None
     tools: list[Any] | None = None  # checked by tools.function_tools
     tool_choice: Any = None  # checked by tools.chat_tool_choice
@@ -88,6 +99,13 @@ class ResponsesRequest(VLLMExtras):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # JSON null for an optional field means "the default" (OpenAI's): `store: null` is
+        # stored, as when it is left out, not false.
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 def reject_unsupported(req: ResponsesRequest) -> None:

@@ -94,19 +94,17 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
     # second check after generating answered that finished response with a 404.
     model = req.model or ctx.model_name
 
-    def keep(response: dict[str, Any]) -> None:
-        if req.store and response["status"] != "failed":  # nothing to continue from
-            store.put(StoredResponse(response, (*history, *parsed.messages),
-                                     tuple(parsed.items), owner=owner))
+    def stored(response: dict[str, Any]) -> StoredResponse:
+        # any status, `failed` too: retrievable as it ended (`continued` refuses to continue
+        # one that has no answer)
+        return StoredResponse(response, (*history, *parsed.messages), tuple(parsed.items),
+                              owner=owner)
 
     headers = {RESPONSE_ID_HEADER: response_id} if req.store else {}
     if req.background:  # chat streams (chat_request): the run reads it
         request_log(request.scope).update(stream=bool(req.stream), background=True)
-        entry = StoredResponse(response_object(req, response_id=response_id,
-                                               created_at=created_at, model=model,
-                                               status="queued", output=[]),
-                               (*history, *parsed.messages), tuple(parsed.items),
-                               owner=owner)
+        entry = stored(response_object(req, response_id=response_id, created_at=created_at,
+                                       model=model, status="queued", output=[]))
         entry.run = run = BackgroundRun(entry)
         store.put(entry)
         events = ResponseEventStream(req, response_id, created_at, model, on_done=run.update)
@@ -118,8 +116,21 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
         out.headers.update(headers)
         return out
     if isinstance(answer, GuardedStreamingResponse):
-        events = ResponseEventStream(req, response_id, created_at, model, on_done=keep)
-        out = GuardedStreamingResponse(events.translate(answer.body_iterator), answer.close)
+        # Stored from its start: the id its first event names is retrievable (in_progress,
+        # as a background response is) while it streams. Its end replaces it, unless deleted meanwhile; if
+        # the client leaves first, it is forgotten (its request was aborted).
+        started = stored(response_object(req, response_id=response_id, created_at=created_at,
+                                         model=model, status="in_progress", output=[]))
+        if req.store:
+            store.put(started)
+
+        def close() -> None:
+            answer.close()
+            store.replace(started, None)  # no-op unless it never ended: the client left
+
+        events = ResponseEventStream(req, response_id, created_at, model,
+                                     on_done=lambda done: store.replace(started, stored(done)))
+        out = GuardedStreamingResponse(events.translate(answer.body_iterator), close)
         out.headers.update(headers)
         return out
     if answer.status_code != 200:  # the client left (499)
@@ -138,12 +149,17 @@ async def create_response(request: Request, req: ResponsesRequest, ctx: ServingC
               if reasoning else [])
     output += ([message_item(new_item_id("msg"), text, outcome.item_status)]
                if text or not (calls or reasoning) else [])
-    output += [function_call_item(call) for call in calls]
+    # A forced function's call is the whole reply, so a reply cut short is a cut call, as
+    # streamed; other calls ("required", parsed) come whole even in a reply cut short.
+    call_status = (outcome.item_status if isinstance(tool_choice, NamedToolChoice)
+                   else "completed")
+    output += [function_call_item(call, call_status) for call in calls]
     response = response_object(
         req, response_id=response_id, created_at=created_at, model=model,
         status=outcome.status, output=output, usage=usage_of(body.get("usage")),
         incomplete_details=outcome.incomplete_details, error=outcome.error)
-    keep(response)
+    if req.store:
+        store.put(stored(response))
     return JSONResponse(response, headers=headers)
 
 

@@ -87,6 +87,17 @@ class ResponseStore:
                 break  # all running: the store runs over until the next put after they end
             del self._entries[oldest]
 
+    def replace(self, old: StoredResponse, new: StoredResponse | None) -> None:
+        """`new` in the place of `old` (None: forget it), only while `old` is still stored:
+        a response deleted (or dropped) meanwhile stays gone."""
+        response_id = old.response["id"]
+        if self._entries.get(response_id) is not old:
+            return
+        if new is None:
+            del self._entries[response_id]
+        else:
+            self.put(new)
+
     def get(self, response_id: str, param: str | None = None,
             owner: str | None = None) -> StoredResponse:
         """The entry, or a 404 in OpenAI's words (`param`: the request field that named it),
