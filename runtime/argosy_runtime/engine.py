@@ -795,17 +795,25 @@ class LLMEngine:
         req.text += delta
         if token in params.stop_token_ids and req.num_output_tokens >= params.min_tokens:
             req.stop_reason = token
+            if not params.include_stop_str_in_output:
+                # As vLLM: the stop token is in token_ids, its text is not (nor any
+                # character it was completing).
+                req.text = text_before
+                req.detokenizer.flush()
             return RequestStatus.FINISHED_STOPPED
         if params.stop and delta and req.num_output_tokens >= params.min_tokens:
             longest = max(len(s) for s in params.stop)
             search_from = max(0, len(text_before) - longest + 1)
-            for stop in params.stop:
-                idx = req.text.find(stop, search_from)
-                if idx != -1:
-                    end = idx + len(stop) if params.include_stop_str_in_output else idx
-                    req.text = req.text[:end]
-                    req.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
+            found = [(idx, stop) for stop in params.stop
+                     if (idx := req.text.find(stop, search_from)) != -1]
+            if found:
+                # The first to appear in the text (one token's text can hold two), so the
+                # output holds none: OpenAI's rule.
+                idx, stop = min(found, key=lambda f: f[0])
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                req.text = req.text[:end]
+                req.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_done(req.output_token_ids):
             return RequestStatus.FINISHED_STOPPED  # the structured output is complete
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

@@ -119,6 +119,47 @@ def test_stop_token_ids_stop_strings_and_min_tokens(engine, random_llama_hf) -> 
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 
 
+def test_a_stop_tokens_text_is_output_only_with_include_stop_str_in_output(
+        engine, random_llama_hf) -> None:  # noqa: ANN001
+    """As vLLM: the token that stops a request (a `stop_token_ids` one, like EOS) is in
+    token_ids but its text is not, unless include_stop_str_in_output."""
+    prompt = [11, 22, 33, 44]
+    ref = random_llama_hf.greedy(prompt, 12)
+    decode = engine.tokenizer.decode
+    # A stop token with text of its own, first seen where it stops
+    i = next(i for i in range(1, 12) if ref[i] not in ref[:i]
+             and len(decode(ref[: i + 1])) > len(decode(ref[:i])))
+    texts = {}
+    for include in (False, True):
+        engine.add_request(f"stop-{include}", prompt, SamplingParams(
+            max_tokens=12, temperature=0, stop_token_ids=[ref[i]], ignore_eos=True,
+            include_stop_str_in_output=include))
+        out = drain(engine)[f"stop-{include}"].outputs[0]
+        assert out.token_ids == ref[: i + 1] and out.stop_reason == ref[i]
+        texts[include] = out.text
+    assert texts == {False: decode(ref[:i]), True: decode(ref[: i + 1])}
+
+
+def test_the_stop_string_found_first_in_the_text_ends_it(engine, random_llama_hf) -> None:  # noqa: ANN001
+    """Two stop strings in one token's text: the output ends before the first to appear in
+    the text (whatever their order in `stop`), so it holds no stop string (OpenAI's rule)."""
+    prompt = [11, 22, 33, 44]
+    ref = random_llama_hf.greedy(prompt, 12)
+    decode = engine.tokenizer.decode
+
+    def two_new_chars(j: int) -> tuple[str, str, str] | None:
+        before = decode(ref[:j])
+        delta = decode(ref[: j + 1])[len(before):]
+        new = [c for k, c in enumerate(delta) if c not in before and c not in delta[:k]]
+        return (before + delta[: delta.index(new[0])], new[0], new[1]) if len(new) > 1 else None
+
+    expected, earlier, later = next(f for j in range(12) if (f := two_new_chars(j)))
+    engine.add_request("stops", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                       stop=[later, earlier], ignore_eos=True))
+    out = drain(engine)["stops"].outputs[0]
+    assert out.stop_reason == earlier and out.text == expected
+
+
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(engine) -> None:  # noqa: ANN001
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=7, n=3)
     engine.add_request("s1", [3, 4, 5], params)
