@@ -22,6 +22,8 @@ request holds a hit that depends on another that may still be preempted before t
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
@@ -34,8 +36,16 @@ from argosy_runtime.kv_cache.sliding_window import (
 
 
 def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes (no salt for ints).
-    return hash((parent_hash, tuple(tokens)))
+    """128 bits of SHA-256 over the parent's hash (or the chain's salt) and the tokens.
+
+    Not Python's `hash`: ints hash modulo 2**61 - 1 and its tuple hash can be inverted, so a
+    client could craft a block whose hash equals another tenant's cached prefix and have that
+    tenant's requests served its K/V (vLLM's CVE-2025-25183 was such a collision)."""
+    digest = hashlib.sha256()
+    if parent_hash is not None:  # 17 bytes hold a 128-bit hash and a negative salt alike
+        digest.update(parent_hash.to_bytes(17, "little", signed=True))
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest()[:16], "little")
 
 
 class KVCacheManager:
@@ -88,7 +98,7 @@ class KVCacheManager:
         hashes = self._req_block_hashes.setdefault(request_id, [])
         bs = self.block_size
         if self.table_id and not hashes:  # another table's pages for the same tokens
-            salt = hash((salt, self.table_id))
+            salt = hash_block_tokens(salt, (-self.table_id,))  # no block holds a negative id
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
             parent = hashes[-1] if hashes else salt

@@ -58,6 +58,21 @@ def test_prefix_hits_share_blocks_and_a_lookup_alone_counts_nothing() -> None:
     assert all(b.ref_cnt == 2 for b in hits)
 
 
+def test_salts_that_pythons_hash_confuses_keep_their_blocks_apart() -> None:
+    """Blocks of two LoRA adapters (cache salts) never share, even for salts whose Python
+    hash is equal (ints hash modulo 2**61 - 1): block hashes are SHA-256, which no client
+    can steer into another's prefix (Python's tuple hash is invertible; vLLM's
+    CVE-2025-25183 was such a collision)."""
+    salt = 0x1234_5678_9ABC
+    other = salt + (2**61 - 1)
+    assert hash(salt) == hash(other)  # what the old hash chain was built on
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(13))
+    assert kv.allocate_slots("a", prompt, 13, salt=salt)
+    assert kv.get_computed_blocks("b", prompt, salt=other) == []
+    assert len(kv.get_computed_blocks("c", prompt, salt=salt)) == 3
+
+
 def test_last_token_is_never_served_from_cache() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     prompt = list(range(8))  # exactly two full blocks
