@@ -254,14 +254,27 @@ def check_engine_options(args: EngineArgs) -> None:
             not isinstance(args.served_model_name, str) or not args.served_model_name.strip()):
         raise ValueError("served_model_name (--served-model-name) must be a non-empty name, "
                          f"or unset for the --model value; got {args.served_model_name!r}")
+    # The engine's own checks, run here too so that the error names the flag. Imported here,
+    # as the configs below: they import torch, which the CLI's parser must not.
+    from argosy_runtime.config import resolve_device, resolve_dtype
+
+    for name, resolve in (("dtype", resolve_dtype), ("device", resolve_device)):
+        try:
+            resolve(getattr(args, name))
+        except ValueError as exc:
+            raise ValueError(f"{name} ({_flag(name)}): {exc}") from None
     if args.quantization is not None:
         # Imported here: the quantization package imports torch, which the CLI's parser
         # (and `argosy gateway`) must not.
-        from argosy_runtime.quantization.config import QUANTIZATION_METHODS
+        from argosy_runtime.quantization.config import QuantizationConfig
 
-        if args.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
-                             f"(or unset), got {args.quantization!r}")
+        # The engine builds this config only once the checkpoint is open: an int4 group size
+        # it cannot take was reported then, as a model that "cannot load".
+        try:
+            QuantizationConfig(method=args.quantization, group_size=args.quantization_group_size)
+        except ValueError as exc:
+            raise ValueError(f"quantization (--quantization, --quantization-group-size): "
+                             f"{exc}") from None
     if args.speculative is not None:
         # Checked now, not when the engine builds its proposer after loading the model and
         # the KV cache: a bad --speculative otherwise failed only minutes later on a large
@@ -348,6 +361,8 @@ def parse_lora_modules(value: str) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise argparse.ArgumentTypeError(f"expected name=path, got {item!r}")
+        if name in modules:  # the later path silently replaced the earlier adapter
+            raise argparse.ArgumentTypeError(f"adapter {name!r} is named twice")
         modules[name] = path
     return modules
 

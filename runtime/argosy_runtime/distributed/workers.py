@@ -8,13 +8,15 @@ same forward, meeting at the all-reduces. Workers never sample and never see req
 Lifecycle: `launch` starts the workers, which load their shards while rank 0 loads its own;
 `wait_ready` collects their KV-cache budgets (or raises the first worker's error); `connect`
 joins the all-reduce group; `allocate` sizes every rank's KV cache alike; `run_step` per step;
-`close` stops them. A worker whose engine process dies sees its pipe close and exits.
+`close` stops them. A worker whose engine process dies exits at once, whatever it is doing
+(`_exit_with_engine_process`).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import traceback
@@ -69,7 +71,21 @@ def build_rank_model(config: WorkerConfig, rank: int) -> Any:
                        config.max_model_len, config.quant_config)
 
 
+def _exit_with_engine_process() -> None:
+    """Exit this worker as soon as the engine process (its parent) is gone.
+
+    Killed outright (SIGKILL, the OOM killer), the engine runs no `close`, and a worker only
+    saw its pipe close when it next used it: one loading its shard held the model's memory
+    (or a GPU's) for as long as the load took. Not PR_SET_PDEATHSIG: Linux sends that when
+    the parent *thread* exits, and the workers are started from a short-lived loading thread.
+    The parent's sentinel is a pipe whose write end only the engine process holds."""
+    multiprocessing.parent_process().join()  # type: ignore[union-attr]
+    os._exit(1)
+
+
 def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -> None:
+    threading.Thread(target=_exit_with_engine_process, name="argosy-tp-parent-watch",
+                     daemon=True).start()
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
@@ -82,6 +98,8 @@ def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -
         group = TensorParallelGroup(rank, config.world_size, "127.0.0.1", port, device)
         model.use_tensor_parallel(group)
         kind, cache_config = conn.recv()
+        if kind == "stop":  # the engine failed to start after the shards loaded
+            return
         from argosy_runtime.model_runner import ModelRunner
 
         runner = ModelRunner(model, cache_config, None, device, model.spec.vocab_size,

@@ -170,6 +170,19 @@ def test_a_worker_lost_before_the_group_forms_raises_at_once(tmp_path) -> None:
         workers.close(timeout=2)
 
 
+def test_workers_stopped_before_their_cache_is_allocated_exit_cleanly(tmp_path) -> None:
+    """The engine fails after the shards loaded (a KV cache too small for one block, a draft
+    model or adapter that does not load): each worker took the "stop" for its cache config
+    and died on an AttributeError, a traceback per worker after the engine's one-line error."""
+    workers = _workers(str(make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)))
+    try:
+        workers.wait_ready()
+        workers.connect(torch.device("cpu"))
+    finally:
+        workers.close(timeout=10)
+    assert [proc.exitcode for proc in workers._procs] == [0]
+
+
 def test_options_that_cannot_be_split_are_refused_before_loading(tmp_path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads 9"):
         LLMEngine(model="smollm2-135m", tensor_parallel_size=2)

@@ -87,6 +87,14 @@ def serve_exit_code(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     (["--lora-modules", '{"a": "/x",'], ["--lora-modules", "JSON"]),
     # an adapter path that is not a string: accepted, failed once the model had loaded
     (["--lora-modules", '{"a": 1}'], ["--lora-modules", "a"]),
+    # refused as "cannot load the model: dtype must be ...", naming no flag, after the imports
+    (["--dtype", "fp32"], ["--dtype", "fp32"]),
+    (["--device", "tpu"], ["--device", "tpu"]),
+    # checked only once the checkpoint was open, as "cannot load the model: ... group_size"
+    (["--quantization", "int4", "--quantization-group-size", "100"],
+     ["--quantization-group-size", "100"]),
+    # the same name twice: the first adapter was dropped without a word
+    (["--lora-modules", "a=/x,b=/y,a=/z"], ["--lora-modules", "'a'", "twice"]),
     # silently no authentication ("--api-key $KEY" with KEY unset), while " " is refused
     (["--api-key", ""], ["--api-key"]),
 ])
