@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from typing import TYPE_CHECKING
 
@@ -113,8 +114,14 @@ class Request:
 
     @property
     def cache_salt(self) -> int | None:
-        """Seeds the prefix-cache hash chain: an adapter's K/V differ from the base model's."""
-        return None if self.lora is None else self.lora.cache_salt
+        """Seeds the prefix-cache hash chain: an adapter's K/V differ from the base model's,
+        and requests with another `cache_salt` (SamplingParams) must not find these."""
+        adapter = None if self.lora is None else self.lora.cache_salt
+        salt = getattr(self.params, "cache_salt", None)
+        if salt is None:
+            return adapter
+        digest = hashlib.sha256(f"{adapter}\0{salt}".encode()).digest()
+        return int.from_bytes(digest[:16], "little")
 
     @property
     def is_prefill(self) -> bool:

@@ -57,6 +57,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # constrain the output to a JSON schema, regex, choice or grammar (see structured_output)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's cache_salt: requests with different salts share no prefix-cache blocks, so one
+    # tenant cannot tell from its time to first token what another's prompts held
+    cache_salt: str | None = None
     # Filled in by the engine: tokens that end generation unless ignore_eos (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled in by the engine: the token sequences of `bad_words` (bad_words.py).
@@ -104,6 +107,9 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")

@@ -84,6 +84,9 @@ class VLLMExtras(BaseModel):
     # Lower runs earlier, and may preempt requests of a higher value when the batch is full.
     # Strict: "1", 1.5 or true is a 400, not a silent coercion.
     priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+    # Requests with another salt share no prefix-cache blocks with this one (vLLM's; one per
+    # tenant keeps tenants from timing each other's cached prompts).
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class _SamplingFields(VLLMExtras):

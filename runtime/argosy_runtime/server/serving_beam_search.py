@@ -47,7 +47,7 @@ _NOT_WITH_BEAM_SEARCH = (
     ("stop", None), ("stop_token_ids", None), ("logit_bias", None),
     ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
     ("response_format", None), ("logprobs", None), ("top_logprobs", None), ("tools", None),
-    ("prompt_logprobs", None),
+    ("prompt_logprobs", None), ("cache_salt", None),
 )
 # Fields whose 0 asks for something (the sampled token's log-probability, each prompt
 # token's), unlike top_k 0 or min_tokens 0; `0 in (None, False)` is true in Python (0 ==

@@ -133,6 +133,7 @@ def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             structured_outputs=structured_outputs_of(req),
+            cache_salt=req.cache_salt,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_from_value_error(str(exc))) from exc

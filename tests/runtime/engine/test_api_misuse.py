@@ -85,6 +85,8 @@ def test_kv_cache_memory_takes_sizes_as_the_flag_does() -> None:
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),  # None silently meant False
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": 7}, "cache_salt"),
 ])
 def test_sampling_params_of_the_wrong_type_name_the_field(kwargs, field) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=f"^{field} must be"):

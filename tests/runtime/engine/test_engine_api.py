@@ -160,6 +160,24 @@ def test_the_stop_string_found_first_in_the_text_ends_it(engine, random_llama_hf
     assert out.stop_reason == earlier and out.text == expected
 
 
+def test_prefix_cache_hits_stay_within_one_cache_salt(engine) -> None:  # noqa: ANN001
+    """vLLM's cache_salt: a prompt cached under one salt (or none) is no hit under another,
+    and is under its own."""
+    prompt = [(5 * i + 3) % 200 + 10 for i in range(37)]  # 9 full blocks of 4 + 1 token
+
+    def cached_tokens(request_id: str, salt: str | None) -> int:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                              cache_salt=salt))
+        return drain(engine)[request_id].num_cached_tokens
+
+    assert cached_tokens("plain", None) == 0
+    assert cached_tokens("plain-again", None) == 36
+    assert cached_tokens("tenant-a", "tenant-a") == 0
+    assert cached_tokens("tenant-b", "tenant-b") == 0
+    assert cached_tokens("tenant-a-again", "tenant-a") == 36
+    assert_no_leaks(engine)
+
+
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(engine) -> None:  # noqa: ANN001
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=7, n=3)
     engine.add_request("s1", [3, 4, 5], params)

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 from argosy_runtime import SamplingParams
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from serve_harness import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
@@ -316,3 +316,37 @@ def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client: OpenAI
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     response = client.responses.create(model=MODEL, input=messages, max_output_tokens=1)
     assert response.usage.input_tokens_details.cached_tokens == cached
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(client: OpenAI) -> None:
+    """vLLM's `cache_salt` (extra_body): a conversation cached under one salt (or none) is
+    no hit under another, beyond the chat template's opening, and is under its own; on chat,
+    completions and responses alike. With use_beam_search it is a 400."""
+    topic = uuid.uuid4().hex
+    messages = [{"role": "user", "content": f"Notes on {topic}: " + "the tide rises; " * 30}]
+
+    def chat_cached(salt: str | None) -> int:
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1,
+            extra_body={"cache_salt": salt} if salt else None,
+        ).usage.prompt_tokens_details.cached_tokens
+
+    chat_cached(None)
+    assert chat_cached(None) > 32
+    assert chat_cached("tenant-a") <= 32  # the template's opening, cached by a-salted chats
+    assert chat_cached("tenant-a") > 32
+    assert chat_cached("tenant-b") <= 32
+    prompt = f"Story {topic}: " + "once upon a time " * 30
+    salted = {"cache_salt": "tenant-a"}
+    assert greedy(client, prompt, max_tokens=1).usage.prompt_tokens_details.cached_tokens == 0
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=salted
+                                     ).usage.prompt_tokens_details.cached_tokens == 0
+    response = client.responses.create(model=MODEL, input=messages, max_output_tokens=1,
+                                       extra_body={"cache_salt": "tenant-c"})
+    assert response.usage.input_tokens_details.cached_tokens <= 32
+    with pytest.raises(BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={**salted, "use_beam_search": True})
+    with pytest.raises(BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": ""})

@@ -204,6 +204,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]],
             repetition_penalty=req.repetition_penalty,
             stop_token_ids=req.stop_token_ids,
             priority=req.priority,
+            cache_salt=req.cache_salt,
         )
     except ValidationError as exc:  # bounds are checked on ResponsesRequest: not expected
         error = exc.errors()[0]
