@@ -128,6 +128,10 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._pending_adds: collections.Counter[int] = collections.Counter()  # by priority
+        # Requests added since the last step (id -> priority): the scheduler has not tried
+        # them yet. Those it tried and left waiting beside free seats lack KV blocks (or
+        # budget): the seats do not make them about to run.
+        self._untried: dict[str, int] = {}
         # Adds waiting for their LoRA adapter (max_loaded_loras: loading it, or every loaded
         # slot held) before they are posted, by priority: waiting requests like any other.
         self._lora_waits: collections.Counter[int] = collections.Counter()
@@ -173,8 +177,9 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests that cannot join the running batch at the next step: the engine's waiting
-        queue plus adds not yet applied, less the batch's free slots, plus adds waiting for
-        their LoRA adapter (`argosy:num_requests_waiting`)."""
+        queue plus adds not yet applied, less the batch's free slots that the requests not
+        yet tried by a step can take (one a step left waiting beside free seats is short of
+        KV blocks), plus adds waiting for their LoRA adapter (`argosy:num_requests_waiting`)."""
         return self.num_waiting_ahead_of(None)
 
     def num_waiting_ahead_of(self, priority: int | None) -> int:
@@ -187,7 +192,10 @@ class AsyncEngine:
 
         queued = count(stats.num_waiting_by_priority) + count(self._pending_adds)
         if self.max_num_seqs is not None:
-            queued = max(0, queued - max(0, self.max_num_seqs - stats.num_requests_running))
+            untried = count(self._pending_adds) + count(
+                collections.Counter(self._untried.values()))
+            free_seats = max(0, self.max_num_seqs - stats.num_requests_running)
+            queued = max(0, queued - min(untried, free_seats))
         # Free batch slots do not help these: their adapter is not theirs yet.
         return queued + count(self._lora_waits)
 
@@ -338,6 +346,7 @@ class AsyncEngine:
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
         results: list[tuple[str, BaseException | None]] = []
         applied: collections.Counter[int] = collections.Counter()
+        untried = dict(self._untried)  # in command order: an id aborted, then added again
         for kind, payload in commands:
             if kind == "add":
                 request_id, prompt, params, arrival, priority, lora_name, held = payload
@@ -347,17 +356,20 @@ class AsyncEngine:
                                             priority=priority, lora_name=lora_name)
                     self._trackers[request_id] = _Tracker(arrival)
                     results.append((request_id, None))
+                    untried[request_id] = priority
                 except Exception as exc:  # ValueError: bad request; anything else: engine bug
                     results.append((request_id, exc))
                 finally:
                     if held is not None:  # the request holds the adapter itself now
                         self.engine.lora_registry.release(held)
             else:
+                untried.pop(payload, None)  # gone: not waiting any more
                 if self._trackers.pop(payload, None) is not None:
                     self.engine.abort_request(payload)
         stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
             self._pending_adds -= applied
+            self._untried = untried  # replaced, not mutated: the event loop reads it unlocked
             self._stats = stats
         self._call(self._acknowledge, results)
 
@@ -373,6 +385,12 @@ class AsyncEngine:
             self._trackers.clear()
             try:
                 self.engine.abort_request(ids)
+                # A fresh snapshot: the old one still counts the aborted requests, and a queue
+                # it shows full refuses every add (QueueFullError) before one could refresh it.
+                stats = dataclasses.replace(self.engine.get_stats())
+                with self._cond:
+                    self._stats = stats
+                    self._untried = {}
             except Exception:
                 logger.exception("abort after a failed step failed")
             self._call(self._fail_ids, ids, EngineDeadError(f"engine step failed: {exc!r}"))
@@ -382,6 +400,7 @@ class AsyncEngine:
         stats = dataclasses.replace(self.engine.get_stats())
         with self._cond:
             self._stats = stats
+            self._untried = {}  # the step tried every waiting request
         self._call(self._dispatch, snapshots)
 
     def _observe(self, out: RequestOutput, now: float) -> RequestOutput:

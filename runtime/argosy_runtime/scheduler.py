@@ -12,10 +12,12 @@ Preemption frees a running request's blocks; it goes back to waiting and is reco
 - a running request needs blocks that are not free (memory): that step admits nothing new.
   Its speculative draft tokens are dropped first (the step verifies none of them): a draft is
   a bet on future tokens, never worth another request's recomputation;
-- the head of the waiting queue cannot be admitted (`max_num_seqs` reached or blocks short)
-  and it strictly outranks the victim by priority. Equal priorities never preempt each other,
-  so first come first served within a priority never thrashes; and nobody is preempted for a
-  head that would still not fit after every request it outranks was preempted.
+- the head of the waiting queue cannot be admitted (`max_num_seqs` reached, blocks short, or
+  without chunked prefill the step's token budget short) and it strictly outranks the victim
+  by priority. Equal priorities never preempt each other, so first come first served within a
+  priority never thrashes; and nobody is preempted for a head that would still not fit (seats,
+  blocks, and without chunked prefill the budget) after every request it outranks was
+  preempted.
 
 `max_loras` caps the distinct LoRA adapters among running requests, so every step runs at
 most that many adapters' deltas. A waiting request whose adapter would exceed it is passed
@@ -184,18 +186,36 @@ class Scheduler:
                                                          _prefix_lookup_limit(req),
                                                          salt=req.cache_salt, exclude=outranked)
             num_computed = len(computed) * self.kv_cache.block_size
-            num_new = min(req.num_tokens - num_computed, budget)
-            if (seats_full or not self.kv_cache.can_allocate(
+            remaining = req.num_tokens - num_computed
+            num_new = min(remaining, budget)
+            # Without chunked prefill the whole rest runs in this step, or the head waits.
+            whole = not self.config.enable_chunked_prefill
+            budget_short = whole and num_new < remaining
+            if (seats_full or budget_short or not self.kv_cache.can_allocate(
                     req.request_id, num_computed + num_new, computed,
                     num_computed_tokens=num_computed)) \
-                    and not self._preemption_makes_room(req, num_computed + num_new, computed):
+                    and not self._preemption_makes_room(
+                        req, num_computed + (remaining if whole else num_new), computed, out):
                 break  # preempting would cost its victims their work and still not admit it
             if seats_full:
                 self._preempt_for(req, out)
-                budget = self._budget_left(out)  # a victim scheduled in step 1 gave tokens back
-                num_new = min(req.num_tokens - num_computed, budget)
-            if num_new < req.num_tokens - num_computed and not self.config.enable_chunked_prefill:
-                break
+            if whole:
+                # Victims scheduled in step 1 give their tokens back; preempting every request
+                # it outranks gives enough (_preemption_makes_room): lowest rank first, only
+                # as many as it takes.
+                num_new = min(remaining, self._budget_left(out))
+                while num_new < remaining and self._preempt_for(req, out):
+                    num_new = min(remaining, self._budget_left(out))
+                if num_new < remaining:
+                    break
+            elif seats_full:
+                # The seat's victim gave back its step-1 tokens: a longer chunk, but only on
+                # blocks free now. Those checked above were for `num_new`: more could cost
+                # another victim its work for a token or so of this chunk, or find nobody.
+                grown = min(remaining, self._budget_left(out))
+                if self.kv_cache.can_allocate(req.request_id, num_computed + grown, computed,
+                                              num_computed_tokens=num_computed):
+                    num_new = grown
             while not self.kv_cache.allocate_slots(
                 req.request_id, req.token_ids, num_computed + num_new, computed,
                 salt=req.cache_salt, num_computed_tokens=num_computed,
@@ -205,9 +225,11 @@ class Scheduler:
             # Victims went back to waiting behind `req` (they rank lower), so `i` is still it.
             self.waiting.pop(i)
             req.num_computed_tokens = num_computed
-            self.kv_cache.record_prefix_lookup(req.num_tokens, num_computed)
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission only: a preempted request's
+                # re-lookup mostly finds its own blocks, and that is recomputation, not reuse
+                # (the counters agree with the requests' num_cached_tokens, as in vLLM)
                 req.num_cached_tokens = num_computed
+                self.kv_cache.record_prefix_lookup(req.num_tokens, num_computed)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.scheduled.append(ScheduledRequest(req, num_new))
@@ -240,15 +262,23 @@ class Scheduler:
         return bool(self.running) and self.running[-1].priority > req.priority
 
     def _preemption_makes_room(self, req: Request, num_tokens: int,
-                               computed: Sequence[KVCacheBlock]) -> bool:
+                               computed: Sequence[KVCacheBlock], out: SchedulerOutput) -> bool:
         """Would preempting every running request that `req` outranks free a seat and the
-        blocks for its first `num_tokens` tokens? If not, nobody is preempted for it."""
+        blocks for its first `num_tokens` tokens (and, without chunked prefill, the budget
+        for all of them: victims scheduled in step 1 give their tokens back)? If not,
+        nobody is preempted for it."""
         victims = [r.request_id for r in self.running if r.priority > req.priority]
         if len(self.running) - len(victims) >= self.config.max_num_seqs:
             return False
+        num_computed = len(computed) * self.kv_cache.block_size
+        if not self.config.enable_chunked_prefill:
+            given_back = sum(sr.num_new_tokens for sr in out.scheduled
+                             if sr.request.request_id in victims)
+            if self._budget_left(out) + given_back < num_tokens - num_computed:
+                return False
         freed = self.kv_cache.num_blocks_freed_by(victims, keep=computed)
         return self.kv_cache.can_allocate(req.request_id, num_tokens, computed, extra_free=freed,
-                                          num_computed_tokens=len(computed) * self.kv_cache.block_size)
+                                          num_computed_tokens=num_computed)
 
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
         """Preempt the lowest-ranked running request to make room for waiting `req`, only if

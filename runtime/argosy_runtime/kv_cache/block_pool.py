@@ -87,9 +87,15 @@ class BlockPool:
         call gave the block its hash (False: it had one already, or caching is off)."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return False
+        if block_hash in self._cached:
+            # Another block holds these tokens already (this one was recomputed: no hits
+            # allowed, or computed beside it). A lookup never finds this copy, so it stays
+            # unhashed: once free it is evicted first, not kept at the back of the LRU ahead
+            # of the cached original. (Its request offers it again each step: it becomes
+            # the cached one if the original is evicted meanwhile.)
+            return False
         block.block_hash = block_hash
-        # Keep the first block seen for a hash; a duplicate simply stays uncached-by-hash.
-        self._cached.setdefault(block_hash, block)
+        self._cached[block_hash] = block
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:

@@ -272,3 +272,114 @@ def test_prefix_cache_counters_count_a_waiting_request_once_when_admitted() -> N
     assert run_step(s) == {"b": 1}
     assert s.requests["b"].num_cached_tokens == 16
     assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (21 + 17, 16)
+
+
+def test_blocks_recomputed_beside_a_cached_copy_do_not_outlive_the_cached_copy() -> None:
+    """A request that may not take prefix hits (prompt_logprobs here; mean pooling too)
+    recomputes blocks the cache already holds. Those copies are never found by a lookup (the
+    first block cached for a hash keeps it), so once free they must be evicted first, like
+    any uncached block: kept at the back of the LRU they outlived the cached originals, and
+    the prefix was lost from the cache while useless copies stayed."""
+    s = make(num_blocks=9, block_size=4, budget=64)
+    a = req("a", 9, 0.0)  # 2 full blocks + 1 token
+    s.add_request(a)
+    assert run_step(s) == {"a": 9}
+    scored = Request("scored", list(range(9)), SamplingParams(max_tokens=5, prompt_logprobs=1),
+                     max_tokens=5, arrival_time=1.0)
+    s.add_request(scored)
+    assert run_step(s) == {"a": 1, "scored": 9}  # no hits: it scores every prompt token
+    s.finish_request(a, RequestStatus.FINISHED_STOPPED)
+    s.finish_request(scored, RequestStatus.FINISHED_STOPPED)
+    # An unrelated request takes 6 of the 9 free blocks: a's prefix must be among the 3 kept.
+    s.add_request(req("other", 21, 2.0, base=100))
+    assert run_step(s) == {"other": 21}
+    again = req("again", 9, 3.0)
+    s.add_request(again)
+    assert run_step(s) == {"other": 1, "again": 1}
+    assert again.num_cached_tokens == 8
+
+
+def test_prefix_cache_counters_do_not_count_a_preempted_request_again() -> None:
+    """A preempted request is looked up again when re-admitted and mostly hits its own blocks.
+    Counting that would inflate the hit rate with recomputation (vLLM counts preempted
+    lookups apart) and break the counters' agreement with the requests' num_cached_tokens."""
+    s, old, new = two_running_priority_1()
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (8, 0)
+    s.add_request(req("urgent", 4, 2.0, priority=0, base=40))
+    out = s.schedule()
+    assert out.preempted == [new]
+    advance(out)
+    s.finish_request(s.requests["urgent"], RequestStatus.FINISHED_STOPPED)
+    assert run_step(s) == {"lo-old": 1, "lo-new": 1}  # new is back, its prompt block a hit
+    assert new.num_cached_tokens == 0
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (12, 0)
+
+
+def test_without_chunked_prefill_nobody_is_preempted_for_a_head_the_budget_cannot_take() -> None:
+    """Without chunked prefill a head runs its whole prompt in one step. Preempting one
+    decode for a seat gives back a single token of budget: if the head still does not fit,
+    it must not have cost that victim its place (it used to be preempted, and the head
+    was not admitted either). Preempting every request it outranks gives back enough."""
+    s = make(max_seqs=3, budget=32, chunked=False, max_model_len=32)
+    for i in range(3):
+        s.add_request(req(f"lo{i}", 4, float(i), priority=1, base=10 * i))
+    assert run_step(s) == {"lo0": 4, "lo1": 4, "lo2": 4}
+    s.add_request(req("urgent", 31, 5.0, priority=0, base=100))
+    out = s.schedule()
+    # 3 decodes leave 29 tokens; urgent needs 31: two victims' tokens must come back.
+    assert scheduled(out) == {"lo0": 1, "urgent": 31}
+    assert [r.request_id for r in out.preempted] == ["lo2", "lo1"]
+    assert out.num_batched_tokens <= 32
+
+
+def test_without_chunked_prefill_a_head_that_cannot_fit_preempts_nobody() -> None:
+    s = make(max_seqs=2, budget=32, chunked=False, max_model_len=32)
+    s.add_request(req("hi", 4, 0.0, priority=0))
+    s.add_request(req("lo", 4, 1.0, priority=1, base=10))
+    assert run_step(s) == {"hi": 4, "lo": 4}
+    s.add_request(req("urgent", 32, 5.0, priority=0, base=100))  # needs all 32 tokens
+    for _ in range(3):
+        out = s.schedule()
+        # Even with lo preempted, hi's decode leaves 31: lo keeps its seat.
+        assert scheduled(out) == {"hi": 1, "lo": 1} and out.preempted == []
+        advance(out)
+    assert s.num_preemptions == 0
+
+
+def test_a_seat_victims_returned_tokens_never_grow_a_chunk_past_the_blocks_checked() -> None:
+    """The blocks for a head's first chunk are checked before its seat is taken; the seat's
+    victim, scheduled in step 1, then gives its token back. A chunk grown by that token past
+    a block boundary needs a block nobody can give: the victim was preempted for nothing
+    and the head not admitted. It keeps the chunk whose blocks were checked instead."""
+    s = make(num_blocks=5, block_size=4, budget=6, max_seqs=2)
+    hi = req("hi", 15, 0.0, priority=0)
+    lo = req("lo", 3, 1.0, priority=1, base=100)
+    s.add_request(hi)
+    s.add_request(lo)
+    for _ in range(3):
+        run_step(s)
+    assert (hi.num_tokens, lo.num_tokens, s.kv_cache.num_free_blocks) == (16, 4, 0)
+    s.add_request(req("urgent", 20, 5.0, priority=0, base=200))
+    out = s.schedule()
+    # Step 1: hi 1 + lo 1 leaves 4 tokens, one block: lo's. Not 5 tokens, two blocks.
+    assert scheduled(out) == {"hi": 1, "urgent": 4}
+    assert out.preempted == [lo]
+
+
+def test_a_seat_victims_returned_tokens_never_cost_another_victim() -> None:
+    """Growing the head's chunk by the seat victim's returned token (4 -> 5 tokens: a second
+    block) could be paid for by preempting another request it outranks: lo1 would lose its
+    work for one token of urgent's first chunk. The chunk stays the one checked; lo1 runs."""
+    s = make(num_blocks=5, block_size=4, budget=7, max_seqs=3)
+    s.add_request(req("hi", 3, 0.0, priority=0))
+    s.add_request(req("lo1", 3, 1.0, priority=1, base=100))
+    lo2 = req("lo2", 3, 2.0, priority=1, base=200)
+    s.add_request(lo2)
+    assert run_step(s) == {"hi": 3, "lo1": 3, "lo2": 1}
+    assert run_step(s) == {"hi": 1, "lo1": 1, "lo2": 2}
+    s.add_request(req("urgent", 20, 5.0, priority=0, base=300))
+    out = s.schedule()
+    # Step 1 takes both free blocks (hi's and lo1's 5th token) and 3 of the 7 tokens.
+    assert scheduled(out) == {"hi": 1, "lo1": 1, "urgent": 4}
+    assert out.preempted == [lo2]
+    assert s.kv_cache.num_free_blocks == 0
