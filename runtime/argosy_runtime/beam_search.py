@@ -40,6 +40,9 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    # SamplingParams.cache_salt of every scoring request (prefix-cache blocks are shared
+    # with requests of the same salt only)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -107,7 +110,7 @@ class BeamSearch:
     def scoring_params(self) -> SamplingParams:
         """How each live beam is scored: one greedy token (never kept), the top-K log-probs."""
         return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=self.num_candidates)
+                              logprobs=self.num_candidates, cache_salt=self.params.cache_salt)
 
     def requests(self) -> list[list[int]]:
         return [self.prompt + list(beam.tokens) for beam in self.live]

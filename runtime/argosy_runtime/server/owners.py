@@ -15,12 +15,30 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Header
+from starlette.requests import Request
 
 OWNER_HEADER = "X-Argosy-Owner"
 
 # A route's parameter for the owner its request names (None: any). `alias`: the parameter is
 # called `owner`, the header is not.
 Owner = Annotated[str | None, Header(alias=OWNER_HEADER, include_in_schema=False)]
+
+
+def owner_of(request: Request) -> str | None:
+    """The owner a request names (its `X-Argosy-Owner`), for handlers that do not take the
+    `Owner` parameter."""
+    return request.headers.get(OWNER_HEADER)
+
+
+def cache_salt_of(owner: str | None, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request naming `owner` and sending `salt` (vLLM's
+    `cache_salt`): each owner's requests share cached prompts only with each other, as
+    OpenAI keeps prompt caches per organization (another tenant's `usage.cached_tokens`, or
+    its time to first token, would otherwise tell what prompts this one sent). A header
+    value holds no NUL, so no owner's salt equals another's."""
+    if owner is None:
+        return salt
+    return f"{owner}\0{salt or ''}"
 
 
 def visible_to(record_owner: str | None, owner: str | None) -> bool:

@@ -23,6 +23,7 @@ from argosy_runtime.beam_search import (
     live_requests,
 )
 from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.owners import cache_salt_of, owner_of
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
@@ -47,7 +48,7 @@ _NOT_WITH_BEAM_SEARCH = (
     ("stop", None), ("stop_token_ids", None), ("logit_bias", None),
     ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
     ("response_format", None), ("logprobs", None), ("top_logprobs", None), ("tools", None),
-    ("prompt_logprobs", None), ("cache_salt", None),
+    ("prompt_logprobs", None),
 )
 # Fields whose 0 asks for something (the sampled token's log-probability, each prompt
 # token's), unlike top_k 0 or min_tokens 0; `0 in (None, False)` is true in Python (0 ==
@@ -55,8 +56,8 @@ _NOT_WITH_BEAM_SEARCH = (
 _ZERO_ASKS = ("logprobs", "prompt_logprobs")
 
 
-def beam_search_params(req: CompletionRequest | ChatCompletionRequest,
-                       max_tokens: int) -> BeamSearchParams:
+def beam_search_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                       owner: str | None = None) -> BeamSearchParams:
     for field, unset in _NOT_WITH_BEAM_SEARCH:
         value = getattr(req, field, unset)
         if field in _ZERO_ASKS:
@@ -67,7 +68,8 @@ def beam_search_params(req: CompletionRequest | ChatCompletionRequest,
         if is_set:
             raise bad_request(f"{field} is not supported with use_beam_search", field)
     return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
-                            ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+                            ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                            cache_salt=cache_salt_of(owner, req.cache_salt))
 
 
 async def run_beam_search(request: Request, ctx: ServingContext, base_id: str,
@@ -101,7 +103,7 @@ async def beam_search_response(request: Request, ctx: ServingContext,
                                prefixes: list[str] | None = None) -> Response:
     """The whole reply of a completions (`prefixes`: echoed prompts) or chat request."""
     chat = isinstance(req, ChatCompletionRequest)
-    params = beam_search_params(req, max_tokens)
+    params = beam_search_params(req, max_tokens, owner_of(request))
     # Each step scores every live beam of every prompt as its own request, all admitted
     # together: more than the server admits at once would be a 429 from the second step on,
     # after work was spent, and no retry could get past it.

@@ -10,6 +10,7 @@ from typing import Any
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
 from argosy_runtime.sampling_params import SamplingParams
 from argosy_runtime.server.errors import bad_request
+from argosy_runtime.server.owners import owner_of
 from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -191,7 +192,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     k: int | None = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    params = make_sampling_params(req, max_tokens, k, ctx.tokenizer.vocab_size)
+    params = make_sampling_params(req, max_tokens, k, ctx.tokenizer.vocab_size,
+                                  owner_of(request))
     if tool_parser is not None and STREAMS[tool_parser].keep_special_tokens:
         # The format's marker is a control token (Mistral's [TOOL_CALLS]): keep it in the text
         # the parser reads, as vLLM does for this parser.

@@ -24,6 +24,7 @@ from argosy_runtime.server.config import ServerConfig
 from argosy_runtime.server.errors import APIError, bad_request, param_from_value_error
 from argosy_runtime.server.lifecycle import Lifecycle
 from argosy_runtime.server.metrics import ServerMetrics
+from argosy_runtime.server.owners import cache_salt_of
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.tool_calls import calls_tools, check_tool_choice, tool_call_constraint
@@ -106,9 +107,11 @@ def reject_unsupported(req: CompletionRequest | ChatCompletionRequest,
 
 def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
                          max_tokens: int | None, logprobs: int | None,
-                         vocab_size: int | None = None) -> SamplingParams:
+                         vocab_size: int | None = None,
+                         owner: str | None = None) -> SamplingParams:
     """The request's SamplingParams; `vocab_size` (the tokenizer's): stop_token_ids outside
-    it are a 400, as such prompt ids are (they could never be sampled)."""
+    it are a 400, as such prompt ids are (they could never be sampled). `owner`: the tenant
+    the request names (owners.py), whose prefix cache is its own."""
     if vocab_size is not None:
         check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
     try:
@@ -133,7 +136,7 @@ def make_sampling_params(req: CompletionRequest | ChatCompletionRequest,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             structured_outputs=structured_outputs_of(req),
-            cache_salt=req.cache_salt,
+            cache_salt=cache_salt_of(owner, req.cache_salt),
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_from_value_error(str(exc))) from exc

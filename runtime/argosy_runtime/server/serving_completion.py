@@ -7,6 +7,7 @@ from typing import Any
 
 from argosy_runtime.outputs import CompletionOutput, RequestOutput
 from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.owners import owner_of
 from argosy_runtime.server.protocol import CompletionRequest, new_id, now
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_beam_search import beam_search_response
@@ -147,7 +148,8 @@ async def create_completion(request: Request, req: CompletionRequest,
         max_tokens = max_tokens or ctx.max_model_len - max(len(p) for p in prompts)
         return await beam_search_response(request, ctx, req, model_name, prompts,
                                           max_tokens, prefixes)
-    params = make_sampling_params(req, max_tokens, req.logprobs, ctx.tokenizer.vocab_size)
+    params = make_sampling_params(req, max_tokens, req.logprobs, ctx.tokenizer.vocab_size,
+                                  owner_of(request))
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     await compile_grammar(ctx, req, params)
