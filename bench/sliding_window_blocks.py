@@ -17,6 +17,7 @@ draft's cache is one table too (as it was before drafts had layouts of their own
     python bench/sliding_window_blocks.py
     python bench/sliding_window_blocks.py --arch gemma3
     python bench/sliding_window_blocks.py --arch gemma3 --draft
+    python bench/sliding_window_blocks.py --arch gemma3 --draft --threads 1
     python bench/sliding_window_blocks.py --window 128 --requests 8 --new 1500
 """
 
@@ -29,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from unittest import mock
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
 
@@ -69,7 +72,7 @@ def run(folder: Path, args: argparse.Namespace, release: bool) -> dict:
     kv = engine.kv_cache
     tokens: dict[str, list[int]] = {}
     most_running = most_blocks = steps = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -84,7 +87,8 @@ def run(folder: Path, args: argparse.Namespace, release: bool) -> dict:
                 preemptions=engine.get_stats().num_preemptions,
                 drafts=engine.get_stats().spec_decode_num_draft_tokens,
                 accepted=engine.get_stats().spec_decode_num_accepted_tokens,
-                seconds=round(time.perf_counter() - started, 1), tokens=tokens)
+                seconds=round(time.perf_counter() - started, 1),
+                cpu_seconds=round(time.process_time() - cpu_started, 1), tokens=tokens)
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -114,7 +118,12 @@ def main() -> None:
     p.add_argument("--step-tokens", type=int, default=256, help="max_num_batched_tokens")
     p.add_argument("--draft", action="store_true",
                    help="speculate with a separate draft (a copy of the model)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); 1 keeps other jobs on a small "
+                        "machine from skewing the comparison (compare the CPU seconds)")
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     folder = model_dir(args)
     print(f"{args.arch}, window {args.window}, block_size {args.block_size}, {args.requests} requests of "
           f"{args.prompt} + {args.new} tokens "
@@ -125,7 +134,8 @@ def main() -> None:
         print(f"{r['mode']:>8}: {r['tables']} table(s), pages of {r['page_layers']} layers, "
               f"usable pages {r['usable_blocks']}, most running "
               f"{r['most_running']}, most pages held {r['most_blocks']}, preemptions "
-              f"{r['preemptions']}, steps {r['steps']}, {r['seconds']} s"
+              f"{r['preemptions']}, steps {r['steps']}, {r['seconds']} s "
+              f"({r['cpu_seconds']} CPU s)"
               + (f", drafts accepted {r['accepted']}/{r['drafts']}" if args.draft else ""))
     print("tokens equal:", results[0]["tokens"] == results[1]["tokens"])
 
