@@ -185,6 +185,36 @@ def test_store_is_a_bounded_lru() -> None:
         ResponseStore(max_entries=0)
 
 
+def test_store_is_bounded_in_bytes_too() -> None:
+    """Long inputs, and background runs' events, count: past `max_bytes` the least recently
+    used go first (10,000 entries alone could hold gigabytes). The newest entry stays even
+    when it alone is over the budget, and a run's events are counted once it has ended."""
+
+    def big(i: int, chars: int) -> StoredResponse:
+        return StoredResponse({"id": f"resp_{i}", "output": []}, (),
+                              ({"role": "user", "content": "x" * chars},))
+
+    store = ResponseStore(max_bytes=25_000)
+    for i in range(3):
+        store.put(big(i, 10_000))
+    assert [rid for rid in ("resp_0", "resp_1", "resp_2") if rid in store._entries] == \
+        ["resp_1", "resp_2"]
+    assert 20_000 < store.nbytes <= 25_000
+    store.put(big(3, 30_000))  # alone over the budget: kept, every other entry goes
+    assert len(store) == 1 and store.get("resp_3")
+    store.delete("resp_3")
+    assert store.nbytes == 0
+    running = big(4, 100)
+    running.run = types.SimpleNamespace(finished=False, events=[])
+    store.put(running)
+    store.put(big(5, 100))
+    running.run.events.extend(["e" * 1_000] * 30)  # 30 kB of events as it ran
+    running.run.finished = True
+    store.put(big(6, 100))  # measured again now that it ended: over budget, the oldest goes
+    assert "resp_4" not in store._entries and store.nbytes < 25_000
+    assert store.get("resp_5") and store.get("resp_6")
+
+
 def test_store_replace_leaves_a_deleted_response_gone() -> None:
     """A streamed response's end replaces its in_progress entry, or a client that left
     forgets it; a DELETE while it streamed stays final (it does not come back at the end)."""
@@ -225,7 +255,7 @@ def test_store_answers_another_owners_response_as_unknown() -> None:
 def test_store_never_evicts_a_running_background_response() -> None:
     store = ResponseStore(max_entries=2)
     running = _entry(1)
-    running.run = types.SimpleNamespace(finished=False)
+    running.run = types.SimpleNamespace(finished=False, events=[])
     store.put(running)
     store.put(_entry(2))
     store.put(_entry(3))  # the oldest, resp_1, still runs: resp_2 goes instead
