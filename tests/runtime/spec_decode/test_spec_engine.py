@@ -177,3 +177,40 @@ def test_draft_proposer_hashes_lora_blocks_with_the_adapters_salt(tmp_path: Path
     first_block = (prompt + tokens)[:4]
     assert engine.kv_cache.pool.get_cached_block(hash_block_tokens(None, first_block)) is None
     assert_no_leaks(engine)
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Greedy reply to a prompt ending in 100: 200 300 ... 700, then EOS (model_factory)."""
+    from model_factory import make_scripted_model_dir
+
+    return make_scripted_model_dir(tmp_path_factory.mktemp("scripted"), 100,
+                                   [200, 300, 400, 500, 600, 700])
+
+
+@pytest.mark.parametrize("temperature", [2.0, 6.0])
+def test_seeded_sampling_with_ngram_speculation_draws_the_plain_tokens(
+        temperature: float, scripted_dir: Path) -> None:
+    # The prompt repeats the model's script, so n-gram drafts follow it; at these temperatures
+    # the target often samples something else: accepted runs and rejections. A seeded request
+    # must get the tokens it gets without speculation (docs/engine.md, batch-invariant mode).
+    prompt = [5] + [100, 200, 300, 400, 500, 600, 700] * 2 + [100]
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, n=2,
+                            ignore_eos=True)
+
+    def sample(speculative: dict | None) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(model=str(scripted_dir), dtype="float32", block_size=4,
+                           speculative=speculative)
+        engine.add_request("r", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens = [c.token_ids for c in out.outputs]
+        return tokens, engine
+
+    plain, _ = sample(None)
+    spec, engine = sample({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    stats = engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert spec == plain
+    assert_no_leaks(engine)
