@@ -374,6 +374,9 @@ def paged_decode_attention(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
+    # The kernel indexes a table row and the lengths with unit strides (a no-op when they
+    # are contiguous, as the engine builds them: nothing is copied inside a CUDA graph).
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
 
     interp = interpret_mode()
     # float32 (the exactness path, not a fast one): FMA dots need small tiles not to spill.

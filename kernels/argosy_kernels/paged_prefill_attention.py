@@ -278,6 +278,9 @@ def paged_prefill_attention(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
+    # The kernel indexes these with unit strides (a no-op when they are contiguous).
+    block_tables = block_tables.contiguous()
+    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 0:

@@ -184,6 +184,7 @@ def reshape_and_cache(
         key = key.contiguous()
     if value.stride(2) != 1:
         value = value.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # read with a unit stride (no-op if it is)
     k_s = k_scale if quant else slot_mapping  # dummy pointer when unused
     v_s = v_scale if quant else slot_mapping
     _reshape_and_cache_kernel[(num_tokens,)](

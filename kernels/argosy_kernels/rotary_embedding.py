@@ -119,6 +119,7 @@ def rotary_embedding(
     check_device(positions, cos_sin_cache, *tensors)
     if positions.shape[0] == 0:
         return
+    positions = positions.contiguous()  # read with a unit stride (no-op if it is)
     for x in tensors:
         _rotary_embedding_kernel[(x.shape[0],)](
             x, positions, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),

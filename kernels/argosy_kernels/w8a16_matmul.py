@@ -194,6 +194,7 @@ def w8a16_matmul(
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     w_int8 = w_int8 if w_int8.stride(1) == 1 else w_int8.contiguous()
+    scales = scales.contiguous()  # read with a unit stride (no-op if it is)
     interp = interpret_mode()
     if config is None:
         if interp:
