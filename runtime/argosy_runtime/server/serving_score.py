@@ -42,6 +42,7 @@ from argosy_runtime.server.protocol import new_id
 from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.serving_common import (
     ServingContext,
+    check_text_fits,
     check_truncate_prompt_tokens,
     run_tokenizer,
     truncate_prompts,
@@ -186,6 +187,12 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
     # truncation=True, max_length=k): from the end, so the query stays and the document
     # loses its end (a pair template: the longer text first; the special tokens stay).
     check_truncate_prompt_tokens(ctx, truncate)  # the server's 400; the rest pydantic checked
+    if not truncate:
+        # A pair with more characters than the model's length can hold in tokens is too long
+        # whatever its tokenization: refused before tokenizing, as an embeddings input is
+        # (each pair is tokenized whole, so a long query would be once per document).
+        a, b = max(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))
+        check_text_fits(ctx, a + b, fields[0] if len(a) > len(b) else fields[1])
     limit = cross_encoder_max_length(truncate, ctx.max_model_len)
     spec = ctx.engine.engine.spec
     def join_pairs() -> list[Any]:

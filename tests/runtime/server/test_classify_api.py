@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -284,6 +285,26 @@ def test_a_too_long_pair_names_the_text_that_is_too_long(reranker) -> None:  # n
             ("/v1/score", {"text_1": long, "text_2": "x"}, "text_1"),
             ("/v1/score", {"text_1": "x", "text_2": ["y", long]}, "text_2")):
         assert_error(http, path, body, param, "maximum context length")
+
+
+def test_a_pair_too_long_whatever_its_tokenization_is_refused_untokenized(reranker) -> None:  # noqa: ANN001
+    """A pair with more characters than the model's length can hold in tokens is a 400 at
+    once, as such an /v1/embeddings input is: not after tokenizing the long text again
+    with each of up to 2048 documents (minutes of tokenizer time for one request)."""
+    http, _ = reranker
+    long = "word " * 40_000  # 200k characters: over 2048 tokens of at most 81 characters
+    docs = [f"document {i}" for i in range(512)]
+    for path, body, param in (
+            ("/v1/rerank", {"query": long, "documents": docs}, "query"),
+            ("/v1/score", {"text_1": "x", "text_2": [*docs, long]}, "text_2")):
+        start = time.monotonic()
+        resp = http.post(path, json=body)
+        elapsed = time.monotonic() - start
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+        assert "characters" in error["message"], error
+        assert elapsed < 5, elapsed  # 512 tokenizations of 200k characters took ~10 s
 
 
 def test_classify_on_a_model_without_a_classification_head(http: httpx.Client) -> None:
