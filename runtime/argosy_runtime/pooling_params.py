@@ -16,7 +16,8 @@ else "cls", normalized.
 `token_type_start`: the prompt position where token type 1 begins (a BERT cross-encoder's
 pair: its second text, from the tokenizer's pair encoding, `scoring.cross_encoder_prompt`);
 None: every token is type 0, as transformers' `tokenizer(text)` gives a single text.
-`dimensions` keeps the first that many values before normalizing (Matryoshka embeddings:
+`cache_salt`: as SamplingParams' (the server sets it to the request's owner, so tenants
+share no prefix-cache blocks). `dimensions` keeps the first that many values before normalizing (Matryoshka embeddings:
 only for a model trained for it, `ModelSpec.accepts_embedding_dimensions`).
 `task="classify"` (a sequence-classification checkpoint only): the classification head's
 logits at the last token (an encoder's: at the first, [CLS]), what transformers' `*ForSequenceClassification` returns for an
@@ -42,12 +43,16 @@ class PoolingParams:
     task: str = "embed"
     dimensions: int | None = None
     token_type_start: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.dimensions is not None and (

@@ -115,9 +115,10 @@ class Request:
     @property
     def cache_salt(self) -> int | None:
         """Seeds the prefix-cache hash chain: an adapter's K/V differ from the base model's,
-        and requests with another `cache_salt` (SamplingParams) must not find these."""
+        and requests with another `cache_salt` (SamplingParams', or a pooling request's
+        PoolingParams') must not find these."""
         adapter = None if self.lora is None else self.lora.cache_salt
-        salt = getattr(self.params, "cache_salt", None)
+        salt = self.params.cache_salt if self.pooling is None else self.pooling.cache_salt
         if salt is None:
             return adapter
         digest = hashlib.sha256(f"{adapter}\0{salt}".encode()).digest()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+from dataclasses import replace
 
 from argosy_runtime.outputs import RequestOutput
 from argosy_runtime.pooling_params import PoolingParams
 from argosy_runtime.server.errors import APIError, bad_request
+from argosy_runtime.server.owners import cache_salt_of, owner_of
 from argosy_runtime.server.protocol import EmbeddingRequest, new_id
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
@@ -86,6 +88,10 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
     request each, admitted `_inputs_in_flight` at a time at `priority`. None when the client
     went away (logged; the caller answers 499)."""
     log = request_log(request.scope)
+    salt = cache_salt_of(owner_of(request), None)
+    if salt is not None:  # each owner's prefix cache is its own (owners.py)
+        params = ([replace(p, cache_salt=salt) for p in params] if isinstance(params, list)
+                  else replace(params, cache_salt=salt))
     base_id = f"{new_id(kind)}-{request_id_of(request.scope)}"
     finals: list[RequestOutput] = []
     # --request-timeout bounds the whole request, not each slice (run_to_completion's own

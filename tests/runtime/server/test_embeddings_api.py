@@ -9,6 +9,7 @@ import json
 import struct
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import httpx
@@ -254,3 +255,24 @@ def test_a_batch_of_embeddings(client: OpenAI, offline_llm) -> None:
         assert_vectors_equal(by_id[f"e{i}"]["data"][0]["embedding"], expected.embedding)
     errors = client.files.content(batch.error_file_id).text
     assert '"bad"' in errors
+
+
+def test_each_owner_has_a_prefix_cache_of_its_own_for_embeddings(
+        http: httpx.Client, server: ServerProcess) -> None:
+    """As for generation (test_openai_api.py): an embedding input cached for one owner (a
+    gateway's tenant, `X-Argosy-Owner`) is no hit for another, so its time to answer tells
+    that one nothing. Hits counted by the server's own prefix-cache counter."""
+    text = "an embedding input " + "with several full blocks of tokens " * 8 + uuid.uuid4().hex
+
+    def hits_after(owner: str) -> float:
+        r = http.post("/v1/embeddings", json={"model": MODEL, "input": text},
+                      headers={"X-Argosy-Owner": owner})
+        assert r.status_code == 200, r.text
+        return server.metrics()["argosy:prefix_cache_hits_total"]
+
+    start = server.metrics()["argosy:prefix_cache_hits_total"]
+    first = hits_after("team-a")
+    assert first == start
+    again = hits_after("team-a")
+    assert again > first  # its own blocks, found
+    assert hits_after("team-b") == again  # another owner's: not found
