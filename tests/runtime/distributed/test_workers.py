@@ -13,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from process_helpers import is_running  # noqa: E402
+
 pytestmark = pytest.mark.slow  # spawns worker processes, each importing torch
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit is reaped by whoever adopts it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # An engine process (rank 0) whose two workers take "forever" to load their shards: the

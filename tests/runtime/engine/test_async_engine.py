@@ -87,12 +87,16 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(
             await asyncio.wait_for(_consume(stream), timeout=30)
         assert async_engine.num_step_errors == 1
         assert_no_leaks(engine)
-        after = await async_engine.add("after", [5, 6, 7],
-                                       SamplingParams(max_tokens=4, temperature=0))
-        outputs = await asyncio.wait_for(_consume(after), timeout=30)
-        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+        await _assert_serves_a_new_request(async_engine)
     finally:
         async_engine.shutdown()
+
+
+async def _assert_serves_a_new_request(async_engine: AsyncEngine) -> None:
+    """The engine takes and finishes a new request (after a failed step)."""
+    after = await async_engine.add("after", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    outputs = await asyncio.wait_for(_consume(after), timeout=30)
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
 
 
 async def test_a_stream_the_engine_ends_closes_with_an_error_event_and_done() -> None:
@@ -136,10 +140,7 @@ async def test_a_failed_step_does_not_leave_a_full_queue_refusing_every_request(
                 await asyncio.wait_for(_consume(stream), timeout=30)
         await _idle(async_engine)
         assert async_engine.num_waiting == 0
-        after = await async_engine.add("after", [5, 6, 7],
-                                       SamplingParams(max_tokens=4, temperature=0))
-        outputs = await asyncio.wait_for(_consume(after), timeout=30)
-        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+        await _assert_serves_a_new_request(async_engine)
     finally:
         async_engine.shutdown()
 

@@ -3,6 +3,7 @@ workers are real processes) answers like the one-process engine, and SIGTERM sto
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 from argosy_runtime import SamplingParams
 from serve_harness import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
+
+from process_helpers import is_running  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts an `argosy serve` process with two workers
 
@@ -28,15 +33,6 @@ def worker_pids(parent: int) -> list[int]:
         if int(fields[1]) == parent and b"spawn_main" in cmdline:
             pids.append(int(stat.parent.name))
     return pids
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit is reaped by whoever adopts it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
