@@ -314,13 +314,9 @@ async def test_a_stream_cut_by_its_replica_ends_with_an_error_event(raw_replica,
     and the connection is still cut without a clean end, so it never looks complete."""
     bad = await raw_replica(one_event_then_die)
     gw, url = await gateway(config(bad.url))
-    received = b""
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
-            assert resp.status == 200
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async for chunk in resp.content.iter_any():
-                    received += chunk
+            received = await read_cut_stream(resp)
     assert_ends_with_error_event(received, bad.url)
     assert in_flight(gw) == [0]
 
@@ -344,13 +340,9 @@ async def test_a_background_responses_stream_cut_by_its_replica_ends_with_an_err
 
     bad = await raw_replica(answer)
     _, url = await gateway(config(bad.url, stream_idle_timeout_s=0.5))
-    received = b""
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{url}/v1/responses/resp_x?stream=true") as resp:
-            assert resp.status == 200
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async for chunk in resp.content.iter_any():
-                    received += chunk
+            received = await read_cut_stream(resp)
     assert_ends_with_error_event(received, bad.url)
 
 
@@ -363,13 +355,9 @@ async def test_a_stream_its_replica_stops_feeding_is_cut_after_stream_idle_timeo
     (hung,) = await fake_replicas(1, chunk_delay=30.0, num_chunks=2)
     gw, url = await gateway(config(hung.url, stream_idle_timeout_s=0.5,
                                    health=HealthConfig(interval_s=60, unhealthy_after=1)))
-    received = b""
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
-            assert resp.status == 200
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async for chunk in resp.content.iter_any():
-                    received += chunk
+            received = await read_cut_stream(resp)
         async with s.get(f"{url}/metrics") as resp:
             metrics = await resp.text()
     events = [e for e in received.split(b"\n\n") if e]
@@ -399,6 +387,16 @@ async def test_stream_idle_timeout_does_not_cut_a_stream_that_keeps_flowing(
             raw = await resp.read()
     assert raw.endswith(b"data: [DONE]\n\n") and r.completed == 1
     assert gw.pools["tiny"].get(r.url).healthy
+
+
+async def read_cut_stream(resp: aiohttp.ClientResponse) -> bytes:
+    """The body of a 200 answer whose connection is cut before a clean end."""
+    assert resp.status == 200
+    received = b""
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async for chunk in resp.content.iter_any():
+            received += chunk
+    return received
 
 
 EVENT = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n'
