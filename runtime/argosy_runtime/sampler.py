@@ -138,6 +138,20 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         return self._mask_grammar(self._mask_tokens(logits, requests), requests)
 
+    def process_after(self, logits: torch.Tensor, requests: list[Request],
+                      appended: list[list[int]]) -> torch.Tensor:
+        """`process` at a speculative position: as if each request's output went on with
+        `appended[i]` (drafts not verified yet), which penalties, min_tokens and the grammar
+        then see. The requests' tokens are as they were on return."""
+        lengths = [len(req.token_ids) for req in requests]
+        try:
+            for req, tokens in zip(requests, appended, strict=True):
+                req.token_ids.extend(tokens)
+            return self.process(logits, requests)
+        finally:
+            for req, length in zip(requests, lengths):
+                del req.token_ids[length:]
+
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each (non-greedy) row samples from: temperature, top-k, top-p,
         min-p applied to processed logits. Greedy rows get temperature 1 (unused)."""

@@ -125,34 +125,28 @@ class SpeculativeDecoder:
         drafts = req.spec_token_ids[: sr.num_spec_tokens]
         proposal = self._proposals.get(req.request_id)
         sampler = self.engine.runner.sampler
-        base_len = len(req.token_ids)
 
         def processed(i: int, accepted: list[int]) -> torch.Tensor:
-            # Penalties and min_tokens see the tokens accepted before position i.
-            del req.token_ids[base_len:]
-            req.token_ids.extend(accepted)
-            return sampler.process(logits[i : i + 1], [req])
+            # Penalties, min_tokens and the grammar see the tokens accepted before position i.
+            return sampler.process_after(logits[i : i + 1], [req], [accepted])
 
-        try:
-            if req.params.is_greedy:
-                accepted: list[int] = []
-                for i in range(len(drafts) + 1):
-                    token = int(processed(i, accepted).argmax(dim=-1))
-                    accepted.append(token)
-                    if i == len(drafts) or token != drafts[i]:
-                        break
-            else:
-                draft_probs = None
-                if proposal is not None and proposal.probs is not None:
-                    draft_probs = proposal.probs[: len(drafts)]
-                accepted = verify_sampled(
-                    lambda i, acc: sampler.probs(processed(i, acc), [req])[0],
-                    drafts, draft_probs,
-                    uniform=lambda: sampler.uniform(req),
-                    sample=lambda row: int(sampler.sample_from(row[None, :], [req])[0]),
-                )
-        finally:
-            del req.token_ids[base_len:]
+        if req.params.is_greedy:
+            accepted: list[int] = []
+            for i in range(len(drafts) + 1):
+                token = int(processed(i, accepted).argmax(dim=-1))
+                accepted.append(token)
+                if i == len(drafts) or token != drafts[i]:
+                    break
+        else:
+            draft_probs = None
+            if proposal is not None and proposal.probs is not None:
+                draft_probs = proposal.probs[: len(drafts)]
+            accepted = verify_sampled(
+                lambda i, acc: sampler.probs(processed(i, acc), [req])[0],
+                drafts, draft_probs,
+                uniform=lambda: sampler.uniform(req),
+                sample=lambda row: int(sampler.sample_from(row[None, :], [req])[0]),
+            )
 
         num_accepted = len(accepted) - 1
         req.num_computed_tokens += 1 + num_accepted

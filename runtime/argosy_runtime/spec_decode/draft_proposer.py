@@ -173,7 +173,8 @@ class DraftProposer:
                 entries = [(live[j][3], live[j][1].num_tokens - 1 + step, [drafts[j][-1]])
                            for j in active]
             logits = self._forward(entries)  # [len(active), vocab]
-            tokens, probs = self._choose([live[j][1] for j in active], logits)
+            tokens, probs = self._choose([live[j][1] for j in active], logits,
+                                         [drafts[j] for j in active])
             for row, j in enumerate(active):
                 drafts[j].append(tokens[row])
                 if probs is not None and probs[row] is not None:
@@ -251,15 +252,18 @@ class DraftProposer:
         if self._state.pop(request_id, None) is not None:
             self.cache.free(request_id)
 
-    def _choose(self, reqs: list[Request], logits: torch.Tensor
+    def _choose(self, reqs: list[Request], logits: torch.Tensor, drafted: list[list[int]]
                 ) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """Greedy requests take the draft's argmax; sampled ones draw from q and keep q."""
-        logits = logits[:, : self.vocab_size]
+        """Greedy requests take the draft's argmax; sampled ones draw from q and keep q. Both
+        on the logits processed as the target's verification processes its own (penalties,
+        logit_bias, token masks, the grammar; after the tokens `drafted` so far): from raw
+        logits a draft proposed tokens a mask forbids, and none was accepted."""
+        sampler = self.engine.runner.sampler
+        logits = sampler.process_after(logits[:, : self.vocab_size], reqs, drafted)
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [r for r, req in enumerate(reqs) if not req.params.is_greedy]
         if not sampled:
             return tokens, None
-        sampler = self.engine.runner.sampler
         sub = [reqs[r] for r in sampled]
         q = sampler.probs(logits[sampled], sub)
         q = q / q.sum(dim=-1, keepdim=True)  # min-p zeroes entries: renormalize

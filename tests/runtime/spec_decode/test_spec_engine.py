@@ -214,3 +214,22 @@ def test_seeded_sampling_with_ngram_speculation_draws_the_plain_tokens(
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert spec == plain
     assert_no_leaks(engine)
+
+
+def test_a_draft_proposes_under_the_requests_masks_and_penalties(model_dir: Path) -> None:
+    """The draft chooses from logits processed as the target's verification processes them
+    (allowed_token_ids, logit_bias, the repetition penalty, after the drafts before each
+    position), so the target's whole copy as its draft has every draft accepted. From its raw
+    logits it proposed tokens the masks forbid, and nearly none were accepted."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            allowed_token_ids=list(range(100, 400)), logit_bias={150: 3.0},
+                            repetition_penalty=1.5)
+    prompts = repetitive_prompts(3, 1)
+    plain = run(LLMEngine(model=str(model_dir), dtype="float32", block_size=4), prompts, params)
+    engine = LLMEngine(model=str(model_dir), dtype="float32", block_size=4, speculative={
+        "method": "draft", "draft_layers": 2, "num_speculative_tokens": 3, "adaptive": False})
+    assert run(engine, prompts, params) == plain
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_no_leaks(engine)
