@@ -110,6 +110,8 @@ class SpeculativeDecoder:
         for (req, _), proposal in zip(batch, proposals):
             if req.grammar is not None and (req.params.is_greedy or proposal.probs is None):
                 proposal.tokens = req.grammar.valid_prefix(req.output_token_ids, proposal.tokens)
+            elif req.grammar is not None:  # (its q rows are cut with its tokens in verify)
+                proposal.tokens = req.grammar.cut_at_end(req.output_token_ids, proposal.tokens)
             if proposal.tokens:
                 req.spec_token_ids = proposal.tokens
                 self._proposals[req.request_id] = proposal

@@ -168,7 +168,10 @@ class DraftProposer:
         drafts: list[list[int]] = [[] for _ in live]
         qs: list[list[torch.Tensor]] = [[] for _ in live]
         for step in range(max(k for _, _, k, _ in live)):
-            active = [j for j, (_, _, k, _) in enumerate(live) if k > step]
+            active = [j for j, (_, req, k, _) in enumerate(live)
+                      if k > step and not self._drafts_ended(req, drafts[j])]
+            if not active:
+                break
             if step > 0:
                 entries = [(live[j][3], live[j][1].num_tokens - 1 + step, [drafts[j][-1]])
                            for j in active]
@@ -180,12 +183,12 @@ class DraftProposer:
                 if probs is not None and probs[row] is not None:
                     qs[j].append(probs[row])
 
-        for j, (i, req, k, _) in enumerate(live):
+        for j, (i, req, _, _) in enumerate(live):
             if not self.shares_target_cache:
                 state = self._state[req.request_id]
                 state.valid = req.num_tokens
                 state.pending = drafts[j][:-1]  # the last draft was never fed to the draft
-            probs = torch.stack(qs[j]) if len(qs[j]) == k else None
+            probs = torch.stack(qs[j]) if qs[j] and len(qs[j]) == len(drafts[j]) else None
             proposals[i] = Proposal(drafts[j], probs)
         return proposals
 
@@ -251,6 +254,17 @@ class DraftProposer:
         """Drop a request's draft K/V (a separate draft's blocks go back to its pool)."""
         if self._state.pop(request_id, None) is not None:
             self.cache.free(request_id)
+
+    def _drafts_ended(self, req: Request, drafted: list[int]) -> bool:
+        """Nothing after `drafted` can be accepted: it ends with an end token, or its grammar
+        refuses it. Its grammar must not be fed tokens past either (`_choose` processes the
+        next position after them): a refused token breaks the request's matcher for good."""
+        if not drafted:
+            return False
+        if drafted[-1] in self.engine.end_token_ids or drafted[-1] in req.params.stop_token_ids:
+            return True
+        return (req.grammar is not None
+                and len(req.grammar.valid_prefix(req.output_token_ids, drafted)) < len(drafted))
 
     def _choose(self, reqs: list[Request], logits: torch.Tensor, drafted: list[list[int]]
                 ) -> tuple[list[int], list[torch.Tensor | None] | None]:

@@ -198,9 +198,39 @@ class RequestGrammar:
         return [] if self._matcher.is_error() else self._matcher.compute_ff_tokens()
 
     def valid_prefix(self, output_token_ids: Sequence[int], tokens: list[int]) -> list[int]:
-        """The longest prefix of `tokens` the grammar would accept after the output."""
+        """The longest prefix of `tokens` the grammar would accept after the output, ending
+        at the token that completes it, if one does: the request ends there (`is_done`), and
+        a stopped matcher fails on any token fed after, EOS included, which `validate_tokens`
+        still counts."""
         self.sync(output_token_ids)
-        return tokens[: self._matcher.validate_tokens(tokens)] if tokens else tokens
+        if not tokens:
+            return tokens
+        return self._to_end(tokens[: self._matcher.validate_tokens(tokens)])[0]
+
+    def cut_at_end(self, output_token_ids: Sequence[int], tokens: list[int]) -> list[int]:
+        """`tokens` cut after the token that completes the output, if their valid prefix
+        holds one (nothing after it is output, and a stopped matcher fails on any token fed
+        after it); else all of them, invalid ones included. For drafts verified against their
+        draft's distribution q: cutting one at an invalid token would bias the residual
+        sampling, while past the end no verification happens at all."""
+        self.sync(output_token_ids)
+        if not tokens:
+            return tokens
+        ended, complete = self._to_end(tokens[: self._matcher.validate_tokens(tokens)])
+        return ended if complete else tokens
+
+    def _to_end(self, valid: list[int]) -> tuple[list[int], bool]:
+        """(`valid` up to the token that completes the output, whether one does)."""
+        consumed = 0
+        for token in valid:
+            if self._matcher.is_stopped():
+                break
+            self._matcher.consume_token(token)
+            consumed += 1
+        complete = self._matcher.is_stopped()
+        if consumed:
+            self._matcher.rollback(consumed)
+        return valid[:consumed], complete
 
 
 def _probe(prototype: llguidance.LLMatcher, eos_token_ids: Sequence[int], vocab_size: int,

@@ -131,6 +131,27 @@ def test_speculative_decoding_keeps_constrained_outputs_exact(engine, embedded_h
     assert_no_leaks(spec)
 
 
+def test_a_draft_model_keeps_constrained_outputs_whole(engine) -> None:  # noqa: ANN001
+    """A draft model (here the target's whole copy) drafts under the grammar's masks, to the
+    end of the output and past it (EOS): greedy and sampled requests still end "stop" with
+    output matching the schema. Drafts after the token that completes the output used to be
+    verified, and the matcher, fed EOS once stopped, failed the request mid-object."""
+    spec = LLMEngine(model="smollm2-135m", dtype="float32", speculative={
+        "method": "draft", "draft_layers": 30, "num_speculative_tokens": 3, "adaptive": False})
+    prompt = chat(engine, "Invent a person, as JSON.")
+    requests = [(prompt, SamplingParams(max_tokens=60, temperature=t, seed=s,
+                                        structured_outputs=StructuredOutputsParams(json=PERSON)))
+                for t, s in ((0.0, None), (0.8, 5), (0.8, 6), (1.0, 7))]
+    outs = run(spec, requests)
+    assert [o.finish_reason for o in outs] == ["stop"] * 4
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), PERSON)
+    stats = spec.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert outs[0].token_ids == run(engine, requests[:1])[0].token_ids
+    assert_no_leaks(spec)
+
+
 def test_sampled_outputs_match_the_schema(engine) -> None:
     params = SamplingParams(n=4, seed=7, temperature=1.0, max_tokens=80, structured_outputs=(
         StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)))

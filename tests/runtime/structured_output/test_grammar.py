@@ -120,6 +120,24 @@ def test_valid_prefix_cuts_drafts_at_the_first_invalid_token(compiler, checkpoin
     assert grammar.valid_prefix(ids[:2], []) == []
 
 
+def test_valid_prefix_ends_at_the_token_that_completes_the_output(compiler, checkpoint) -> None:
+    """A draft past the output's end is cut there: the request ends with that token (is_done),
+    and a stopped matcher fails for good on whatever is fed after it, EOS included, though
+    llguidance's validate_tokens still counts that EOS (a speculative verification fed it, and
+    a copy of the target as its draft failed sampled JSON requests mid-object)."""
+    tok = checkpoint.tokenizer
+    grammar = compiler.compile(StructuredOutputsParams(choice=CHOICES))
+    lyon = tok.encode(CHOICES[1], add_special_tokens=False)  # the only choice it starts
+    assert len(lyon) > 2
+    eos = tok.eos_token_ids[0]
+    assert grammar.valid_prefix(lyon[:1], lyon[1:] + [eos, eos]) == lyon[1:]
+    # Drafts with a draft model's q: cut at the end only, never at an invalid token.
+    berlin = tok.encode(" Berlin", add_special_tokens=False)
+    assert grammar.cut_at_end(lyon[:1], lyon[1:] + [eos]) == lyon[1:]
+    assert grammar.cut_at_end(lyon[:1], berlin + lyon[1:] + [eos]) == berlin + lyon[1:] + [eos]
+    assert grammar.error(lyon) is None and grammar.is_done(lyon)  # untouched by the checks
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"regex": "("}, "unclosed group"),
     ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, "Unsatisfiable schema"),
