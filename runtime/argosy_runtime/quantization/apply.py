@@ -90,25 +90,33 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
             yield hf_name, item
 
     loaded = model.load_weights(unquantized())
+    # Checked while the quantized modules are still nn.Linears, whose biases are parameters
+    # (an Int4Linear's bias is a buffer: a missing one would stay uninitialized memory); their
+    # weights arrived in `pending`.
+    model.check_all_loaded(loaded | _pending_names(pending))
     for module_name, module in list(model.named_modules()):
         if not _is_quantized_module(module_name):
             continue
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{module_name} is not an nn.Linear (already quantized?)")
-        fused = module_name.rsplit(".", 1)[-1]
-        num_shards = len(model.fused_shard_sizes(fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
-        shards = pending.pop(module_name, {})
-        missing = [i for i in range(num_shards) if i not in shards]
-        if missing:
-            raise ValueError(f"checkpoint is missing the weight of {module_name} (shard {missing})")
-        quantized = _build_module(module_name, [shards[i] for i in range(num_shards)], module,
+        shards = pending.pop(module_name)
+        quantized = _build_module(module_name, [shards[i] for i in sorted(shards)], module,
                                   config, dtype)
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, quantized)
-    model.check_all_loaded(loaded)
     quantize_output_layer(model)
     logger.info("quantized decoder linears to %s%s: weights %.1f MiB -> %.1f MiB",
                 config.describe(), _head_note(model), before / 2**20, weight_bytes(model) / 2**20)
+
+
+def _pending_names(pending: dict[str, dict[int, Int8Weight | Int4Weight]]) -> set[str]:
+    """The names `check_all_loaded` expects for the quantized weights held in `pending`."""
+    names: set[str] = set()
+    for module_name, shards in pending.items():
+        fused = module_name.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj")
+        names.update(f"{module_name}.weight#{i}" if fused else f"{module_name}.weight"
+                     for i in shards)
+    return names
 
 
 def _head_note(model: nn.Module) -> str:

@@ -64,9 +64,11 @@ def _layer_forward(model: nn.Module, layer: nn.Module, h: torch.Tensor,
     b, t, _ = h.shape
     attn = layer.self_attn
     x = layer.input_layernorm(h).reshape(b * t, -1)
-    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.reshape(b * t, attn.num_heads, attn.head_dim)
-    k = k.reshape(b * t, attn.num_kv_heads, attn.head_dim)
+    qk, v = attn.qkv_proj(x).split([attn.q_size + attn.kv_size, attn.kv_size], dim=-1)
+    qk = qk.reshape(b * t, attn.num_heads + attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:  # Qwen3: q/k heads RMS-normalized before the rotary, as in Attention
+        qk = attn._norm_heads(qk)
+    q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=1)
     q, k = model.rotary(positions, q, k)
     rep = attn.num_heads // attn.num_kv_heads
     q = q.view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)

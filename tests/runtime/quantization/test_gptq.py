@@ -62,3 +62,26 @@ def test_gptq_through_load_quantized_weights(tmp_path: Path) -> None:
             assert isinstance(mine, Int4Linear) and mine.input_perm is not None
             w = theirs.weight.detach()[:, mine.input_perm]
             assert ((mine.dequantize() - w).norm() / w.norm()) < 0.2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_calibration_forward_matches_transformers(tmp_path: Path, arch: str) -> None:
+    # GPTQ collects each layer's Hessian from calibration activations: they must be the
+    # activations the model really computes (Qwen3's q/k norms, Phi-3's fused layers included).
+    import transformers
+    from argosy_runtime.quantization.calibration import _layer_forward
+
+    folder = make_random_model_dir(tmp_path, arch, hidden_size=64, intermediate_size=128,
+                                   init_std=0.05)
+    ckpt = load_checkpoint(str(folder))
+    model = LlamaForCausalLM(ckpt.spec, torch.float32)
+    model.check_all_loaded(model.load_weights(ckpt.iter_weights()))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids, output_hidden_states=True).hidden_states
+        positions = torch.arange(ids.shape[1]).repeat(ids.shape[0])
+        h = model.model.embed_tokens(ids)
+        for i, layer in enumerate(model.model.layers[:-1]):  # the last hidden state is normed
+            h = _layer_forward(model, layer, h, positions)
+            torch.testing.assert_close(h, expected[i + 1], rtol=1e-4, atol=1e-4)

@@ -189,3 +189,22 @@ def test_headless_prequantized_checkpoint(tmp_path: Path, method: str) -> None:
                               atol=1e-6)
     params = dict(model.named_parameters())
     assert torch.equal(params["model.norm.weight"], ref["model.norm.weight"])
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("missing", ["self_attn.k_proj.bias", "mlp.up_proj.qweight"])
+def test_incomplete_prequantized_checkpoint_fails(float_dir: Path, tmp_path: Path, method: str,
+                                                  missing: str) -> None:
+    # A bias of a quantized projection must be checked like any weight: left out, it would
+    # stay uninitialized memory in the Int4Linear.
+    from safetensors.torch import load_file, save_file
+
+    qdir, _ = write_quantized(float_dir, tmp_path / method, method, GROUP)
+    tensors = load_file(str(qdir / "model.safetensors"))
+    prefix = "model.layers.1." + missing.rsplit(".", 1)[0]
+    for key in [k for k in tensors if k.startswith(prefix + ".") and
+                (k.endswith(".bias") or not missing.endswith(".bias"))]:
+        del tensors[key]
+    save_file(tensors, str(qdir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing .*model\.layers\.1\.(self_attn\.qkv|mlp\.gate_up)_proj"):
+        load_prequantized(qdir)
