@@ -38,21 +38,30 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
-        # All ids seen (prompt context + output); offsets index into this list.
-        self._ids: list[int] = context
-        self._num_context = len(context)
+        # Ids decode() drops are kept out of the window (the text is the same without them):
+        # the window only moves on visible text, so a long run of them was decoded again on
+        # every push, quadratic in the run's length.
+        self._skipped_ids = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
+        # All ids seen (prompt context + output) but skipped ones; offsets index into this list.
+        self._ids: list[int] = self._kept(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        # A prompt ending inside a character must not lend its first bytes to the output's
+        # (the stream swallowed them, the prompt's U+FFFD taking the completed character's
+        # place): decode(output ids) renders the output's bytes alone, so the context ends
+        # before them.
+        while self._ids and self._decode(0, len(self._ids)).endswith(_REPLACEMENT_CHAR):
+            self._ids.pop()
         self.prefix_offset = 0  # start of the decode window
-        self.read_offset = len(context)  # tokens before this are already emitted
+        self.read_offset = len(self._ids)  # tokens before this are already emitted
         self.text = ""
         self.output_token_ids: list[int] = []
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add output tokens; return the newly final text ("" while a character is incomplete)."""
-        if not new_token_ids:
-            return ""
-        self._ids.extend(int(i) for i in new_token_ids)
         self.output_token_ids.extend(int(i) for i in new_token_ids)
+        kept = self._kept(new_token_ids)
+        if not kept:
+            return ""
+        self._ids.extend(kept)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
@@ -76,6 +85,9 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self.text += delta
         return delta
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        return [int(i) for i in ids if int(i) not in self._skipped_ids]
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:

@@ -262,8 +262,16 @@ class Tokenizer:
         """Ids of the special tokens: BOS/EOS/PAD/UNK and every added token marked special."""
         ids = {i for i in (self.bos_token_id, self.pad_token_id, self._token_id(self.unk_token)) if i is not None}
         ids.update(self._eos_token_ids)
-        ids.update(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+        ids.update(self.skipped_special_ids)
         return sorted(ids)
+
+    @property
+    def skipped_special_ids(self) -> frozenset[int]:
+        """The ids decode(skip_special_tokens=True) drops: the added tokens marked special."""
+        if "_skipped_special_ids" not in self.__dict__:
+            self._skipped_special_ids = frozenset(
+                i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+        return self._skipped_special_ids
 
     def add_eos_token_ids(self, ids: Iterable[int]) -> None:
         """Also stop on `ids` (e.g. from config.json / generation_config.json)."""
@@ -305,6 +313,10 @@ class Tokenizer:
         the tokenizer's, such as a score template), in `apply_chat_template`'s environment.
         ValueError when the template refuses them (or fails on them)."""
         variables: dict[str, Any] = {
+            # None when not given, as transformers passes them: `{% if tools is not none %}`
+            # is true of an undefined variable.
+            "tools": None,
+            "documents": None,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
@@ -508,8 +520,19 @@ def load_chat_template(value: str) -> str:
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}`, transformers' mark of the assistant's text
+        (for its training masks): rendered as its body. Without it such templates fail to
+        compile."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[Any]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -526,7 +549,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

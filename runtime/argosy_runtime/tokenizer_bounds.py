@@ -8,9 +8,10 @@ The bound must hold for every input, so it exists only where each token stands f
 contiguous run of at most that many (normalized) characters and the pipeline drops none:
 
 - the model is BPE (each token is a vocabulary string; an unknown character is one unk token,
-  or bytes with byte_fallback) or Unigram with byte_fallback. WordPiece and WordLevel map a
-  whole word of any length to one token ([UNK] past max_input_chars_per_word), and BPE or
-  Unigram fuse a run of unknown characters into one unk: no bound;
+  or bytes with byte_fallback) or Unigram with byte_fallback (and the <0xNN> byte tokens:
+  without them byte_fallback falls back to unk). WordPiece and WordLevel map a whole word of
+  any length to one token ([UNK] past max_input_chars_per_word), and BPE or Unigram fuse a
+  run of unknown characters into one unk: no bound;
 - the normalizer and pre-tokenizer drop no characters: Strip, StripAccents, BertNormalizer
   (clean_text), Precompiled, Whitespace, BertPreTokenizer and the like can turn a long text
   into a short one, so any of them (or one not listed) means no bound. NFC/NFKC compose at
@@ -26,6 +27,7 @@ from typing import Any
 # Normalizers -> how many input characters one normalized character may stand for.
 _NORMALIZER_SHRINK = {"NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Lowercase": 1, "Prepend": 1,
                       "ByteLevel": 1}
+_BYTE_TOKENS = frozenset(f"<0x{b:02X}>" for b in range(256))
 # Pre-tokenizers that keep every character (ByteLevel and Metaspace only respell them).
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split",
                            "Punctuation"}
@@ -80,11 +82,19 @@ def _keeps_characters(pre_tokenizer: dict[str, Any] | None) -> bool:
 
 def _longest_model_token(model: dict[str, Any]) -> int | None:
     kind = model.get("type")
-    if kind == "BPE":
-        if model.get("unk_token") is not None and model.get("fuse_unk") \
-                and not model.get("byte_fallback"):
-            return None
-        return max((len(token) for token in model.get("vocab") or {}), default=1)
-    if kind == "Unigram" and model.get("byte_fallback"):
-        return max((len(piece) for piece, _ in model.get("vocab") or []), default=1)
-    return None
+    if kind not in ("BPE", "Unigram"):
+        return None
+    vocab = model.get("vocab") or []
+    pieces = list(vocab) if kind == "BPE" else [piece for piece, _ in vocab]
+    # An unknown character becomes bytes (byte_fallback), else the unk token: one per
+    # character unless fused (Unigram always fuses), one for a run of any length.
+    fuses_unk = kind == "Unigram" or (model.get("unk_token") is not None and model.get("fuse_unk"))
+    if fuses_unk and not _falls_back_to_bytes(model, pieces):
+        return None
+    return max((len(piece) for piece in pieces), default=1)
+
+
+def _falls_back_to_bytes(model: dict[str, Any], pieces: list[str]) -> bool:
+    """Whether an unknown character becomes its byte tokens: byte_fallback does that only when
+    the vocabulary has them (<0x00>..<0xFF>), and falls back to the fused unk otherwise."""
+    return bool(model.get("byte_fallback")) and _BYTE_TOKENS <= set(pieces)

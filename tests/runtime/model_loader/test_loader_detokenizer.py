@@ -82,3 +82,76 @@ def test_incomplete_character_is_held_then_flushed(tok: Tokenizer) -> None:
     assert detok.flush() == tok.decode(ids[:-1])[len("ok") :]  # "\ufffd"-style remainder
     assert detok.flush() == ""
     assert detok.push([]) == ""
+
+
+def _byte_token_ids(tok: Tokenizer) -> list[int]:
+    """The 256 single-byte tokens of the byte-level vocabulary (lead and continuation bytes)."""
+    from argosy_runtime.tokenizer import _bytes_to_unicode
+
+    ids = [tok.token_to_id(c) for c in _bytes_to_unicode().values()]
+    return [i for i in ids if i is not None]
+
+
+def test_random_sequences_property(tok: Tokenizer) -> None:
+    """Property: for random prompts and outputs mixing multi-byte characters split over byte
+    tokens, runs of special tokens and ordinary tokens, pushed in random chunks, the deltas
+    plus flush() add up to decode(output ids), with special tokens skipped or not."""
+    rng = random.Random(1234)
+    byte_ids = _byte_token_ids(tok)
+    multi_byte = [i for i in byte_ids if tok.decode([i]) == "\ufffd"]
+    specials = tok.all_special_ids
+
+    def random_ids(n: int) -> list[int]:
+        pools = [multi_byte, specials, range(tok.vocab_size), tok.encode("日本語 🎉 é")]
+        return [rng.choice(rng.choice(pools)) for _ in range(n)]
+
+    for _ in range(300):
+        prompt, ids = random_ids(rng.randint(0, 8)), random_ids(rng.randint(1, 25))
+        skip = rng.random() < 0.5
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        deltas, start = [], 0
+        while start < len(ids):
+            size = rng.randint(1, 4)
+            deltas.append(detok.push(ids[start : start + size]))
+            start += size
+        deltas.append(detok.flush())
+        expected = tok.decode(ids, skip_special_tokens=skip)
+        assert "".join(deltas) == expected == detok.text, (prompt, ids, skip)
+
+
+def test_character_started_in_the_prompt(tok: Tokenizer) -> None:
+    """The prompt ends with the first byte of "é" and the output starts with its second: the
+    output alone decodes that byte to U+FFFD; the stream must not swallow it (it used to be
+    merged with the prompt's byte, then cut off as if it were part of the prompt's text)."""
+    lead, cont = tok.token_to_id("Ã"), tok.token_to_id("©")  # "é" is C3 A9
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello ") + [lead])
+    output = [cont, *tok.encode(" x")]
+    streamed = "".join(detok.push([i]) for i in output) + detok.flush()
+    assert streamed == tok.decode(output) == "\ufffd x"
+
+
+class _CountingTokenizer:
+    """Forwards to a Tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.decoded_ids = tok, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded_ids += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_long_run_of_special_tokens_costs_linear_time(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    """Skipped special tokens add no text: the decode window used to keep all of them (it only
+    moves on visible text), so each push decoded the whole run again, quadratic in its length."""
+    counting = _CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, tok.encode("Hi"), skip_special_tokens)  # type: ignore[arg-type]
+    n = 2000
+    ids = [tok.eos_token_id] * n + tok.encode(" done")
+    streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert streamed == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert counting.decoded_ids < 20 * len(ids)

@@ -210,3 +210,62 @@ def test_no_character_bound_where_a_token_covers_any_length() -> None:
     assert max_chars_per_token(bpe) is None
     bpe.normalizer = normalizers.NFC()  # composes at most 4 characters into one
     assert max_chars_per_token(bpe) == 8
+
+
+@pytest.mark.parametrize("kind", ["BPE", "Unigram"])
+def test_byte_fallback_without_byte_tokens_has_no_character_bound(kind: str) -> None:
+    """byte_fallback spells an unknown character as <0xNN> tokens only when those tokens are in
+    the vocabulary; without them it falls back to unk, which fuses a run of unknown characters
+    into one token: no bound (a 10,000-character text of one token was refused as too long)."""
+    from argosy_runtime.tokenizer_bounds import max_chars_per_token
+    from tokenizers import models
+
+    if kind == "BPE":
+        model = models.BPE({"<unk>": 0, "a": 1, "b": 2, "ab": 3}, [("a", "b")],
+                           unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    else:
+        model = models.Unigram([("<unk>", 0.0), ("a", -1.0), ("ab", -2.0)], unk_id=0,
+                               byte_fallback=True)
+    backend = BackendTokenizer(model)
+    per_token = max_chars_per_token(backend)
+    text = "é" * 10_000
+    assert len(backend.encode(text).ids) == 1
+    assert per_token is None or len(text) <= per_token
+    # with every byte token in the vocabulary the bound holds: each byte is a token
+    vocab_bytes = [f"<0x{b:02X}>" for b in range(256)]
+    if kind == "BPE":
+        vocab = {t: i for i, t in enumerate(["<unk>", "a", "b", "ab", *vocab_bytes])}
+        model = models.BPE(vocab, [("a", "b")], unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    else:
+        model = models.Unigram([("<unk>", 0.0), ("a", -1.0), ("ab", -2.0)]
+                               + [(t, -9.0) for t in vocab_bytes], unk_id=0, byte_fallback=True)
+    backend = BackendTokenizer(model)
+    assert max_chars_per_token(backend) == 6  # "<0xC3>"
+    assert len(backend.encode(text).ids) == 2 * len(text)
+
+
+# Features of Hub templates that transformers' environment supports: `tools`/`documents` are
+# none (not undefined) when not given, and `{% generation %}` marks the assistant's text.
+TOOLS_TEMPLATE = """{%- if tools is not none %}<tools>{{ tools | tojson }}</tools>
+{% endif %}
+{%- if documents is not none %}<docs>{{ documents | length }}</docs>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}{% generation %}{{ message.content }}{% endgeneration %}
+{%- else %}{{ message.role }}: {{ message.content }}
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}assistant:{% endif %}"""
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {"name": "f"}}]])
+def test_template_tools_and_generation_tags_match_transformers(tok: Tokenizer, hf_gguf_tokenizer,
+                                                                tools) -> None:
+    custom = Tokenizer(tok.backend, eos_token="<|im_end|>", chat_template=TOOLS_TEMPLATE)
+    messages = CONVERSATIONS[2]
+    extra = {"tools": tools} if tools else {}
+    expected = hf_gguf_tokenizer.apply_chat_template(
+        messages, chat_template=TOOLS_TEMPLATE, tokenize=False, add_generation_prompt=True, **extra
+    )
+    assert custom.apply_chat_template(messages, **extra) == expected
+    assert ("<tools>" in expected) == bool(tools) and "<docs>" not in expected
