@@ -217,7 +217,7 @@ def check_engine_options(args: EngineArgs) -> None:
         try:
             args.kv_cache_memory = parse_bytes(memory)
         except ValueError:
-            raise ValueError("kv_cache_memory (--kv-cache-memory) must be a number of bytes "
+            raise ValueError("kv_cache_memory (--kv-cache-memory) must be a whole number of bytes "
                              f"such as 2GiB, 512MiB or 1e9; got {memory!r}") from None
     elif isinstance(memory, float) and memory.is_integer():  # 1e9 (worked before the check)
         args.kv_cache_memory = int(memory)
@@ -384,6 +384,8 @@ def parse_bytes(value: str | int) -> int:
     # not turn into a usage error (a traceback), and no byte count is infinite anyway.
     if not math.isfinite(number):
         raise ValueError(f"not a finite number of bytes: {value!r}")
+    if number != int(number):  # "1.5" (GiB meant?) was 1 byte, "0.5" 0 bytes
+        raise ValueError(f"not a whole number of bytes: {value!r} (give a unit: 1.5GiB)")
     return int(number)
 
 
@@ -394,4 +396,5 @@ def parse_bytes_arg(value: str) -> int:
         return parse_bytes(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a number of bytes such as 2GiB, 512MiB or 1e9, got {value!r}") from None
+            f"expected a whole number of bytes such as 2GiB, 1.5GiB, 512MiB or 1e9, got "
+            f"{value!r}") from None

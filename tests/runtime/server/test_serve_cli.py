@@ -67,6 +67,9 @@ def serve_exit_code(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     # OverflowError traceback from int(float("inf")) in parse_bytes
     (["--kv-cache-memory", "inf"], ["--kv-cache-memory", "inf"]),
     (["--max-request-body-size", "inf"], ["--max-request-body-size", "inf"]),
+    # a fraction of a byte was truncated: "0.5" refused as "got 0", "1.5" (meant GiB?) taken
+    # as 1 byte and refused only after the model loaded
+    (["--kv-cache-memory", "1.5"], ["--kv-cache-memory", "1.5", "GiB"]),
     # NaN compares false with everything, so it passed the ">= 0" checks: every request
     # then timed out at once (408), and SIGTERM aborted running requests without waiting.
     (["--request-timeout", "nan"], ["request_timeout", "nan"]),
