@@ -98,10 +98,10 @@ class _EngineStatsCollector(Collector):
              "loaded or loaded by its first request (--max-loaded-loras).",
              self.get_registered()),
         ):
-            gauge = GaugeMetricFamily(family, help_text, labels=["model_name", "lora_name"])
+            adapters = GaugeMetricFamily(family, help_text, labels=["model_name", "lora_name"])
             for name in sorted(names):
-                gauge.add_metric([self.model_name, name], 1.0)
-            yield gauge
+                adapters.add_metric([self.model_name, name], 1.0)
+            yield adapters
 
 
 # The `path` label of argosy:http_requests: route templates, so ids never become series.
