@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("argosy.engine")
 
 _CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
-_KV_CACHE_DTYPES = ("auto", "int8")
 MAX_LORA_NAME_CHARS = 256  # an adapter name: a model id, not a document
 # The params an embedding request's Request carries: it never samples, so none apply.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
@@ -79,8 +78,6 @@ class LLMEngine:
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
         self.args = EngineArgs.from_kwargs(model=model, **kwargs)
         args = self.args
-        if args.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {args.kv_cache_dtype!r}")
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
         self.cpu_threads = configure_cpu_threads(args.cpu_threads)

@@ -201,6 +201,9 @@ _INT_OPTIONS: dict[str, tuple[int, str | None]] = {
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -254,6 +257,9 @@ def check_engine_options(args: EngineArgs) -> None:
             not isinstance(args.served_model_name, str) or not args.served_model_name.strip()):
         raise ValueError("served_model_name (--served-model-name) must be a non-empty name, "
                          f"or unset for the --model value; got {args.served_model_name!r}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
     # The engine's own checks, run here too so that the error names the flag. Imported here,
     # as the configs below: they import torch, which the CLI's parser must not.
     from argosy_runtime.config import resolve_device, resolve_dtype

@@ -93,6 +93,7 @@ def serve_exit_code(flags: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     # refused as "cannot load the model: dtype must be ...", naming no flag, after the imports
     (["--dtype", "fp32"], ["--dtype", "fp32"]),
     (["--device", "tpu"], ["--device", "tpu"]),
+    (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8"]),
     # checked only once the checkpoint was open, as "cannot load the model: ... group_size"
     (["--quantization", "int4", "--quantization-group-size", "100"],
      ["--quantization-group-size", "100"]),
