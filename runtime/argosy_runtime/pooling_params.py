@@ -17,8 +17,9 @@ else "cls", normalized.
 pair: its second text, from the tokenizer's pair encoding, `scoring.cross_encoder_prompt`);
 None: every token is type 0, as transformers' `tokenizer(text)` gives a single text.
 `cache_salt`: as SamplingParams' (the server sets it to the request's owner, so tenants
-share no prefix-cache blocks). `dimensions` keeps the first that many values before normalizing (Matryoshka embeddings:
-only for a model trained for it, `ModelSpec.accepts_embedding_dimensions`).
+share no prefix-cache blocks). `dimensions` keeps the first that many values before
+normalizing (Matryoshka embeddings: only for a model trained for it,
+`ModelSpec.accepts_embedding_dimensions`).
 `task="classify"` (a sequence-classification checkpoint only): the classification head's
 logits at the last token (an encoder's: at the first, [CLS]), what transformers' `*ForSequenceClassification` returns for an
 unpadded prompt; `normalize` does not apply. Every field is validated here; a bad value
@@ -28,6 +29,8 @@ raises `ValueError` naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from argosy_runtime.sampling_params import check_cache_salt
 
 POOLING_TYPES = ("last", "mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean")
 # Poolings that need every prompt position's hidden state: such a request takes nothing from
@@ -50,9 +53,7 @@ class PoolingParams:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
-                                            or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        check_cache_salt(self.cache_salt)
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.dimensions is not None and (

@@ -107,9 +107,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
-                                            or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        check_cache_salt(self.cache_salt)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
@@ -150,6 +148,13 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def check_cache_salt(value: object) -> None:
+    """ValueError unless `value` is None or a non-empty string (SamplingParams' and
+    PoolingParams' `cache_salt`)."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"cache_salt must be a non-empty string, got {value!r}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
