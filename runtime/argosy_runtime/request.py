@@ -88,6 +88,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         self.lora: LoRAAdapter | None = None  # the adapter this request runs with, if any
+        # ((adapter salt, cache_salt), their hash): `cache_salt` computed once
+        self._salt_seed: tuple[tuple[int | None, str], int] | None = None
         # Set for a pooling request: it runs its prompt, samples nothing, and finishes with
         # `pooled`, its embedding or (task "classify") its head logits (pooler.py;
         # `pooled_state` is the running float32 sum or maximum of the poolings over every
@@ -121,8 +123,12 @@ class Request:
         salt = self.params.cache_salt if self.pooling is None else self.pooling.cache_salt
         if salt is None:
             return adapter
-        digest = hashlib.sha256(f"{adapter}\0{salt}".encode()).digest()
-        return int.from_bytes(digest[:16], "little")
+        # Read for every running request every step: hashed once (the adapter is set when the
+        # request is admitted, so the key only changes before it runs).
+        if self._salt_seed is None or self._salt_seed[0] != (adapter, salt):
+            digest = hashlib.sha256(f"{adapter}\0{salt}".encode()).digest()
+            self._salt_seed = ((adapter, salt), int.from_bytes(digest[:16], "little"))
+        return self._salt_seed[1]
 
     @property
     def is_prefill(self) -> bool:
