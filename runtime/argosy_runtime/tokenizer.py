@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from argosy_runtime.tokenizer_bounds import max_chars_per_token
+from argosy_runtime.tokenizer_bounds import CharacterBound, character_bound
 
 if TYPE_CHECKING:  # pragma: no cover
     import jinja2
@@ -226,13 +226,13 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     @property
-    def max_chars_per_token(self) -> int | None:
+    def character_bound(self) -> CharacterBound | None:
         """The most input characters one token can cover (None: no such bound, e.g.
-        WordPiece's one [UNK] for a word of any length): a text longer than
-        max_model_len * this cannot fit the model whatever its tokenization."""
-        if "_max_chars_per_token" not in self.__dict__:
-            self._max_chars_per_token = max_chars_per_token(self.backend)
-        return self._max_chars_per_token
+        WordPiece's one [UNK] for a word of any length): a text that needs more than
+        max_model_len tokens by this bound cannot fit the model whatever its tokenization."""
+        if "_character_bound" not in self.__dict__:
+            self._character_bound = character_bound(self.backend)
+        return self._character_bound
 
     @property
     def vocab_size(self) -> int:

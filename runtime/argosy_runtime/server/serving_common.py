@@ -281,12 +281,14 @@ def check_text_fits(ctx: ServingContext, text: str, param: str) -> None:
     """400 for a text too long for the model's context whatever its tokenization (more
     characters than max_model_len tokens of the tokenizer's longest can cover), before
     spending tokenizer time on it. Callers skip it when the request truncates the prompt."""
-    per_token = getattr(ctx.tokenizer, "max_chars_per_token", None)
-    if per_token is not None and len(text) > ctx.max_model_len * per_token:
+    bound = getattr(ctx.tokenizer, "character_bound", None)
+    limit = ctx.max_model_len * bound.per_token if bound is not None else None
+    # counting skips the characters the tokenizer drops: only worth it past the plain length
+    if limit is not None and len(text) > limit and (counted := bound.counted(text)) > limit:
         raise bad_request(
             f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
-            f"has {len(text)} characters, more than {ctx.max_model_len} tokens can hold (at "
-            f"most {per_token} characters each)", param, code="context_length_exceeded")
+            f"has {counted} characters, more than {ctx.max_model_len} tokens can hold (at "
+            f"most {bound.per_token} characters each)", param, code="context_length_exceeded")
 
 
 def check_truncate_prompt_tokens(ctx: ServingContext, truncate: int | None) -> None:

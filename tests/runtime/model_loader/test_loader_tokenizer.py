@@ -187,29 +187,71 @@ def test_hf_folder_without_tokenizer_json(tmp_path) -> None:
         Tokenizer.from_hf_folder(tmp_path)
 
 
-def test_max_chars_per_token_bounds_every_text(tok: Tokenizer) -> None:
+def test_character_bound_holds_for_every_text(tok: Tokenizer) -> None:
     # SmolLM2's byte-level BPE: no token covers more than its longest vocabulary string
-    per_token = tok.max_chars_per_token
-    assert per_token == 81
+    bound = tok.character_bound
+    assert bound.per_token == 81
     for text in TEXTS:
-        assert len(text) <= max(1, len(tok.encode(text, add_special_tokens=False))) * per_token
+        assert bound.counted(text) <= max(1, len(tok.encode(text, add_special_tokens=False))) \
+            * bound.per_token
+
+
+def test_characters_with_no_token_are_not_counted(tok: Tokenizer) -> None:
+    """SmolLM2's vocabulary has no token for some bytes (0x04, 0x06, ...): a run of them encodes
+    to nothing, so counting them made 100k x "\x04" (0 tokens) too long for the model."""
+    bound = tok.character_bound
+    control = "".join(chr(b) for b in range(0x20))
+    vanishing = {c for c in control if not tok.encode(c, add_special_tokens=False)}
+    assert vanishing and vanishing == set(bound.dropped)
+    for c in control:  # the others each need a token of their own
+        assert (c in bound.dropped) == (tok.encode(c * 1000, add_special_tokens=False) == [])
+    text = "\x04" * 100_000 + "hi" + "\x06" * 1000
+    assert bound.counted(text) == 2
+    assert len(tok.encode(text, add_special_tokens=False)) == 1
 
 
 def test_no_character_bound_where_a_token_covers_any_length() -> None:
-    from argosy_runtime.tokenizer_bounds import max_chars_per_token
+    from argosy_runtime.tokenizer_bounds import character_bound
     from tokenizers import models, normalizers
 
     # WordPiece: a word longer than max_input_chars_per_word is one [UNK], whatever its length
     wordpiece = BackendTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
     assert len(wordpiece.encode("a" * 10_000).ids) == 1
-    assert max_chars_per_token(wordpiece) is None
-    bpe = BackendTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
-    assert max_chars_per_token(bpe) == 2
+    assert character_bound(wordpiece) is None
+    bpe = BackendTokenizer(models.BPE({"<unk>": 0, "a": 1, "b": 2, "ab": 3}, [("a", "b")],
+                                      unk_token="<unk>"))
+    assert character_bound(bpe).per_token == 5  # "<unk>" for any one unknown character
     bpe.normalizer = normalizers.Strip()  # "   ...   " strips to nothing
-    assert max_chars_per_token(bpe) is None
+    assert character_bound(bpe) is None
     bpe.normalizer = normalizers.NFC()  # composes at most 4 characters into one
-    assert max_chars_per_token(bpe) == 8
+    assert character_bound(bpe).per_token == 20
+    # without unk_token a BPE drops every character outside its vocabulary
+    bare = BackendTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    assert bare.encode("c" * 10_000).ids == []
+    assert character_bound(bare) is None
+
+
+def test_byte_level_bpe_missing_a_continuation_byte_has_no_character_bound() -> None:
+    """Without the token for a continuation byte (0x80-0xBF) whole multi-byte characters can
+    vanish: "\u0100" is C4 80 and "\u00c4" C3 84; dropping 80, 84, C3 and C4 drops both."""
+    from argosy_runtime.tokenizer_bounds import _BYTE_TO_UNICODE, character_bound
+    from tokenizers import models
+
+    def byte_level(missing: set[int]) -> BackendTokenizer:
+        vocab = {c: i for i, (b, c) in enumerate(_BYTE_TO_UNICODE.items()) if b not in missing}
+        backend = BackendTokenizer(models.BPE(vocab, []))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        return backend
+
+    backend = byte_level({0x80, 0x84, 0xC3, 0xC4})
+    assert backend.encode("\u0100\u00c4" * 1000).ids == []
+    assert character_bound(backend) is None
+    # a missing lead byte alone leaves each character's continuation bytes: still bounded
+    backend = byte_level({0xC3, 0x04})
+    assert len(backend.encode("\u00c4" * 1000).ids) == 1000
+    bound = character_bound(backend)
+    assert bound is not None and bound.dropped == frozenset("\x04")
 
 
 @pytest.mark.parametrize("kind", ["BPE", "Unigram"])
@@ -217,7 +259,7 @@ def test_byte_fallback_without_byte_tokens_has_no_character_bound(kind: str) -> 
     """byte_fallback spells an unknown character as <0xNN> tokens only when those tokens are in
     the vocabulary; without them it falls back to unk, which fuses a run of unknown characters
     into one token: no bound (a 10,000-character text of one token was refused as too long)."""
-    from argosy_runtime.tokenizer_bounds import max_chars_per_token
+    from argosy_runtime.tokenizer_bounds import character_bound
     from tokenizers import models
 
     if kind == "BPE":
@@ -227,10 +269,10 @@ def test_byte_fallback_without_byte_tokens_has_no_character_bound(kind: str) -> 
         model = models.Unigram([("<unk>", 0.0), ("a", -1.0), ("ab", -2.0)], unk_id=0,
                                byte_fallback=True)
     backend = BackendTokenizer(model)
-    per_token = max_chars_per_token(backend)
+    bound = character_bound(backend)
     text = "é" * 10_000
     assert len(backend.encode(text).ids) == 1
-    assert per_token is None or len(text) <= per_token
+    assert bound is None or len(text) <= bound.per_token
     # with every byte token in the vocabulary the bound holds: each byte is a token
     vocab_bytes = [f"<0x{b:02X}>" for b in range(256)]
     if kind == "BPE":
@@ -240,7 +282,7 @@ def test_byte_fallback_without_byte_tokens_has_no_character_bound(kind: str) -> 
         model = models.Unigram([("<unk>", 0.0), ("a", -1.0), ("ab", -2.0)]
                                + [(t, -9.0) for t in vocab_bytes], unk_id=0, byte_fallback=True)
     backend = BackendTokenizer(model)
-    assert max_chars_per_token(backend) == 6  # "<0xC3>"
+    assert character_bound(backend).per_token == 6  # "<0xC3>"
     assert len(backend.encode(text).ids) == 2 * len(text)
 
 

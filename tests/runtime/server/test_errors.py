@@ -207,6 +207,13 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(http: httpx.C
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
 
 
+def test_characters_the_tokenizer_drops_do_not_count_toward_the_length(http: httpx.Client) -> None:
+    # SmolLM2 has no token for the byte 0x04: 400k of them are 0 tokens, not "too long"
+    r = http.post(C, json={"model": MODEL, "prompt": "\x04" * 400_000 + "Hi", "max_tokens": 1},
+                  timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
+
+
 def test_body_over_the_size_limit_is_a_413(http: httpx.Client) -> None:
     limit = 16 << 20  # --max-request-body-size's default
     body = b'{"prompt": "' + b"a" * limit + b'"}'
