@@ -130,8 +130,11 @@ class AsyncEngine:
         self._pending_adds: collections.Counter[int] = collections.Counter()  # by priority
         # Requests added since the last step (id -> priority): the scheduler has not tried
         # them yet. Those it tried and left waiting beside free seats lack KV blocks (or
-        # budget): the seats do not make them about to run.
+        # budget): the seats do not make them about to run. The engine thread keeps the ids;
+        # the event loop reads the count by priority, published with each change (an add
+        # counting the dict itself cost O(requests) per add in a burst).
         self._untried: dict[str, int] = {}
+        self._untried_by_priority: collections.Counter[int] = collections.Counter()
         # Adds waiting for their LoRA adapter (max_loaded_loras: loading it, or every loaded
         # slot held) before they are posted, by priority: waiting requests like any other.
         self._lora_waits: collections.Counter[int] = collections.Counter()
@@ -192,8 +195,7 @@ class AsyncEngine:
 
         queued = count(stats.num_waiting_by_priority) + count(self._pending_adds)
         if self.max_num_seqs is not None:
-            untried = count(self._pending_adds) + count(
-                collections.Counter(self._untried.values()))
+            untried = count(self._pending_adds) + count(self._untried_by_priority)
             free_seats = max(0, self.max_num_seqs - stats.num_requests_running)
             queued = max(0, queued - min(untried, free_seats))
         # Free batch slots do not help these: their adapter is not theirs yet.
@@ -346,7 +348,7 @@ class AsyncEngine:
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
         results: list[tuple[str, BaseException | None]] = []
         applied: collections.Counter[int] = collections.Counter()
-        untried = dict(self._untried)  # in command order: an id aborted, then added again
+        untried = self._untried  # in command order: an id aborted, then added again
         for kind, payload in commands:
             if kind == "add":
                 request_id, prompt, params, arrival, priority, lora_name, held = payload
@@ -369,7 +371,8 @@ class AsyncEngine:
         stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
             self._pending_adds -= applied
-            self._untried = untried  # replaced, not mutated: the event loop reads it unlocked
+            # replaced, not mutated: the event loop reads it unlocked
+            self._untried_by_priority = collections.Counter(untried.values())
             self._stats = stats
         self._call(self._acknowledge, results)
 
@@ -390,7 +393,8 @@ class AsyncEngine:
                 stats = dataclasses.replace(self.engine.get_stats())
                 with self._cond:
                     self._stats = stats
-                    self._untried = {}
+                    self._untried_by_priority = collections.Counter()
+                self._untried.clear()
             except Exception:
                 logger.exception("abort after a failed step failed")
             self._call(self._fail_ids, ids, EngineDeadError(f"engine step failed: {exc!r}"))
@@ -400,7 +404,8 @@ class AsyncEngine:
         stats = dataclasses.replace(self.engine.get_stats())
         with self._cond:
             self._stats = stats
-            self._untried = {}  # the step tried every waiting request
+            self._untried_by_priority = collections.Counter()
+        self._untried.clear()  # the step tried every waiting request
         self._call(self._dispatch, snapshots)
 
     def _observe(self, out: RequestOutput, now: float) -> RequestOutput:
