@@ -73,6 +73,22 @@ def parse_replica_metrics(text: str) -> dict[str, Any]:
     return found
 
 
+def estimate_unscraped_load(pool: ReplicaPool) -> None:
+    """Give each replica of `pool` whose last scrape failed the KV usage and queue depth of
+    the busiest replica of the pool that was scraped (0 when none was).
+
+    Its own gauges are from its last good scrape, however old: kept, a replica that stopped
+    answering scrapes (often because it is swamped) would look as idle as it last was and
+    draw the model's traffic for as long as /ready still answers. Assumed as busy as the
+    busiest one seen, it is never preferred for looking idle, and never starved either: it
+    still ties with that one, and in-flight counts (exact) tell them apart."""
+    scraped = [r for r in pool.replicas if r.scraped]
+    for replica in pool.replicas:
+        if not replica.scraped:
+            replica.kv_cache_usage = max((r.kv_cache_usage for r in scraped), default=0.0)
+            replica.num_waiting = max((r.num_waiting for r in scraped), default=0.0)
+
+
 class HealthChecker:
     """Probes all replicas of all pools every `config.interval_s` (a background task)."""
 
@@ -118,10 +134,14 @@ class HealthChecker:
         return ok
 
     async def probe_all(self) -> None:
-        """Probe every replica once, concurrently."""
-        replicas = [r for pool in self._pools() for r in pool.replicas]
+        """Probe every replica once, concurrently, then estimate the load of those whose
+        scrape failed (`estimate_unscraped_load`)."""
+        pools = list(self._pools())
+        replicas = [r for pool in pools for r in pool.replicas]
         if replicas:
             await asyncio.gather(*(self.probe(r) for r in replicas))
+        for pool in pools:
+            estimate_unscraped_load(pool)
 
     async def _loop(self) -> None:
         while True:

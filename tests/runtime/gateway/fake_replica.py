@@ -92,6 +92,7 @@ class FakeReplica(Served):
     rate_limited: float | None = None  # answer 429 with this Retry-After while set
     ready: bool = True
     healthy: bool = True  # False: /health answers 503, as a server whose engine died
+    metrics_status: int = 200  # not 200: /metrics answers this status, with no metrics
     first_byte_delay: float = 0.0  # after the headers, before the first body byte
     chunk_delay: float = 0.01
     models_delay: float = 0.0  # before answering /v1/models
@@ -151,6 +152,8 @@ class FakeReplica(Served):
         return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="metrics failed")
         text = (
             "# TYPE argosy:kv_cache_usage_perc gauge\n"
             f'argosy:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_cache_usage}\n'

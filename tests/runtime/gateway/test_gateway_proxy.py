@@ -17,6 +17,7 @@ from argosy_runtime.gateway.config import (
     ModelRouteConfig,
 )
 from fake_replica import Served
+from gateway_helpers import eventually
 
 
 def config(*routes: tuple[str, list[str]], policy: str = "round-robin", **kw) -> GatewayConfig:
@@ -426,6 +427,43 @@ async def test_least_load_reads_scraped_metrics(fake_replicas, gateway) -> None:
             text = await resp.text()
     assert f'argosy:gateway_backend_kv_cache_usage_perc{{backend="{a.url}",model="tiny"}} 0.9' in text
     assert f'argosy:gateway_backend_num_requests_waiting{{backend="{a.url}",model="tiny"}} 3.0' in text
+
+
+async def test_a_replica_whose_scrape_fails_does_not_look_idle(fake_replicas, gateway) -> None:
+    # a answers /ready but no longer /metrics (as a swamped replica's slow scrape times out):
+    # its last good scrape said idle. Kept, that stale 0 made least-load send a every request
+    # while b, scraped fresh with 3 waiting, got none.
+    a, b = await fake_replicas(2)
+    cfg = config(("tiny", [a.url, b.url]), policy="least-load", health=HealthConfig(interval_s=0.1))
+    gw, url = await gateway(cfg)
+    ra, rb = gw.pools["tiny"].get(a.url), gw.pools["tiny"].get(b.url)
+
+    async def both_scraped() -> bool:
+        return ra.scraped and rb.scraped
+
+    await eventually(both_scraped)
+    a.metrics_status, a.num_waiting = 500, 50  # a is swamped, and nobody can see it
+    b.num_waiting = 3
+
+    async def b_scraped_and_a_not() -> bool:
+        return rb.num_waiting == 3 and not ra.scraped
+
+    await eventually(b_scraped_and_a_not)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.status == 200
+        # Unknown load: a is taken for as busy as b, so the two share the work.
+        assert (len(a.requests), len(b.requests)) == (2, 2)
+        a.metrics_status = 200  # scraped again: its real queue shows, and b takes the work
+
+        async def a_scraped() -> bool:
+            return ra.scraped and ra.num_waiting == 50
+
+        await eventually(a_scraped)
+        for _ in range(2):
+            async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+                assert resp.headers["x-argosy-backend"] == b.url
 
 
 async def test_prefix_affinity_keeps_a_prefix_on_one_replica(fake_replicas, gateway) -> None:

@@ -14,7 +14,8 @@ class Replica:
     url: str
     # Requests this gateway has sent and not yet finished (the only load signal that is exact).
     in_flight: int = 0
-    # Last scraped gauges from the replica's /metrics.
+    # Last scraped gauges from the replica's /metrics (while its scrape fails, the health
+    # checker's estimate: health.estimate_unscraped_load).
     kv_cache_usage: float = 0.0
     num_waiting: float = 0.0
     num_running: float = 0.0
