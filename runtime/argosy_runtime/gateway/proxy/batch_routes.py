@@ -117,6 +117,8 @@ class BatchRoutes:
         owner = await self.gateway.id_owners.owner("files", file_id, request.headers)
         if owner is None:
             return _not_found("file", file_id)
+        if isinstance(owner, web.Response):
+            return owner
         return await self._call(request, owner, data=json.dumps(body).encode(),
                                 content_type="application/json")
 
@@ -127,6 +129,8 @@ class BatchRoutes:
         if owner is None:
             return _not_found("batch" if kind == "batches" else "file",
                               request.match_info["id"])
+        if isinstance(owner, web.Response):
+            return owner
         if request.path.endswith("/content"):  # relayed as it arrives (output files can be large)
             return await self.gateway.id_owners.call(request, owner, stream=True)
         return await self._call(request, owner, data=await request.read() or None,

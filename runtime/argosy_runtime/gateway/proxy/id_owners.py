@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from argosy_runtime.gateway.proxy.relay import BROKEN, CLIENT_CLOSED, UNEXPECTED
 
 if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
+
+logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_IDS = 100_000
 
@@ -46,9 +49,19 @@ class IdOwners:
     def forget(self, obj_id: str) -> None:
         self._owners.pop(obj_id, None)
 
-    async def owner(self, kind: str, obj_id: str, headers: Mapping[str, str]) -> str | None:
-        """The URL of the replica in rotation holding `obj_id` (a `/v1/<kind>/<id>`), or
-        None when no replica in rotation knows it."""
+    async def owner(self, kind: str, obj_id: str,
+                    headers: Mapping[str, str]) -> str | None | web.Response:
+        """The URL of the replica in rotation holding `obj_id` (a `/v1/<kind>/<id>`), None
+        when every replica in rotation says it does not know it, or the 503 to answer when
+        none has it but some could not say (unreachable, timed out, a 5xx or 429): the id
+        may well live there, and a 404 would tell the client it is gone for good (a client
+        polling its batch gives up), where a 503 is retried."""
+        try:
+            obj_id.encode()
+        except UnicodeEncodeError:
+            # A lone surrogate ("\ud800" in a JSON body's id): not an id any replica made,
+            # and not one a URL can carry (quoting it below raised, a 500).
+            return None
         urls = self.gateway.catalog.replica_urls()
         known = self._owners.get(obj_id)
         if known in urls:
@@ -57,22 +70,33 @@ class IdOwners:
         timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
         forwarded = to_replica(headers)
 
-        async def has(url: str) -> bool:
+        async def has(url: str) -> bool | None:
+            """Whether the replica holds the id; None when it could not say."""
             try:
                 # Quoted: the route decoded the id, so "..%2F..%2Fready" came as a path
                 # that climbs out of /v1/{kind} unless it is encoded again.
                 async with session.get(f"{url}/v1/{kind}/{quote(obj_id, safe='')}",
                                        headers=forwarded,
                                        timeout=timeout) as resp:
+                    if resp.status == 429 or resp.status >= 500:
+                        return None
                     return resp.status == 200
             except (TimeoutError, aiohttp.ClientError):
-                return False
+                return None
 
-        found = [u for u, ok in zip(urls, await asyncio.gather(*(has(u) for u in urls)),
-                                    strict=True) if ok]
+        answers = dict(zip(urls, await asyncio.gather(*(has(u) for u in urls)), strict=True))
+        found = [u for u, ok in answers.items() if ok]
         if found:
             self.remember(obj_id, found[0])
-        return found[0] if found else None
+            return found[0]
+        unsure = [u for u, ok in answers.items() if ok is None]
+        if unsure:
+            # The replicas' addresses go to the log, not to the client.
+            logger.warning("looking %s up: no answer from %s", obj_id, ", ".join(unsure))
+            return error_response(
+                503, f"could not look {obj_id!r} up on every replica ({len(unsure)} of "
+                     f"{len(urls)} did not answer); retry later", headers={"Retry-After": "1"})
+        return None
 
     async def call(self, request: web.Request, url: str, *, data: Any = None,
                    content_type: str | None = None, id_keys: Iterable[str] = ("id",),

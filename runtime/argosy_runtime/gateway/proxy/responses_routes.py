@@ -65,6 +65,8 @@ class ResponsesRoutes:
         owner = await self.gateway.id_owners.owner("responses", previous, request.headers)
         if owner is None:
             return _not_found(previous, "previous_response_id")
+        if isinstance(owner, web.Response):
+            return owner
         return await self.gateway.handle_generate(request, pin=owner)
 
     async def by_id(self, request: web.Request) -> web.StreamResponse:
@@ -72,6 +74,8 @@ class ResponsesRoutes:
         owner = await self.gateway.id_owners.owner("responses", response_id, request.headers)
         if owner is None:
             return _not_found(response_id)
+        if isinstance(owner, web.Response):
+            return owner
         answer = await self.gateway.id_owners.call(request, owner, id_keys=())
         if request.method == "DELETE" and answer.status == 200:
             self.gateway.id_owners.forget(response_id)
