@@ -31,6 +31,12 @@ _MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _STORED_FUSED = ("phi3",)
 _FUSED_PARTS = {"qkv_proj": "q_proj, k_proj, v_proj", "gate_up_proj": "gate_proj, up_proj"}
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+# LoraConfig's lora_alpha when adapter_config.json has none (PEFT's default, not r: PEFT scales
+# such an adapter by 8 / r, and so must we to give its output).
+PEFT_DEFAULT_LORA_ALPHA = 8
+# init_lora_weights values (prefixes: "pissa_niter_4") whose saved A, B apply to base weights
+# the initialisation changed (PEFT: "changes the base weights of the model").
+_INITS_CHANGING_BASE = ("pissa", "olora", "corda", "loftq")
 # A multimodal Gemma 3's image encoder and projector (PEFT's target_modules match their
 # q_proj/v_proj/... too: `...vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight`).
 _VISION = re.compile(r"(?:^|\.)(?:vision_tower|multi_modal_projector)\.")
@@ -94,7 +100,8 @@ class LoRAAdapter:
                              "adapter_model.safetensors (a PEFT adapter folder)")
         config = read_config(name, config_path)
         _check_supported(name, config)
-        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        rank = int(config["r"])
+        alpha = float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
         from safetensors import SafetensorError
@@ -158,6 +165,7 @@ class LoRAAdapter:
             if (a.dim() != 2 or b.dim() != 2  # before shape[1]: a 1-D tensor has none
                     or a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
                     or b.shape[1] != rank):
+                _check_qalora(name, config, layer, module, a, in_size)
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
                                  f"A [{rank}, {in_size}], B [{out_size}, {rank}]"
@@ -219,6 +227,17 @@ def _check_supported(name: str, config: dict) -> None:
         raise ValueError(f"LoRA adapter {name!r}: unsupported adapter_config.json setting(s): "
                          f"{', '.join(bad)} (plain LoRA on the attention and MLP projections "
                          "only)")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_INITS_CHANGING_BASE):
+        # These replace the base weights at initialisation (PiSSA, OLoRA, CorDA: W minus
+        # their initial B A; LoftQ: a quantized residual); PEFT saves A and B for that changed
+        # base and recomputes it when it loads the adapter. Added to the unchanged base they
+        # answer differently from the model that was trained, silently: every shape fits.
+        raise ValueError(
+            f"LoRA adapter {name!r}: adapter_config.json init_lora_weights {init!r}: its "
+            "weights apply to base weights this initialisation changed, not to the base "
+            "model served; convert it to a plain LoRA with PEFT's save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=<the adapter saved before training>)")
     if "r" not in config:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no 'r'")
     # Checked here, not where they are used: a bad r or lora_alpha would otherwise fail as
@@ -230,10 +249,25 @@ def _check_supported(name: str, config: dict) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'r' must be a positive "
                          f"integer, not {config['r']!r}")
-    alpha = config.get("lora_alpha", rank)
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'lora_alpha' must be a "
                          f"number, not {alpha!r}")
+
+
+def _check_qalora(name: str, config: dict, layer: int, module: str, a: torch.Tensor,
+                  in_size: int) -> None:
+    """A QA-LoRA adapter (use_qalora) trained on a GPTQ base: PEFT pools the input in groups
+    of qalora_group_size before lora_A, so A is [r, in / group]. Said so, rather than as a
+    bare shape mismatch. (On a float base PEFT ignores use_qalora: A is [r, in], plain LoRA,
+    and such an adapter applies as one.)"""
+    group = config.get("qalora_group_size", 16)
+    if (config.get("use_qalora") and isinstance(group, int) and group > 1 and a.dim() == 2
+            and a.shape[1] * group == in_size):
+        raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: a QA-LoRA adapter "
+                         f"(use_qalora, lora_A over inputs pooled in groups of {group}: "
+                         f"A {tuple(a.shape)}) is not supported; only plain LoRA (A [r, "
+                         f"{in_size}]) is")
 
 
 def _layout(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:

@@ -153,3 +153,90 @@ def test_two_keys_for_one_weight_are_refused(llama_dir, tmp_path) -> None:  # no
     with pytest.raises(ValueError, match="^LoRA adapter 'a': layer 1 k_proj lora_[AB] appears "
                                          "twice"):
         LoRAAdapter.load("a", folder, spec, torch.float32)
+
+
+def _trained_adapter(model_dir: Path, out: Path, init: str, convert: bool = False) -> Path:
+    """An adapter made with PEFT's `init_lora_weights=init` (PiSSA, OLoRA: they subtract their
+    initial B A from the base weights), its A and B then moved as training would, saved as
+    PEFT saves it (`convert`: as a plain LoRA for the unchanged base, through
+    path_initial_model_for_weight_conversion, the route PEFT documents for serving)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=init,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    initial = out.parent / f"{out.name}-initial"
+    if convert:
+        model.save_pretrained(str(initial))  # before training, as PEFT's conversion needs
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if "lora_" in key:
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(str(out), **(
+        {"path_initial_model_for_weight_conversion": str(initial)} if convert else {}))
+    return out
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
+def test_adapters_for_a_changed_base_are_refused(llama_dir, tmp_path, init) -> None:  # noqa: ANN001
+    """Saved as trained (not converted), a PiSSA / OLoRA adapter's A and B apply to the base
+    minus their initial B A, which PEFT recomputes when it loads the adapter: on the base
+    served they gave other tokens than PEFT, silently (every shape fits). Refused, saying how
+    to convert it, at loading and at lazy registration."""
+    folder = _trained_adapter(llama_dir, tmp_path / "a", init)
+    spec = load_checkpoint(str(llama_dir)).spec
+    message = (f"^LoRA adapter 'a': adapter_config.json init_lora_weights '{init}': .*changed"
+               ".*path_initial_model_for_weight_conversion")
+    with pytest.raises(ValueError, match=message):
+        LoRAAdapter.load("a", folder, spec, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        check_registrable("a", str(folder))
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_converted_pissa_and_olora_adapters_equal_peft(llama_dir, tmp_path, init) -> None:  # noqa: ANN001
+    """The route the refusal names works: converted (rank 2r, plain LoRA for the unchanged
+    base), the adapter's tokens equal PEFT's on the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = _trained_adapter(llama_dir, tmp_path / "a", init, convert=True)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32),
+        str(folder)).eval()
+    engine = LLMEngine(model=str(llama_dir), dtype="float32", lora_modules={"a": str(folder)})
+    prompt = random_prompts(5, (12,))[0]
+    expected = FullForwardReference(peft).greedy(prompt, 10)[0]
+    with peft.disable_adapter():
+        assert FullForwardReference(peft).greedy(prompt, 10)[0] != expected  # it matters
+    (out,) = run_requests(engine, [(prompt, greedy(10))], ["a"])
+    assert out.outputs[0].token_ids == expected
+    assert_no_leaks(engine)
+
+
+def test_qalora_adapter_for_a_gptq_base_gets_a_clear_error(llama_dir, tmp_path) -> None:  # noqa: ANN001
+    """QA-LoRA on a GPTQ base pools the input in groups before lora_A: A is [r, in / group].
+    The error says so (it was a bare shape mismatch). Trained on a float base, PEFT ignores
+    use_qalora (A [r, in], plain LoRA), and such an adapter still loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
+                               target_modules=["q_proj"], use_qalora=True, qalora_group_size=16)
+    spec = load_checkpoint(str(llama_dir)).spec
+    assert LoRAAdapter.load("a", folder, spec, torch.float32).layers  # the float-base case
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["use_qalora"] and config["qalora_group_size"] == 16
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    # As PEFT's QALoraLinearVariant shapes A: [r, in_features // group].
+    tensors = {k: v[:, : v.shape[1] // 16].contiguous() if "lora_A" in k else v
+               for k, v in tensors.items()}
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=r"^LoRA adapter 'a': layer 0 q_proj: a QA-LoRA adapter "
+                                         r"\(use_qalora, lora_A over inputs pooled in groups "
+                                         r"of 16: A \(4, 4\)\) is not supported"):
+        LoRAAdapter.load("a", folder, spec, torch.float32)

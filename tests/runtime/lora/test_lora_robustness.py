@@ -20,7 +20,7 @@ from argosy_runtime.model_loader import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime
 
-from engine_helpers import assert_no_leaks  # noqa: E402
+from engine_helpers import assert_no_leaks, run_requests  # noqa: E402
 from model_factory import make_peft_adapter, make_random_model_dir  # noqa: E402
 
 PROMPT = [5, 100, 2000, 300, 45, 999, 17, 4242]
@@ -123,11 +123,12 @@ def test_a_malformed_config_is_refused_at_lazy_registration(good, tmp_path, case
 
 def test_adapters_that_load_still_do(model_dir, good, tmp_path) -> None:
     """What PEFT accepts stays accepted: lora_alpha 0 (a no-op adapter), a float16 adapter on
-    a float32 base (converted), "r": 4.0, no lora_alpha at all (alpha = r)."""
+    a float32 base (converted), "r": 4.0, no lora_alpha at all (PEFT's default 8, see
+    test_an_adapter_config_without_lora_alpha_scales_as_peft)."""
     spec = load_checkpoint(str(model_dir)).spec
     for name, edit, scale in [("alpha0", _patch_config(lora_alpha=0), 0.0),
                               ("r-float", _patch_config(r=4.0), 2.0),
-                              ("no-alpha", _drop_alpha, 1.0),
+                              ("no-alpha", _drop_alpha, 2.0),
                               ("fp16", _to_float16, 2.0)]:
         folder = tmp_path / name
         shutil.copytree(good, folder)
@@ -143,6 +144,29 @@ def _drop_alpha(folder: Path) -> None:
     config = json.loads(path.read_text())
     del config["lora_alpha"]
     path.write_text(json.dumps(config))
+
+
+def test_an_adapter_config_without_lora_alpha_scales_as_peft(model_dir, good, tmp_path) -> None:  # noqa: ANN001
+    """An adapter_config.json with no lora_alpha (written by hand or another tool): PEFT takes
+    LoraConfig's default alpha, 8, not r. Argosy took r (scale 1 instead of 8 / r) and its
+    tokens differed from PEFT's for any r but 8."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "no-alpha"
+    shutil.copytree(good, folder)  # r=4, lora_alpha=8 as saved
+    _drop_alpha(folder)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+        str(folder)).eval()
+    with torch.no_grad():
+        expected = peft.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
+                                 min_new_tokens=12)[0, len(PROMPT):].tolist()
+    engine = LLMEngine(model=str(model_dir), dtype="float32", lora_modules={"a": str(folder)})
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (out,) = run_requests(engine, [(PROMPT, params)], ["a"])
+    assert out.outputs[0].token_ids == expected
+    assert_no_leaks(engine)
 
 
 def _to_float16(folder: Path) -> None:
