@@ -12,9 +12,10 @@ Concurrent acquires of one adapter share one load: later callers wait for it and
 adapter, or its error. A failed load leaves nothing behind, so a later acquire tries again.
 
 Changes to one name take effect in the order they began: a `register` still loading when a
-later `register` or `unregister` of that name completes is dropped when it finishes (the
-server's admin lock is released when the HTTP request that loads is cancelled, while the load
-goes on, on its thread; the client's retry with another path must not be overwritten by it).
+later `register` or `unregister` of that name completes is dropped when it finishes, a stale
+load never overwrites a later change (`LLMEngine.load_lora_adapter` / `unload_lora_adapter`
+may be called from any thread). Unregistering a name whose first registration is still
+loading succeeds the same way: the name is not unknown, it is on its way in.
 
 Thread-safe: one condition guards the state; weights are read outside it (a load takes
 seconds for a large adapter, and other adapters' acquires and every release go on meanwhile).
@@ -80,7 +81,10 @@ class LoRARegistry:
         self._pins: collections.Counter[str] = collections.Counter()  # holds per name
         self._loading: dict[str, _Load] = {}
         self._num_changes = 0  # register / unregister calls begun (their order)
-        self._in_force: dict[str, int] = {}  # name -> number of the change it reflects
+        # name -> number of the change it reflects; kept only while the name is registered
+        # or a register / load of it is in flight (`_prune`), so names come and go freely.
+        self._in_force: dict[str, int] = {}
+        self._registering: collections.Counter[str] = collections.Counter()  # in flight
         self._cond = threading.Condition()
         self.num_loads = 0  # loads that read weights (tests and logs)
         self.num_evictions = 0
@@ -96,33 +100,44 @@ class LoRARegistry:
         copy of an older registration is dropped (requests holding it finish on it)."""
         with self._cond:
             change = self._begin_change()
-        adapter = None
-        if self.is_lazy:
-            check_registrable(name, path)
-        else:
-            adapter = self._load(name, path)
-        with self._cond:
-            if self._in_force.get(name, 0) > change:
-                logger.info("LoRA adapter %s: registration of %s superseded while it loaded",
-                            name, path)
-                return adapter
-            self._in_force[name] = change
-            self.paths = {**self.paths, name: path}
-            if not self.is_lazy:
-                self._set_loaded(name, adapter)
+            self._registering[name] += 1
+        try:
+            adapter = None
+            if self.is_lazy:
+                check_registrable(name, path)
             else:
-                self._drop(name)
-                self._cond.notify_all()  # a slot may have come free
-        return adapter
+                adapter = self._load(name, path)
+            with self._cond:
+                if self._in_force.get(name, 0) > change:
+                    logger.info("LoRA adapter %s: registration of %s superseded while it "
+                                "loaded", name, path)
+                    return adapter
+                self._in_force[name] = change
+                self.paths = {**self.paths, name: path}
+                if not self.is_lazy:
+                    self._set_loaded(name, adapter)
+                else:
+                    self._drop(name)
+                    self._cond.notify_all()  # a slot may have come free
+            return adapter
+        finally:
+            with self._cond:
+                self._registering[name] -= 1
+                if self._registering[name] <= 0:
+                    del self._registering[name]
+                self._prune(name)
 
     def unregister(self, name: str) -> None:
-        """Stop serving `name` (KeyError if not registered); requests holding it finish."""
+        """Stop serving `name`; requests holding it finish. KeyError if it is neither
+        registered nor being registered: a first registration still loading (begun before
+        this call) is superseded, as a re-registration is, so it never takes effect."""
         with self._cond:
-            if name not in self.paths:
+            if name not in self.paths and not self._registering[name]:
                 raise KeyError(name)
             self._in_force[name] = self._begin_change()
             self.paths = {k: v for k, v in self.paths.items() if k != name}
             self._drop(name)
+            self._prune(name)
             self._cond.notify_all()
 
     # ---- holding adapters ---------------------------------------------------------------
@@ -168,6 +183,7 @@ class LoRARegistry:
             with self._cond:
                 pending.done, pending.error = True, exc
                 del self._loading[name]
+                self._prune(name)
                 self._cond.notify_all()
             logger.warning("LoRA adapter %s: load failed (retried by a later request): %s",
                            name, exc)
@@ -181,6 +197,7 @@ class LoRARegistry:
             # the current registration's adapter.
             if self._in_force.get(name, 0) == registration and self.paths.get(name) == path:
                 self._set_loaded(name, adapter)
+            self._prune(name)
             self._pins[name] += count
             self._cond.notify_all()
         logger.info("LoRA adapter %s loaded on demand (%d of at most %d loaded)", name,
@@ -204,6 +221,12 @@ class LoRARegistry:
     def _begin_change(self) -> int:
         self._num_changes += 1
         return self._num_changes
+
+    def _prune(self, name: str) -> None:
+        """Forget `name`'s change number once nothing can compare against it: not registered,
+        no register or load of it in flight (a later register starts from a higher number)."""
+        if name not in self.paths and not self._registering[name] and name not in self._loading:
+            self._in_force.pop(name, None)
 
     def _make_room(self) -> bool:
         """Room for one more load, evicting the least recently used unheld adapter if needed;

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from argosy_runtime import LLMEngine, SamplingParams
 from argosy_runtime.engine_args import EngineArgs
+from argosy_runtime.lora import registry as registry_module
 from argosy_runtime.lora.registry import LoRARegistry
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -337,3 +338,57 @@ def test_a_load_begun_before_a_reregistration_of_the_same_path_is_not_kept() -> 
     assert "a" not in reg.loaded
     reg.acquire("a")
     assert loader.calls == ["a", "a"]
+
+
+@pytest.mark.parametrize("max_loaded", [None, 2])
+def test_many_load_unload_cycles_keep_no_state_per_name(max_loaded: int | None) -> None:
+    """A platform registering and dropping adapters under fresh names for weeks: nothing
+    stays behind per name once it is unregistered (the change numbers did, one per name
+    ever seen), whether or not a request loaded it or a load failed."""
+    loader = Loader()
+    reg = LoRARegistry(loader, max_loaded)
+    for i in range(200):
+        name = f"tenant-{i}"
+        if i % 3 == 0:
+            loader.fail.add(name)
+            with pytest.raises(ValueError):  # eager: the register's load fails
+                reg.register(name, f"hf://org/{name}")
+                use(reg, name)  # lazy: the first request's load fails
+        else:
+            reg.register(name, f"hf://org/{name}")
+            use(reg, name)
+        if name in reg.paths:
+            reg.unregister(name)
+    assert reg.paths == {} and reg.loaded == {} and not reg._pins and not reg._loading
+    assert reg._in_force == {}  # one entry per name ever registered before the fix
+    reg.register("a", "hf://org/a")  # and names still work afterwards
+    assert reg.acquire("a").path == "hf://org/a"
+
+
+@pytest.mark.parametrize("max_loaded", [None, 2])
+def test_unloading_a_name_whose_first_registration_is_still_loading(
+        max_loaded: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unload` called (another thread, e.g. LLM users' admin code) while the name's first
+    `load` is still in flight: it succeeds and wins, as it began later, instead of a KeyError
+    (the server's 404 'cannot be found') for a name that is on its way in."""
+    loader = GatedLoader()
+    gate = loader.gates["/slow"] = threading.Event()
+    if max_loaded is not None:  # lazy registration reads only the config: gate that instead
+        def slow_check(name: str, path: str) -> None:
+            if path == "/slow":
+                loader.entered.set()
+                gate.wait(10)
+
+        monkeypatch.setattr(registry_module, "check_registrable", slow_check)
+    reg = LoRARegistry(loader, max_loaded)
+    first = threading.Thread(target=reg.register, args=("a", "/slow"))
+    first.start()
+    assert loader.entered.wait(10)  # the first registration is in flight
+    reg.unregister("a")  # KeyError before the fix
+    gate.set()
+    first.join(10)
+    assert reg.paths == {} and reg.loaded == {}  # the later change, the unload, stands
+    with pytest.raises(KeyError):  # a name neither served nor on its way in
+        reg.unregister("a")
+    reg.register("a", "/next")
+    assert reg.paths == {"a": "/next"} and reg._in_force.keys() == {"a"}
