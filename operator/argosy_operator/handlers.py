@@ -201,8 +201,12 @@ async def _report_degraded(client: KubeClient, llmd: dict[str, Any], reason: str
     if refusal_superseded(base):
         # This generation replaced a refused spec: the refusal's Ready, Progressing and
         # Stalled give way to what the children say (a retried failure is in progress, not
-        # failed for good).
-        await refresh_status(client, llmd)
+        # failed for good). Read again: the refresh must see the Degraded just written, the
+        # sign that a reconcile of this generation has reported.
+        fresh = await _live_owner(client, llmd["metadata"].get("namespace"),
+                                  llmd["metadata"].get("name"))
+        if fresh is not None:
+            await refresh_status(client, fresh)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -349,12 +353,14 @@ def reapply_retry_delay(attempt: int) -> float:
     return REAPPLY_RETRY_DELAYS[min(attempt, len(REAPPLY_RETRY_DELAYS) - 1)]
 
 
-async def _reapply(client: KubeClient, namespace: str, owner: str) -> None:
+async def _reapply(client: KubeClient, namespace: str, owner: str,
+                   reason: str | None = None) -> None:
     """Reconcile the owner's current spec after one of its children was deleted or edited
-    (drift), retrying with backoff until it succeeds or the owner is gone; then refresh its
-    status."""
+    (drift, `reason` says which, for the log), retrying with backoff until it succeeds or the
+    owner is gone; then refresh its status."""
     attempt = 0
-    while not await _try_reapply(client, namespace, owner, first_try=attempt == 0):
+    while not await _try_reapply(client, namespace, owner, first_try=attempt == 0,
+                                 reason=reason):
         await asyncio.sleep(reapply_retry_delay(attempt))
         attempt += 1
 
@@ -364,10 +370,11 @@ _refusal_logged: dict[str | None, int | None] = {}
 
 
 async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
-                       first_try: bool) -> bool:
+                       first_try: bool, reason: str | None = None) -> bool:
     """One try of `_reapply`: True when done (reconciled, or the owner is gone); False when
     it failed in a way a later try may get past (an API error, an unreachable API server, a
-    foreign object in a child's place)."""
+    foreign object in a child's place). `reason` (what happened to the child) is logged once
+    the reconcile restored something."""
     # Read the spec under the lock: a reconcile of a newer spec finishes first.
     async with _reconcile_lock(namespace, owner):
         llmd: dict[str, Any] | None = None
@@ -404,6 +411,10 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
             _log.warning("reapplying the children of %s/%s failed (retrying): %s",
                          namespace, owner, exc)
             return False
+        if reason and result.actions:
+            # Logged here, not when the event came: a child that cannot be restored (the
+            # spec refused) would log a line per event of it, each saying it was reverted.
+            _log.info("%s: restored from LLMDeployment %s/%s", reason, namespace, owner)
         for action in result.actions:
             kopf.event(llmd, type="Normal", reason=action.split(" ", 1)[0].capitalize(),
                        message=action)
@@ -416,13 +427,14 @@ async def _try_reapply(client: KubeClient, namespace: str, owner: str, *,
 
 
 async def _refresh_owner(namespace: str | None, owner: str | None, *,
-                         reapply: bool = False) -> None:
-    """Recompute the owner's status; with `reapply`, reconcile its children first."""
+                         reapply: bool = False, reason: str | None = None) -> None:
+    """Recompute the owner's status; with `reapply`, reconcile its children first (`reason`:
+    what happened to the child, for the log)."""
     if not namespace or not owner:
         return
     client = get_client()
     if reapply:
-        await _reapply(client, namespace, owner)
+        await _reapply(client, namespace, owner, reason)
         return
     # Retried like a reapply (kopf never retries an event handler): without a later event of
     # this child, a failed refresh would leave the status stale.
@@ -454,16 +466,19 @@ async def _try_refresh(client: KubeClient, namespace: str, owner: str,
 _CHILD_LABELS = {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_LLMD: kopf.PRESENT}
 
 
-async def _needs_reapply(event: kopf.RawEvent, body: Mapping[str, Any], namespace: str | None,
-                         owner: str | None) -> bool:
-    """Whether a child's watch event calls for reapplying its owner: the child was deleted, or
-    edited on a field the operator manages. The operator's own writes and status updates are
-    no drift (see `drift`): deciding that reads only the event's object, no API request."""
+async def _reapply_reason(event: kopf.RawEvent, body: Mapping[str, Any],
+                         namespace: str | None, owner: str | None) -> str | None:
+    """Why a child's watch event calls for reapplying its owner, as a line for the log (None:
+    it does not): the child was deleted, or edited on a field the operator manages. The
+    operator's own writes and status updates are no drift (see `drift`): deciding that reads
+    only the event's object, no API request."""
+    meta = body.get("metadata") or {}
+    child = f"{body.get('kind', 'child')} {namespace}/{meta.get('name')}"
     if event.get("type") == "DELETED":
         drift.forget(body)
-        return True
+        return f"{child} was deleted"
     if not namespace or not owner:
-        return False
+        return None
     field = drift.drifted(body)
     if field is not None:
         # A reconcile of the owner in flight may have written this very object and not noted
@@ -472,12 +487,8 @@ async def _needs_reapply(event: kopf.RawEvent, body: Mapping[str, Any], namespac
         async with _reconcile_lock(namespace, owner):
             field = drift.drifted(body)
     if field is None:
-        return False
-    meta = body.get("metadata") or {}
-    _log.info("%s %s/%s was changed outside the operator (%s differs from what it applied): "
-              "reverting it from LLMDeployment %s/%s", body.get("kind", "child"), namespace,
-              meta.get("name"), field, namespace, owner)
-    return True
+        return None
+    return f"{child} was changed outside the operator ({field} differs from what it applied)"
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_CHILD_LABELS)
@@ -486,8 +497,8 @@ async def deployment_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.M
     """Rollout progress and replica counts flow into the owner's status; a Deployment deleted
     or edited by hand (its owner still there) is re-created or reverted at once."""
     owner = meta.get("labels", {}).get(LABEL_LLMD)
-    await _refresh_owner(namespace, owner,
-                         reapply=await _needs_reapply(event, dict(body), namespace, owner))
+    reason = await _reapply_reason(event, dict(body), namespace, owner)
+    await _refresh_owner(namespace, owner, reapply=reason is not None, reason=reason)
 
 
 # The other children, watched for deletion and drift. Without the ServiceMonitor CRD kopf logs
@@ -511,8 +522,9 @@ async def child_changed(event: kopf.RawEvent, body: kopf.Body, meta: kopf.Meta,
     manages is reverted at once, the same way. Other events of these kinds change nothing the
     status reads, so they cost no request."""
     owner = meta.get("labels", {}).get(LABEL_LLMD)
-    if await _needs_reapply(event, dict(body), namespace, owner):
-        await _refresh_owner(namespace, owner, reapply=True)
+    reason = await _reapply_reason(event, dict(body), namespace, owner)
+    if reason is not None:
+        await _refresh_owner(namespace, owner, reapply=True, reason=reason)
 
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)

@@ -133,11 +133,21 @@ def _refusal(status: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return stalled if (stalled or {}).get("status") == "True" else None
 
 
+def _refusal_stands(status: Mapping[str, Any]) -> bool:
+    """Whether the reconciler's last word is a refusal: Stalled=True, and no reconcile of a
+    later generation has reported since (one that fails with a retried error, ChildConflict
+    or ApplyFailed, writes Degraded with its own generation)."""
+    refusal = _refusal(status)
+    degraded = find_condition(status.get("conditions"), COND_DEGRADED) or {}
+    return refusal is not None and degraded.get("reason") == "InvalidSpec" \
+        and degraded.get("observedGeneration") == refusal.get("observedGeneration")
+
+
 def spec_refused(llmd: Mapping[str, Any]) -> bool:
-    """Whether `llmd`'s status says its current spec (this generation) was refused."""
-    refusal = _refusal(llmd.get("status"))
-    return refusal is not None and refusal.get("observedGeneration") == (
-        llmd.get("metadata") or {}).get("generation")
+    """Whether `llmd`'s status says a spec was refused and nothing was reconciled since: its
+    current spec, or a newer one whose reconcile has not reported yet (which may well be
+    refused too: acting on it before then would scale from a spec never checked)."""
+    return _refusal_stands(llmd.get("status") or {})
 
 
 def refusal_superseded(llmd: Mapping[str, Any]) -> bool:
@@ -234,10 +244,11 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
         refusal = _refusal(current)
         if invalid_spec is not None:
             computed["conditions"] = refused_spec_conditions(invalid_spec, gen)
-        elif gen is None and refusal is not None \
-                and refusal.get("observedGeneration") == meta.get("generation"):
-            # The current spec is refused: its conditions stay until a reconcile succeeds; a
-            # pod event updates the replica counts only.
+        elif gen is None and _refusal_stands(current):
+            # A spec is refused, the current one or one that a newer spec replaced whose
+            # reconcile has not reported yet: the refusal's conditions stay until a reconcile
+            # says otherwise; a child event updates the replica counts only. (Following the
+            # children here made Ready flap True and Stalled False between two refused specs.)
             computed["conditions"] = []
         elif gen is None:
             if degraded.get("reason") in RECONCILE_FAILURES:

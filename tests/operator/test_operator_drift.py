@@ -137,14 +137,15 @@ async def test_an_event_of_a_write_in_flight_waits_for_that_reconcile() -> None:
     after["spec"]["replicas"] = 3
     lock = handlers._reconcile_lock("ml", "chat")
     async with lock:  # the spec change's reconcile, mid-write
-        check = asyncio.create_task(handlers._needs_reapply(
+        check = asyncio.create_task(handlers._reapply_reason(
             {"type": "MODIFIED", "object": after}, after, "ml", "chat"))
         await asyncio.sleep(0.05)
         assert not check.done()
         drift.remember(after, replicas=3)
-    assert await check is False
+    assert await check is None
     # A hand edit after that write is drift.
     edited = copy.deepcopy(after)
     edited["spec"]["replicas"] = 1
-    assert await handlers._needs_reapply({"type": "MODIFIED", "object": edited}, edited,
-                                         "ml", "chat") is True
+    reason = await handlers._reapply_reason({"type": "MODIFIED", "object": edited}, edited,
+                                            "ml", "chat")
+    assert reason is not None and "spec.replicas" in reason

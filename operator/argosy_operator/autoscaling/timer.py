@@ -164,9 +164,10 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     if not policy.enabled:
         return
     if spec_refused(llmd):
-        # The reconcile refused this generation's spec (Stalled=True, InvalidSpec): the
-        # children of the last applied spec stay as they are, their replicas included, until
-        # a spec is applied. Scaling from the refused spec's policy would change them.
+        # The reconcile refused a spec and has reconciled none since (Stalled=True,
+        # InvalidSpec): the children of the last applied spec stay as they are, their
+        # replicas included, until a spec is applied. Scaling from the refused spec's policy
+        # (or that of a newer one not checked yet) would change them.
         await _write_status(_client(), llmd, {"conditions": inactive_conditions(
             "SpecRefused", "the current spec is refused (see the Stalled condition): not "
             "scaling until a spec is applied")}, logger)
