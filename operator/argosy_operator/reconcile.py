@@ -193,8 +193,9 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
     """Apply the Deployment, Service, LoRA ConfigMap, PodDisruptionBudget and ServiceMonitor
     of `llmd`.
 
-    Raises ValueError for a spec that cannot be built (the CRD normally rejects those; the
-    name is checked here only), ChildConflictError (before any write), or ApiError.
+    Raises InvalidSpecError for a spec that cannot be built (the CRD normally rejects
+    those), before any child is read or written; ChildConflictError (before any write); or
+    ApiError.
     """
     meta = llmd["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
@@ -206,6 +207,11 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
         if action:
             result.actions.append(f"{action} {kind} {name}")
 
+    # Every child is built before anything is read or written: a builder that refuses the
+    # spec (the Deployment's, on a model.source it cannot parse) must not follow a write of
+    # another child (the LoRA ConfigMap, applied first). spec.replicas is set further down,
+    # once it is known whether the Deployment exists.
+    deployment = build_deployment(llmd, spec, None)
     lora = build_lora_configmap(llmd, spec)
     service = build_service(llmd, spec)
     pdb = build_pdb(llmd, spec)
@@ -220,14 +226,13 @@ async def reconcile(client: KubeClient, llmd: Mapping[str, Any]) -> ReconcileRes
         action, _ = await apply_child(client, CONFIGMAPS, lora, live=lives[CONFIGMAPS])
         note(action, "ConfigMap")
 
-    if autoscaling_enabled(spec):
+    if not autoscaling_enabled(spec):
+        deployment["spec"]["replicas"] = int(spec["replicas"])
+    elif lives[DEPLOYMENTS] is None:
         # The autoscaler owns spec.replicas: set it only when creating the Deployment.
-        exists = lives[DEPLOYMENTS] is not None
-        replicas = None if exists else int(spec["autoscaling"]["minReplicas"])
-    else:
-        replicas = int(spec["replicas"])
+        deployment["spec"]["replicas"] = int(spec["autoscaling"]["minReplicas"])
     action, result.deployment = await apply_child(
-        client, DEPLOYMENTS, build_deployment(llmd, spec, replicas),
+        client, DEPLOYMENTS, deployment,
         keeps_replicas=not autoscaling_enabled(spec), live=lives[DEPLOYMENTS])
     note(action, "Deployment")
     if lora is None and await delete_child(client, CONFIGMAPS, ns, name, owner_uid=uid):
