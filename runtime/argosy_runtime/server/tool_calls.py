@@ -70,10 +70,10 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
         return None
     tool = forced_tool(req)
     if tool is not None:
-        return StructuredOutputsParams(json=tool.function.parameters or _NO_ARGUMENTS)
+        return StructuredOutputsParams(json=_arguments_schema(tool))
     items = []
     for i, tool in enumerate(req.tools):
-        params = copy.deepcopy(tool.function.parameters or _NO_ARGUMENTS)
+        params = _arguments_schema(tool)
         if not isinstance(params.get("$defs", {}), dict):
             raise bad_request(f"tools: $defs of {tool.function.name!r} must be an object", "tools")
         # Each tool's schema is a resource of its own ($id), so that its local references
@@ -88,6 +88,22 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def _arguments_schema(tool: ChatTool) -> dict[str, Any]:
+    """A copy of the tool's `parameters`, as the schema its arguments are generated under:
+    always an object. `properties` and `required` alone do not make a value an object in JSON
+    Schema (`"Paris"`, `null` and `5` match `{"properties": {...}}`), and a model held to such
+    a schema wrote exactly those as a call's arguments, which clients call the function with
+    as keyword arguments. Another `type` is a 400, as OpenAI answers it."""
+    params = tool.function.parameters
+    if not params:
+        return copy.deepcopy(_NO_ARGUMENTS)
+    kind = params.get("type", "object")
+    if kind != "object":
+        raise bad_request(f"tools: the parameters of {tool.function.name!r} must be a JSON "
+                          f"schema of type 'object', not {kind!r}", "tools")
+    return {**copy.deepcopy(params), "type": "object"}
 
 
 def new_call_id() -> str:

@@ -171,3 +171,35 @@ def test_auto_without_a_call_is_plain_content(client: OpenAI) -> None:
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         choice.message.content
+
+
+# `properties` without `"type": "object"`: JSON Schema lets any non-object through that.
+UNTYPED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}]
+
+
+def test_arguments_are_an_object_where_parameters_omit_the_type(client: OpenAI) -> None:
+    """Before: a named call's arguments were 'null' for "hi" and
+    '1.111...' for "Name a city." (the grammar was the schema as written, which any
+    non-object matches; "required" has the same fix, tested on its grammar in
+    tests/runtime/structured_output/test_tool_call_schema.py)."""
+    for question in ("hi", "Name a city."):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}],
+            tools=UNTYPED_TOOLS, tool_choice=GET_WEATHER, temperature=0, max_tokens=40)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice
+        [call] = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert isinstance(arguments, dict) and isinstance(arguments["city"], str), question
+
+
+def test_parameters_of_another_type_are_a_400(client: OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather",
+                                               "parameters": {"type": "string"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                       tool_choice=GET_WEATHER, max_tokens=5)
+    assert info.value.body["param"] == "tools" and "type 'object'" in info.value.body["message"]

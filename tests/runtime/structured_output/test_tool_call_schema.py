@@ -61,3 +61,56 @@ def _accepts(compiler: GrammarCompiler, tokenizer, text: str) -> bool:
 def test_each_tools_references_resolve_in_its_own_schema(compiler, checkpoint, text: str,
                                                          ok: bool) -> None:
     assert _accepts(compiler, checkpoint.tokenizer, text) is ok
+
+
+# `properties` without `"type": "object"` (a common way to write parameters): in JSON Schema
+# that constrains objects only, and lets any other value through.
+UNTYPED = {"properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _accepts_as_arguments(compiler: GrammarCompiler, tokenizer, tool_choice: object,
+                          text: str) -> bool:
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tool_choice=tool_choice,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": UNTYPED}}])
+    params = tool_call_constraint(req)
+    params.disable_any_whitespace = True
+    grammar = compiler.compile(params)
+    out: list[int] = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not grammar.allowed_tokens(out)[token]:
+            return False
+        out.append(token)
+    return grammar.is_done(out)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(("tool_choice", "text", "ok"), [
+    (NAMED, '{"city":"Paris"}', True),
+    # before: the smollm2 server answered "Weather Paris" with arguments '"SmolLM"', "hi"
+    # with 'null'
+    (NAMED, '"SmolLM"', False),
+    (NAMED, "null", False),
+    (NAMED, '["Paris"]', False),
+    ("required", '[{"name":"get_weather","parameters":{"city":"Paris"}}]', True),
+    ("required", '[{"name":"get_weather","parameters":"Paris"}]', False),
+    ("required", '[{"name":"get_weather","parameters":null}]', False),
+])
+def test_arguments_are_an_object_even_where_parameters_do_not_say_so(
+        compiler, checkpoint, tool_choice: object, text: str, ok: bool) -> None:
+    assert _accepts_as_arguments(compiler, checkpoint.tokenizer, tool_choice, text) is ok
+
+
+@pytest.mark.parametrize("kind", ["string", ["object", "null"], "array"])
+def test_parameters_of_another_type_are_a_400(kind: object) -> None:
+    from argosy_runtime.server.errors import APIError
+
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tool_choice=NAMED,
+        tools=[{"type": "function", "function": {"name": "get_weather",
+                                                 "parameters": {"type": kind}}}])
+    with pytest.raises(APIError) as info:
+        tool_call_constraint(req)
+    assert info.value.status == 400 and info.value.param == "tools"
