@@ -279,13 +279,20 @@ def _call_of(block: str) -> dict[str, Any] | None:
 
 
 def _call_of_value(value: Any, call_id: str | None = None) -> dict[str, Any] | None:
-    """`{"name": ..., "arguments" or "parameters": ...}` as an OpenAI tool call, else None."""
+    """`{"name": ..., "arguments" or "parameters": {...}}` as an OpenAI tool call, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = _arguments_json(arguments)
-    return _call(value["name"], arguments, call_id)
+    if isinstance(arguments, str):  # the object as JSON text, as some models write it
+        try:
+            arguments = json.loads(arguments)
+        except _UNREADABLE:
+            return None
+    # A call's arguments are an object (clients pass them as keyword arguments): `"Paris"`,
+    # `null` or `[1]` there is no call, and taking a string as is sent text no JSON reader took.
+    if not isinstance(arguments, dict):
+        return None
+    return _call(value["name"], _arguments_json(arguments), call_id)
 
 
 def _arguments_json(value: Any) -> str | None:

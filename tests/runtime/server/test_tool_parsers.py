@@ -262,3 +262,26 @@ def test_only_mistral_keeps_special_tokens() -> None:
     """[TOOL_CALLS] is a control token in Mistral's vocabulary: decoding must keep it for the
     parser to see it (the server sets skip_special_tokens=False for this parser, as vLLM)."""
     assert {name for name, cls in STREAMS.items() if cls.keep_special_tokens} == {"mistral"}
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "[1, 2]"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": 5}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ["Paris"]}]'),
+])
+def test_arguments_that_are_not_an_object_are_no_call(parser: str, text: str) -> None:
+    """Before: a string was taken as the arguments' JSON text as it was (`Paris`, which no
+    JSON reader takes), and any other value became its JSON (`null`, `5`), none of which a
+    client can call a function with. Now the model's text comes back as content."""
+    assert parse_message(parser, text, "stop") == ({"role": "assistant", "content": text},
+                                                   "stop")
+    assert streamed(text, [len(text) // 2], parser) == (text, [])
+
+
+def test_arguments_written_as_json_text_are_the_object() -> None:
+    text = '<tool_call>{"name": "f", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'
+    message, finish = parse_message("hermes", text, "stop")
+    assert finish == "tool_calls" and names_and_args(message["tool_calls"]) == [
+        ("f", {"city": "Paris"})]
