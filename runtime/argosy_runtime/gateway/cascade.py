@@ -17,7 +17,11 @@ from typing import Any
 from aiohttp import web
 
 from argosy_runtime.gateway.config import CascadeConfig
-from argosy_runtime.gateway.request_text import prompt_text, requested_max_tokens
+from argosy_runtime.gateway.request_text import (
+    content_text,
+    prompt_text,
+    requested_max_tokens,
+)
 
 # Reasons, in the order the rules are tried.
 REASON_HEADER = "header"
@@ -66,9 +70,11 @@ def decide(
 
     def small(reason: str) -> CascadeDecision:
         # A streamed answer is gone before it could be judged; a beam search returns no
-        # logprobs (asking for them would be a 400).
-        check = (cascade.min_mean_logprob is not None and not body.get("stream", False)
-                 and not body.get("use_beam_search", False))
+        # logprobs (asking for them would be a 400). A client that asked for the small model
+        # (header or `:small`) gets its answer, never the large model's: only the rules'
+        # own choice is checked.
+        check = (cascade.min_mean_logprob is not None and reason == REASON_DEFAULT
+                 and not body.get("stream", False) and not body.get("use_beam_search", False))
         return CascadeDecision("small", cascade.small, reason, check_confidence=check)
 
     header = str(headers.get(cascade.header, "")).strip().lower()
@@ -87,7 +93,9 @@ def decide(
     ):
         return large(REASON_MAX_TOKENS)
     if cascade.keywords:
-        lowered = text.lower()
+        # The messages' text without their roles: a keyword such as "system" or "tool" must
+        # not match every conversation that has such a turn.
+        lowered = content_text(path, body).lower()
         if any(k in lowered for k in cascade.keywords):
             return large(REASON_KEYWORD)
     return small(REASON_DEFAULT)

@@ -64,6 +64,21 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     return _first_prompt(body.get("prompt"))
 
 
+def content_text(path: str, body: dict[str, Any]) -> str:
+    """What the client wrote: `prompt_text` without the chat roles (the cascade searches its
+    keywords in it). Turns stay separated, so a keyword never spans two of them."""
+    if path.endswith("/responses"):
+        messages: Any = _responses_messages(body)
+    elif path.endswith("/chat/completions"):
+        messages = body.get("messages")
+    else:
+        return prompt_text(path, body)
+    if not isinstance(messages, list):
+        return ""
+    return _TURN_SEP.join(_content_text(m.get("content")) for m in messages
+                          if isinstance(m, dict))
+
+
 def _first_prompt(prompt: Any) -> str:
     """A completion prompt (or embeddings input) as text: the first of a batch."""
     if isinstance(prompt, list) and prompt:

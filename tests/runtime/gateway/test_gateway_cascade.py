@@ -47,7 +47,10 @@ def test_header_forces_either_tier(route: CascadeConfig) -> None:
     long_prompt = "x" * 500
     assert c.decide(route, CHAT, chat("hi"), {"x-argosy-cascade": "large"}).reason == "header"
     d = c.decide(route, CHAT, chat(long_prompt), {"x-argosy-cascade": "Small"})
-    assert (d.tier, d.reason) == ("small", "header")
+    # Forced: the small model's answer stands, so it is not checked (nor escalated).
+    assert (d.tier, d.reason, d.check_confidence) == ("small", "header", False)
+    d = c.decide(route, CHAT, chat("hi"), {}, forced_tier="small")
+    assert (d.tier, d.reason, d.check_confidence) == ("small", "model_name", False)
 
 
 def test_model_name_suffix(route: CascadeConfig) -> None:
@@ -83,6 +86,18 @@ def test_keywords_case_insensitive_anywhere_in_history(route: CascadeConfig) -> 
     d = c.decide(route, CHAT, body, {})
     assert (d.tier, d.reason) == ("large", "keyword")
     assert c.decide(route, COMPLETIONS, {"prompt": "please prove it"}, {}).reason == "keyword"
+
+
+def test_keywords_are_searched_in_the_text_not_the_roles() -> None:
+    route = CascadeConfig(name="auto", small="tiny", large="big", keywords=("system", "user"))
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "hi"}]}
+    assert c.decide(route, CHAT, body, {}).reason == "default"
+    # The Responses API's `instructions` become a system turn: not a keyword either.
+    assert c.decide(route, "/v1/responses", {"instructions": "Be brief.", "input": "hi"},
+                    {}).reason == "default"
+    body["messages"][1]["content"] = "Which user groups exist?"
+    assert c.decide(route, CHAT, body, {}).reason == "keyword"
 
 
 def test_no_rules_means_small_without_check() -> None:
