@@ -12,10 +12,12 @@ from argosy_runtime.gateway.backends.replica import Replica
 @dataclass(frozen=True)
 class RouteRequest:
     """What routing sees of a request: the leading text of its prompt (or flattened chat),
-    and the LoRA adapter it names (None for a base model)."""
+    the LoRA adapter it names (None for a base model), and the tenant that sends it (its
+    `X-Argosy-Owner`; None without tenants)."""
 
     prefix: str = ""
     adapter: str | None = None
+    owner: str | None = None
 
 
 class Policy(ABC):

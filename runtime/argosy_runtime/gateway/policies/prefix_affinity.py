@@ -30,17 +30,30 @@ from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
 from argosy_runtime.gateway.policies.hashing import hash64, utf8
 
 
-def block_hashes(text: str, block_chars: int) -> list[bytes]:
-    """Digests of text[:block_chars], text[:2*block_chars], ... (whole blocks only).
+def block_hashes(text: str, block_chars: int, owner: str | None = None) -> list[bytes]:
+    """Digests of text[:block_chars], text[:2*block_chars], ... (whole blocks only), salted
+    with `owner` when one is given (see `owned_key`).
 
     One running hash, copied at each boundary: O(len(text)), not O(len(text)^2 / block).
     """
     running = hashlib.blake2b(digest_size=16)
+    if owner is not None:
+        running.update(utf8(owned_key(owner, "")))
     out = []
     for end in range(block_chars, len(text) + 1, block_chars):
         running.update(utf8(text[end - block_chars : end]))
         out.append(running.copy().digest())
     return out
+
+
+def owned_key(owner: str | None, text: str) -> str:
+    """`text` as the routing key of `owner`'s request (unchanged without one).
+
+    Replicas keep each tenant's prefix cache to itself (server.md, "Prefix cache per owner"),
+    so one tenant's prompt never places another's request: if it did, the replica a request
+    lands on (`x-argosy-backend`) would tell one tenant whether another had sent a prompt
+    starting alike. The length prefix keeps (owner, text) pairs apart."""
+    return text if owner is None else f"{len(owner)}:{owner}:{text}"
 
 
 class HashRing:
@@ -139,7 +152,7 @@ class PrefixAffinityPolicy(Policy):
             return self._fallback(candidates, request)
         by_url = {c.url: c for c in candidates}
         cap = self.capacity(candidates)
-        hashes = block_hashes(text, self.routing.block_chars)
+        hashes = block_hashes(text, self.routing.block_chars, request.owner)
         chosen: Replica | None = None
         for digest in reversed(hashes):  # longest known prefix first
             url = self._affinity.get(digest)
@@ -148,7 +161,8 @@ class PrefixAffinityPolicy(Policy):
                     chosen = by_url[url]
                 break  # shorter prefixes of the same prompt live on the same replica or older
         if chosen is None:
-            for url in self.ring(list(by_url)).walk(text[: self.routing.prefix_chars]):
+            key = owned_key(request.owner, text[: self.routing.prefix_chars])
+            for url in self.ring(list(by_url)).walk(key):
                 if within_bound(by_url[url], cap, self.routing):
                     chosen = by_url[url]
                     break

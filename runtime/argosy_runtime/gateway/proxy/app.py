@@ -71,6 +71,7 @@ from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_text
 from argosy_runtime.gateway.routing import Routing
 from argosy_runtime.gateway.tenants.config_file import ConfigFile
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
+from argosy_runtime.server.owners import OWNER_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -428,7 +429,11 @@ class Gateway:
                         pinned.cooldown_until - time.monotonic())}))
             routing = self.routing  # one snapshot for all of this request's tries
             route = RouteRequest(
-                prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter
+                prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter,
+                # The tenant (set by the tenants' gate, never by a client): its prompts place
+                # only its own requests (policies/prefix_affinity.py, `owned_key`).
+                owner=next((v for k, v in headers.items() if k.lower() == OWNER_HEADER.lower()),
+                           None),
             )
             result = await send(
                 session=self.session,
