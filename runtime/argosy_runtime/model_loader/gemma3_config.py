@@ -152,9 +152,11 @@ def _rope_by_layer_type(config: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         local = dict(params.get("sliding_attention") or {})
     else:  # 4.x: rope_theta + rope_scaling (full layers), rope_local_base_freq (sliding)
         full = dict(params) if isinstance(params, dict) else {}
-        if config.get("rope_scaling"):
-            full.update(config["rope_scaling"])
         local = {}
+    # In either layout a rope_scaling updates the full-attention layers' dict, as transformers'
+    # Gemma3TextConfig does (a 5.x config a user added it to would otherwise run unscaled).
+    if config.get("rope_scaling"):
+        full.update(config["rope_scaling"])
     full.setdefault("rope_theta", config.get("rope_theta") or _GLOBAL_THETA)
     local.setdefault("rope_theta", config.get("rope_local_base_freq") or _LOCAL_THETA)
     return full, local

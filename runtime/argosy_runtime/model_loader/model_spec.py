@@ -65,6 +65,31 @@ GEMMA_ARCHITECTURES: frozenset[str] = frozenset({"gemma2", "gemma3"})
 # (models/moe.py): Mixtral in every layer; Qwen2-MoE (+ a gated shared expert) and Qwen3-MoE
 # in the layers `decoder_sparse_step` / `mlp_only_layers` choose.
 MOE_ARCHITECTURES: frozenset[str] = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+# transformers' config-class defaults (5.25) of the fields from_hf_config reads, where they
+# differ from the generic fallbacks below: a config.json that omits a field means its class's
+# default (Mixtral's and Phi-3's rms_norm_eps 1e-5, Mistral windows every layer at 4096,
+# Qwen3's head_dim is 128, the Qwen families slide from layer 28 on), and configs written by
+# hand omit some. (The expert counts and sizes stay required: a clear error rather than a
+# guess.) Checked against the config classes in
+# tests/runtime/model_loader/test_loader_config_defaults.py; Gemma's are in gemma3_config.py.
+_HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131_072,
+                "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32_768,
+              "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32_768,
+              "sliding_window": 4096, "max_window_layers": 28},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+             "original_max_position_embeddings": 4096},
+    "mixtral": {"rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                "max_position_embeddings": 131_072},
+    "qwen2_moe": {"num_key_value_heads": 16, "max_position_embeddings": 32_768,
+                  "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32_768,
+                  "sliding_window": 4096},
+}
+# The config classes' `default_theta` (the rope base when a config gives none): 10000 unless here.
+_HF_DEFAULT_THETA: dict[str, float] = {"mixtral": 1_000_000.0}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -393,6 +418,8 @@ class ModelSpec:
             from argosy_runtime.model_loader.gemma3_config import gemma_text_config
 
             config, gemma = gemma_text_config(config, architecture)
+        else:
+            config = {**_HF_CONFIG_DEFAULTS.get(architecture, {}), **config}
         hidden_size = config_int(config, "hidden_size")
         num_heads = config_int(config, "num_attention_heads")
         num_kv_heads = config_int(config, "num_key_value_heads", num_heads) or num_heads
@@ -410,7 +437,7 @@ class ModelSpec:
             raise ValueError("config.json: mlp_bias=true is not supported")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu only)")
-        rope_theta, rope_scaling = _hf_rope(config)
+        rope_theta, rope_scaling = _hf_rope(config, _HF_DEFAULT_THETA.get(architecture, 10000.0))
         partial_rotary_factor = 1.0
         if architecture == "phi3":
             rope_scaling, partial_rotary_factor = _phi3_rope(config, rope_scaling, head_dim)
@@ -590,26 +617,31 @@ def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int 
     return tuple(windows) if any(w is not None for w in windows) else ()
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either layout.
+def _hf_rope(config: dict[str, Any], default_theta: float = 10000.0
+             ) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either layout, as transformers 5's
+    convert_rope_params_to_dict / standardize_rope_params read them.
 
     transformers 4.x writes `rope_theta` and `rope_scaling`; 5.x writes one `rope_parameters`
-    dict holding `rope_theta`, `rope_type` and the scaling fields.
+    dict holding `rope_theta`, `rope_type` and the scaling fields. A non-empty `rope_scaling`
+    wins over `rope_parameters` (a 5.x config a user added rope_scaling to, as model cards
+    tell them to: ignoring it would serve the unscaled rotary), its base then read from the
+    top-level `rope_theta`, else the model's default (`default_theta`). A llama3 / yarn /
+    longrope dict without `original_max_position_embeddings` takes max_position_embeddings.
     """
     params = config.get("rope_parameters")
     if params is not None and not isinstance(params, dict):  # else silently theta 10000
         raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = config.get("rope_theta", 10000.0)
-        scaling = config.get("rope_scaling") or {}
-        if not isinstance(scaling, dict):
-            raise ValueError(f"config.json: rope_scaling must be an object, got {scaling!r}")
-        scaling = dict(scaling)
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling and not isinstance(rope_scaling, dict):
+        raise ValueError(f"config.json: rope_scaling must be an object, got {rope_scaling!r}")
+    scaling = dict(rope_scaling or params or {})
+    theta = scaling.pop("rope_theta", config.get("rope_theta", default_theta))
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling["type"]
+    if scaling.get("rope_type") in ("llama3", "yarn", "longrope"):  # (Phi-3: _phi3_rope)
+        scaling.setdefault("original_max_position_embeddings",
+                           config_int(config, "max_position_embeddings", 2048))
     theta = _as_number(theta, "config.json: rope_theta")
     kind = scaling.get("rope_type", "default")
     if kind == "default":

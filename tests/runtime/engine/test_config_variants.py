@@ -1,0 +1,81 @@
+"""Checkpoints whose config.json leans on transformers' reading of it give transformers'
+outputs (float32 logprobs of every prompt position and greedy tokens): fields left to the
+config class's defaults (a Mixtral without rope_theta / rms_norm_eps: base 1e6, eps 1e-5), and
+a `rope_scaling` added next to a transformers 5 `rope_parameters` (it wins there). The
+config parsing itself is tests/runtime/model_loader/test_loader_config_defaults.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from argosy_runtime import LLM, SamplingParams
+from model_factory import make_random_model_dir
+
+
+def edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def assert_equals_transformers(folder: Path, hf_reference) -> None:  # noqa: ANN001
+    hf = hf_reference(folder)
+    llm = LLM(model=str(folder), dtype="float32", block_size=4)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 49152) for _ in range(24)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0)
+    [out] = llm.generate([prompt], params)
+    expected = hf.prompt_logprobs(prompt)
+    for i in range(1, len(prompt)):
+        assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(
+            expected[i - 1][prompt[i]].item(), abs=1e-4), i
+    assert out.outputs[0].token_ids == hf.greedy(prompt, 6)
+
+
+def test_mixtral_without_rope_theta_and_eps_uses_the_class_defaults(tmp_path, hf_reference) -> None:  # noqa: ANN001
+    def drop(config: dict) -> None:
+        config.pop("rms_norm_eps")
+        config["rope_parameters"].pop("rope_theta")
+
+    folder = make_random_model_dir(tmp_path, "mixtral", rms_norm_eps=1e-2, extra_config=dict(
+        num_local_experts=4, num_experts_per_tok=2))
+    assert_equals_transformers(edit_config(folder, drop), hf_reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rope_scaling_added_to_rope_parameters_applies(arch: str, tmp_path, hf_reference) -> None:  # noqa: ANN001
+    def add(config: dict) -> None:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+
+    if arch == "gemma3":  # its full-attention layers take the scaling, as transformers'
+        folder = make_random_model_dir(
+            tmp_path, "gemma3", num_hidden_layers=2, head_dim=32, init_std=0.15,
+            tie_word_embeddings=True, extra_config=dict(
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e3},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 100.0}}))
+    else:
+        folder = make_random_model_dir(tmp_path, arch, rope_theta=5000.0)
+    assert_equals_transformers(edit_config(folder, add), hf_reference)
+
+
+@pytest.mark.parametrize("key,scaling", [
+    # Qwen2.5's model card: add this to config.json for long prompts. In a 5.x config beside
+    # rope_parameters it applies in transformers, so serving without it would be silently wrong.
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+])
+def test_unsupported_rope_scaling_is_refused(key: str, scaling: dict, tmp_path) -> None:  # noqa: ANN001
+    folder = make_random_model_dir(tmp_path, "qwen2", num_hidden_layers=1)
+    edit_config(folder, lambda config: config.update({key: scaling}))
+    kind = scaling.get("rope_type") or scaling["type"]
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
+        LLM(model=str(folder), dtype="float32", block_size=4)
