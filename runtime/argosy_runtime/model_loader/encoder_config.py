@@ -19,7 +19,10 @@ Pooling of an embedding model, as vLLM decides it: a sentence-transformers folde
 `pooling_mode_weightedmean_tokens` (sentence-transformers' others, with its formulas; several
 modes at once, which it concatenates, are refused), and the vectors are L2-normalized
 when a Normalize module follows; without `modules.json`, [CLS] pooling, normalized (vLLM's
-BERT/RoBERTa default).
+BERT/RoBERTa default). Any other module (Dense, LayerNorm, ...) is refused: it would change
+the vector. `sentence_bert_config.json`'s `max_seq_length` is the context (vLLM's rule; a
+longer input is refused where sentence-transformers cuts it), and its `do_lower_case` is
+refused over a tokenizer that keeps case (sentence-transformers lowercases the inputs).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ _ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens"
                      "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
                      "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                      "pooling_mode_weightedmean_tokens": "weightedmean"}
+# The modules.json entries served: the encoder itself, its pooling, the L2 normalization.
+_ST_SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 def encoder_architecture(config: dict[str, Any]) -> tuple[str, bool] | None:
@@ -68,7 +73,7 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
                         ) -> dict[str, Any]:
     """The ModelSpec keyword arguments of a BERT / XLM-RoBERTa config.json (labels and the
     checkpoint dtype are added by the caller)."""
-    from argosy_runtime.model_loader.model_spec import config_float, config_int
+    from argosy_runtime.model_loader.model_spec import _hf_matryoshka, config_float, config_int
 
     def need(key: str) -> int:
         return config_int(config, key)
@@ -106,6 +111,8 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
         attention_bias=True, bos_token_id=None, eos_token_ids=(), has_lm_head=False,
         hidden_act=act, type_vocab_size=type_vocab_size,
         position_offset=offset,
+        # is_matryoshka / matryoshka_dimensions (config.json or --hf-overrides), as a decoder's
+        matryoshka_dimensions=_hf_matryoshka(config),
     )
 
 
@@ -119,6 +126,13 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
     if not isinstance(modules, list):
         raise ValueError(f"{modules_path}: expected a list of modules")
     types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    # Any other module (Dense: LaBSE's tanh projection, LayerNorm, a custom remote module)
+    # changes the vector after pooling: serving the model without it is silently wrong.
+    others = [t for t in types if not t.startswith("sentence_transformers.")
+              or t.rsplit(".", 1)[-1] not in _ST_SERVED_MODULES]
+    if others:
+        raise ValueError(f"{modules_path}: sentence-transformers module(s) {others} are not "
+                         f"supported (only {', '.join(_ST_SERVED_MODULES)})")
     normalize = any(t.endswith("models.Normalize") for t in types)
     pooling = next((m for m in modules if isinstance(m, dict)
                     and str(m.get("type", "")).endswith("models.Pooling")), None)
@@ -140,13 +154,45 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
     return _ST_POOLING_MODES[modes[0]], normalize
 
 
+def sentence_transformers_max_seq_length(folder: Path, tokenizer: Any) -> int | None:
+    """sentence_bert_config.json's `max_seq_length` (None: the folder has none):
+    sentence-transformers cuts every input to it, and vLLM serves it as the model's length.
+    ValueError for `do_lower_case: true` over a tokenizer that keeps case: sentence-transformers
+    lowercases each text before tokenizing it, which this server does not."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    config = _read(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object (got a {type(config).__name__})")
+    if config.get("do_lower_case") and (
+            tokenizer.encode("Hello World") != tokenizer.encode("hello world")):
+        raise ValueError(f"{path}: do_lower_case is true but the tokenizer keeps case; "
+                         "sentence-transformers lowercases every input first, which is not "
+                         "supported (lowercase the inputs, or use an uncased tokenizer)")
+    value = config.get("max_seq_length")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{path}: max_seq_length must be a positive integer, got {value!r}")
+    return value
+
+
 def resolve_encoder_spec(spec: Any, folder: Path, tokenizer: Any) -> Any:
-    """`spec` with what lives beside config.json: the sentence-transformers pooling. (A
-    cross-encoder's token types come from the tokenizer's pair encoding, per request.)"""
+    """`spec` with what lives beside config.json: the sentence-transformers pooling, and
+    its max_seq_length as the context (all-MiniLM-L6-v2: 256 of 512 positions; a longer
+    input is refused where sentence-transformers would silently cut it; the position rows
+    past it are never read, models/bert.py drops them). (A cross-encoder's token types come
+    from the tokenizer's pair encoding, per request.)"""
     import dataclasses
 
     pooling, normalize = sentence_transformers_pooling(folder)
-    return dataclasses.replace(spec, pooling_type=pooling, pooling_normalize=normalize)
+    max_len = sentence_transformers_max_seq_length(folder, tokenizer)
+    max_positions = spec.max_position_embeddings
+    if max_len is not None:
+        max_positions = min(max_positions, max_len)
+    return dataclasses.replace(spec, pooling_type=pooling, pooling_normalize=normalize,
+                               max_position_embeddings=max_positions)
 
 
 def _read(path: Path) -> Any:

@@ -269,6 +269,11 @@ class BertModel(nn.Module):
                 what = "an embedding" if self.head is None else "a sequence-classification"
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to {what} "
                                  f"{self.spec.architecture} model")
+            rows = params[name].shape[0]
+            if name == "embeddings.position_embeddings.weight" and tensor.shape[0] > rows:
+                # A context cut to sentence_bert_config.json's max_seq_length
+                # (encoder_config.resolve_encoder_spec): the rows past it are never read.
+                tensor = tensor[:rows]
             if params[name].shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                                  f"model {tuple(params[name].shape)}")
