@@ -22,6 +22,7 @@ from argosy_runtime.scoring import (
     cosine_scores,
     cross_encoder_max_length,
     cross_encoder_prompt,
+    cross_encoder_score,
     pair_up,
 )
 from argosy_runtime.tokenizer import load_chat_template
@@ -149,7 +150,8 @@ class LLM:
             params = [PoolingParams(task="classify", token_type_start=p.token_type_start)
                       for p in prompts]
             outs = self._run([p.token_ids for p in prompts], params, lora_name)
-            return [out.classification.probs[0] for out in outs]
+            return [cross_encoder_score(out.classification.logits, spec.score_activation)
+                    for out in outs]
         if truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens: LLM.score truncates a cross-encoder's "
                              "pairs; an embedding model's texts are not truncated offline "

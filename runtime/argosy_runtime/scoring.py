@@ -4,7 +4,8 @@
 `text_1` pairs with `text_2` 1-to-1, 1-to-N (one text_1 against every text_2) or N-to-N (equal
 lengths, pair by pair), vLLM's rule. A bi-encoder (embedding) model scores a pair by the
 cosine similarity of the two texts' embeddings; a cross-encoder (a one-label classification
-head) by the sigmoid of its logit over the pair joined as one prompt (`cross_encoder_prompt`).
+head) by its logit over the pair joined as one prompt (`cross_encoder_prompt`), through the
+model's score activation (`cross_encoder_score`: the sigmoid unless its config names another).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def pair_up(firsts: Sequence[T], seconds: Sequence[T]) -> list[tuple[T, T]]:
             f"text_2: {len(seconds)} texts do not pair with {len(firsts)} text_1: send one "
             "text_1 (scored against every text_2) or as many as text_2 (scored pair by pair)")
     return list(zip(firsts, seconds, strict=True))
+
+
+def cross_encoder_score(logits: Sequence[float], activation: str) -> float:
+    """A one-label head's score from its logit: `activation` is ModelSpec.score_activation
+    ("sigmoid", "identity" or "tanh")."""
+    if activation == "identity":
+        return float(logits[0])
+    logit = torch.tensor(logits[0], dtype=torch.float32)  # as ClassificationOutput.probs
+    return (logit.tanh() if activation == "tanh" else logit.sigmoid()).item()
 
 
 def cosine_scores(vectors: Sequence[Sequence[float]], pairs: Sequence[tuple[int, int]]

@@ -153,6 +153,9 @@ class ModelSpec:
     has_lm_head: bool = True
     layer_sliding_windows: tuple[int | None, ...] = ()
     id2label: tuple[str, ...] = ()
+    # What a one-label head's logit goes through as a score (LLM.score, /v1/score, /v1/rerank):
+    # "sigmoid" (vLLM's default), "identity" or "tanh" (`_hf_score_activation`).
+    score_activation: str = "sigmoid"
     matryoshka_dimensions: tuple[int, ...] | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -411,7 +414,8 @@ class ModelSpec:
         encoder = encoder_architecture(config)
         if encoder is not None:  # BERT / XLM-RoBERTa: their own config fields
             return cls(**encoder_spec_fields(config, *encoder), checkpoint_dtype=checkpoint_dtype,
-                       id2label=_hf_labels(config) if encoder[1] else ())
+                       id2label=_hf_labels(config) if encoder[1] else (),
+                       score_activation=_hf_score_activation(config))
         architecture, has_lm_head, is_classifier = _hf_architecture(config)
         gemma: dict[str, Any] = {}
         if architecture in GEMMA_ARCHITECTURES:  # Hub defaults; Gemma 3: text_config, 2 rotaries
@@ -479,6 +483,7 @@ class ModelSpec:
             has_lm_head=has_lm_head,
             layer_sliding_windows=_hf_sliding_windows(config, architecture),
             id2label=_hf_labels(config) if is_classifier else (),
+            score_activation=_hf_score_activation(config),
             matryoshka_dimensions=_hf_matryoshka(config),
             **_hf_moe(config, architecture),
             partial_rotary_factor=partial_rotary_factor,
@@ -562,6 +567,29 @@ def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
     if num_labels < 1:
         raise ValueError(f"config.json: num_labels must be positive, got {num_labels}")
     return tuple(f"LABEL_{i}" for i in range(num_labels))
+
+
+_SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                      "torch.nn.modules.linear.Identity": "identity",
+                      "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+def _hf_score_activation(config: dict[str, Any]) -> str:
+    """The activation a cross-encoder's score takes, as sentence-transformers' CrossEncoder
+    and vLLM read it: `sentence_transformers.activation_fn`, else the older
+    `sbert_ce_default_activation_function` (ms-marco-MiniLM-L-6-v2: Identity, the raw logit),
+    else the sigmoid. Another activation is refused: a score through the wrong one would be
+    silently another number."""
+    st = config.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    if name is None:
+        name = config.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid"
+    if name not in _SCORE_ACTIVATIONS:
+        raise ValueError(f"config.json: cross-encoder activation {name!r} is not supported "
+                         f"(one of {', '.join(_SCORE_ACTIVATIONS)})")
+    return _SCORE_ACTIVATIONS[name]
 
 
 def _hf_matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:

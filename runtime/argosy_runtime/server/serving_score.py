@@ -35,6 +35,7 @@ from argosy_runtime.scoring import (
     cosine_scores,
     cross_encoder_max_length,
     cross_encoder_prompt,
+    cross_encoder_score,
     pair_up,
 )
 from argosy_runtime.server.errors import APIError, bad_request
@@ -222,8 +223,9 @@ async def _cross_encoder_scores(request: Request, ctx: ServingContext, model_nam
         [PoolingParams(task="classify", token_type_start=start) for _, start in distinct])
     if finals is None:
         return None
-    # probs of a one-label head: [sigmoid(logit)] (ClassificationOutput), vLLM's score.
-    score = {key: out.classification.probs[0] for key, out in zip(distinct, finals, strict=True)}
+    activation = ctx.engine.engine.spec.score_activation
+    score = {key: cross_encoder_score(out.classification.logits, activation)
+             for key, out in zip(distinct, finals, strict=True)}
     return [score[key] for key in prompts], prompt_tokens
 
 

@@ -142,3 +142,38 @@ def test_do_lower_case_over_a_cased_tokenizer_is_refused(tmp_path: Path) -> None
     _edit_json(xlmr / "sentence_bert_config.json", do_lower_case=True)
     with pytest.raises(ValueError, match="do_lower_case is true but the tokenizer keeps case"):
         LLM(model=str(xlmr), dtype="float32")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("config,activation", [
+    # ms-marco-MiniLM-L-6-v2's config: scores are the raw logit (sentence-transformers, vLLM)
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, None),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}},
+     torch.tanh),
+    ({}, torch.sigmoid),
+])
+def test_cross_encoder_score_activation_from_the_config(tmp_path: Path, config: dict,
+                                                        activation) -> None:  # noqa: ANN001
+    folder = make_encoder_dir(tmp_path, "bert", classifier=True)
+    _edit_json(folder / "config.json", **config)
+    hf = load_hf(folder)
+    llm = LLM(model=str(folder), dtype="float32")
+    query, docs = "capital of france", ["paris is the capital", "the cat sat"]
+    for doc, score in zip(docs, llm.score(query, docs), strict=True):
+        ids, types = encode(folder, query, doc)
+        logit = hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits[0, 0]
+        want = logit if activation is None else activation(logit)
+        assert score == pytest.approx(want.item(), abs=1e-5)
+    # /v1/classify keeps the head's probabilities (vLLM: the activation is the score's)
+    (out,) = llm.classify([query])
+    assert out.classification.probs[0] == pytest.approx(
+        torch.sigmoid(torch.tensor(out.classification.logits[0])).item(), abs=1e-6)
+    assert_no_leaks(llm.engine)
+
+
+def test_an_unknown_cross_encoder_activation_is_refused(tmp_path: Path) -> None:
+    folder = make_encoder_dir(tmp_path, "bert", classifier=True)
+    _edit_json(folder / "config.json",
+               sbert_ce_default_activation_function="torch.nn.modules.activation.Softmax")
+    with pytest.raises(ValueError, match="activation.*Softmax.*not supported"):
+        LLM(model=str(folder), dtype="float32")
