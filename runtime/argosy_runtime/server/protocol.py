@@ -2,9 +2,10 @@
 
 Requests forbid unknown fields (`extra="forbid"`): a misspelled option is a 400, never silently
 ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids` (see DESIGN.md), `priority` (scheduling order) and, on
-chat, `chat_template_kwargs`, so clients written for vLLM work unchanged. OpenAI fields we accept but do not act on (`user`,
-`store`, `metadata`, ...) are listed explicitly; OpenAI fields we cannot honour (`suffix`,
+`repetition_penalty`, `stop_token_ids` (see DESIGN.md), `priority` (scheduling order),
+`include_stop_str_in_output` and, on chat, `chat_template_kwargs`, so clients written for
+vLLM work unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`,
+...) are listed explicitly; OpenAI fields we cannot honour (`suffix`,
 `tool_choice: "auto"`, ...) are rejected with a 400 naming them (see
 `serving_common.reject_unsupported`). `structured_outputs` is vLLM's constrained-decoding
 extra; OpenAI's `response_format` does the same for JSON, and `tools` with `tool_choice`
@@ -27,7 +28,17 @@ import uuid
 from typing import Any, Literal
 
 from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -101,6 +112,8 @@ class _SamplingFields(VLLMExtras):
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
+    # vLLM's: the reply keeps the stop string (or stop token's text) that ended it
+    include_stop_str_in_output: StrictBool = False
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -156,12 +169,20 @@ class ContentPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):
+    """An assistant's refusal sent back with the history (OpenAI's): read as its text."""
+
+    model_config = _FORBID
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(BaseModel):
-    """One chat message; content may be a string or a list of text parts."""
+    """One chat message; content may be a string or a list of text (or refusal) parts."""
 
     model_config = _FORBID
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | RefusalPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -169,6 +190,20 @@ class ChatMessage(BaseModel):
     # An assistant reply's thinking as a reasoning parser returned it, sent back with the
     # history: accepted and not shown to the model (templates drop earlier turns' thinking).
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_media_parts(cls, content: Any) -> Any:
+        """An image, audio or file part would otherwise fail every branch of the union, and
+        pydantic reports the first: "content.str: Input should be a valid string"."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "refusal"):
+                raise PydanticCustomError(
+                    "unsupported_content_part",
+                    "part {i} has type '{kind}': this model reads text only (send 'text' "
+                    "parts)", {"i": i, "kind": kind})
+        return content
 
 
 class FunctionDefinition(BaseModel):

@@ -15,6 +15,7 @@ from argosy_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
+    ContentPart,
     new_id,
     now,
 )
@@ -108,8 +109,9 @@ def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
     messages: list[dict[str, Any]] = []
     for m in chat_messages:
         content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # one text per part, joined as vLLM joins them
+            content = "\n".join(part.text if isinstance(part, ContentPart) else part.refusal
+                                for part in content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                "content": content or ""}
         if m.name:
