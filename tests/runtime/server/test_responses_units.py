@@ -289,8 +289,8 @@ def test_input_items_become_chat_messages() -> None:
          "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "content": [{"type": "output_text", "text": "c", "annotations": []}]},
-    ]) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
-           {"role": "assistant", "content": "c"}]
+    ]) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+           {"role": "assistant", "content": "c"}]  # parts joined as chat's (vLLM's "\n")
     with pytest.raises(APIError, match=r"input\[0\]: unknown field 'name'"):
         input_messages([{"role": "user", "content": "x", "name": "n"}])
     with pytest.raises(APIError, match="must not be an empty list"):

@@ -121,7 +121,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise bad_request(f"{where}.content: expected a string or a list of content parts",
                           "input")
     return {"role": role,
-            "content": "".join(_part_text(p, f"{where}.content[{j}]")
+            "content": "\n".join(_part_text(p, f"{where}.content[{j}]")
                                for j, p in enumerate(content))}
 
 
@@ -142,7 +142,7 @@ def _function_call_output(item: dict[str, Any], where: str) -> tuple[dict[str, A
     if isinstance(output, str):
         text = output
     elif isinstance(output, list):
-        text = "".join(_part_text(p, f"{where}.output[{j}]") for j, p in enumerate(output))
+        text = "\n".join(_part_text(p, f"{where}.output[{j}]") for j, p in enumerate(output))
     else:
         raise bad_request(f"{where}.output: expected a string or a list of content parts",
                           "input")
