@@ -289,6 +289,15 @@ async def _refuse_an_edit(kube: Any, api: Api) -> None:
     assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
 
 
+async def autoscale_tick(api: Api) -> None:
+    """One tick of the autoscaling timer on the LLMDeployment as stored now."""
+    from argosy_operator.autoscaling import timer
+
+    obj = await api.call("GET", f"{LLMD_PATH}/chat")
+    await timer.autoscale(body=obj, spec=obj["spec"], name="chat", namespace=NS,
+                          memo=kopf.Memo(), logger=logging.getLogger("test"))
+
+
 async def test_a_fixed_spec_failing_with_a_retried_error_is_no_longer_stalled(
         kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """A refused spec fixed by an edit whose reconcile then fails in a way that is retried
@@ -367,13 +376,6 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec(
     """A refused edit that turns autoscaling on (minReplicas 4): the autoscaling timer does
     not scale the running Deployment of the last applied spec (it scaled it to 4) and says
     why (ScalingActive False, SpecRefused); once a spec is applied it scales."""
-    from argosy_operator.autoscaling import timer
-
-    async def tick() -> None:
-        obj = await api.call("GET", f"{LLMD_PATH}/chat")
-        await timer.autoscale(body=obj, spec=obj["spec"], name="chat", namespace=NS,
-                              memo=kopf.Memo(), logger=logging.getLogger("test"))
-
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
         kube.crd_validation = False
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
@@ -382,7 +384,7 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec(
         with pytest.raises(kopf.PermanentError):
             await _reconcile(api)
         assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
-        await tick()
+        await autoscale_tick(api)
         assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 2
         status = await _status(api)
         active = _cond(status, "ScalingActive")
@@ -391,7 +393,7 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec(
 
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {"runtime": {"extraArgs": []}}})
         await _reconcile(api)
-        await tick()
+        await autoscale_tick(api)
         assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 4
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 import pytest
 from operator_helpers import NS, Api
-from test_operator_failure_status import _reconcile, _refuse_an_edit
+from test_operator_failure_status import _reconcile, _refuse_an_edit, autoscale_tick
 from test_operator_handlers import DEP_PATH, LLMD_PATH, _cond, _status, reconciled_by_the_handlers
 
 CM_PATH = f"/api/v1/namespaces/{NS}/configmaps"
@@ -137,13 +137,6 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec_replacing_a_refused
     (minReplicas 5). A timer tick between the edit and its reconcile must not scale the
     Deployment of the last applied spec (2 replicas) to the new spec's minReplicas, and
     ScalingActive stays False/SpecRefused."""
-    from argosy_operator.autoscaling import timer
-
-    async def tick() -> None:
-        obj = await api.call("GET", f"{LLMD_PATH}/chat")
-        await timer.autoscale(body=obj, spec=obj["spec"], name="chat", namespace=NS,
-                              memo=kopf.Memo(), logger=logging.getLogger("test"))
-
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
         kube.crd_validation = False
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
@@ -151,10 +144,10 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec_replacing_a_refused
             "autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 6}}})
         with pytest.raises(kopf.PermanentError):
             await _reconcile(api)
-        await tick()
+        await autoscale_tick(api)
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
             "runtime": {"extraArgs": ["--port=8"]}, "autoscaling": {"minReplicas": 5}}})
-        await tick()
+        await autoscale_tick(api)
         assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 2
         active = _cond(await _status(api), "ScalingActive")
         assert (active["status"], active["reason"]) == ("False", "SpecRefused"), active

@@ -33,10 +33,12 @@ TOOLS = [
 ]
 
 
-def _accepts(compiler: GrammarCompiler, tokenizer, text: str) -> bool:
-    """Whether the tool-call grammar takes `text` as a whole output, token by token."""
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
-                                tool_choice="required")
+def _accepts(compiler: GrammarCompiler, tokenizer, text: str,
+             req: ChatCompletionRequest | None = None) -> bool:
+    """Whether the tool-call grammar of `req` (default: TOOLS, "required") takes `text` as a
+    whole output, token by token."""
+    req = req or ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                       tools=TOOLS, tool_choice="required")
     params = tool_call_constraint(req)
     params.disable_any_whitespace = True
     grammar = compiler.compile(params)
@@ -73,15 +75,7 @@ def _accepts_as_arguments(compiler: GrammarCompiler, tokenizer, tool_choice: obj
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], tool_choice=tool_choice,
         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": UNTYPED}}])
-    params = tool_call_constraint(req)
-    params.disable_any_whitespace = True
-    grammar = compiler.compile(params)
-    out: list[int] = []
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        if not grammar.allowed_tokens(out)[token]:
-            return False
-        out.append(token)
-    return grammar.is_done(out)
+    return _accepts(compiler, tokenizer, text, req)
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
