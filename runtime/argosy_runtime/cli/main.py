@@ -37,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C where a subcommand has no handler of its own (importing torch, loading a
+        # model for bench or perplexity): one line, not a traceback, and the shell's code.
+        print(f"argosy {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from argosy_runtime.engine_args import EngineArgs, parse_bytes_arg
@@ -30,6 +33,8 @@ from argosy_runtime.server.config import (
 )
 
 T = TypeVar("T")
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 if TYPE_CHECKING:
     from argosy_runtime.server.config import ServerConfig
@@ -123,6 +128,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Until uvicorn installs its drain handler, Ctrl-C stops the start-up at once. As a
+    # KeyboardInterrupt it was a traceback; while the model loaded the interpreter then
+    # waited for the loading thread (minutes) and aborted ("terminate called without an
+    # active exception"); raised inside an import, a library's bare `except:` could swallow
+    # it and the server started anyway. Nothing needs cleaning up yet (tensor-parallel
+    # workers exit with this process), so the handler leaves at once.
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = signal.signal(signal.SIGINT, _interrupted_while_starting)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
+    print("argosy serve: interrupted while starting", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _run(args: argparse.Namespace) -> int:
     from argosy_runtime.fleet.exit_with_parent import exit_with_parent_if_asked
     from argosy_runtime.server.config import ServerConfig  # noqa: F811 (runtime import)
 

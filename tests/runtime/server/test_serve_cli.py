@@ -152,3 +152,51 @@ def test_unusual_but_valid_flag_values_are_accepted(flags: list[str]) -> None:
     args = build_parser().parse_args(["serve", *flags])
     EngineArgs.from_cli_args(args)
     ServerConfig(request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+
+
+# `argosy serve ARGV[1:]` whose model takes "forever" to load (a large model on a slow disk).
+SLOW_LOADING_SERVE = """
+import sys, time
+from argosy_runtime.engine import LLMEngine
+from argosy_runtime.cli.main import main
+
+def slow_load(cls, engine_args):
+    print("loading the model", flush=True)
+    time.sleep(600)
+
+LLMEngine.from_engine_args = classmethod(slow_load)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_in_one_line(tmp_path) -> None:
+    """SIGINT before the server runs (uvicorn's drain handler is not installed yet) was a
+    KeyboardInterrupt traceback, then the interpreter waited for the loading thread and
+    aborted ("terminate called without an active exception", SIGABRT)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LOADING_SERVE, "serve", "--port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + 120  # importing torch on a loaded machine
+            while "loading the model" not in log.read_text():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert code == 130, (code, text)
+    assert "Traceback" not in text and "terminate called" not in text, text
+    assert "argosy serve: interrupted while starting" in text, text
