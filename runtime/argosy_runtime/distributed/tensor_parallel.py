@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,6 +119,11 @@ class ShardedCheckpoint:
                                         self._checkpoint.spec.num_key_value_heads).contiguous()
 
 
+class CollectiveError(RuntimeError):
+    """An all-reduce failed: another rank failed or exited (gloo: "Connection closed by
+    peer"). On rank 0 the message says which worker and why, when it is known."""
+
+
 class TensorParallelGroup:
     """The collective side of tensor parallelism for one rank: the process group its
     all-reduces run on (gloo on CPUs, NCCL on CUDA devices)."""
@@ -132,6 +137,9 @@ class TensorParallelGroup:
         if store is None:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         self._store = store  # held: the group's connections were set up through it
+        # Rank 0's: why the other ranks failed (TensorParallelWorkers.failure), asked when a
+        # collective fails, since gloo says only that a peer closed its connection.
+        self.explain_failure: Callable[[], str | None] | None = None
         prefixed = dist.PrefixStore("argosy-tp", store)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -150,7 +158,11 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
-        self._group.allreduce([x]).wait()
+        try:
+            self._group.allreduce([x]).wait()
+        except RuntimeError as exc:
+            why = self.explain_failure() if self.explain_failure is not None else None
+            raise CollectiveError(why or str(exc)) from exc
         return x
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 import traceback
@@ -27,7 +29,11 @@ from typing import Any
 import torch
 
 from argosy_runtime.config import CacheConfig
-from argosy_runtime.distributed.tensor_parallel import ShardedCheckpoint, TensorParallelGroup
+from argosy_runtime.distributed.tensor_parallel import (
+    CollectiveError,
+    ShardedCheckpoint,
+    TensorParallelGroup,
+)
 
 logger = logging.getLogger("argosy.engine")
 
@@ -111,6 +117,10 @@ def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -
             runner.forward(payload)
     except EOFError:  # the engine process is gone
         return
+    except CollectiveError:
+        # Another rank failed first and reports its own error: this one's (gloo's closed
+        # connection) would only hide it. No traceback; exit code 1.
+        sys.exit(1)
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -128,16 +138,25 @@ class TensorParallelWorkers:
         ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and CUDA
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(1, config.world_size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, config, self.port, theirs),
-                               name=f"argosy-tp-rank{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
         self.group: TensorParallelGroup | None = None
         self._closed = False
+        try:
+            for rank in range(1, config.world_size):
+                ours, theirs = ctx.Pipe()
+                self._conns.append(ours)
+                proc = ctx.Process(target=_worker_main, args=(rank, config, self.port, theirs),
+                                   name=f"argosy-tp-rank{rank}", daemon=True)
+                try:
+                    proc.start()
+                finally:
+                    theirs.close()
+                self._procs.append(proc)
+        except BaseException:
+            # A rank that cannot be started (out of file descriptors or processes): nobody
+            # holds this object to close it, so the ranks already started would load their
+            # shards (a large model's memory) for nothing until this process exits.
+            self.close(timeout=0.0)
+            raise
 
     def _receive(self, conn: Connection, proc: Any, expected: str) -> Any:
         """The next message of one worker, which must be `expected`: RuntimeError carrying
@@ -158,8 +177,45 @@ class TensorParallelWorkers:
         return payload
 
     def wait_ready(self) -> list[int | None]:
-        """Each worker's KV-cache budget in bytes (None on CPUs) once its shard is loaded."""
-        return [self._receive(conn, proc, "ready") for conn, proc in zip(self._conns, self._procs)]
+        """Each worker's KV-cache budget in bytes (None on CPUs) once its shard is loaded.
+        Watches every worker at once: one that fails (or dies) raises its error as soon as it
+        does, not once the ranks before it have loaded (minutes for a large model)."""
+        budgets: dict[int, int | None] = {}
+        while len(budgets) < len(self._procs):
+            waiting = [i for i in range(len(self._procs)) if i not in budgets]
+            # A message, or a worker's exit (its sentinel), wakes this up.
+            multiprocessing.connection.wait(
+                [self._conns[i] for i in waiting] + [self._procs[i].sentinel for i in waiting])
+            for i in waiting:
+                if self._conns[i].poll() or not self._procs[i].is_alive():
+                    budgets[i] = self._receive(self._conns[i], self._procs[i], "ready")
+        return [budgets[i] for i in range(len(self._procs))]
+
+    def failure(self, wait: float = 2.0) -> str | None:
+        """Why a collective failed, from the workers' side: the traceback a worker sent
+        before it exited (a step that raised in it), else which ones have exited and how.
+        Rank 0's own error is only gloo's "Connection closed by peer". None if every worker
+        still runs and reported nothing within `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            # A worker sends its traceback before it exits, so it is in the pipe by the time
+            # its peers see the connection close. Workers whose own all-reduce failed after
+            # that (CollectiveError) send none: the report found is the first failure's.
+            for conn, proc in zip(self._conns, self._procs):
+                try:
+                    if conn.poll():
+                        kind, payload = conn.recv()
+                        if kind == "error":
+                            return f"tensor-parallel worker {proc.name} failed:\n{payload}"
+                except (EOFError, OSError):
+                    pass
+            exited = [f"{proc.name} (exit code {proc.exitcode})"
+                      for proc in self._procs if not proc.is_alive()]
+            if exited:
+                return "tensor-parallel worker exited: " + ", ".join(exited)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def connect(self, device: torch.device) -> TensorParallelGroup:
         """Rank 0's side of the all-reduce group (the workers join it once ready). The
@@ -186,6 +242,7 @@ class TensorParallelWorkers:
         if isinstance(joined[0], BaseException):
             raise joined[0]
         self.group = joined[0]
+        self.group.explain_failure = self.failure
         return self.group
 
     def allocate(self, cache_config: CacheConfig) -> None:
