@@ -145,3 +145,17 @@ def test_fleet_autoscaling_without_min_and_max_is_refused(
     assert main(["fleet", "--replicas", "1", "--autoscaling", "{targetQueueDepth: 2}"]) == 2
     err = capsys.readouterr().err
     assert "--autoscaling" in err and "--min" in err and "--max" in err, err
+
+
+@pytest.mark.parametrize("flags,words", [
+    # FleetConfig's field names ("replicas: must be...", "liveness_timeout: ...") named no
+    # flag the user typed
+    (["--replicas", "0"], ["--replicas", "got 0"]),
+    (["--min", "2", "--max", "1"], ["--replicas", "min (2)", "max (1)"]),
+    (["--liveness-timeout", "0.5"], ["--liveness-timeout", "0.5"]),
+    (["--port", "99999"], ["--port", "99999"]),
+    (["--min", "1"], ["--min/--max"]),
+    (["--", "--port", "1"], ["the arguments after --", "--port"]),
+])
+def test_bad_fleet_options_name_the_flag(flags: list[str], words: list[str]) -> None:
+    assert_refused(argosy("fleet", *flags, timeout=30), "argosy fleet: ", *words)

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             liveness_timeout_s=args.liveness_timeout_s,
         )
     except ValueError as exc:
-        print(f"argosy fleet: {exc}", file=sys.stderr)
+        print(f"argosy fleet: {_name_the_flag(str(exc))}", file=sys.stderr)
         return 2
 
     async def main() -> int:
@@ -159,6 +159,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
+
+
+# FleetConfig's errors start with the field's name; the user typed the flag.
+_FIELD_FLAGS = {"replicas": "--replicas", "port": "--port", "policy": "--policy",
+                "liveness_timeout": "--liveness-timeout", "min_replicas": "--min/--max",
+                "serve_args": "the arguments after --"}
+
+
+def _name_the_flag(message: str) -> str:
+    field, sep, rest = message.partition(": ")
+    return f"{_FIELD_FLAGS[field]}: {rest}" if sep and field in _FIELD_FLAGS else message
 
 
 def _default_replicas(args: argparse.Namespace) -> int:

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import aiohttp
 
-from argosy_runtime.fleet.exit_with_parent import EXIT_WITH_PARENT_ENV
+from argosy_runtime.fleet.exit_with_parent import (
+    DEFAULT_GRACE_S,
+    EXIT_WITH_PARENT_ENV,
+    EXIT_WITH_PARENT_GRACE_ENV,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class ReplicaProcess:
         extra_args: Sequence[str] = (),
         log_dir: str | Path | None = None,
         serve_command: Sequence[str] | None = None,
+        orphan_grace_s: float = DEFAULT_GRACE_S,
     ) -> None:
         self.model = model
         self.served_model_name = served_model_name
@@ -61,6 +66,9 @@ class ReplicaProcess:
         # (tests substitute a light server speaking the same flags and endpoints).
         self.serve_command = list(serve_command or DEFAULT_SERVE_COMMAND)
         self.log_path = Path(log_dir or ".") / f"replica-{port}.log"
+        # Should this process die without draining it, how long the replica may take to
+        # drain on its own before it kills itself (exit_with_parent.py).
+        self.orphan_grace_s = orphan_grace_s
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False  # has answered /ready once (until then its start-up is in charge)
         self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
@@ -93,7 +101,7 @@ class ReplicaProcess:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
-                env=_replica_env(),
+                env=_replica_env(self.orphan_grace_s),
                 start_new_session=True,  # a process group of its own, for `kill`
             )
         finally:
@@ -188,12 +196,13 @@ class ReplicaProcess:
             return ""
 
 
-def _replica_env() -> dict[str, str]:
+def _replica_env(orphan_grace_s: float = DEFAULT_GRACE_S) -> dict[str, str]:
     """A replica's environment. It exits with this process (exit_with_parent.py). The
     replicas of one fleet share this machine's cores. OpenMP threads spin between parallel
     regions by default, which is fastest for a process alone on its cores (2x at batch 8 here)
     but lets busy neighbours starve each other (8-20x slower steps measured with two processes
     on 2 cores), so replicas wait passively unless the user chose otherwise."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", EXIT_WITH_PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", EXIT_WITH_PARENT_ENV: str(os.getpid()),
+           EXIT_WITH_PARENT_GRACE_ENV: str(orphan_grace_s)}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env

@@ -14,16 +14,18 @@ tensor-parallel workers too) after LIVENESS_KILL_GRACE_S.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -133,11 +135,13 @@ class FleetConfig:
                 "maxReplicas": self.max_replicas}  # fmt: skip
         return AutoscalingPolicy.from_spec(spec)
 
-    @property
+    @functools.cached_property
     def batches_shared(self) -> bool:
         """Every replica gets the same serve args, so a --batch-dir among them is one folder
-        they all share: a drained replica's batches are taken over by the others."""
-        return any(a == "--batch-dir" or a.startswith("--batch-dir=") for a in self.serve_args)
+        they all share: a drained replica's batches are taken over by the others. Read as
+        the replicas' own argparse reads them: `--batch-d DIR` (an abbreviation) is the
+        same folder."""
+        return _serve_arg(self.serve_args, "batch_dir") is not None
 
     @property
     def scales_from_zero(self) -> bool:
@@ -188,6 +192,7 @@ class Fleet:
             extra_args=self.config.serve_args,
             log_dir=self.log_dir,
             serve_command=self.config.serve_command,
+            orphan_grace_s=self.config.drain_timeout_s,
         )
 
     async def _launch(self) -> ReplicaProcess:
@@ -563,6 +568,25 @@ def _exit_reason(code: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"code {code}"
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # not a usage message and SystemExit
+        raise ValueError(message)
+
+
+def _serve_arg(serve_args: tuple[str, ...], dest: str) -> Any:
+    """The value `argosy serve` takes for option `dest` from `serve_args`; None when the
+    args do not parse (every replica then fails at start, with its own message)."""
+    from argosy_runtime.cli.serve import add_arguments  # light: no torch
+
+    parser = _RaisingParser(add_help=False)
+    add_arguments(parser)
+    try:
+        namespace, _ = parser.parse_known_args(list(serve_args))
+    except ValueError:
+        return None
+    return getattr(namespace, dest)
 
 
 def fleet_config_from(**kwargs: Any) -> FleetConfig:

@@ -171,14 +171,21 @@ async def test_fleet_scale_down_keeps_the_replicas_holding_batches(tmp_path: Pat
         await fleet.stop()
 
 
+@pytest.mark.parametrize("spelling", ["--batch-dir", "--batch-dir=", "--batch-d"])
 async def test_fleet_with_a_shared_batch_dir_drains_replicas_holding_batches(
-        tmp_path: Path) -> None:
+        tmp_path: Path, spelling: str) -> None:
     # The same, with `-- --batch-dir DIR`: the replicas share one folder and take over each
     # other's batches, so the fleet goes down to one replica although all three hold batches.
+    # `--batch-d DIR` is the same folder to the replicas' argparse (an abbreviation); the
+    # fleet did not count it as shared and held a replica per batch.
+    folder = str(tmp_path / "batches")
+    serve_args = (spelling + folder,) if spelling.endswith("=") else (spelling, folder)
     config = dataclasses.replace(fast_fleet(tmp_path, min_replicas=1, max_replicas=3,
                                             scaleDownStabilizationSeconds=3), replicas=3,
-                                 serve_args=("--batch-dir", str(tmp_path / "batches")))
-    assert config.batches_shared
+                                 serve_args=serve_args)
+    from argosy_runtime.cli.main import build_parser  # what every replica makes of them
+
+    assert build_parser().parse_args(["serve", *serve_args]).batch_dir == folder
     fleet = Fleet(config)
     await fleet.start()
     try:

@@ -68,3 +68,66 @@ def test_a_replica_exits_when_its_fleet_is_killed(tmp_path) -> None:
     if _running(replica_pid):
         os.kill(replica_pid, signal.SIGKILL)
         pytest.fail("the replica outlived its killed fleet")
+
+
+# A replica that SIGTERM does not stop (a hung event loop; here SIGTERM is ignored), ready at
+# once; it asks to exit with its fleet as `argosy serve` does.
+STUBBORN_REPLICA = """
+import http.server, signal, sys
+from argosy_runtime.fleet.exit_with_parent import exit_with_parent_if_asked
+
+exit_with_parent_if_asked()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+FLEET = """
+import asyncio, sys
+from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
+
+async def main():
+    fleet = Fleet(FleetConfig(model="m", replicas=1, port=0, log_dir=sys.argv[2],
+                              serve_command=(sys.executable, sys.argv[1]),
+                              drain_timeout_s=3, ready_timeout_s=60))
+    await fleet.start()
+    print(fleet.processes[0].process.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_replica_that_ignores_sigterm_exits_when_its_fleet_is_killed(tmp_path) -> None:
+    """A live fleet SIGKILLs a replica that has not drained within its drain timeout; a
+    killed fleet's replica got only PR_SET_PDEATHSIG's SIGTERM, and one that could not act
+    on it lived on for good, holding its port and its model."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_REPLICA)
+    fleet = subprocess.Popen([sys.executable, "-c", FLEET, str(script), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        replica_pid = int(fleet.stdout.readline())
+        assert _running(replica_pid)
+    finally:
+        fleet.kill()
+        fleet.wait()
+        fleet.stdout.close()
+    deadline = time.monotonic() + 60  # 3 s of grace, on a loaded machine
+    while _running(replica_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running(replica_pid):
+        os.kill(replica_pid, signal.SIGKILL)
+        pytest.fail("the replica outlived its killed fleet")
+    log = next(tmp_path.glob("replica-*.log")).read_text()
+    assert "SIGTERM did not stop it within 3 s" in log, log

@@ -170,7 +170,8 @@ def test_the_cli_refuses_serve_args_the_fleet_sets() -> None:
     proc = subprocess.run([sys.executable, "-m", "argosy_runtime.cli.main", "fleet", "--",
                            "--port", "9000"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc
-    assert "argosy fleet: serve_args: --port is set by the fleet" in proc.stderr, proc.stderr
+    assert ("argosy fleet: the arguments after --: --port is set by the fleet"
+            in proc.stderr), proc.stderr
 
 
 async def test_a_replacement_that_fails_to_start_is_retried(
@@ -264,7 +265,7 @@ def test_a_bad_gateway_port_is_refused_up_front(fleet_cli, tmp_path: Path, port:
     # 70000 used to start every replica, then die in a traceback; -1 blamed --host.
     cli = fleet_cli(FAKE_REPLICA, "--port", port)
     assert cli.proc.wait(timeout=30) == 2, cli.stderr()
-    assert f"argosy fleet: port: must be a TCP port (0-65535), got {port}" in cli.stderr()
+    assert f"argosy fleet: --port: must be a TCP port (0-65535), got {port}" in cli.stderr()
     assert not list((tmp_path / "logs").glob("replica-*.log")), "replicas were started"
 
 
