@@ -11,6 +11,7 @@ import time
 
 import pytest
 from argosy_runtime.fleet.replica_process import _replica_env
+from test_fleet_robustness import STUBBORN
 
 
 def test_replicas_wait_passively_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,24 +73,8 @@ def test_a_replica_exits_when_its_fleet_is_killed(tmp_path) -> None:
 
 # A replica that SIGTERM does not stop (a hung event loop; here SIGTERM is ignored), ready at
 # once; it asks to exit with its fleet as `argosy serve` does.
-STUBBORN_REPLICA = """
-import http.server, signal, sys
-from argosy_runtime.fleet.exit_with_parent import exit_with_parent_if_asked
-
-exit_with_parent_if_asked()
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-port = int(sys.argv[sys.argv.index("--port") + 1])
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
+STUBBORN_REPLICA = ("from argosy_runtime.fleet.exit_with_parent import exit_with_parent_if_asked\n"
+                    "exit_with_parent_if_asked()\n" + STUBBORN)
 
 FLEET = """
 import asyncio, sys
