@@ -775,14 +775,19 @@ class LLMEngine:
         outputs are unchanged: where bytes are forced the grammar allows only these tokens.
         A request with token masks (allowed_token_ids, bad_words) never jumps: a forced token
         must pass its masks like a sampled one."""
-        params = req.params
-        if (req.grammar is None or req.is_finished or req.logprobs is not None
-                or params.allowed_token_ids or params.bad_words_token_ids
-                or not self.args.enable_jump_forward):
+        if not self.jumps_forward(req):
             return
         forced = req.grammar.forced_tokens(req.output_token_ids)
         if forced:  # _append_tokens stops at max_tokens / max_model_len / a stop string
             self._append_tokens(req, forced, None)
+
+    def jumps_forward(self, req: Request) -> bool:
+        """Whether `_jump_forward` appends the tokens `req`'s grammar forces (drawing nothing
+        for them): a speculative proposer must not make a sampled request draw there."""
+        params = req.params
+        return not (req.grammar is None or req.is_finished or req.logprobs is not None
+                    or params.allowed_token_ids or params.bad_words_token_ids
+                    or not self.args.enable_jump_forward)
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
         """Whether `token` (text `delta`) ends `req` by a user stop, its grammar or its length

@@ -112,6 +112,9 @@ class SpeculativeDecoder:
                 proposal.tokens = req.grammar.valid_prefix(req.output_token_ids, proposal.tokens)
             elif req.grammar is not None:  # (its q rows are cut with its tokens in verify)
                 proposal.tokens = req.grammar.cut_at_end(req.output_token_ids, proposal.tokens)
+            if (proposal.probs is None and not req.params.is_greedy
+                    and self.engine.jumps_forward(req)):
+                proposal.tokens = _cut_before_forced(req, proposal.tokens)
             if proposal.tokens:
                 req.spec_token_ids = proposal.tokens
                 self._proposals[req.request_id] = proposal
@@ -199,3 +202,19 @@ class SpeculativeDecoder:
             state.probing = True
         elif num_accepted >= 2:
             state.backoff = 8
+
+
+def _cut_before_forced(req: Request, drafts: list[int]) -> list[int]:
+    """One-hot drafts of a sampled request that jumps forward, cut so that verification
+    draws at no position plain decoding fills by jump-forward. Plain decoding draws one
+    token, then appends the tokens the grammar forces after it without a draw; verification
+    draws at every draft position and the bonus one. A draw at a forced position would use
+    up the request's random draws out of step with plain decoding, and a seeded request's
+    later tokens would differ with speculation on (docs/speculative.md promises the same
+    tokens). So the last draw (the bonus position) must be the one after which tokens are
+    forced: keep drafts[:j - 1] for the first j where drafts[:j] leave tokens forced."""
+    output = req.output_token_ids
+    for j in range(1, len(drafts) + 1):
+        if req.grammar.forced_tokens(output + drafts[:j]):
+            return drafts[: j - 1]
+    return drafts
