@@ -3,8 +3,8 @@
 Requests forbid unknown fields (`extra="forbid"`): a misspelled option is a 400, never silently
 ignored. The accepted extras are exactly vLLM's `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids` (see DESIGN.md), `priority` (scheduling order),
-`include_stop_str_in_output` and, on chat, `chat_template_kwargs`, so clients written for
-vLLM work unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`,
+`include_stop_str_in_output` and, on chat, `chat_template_kwargs`, `add_generation_prompt`
+and `continue_final_message`, so clients written for vLLM work unchanged. OpenAI fields we accept but do not act on (`user`, `store`, `metadata`,
 ...) are listed explicitly; OpenAI fields we cannot honour (`suffix`,
 `tool_choice: "auto"`, ...) are rejected with a 400 naming them (see
 `serving_common.reject_unsupported`). `structured_outputs` is vLLM's constrained-decoding
@@ -252,6 +252,10 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
     # vLLM's: extra variables for the chat template (Qwen3's {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: render without the assistant turn's opening, or leave the final message open
+    # for the model to continue (an assistant prefill: "{"; "Sure, here is").
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -263,6 +267,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None
     add_generation_prompt: StrictBool = True  # messages only
+    continue_final_message: StrictBool = False  # messages only, as chat's
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
     chat_template_kwargs: dict[str, Any] | None = None  # messages only, as chat's
 

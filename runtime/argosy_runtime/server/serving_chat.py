@@ -65,7 +65,8 @@ from starlette.responses import Response
 # Conversations this long or longer are rendered through the chat template on a worker thread.
 RENDER_OFF_LOOP_MESSAGES = 1000
 # Template variables a request sets through its own fields, never through chat_template_kwargs.
-_TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt")
+_TEMPLATE_VARIABLES_OF_THE_REQUEST = ("messages", "tools", "add_generation_prompt",
+                                      "continue_final_message")
 # Functions the server gives every template (transformers' globals): a value of that name
 # would replace the function, and the template calling it would fail.
 _TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")
@@ -74,12 +75,13 @@ _TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")
 async def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
                           tools: list[ChatTool] | None = None,
                           template_kwargs: dict[str, Any] | None = None,
-                          truncate: int | None = None) -> list[int]:
+                          truncate: int | None = None, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> list[int]:
     """The prompt token ids of a conversation, through the model's chat template (without
     `truncate`, a text too long for the model is a 400 before it is tokenized)."""
     def render() -> str:
-        return render_chat_text(ctx, chat_messages, tools, add_generation_prompt=True,
-                                template_kwargs=template_kwargs)
+        return render_chat_text(ctx, chat_messages, tools, add_generation_prompt,
+                                template_kwargs, continue_final_message)
 
     # A template is Python (jinja) run per message: ~5 us each, so a 16 MiB body of tiny
     # messages held the event loop, and every stream on it, for 2.5 s. On a thread the loop
@@ -95,9 +97,16 @@ async def render_messages(ctx: ServingContext, chat_messages: list[ChatMessage],
 
 def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
                      tools: list[ChatTool] | None, add_generation_prompt: bool,
-                     template_kwargs: dict[str, Any] | None = None) -> str:
+                     template_kwargs: dict[str, Any] | None = None,
+                     continue_final_message: bool = False) -> str:
     """The conversation through the model's chat template; `template_kwargs` (vLLM's
-    chat_template_kwargs) are extra template variables, such as Qwen3's enable_thinking."""
+    chat_template_kwargs) are extra template variables, such as Qwen3's enable_thinking.
+    `continue_final_message` (vLLM's, transformers'): the text ends with the final message's
+    content, without what the template closes a turn with, for the model to continue it."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true: set add_generation_prompt to false to continue the final "
+                          "message", "continue_final_message")
     for key in template_kwargs or ():
         if key in _TEMPLATE_VARIABLES_OF_THE_REQUEST:
             raise bad_request(f"chat_template_kwargs: {key!r} is set by the request itself "
@@ -125,9 +134,21 @@ def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     extra.update(template_kwargs or {})
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
     except ValueError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    return _open_final_message(text, messages[-1]["content"]) if continue_final_message \
+        else text
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """`text` cut after the final message's content, as transformers' apply_chat_template
+    cuts it for continue_final_message (its stripped content where a template strips it)."""
+    for content in (final, final.strip()):
+        if content and content in text:
+            return text[: text.rindex(content) + len(content)]
+    raise bad_request("continue_final_message: the final message's content is empty or not "
+                      "in the rendered chat, so there is nothing to continue", "messages")
 
 
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +206,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     # a context-length error names the field the client set
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     prompt = await render_messages(ctx, req.messages, req.tools, req.chat_template_kwargs,
-                                   req.truncate_prompt_tokens)
+                                   req.truncate_prompt_tokens, req.add_generation_prompt,
+                                   req.continue_final_message)
     [prompt] = truncate_prompts(ctx, [prompt], req.truncate_prompt_tokens, "messages",
                                 max_tokens, max_tokens_param)
     if req.use_beam_search:  # up to the context's end unless max_tokens says otherwise

@@ -23,7 +23,7 @@ async def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
         raise bad_request("tools applies to messages only", "tools")
     if req.messages is not None:  # as chat completions does: the template holds any BOS
         text = render_chat_text(ctx, req.messages, req.tools, req.add_generation_prompt,
-                                req.chat_template_kwargs)
+                                req.chat_template_kwargs, req.continue_final_message)
         add_special = bool(req.add_special_tokens)
     else:  # as completions does
         text = req.prompt
