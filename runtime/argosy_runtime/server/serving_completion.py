@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from argosy_runtime.outputs import CompletionOutput, RequestOutput
+from argosy_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.owners import owner_of
 from argosy_runtime.server.protocol import CompletionRequest, new_id, now
@@ -90,8 +90,7 @@ def logprobs_block(ctx: ServingContext, seq: CompletionOutput, start: int, end: 
         text = token_text(ctx.tokenizer, token_id, lp)
         block["tokens"].append(text)
         block["token_logprobs"].append(None if lp is None else lp.logprob)
-        block["top_logprobs"].append(
-            {token_text(ctx.tokenizer, t, alt): alt.logprob for t, alt in top_entries(entry, k)})
+        block["top_logprobs"].append(_top_logprobs(ctx, entry, token_id, lp, k))
         block["text_offset"].append(offset)
         offset += len(text)
     return block, offset
@@ -111,11 +110,22 @@ def prompt_logprobs_block(ctx: ServingContext, out: RequestOutput,
         text = token_text(ctx.tokenizer, token_id, lp)
         block["tokens"].append(text)
         block["token_logprobs"].append(None if lp is None else lp.logprob)
-        block["top_logprobs"].append(None if entry is None else {
-            token_text(ctx.tokenizer, t, alt): alt.logprob for t, alt in top_entries(entry, k)})
+        block["top_logprobs"].append(
+            None if entry is None else _top_logprobs(ctx, entry, token_id, lp, k))
         block["text_offset"].append(offset)
         offset += len(text)
     return block, offset
+
+
+def _top_logprobs(ctx: ServingContext, entry: dict[int, Logprob], token_id: int,
+                  lp: Logprob | None, k: int) -> dict[str, float]:
+    """One position's `top_logprobs`: the chosen token's, then the k most likely. OpenAI's
+    legacy completions return "up to logprobs + 1 elements" (the chosen token always, so
+    `logprobs: 0` is not an empty dict), as vLLM does; chat's `top_logprobs` is the top k
+    only."""
+    chosen = [] if lp is None else [(token_id, lp)]
+    return {token_text(ctx.tokenizer, t, alt): alt.logprob
+            for t, alt in chosen + [(t, a) for t, a in top_entries(entry, k) if t != token_id]}
 
 
 def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

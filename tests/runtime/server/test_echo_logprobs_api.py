@@ -23,6 +23,14 @@ def offline_prompt_logprobs(llm, ids: list[int], k: int) -> list:  # noqa: ANN00
     return llm.generate([ids], params)[0].prompt_logprobs
 
 
+def _top_k_and_chosen(position: dict, chosen: int, k: int) -> list[float]:
+    """A legacy completion's `top_logprobs` values at one position, sorted: the k most likely
+    and the chosen token ("up to logprobs + 1" entries, OpenAI's and vLLM's)."""
+    values = {t: x.logprob for t, x in position.items() if x.rank <= k}
+    values[chosen] = position[chosen].logprob
+    return sorted(values.values())
+
+
 def test_loglikelihood_requests_as_lm_eval_sends_them(http: httpx.Client, offline_llm) -> None:
     tok = offline_llm.engine.tokenizer
     context = tok.encode(CONTEXT)
@@ -57,10 +65,8 @@ def test_max_tokens_0_scores_the_prompt_alone(http: httpx.Client, offline_llm) -
     want = offline_prompt_logprobs(offline_llm, ids, 3)
     for pos in range(1, len(ids)):
         top = choice["logprobs"]["top_logprobs"][pos]
-        assert len(top) == 3
-        assert sorted(top.values(), reverse=True) == pytest.approx(
-            sorted((x.logprob for x in want[pos].values() if x.rank <= 3), reverse=True),
-            abs=1e-5)
+        expected = _top_k_and_chosen(want[pos], ids[pos], 3)  # 3, or 4 beside a chosen 4th
+        assert sorted(top.values()) == pytest.approx(expected, abs=1e-5)
     streamed = [line for line in http.post("/v1/completions", json={**body, "stream": True})
                 .text.splitlines() if line.startswith("data: {")]
     assert len(streamed) == 1  # the whole answer is known at once
@@ -168,9 +174,8 @@ def test_max_tokens_0_scores_a_prompt_filling_the_context(http: httpx.Client,
     for pos in (1, 1000, 2046, 2047):
         assert lp["token_logprobs"][pos] == pytest.approx(want[pos][ids[pos]].logprob,
                                                           abs=1e-4), pos
-        assert sorted(lp["top_logprobs"][pos].values(), reverse=True) == pytest.approx(
-            sorted((x.logprob for x in want[pos].values() if x.rank <= 3), reverse=True),
-            abs=1e-4), pos
+        assert sorted(lp["top_logprobs"][pos].values()) == pytest.approx(
+            _top_k_and_chosen(want[pos], ids[pos], 3), abs=1e-4), pos
     assert lp["token_logprobs"][2047] < max(lp["top_logprobs"][2047].values())  # rank 2
     # streamed: the same single chunk
     streamed = [line for line in http.post("/v1/completions", json={**body, "stream": True})
@@ -236,3 +241,28 @@ def test_max_tokens_0_whole_context_streamed_with_n_2(http: httpx.Client) -> Non
     assert cut.json()["usage"]["prompt_tokens"] == 2048
     assert cut.json()["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
         want["token_logprobs"][1:], abs=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_top_logprobs_hold_the_chosen_token_and_the_top_k(http: httpx.Client, offline_llm,
+                                                           k: int) -> None:
+    """Legacy completions return "up to logprobs + 1" entries per position (OpenAI; vLLM):
+    the chosen token always, then the k most likely, so `logprobs: 0` is not `{}` and a
+    sampled token outside the top k still shows. Echoed prompt tokens likewise."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "echo": True,
+            "logprobs": k, "temperature": 1.5, "seed": 7}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    block = r.json()["choices"][0]["logprobs"]
+    rows = list(zip(block["tokens"], block["token_logprobs"], block["top_logprobs"],
+                    strict=True))[1:]  # the first prompt token has no logprob
+    for token, logprob, top in rows:
+        assert top[token] == pytest.approx(logprob)
+        assert len(top) in ((k, k + 1) if k else (1,))
+    # the generated positions: the engine's top k there, plus the chosen token
+    params = SamplingParams(max_tokens=6, temperature=1.5, seed=7, logprobs=k)
+    [seq] = offline_llm.generate([body["prompt"]], params)[0].outputs
+    for (_, _, top), token_id, entry in zip(rows[-len(seq.token_ids):], seq.token_ids,
+                                            seq.logprobs, strict=True):
+        assert sorted(top.values()) == pytest.approx(_top_k_and_chosen(entry, token_id, k),
+                                                     abs=1e-4)
