@@ -45,7 +45,7 @@ def test_gateway_example_loads_and_matches_the_image() -> None:
     assert container["image"] == "ghcr.io/argosy-project/argosy-gateway:0.1.0"
     assert "command" not in container and "args" not in container  # the image's CMD
     assert container["ports"][0]["containerPort"] == config.port
-    (mount,) = container["volumeMounts"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
     assert mount["mountPath"] == "/etc/argosy"  # the CMD reads /etc/argosy/gateway.yaml
     # The gateway watches the pods of the LLMDeployment it routes to.
     (role,) = [o for o in objects if o["kind"] == "Role"]
