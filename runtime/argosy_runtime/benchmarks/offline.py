@@ -46,10 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra LLM(...) option for ours, e.g. --engine-arg quantization=int8")
 
 
-def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(vocab: int, batch: int, length: int, seed: int, tag: str) -> list[list[int]]:
+    """`batch` random prompts, their own for each `tag` (a batch size, or "warmup").
+
+    With one seed for all, the first prompts of every batch were the same ones again (batch
+    8's first prompt was batch 1's), so a system that keeps a prefix cache across generate()
+    calls (vLLM by default; ours resets its cache) prefilled them from the cache.
+    """
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed}/{tag}")
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
 
 
@@ -70,10 +76,11 @@ def run_ours(args: argparse.Namespace, batches: list[int]) -> tuple[dict[int, fl
     llm = LLM(model=args.model, dtype=args.dtype, **_parse_engine_args(args.engine_arg))
     vocab = llm.engine.spec.vocab_size
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(_prompts(vocab, 2, 16, args.seed + 99), SamplingParams(max_tokens=4, temperature=0))
+    llm.generate(_prompts(vocab, 2, 16, args.seed, "warmup"),
+                 SamplingParams(max_tokens=4, temperature=0))
     results = {}
     for b in batches:
-        prompts = _prompts(vocab, b, args.input_len, args.seed)
+        prompts = _prompts(vocab, b, args.input_len, args.seed, str(b))
         llm.engine.kv_cache.pool.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -97,10 +104,10 @@ def run_transformers(args: argparse.Namespace, batches: list[int], vocab: int) -
     model.eval()
     results = {}
     with torch.inference_mode():
-        model.generate(torch.tensor(_prompts(vocab, 2, 16, args.seed + 99)), max_new_tokens=4,
+        model.generate(torch.tensor(_prompts(vocab, 2, 16, args.seed, "warmup")), max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
         for b in batches:
-            ids = torch.tensor(_prompts(vocab, b, args.input_len, args.seed))
+            ids = torch.tensor(_prompts(vocab, b, args.input_len, args.seed, str(b)))
             start = time.perf_counter()
             out = model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                                  do_sample=False, pad_token_id=0)
@@ -138,8 +145,9 @@ def run_vllm(args: argparse.Namespace, batches: list[int], vocab: int) -> dict[i
     path, fmt = resolve_model_path(args.model)
     cfg = {
         "model": str(path), "dtype": args.dtype, "output_len": args.output_len,
-        "warmup": _prompts(vocab, 2, 16, args.seed + 99),
-        "batches": {str(b): _prompts(vocab, b, args.input_len, args.seed) for b in batches},
+        "warmup": _prompts(vocab, 2, 16, args.seed, "warmup"),
+        "batches": {str(b): _prompts(vocab, b, args.input_len, args.seed, str(b))
+                    for b in batches},
     }
     proc = subprocess.run([python, "-c", _VLLM_SCRIPT, json.dumps(cfg)], capture_output=True, text=True)
     for line in proc.stdout.splitlines():

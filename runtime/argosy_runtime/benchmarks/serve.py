@@ -8,10 +8,12 @@ table and a JSON file; `--plot` writes latency CDFs (and throughput/latency agai
 several rates are given). `--compare A.json B.json ...` merges earlier runs (e.g. ours and
 vLLM's) into one table and plot instead of running.
 
-Prompts are made of common English words, about one token each, so that the same prompts mean
-the same load on any server; the true prompt/output token counts come from the server's
-`usage` (stream_options.include_usage). `--ignore-eos` (default on) sends vLLM's `ignore_eos`
-extra so every request generates exactly its output length.
+Prompts are made of common English words, one token each in the embedded model's tokenizer
+with or without a leading space (a prompt's first word has none), so that `--input-len N`
+prompts are N tokens there and the same prompts mean the same load on any server; the true
+prompt/output token counts come from the server's `usage` (stream_options.include_usage).
+`--ignore-eos` (default on) sends vLLM's `ignore_eos` extra so every request generates
+exactly its output length.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ WORDS = (
     "sentence man think say great where help through much before line right too mean old any same "
     "tell boy follow came want show also around form three small set put end does another well "
     "large must big even such because turn here why ask went men read need land different home us "
-    "move try kind hand picture again change off play spell air away animal house point page letter"
+    "move try kind hand picture again change off play food air away animal house point page letter"
 ).split()
 
 DATASETS = ("synthetic", "synthetic-mixed", "shared-prefix")
@@ -72,16 +74,24 @@ def make_requests(dataset: str, num: int, input_len: int, output_len: int, seed:
         raise ValueError("num_prompts, input_len and output_len must be >= 1")
     rng = random.Random(seed)
 
-    def words(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
+    def words(n: int) -> list[str]:
+        return [rng.choice(WORDS) for _ in range(n)]
 
     specs = []
     if dataset == "shared-prefix":
-        plen = min(input_len - 1, prefix_len if prefix_len is not None else input_len * 3 // 4)
-        prefix = words(plen) if plen > 0 else ""
+        # Each prompt is told apart by i written in base len(WORDS) with WORDS as digits, not
+        # by the number i: " 12" is three tokens in digit-splitting tokenizers (SmolLM2's),
+        # which made every prompt 1-2 tokens longer than --input-len.
+        width = 1
+        while len(WORDS) ** width < num:
+            width += 1
+        plen = min(input_len - width,
+                   prefix_len if prefix_len is not None else input_len * 3 // 4)
+        prefix = words(max(0, plen))
         for i in range(num):
-            specs.append(RequestSpec(f"{prefix} {i} {words(input_len - plen - 1)}".strip(),
-                                     output_len))
+            tag = [WORDS[i // len(WORDS) ** k % len(WORDS)] for k in range(width)]
+            tail = words(input_len - len(prefix) - width)
+            specs.append(RequestSpec(" ".join(prefix + tag + tail), output_len))
         return specs
     for _ in range(num):
         if dataset == "synthetic-mixed":  # lengths uniform in [0.25x, 1.75x]: mean x
@@ -89,7 +99,7 @@ def make_requests(dataset: str, num: int, input_len: int, output_len: int, seed:
             n_out = rng.randint(max(1, output_len // 4), max(1, output_len * 7 // 4))
         else:
             n_in, n_out = input_len, output_len
-        specs.append(RequestSpec(words(n_in), n_out))
+        specs.append(RequestSpec(" ".join(words(n_in)), n_out))
     return specs
 
 
@@ -380,7 +390,14 @@ def run(args: argparse.Namespace) -> int:
         for path in args.compare:
             with open(path) as f:
                 data = json.load(f)
-            runs.update(data["runs"])
+            for label, rows in data["runs"].items():
+                # Two runs under one label (the default label is the served model's name,
+                # often the same for ours and vLLM's) must not silently replace each other:
+                # the later one is named after its file too.
+                key = label
+                while key in runs:
+                    key = f"{key} ({os.path.basename(path)})"
+                runs[key] = rows
         _write_outputs(runs, args, {"compare": args.compare})
         return 0
     try:
