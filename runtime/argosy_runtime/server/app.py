@@ -82,7 +82,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     lifecycle = Lifecycle(config.drain_timeout)
     lora = LoRAAdmin(engine, config.allow_runtime_lora_updates)
     metrics.attach_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting,
-                          _cache_info(engine), lora.loaded_names, lora.names, lora.num_loads)
+                          _cache_info(engine), lora.loaded_names, lora.names, lora.num_loads,
+                          lambda: async_engine.is_alive)
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_name=model_name,
                          max_model_len=int(engine.max_model_len), config=config,
                          lifecycle=lifecycle, metrics=metrics, adapter_names=lora.names,

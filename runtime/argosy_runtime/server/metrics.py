@@ -37,8 +37,10 @@ class _EngineStatsCollector(Collector):
                  get_waiting: Callable[[], int], cache_info: dict[str, str],
                  get_adapters: Callable[[], Iterable[str]],
                  get_registered: Callable[[], Iterable[str]],
-                 get_adapter_loads: Callable[[], int]) -> None:
+                 get_adapter_loads: Callable[[], int],
+                 is_alive: Callable[[], bool]) -> None:
         self.model_name = model_name
+        self.is_alive = is_alive
         self.get_stats = get_stats
         self.get_waiting = get_waiting
         self.cache_info = cache_info
@@ -61,12 +63,16 @@ class _EngineStatsCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.",
-                    s.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    self.get_waiting())
-        yield gauge("kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).",
-                    s.kv_cache_usage)
+        # A dead engine's last snapshot is not its load: the gauges are left out rather than
+        # frozen at whatever they were (until the readiness probe fails, the autoscaler still
+        # scrapes the pod; without them it counts the replica as fully loaded).
+        if self.is_alive():
+            yield gauge("num_requests_running", "Requests in the running batch.",
+                        s.num_requests_running)
+            yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                        self.get_waiting())
+            yield gauge("kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).",
+                        s.kv_cache_usage)
         yield counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -159,14 +165,16 @@ class ServerMetrics:
                       get_waiting: Callable[[], int], cache_info: dict[str, str],
                       get_adapters: Callable[[], Iterable[str]] = tuple,
                       get_registered: Callable[[], Iterable[str]] | None = None,
-                      get_adapter_loads: Callable[[], int] = lambda: 0) -> None:
+                      get_adapter_loads: Callable[[], int] = lambda: 0,
+                      is_alive: Callable[[], bool] = lambda: True) -> None:
         """`get_adapters`: the LoRA adapters in memory; `get_registered`: every adapter
         served (default: the same, as without --max-loaded-loras); `get_adapter_loads`: how
-        many adapters requests have loaded so far."""
+        many adapters requests have loaded so far; `is_alive`: whether the engine runs (the
+        load gauges are exported only then)."""
         self.registry.register(_EngineStatsCollector(self.model_name, get_stats, get_waiting,
                                                      cache_info, get_adapters,
                                                      get_registered or get_adapters,
-                                                     get_adapter_loads))
+                                                     get_adapter_loads, is_alive))
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
     def on_scheduled(self, queue_time_s: float) -> None:

@@ -206,3 +206,23 @@ def test_parses_what_the_runtime_server_exports() -> None:
     metrics.on_first_token(0.05)
     metrics.batch_pending.set_function(lambda: 12)
     assert gauges(parse_metrics(metrics.render().decode())) == (0.42, 3.0, 5.0, 12.0)
+
+
+def test_a_dead_engines_page_is_no_load_sample() -> None:
+    """A replica whose engine died exports no load gauges: until its readiness probe fails
+    (periods of seconds) the pod still counts as ready, and its last snapshot, frozen, was
+    read as its load. The scraper now takes the page for an unmeasured replica, which the
+    decision counts as fully loaded."""
+    from argosy_runtime.outputs import EngineStats
+    from argosy_runtime.server.metrics import ServerMetrics
+
+    alive = [True]
+    metrics = ServerMetrics("smollm2-135m")
+    metrics.attach_engine(lambda: EngineStats(num_requests_running=5, kv_cache_usage=0.42),
+                          lambda: 3, {"block_size": "16"}, is_alive=lambda: alive[0])
+    assert gauges(parse_metrics(metrics.render().decode()))[:3] == (0.42, 3.0, 5.0)
+    alive[0] = False
+    page = metrics.render().decode()
+    assert "argosy:kv_cache_usage_perc" not in page and "argosy:prompt_tokens_total" in page
+    with pytest.raises(ValueError, match="metrics missing"):
+        parse_metrics(page)
