@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from argosy_runtime.beam_search import (
@@ -203,18 +204,67 @@ class LLM:
             raise
         return [finished[rid] for rid in ids]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | None = None,
-             lora_name: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate."""
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora_name: str | None = None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation as POST /v1/chat/completions renders it (its
+        render_chat_text: content parts joined, "developer" as "system", tool-call arguments
+        as objects, `tools` and `chat_template_kwargs` shown to the template), then generate.
+        `chat_template` (the text, or a file holding it) replaces the model's for this call."""
+        # The server's own renderer, imported here: `import argosy_runtime` stays free of
+        # fastapi, and the two can never render a conversation differently.
+        from pydantic import ValidationError
+
+        from argosy_runtime.server.errors import APIError
+        from argosy_runtime.server.protocol import ChatMessage, ChatTool
+        from argosy_runtime.server.serving_chat import render_chat_text
+
         single = bool(messages) and isinstance(messages, list) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
         _check_conversations(conversations, single)
         tokenizer = self.engine.tokenizer
-        # The template already holds any BOS it wants: encode without adding special tokens.
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True),
-                                    add_special_tokens=False) for c in conversations]
+        # render_chat_text reads the server context's tokenizer only
+        context = SimpleNamespace(tokenizer=tokenizer if chat_template is None else
+                                  _WithTemplate(tokenizer, load_chat_template(chat_template)))
+
+        def parse(name: str, model: Any, value: Any) -> Any:
+            try:
+                return model.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError(f"{name}: {exc.errors()[0]['msg']} "
+                                 f"(at {exc.errors()[0]['loc']}): {value!r:.80}") from None
+
+        tool_models = [parse(f"tools[{i}]", ChatTool, t) for i, t in enumerate(tools or ())]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            name = "messages" if single else f"messages[{i}]"
+            parsed = [parse(f"{name}[{j}]", ChatMessage, m) for j, m in enumerate(conversation)]
+            try:
+                text = render_chat_text(context, parsed, tool_models or None,
+                                        add_generation_prompt, chat_template_kwargs,
+                                        continue_final_message)
+            except APIError as exc:  # the server's 400: the same message, named here
+                raise ValueError(f"{exc.param or name}: {exc.message}") from None
+            # The template already holds any BOS it wants: encode without special tokens.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, params, lora_name)
+
+
+class _WithTemplate:
+    """A tokenizer whose apply_chat_template renders with another template (LLM.chat's
+    `chat_template`)."""
+
+    def __init__(self, tokenizer: Any, template: str) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return self._tokenizer.render_template(self._template, messages,
+                                               add_generation_prompt, **kwargs)
 
 
 def _type_names(value: Any) -> str:
