@@ -55,9 +55,19 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_name: str | None = None,
+        *,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (a str or a list of token ids counts as one),
-        on the base model or the LoRA adapter `lora_name` (one of `lora_modules`)."""
+        on the base model or the LoRA adapter `lora_name` (one of `lora_modules`).
+        `sampling_params=` (vLLM's name for `params`) and `use_tqdm` (no progress bar is
+        shown) are accepted so that vLLM code runs unchanged."""
+        del use_tqdm
+        if sampling_params is not None:
+            if params is not None:
+                raise TypeError("give params or sampling_params (the same argument), not both")
+            params = sampling_params
         prompts = self._prompt_list(prompts)
         if params is None:
             params = SamplingParams()

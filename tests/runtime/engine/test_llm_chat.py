@@ -81,3 +81,15 @@ def test_a_batch_of_conversations_keeps_its_order(llm) -> None:  # noqa: ANN001
     assert [o.prompt_token_ids for o in outs] == [prompt_ids(llm, c) for c in batch]
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
     assert_no_leaks(llm.engine)
+
+
+def test_generate_takes_vllms_keyword_names(llm: LLM) -> None:
+    """vLLM code calls generate(prompts, sampling_params=..., use_tqdm=False)."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    [by_name] = llm.generate(["The capital of France is"], sampling_params=params,
+                             use_tqdm=False)
+    [plain] = llm.generate(["The capital of France is"], params)
+    assert by_name.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate(["x"], params, sampling_params=params)
+    assert_no_leaks(llm.engine)
