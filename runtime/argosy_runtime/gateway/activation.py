@@ -8,17 +8,19 @@ operator's autoscaler answers by scaling 0 -> 1 (argosy_operator/autoscaling/act
 `argosy fleet` reads `held` directly. The signal repeats every `refresh_s` while requests are
 held, so a stamp the operator missed, or answered just before scaling to zero, is renewed.
 
-A held request goes on as soon as a replica is in rotation, or gets 503 after `timeout_s`; a
+Held requests go on, in arrival order, as soon as a replica is in rotation, or get 503 after
+`timeout_s` (or at once when `argosy fleet` says the replica it started failed: `refuse`); a
 client that disconnects while held simply stops waiting. When the signal learns that nothing
 will answer it (a Kubernetes route whose LLMDeployment sits at `spec.replicas: 0` without
 autoscaling), the held requests get that 503 at once, and so does every request for the next
 `refresh_s`; after that the next request asks again. Holding costs nothing but an open
-connection: the body is already read, and the poll is a list scan every 50 ms.
+connection: the body is already read, and one watcher per model polls every 50 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import json
 import logging
@@ -50,10 +52,19 @@ class Activator:
         self.pool = pool
         self.config = config
         self.signal = signal
-        self.held = 0  # requests waiting right now
+        # The held requests' futures, oldest first: one watcher resolves them in this order,
+        # so they go on in arrival order (each polling on its own, a later arrival whose poll
+        # came first went ahead).
+        self._waiters: collections.deque[asyncio.Future[bool]] = collections.deque()
         self.unreachable: str | None = None  # the last signal's "no replica will come"
         self._signalled_at = float("-inf")
         self._signal_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def held(self) -> int:
+        """Requests waiting right now (the demand `argosy fleet` scales from zero on)."""
+        return len(self._waiters)
 
     def needed(self) -> bool:
         """No healthy replica: requests must wait. (Healthy replicas inside a Retry-After
@@ -67,25 +78,55 @@ class Activator:
     async def wait(self) -> bool:
         """Hold until a replica is in rotation (True), or `timeout_s` passes or the signal says
         none will come (False; `unreachable` then says why)."""
-        self.held += 1
-        deadline = time.monotonic() + self.config.timeout_s
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiters.append(waiter)
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = loop.create_task(self._watch())
         try:
-            while self.needed():
-                now = time.monotonic()
-                if now - self._signalled_at >= self.config.refresh_s:
-                    self._signalled_at = now
-                    self._send_signal()  # forgets an older "no replica will come"
-                if now >= deadline or self.unreachable is not None:
-                    return False
-                await asyncio.sleep(POLL_S)
-            return True
+            return await asyncio.wait_for(waiter, self.config.timeout_s)
+        except TimeoutError:
+            return False
         finally:
-            self.held -= 1
+            # Timed out, or the client went away (cancelled): no longer held, nor demand.
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    async def _watch(self) -> None:
+        """While requests are held: signal every `refresh_s`, and release them all, oldest
+        first, once a replica is in rotation or the signal says none will come."""
+        while self._waiters:
+            if not self.needed():
+                self._release(True)
+                return
+            now = time.monotonic()
+            if now - self._signalled_at >= self.config.refresh_s:
+                self._signalled_at = now
+                self._send_signal()  # forgets an older "no replica will come"
+            if self.unreachable is not None:
+                self._release(False)
+                return
+            await asyncio.sleep(POLL_S)
+
+    def _release(self, ok: bool) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(ok)
+
+    def refuse(self, reason: str) -> None:
+        """Answer the held requests, and those of the next `refresh_s`, 503 `reason` now:
+        the replica they wait for will not come (it failed to start, the fleet stops)."""
+        self.unreachable = reason
+        self._signalled_at = time.monotonic()
+        self._release(False)
 
     def _send_signal(self) -> None:
-        if self.signal is None or (self._signal_task is not None and not self._signal_task.done()):
+        if self._signal_task is not None and not self._signal_task.done():
             return
         self.unreachable = None  # ask again: the deployment may have changed
+        if self.signal is None:  # `argosy fleet`: its autoscaler reads `held`
+            return
         logger.info("model %s: no replica; %d request(s) held, asking for one",
                     self.pool.model, self.held)
         # Not awaited by the request: a slow or failing API server must not stall it, and a
@@ -103,6 +144,7 @@ class Activator:
             logger.warning("model %s: %s", self.pool.model, self.unreachable)
 
     async def close(self) -> None:
+        await cancel_and_wait(self._watch_task)
         await cancel_and_wait(self._signal_task)
 
 

@@ -197,3 +197,29 @@ async def test_a_deployment_nothing_will_scale_up_answers_at_once(kube_with_llmd
         await asyncio.sleep(1.0)
         assert not task.done() and gw.activators["tiny"].held == 1
         task.cancel()
+
+
+async def test_held_requests_go_on_in_arrival_order_each_once(fake_replicas, gateway) -> None:
+    """Held requests are released first come, first served: each woke on its own 50 ms poll,
+    so a later arrival whose poll came first went ahead of earlier ones."""
+    (replica,) = await fake_replicas(1)
+    gw, url = await gateway(config(ActivationConfig(timeout_s=60)))
+    activator = gw.activators["tiny"]
+    async with aiohttp.ClientSession() as s:
+        held = []
+        for i in range(8):  # arrivals spread over more than one poll interval
+            held.append(asyncio.create_task(
+                s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": f"p{i}"})))
+            for _ in range(200):  # this one is held before the next is sent
+                if activator.held == i + 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert activator.held == i + 1
+            await asyncio.sleep(0.013)
+        gw.pools["tiny"].add(replica.url)
+        for task in held:
+            resp = await asyncio.wait_for(task, 30)
+            assert resp.status == 200
+            resp.release()
+    assert [r["prompt"] for r in replica.requests] == [f"p{i}" for i in range(8)]
+    assert activator.held == 0
