@@ -277,6 +277,7 @@ class Fleet:
                     return
                 except RuntimeError as exc:
                     logger.error("%s\nretrying in %.0f s", exc, delay)
+                    self._refuse_held(exc)
                 finally:
                     self._replacing += 1
                 await asyncio.sleep(delay)
@@ -355,7 +356,7 @@ class Fleet:
             # Requests held for a replica (scale from zero) are answered 503 now: none will
             # start, and the gateway's drain would wait for them (drain_timeout_s) in vain.
             for activator in self.gateway.activators.values():
-                activator.unreachable = "the fleet is stopping: no replica will start"
+                activator.refuse("the fleet is stopping: no replica will start")
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -406,8 +407,20 @@ class Fleet:
                 self._hold_logged = False
             logger.error("autoscaler: scale-up failed (%d in a row; the next in %.0f s at the "
                          "earliest): %s", self._failed_scale_ups, self._scale_up_after - now, exc)
+            self._refuse_held(exc)
         else:
             self._failed_scale_ups = 0
+
+    def _refuse_held(self, exc: RuntimeError) -> None:
+        """A replica started for requests held at zero failed to start: answer them 503 with
+        why now, not after the hold's timeout (the replica start-up timeout, minutes)."""
+        activator = self.gateway.activators.get(self.config.name) if self.gateway else None
+        if activator is not None and activator.needed():
+            # The first line only ("replica URL exited (code 1) before it was ready"): the
+            # log's end is for the fleet's operator, not for clients.
+            why = str(exc).split(";", 1)[0].splitlines()[0]
+            activator.refuse(f"no replica of {self.config.name!r} could start ({why}); retry "
+                             "later")
 
     async def _check_liveness(self) -> None:
         """Stop a ready replica whose /health has failed for liveness_timeout_s (SIGTERM, then

@@ -213,3 +213,65 @@ async def test_fleet_replaces_a_replica_that_dies(tmp_path: Path) -> None:
         assert victim.url not in {r.url for r in fleet.gateway.pools["tiny"].replicas}
     finally:
         await fleet.stop()
+
+
+async def test_a_replica_that_fails_to_start_at_zero_answers_the_held_requests(
+        tmp_path: Path) -> None:
+    # At zero, a held request wakes a replica that exits at start: the held requests get a
+    # 503 saying so as soon as the start fails; they were held to the start-up timeout
+    # (ready_timeout_s), then told only that no replica became ready in time.
+    config = dataclasses.replace(
+        fast_fleet(tmp_path, min_replicas=0, max_replicas=1), replicas=0, ready_timeout_s=120,
+        serve_command=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    fleet = Fleet(config)
+    url = await fleet.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+            answers = await asyncio.gather(*(
+                s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": f"p{i}"})
+                for i in range(2)))
+            for resp in answers:
+                assert resp.status == 503
+                assert resp.headers["Retry-After"] == "60"
+                error = (await resp.json())["error"]
+                assert error["type"] == "service_unavailable_error"
+                assert "no replica of 'tiny' could start" in error["message"]
+                assert "exited (code 3) before it was ready" in error["message"]
+                assert "became ready within" not in error["message"]
+        assert fleet.gateway.activators["tiny"].held == 0
+        assert [d.reason for d in fleet.decisions if d.changed][:1] == ["ScaleFromZero"]
+    finally:
+        await fleet.stop()
+
+
+async def test_two_bursts_during_one_activation_start_one_replica(tmp_path: Path) -> None:
+    # Requests held at zero in two bursts, several autoscaler ticks apart, while the one
+    # replica they woke is still starting (6 s): it serves them all, and no second replica is
+    # started for the second burst.
+    slow_start = ("import runpy, sys, time; time.sleep(6); sys.argv[0] = sys.argv[1]; "
+                  "del sys.argv[1]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    config = dataclasses.replace(
+        fast_fleet(tmp_path, min_replicas=0, max_replicas=3), replicas=0,
+        serve_command=(sys.executable, "-c", slow_start, FAKE_SERVE[1]))
+    fleet = Fleet(config)
+    url = await fleet.start()
+    try:
+        activator = fleet.gateway.activators["tiny"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            async def post(i: int) -> str:
+                async with s.post(f"{url}/v1/completions",
+                                  json={"model": "tiny", "prompt": f"p{i}"}) as resp:
+                    assert resp.status == 200
+                    return resp.headers["x-argosy-backend"]
+
+            first = [asyncio.create_task(post(i)) for i in range(3)]
+            await wait_for(lambda: len(fleet.processes) == 1, 30, "a replica starting")
+            await asyncio.sleep(1.0)  # ticks of the autoscaler with requests still held
+            assert not fleet.processes[0].ready and activator.held == 3
+            second = [asyncio.create_task(post(i)) for i in range(3, 6)]
+            backends = await asyncio.gather(*first, *second)
+        assert len(set(backends)) == 1 and len(fleet.processes) == 1
+        assert [d.reason for d in fleet.decisions if d.changed] == ["ScaleFromZero"]
+        assert len(list(tmp_path.glob("replica-*.log"))) == 1  # one replica ever started
+    finally:
+        await fleet.stop()
