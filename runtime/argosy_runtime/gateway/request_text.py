@@ -44,11 +44,9 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     A Responses API request reads as the chat conversation it becomes (`instructions` a system
     turn, a string `input` a user turn), so both APIs route the same conversation alike.
     """
-    if path.endswith("/responses"):
-        return _turns(_responses_messages(body))
-    if path.endswith("/chat/completions"):
-        messages = body.get("messages")
-        return _turns(messages) if isinstance(messages, list) else ""
+    messages = _chat_messages(path, body)
+    if messages is not None:
+        return _turns(messages)
     if path.endswith("/embeddings") or path in CLASSIFY_PATHS:
         # `input` has the shapes of a completion's `prompt`: a string, strings, token ids,
         # lists of token ids. An embedding's prefill fills the replica's prefix cache as a
@@ -67,16 +65,22 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
 def content_text(path: str, body: dict[str, Any]) -> str:
     """What the client wrote: `prompt_text` without the chat roles (the cascade searches its
     keywords in it). Turns stay separated, so a keyword never spans two of them."""
-    if path.endswith("/responses"):
-        messages: Any = _responses_messages(body)
-    elif path.endswith("/chat/completions"):
-        messages = body.get("messages")
-    else:
+    messages = _chat_messages(path, body)
+    if messages is None:
         return prompt_text(path, body)
-    if not isinstance(messages, list):
-        return ""
     return _TURN_SEP.join(_content_text(m.get("content")) for m in messages
                           if isinstance(m, dict))
+
+
+def _chat_messages(path: str, body: dict[str, Any]) -> list[Any] | None:
+    """The conversation of a chat or Responses request ([] when its messages are not a
+    list); None for the other routes."""
+    if path.endswith("/responses"):
+        return _responses_messages(body)
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else []
+    return None
 
 
 def _first_prompt(prompt: Any) -> str:
