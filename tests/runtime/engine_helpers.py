@@ -46,6 +46,27 @@ def run_requests(engine: LLMEngine, requests: list[tuple[list[int] | str, Sampli
     return [done[f"r{i}"] for i in range(len(requests))]
 
 
+def run_with_arrivals(engine: LLMEngine, reqs: list[dict], max_steps: int) -> dict:
+    """Add request i (a dict: prompt, params, priority, lora, arrive and abort steps) as
+    "r{i}" at its arrival step, abort it at its abort step; step until done (at most
+    `max_steps`: a hang fails). The last output of each request, by id."""
+    outputs, step, pending = {}, 0, list(range(len(reqs)))
+    while pending or engine.has_unfinished_requests():
+        for i in [i for i in pending if reqs[i]["arrive"] <= step]:
+            r = reqs[i]
+            engine.add_request(f"r{i}", r["prompt"], r["params"], arrival_time=float(i),
+                               priority=r["priority"], lora_name=r["lora"])
+            pending.remove(i)
+        for out in engine.step():
+            outputs[out.request_id] = out
+        step += 1
+        for i, r in enumerate(reqs):
+            if r["abort"] == step and i not in pending:
+                engine.abort_request(f"r{i}")
+        assert step < max_steps, "no progress"
+    return outputs
+
+
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                       abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Add prompts as r0, r1, ...; step until done, aborting `{request_id: at_step}`.

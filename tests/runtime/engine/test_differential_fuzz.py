@@ -41,7 +41,7 @@ from argosy_runtime.structured_output.params import StructuredOutputsParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime (as conftest)
 
-from engine_helpers import assert_no_leaks  # noqa: E402
+from engine_helpers import assert_no_leaks, run_with_arrivals  # noqa: E402
 from model_factory import make_peft_adapter, make_random_model_dir  # noqa: E402
 
 VOCAB = 49152
@@ -212,27 +212,7 @@ def make_config(rng: random.Random) -> dict:
     return cfg
 
 
-# ---- the engine under test ----------------------------------------------------------------
-def run_mixed(engine: LLMEngine, reqs: list[dict]) -> dict:
-    outputs, step, pending = {}, 0, list(range(len(reqs)))
-    aborted: set[str] = set()
-    while pending or engine.has_unfinished_requests():
-        for i in [i for i in pending if reqs[i]["arrive"] <= step]:
-            r = reqs[i]
-            engine.add_request(f"r{i}", r["prompt"], r["params"], arrival_time=float(i),
-                               priority=r["priority"], lora_name=r["lora"])
-            pending.remove(i)
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-        for i, r in enumerate(reqs):
-            if r["abort"] == step and i not in pending and f"r{i}" not in aborted:
-                engine.abort_request(f"r{i}")
-                aborted.add(f"r{i}")
-        assert step < 3000, "no progress"
-    return outputs
-
-
+# ---- the engine under test against the reference -----------------------------------------
 def _token_logprobs(c) -> list[float] | None:  # noqa: ANN001
     if c.logprobs is None:
         return None
@@ -314,7 +294,7 @@ def run_case(models: dict, ref: Reference, seed: int, *, lora: bool | None = Non
     engine = LLMEngine(model=models[model], dtype="float32",
                        kv_cache_memory=blocks * opts["block_size"] * per_token,
                        lora_modules=models["loras"] if lora else None, **opts)
-    got = run_mixed(engine, reqs)
+    got = run_with_arrivals(engine, reqs, max_steps=3000)
     assert_no_leaks(engine)
     tol = LOGPROB_TOL[cfg["kv_cache_dtype"]]
     errors = []
@@ -393,7 +373,7 @@ def run_real_case(seed: int, engines: dict) -> dict:
             for out in ref_engine.step():
                 if out.finished:
                     expected.append(out)
-    got = run_mixed(engine, reqs)
+    got = run_with_arrivals(engine, reqs, max_steps=3000)
     assert_no_leaks(engine)
     errors = []
     for i, r in enumerate(reqs):

@@ -29,7 +29,7 @@ import random
 import pytest
 from argosy_runtime import LLMEngine, SamplingParams
 from argosy_runtime.model_runner import KV_SCALE_DTYPE
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, run_with_arrivals
 from model_factory import make_peft_adapter, make_random_model_dir
 
 VOCAB = 49152
@@ -99,20 +99,7 @@ def run_alone(engine: LLMEngine, reqs: list[dict]) -> dict:
 
 def run_mixed(engine: LLMEngine, reqs: list[dict], checker: KVContentChecker) -> dict:
     """Add each request at its arrival step, abort at its abort step; step until done."""
-    outputs, step, pending = {}, 0, list(range(len(reqs)))
-    while pending or engine.has_unfinished_requests():
-        for i in [i for i in pending if reqs[i]["arrive"] <= step]:
-            r = reqs[i]
-            engine.add_request(f"r{i}", r["prompt"], r["params"], arrival_time=float(i),
-                               priority=r["priority"], lora_name=r["lora"])
-            pending.remove(i)
-        for out in engine.step():
-            outputs[out.request_id] = out
-        step += 1
-        for i, r in enumerate(reqs):
-            if r["abort"] == step and i not in pending:
-                engine.abort_request(f"r{i}")
-        assert step < 2000, "no progress"
+    outputs = run_with_arrivals(engine, reqs, max_steps=2000)
     assert checker.num_checked > 0
     return outputs
 
