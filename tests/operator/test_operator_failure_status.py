@@ -289,6 +289,17 @@ async def _refuse_an_edit(kube: Any, api: Api) -> None:
     assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
 
 
+async def refuse_an_autoscaling_edit(kube: Any, api: Api) -> None:
+    """Generation 2: autoscaling turned on (minReplicas 4) beside a flag the operator
+    refuses (admitted by an older CRD)."""
+    kube.crd_validation = False
+    await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
+        "runtime": {"extraArgs": ["--port=9"]},
+        "autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 6}}})
+    with pytest.raises(kopf.PermanentError):
+        await _reconcile(api)
+
+
 async def autoscale_tick(api: Api) -> None:
     """One tick of the autoscaling timer on the LLMDeployment as stored now."""
     from argosy_operator.autoscaling import timer
@@ -377,12 +388,7 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec(
     not scale the running Deployment of the last applied spec (it scaled it to 4) and says
     why (ScalingActive False, SpecRefused); once a spec is applied it scales."""
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
-        kube.crd_validation = False
-        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
-            "runtime": {"extraArgs": ["--port=9"]},
-            "autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 6}}})
-        with pytest.raises(kopf.PermanentError):
-            await _reconcile(api)
+        await refuse_an_autoscaling_edit(kube, api)
         assert kstatus(await api.call("GET", f"{LLMD_PATH}/chat")) == "Failed"
         await autoscale_tick(api)
         assert (await api.call("GET", f"{DEP_PATH}/chat"))["spec"]["replicas"] == 2

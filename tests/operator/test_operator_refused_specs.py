@@ -11,7 +11,12 @@ from typing import Any
 import kopf
 import pytest
 from operator_helpers import NS, Api
-from test_operator_failure_status import _reconcile, _refuse_an_edit, autoscale_tick
+from test_operator_failure_status import (
+    _reconcile,
+    _refuse_an_edit,
+    autoscale_tick,
+    refuse_an_autoscaling_edit,
+)
 from test_operator_handlers import DEP_PATH, LLMD_PATH, _cond, _status, reconciled_by_the_handlers
 
 CM_PATH = f"/api/v1/namespaces/{NS}/configmaps"
@@ -138,12 +143,7 @@ async def test_the_autoscaler_does_not_act_on_a_refused_spec_replacing_a_refused
     Deployment of the last applied spec (2 replicas) to the new spec's minReplicas, and
     ScalingActive stays False/SpecRefused."""
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
-        kube.crd_validation = False
-        await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
-            "runtime": {"extraArgs": ["--port=9"]},
-            "autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 6}}})
-        with pytest.raises(kopf.PermanentError):
-            await _reconcile(api)
+        await refuse_an_autoscaling_edit(kube, api)
         await autoscale_tick(api)
         await api.call("PATCH", f"{LLMD_PATH}/chat", {"spec": {
             "runtime": {"extraArgs": ["--port=8"]}, "autoscaling": {"minReplicas": 5}}})
