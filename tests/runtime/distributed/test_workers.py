@@ -83,6 +83,12 @@ def _run_engine_script(tmp_path: Path, text: str, timeout: float = 240) -> str:
     return out
 
 
+def _printed_pids(out: str) -> list[int]:
+    """The worker pids an engine script printed on its "pids ..." line."""
+    line = next(line for line in out.splitlines() if line.startswith("pids"))
+    return [int(p) for p in line.split()[1:]]
+
+
 def _assert_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 30
     while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
@@ -123,9 +129,7 @@ def test_a_later_rank_that_fails_to_load_is_reported_while_an_earlier_one_loads(
             w.close(timeout=2)
     """, timeout=180)
     assert "argosy-tp-rank2 failed" in out and "rank 2 cannot hold its shard" in out, out
-    pids = [int(p) for p in next(line for line in out.splitlines()
-                                 if line.startswith("pids")).split()[1:]]
-    _assert_gone(pids)
+    _assert_gone(_printed_pids(out))
 
 
 def test_a_worker_failing_mid_step_raises_its_own_traceback_on_rank_0(tmp_path: Path) -> None:
@@ -175,9 +179,7 @@ def test_a_worker_failing_mid_step_raises_its_own_traceback_on_rank_0(tmp_path: 
     assert "argosy-tp-rank2 failed" in error, out
     assert "MemoryError: rank 2 ran out of memory in step 2" in error, out
     assert "Connection closed" not in out, out  # neither rank 0's nor rank 1's gloo error
-    pids = [int(p) for p in next(line for line in out.splitlines()
-                                 if line.startswith("pids")).split()[1:]]
-    _assert_gone(pids)
+    _assert_gone(_printed_pids(out))
 
 
 def test_a_rank_that_cannot_be_started_stops_the_ones_before_it(tmp_path: Path) -> None:
