@@ -253,7 +253,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
 
         hold = stop_holdback(params)
         tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
-        parsers = [make_stream(tool_parser) for _ in range(n)] if tool_parser else None
+        parsers = ([make_stream(tool_parser, req.parallel_tool_calls is not False)
+                    for _ in range(n)] if tool_parser else None)
         thinking = ([ReasoningStream(reasoning_parser) for _ in range(n)]
                     if reasoning_parser else None)
 
@@ -337,7 +338,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
         if calls_tools(req):
             message, finish = reply_message(req, seq.text, seq.finish_reason)
         elif tool_parser:
-            message, finish = parse_message(tool_parser, answer, seq.finish_reason)
+            message, finish = parse_message(tool_parser, answer, seq.finish_reason,
+                                            req.parallel_tool_calls is not False)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         choices.append({"index": seq.index, "message": message,

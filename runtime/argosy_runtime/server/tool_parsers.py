@@ -6,7 +6,8 @@ family's format come back as OpenAI `tool_calls` (finish_reason "tool_calls"); a
 stays content. Text that is not a well-formed call, or is cut off (max_tokens), is left as
 content, so nothing the model wrote is lost: that includes JSON nested too deep to read, `NaN`
 and infinities (not JSON), and a lone surrogate escape (`"\\ud800"`: no UTF-8 response can
-carry it).
+carry it). With `parallel_tool_calls` false only the first call is sent, the rest dropped, as
+vLLM does.
 
 - `hermes` (Qwen2.5, Hermes and many other tool-trained models): calls are blocks
 
@@ -54,7 +55,10 @@ class ToolCallParserStream:
     keep_special_tokens = False
 
     def __init__(self) -> None:
-        self.calls = 0  # tool calls sent so far
+        self.calls = 0  # tool calls the model wrote so far
+        # `parallel_tool_calls` false: only the first call is sent, the rest dropped (as vLLM
+        # does; a client that asked for one call at a time runs exactly one)
+        self.parallel_calls = True
 
     def feed(self, text: str) -> dict[str, Any]:
         """A delta (`content` and/or `tool_calls`) for newly generated text; {} if none."""
@@ -73,11 +77,12 @@ class ToolCallParserStream:
         delta = _merged(delta, self.finish())
         return delta, "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
 
-    @staticmethod
-    def _delta(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def _delta(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
+        if not self.parallel_calls:
+            calls = [call for call in calls if call["index"] == 0]
         if calls:
             delta["tool_calls"] = calls
         return delta
@@ -234,18 +239,20 @@ STREAMS: dict[str, type[ToolCallParserStream]] = {
     "mistral": MistralToolCallStream, "pythonic": PythonicToolCallStream}
 
 
-def make_stream(parser: str) -> ToolCallParserStream:
+def make_stream(parser: str, parallel_calls: bool = True) -> ToolCallParserStream:
     """A fresh per-choice stream for `--tool-call-parser parser`."""
     if parser not in STREAMS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(STREAMS)}, "
                          f"got {parser!r}")
-    return STREAMS[parser]()
+    stream = STREAMS[parser]()
+    stream.parallel_calls = parallel_calls
+    return stream
 
 
-def parse_message(parser: str, text: str, finish_reason: str | None
-                  ) -> tuple[dict[str, Any], str | None]:
+def parse_message(parser: str, text: str, finish_reason: str | None,
+                  parallel_calls: bool = True) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish_reason of a finished (non-streamed) choice."""
-    stream = make_stream(parser)
+    stream = make_stream(parser, parallel_calls)
     delta = _merged(stream.feed(text), stream.finish())
     calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
     if not calls:

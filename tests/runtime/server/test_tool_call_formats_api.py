@@ -113,17 +113,43 @@ def test_calls_come_back_as_tool_calls(served: tuple[str, ServerProcess],
     chunks = list(client.chat.completions.create(stream=True, **kw))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == (script.content or "")
-    streamed: dict[int, dict] = {}  # reassembled as OpenAI clients do: by index
+    streamed = streamed_calls(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == script.calls
+    assert list(streamed) == list(range(len(script.calls)))
+    assert all(has_call_id(parser, c["id"]) for c in streamed.values())
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_sends_the_first_call(
+        served: tuple[str, ServerProcess]) -> None:
+    """The model wrote two calls (pythonic) or one (mistral): with parallel_tool_calls false
+    only the first is sent, streamed or not, as vLLM does."""
+    parser, proc = served
+    script = SCRIPTS[parser]
+    kw = dict(model="caller", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40,
+              parallel_tool_calls=False)
+    client = client_of(proc)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == script.content
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == script.calls[:1]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = streamed_calls(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
+        script.calls[:1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def streamed_calls(chunks: list) -> dict[int, dict]:
+    """The streamed tool calls, reassembled as OpenAI clients do: by index."""
+    streamed: dict[int, dict] = {}
     for chunk in chunks:
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             call = streamed.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
             call["id"] = call["id"] or delta.id
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == script.calls
-    assert list(streamed) == list(range(len(script.calls)))
-    assert all(has_call_id(parser, c["id"]) for c in streamed.values())
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    return streamed
 
 
 def test_tool_choice_none_leaves_the_text_alone(served: tuple[str, ServerProcess]) -> None:

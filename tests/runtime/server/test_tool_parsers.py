@@ -134,6 +134,27 @@ def test_any_split_streams_what_the_whole_text_parses_to(case: tuple[str, str, s
         assert content == text  # nothing the model wrote is lost
 
 
+@pytest.mark.parametrize(("parser", "name", "text"), CASES,
+                         ids=[f"{p}-{n}" for p, n, _ in CASES])
+def test_parallel_calls_off_keeps_only_the_first_call(parser: str, name: str,
+                                                      text: str) -> None:
+    """parallel_tool_calls false: the first call the model wrote, its content unchanged, at
+    every split; the reply still finishes as "tool_calls"."""
+    message, finish = parse_message(parser, text, "stop")
+    single, single_finish = parse_message(parser, text, "stop", parallel_calls=False)
+    assert (single["content"], single_finish) == (message["content"], finish)
+    first = names_and_args(message.get("tool_calls") or [])[:1]
+    assert names_and_args(single.get("tool_calls") or []) == first
+    for cuts in [[]] + [[i] for i in range(1, len(text))]:
+        stream = make_stream(parser, parallel_calls=False)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        deltas = [stream.step(p, None)[0] for p in pieces[:-1]]
+        last, last_finish = stream.step(pieces[-1], "stop")
+        calls = [c for d in [*deltas, last] for c in d.get("tool_calls", [])]
+        assert names_and_args(calls) == first, (name, cuts)
+        assert last_finish == finish
+
+
 def test_partial_tag_is_held_back_only_while_it_could_be_a_tag() -> None:
     stream = HermesToolCallStream()
     assert stream.feed("Hi <tool") == {"content": "Hi "}
