@@ -297,8 +297,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                     lp = chat_logprobs(ctx, seq, start, end, k) if k is not None else None
                     yield chunk([{"index": c, "delta": delta, "logprobs": lp,
                                   "finish_reason": finish}],
-                                usage_info(len(prompt), sum(len(s.token_ids) for s in out.outputs),
-                                           out.num_cached_tokens)  # counts so far
+                                # this choice's count so far, as vLLM's
+                                usage_info(len(prompt), end, out.num_cached_tokens)
                                 if continuous_usage else None)
                     sent_tokens[c] = end
                     done[c] = seq.finish_reason is not None

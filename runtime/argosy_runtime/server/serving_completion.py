@@ -226,7 +226,9 @@ async def create_completion(request: Request, req: CompletionRequest,
                     text = (prefixes[i] if first else "") + delta
                     yield chunk([{"index": c, "text": text, "logprobs": lp,
                                   "finish_reason": seq.finish_reason}],
-                                _usage(prompts, finals) if continuous_usage else None)
+                                # this choice's counts so far, as vLLM's
+                                usage_info(len(prompts[i]), end, out.num_cached_tokens)
+                                if continuous_usage else None)
                     sent_chars[c] = new_sent if seq.finish_reason is None else -1
                     sent_tokens[c] = end
             usage = _usage(prompts, finals)

@@ -68,6 +68,36 @@ def test_continuous_usage_stats_count_every_chunk(client: OpenAI, endpoint: str)
                for c in chunks)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_count_each_choice(client: OpenAI, http: httpx.Client,
+                                                  endpoint: str) -> None:
+    """With n=2 (and two prompts of different lengths on completions), a chunk's usage is its
+    choice's counts so far, as vLLM's; the last chunk's is the whole response's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(max_tokens=6, n=2, temperature=1.0, seed=3, stream=True, stream_options=options,
+              extra_body={"ignore_eos": True})
+    if endpoint == "completions":
+        prompts = [PROMPT, "Hi"]
+        chunks = list(client.completions.create(model=MODEL, prompt=prompts, **kw))
+        lengths = [len(http.post("/tokenize", json={"model": MODEL, "prompt": p}).json()["tokens"])
+                   for p in prompts]
+        prompt_of = {c: lengths[c // 2] for c in range(4)}
+    else:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], **kw))
+        prompt_of = {c: chunks[-1].usage.prompt_tokens for c in range(2)}
+    counts: dict[int, list[int]] = {c: [] for c in prompt_of}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        assert chunk.usage.prompt_tokens == prompt_of[choice.index]
+        counts[choice.index].append(chunk.usage.completion_tokens)
+    for per_choice in counts.values():
+        assert per_choice == sorted(per_choice) and per_choice[-1] == 6
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6 * len(counts)
+    assert chunks[-1].usage.prompt_tokens == (sum(lengths) if endpoint == "completions"
+                                              else prompt_of[0])
+
+
 def test_chat_stream_equals_non_stream(client: OpenAI, offline_llm) -> None:
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a fruit."}]
