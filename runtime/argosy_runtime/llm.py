@@ -59,7 +59,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a str or a list of token ids counts as one),
+        """Outputs in the order of `prompts` (a str, a list of token ids or a vLLM prompt
+        dict, `{"prompt": text}` or `{"prompt_token_ids": ids}`, counts as one),
         on the base model or the LoRA adapter `lora_name` (one of `lora_modules`).
         `sampling_params=` (vLLM's name for `params`) and `use_tqdm` (no progress bar is
         shown) are accepted so that vLLM code runs unchanged."""
@@ -178,14 +179,17 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts: str | Sequence[str] | Sequence[list[int]]) -> list[Any]:
-        # None, a number, a dict or a generator failed on indexing with a TypeError (or a
-        # KeyError) naming nothing; each prompt itself is checked by the engine.
-        if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a string, a list of token ids, or a list of "
-                            f"those; got {type(prompts).__name__}")
+        # None, a number or a generator failed on indexing with a TypeError (or a KeyError)
+        # naming nothing; each prompt itself is checked by the engine.
+        if isinstance(prompts, dict):
+            return [_prompt_of_dict(prompts, "prompts")]  # one vLLM prompt dict
+        if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a string, a list of token ids, a prompt dict, or "
+                            f"a list of those; got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             return [prompts]  # a str or a list of token ids counts as one
-        return list(prompts)
+        return [_prompt_of_dict(p, f"prompts[{i}]") if isinstance(p, dict) else p
+                for i, p in enumerate(prompts)]
 
     def _run(self, prompts: list[Any], params: Sequence[SamplingParams | PoolingParams],
              lora_name: str | None) -> list[RequestOutput]:
@@ -275,6 +279,24 @@ class _WithTemplate:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self._tokenizer.render_template(self._template, messages,
                                                add_generation_prompt, **kwargs)
+
+
+def _prompt_of_dict(prompt: dict[str, Any], where: str) -> str | list[int]:
+    """vLLM's prompt dicts, so that vLLM code runs unchanged: a TextPrompt
+    (`{"prompt": "text"}`) is its text, a TokensPrompt (`{"prompt_token_ids": [...]}`,
+    perhaps with the `prompt` text they came from) its token ids. What a text-only engine
+    cannot honour (multi_modal_data, mm_processor_kwargs, ...) is refused, not dropped."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        hint = (" (give it as SamplingParams(cache_salt=...))" if "cache_salt" in unknown
+                else "")
+        raise ValueError(f"{where}: prompt dict key(s) {unknown} are not supported{hint}; a "
+                         "prompt dict holds 'prompt' (text) or 'prompt_token_ids'")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"{where}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
 
 
 def _type_names(value: Any) -> str:

@@ -100,12 +100,30 @@ def test_stop_as_a_string_or_tuple_still_works() -> None:
 
 # ---- LLM calls ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompts", [None, 5, {"prompt": "hi"}, (p for p in ["hi"]), b"hi"])
+@pytest.mark.parametrize("prompts", [None, 5, (p for p in ["hi"]), b"hi"])
 def test_generate_with_prompts_of_the_wrong_type(llm, reference, prompts) -> None:  # noqa: ANN001
     # Were TypeError "'NoneType' object is not iterable", "'int' object is not subscriptable",
     # KeyError: 0 ...: nothing said it was `prompts`.
     with pytest.raises(TypeError, match="^prompts must be"):
         llm.generate(prompts, GREEDY)
+    assert_still_serving(llm, reference)
+
+
+def test_vllm_prompt_dicts_are_their_text_or_token_ids(llm, reference) -> None:  # noqa: ANN001
+    ids = llm.get_tokenizer().encode("Hello")
+    texts = [o.outputs[0].text for o in llm.generate(
+        [{"prompt": "Hello"}, {"prompt_token_ids": ids},
+         {"prompt": "Hello", "prompt_token_ids": ids}], GREEDY)]
+    assert texts == [reference] * 3
+    [one] = llm.generate({"prompt_token_ids": ids}, GREEDY)  # one dict is one prompt
+    assert one.outputs[0].text == reference and one.prompt_token_ids == ids
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt dict key\(s\) "
+                                         r"\['multi_modal_data'\] are not supported"):
+        llm.generate(["Hello", {"prompt": "hi", "multi_modal_data": {"image": None}}], GREEDY)
+    with pytest.raises(ValueError, match=r"cache_salt.*SamplingParams\(cache_salt"):
+        llm.generate({"prompt": "hi", "cache_salt": "x"}, GREEDY)
+    with pytest.raises(ValueError, match=r"^prompts: a prompt dict needs 'prompt'"):
+        llm.generate({}, GREEDY)
     assert_still_serving(llm, reference)
 
 
