@@ -252,7 +252,7 @@ class LLM:
                                  f"(at {exc.errors()[0]['loc']}): {value!r:.80}") from None
 
         tool_models = [parse(f"tools[{i}]", ChatTool, t) for i, t in enumerate(tools or ())]
-        prompts = []
+        prompts, texts = [], []
         for i, conversation in enumerate(conversations):
             name = "messages" if single else f"messages[{i}]"
             parsed = [parse(f"{name}[{j}]", ChatMessage, m) for j, m in enumerate(conversation)]
@@ -264,7 +264,11 @@ class LLM:
                 raise ValueError(f"{exc.param or name}: {exc.message}") from None
             # The template already holds any BOS it wants: encode without special tokens.
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, params, lora_name)
+            texts.append(text)
+        outs = self.generate(prompts, params, lora_name)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text  # the rendered conversation, as vLLM's chat outputs hold it
+        return outs
 
 
 class _WithTemplate:

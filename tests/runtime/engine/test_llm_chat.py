@@ -80,6 +80,11 @@ def test_a_batch_of_conversations_keeps_its_order(llm) -> None:  # noqa: ANN001
                             for n in (1, 2, 3)])
     assert [o.prompt_token_ids for o in outs] == [prompt_ids(llm, c) for c in batch]
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+    # each output's prompt is its rendered conversation, as vLLM's (it was None)
+    tokenizer = llm.get_tokenizer()
+    assert [tokenizer.encode(o.prompt, add_special_tokens=False) for o in outs] == \
+        [o.prompt_token_ids for o in outs]
+    assert all(o.prompt.endswith("<|im_start|>assistant\n") for o in outs)
     assert_no_leaks(llm.engine)
 
 
