@@ -123,14 +123,17 @@ def run(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
-        def on_signal() -> None:
+        received: list[int] = []
+
+        def on_signal(signum: int) -> None:
             if stop.is_set():  # a second Ctrl-C: stop waiting for the replicas to drain
                 print("argosy fleet: killing the replicas", file=sys.stderr, flush=True)
                 fleet.kill()
+            received.append(signum)
             stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
         # Loading the replicas can take minutes: a signal meanwhile stops the start-up (which
         # drains what it started when cancelled) instead of waiting for it to finish.
         starting = asyncio.ensure_future(fleet.start())
@@ -140,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-            return 0
+            # The fleet never served: not a success. 128 + the signal, as a shell reports a
+            # command the signal stopped (130 for Ctrl-C), as `argosy serve` exits.
+            print("argosy fleet: interrupted while starting", file=sys.stderr, flush=True)
+            return 128 + received[0]
         signalled.cancel()
         try:
             url = starting.result()

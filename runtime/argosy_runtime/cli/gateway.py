@@ -116,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"argosy gateway: --config {args.config}: not valid YAML: "
               f"{' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(run_gateway(config, config_file))
-    except KeyboardInterrupt:
-        pass
+    # Ctrl-C before run_gateway's handlers are in place (the listening socket not yet bound)
+    # reaches main(): one line and 130, as every other argosy command.
+    asyncio.run(run_gateway(config, config_file))
     return 0

@@ -118,3 +118,18 @@ async def test_sigterm_cuts_what_runs_past_the_drain_timeout(fake_replicas) -> N
     assert time.monotonic() - started < 30  # cut after the drain timeout, not at the end
     assert proc.returncode == 0, out.decode()
     assert b"answers in flight may take up to 1s" in out
+
+
+def test_ctrl_c_before_the_gateway_serves_exits_130(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """Ctrl-C that lands before run_gateway's signal handlers (the KeyboardInterrupt Python
+    raises there) is an interrupted start: one line and 130, as `argosy serve` and `fleet`
+    exit. It was 0, a success, for a gateway that never served."""
+    from argosy_runtime.cli.main import main
+    from argosy_runtime.gateway.proxy import app
+
+    async def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app, "run_gateway", interrupted)
+    assert main(["gateway", "--backend", "tiny=http://127.0.0.1:9"]) == 130
+    assert capsys.readouterr().err == "argosy gateway: interrupted\n"
