@@ -187,6 +187,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Load the model, then serve until SIGTERM/SIGINT has drained the server."""
     import uvicorn
 
+    from argosy_runtime.distributed.workers import WorkerFailed
     from argosy_runtime.engine import LLMEngine
     from argosy_runtime.pooling_params import PoolingParams
     from argosy_runtime.server.app import build_app
@@ -200,6 +201,11 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         # (FileNotFoundError from the loader): the user's mistake, one line, not a traceback.
         log.error("cannot load the model: %s", exc)
         return 2
+    except WorkerFailed as exc:
+        # Its message holds the worker's own traceback: what went wrong is there, and this
+        # process's frames (a traceback through the loading thread) would only bury it.
+        log.error("cannot load the model: %s", exc)
+        return 1
     if config.embedding_pooling is not None:  # e.g. cls on a decoder: refused now, not per request
         try:
             engine.spec_pooling(PoolingParams(pooling=config.embedding_pooling))

@@ -124,9 +124,15 @@ def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-        raise
+        except OSError:  # the engine process is gone: the traceback goes to stderr here
+            raise
+        # Rank 0 raises it (WorkerFailed) with this traceback: printed once there, not also
+        # here by multiprocessing above it.
+        sys.exit(1)
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker failed (its traceback in the message) or exited."""
 
 
 class TensorParallelWorkers:
@@ -159,7 +165,7 @@ class TensorParallelWorkers:
             raise
 
     def _receive(self, conn: Connection, proc: Any, expected: str) -> Any:
-        """The next message of one worker, which must be `expected`: RuntimeError carrying
+        """The next message of one worker, which must be `expected`: WorkerFailed carrying
         the worker's traceback if it failed or died instead."""
         exited = (f"tensor-parallel worker {proc.name} exited before it was {expected} (its "
                   "error is on stderr; a script that starts an engine with "
@@ -167,13 +173,13 @@ class TensorParallelWorkers:
                   "since the workers are spawned processes that import the script)")
         while not conn.poll(0.1):
             if not proc.is_alive():
-                raise RuntimeError(exited)
+                raise WorkerFailed(exited)
         try:
             kind, payload = conn.recv()
         except EOFError:
-            raise RuntimeError(exited) from None
+            raise WorkerFailed(exited) from None
         if kind == "error":
-            raise RuntimeError(f"tensor-parallel worker {proc.name} failed:\n{payload}")
+            raise WorkerFailed(f"tensor-parallel worker {proc.name} failed:\n{payload}")
         return payload
 
     def wait_ready(self) -> list[int | None]:
@@ -257,7 +263,7 @@ class TensorParallelWorkers:
             try:
                 conn.send(message)
             except OSError as e:
-                raise RuntimeError(f"tensor-parallel worker {proc.name} is gone (exit code "
+                raise WorkerFailed(f"tensor-parallel worker {proc.name} is gone (exit code "
                                    f"{proc.exitcode})") from e
 
     def close(self, timeout: float = 10.0) -> None:

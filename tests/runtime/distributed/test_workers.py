@@ -224,3 +224,40 @@ def test_a_rank_that_cannot_be_started_stops_the_ones_before_it(tmp_path: Path) 
     """, timeout=120)
     assert "error: [Errno 24] Too many open files" in out, out
     assert next(line for line in out.splitlines() if line.startswith("left")) == "left", out
+
+
+def test_argosy_serve_reports_a_worker_that_fails_to_load_in_one_error(tmp_path: Path) -> None:
+    # `argosy serve --tensor-parallel-size 2` whose rank 1 cannot load its shard: the
+    # worker's traceback buried under rank 0's own (through the loading thread and
+    # wait_ready), ending in a bare RuntimeError. Now: one logged error that holds the
+    # worker's traceback, and exit code 1.
+    sys_path = str(Path(__file__).resolve().parents[1])  # tests/runtime: model_factory
+    out = _run_engine_script(tmp_path, f"""
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        import argosy_runtime.distributed.workers as workers
+
+        if __name__ == "__mp_main__":  # a worker
+            def build_rank_model(config, rank):
+                raise OSError("rank 1 cannot read its shard")
+
+            workers.build_rank_model = build_rank_model
+
+        if __name__ == "__main__":
+            sys.path.insert(0, {sys_path!r})
+            from model_factory import make_random_model_dir
+
+            from argosy_runtime.cli.main import main
+
+            folder = make_random_model_dir(Path(tempfile.mkdtemp(dir={str(tmp_path)!r})))
+            code = main(["serve", "--model", str(folder), "--dtype", "float32",
+                         "--tensor-parallel-size", "2", "--port", "0"])
+            print("exit code", code, flush=True)
+    """, timeout=180)
+    assert "exit code 1" in out, out
+    assert "ERROR argosy.server cannot load the model: tensor-parallel worker " \
+           "argosy-tp-rank1 failed:" in out, out
+    assert "OSError: rank 1 cannot read its shard" in out, out
+    assert out.count("Traceback (most recent call last)") == 1, out  # the worker's only
