@@ -49,7 +49,8 @@ def detect_prequantized(checkpoint: Any) -> QuantizationConfig | None:
     """The QuantizationConfig a GPTQ/AWQ folder was written with, None for a plain one.
 
     Raises ValueError for a quantization_config we cannot load (other methods, bits,
-    group sizes, AWQ's GEMV layout, GPTQ without zero points...).
+    group sizes, layouts other than GPTQ v1/v2 and AWQ GEMM, AWQ without zero points,
+    gptqmodel's per-module `dynamic` overrides, a quantized lm_head...).
     """
     qc = read_quantization_config(checkpoint)
     if qc is None:
@@ -65,17 +66,49 @@ def detect_prequantized(checkpoint: Any) -> QuantizationConfig | None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"{method} quantization_config.group_size={group_size} is not supported "
                          f"(supported: {', '.join(map(str, INT4_GROUP_SIZES))})")
+    fmt = checkpoint_format(qc)
     if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"AWQ version {version!r} is not supported (only the 'gemm' layout)")
+        if fmt != "gemm":
+            raise ValueError(f"AWQ version {fmt!r} is not supported (only the 'gemm' layout)")
         if qc.get("zero_point", True) is False:
             raise ValueError("AWQ without zero points is not supported")
-    else:
-        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    elif fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    # Layouts and per-module exceptions (gptqmodel, AutoGPTQ) we do not read: ignored, they
+    # would load wrong tensors or fail later on a shape, with a message that hides why.
+    if qc.get("is_marlin_format"):
+        raise ValueError(f"{method} is_marlin_format checkpoints are not supported")
+    if str(qc.get("pack_dtype", "int32")).lower().removeprefix("torch.") != "int32":
+        raise ValueError(f"{method} quantization_config.pack_dtype={qc['pack_dtype']!r} is not "
+                         "supported (only int32)")
+    if qc.get("dynamic"):
+        raise ValueError(f"{method} quantization_config.dynamic (per-module overrides of bits, "
+                         "group size or skipped modules) is not supported")
+    if qc.get("lm_head"):
+        raise ValueError(f"{method} checkpoints with a quantized lm_head (quantization_config."
+                         "lm_head=true) are not supported")
     return QuantizationConfig(method="int4", group_size=int(group_size), source=method)
+
+
+def checkpoint_format(qc: dict) -> str:
+    """The packing layout a GPTQ/AWQ `quantization_config` names, read as transformers'
+    GPTQConfig / AwqConfig read it (lower case).
+
+    GPTQ: `checkpoint_format` (AutoGPTQ, gptqmodel), else `format` (the name transformers
+    and gptqmodel use in code, and that some exports write alone), else "gptq" (v1).
+    AWQ: `version` (AutoAWQ), else `format`, else "gemm"; `backend` "llm-awq" names
+    llm-awq's own layout.
+    """
+    if str(qc.get("quant_method", "")).lower() == "awq":
+        if str(qc.get("backend", "")).lower() == "llm-awq":
+            return "llm-awq"
+        names, default = ("version", "format"), "gemm"
+    else:
+        names, default = ("checkpoint_format", "format"), "gptq"
+    for name in names:
+        if qc.get(name) is not None:
+            return str(qc[name]).lower()
+    return default
 
 
 def iter_prequantized(checkpoint: Any, config: QuantizationConfig
@@ -96,7 +129,7 @@ def iter_prequantized(checkpoint: Any, config: QuantizationConfig
 
     spec = checkpoint.spec
     qc = read_quantization_config(checkpoint) or {}
-    zero_offset = 1 if str(qc.get("checkpoint_format", "gptq")).lower() == "gptq" else 0
+    zero_offset = 1 if checkpoint_format(qc) == "gptq" else 0  # v1 stores zero - 1
     suffixes = GPTQ_SUFFIXES if config.source == "gptq" else AWQ_SUFFIXES
 
     def fused_parts(module: str) -> tuple[list[str], list[int]] | None:
