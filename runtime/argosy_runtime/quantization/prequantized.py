@@ -1,6 +1,7 @@
 """Pre-quantized Hugging Face folders (GPTQ, AWQ): detect them, stream their weights.
 
-`config.json`'s `quantization_config` says which layout the safetensors hold; the packed
+`config.json`'s `quantization_config` (or an older export's quantize_config.json /
+quant_config.json) says which layout the safetensors hold; the packed
 tensors are turned into canonical `Int4Weight`s here, every other tensor passes through.
 Phi-3's fused `qkv_proj` / `gate_up_proj` layers are split into their projections first
 (`split_fused_quantized`), as the float loader splits their rows.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,16 +35,38 @@ _BIASED = ("q_proj", "k_proj", "v_proj")  # the only projections with a bias (at
 
 
 def read_quantization_config(checkpoint: Any) -> dict | None:
-    """config.json's `quantization_config` of an HF folder, or None (GGUF files: None)."""
+    """config.json's `quantization_config` of an HF folder, or None (GGUF files: None).
+
+    Without one, the file older exports wrote beside config.json instead: AutoGPTQ's
+    `quantize_config.json` (GPTQ fields, often no quant_method), AutoAWQ's
+    `quant_config.json` (`w_bit`, `q_group_size`; some AWQ exports name it
+    quantize_config.json). gptqmodel reads these; without them such a folder loaded as a
+    float model and failed on its first `qweight` tensor.
+    """
     if checkpoint.format != "hf":
         return None
-    path = checkpoint.path / "config.json"
+    qc = _read_json(checkpoint.path / "config.json").get("quantization_config")
+    if isinstance(qc, dict):
+        return qc
+    for name in ("quantize_config.json", "quant_config.json"):
+        legacy = _read_json(checkpoint.path / name)
+        if "w_bit" in legacy:  # AutoAWQ's names
+            return {"quant_method": "awq", "bits": legacy["w_bit"],
+                    "group_size": legacy.get("q_group_size"),
+                    "zero_point": legacy.get("zero_point", True),
+                    "version": legacy.get("version", "gemm")}
+        if "bits" in legacy:
+            return {"quant_method": "gptq", **legacy}
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file's contents; {} when it is missing or not a JSON object."""
     try:
-        config = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    qc = config.get("quantization_config")
-    return qc if isinstance(qc, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def detect_prequantized(checkpoint: Any) -> QuantizationConfig | None:

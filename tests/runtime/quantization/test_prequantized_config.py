@@ -109,3 +109,30 @@ def test_default_fields_still_load(float_dir: Path, tmp_path: Path) -> None:
     _set_quantization_config(qdir, lm_head=False, pack_dtype="int32", dynamic=None,
                              is_marlin_format=False)
     assert detect_prequantized(load_checkpoint(str(qdir))) is not None
+
+
+@pytest.mark.parametrize(("method", "file", "legacy"), [
+    # AutoGPTQ before transformers' integration: no quant_method, v1 layout
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": GROUP, "desc_act": False,
+                                      "sym": False, "damp_percent": 0.01}),
+    # AutoAWQ's own names
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": GROUP, "w_bit": 4,
+                                  "version": "GEMM"}),
+    ("awq", "quantize_config.json", {"zero_point": True, "q_group_size": GROUP, "w_bit": 4,
+                                     "version": "GEMM"}),
+], ids=["autogptq", "autoawq", "awq-quantize_config"])
+def test_a_config_beside_config_json_is_read(float_dir: Path, tmp_path: Path, method: str,
+                                             file: str, legacy: dict) -> None:
+    """Older exports hold the quantization settings in a file of their own, not in
+    config.json (gptqmodel reads them): such a folder loaded as a float model and failed on
+    its first qweight tensor."""
+    qdir, ref_dir = write_quantized(float_dir, tmp_path / method, method, GROUP)
+    config = json.loads((qdir / "config.json").read_text())
+    del config["quantization_config"]
+    (qdir / "config.json").write_text(json.dumps(config))
+    (qdir / file).write_text(json.dumps(legacy))
+    model = load_prequantized(qdir)
+    ref = reference_weights(ref_dir)
+    for i, layer in enumerate(model.model.layers):
+        assert torch.allclose(layer.mlp.down_proj.dequantize(),
+                              ref[f"model.layers.{i}.mlp.down_proj.weight"], atol=1e-6)
