@@ -337,6 +337,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="send vLLM's ignore_eos extra (exact output lengths)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="send N short requests first, not measured (a cold server's "
+                             "first request pays one-time costs); a failed one stops the run "
+                             "before it starts, naming the error (default: %(default)s)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--label", default=None, help="name of the server in tables and plots")
@@ -401,6 +405,8 @@ def run(args: argparse.Namespace) -> int:
         _write_outputs(runs, args, {"compare": args.compare})
         return 0
     try:
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
         rates = _parse_rates(args.rate)
         # Each rate its own prompts: with one set for all, every rate after the first would
         # find its prompts in the server's prefix cache and measure cache hits, not prefill.
@@ -415,6 +421,15 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"argosy bench serve: cannot reach {args.base_url}: {exc}", file=sys.stderr)
         return 1
+    if args.warmup > 0:
+        # Its own prompt, not one of the workload's: those must reach the server uncached.
+        warmup = [RequestSpec("Warm up: say something.", min(8, args.output_len))] * args.warmup
+        results, _ = asyncio.run(run_rate(args.base_url, model, warmup, math.inf, args))
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            print(f"argosy bench serve: the warm-up request failed: {failed[0]}",
+                  file=sys.stderr)
+            return 1
     label = args.label or model
     rows = []
     for rate, specs in zip(rates, workloads):

@@ -96,7 +96,20 @@ def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -
 def test_bench_serve_counts_failures(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     p = _bench("--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--rate", "inf",
-               "--num-prompts", "3", "--json", str(tmp_path / "f.json"))
+               "--num-prompts", "3", "--json", str(tmp_path / "f.json"), "--warmup", "0")
     assert p.returncode == 1
     row = json.loads((tmp_path / "f.json").read_text())["runs"]["m"][0]
     assert (row["completed"], row["failed"]) == (0, 3) and row["errors"]
+
+
+@pytest.mark.slow
+def test_a_failing_warm_up_stops_the_run_before_it_starts(server: ServerProcess,
+                                                          tmp_path: Path) -> None:
+    # A mistyped --model: one line naming the server's answer, not a run of 100 failures.
+    p = _bench("--base-url", server.url, "--model", "no-such-model", "--num-prompts", "100",
+               "--json", str(tmp_path / "f.json"))
+    assert p.returncode == 1
+    assert p.stderr.startswith("argosy bench serve: the warm-up request failed: HTTP 404"), \
+        p.stderr
+    assert not (tmp_path / "f.json").exists()
+    assert _bench("--warmup", "-1").returncode == 2
