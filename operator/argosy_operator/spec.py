@@ -157,6 +157,10 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Return a deep copy of `spec` with every default filled in; raise InvalidSpecError,
     naming the field, on specs the builders cannot turn into children the API server accepts (the
     CRD rejects most of these before they get here; the rest it cannot express)."""
+    _check_types(DEFAULTS, spec, "spec")
+    if isinstance(spec.get("runtime"), Mapping):
+        _check_types(SPECULATIVE_DEFAULTS, spec["runtime"].get("speculative") or {},
+                     "spec.runtime.speculative")
     out = with_defaults(spec)
     model = out["model"]
     if not model.get("name"):
@@ -229,6 +233,52 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if out["replicas"] < 0:
         raise InvalidSpecError("spec.replicas: must be >= 0")
     return out
+
+
+# Fields with a default whose CRD type is int-or-string (a number or a percentage).
+_INT_OR_STRING = frozenset({"spec.rollout.maxSurge", "spec.rollout.maxUnavailable"})
+
+
+def _check_types(defaults: Mapping[str, Any], given: Any, path: str) -> None:
+    """InvalidSpecError naming the first field whose value is not of its default's type.
+
+    The CRD's schema refuses these, but an LLMDeployment created under an older CRD (before
+    the field had its schema), or with validation off, reaches the operator as written: a
+    `replicas: "2"` then failed as a TypeError deep in a builder, retried forever with a
+    traceback and never reported on the object."""
+    if not isinstance(given, Mapping):
+        raise InvalidSpecError(f"{path}: must be an object, got {_json_type(given)}")
+    for key, default in defaults.items():
+        value = given.get(key)
+        field = f"{path}.{key}"
+        if value is None:
+            continue
+        if isinstance(default, Mapping):
+            _check_types(default, value, field)
+            continue
+        if field in _INT_OR_STRING:
+            ok = isinstance(value, (int, str)) and not isinstance(value, bool)
+        elif isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, float):  # an integer is a number too (YAML `1`)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(default))
+        if not ok:
+            raise InvalidSpecError(f"{field}: must be {_json_type(default)}, got "
+                                   f"{_json_type(value)} {value!r:.60} (the installed CRD may "
+                                   "be older than the operator: apply crds/ again)")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON Schema type name of a value, as the CRD and kubectl's errors name it."""
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                       (str, "a string"), (list, "an array"), (Mapping, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _check_batch_invariant(spec: Mapping[str, Any]) -> None:

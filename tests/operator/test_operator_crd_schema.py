@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import re
 from typing import Any
 
 import pytest
 import yaml
-from argosy_operator.spec import DEFAULTS, normalize_spec
+from argosy_operator.spec import DEFAULTS, InvalidSpecError, normalize_spec
 from crd_schema import ROOT, apply_defaults, load_crd, openapi_schema, validate
 
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
@@ -326,3 +327,43 @@ def test_metadata_maps_are_bounded(parent: str, field: str) -> None:
     assert validate(_map_spec(parent, field, {f"k{i}": "v" for i in range(256)}))[1] == []
     errors = validate(_map_spec(parent, field, {f"k{i}": "v" for i in range(257)}))[1]
     assert any("too many properties" in e for e in errors), errors
+
+
+def _defaulted_fields(schema: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(dotted path under spec, schema) of every CRD field that has a default, nested ones
+    included (runtime.speculative's, which apply when the object is given)."""
+    found = []
+    for key, prop in schema.get("properties", {}).items():
+        field = f"{path}.{key}"
+        if "default" in prop and prop.get("type") != "object":
+            found.append((field, prop))
+        found += _defaulted_fields(prop, field)
+    return found
+
+
+_WRONG = {"integer": "2", "number": "0.5", "boolean": "true", "string": 5, "array": "--x"}
+
+
+@pytest.mark.parametrize(("field", "prop"), _defaulted_fields(
+    openapi_schema()["properties"]["spec"], "spec"), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_value_of_the_wrong_type_is_refused_naming_the_field(field: str,
+                                                               prop: dict[str, Any]) -> None:
+    """What the CRD refuses for its type, an object written under an older CRD still holds:
+    normalize_spec refuses it (InvalidSpec, reported on the object) naming the field. It
+    was a TypeError inside a builder (`replicas: "2"`: '<' between str and int), retried
+    forever with a traceback and never reported."""
+    wrong = True if prop.get("x-kubernetes-int-or-string") else _WRONG[prop["type"]]
+    obj = with_spec(**{field.removeprefix("spec.").replace(".", "__"): wrong})
+    if field.startswith("spec.runtime.speculative."):
+        obj["spec"]["runtime"]["speculative"].setdefault("method", "ngram")
+    assert validate(obj)[1], "the CRD accepts it: not a wrong type"
+    with pytest.raises(InvalidSpecError, match=rf"^{re.escape(field)}: must be "):
+        normalize_spec(obj["spec"])
+
+
+def test_values_the_crd_takes_for_a_type_are_not_refused() -> None:
+    # an integer where a number is meant; a percentage where an int-or-string is
+    obj = with_spec(autoscaling__tolerance=0, rollout__maxSurge="25%",
+                    rollout__maxUnavailable=0)
+    assert validate(obj)[1] == []
+    normalize_spec(obj["spec"])
