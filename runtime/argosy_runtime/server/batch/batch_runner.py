@@ -104,8 +104,11 @@ class BatchRunner:
 
     # ---- the API ---------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
-        """A new batch of `owner`'s (owners.py), from an input file `owner` may see."""
+               metadata: dict[str, str] | None, owner: str | None = None,
+               output_expires_after_s: int | None = None) -> dict[str, Any]:
+        """A new batch of `owner`'s (owners.py), from an input file `owner` may see; its
+        output and error files expire `output_expires_after_s` seconds after they are
+        written (None: kept until deleted)."""
         if endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, "
                                 f"got {endpoint!r}", param="endpoint")
@@ -131,6 +134,9 @@ class BatchRunner:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata, "model": None, "usage": None,
             "owner": owner,  # not shown to clients (owners.public); owns its output files
+            # the request's output_expires_after.seconds; not part of OpenAI's Batch object
+            # (routes.py leaves it out)
+            "output_expires_after_s": output_expires_after_s,
         }
         lock = BatchLock.try_acquire(self.dir / f"{batch['id']}.lock")
         assert lock is not None  # a fresh id: nobody else can hold it
@@ -429,7 +435,8 @@ class BatchRunner:
                 # An id fixed by the batch: finalizing again after a crash replaces the file.
                 file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, batch['id'] + name).hex}"
                 batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl",
-                                              file_id, batch.get("owner"))["id"]
+                                              file_id, batch.get("owner"),
+                                              batch.get("output_expires_after_s"))["id"]
         self._set_status(batch, final)
         for _, path, _ in result_files:  # only now: until here a resume reads them
             path.unlink(missing_ok=True)

@@ -36,9 +36,10 @@ class FileStore:
         self.max_bytes = max_bytes
 
     def create(self, source: BinaryIO, filename: str, purpose: str,
-               owner: str | None = None) -> dict[str, Any]:
+               owner: str | None = None, expires_after_s: int | None = None) -> dict[str, Any]:
         """Copy an upload into the store (at most `max_bytes`; more is a 413), as `owner`'s
-        (owners.py; None: nobody's)."""
+        (owners.py; None: nobody's); gone `expires_after_s` seconds after its creation (None:
+        kept until deleted)."""
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch' (this server keeps files for the "
                                 f"Batch API only), got {purpose!r}", param="purpose")
@@ -58,10 +59,11 @@ class FileStore:
             tmp.rename(self.dir / file_id)
         finally:
             tmp.unlink(missing_ok=True)
-        return self._write_meta(file_id, filename, purpose, size, owner, created_at)
+        return self._write_meta(file_id, filename, purpose, size, owner, created_at,
+                                expires_after_s)
 
-    def adopt(self, path: Path, filename: str, file_id: str,
-              owner: str | None = None) -> dict[str, Any]:
+    def adopt(self, path: Path, filename: str, file_id: str, owner: str | None = None,
+              expires_after_s: int | None = None) -> dict[str, Any]:
         """Put a finished batch's result file into the store as `batch_output`, under the id
         its batch chose. `path` stays where it is (a hard link, else a copy) until the batch
         has recorded its final status: a crash in between finalizes again from the same
@@ -73,15 +75,26 @@ class FileStore:
         except OSError:  # another file system, or links not supported
             shutil.copyfile(path, tmp)
         os.replace(tmp, self.dir / file_id)
-        return self._write_meta(file_id, filename, "batch_output", path.stat().st_size, owner)
+        return self._write_meta(file_id, filename, "batch_output", path.stat().st_size, owner,
+                                expires_after_s=expires_after_s)
 
     def get(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
         """The file's record (its `FileObject` and `owner`); 404 for an unknown id and for
         another owner's file alike."""
         meta = read_json_record(self._meta_path(file_id))
-        if meta is None or not visible_to(meta.get("owner"), owner):
+        if meta is None or not visible_to(meta.get("owner"), owner) or self._expired(meta):
             raise self._not_found(file_id)
         return meta
+
+    def _expired(self, meta: dict[str, Any]) -> bool:
+        """Is the file past its `expires_at`? Such a file is deleted now: expiry is applied
+        whenever a file is looked up or listed (there is no sweeper)."""
+        expires_at = meta.get("expires_at")
+        if expires_at is None or time.time() < expires_at:
+            return False
+        self._meta_path(meta["id"]).unlink(missing_ok=True)
+        (self.dir / meta["id"]).unlink(missing_ok=True)
+        return True
 
     def _not_found(self, file_id: str) -> APIError:
         return APIError(404, f"no file with id {file_id!r}", param="file_id",
@@ -112,7 +125,7 @@ class FileStore:
         files = [read_json_record(p) for p in self.dir.glob("file-*.json")]
         # None: deleted (by another replica) between the listing and the read.
         files = [f for f in files if f is not None and visible_to(f.get("owner"), owner)
-                 and (purpose is None or f["purpose"] == purpose)]
+                 and (purpose is None or f["purpose"] == purpose) and not self._expired(f)]
         return sorted(files, key=list_key, reverse=True)
 
     def delete(self, file_id: str, owner: str | None = None) -> dict[str, Any]:
@@ -130,10 +143,12 @@ class FileStore:
         return record_path(self.dir, file_id, "file-")
 
     def _write_meta(self, file_id: str, filename: str, purpose: str, size: int,
-                    owner: str | None, created_at: int | None = None) -> dict[str, Any]:
+                    owner: str | None, created_at: int | None = None,
+                    expires_after_s: int | None = None) -> dict[str, Any]:
         created_at = int(time.time()) if created_at is None else created_at
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at,
                 "filename": filename, "purpose": purpose, "status": "processed",
+                "expires_at": None if expires_after_s is None else created_at + expires_after_s,
                 "owner": owner}  # not shown to clients (owners.public)
         write_json_atomic(self._meta_path(file_id), meta)
         return meta

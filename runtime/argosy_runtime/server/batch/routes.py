@@ -14,6 +14,7 @@ from urllib.parse import quote
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore, cursor_key
 from argosy_runtime.server.batch.pagination import page
+from argosy_runtime.server.errors import bad_request
 from argosy_runtime.server.owners import Owner, public
 from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
@@ -24,6 +25,20 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
+# OpenAI's bounds on a file's lifetime: 1 hour to 30 days after its creation.
+ExpirySeconds = Annotated[int, Field(ge=3600, le=30 * 24 * 3600)]
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file (an upload's `expires_after`, a batch's
+    `output_expires_after` for the files it writes), anchored at the file's creation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: ExpirySeconds
+
+
 class CreateBatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -31,15 +46,25 @@ class CreateBatchRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
 def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> None:
     @app.post("/v1/files")
-    async def upload_file(file: Annotated[UploadFile, File()],
-                          purpose: Annotated[str, Form()],
-                          owner: Owner = None) -> dict[str, Any]:
+    async def upload_file(
+            file: Annotated[UploadFile, File()],
+            purpose: Annotated[str, Form()],
+            # the official client sends `expires_after` as these two form fields
+            expires_anchor: Annotated[Literal["created_at"] | None,
+                                      Form(alias="expires_after[anchor]")] = None,
+            expires_seconds: Annotated[ExpirySeconds | None,
+                                       Form(alias="expires_after[seconds]")] = None,
+            owner: Owner = None) -> dict[str, Any]:
+        if (expires_anchor is None) != (expires_seconds is None):
+            raise bad_request("expires_after: needs both anchor and seconds", "expires_after")
         return public(await asyncio.to_thread(files.create, file.file,
-                                              file.filename or "upload.jsonl", purpose, owner))
+                                              file.filename or "upload.jsonl", purpose, owner,
+                                              expires_seconds))
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None, after: str | None = None,
@@ -73,23 +98,32 @@ def add_batch_routes(app: FastAPI, files: FileStore, runner: BatchRunner) -> Non
 
     @app.post("/v1/batches")
     async def create_batch(body: CreateBatchRequest, owner: Owner = None) -> dict[str, Any]:
-        return public(runner.create(body.input_file_id, body.endpoint,
-                                    body.completion_window, body.metadata, owner))
+        expiry = body.output_expires_after
+        return _batch_object(runner.create(body.input_file_id, body.endpoint,
+                                           body.completion_window, body.metadata, owner,
+                                           None if expiry is None else expiry.seconds))
 
     @app.get("/v1/batches")
     async def list_batches(after: str | None = None,
                            limit: Annotated[int, Query(ge=1, le=100)] = 20,
                            owner: Owner = None) -> dict[str, Any]:
-        return page([public(b) for b in runner.list(owner)], after, limit,
+        return page([_batch_object(b) for b in runner.list(owner)], after, limit,
                     after_key=cursor_key(after, "batch_") if after else None)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
-        return public(runner.get(batch_id, owner))
+        return _batch_object(runner.get(batch_id, owner))
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, owner: Owner = None) -> dict[str, Any]:
-        return public(runner.cancel(batch_id, owner))
+        return _batch_object(runner.cancel(batch_id, owner))
+
+
+def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch record as OpenAI's Batch object (without the runner's own fields)."""
+    shown = public(batch)
+    shown.pop("output_expires_after_s", None)
+    return shown
 
 
 async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:
