@@ -80,6 +80,20 @@ def test_max_output_tokens_makes_it_incomplete(client: OpenAI) -> None:
     assert r.output_text == text
 
 
+def test_completed_at_only_when_completed(client: OpenAI) -> None:
+    """OpenAI's `completed_at` is "only present when the status is `completed`": a response
+    cut by max_output_tokens ends incomplete without one, streamed or not."""
+    done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=40,
+                                   temperature=0, store=False)
+    assert done.status == "completed" and done.completed_at >= done.created_at
+    cut = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert cut.status == "incomplete" and cut.completed_at is None
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                          stream=True, store=False))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.completed_at is None
+
+
 @pytest.mark.parametrize("max_tokens, end", [(40, "response.completed"),
                                              (4, "response.incomplete")])
 def test_stream_events_in_openai_order(client: OpenAI, max_tokens: int, end: str) -> None:

@@ -98,7 +98,6 @@ def response_object(req: ResponsesRequest, *, response_id: str, created_at: int,
                     usage: dict[str, Any] | None = None,
                     incomplete_details: dict[str, str] | None = None,
                     error: dict[str, Any] | None = None) -> dict[str, Any]:
-    finished = status in ("completed", "incomplete", "failed")
     text_format = (req.text.format.model_dump(by_alias=True, exclude_none=True)
                    if req.text is not None and req.text.format is not None
                    else {"type": "text"})
@@ -106,7 +105,9 @@ def response_object(req: ResponsesRequest, *, response_id: str, created_at: int,
         "id": response_id,
         "object": "response",
         "created_at": created_at,
-        "completed_at": int(time.time()) if finished else None,
+        # OpenAI's: "only present when the status is `completed`" (not when it ended
+        # incomplete or failed)
+        "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
         "background": bool(req.background),
         "error": error,
