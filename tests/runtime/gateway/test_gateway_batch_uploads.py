@@ -147,3 +147,19 @@ async def test_replicas_sharing_a_folder_list_each_file_once(replica, gateway,
         assert [f.id for f in listed.data] == [uploaded.id]  # both replicas list it
         assert (await client.files.content(uploaded.id)).content == data
     assert [f["id"] for f in files.list()] == [uploaded.id]
+
+
+async def test_an_uploads_expires_after_reaches_the_replica(replica, gateway) -> None:
+    # The gateway passed on `purpose` alone: the expiry was silently dropped (and a bad one
+    # accepted). Every form field goes on now, for the replica to check.
+    replica_url, _ = await replica(FILE_LIMIT)
+    _, url = await gateway(_config(replica_url))
+    async with _client(url) as client:
+        uploaded = await client.files.create(
+            file=("in.jsonl", io.BytesIO(_jsonl(500))), purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 3600})
+        assert uploaded.expires_at == uploaded.created_at + 3600
+        with pytest.raises(openai.BadRequestError, match="expires_after"):
+            await client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(500))),
+                                      purpose="batch",
+                                      expires_after={"anchor": "created_at", "seconds": 60})

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from argosy_runtime.gateway.proxy.app import Gateway
 
 MAX_FIELD_BYTES = 64 * 1024  # an upload's form field other than the file (`purpose`)
+MAX_FIELDS = 16  # form fields passed on beside the file; OpenAI's upload has three
 SPOOL_WRITE_BYTES = 1 << 20  # an upload reaches its temporary file in writes this large
 LIST_LIMIT = {"files": 10_000, "batches": 100}  # the most a replica's list page holds
 
@@ -90,7 +91,7 @@ class BatchRoutes:
                 return bad_request(f"malformed multipart/form-data upload: {exc}")
             if isinstance(upload, web.Response):
                 return upload
-            filename, content_type, purpose = upload
+            filename, content_type, fields = upload
             model = await asyncio.to_thread(_first_model, spool)
             pool = await self._pool_for(model)
             if isinstance(pool, web.Response):
@@ -102,7 +103,8 @@ class BatchRoutes:
                 return no_replica(pool)
             spool.seek(0)
             data = aiohttp.FormData()
-            data.add_field("purpose", purpose)
+            for name, value in fields.items():  # purpose, expires_after[...]: as sent
+                data.add_field(name, value)
             data.add_field("file", spool, filename=filename, content_type=content_type)
             return await self._call(request, replica.url, data=data)
 
@@ -212,12 +214,14 @@ class _TooLarge(Exception):
         self.param = param
 
 
-async def _read_upload(request: web.Request, spool: IO[bytes],
-                       limit: int) -> tuple[str, str, str] | web.Response:
+async def _read_upload(request: web.Request, spool: IO[bytes], limit: int
+                       ) -> tuple[str, str, dict[str, str]] | web.Response:
     """Stream a multipart upload's `file` into `spool` (raising _TooLarge past `limit` bytes)
-    and read its `purpose`; returns (filename, content type, purpose), or the 400 to answer."""
+    and read its other fields (`purpose`, `expires_after[anchor]`, ...: the replica checks
+    them); returns (filename, content type, fields), or the 400 to answer."""
     reader = await request.multipart()
-    filename = content_type = purpose = None
+    filename = content_type = None
+    fields: dict[str, str] = {}
     while (part := await reader.next()) is not None:
         if not isinstance(part, aiohttp.BodyPartReader):
             raise ValueError("nested multipart parts are not accepted")
@@ -225,18 +229,18 @@ async def _read_upload(request: web.Request, spool: IO[bytes],
             filename = part.filename
             content_type = part.headers.get("Content-Type", "application/octet-stream")
             await _copy_part(part, spool, limit)
-        elif part.name == "purpose":
+        elif part.name and part.name != "file" and len(fields) < MAX_FIELDS:
             raw = bytearray()
             while chunk := await part.read_chunk():
                 raw.extend(chunk)
                 if len(raw) > MAX_FIELD_BYTES:
-                    raise _TooLarge("purpose", MAX_FIELD_BYTES)
-            purpose = raw.decode(part.get_charset(default="utf-8"), errors="replace")
+                    raise _TooLarge(part.name, MAX_FIELD_BYTES)
+            fields[part.name] = raw.decode(part.get_charset(default="utf-8"), errors="replace")
         else:
-            await _copy_part(part, None, MAX_FIELD_BYTES)  # not ours: skipped (bounded)
-    if filename is None or content_type is None or purpose is None:
+            await _copy_part(part, None, MAX_FIELD_BYTES)  # skipped (bounded)
+    if filename is None or content_type is None or "purpose" not in fields:
         return bad_request("a multipart upload needs a 'file' and a 'purpose' field")
-    return filename, content_type, purpose
+    return filename, content_type, fields
 
 
 async def _copy_part(part: aiohttp.BodyPartReader, out: IO[bytes] | None, limit: int) -> None:
