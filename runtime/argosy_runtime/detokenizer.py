@@ -16,6 +16,11 @@ from argosy_runtime.tokenizer import Tokenizer
 # How many prompt tokens to use as left context for the first output token (vLLM uses 5).
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# A character still incomplete at the end of the text is at most 4 bytes, so it lies in the
+# last 4 tokens (each at least one byte). More held tokens than this end in bytes that will
+# never form a character (a model writing invalid UTF-8): the text before the last 4 is final.
+_MAX_HELD_TOKENS = 8
+_INCOMPLETE_CHAR_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -67,10 +72,26 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             # Nothing visible yet (a special token skipped, or a character still incomplete):
             # keep the window as is so the next push decodes these bytes together.
+            if len(self._ids) - self.read_offset > _MAX_HELD_TOKENS:
+                # Held this long, the window would grow with every push of invalid bytes,
+                # each decoding it all again (quadratic): emit what is final.
+                return self._emit_up_to(len(self._ids) - _INCOMPLETE_CHAR_TOKENS, prefix_text,
+                                        new_text)
             return ""
-        delta = new_text[len(prefix_text) :]
+        return self._emit(new_text[len(prefix_text):], len(self._ids))
+
+    def _emit_up_to(self, split: int, prefix_text: str, new_text: str) -> str:
+        """The text of the tokens before `split`, if cutting there splits no character: the
+        tokens after it already decide how every byte before it renders."""
+        final = self._decode(self.prefix_offset, split)
+        if len(final) <= len(prefix_text) or not new_text.startswith(final):
+            return ""
+        return self._emit(final[len(prefix_text):], split)
+
+    def _emit(self, delta: str, end: int) -> str:
+        """Send `delta`, the text of the tokens up to `end`; the window moves on."""
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self._ids)
+        self.read_offset = end
         self.text += delta
         return delta
 
@@ -80,11 +101,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset, len(self._ids))
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self._ids)
-        self.text += delta
-        return delta
+        return self._emit(new_text[len(prefix_text):], len(self._ids))
 
     def _kept(self, ids: Sequence[int]) -> list[int]:
         return [int(i) for i in ids if int(i) not in self._skipped_ids]

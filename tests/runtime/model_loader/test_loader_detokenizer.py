@@ -155,3 +155,36 @@ def test_long_run_of_special_tokens_costs_linear_time(tok: Tokenizer, skip_speci
     streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert streamed == tok.decode(ids, skip_special_tokens=skip_special_tokens)
     assert counting.decoded_ids < 20 * len(ids)
+
+
+def test_a_long_run_of_invalid_bytes_costs_linear_time_and_streams(tok: Tokenizer) -> None:
+    """Bytes that never form a character (lone continuation bytes, as a model forced by a
+    logit_bias writes them) end the text in U+FFFD at every push: the window held them all,
+    each push decoding the whole run again (quadratic), and nothing streamed until the end."""
+    counting = _CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, tok.encode("Hi"))  # type: ignore[arg-type]
+    continuation = tok.token_to_id("©")  # byte A9: a character never starts with it
+    n = 2000
+    ids = [continuation] * n + tok.encode(" é done 🎉")
+    deltas = [detok.push([i]) for i in ids]
+    assert "".join(deltas[:n]).count("\ufffd") >= n - 8  # streamed as it came, not held
+    assert "".join(deltas) + detok.flush() == tok.decode(ids)
+    assert counting.decoded_ids < 40 * len(ids)
+
+
+def test_long_random_byte_runs_still_add_up_to_decode(tok: Tokenizer) -> None:
+    """Property, for outputs long enough to pass the held-token limit: random runs of single
+    bytes (lead, continuation and ASCII bytes, mostly invalid UTF-8 together), characters
+    split over byte tokens and ordinary tokens, pushed in random chunks, add up to decode()."""
+    rng = random.Random(77)
+    byte_ids = _byte_token_ids(tok)
+    pools = [byte_ids, byte_ids, tok.encode("日本語 🎉 é ok"), range(tok.vocab_size)]
+    for _ in range(200):
+        ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(10, 60))]
+        detok = IncrementalDetokenizer(tok, tok.encode("x"))
+        deltas, start = [], 0
+        while start < len(ids):
+            size = rng.randint(1, 3)
+            deltas.append(detok.push(ids[start : start + size]))
+            start += size
+        assert "".join(deltas) + detok.flush() == tok.decode(ids), ids
