@@ -139,7 +139,9 @@ def test_gpu_sample_deployment() -> None:
         "--tool-call-parser", "llama3_json", "--drain-timeout", "60",
         "--batch-dir", "/tmp/argosy-batches"]
     assert runtime["resources"] == {
-        "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"},
+        # ephemeral-storage: the model emptyDir's sizeLimit, so the scheduler finds the disk
+        "requests": {"cpu": "4", "memory": "32Gi", "ephemeral-storage": "40Gi",
+                     "nvidia.com/gpu": "1"},
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
     assert runtime["volumeMounts"] == [
         {"name": "tmp", "mountPath": "/tmp"},

@@ -40,7 +40,7 @@ def _probe(path: str, *, period: int, timeout: int, failures: int) -> dict[str, 
     }
 
 
-def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _resources(spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
     res = spec["resources"]
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
@@ -48,6 +48,11 @@ def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
         requests["cpu"] = str(res["cpu"])  # no CPU limit: throttling stalls decode steps
     if res.get("memory") is not None:
         requests["memory"] = limits["memory"] = str(res["memory"])
+    if source.needs_download and spec["model"].get("cacheSizeLimit"):
+        # The downloaded weights fill the emptyDir up to its sizeLimit: requested, the pod is
+        # scheduled only where that much node disk is free, instead of being evicted midway
+        # through a download that fills the node's disk (and downloading again elsewhere).
+        requests["ephemeral-storage"] = str(spec["model"]["cacheSizeLimit"])
     if res["gpus"] > 0:
         # Extended resources: the limit is what counts; the request must equal it.
         requests[res["gpuResourceName"]] = limits[res["gpuResourceName"]] = str(res["gpus"])
@@ -120,7 +125,7 @@ def _pod_spec(name: str, spec: Mapping[str, Any], source: ModelSource) -> dict[s
         "args": serve_args(name, spec, source.serve_path),
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": _resources(spec),
+        "resources": _resources(spec, source),
         "volumeMounts": mounts,
         # Loading weights can take minutes: the startup probe holds liveness off until then.
         "startupProbe": _probe("/health", period=STARTUP_PROBE_PERIOD, timeout=5, failures=max(
