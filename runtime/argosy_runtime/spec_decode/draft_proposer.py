@@ -3,11 +3,13 @@
 Two kinds of draft:
 
 - **self-draft** (`model` unset): the target's first `draft_layers` layers (default a quarter)
-  plus its final norm and head. Those layers have the same weights and see the same inputs as
-  in the target, so their K/V *are* the target's: the draft reads and writes the target's own
-  paged cache for layers < draft_layers and needs no cache or catch-up of its own. The slots it
-  writes for draft positions are rewritten by the target's verification pass of the same step
-  (every layer writes all new K/V before attention reads), so they never leak into results.
+  plus its final norm and head. Those layers have the same weights (a request's LoRA adapter
+  included) and see the same inputs as in the target, so their K/V *are* the target's: the
+  draft reads and writes the target's own paged cache for layers < draft_layers and needs no
+  cache or catch-up of its own. The slots it writes from the last token on are rewritten by
+  the target's verification pass of the same step (every layer writes all new K/V before
+  attention reads), so they never leak into results; their blocks go back to the pool once
+  the draft has proposed, and the scheduler grants draft slots as it does without a draft.
 - **separate draft** (`model` = a path with the same vocabulary, or `quantization` = "int4"/
   "int8" for a quantized copy of the target): K/V of its own, on blocks of its own
   (spec_decode/draft_cache.py: its own manager and layout, as many pages as the target's), so
@@ -34,6 +36,7 @@ import torch
 from argosy_runtime.attention.batch import build_batch, decode_rows_first
 from argosy_runtime.models.build import build_model
 from argosy_runtime.models.llama import ForwardContext, LlamaForCausalLM
+from argosy_runtime.scheduler import ScheduledRequest
 from argosy_runtime.spec_decode.config import SpeculativeConfig
 from argosy_runtime.spec_decode.decoder import Proposal
 from argosy_runtime.spec_decode.draft_cache import DraftCache, draft_max_positions, draft_num_layers
@@ -148,15 +151,17 @@ class DraftProposer:
                 start = self._catch_up_in_chunks(req, start, n + k, drafting)
                 if start is None:
                     continue
-            # Blocks for every position this step may write, before the scheduler runs. Only
-            # the computed prefix is offered for prefix-cache hashing: the block holding the
-            # last token must not become a cache entry before the target has written it.
-            # The salt as the scheduler passes it: accepted drafts can complete a request's
-            # first block, hashed here first, and an unsalted hash would let a request on
-            # another LoRA adapter (or none) reuse this adapter's K/V.
-            if not kv.allocate_slots(req.request_id, req.token_ids[: req.num_computed_tokens], n + k,
-                                     salt=req.cache_salt,
-                                     num_computed_tokens=req.num_computed_tokens):
+            # A self-draft writes into the target's cache: it needs the target's blocks for
+            # every position it writes (given back below, once it has proposed); a separate
+            # draft writes its own cache only. Only the computed prefix is offered for
+            # prefix-cache hashing: the block holding the last token must not become a cache
+            # entry before the target has written it. The salt as the scheduler passes it:
+            # accepted drafts can complete a request's first block, hashed here first, and an
+            # unsalted hash would let a request on another LoRA adapter (or none) reuse this
+            # adapter's K/V.
+            if self.shares_target_cache and not kv.allocate_slots(
+                    req.request_id, req.token_ids[: req.num_computed_tokens], n + k,
+                    salt=req.cache_salt, num_computed_tokens=req.num_computed_tokens):
                 continue
             own = kv if self.shares_target_cache else self.cache
             blocks = np.asarray(own.block_ids(req.request_id), dtype=np.int64)
@@ -175,14 +180,22 @@ class DraftProposer:
             if step > 0:
                 entries = [(live[j][3], live[j][1].num_tokens - 1 + step, [drafts[j][-1]])
                            for j in active]
-            logits = self._forward(entries)  # [len(active), vocab]
-            tokens, probs = self._choose([live[j][1] for j in active], logits,
-                                         [drafts[j] for j in active])
+            reqs = [live[j][1] for j in active]
+            logits = self._forward(entries, reqs)  # [len(active), vocab]
+            tokens, probs = self._choose(reqs, logits, [drafts[j] for j in active])
             for row, j in enumerate(active):
                 drafts[j].append(tokens[row])
                 if probs is not None and probs[row] is not None:
                     qs[j].append(probs[row])
 
+        if self.shares_target_cache:
+            # Give the target's blocks past the computed tokens back: the verification pass
+            # rewrites every slot from there on, and the scheduler grants slots in priority
+            # order, dropping a request's drafts before it preempts anyone for them. Held from
+            # here, a request's drafts took the block a request ahead of it needed for its
+            # next token, and the scheduler preempted someone for drafts it never granted.
+            for _, req, _, _ in live:
+                kv.truncate(req.request_id, req.num_computed_tokens)
         for j, (i, req, _, _) in enumerate(live):
             if not self.shares_target_cache:
                 state = self._state[req.request_id]
@@ -225,7 +238,7 @@ class DraftProposer:
             if not self._allocate_draft_blocks(rid, end, start, drafting):
                 return None
             blocks = np.asarray(self.cache.block_ids(rid), dtype=np.int64)
-            self._forward([(blocks, start, req.token_ids[start:end])])
+            self._forward([(blocks, start, req.token_ids[start:end])], [req])
             start = self._state[rid].valid = end
         return start if self._allocate_draft_blocks(rid, num_tokens, start, drafting) else None
 
@@ -289,9 +302,10 @@ class DraftProposer:
         return tokens, probs
 
     # ---- the draft forward ----------------------------------------------------------------
-    def _forward(self, entries: list[tuple[np.ndarray, int, list[int]]]) -> torch.Tensor:
-        """Run the draft over each entry's tokens; float32 logits [len(entries), vocab] at
-        each entry's last token."""
+    def _forward(self, entries: list[tuple[np.ndarray, int, list[int]]],
+                 reqs: list[Request]) -> torch.Tensor:
+        """Run the draft over each entry's tokens (`reqs[e]`'s); float32 logits
+        [len(entries), vocab] at each entry's last token."""
         dev = self.engine.device
         bs = self.engine.cache_config.block_size
         # Decode rows first: attention handles them with one paged-decode call.
@@ -304,6 +318,12 @@ class DraftProposer:
         for row, e in zip(ends.tolist(), order):
             last_rows[e] = row
         ctx = ForwardContext(model.rotary, self.backend, self.kv_caches, meta, self.kv_scales)
+        if self.shares_target_cache:
+            # The target's own layers on the target's cache: a request's adapter applies in
+            # them as in the target. Without it the draft's queries met the adapter's K/V and
+            # nearly no draft of a LoRA request was accepted.
+            ctx.lora = self.engine.runner._lora_batch(
+                [ScheduledRequest(reqs[e], len(entries[e][2])) for e in order])
         h = model(input_ids, pos_t, ctx, num_layers=self.num_layers)
         return model.compute_logits(h[torch.tensor(last_rows, device=dev)]).cpu()
 

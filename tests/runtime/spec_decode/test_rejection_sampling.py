@@ -67,3 +67,43 @@ def test_a_biased_sampler_is_detected() -> None:
     counts = torch.bincount(torch.multinomial(q, DRAWS, replacement=True, generator=gen),
                             minlength=VOCAB).float()
     assert chi_square_p_value(counts, target) < 0.001
+
+
+def test_two_drafts_keep_the_joint_target_distribution() -> None:
+    # k = 2 from a draft model: the target's and the draft's distributions at each position
+    # depend on the tokens before it, and the second position is verified only after the
+    # first draft was accepted. The first two output tokens (drawn by plain decoding's next
+    # step when the first draft is rejected) must follow p(y0) p(y1 | y0).
+    vocab, draws = 5, 40_000
+    gen = torch.Generator().manual_seed(2024)
+    p_logits = [torch.randn(vocab, generator=gen), torch.randn(vocab, vocab, generator=gen),
+                torch.randn(vocab, vocab, vocab, generator=gen)]
+    q_logits = [torch.randn(vocab, generator=gen), torch.randn(vocab, vocab, generator=gen)]
+
+    def dist(logits: list[torch.Tensor], before: list[int]) -> torch.Tensor:
+        return torch.softmax(logits[len(before)][tuple(before)], dim=-1)
+
+    def draw(probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    counts = torch.zeros(vocab * vocab)
+    for _ in range(draws):
+        x0 = draw(dist(q_logits, []))
+        x1 = draw(dist(q_logits, [x0]))
+        out = verify_sampled(lambda i, acc: dist(p_logits, acc), [x0, x1],
+                             torch.stack([dist(q_logits, []), dist(q_logits, [x0])]),
+                             uniform=lambda: float(torch.rand((), generator=gen)),
+                             sample=lambda row: draw(row / row.sum()))
+        assert 1 <= len(out) <= 3 and out[:-1] == [x0, x1][: len(out) - 1]
+        if len(out) == 1:  # the next step samples the second token from the target
+            out.append(draw(dist(p_logits, out)))
+        counts[out[0] * vocab + out[1]] += 1
+    p0 = dist(p_logits, [])
+    target = torch.cat([p0[y] * dist(p_logits, [y]) for y in range(vocab)])
+    p_value = chi_square_p_value(counts, target)
+    assert p_value > 0.001, (p_value, counts / draws, target)
+    # The test has power at this size: the drafts' own joint distribution is caught.
+    q_joint = torch.cat([dist(q_logits, [])[y] * dist(q_logits, [y]) for y in range(vocab)])
+    assert chi_square_p_value(torch.multinomial(q_joint, draws, replacement=True,
+                                                generator=gen).bincount(minlength=vocab * vocab)
+                              .float(), target) < 0.001
