@@ -126,6 +126,13 @@ def has_avx512_bf16() -> bool:
     return available() and torch.ops.argosy_cpu.has_avx512_bf16()
 
 
+def varlen_shapes_supported(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `prefill_attention` / `varlen_attention` take these shapes (the checks of
+    csrc/cpu_ops.cpp's run_varlen_attention: head_dim 64 or 128, at most 16 query heads per kv
+    head); callers with other shapes keep their PyTorch path."""
+    return head_dim in (64, 128) and num_heads // num_kv_heads <= 16
+
+
 def prefill_attention(
     query: torch.Tensor,  # [q_len, num_heads, head_dim] bfloat16, rows may be strided
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16 or int8

@@ -75,7 +75,8 @@ def paged_decode_attention_ref(
 
     Gathers each sequence's blocks into a dense [num_seqs, max_len] view, then does masked
     softmax attention in float32. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
-    With an int8 cache, pass the per-token-per-head `k_scale`/`v_scale`.
+    With an int8 cache, pass the per-token-per-head `k_scale`/`v_scale`. A sequence with
+    context length 0 yields zeros; slots past a context never reach the output.
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -101,7 +102,12 @@ def paged_decode_attention_ref(
     if sliding_window is not None:
         pad |= positions[None, :] < context_lens[:, None].long() - sliding_window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    # A sequence of context length 0 (a padded slot) has no key: its all -inf row's softmax is
+    # NaN, zeroed here so it yields zeros, as the kernel does.
+    probs = torch.softmax(scores, dim=-1).masked_fill(pad[:, None, None, :], 0.0)
+    # Slots past a context (stale rows of its last block, spare block-table columns) may hold
+    # anything, NaN included: a zero weight times NaN is NaN, so they are zeroed, not weighted.
+    values = values.masked_fill(pad[:, :, None, None], 0.0)
     out = torch.einsum("skgt,stkd->skgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
@@ -217,11 +223,18 @@ def _paged_decode_attention_kernel(
         if KV_INT8:
             vs = tl.load(v_scale_ptr + blk * stride_sb + row * stride_st + kvh, mask=t_mask,
                          other=0.0).to(tl.float32)
-            p = p * vs[None, :]
+            # p * vs relative to the tile's largest scale, which multiplies the dot: p * vs
+            # itself falls into float16's subnormals when a head's values are small (vs below
+            # 6e-5, values under 8e-3) and loses its digits there (5% off at values of 1e-4).
+            vs_max = tl.max(vs, axis=0)
+            p = p * (vs / tl.where(vs_max > 0, vs_max, 1.0))[None, :]
             v = v.to(tl.float32).to(q.dtype)
         elif UPCAST_DOT:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if KV_INT8:
+            pv = pv * vs_max
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     mask_out = g_mask[:, None] & d_mask[None, :]

@@ -64,7 +64,9 @@ def reshape_and_cache_ref(
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    if key_cache.dtype == torch.int8 and k_scale is not None and v_scale is not None:
+    if key_cache.dtype == torch.int8:
+        if k_scale is None or v_scale is None:  # a plain cast would store truncated values
+            raise ValueError("an int8 cache needs k_scale and v_scale")
         qk, sk = quantize_per_head_ref(key)
         qv, sv = quantize_per_head_ref(value)
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, qk)

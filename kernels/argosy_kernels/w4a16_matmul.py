@@ -358,10 +358,12 @@ def default_config(m: int, dtype: torch.dtype, group_size: int) -> MatmulConfig:
     # an SM's budget (checked by compiling for sm_90, see tests/kernels/test_sm90_compile.py).
     block_n = 64 if m <= 64 or dtype == torch.float32 else 128
     num_warps = 4 if block_m * block_n <= 16 * 64 and dtype != torch.float32 else 8
-    # Words per tile <= group_size: a tile of one nibble then never straddles groups when
-    # K8 is a multiple of group_size.
-    return MatmulConfig(block_m=block_m, block_n=block_n, block_k=min(32, group_size),
-                        num_warps=num_warps)
+    # Words per tile dividing group_size: a tile of one nibble then never straddles groups when
+    # K8 is a multiple of group_size. A power of two of at least 16 (tl.arange and tl.dot
+    # need that): 16 for groups that 32 does not divide (8, 24, 40, ...: the scales are then
+    # gathered per word where a tile straddles groups).
+    return MatmulConfig(block_m=block_m, block_n=block_n,
+                        block_k=32 if group_size % 32 == 0 else 16, num_warps=num_warps)
 
 
 # Under the interpreter (CPU tests) small tiles keep the simulated programs cheap.
@@ -373,7 +375,11 @@ INTERPRET_GEMV_CONFIG = MatmulConfig(block_m=1, block_n=8, block_k=32, num_warps
 def gemv_vec(block_k: int, group_size: int, k8: int) -> int | None:
     """Words each thread of the FMA kernel takes at once (its tile is 32 of them per row),
     the most of 4, 2, 1 that fits block_k with 32 * vec dividing both the group size and
-    K // 8; None when even 32 words do not (the tensor-core kernel takes those shapes)."""
+    K // 8; None when even 32 words do not, or the group size is no power of two (the
+    zero-point sums load whole groups with tl.arange, which needs one, e.g. not 96): the
+    tensor-core kernel takes those shapes."""
+    if group_size & (group_size - 1):
+        return None
     for vec in (4, 2, 1):
         if 32 * vec <= block_k and group_size % (32 * vec) == 0 and k8 % (32 * vec) == 0:
             return vec

@@ -131,3 +131,34 @@ def test_rejects_bad_inputs():
         paged_decode_attention(query[..., :32], kc, vc, tables, lens, scale)
     with pytest.raises(ValueError, match="num_kv_heads"):
         paged_decode_attention(query[:, :3], kc, vc, tables, lens, scale)
+
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_padded_slots_and_empty_contexts_do_not_leak(num_splits):
+    """NaN/inf in the slots past each context (the rest of its last block, a spare table
+    column's block) must not reach any output, and a context of length 0 gives zeros, in the
+    reference and the kernel alike; both against token-by-token attention."""
+    query, kc, vc, tables, _, scale = _inputs((8, 2, 64, 16, [20, 1, 33]), torch.float32, seed=9)
+    lens = [20, 0, 33]  # the middle sequence owns a block but has no token in it (yet)
+    block_size, width = kc.shape[1], tables.shape[1]
+    used = {int(tables[s, t // block_size]) for s, n in enumerate([20, 1, 33]) for t in range(n)}
+    spare = min(set(range(kc.shape[0])) - used)
+    tables[0, 2:] = spare  # seq 0: 2 blocks, seq 1: 1, seq 2: 3; the rest of each row is spare
+    tables[1, 1:] = spare
+    tables[2, 3:] = spare
+    kc[spare], vc[spare] = float("inf"), float("nan")
+    for s, n in enumerate(lens):
+        for t in range(n, width * block_size):
+            kc[tables[s, t // block_size], t % block_size] = float("nan")
+            vc[tables[s, t // block_size], t % block_size] = float("nan")
+    want = torch.zeros(query.shape, dtype=torch.float64)
+    for s in (0, 2):
+        k, v = dense_kv(kc, tables[s], lens[s]), dense_kv(vc, tables[s], lens[s])
+        want[s] = naive_attention(query[s], k, v, scale)
+    lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_decode_attention_ref(query, kc, vc, tables, lens, scale)
+    torch.testing.assert_close(ref.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    got = paged_decode_attention(query, kc, vc, tables, lens, scale, num_splits=num_splits,
+                                 out=torch.full_like(query, float("nan")))
+    assert_close(got, want, torch.float32)

@@ -179,3 +179,15 @@ def test_empty_and_bad_inputs():
     with pytest.raises(ValueError, match="float16"):
         reshape_and_cache(key, value, _poisoned(torch.int8), _poisoned(torch.int8), slots,
                           k_scale=fp32, v_scale=fp32.clone())
+
+
+def test_reference_refuses_an_int8_cache_without_scales():
+    """Like the kernel: a plain cast into the int8 cache would store truncated values
+    (0.7 -> 0) that readers then scale by whatever k_scale held."""
+    key, value, slots = _inputs(torch.float32)
+    kc = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.int8, device=DEVICE)
+    scale = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, dtype=KV_SCALE_DTYPE, device=DEVICE)
+    for scales in ({}, {"k_scale": scale}, {"v_scale": scale}):
+        with pytest.raises(ValueError, match="k_scale and v_scale"):
+            reshape_and_cache_ref(key, value, kc, kc.clone(), slots, **scales)
+    assert not kc.any()

@@ -32,9 +32,11 @@ class TorchAttentionBackend:
         self.scale = scale
         # Decode attention through the fused C++ kernel where it builds (None: when available).
         self.fused_cpu_ops = cpu_ops.available() if fused_cpu_ops is None else fused_cpu_ops
-        # bfloat16 prompt chunks through the C++ flash kernel where the CPU has AVX512-BF16.
+        # bfloat16 prompt chunks through the C++ flash kernel where the CPU has AVX512-BF16
+        # and the kernel takes the shapes (it refuses others: a GQA group above 16 failed).
         self.bf16_prefill_kernel = (self.fused_cpu_ops and cpu_ops.has_avx512_bf16()
-                                    and head_dim in (64, 128))
+                                    and cpu_ops.varlen_shapes_supported(head_dim, num_heads,
+                                                                        num_kv_heads))
         # Every query, decode rows included, through the one kernel whose result for a query
         # does not depend on the rest of the batch (argosy_runtime/batch_invariance.py); the
         # batch then has no decode rows (the model's decode_rows_up_to is 0).
@@ -140,9 +142,13 @@ class TorchAttentionBackend:
         if k_scale is not None and v_scale is not None:  # dequantize the int8 cache (fp16 scales)
             keys = (keys.float() * k_scale.index_select(0, flat_blocks).float()[..., None]).to(query.dtype)
             values = (values.float() * v_scale.index_select(0, flat_blocks).float()[..., None]).to(query.dtype)
+        # Slots past a context (the rest of its last block, spare table columns) may hold
+        # anything, NaN included (a reused block), and SDPA's masking does not stop NaN: it
+        # adds -inf to a NaN score, and a masked weight of 0 times a NaN value is NaN.
+        pad = ~valid.view(num_seqs, padded_len, 1, 1)
         # [num_seqs, kv_heads, padded_len, head_dim], strided
-        keys = keys.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
-        values = values.view(num_seqs, padded_len, kvh, hd).transpose(1, 2)
+        keys = keys.view(num_seqs, padded_len, kvh, hd).masked_fill(pad, 0.0).transpose(1, 2)
+        values = values.view(num_seqs, padded_len, kvh, hd).masked_fill(pad, 0.0).transpose(1, 2)
         q = query.view(num_seqs, kvh, self.num_heads // kvh, hd)
         if softcap is not None:
             out = _softcap_attention(q, keys, values, valid, self.scale, softcap)
