@@ -67,6 +67,12 @@ _ARCH_CLASSES = {  # arch -> (config, causal LM, headless decoder, sequence clas
     # query_pre_attn_scalar through `extra_config`.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "Gemma2Model",
                "Gemma2ForSequenceClassification"),
+    # SmolLM3 (no_rope_layers / no_rope_layer_interval, sliding windows through
+    # `extra_config`) and Granite (its multipliers through `extra_config`; transformers has
+    # no Granite sequence classifier). Causal LMs only in the engine.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "SmolLM3Model",
+                "SmolLM3ForSequenceClassification"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", "GraniteModel", None),
 }
 
 
@@ -521,3 +527,30 @@ def write_tiny_gguf(path: Path, arch: str, *, context: int = 64, hidden: int = 8
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_equals_transformers_generate(outputs, prompts: list[list[int]], model, n: int,  # noqa: ANN001
+                                        atol: float = 1e-4) -> None:
+    """Each RequestOutput (greedy, `logprobs=0`, optionally `prompt_logprobs=0`) equals
+    transformers: its tokens are `model.generate(do_sample=False)`'s n tokens (EOS not
+    stopping it), and its sampled and prompt logprobs are within `atol` of the log-softmax of
+    one full transformers forward over prompt + continuation."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None,
+                              pad_token_id=0)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([prompt]), generation_config=config)
+            # row i: the distribution of token i + 1
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+        tokens = ids[0, len(prompt):].tolist()
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens, len(prompt)
+        for pos, token in enumerate(tokens):
+            want = logprobs[len(prompt) - 1 + pos, token].item()
+            assert abs(seq.logprobs[pos][token].logprob - want) < atol, (len(prompt), pos)
+        if out.prompt_logprobs is not None:
+            for i in range(1, len(prompt)):
+                want = logprobs[i - 1, prompt[i]].item()
+                assert abs(out.prompt_logprobs[i][prompt[i]].logprob - want) < atol, (len(prompt), i)

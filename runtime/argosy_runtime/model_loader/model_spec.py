@@ -38,6 +38,12 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    # SmolLM3 (HuggingFaceTB/SmolLM3-3B): Llama with NoPE layers (no rotary in every 4th layer
+    # by default: `nope_layers`). Granite 3.x dense (ibm-granite/granite-3.x-*): Llama with
+    # four scalar multipliers (the `*_multiplier` / `logits_scaling` fields). Their MoE and
+    # hybrid variants (granitemoe*, granitemoehybrid) are other architectures: refused.
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 # The bare decoders, without a language-model head: how decoder-based embedding models are
 # published (intfloat/e5-mistral-7b-instruct is a `MistralModel`). Their output is the final
@@ -54,10 +60,11 @@ HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2
                                   "qwen3": "qwen3", "mixtral": "mixtral",
                                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                                   "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                                  "gemma3": "gemma3"}
+                                  "gemma3": "gemma3", "smollm3": "smollm3",
+                                  "granite": "granite"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral",
                                             "qwen2_moe", "qwen3_moe", "phi3", "gemma2", "gemma3",
-                                            "bert", "xlm_roberta")
+                                            "smollm3", "granite", "bert", "xlm_roberta")
 # Gemma 2 and 3: four norms per layer scaling by 1 + weight, gelu-tanh, scaled embeddings
 # (models/gemma3.py); Gemma 3 adds q/k norms and a local rotary table.
 GEMMA_ARCHITECTURES: frozenset[str] = frozenset({"gemma2", "gemma3"})
@@ -87,9 +94,15 @@ _HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
                   "sliding_window": 4096, "max_window_layers": 28},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32_768,
                   "sliding_window": 4096},
+    # SmolLM3Config: 4 KV heads, tied embeddings, Llama-3 token ids; a NoPE layer every 4th
+    # (`no_rope_layer_interval`, read by _hf_nope_layers) unless `no_rope_layers` lists them.
+    "smollm3": {"num_key_value_heads": 4, "max_position_embeddings": 32_768,
+                "tie_word_embeddings": True, "bos_token_id": 128_000, "eos_token_id": 128_001},
+    # GraniteConfig: every multiplier 1.0 (_hf_smollm3_granite), the attention scale included.
+    "granite": {"bos_token_id": 1, "eos_token_id": 2},
 }
 # The config classes' `default_theta` (the rope base when a config gives none): 10000 unless here.
-_HF_DEFAULT_THETA: dict[str, float] = {"mixtral": 1_000_000.0}
+_HF_DEFAULT_THETA: dict[str, float] = {"mixtral": 1_000_000.0, "smollm3": 2_000_000.0}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -127,6 +140,12 @@ class ModelSpec:
     layer's scaled attention scores s -> cap * tanh(s / cap) before the mask and softmax;
     Gemma 2: 50; None: none). Gemma 3 also sets `local_rope_theta` (the sliding-window layers'
     own unscaled rotary base; the full-attention layers use rope_theta and rope_scaling).
+    SmolLM3 sets `nope_layers`: the layers whose attention applies no rotary embedding
+    (NoPE); every other layer rotates q and k as Llama's. Granite sets the four multipliers
+    of GraniteConfig (1.0 / None elsewhere): embeddings times `embedding_multiplier`, each
+    attention and MLP output times `residual_multiplier` before its residual add, attention
+    scale `attention_multiplier` (instead of head_dim ** -0.5), logits divided by
+    `logits_scaling`.
     `matryoshka_dimensions` says whether an embedding may be shortened (the `dimensions` of an
     embeddings request): None for a model not trained for it (its hidden size only), `()` for
     any size up to hidden_size (config.json `is_matryoshka: true`), else the sizes listed in
@@ -170,6 +189,12 @@ class ModelSpec:
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # SmolLM3 (() elsewhere) and Granite (1.0 / None elsewhere): see the class docstring.
+    nope_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # A classifier whose head is rows of the causal LM's lm_head (vLLM's classifier_from_token
     # and method: Qwen3-Reranker's "no"/"yes"; model_loader/lm_head_classifier.py), and the
     # token ids they resolve to. use_sep_token: a cross-encoder joins a pair with the
@@ -244,6 +269,28 @@ class ModelSpec:
                              f"got {self.partial_rotary_factor!r} (head_dim {self.head_dim})")
         self._check_moe()
         self._check_gemma()
+        self._check_smollm3_granite()
+
+    def _check_smollm3_granite(self) -> None:
+        if self.nope_layers and (self.architecture != "smollm3" or any(
+                not 0 <= i < self.num_hidden_layers for i in self.nope_layers)
+                or list(self.nope_layers) != sorted(set(self.nope_layers))):
+            raise ValueError(f"nope_layers must be distinct ascending layer indices of a smollm3 "
+                             f"model, got {list(self.nope_layers)} for {self.architecture!r}")
+        multipliers = {"embedding_multiplier": self.embedding_multiplier,
+                       "residual_multiplier": self.residual_multiplier,
+                       "attention_multiplier": self.attention_multiplier,
+                       "logits_scaling": self.logits_scaling}
+        if self.architecture != "granite" and any(
+                value != (None if name == "attention_multiplier" else 1.0)
+                for name, value in multipliers.items()):
+            raise ValueError(f"embedding_multiplier / residual_multiplier / attention_multiplier "
+                             f"/ logits_scaling are Granite fields, not {self.architecture!r}'s")
+        for name, value in multipliers.items():
+            # A zero logits_scaling divides by zero; the others have no use at 0 or below.
+            if value is not None and not (isinstance(value, (int, float)) and value > 0
+                                          and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
     def _check_gemma(self) -> None:
         if self.is_encoder:  # encoder_config.py checks its activations
@@ -346,15 +393,23 @@ class ModelSpec:
 
     @property
     def embedding_scale(self) -> float | None:
-        """Gemma multiplies the embeddings by sqrt(hidden_size) (in the model dtype); None:
-        no scaling."""
-        return self.hidden_size ** 0.5 if self.is_gemma else None
+        """Gemma multiplies the embeddings by sqrt(hidden_size) (rounded to the model dtype
+        first), Granite by embedding_multiplier; None: no scaling."""
+        if self.is_gemma:
+            return self.hidden_size ** 0.5
+        return None if self.embedding_multiplier == 1.0 else self.embedding_multiplier
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma), else
-        head_dim ** -0.5."""
+        """The softmax scale of q.k: attention_multiplier (Granite), query_pre_attn_scalar **
+        -0.5 (Gemma), else head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (all but SmolLM3's NoPE layers)."""
+        return layer not in self.nope_layers
 
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates with the local table (local_rope_theta, unscaled):
@@ -439,6 +494,10 @@ class ModelSpec:
             head_dim = hidden_size // num_heads
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
+        if architecture in ("smollm3", "granite") and config.get("attention_bias"):
+            # Their attention (transformers' LlamaAttention) then has an o_proj bias too.
+            raise ValueError(f"config.json: attention_bias=true is not supported for "
+                             f"{architecture} (it adds a bias to o_proj as well)")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu only)")
         rope_theta, rope_scaling = _hf_rope(config, _HF_DEFAULT_THETA.get(architecture, 10000.0))
@@ -488,6 +547,7 @@ class ModelSpec:
             **_hf_moe(config, architecture),
             partial_rotary_factor=partial_rotary_factor,
             **gemma,
+            **_hf_smollm3_granite(config, architecture),
         )
 
 
@@ -548,6 +608,64 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared if architecture == "qwen2_moe" else 0,
                 sparse_layers=sparse)
+
+
+def _hf_smollm3_granite(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """SmolLM3's nope_layers and Granite's multipliers as ModelSpec fields ({} otherwise),
+    absent ones at GraniteConfig's defaults (1.0, the attention scale included)."""
+    if architecture == "smollm3":
+        return {"nope_layers": _hf_nope_layers(config)}
+    if architecture == "granite":
+        return {name: config_float(config, name, 1.0) for name in (
+            "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+            "logits_scaling")}
+    return {}
+
+
+def _hf_nope_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers as SmolLM3Config reads them: `no_rope_layers[i]` 1 = layer i
+    rotates, 0 = it does not (a list at least num_hidden_layers long); without that list,
+    every `no_rope_layer_interval`-th layer (default 4: layers 3, 7, 11, ...) is NoPE."""
+    num_layers = config_int(config, "num_hidden_layers")
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config_int(config, "no_rope_layer_interval", 4)
+        if interval <= 0:
+            raise ValueError(f"config.json: no_rope_layer_interval must be positive, got {interval}")
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if (not isinstance(flags, list) or len(flags) < num_layers
+            or not all(isinstance(f, int) and f in (0, 1) for f in flags)):
+        raise ValueError(f"config.json: no_rope_layers must be a list of 0/1 flags (1: rotary) "
+                         f"for each of the {num_layers} layers, got {flags!r}")
+    return tuple(i for i in range(num_layers) if not flags[i])
+
+
+def _smollm3_sliding_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """SmolLM3's windows as its mask picks them: layer i slides over `sliding_window` keys
+    where `layer_types[i]` is "sliding_attention"; without layer_types, the NoPE layers do
+    when `use_sliding_window` is true and a window is set (SmolLM3Config's default). A
+    layer_types that marks sliding layers without both is refused: transformers' attention
+    implementations disagree on such a config (the eager/sdpa mask slides, flash attention
+    does not, or there is no window to slide over)."""
+    num_layers = config_int(config, "num_hidden_layers")
+    window = config_int(config, "sliding_window", None)
+    enabled = bool(config.get("use_sliding_window", False)) and window is not None
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        nope = _hf_nope_layers(config)
+        sliding = [enabled and i in nope for i in range(num_layers)]
+    else:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers or not all(
+                t in ("full_attention", "sliding_attention") for t in layer_types):
+            raise ValueError(f"config.json: layer_types must list full_attention or "
+                             f"sliding_attention for each of the {num_layers} layers, "
+                             f"got {layer_types!r}")
+        sliding = [t == "sliding_attention" for t in layer_types]
+        if any(sliding) and not enabled:
+            raise ValueError("config.json: layer_types marks sliding_attention layers but "
+                             "use_sliding_window is not true or sliding_window is null "
+                             "(transformers' attention implementations disagree on them)")
+    return tuple(window if s else None for s in sliding) if any(sliding) else ()
 
 
 def _hf_labels(config: dict[str, Any]) -> tuple[str, ...]:
@@ -612,11 +730,14 @@ def _hf_sliding_windows(config: dict[str, Any], architecture: str) -> tuple[int 
     `use_sliding_window` (their configs drop the window otherwise): Qwen3-MoE every layer;
     Qwen2, Qwen3 and Qwen2-MoE the layers `layer_types` marks "sliding_attention", by default
     those from `max_window_layers` on (Qwen2-MoE: the even layers below it). Gemma 3: the
-    layers `layer_types` marks (gemma3_config.py fills it in); Gemma 2 likewise. Llama: none.
+    layers `layer_types` marks (gemma3_config.py fills it in); Gemma 2 likewise. SmolLM3:
+    `_smollm3_sliding_windows`. Llama and Granite (GraniteConfig has no window): none.
     """
+    if architecture == "smollm3":
+        return _smollm3_sliding_windows(config)
     window = config.get("sliding_window")
     num_layers = int(config.get("num_hidden_layers", 0))
-    if not window or architecture == "llama":
+    if not window or architecture in ("llama", "granite"):
         return ()
     window = config_int(config, "sliding_window")  # a list or a string is not a window
     if architecture == "phi3" and int(window) >= int(config.get("max_position_embeddings", 0) or 0):

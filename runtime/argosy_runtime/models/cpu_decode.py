@@ -9,7 +9,10 @@ decodes (in the batch-invariant mode: any step of up to MAX_TOKENS rows), when e
 runs the fused CPU ops and every linear has a C++ path; any other step, layer or model takes
 the module path. Qwen3's per-head q/k norms run inside the C++ layer too (rms_norm_rows on each
 head, in place in the qkv output, before the rotary), and each layer's sliding window (Mistral,
-windowed Qwen2 layers) goes to its attention as on the module path.
+windowed Qwen2 layers) goes to its attention as on the module path. SmolLM3's NoPE layers
+(no rotary on the module path) get the identity rotation, cos 1 and sin 0: x * 1 + x' * 0 is
+x exactly, so they keep the module path's bits. Granite's layers scale their residual branches,
+which decode_layer cannot: DecoderLayer turns `cpu_decode_layer` off for them.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class CpuDecodeLayers:
         self.eps = eps
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        # Per layer, whether it rotates q and k (False: SmolLM3's NoPE layers). Set by build.
+        self.rope_layers = [True] * len(layer_args)
         # Set by LlamaForCausalLM.use_batch_invariant_kernels: every row of a step is then a
         # chunk row (no decode rows), and decode_layer runs varlen_attention and the linears'
         # row-count-independent kernels, as the module path does in that mode; steps of up to
@@ -92,8 +97,10 @@ class CpuDecodeLayers:
                                [lin[2] for lin in linears], *head_norms,
                                attn.sliding_window or 0))  # 0: no window
         first = model.layers[0]
-        return cls(layer_args, first.input_layernorm.eps, first.self_attn.num_heads,
-                   first.self_attn.num_kv_heads)
+        decode = cls(layer_args, first.input_layernorm.eps, first.self_attn.num_heads,
+                     first.self_attn.num_kv_heads)
+        decode.rope_layers = [layer.self_attn.use_rope for layer in model.layers]
+        return decode
 
     def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step can take the C++ path: decodes only (any rows in the
@@ -109,10 +116,14 @@ class CpuDecodeLayers:
                  ) -> torch.Tensor:
         """The hidden states after every layer, or the first `num_layers` (before the final
         norm); `hidden` is updated in place, as the module path's residual adds do."""
-        (cos, signed_sin), scale = ctx.rope_tables, ctx.backend.scale
+        rope_tables, scale = ctx.rope_tables, ctx.backend.scale
+        # NoPE layers: the identity rotation (cos 1, sin 0), which leaves q and k bit for bit.
+        identity = ((torch.ones_like(rope_tables[0]), torch.zeros_like(rope_tables[1]))
+                    if not all(self.rope_layers) else None)
         decode_layer = torch.ops.argosy_cpu.decode_layer
         for i, (input_norm, post_norm, weights, kinds, params, q_norm, k_norm, window) in enumerate(
                 self.layer_args[:num_layers]):
+            cos, signed_sin = rope_tables if self.rope_layers[i] else identity
             meta = ctx.meta_for(i)  # this layer's block table (kv_cache/layout.py)
             if self.batch_invariant:  # per sequence: its block table, tokens in cache, rows
                 tables, starts, lens = meta.prefill_sequences()

@@ -3,6 +3,8 @@ Mixtral, Qwen2-MoE and Qwen3-MoE are the same decoder with models/moe.py's spars
 in place of the MLP (in every layer, or those the spec's `sparse_layers` name). Gemma 3 is
 models/gemma3.py's layer around the same Attention and MLP, plus switches the spec drives
 (Gemma norms, gelu-tanh, embedding scale, a local rotary table, logit soft-capping).
+SmolLM3 is this decoder with no rotary in its NoPE layers (`spec.nope_layers`); Granite is this
+decoder with its four multipliers (embeddings, residual branches, attention scale, logits).
 
 No padding: the batch is every scheduled token of every request, one after another
 ([num_tokens, hidden]); attention finds each token's sequence through AttentionMetadata.
@@ -98,6 +100,8 @@ class Attention(nn.Module):
         self.k_norm = norm() if spec.qk_norm else None
         # Gemma 3's sliding-window layers rotate with their own table (ctx.local_rotary).
         self.local_rope = spec.local_rope(layer_idx)
+        # SmolLM3's NoPE layers leave q and k unrotated.
+        self.use_rope = spec.uses_rope(layer_idx)
         self.ops = "torch"  # or "cpu_ops" / "triton": set by LlamaForCausalLM.use_*_ops
         # This layer's attention window (keys p - W < k <= p), None: full causal attention.
         self.sliding_window = spec.sliding_window(layer_idx)
@@ -117,14 +121,8 @@ class Attention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = self._norm_heads(qk)
-        rotary, rope_tables = ((ctx.local_rotary, ctx.local_rope_tables) if self.local_rope
-                               else (ctx.rotary, ctx.rope_tables))
-        if self.ops == "cpu_ops":  # in place, inside qkv (or the normalized copy)
-            cpu_ops.rotary_embedding(qk, *rope_tables)
-        elif self.ops == "triton":  # in place, inside qkv
-            triton_rotary_embedding(ctx.positions, qk, None, rotary.cos_sin_cache)
-        else:
-            qk = rotary.rotate(qk, rope_tables)
+        if self.use_rope:
+            qk = self._rotate(qk, ctx)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
@@ -138,6 +136,18 @@ class Attention(nn.Module):
             self.tensor_parallel.all_reduce(o)
         return o
 
+    def _rotate(self, qk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q and k heads [tokens, heads + kv_heads, head_dim] rotated by position (in place
+        on the fused ops)."""
+        rotary, rope_tables = ((ctx.local_rotary, ctx.local_rope_tables) if self.local_rope
+                               else (ctx.rotary, ctx.rope_tables))
+        if self.ops == "cpu_ops":  # in place, inside qkv (or the normalized copy)
+            cpu_ops.rotary_embedding(qk, *rope_tables)
+        elif self.ops == "triton":  # in place, inside qkv
+            triton_rotary_embedding(ctx.positions, qk, None, rotary.cos_sin_cache)
+        else:
+            qk = rotary.rotate(qk, rope_tables)
+        return qk
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
         """[tokens, heads + kv_heads, head_dim] -> the same with every query head through
@@ -203,11 +213,21 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(spec, layer_idx)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # Granite scales each block's output before its residual add; the C++ decode layer
+        # knows no such factor, so such a layer takes the module path.
+        self.residual_multiplier = spec.residual_multiplier
+        if self.residual_multiplier != 1.0:
+            self.cpu_decode_layer = False
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add_and_norm(
-            h, self.self_attn(self.input_layernorm(h), ctx))
-        return h + self.mlp(x, ctx.lora)
+        attn = self.self_attn(self.input_layernorm(h), ctx)
+        if self.residual_multiplier != 1.0:  # transformers' residual + out * multiplier
+            attn = attn * self.residual_multiplier
+        h, x = self.post_attention_layernorm.add_and_norm(h, attn)
+        out = self.mlp(x, ctx.lora)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return h + out
 
 
 class ForwardContext:
@@ -316,12 +336,14 @@ class LlamaForCausalLM(nn.Module):
             spec.rope_scaling, dtype, rotary_dim=spec.rotary_dim,
         )
         # Gemma 3: the sliding-window layers' own rotary (local_rope_theta, no scaling), and
-        # the embeddings' factor sqrt(hidden_size) rounded to the model dtype, as transformers.
+        # the embeddings' factor: Gemma's sqrt(hidden_size) rounded to the model dtype first,
+        # Granite's embedding_multiplier as it is (transformers multiplies by the float).
         self.local_rotary = None if spec.local_rope_theta is None else RotaryEmbedding(
             spec.head_dim, max_positions or spec.max_position_embeddings, spec.local_rope_theta,
             None, dtype)
-        self.embed_scale = None if spec.embedding_scale is None else float(
-            torch.tensor(spec.embedding_scale, dtype=torch.float32).to(dtype))
+        self.embed_scale = spec.embedding_scale
+        if self.embed_scale is not None and spec.is_gemma:
+            self.embed_scale = float(torch.tensor(self.embed_scale, dtype=torch.float32).to(dtype))
 
     def use_device_kernels(self) -> None:
         """The fastest kernels for where the weights now are (call after moving the model):
@@ -426,7 +448,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm: [num_tokens, hidden]. `num_layers` runs only
         the first layers (a self-draft: the target's early layers + its norm and head)."""
         h = self.model.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma
+        if self.embed_scale is not None:  # Gemma, Granite
             h = h * self.embed_scale
         self.set_positions(ctx, positions)
         if self.cpu_decode is not None and self.cpu_decode.applies(h, ctx):
@@ -449,6 +471,8 @@ class LlamaForCausalLM(nn.Module):
                 "embedding checkpoint): it serves embeddings only"
             )
         logits = self.lm_head(hidden).float()
+        if self.spec.logits_scaling != 1.0:  # Granite (divided in float32: in the model dtype
+            logits = logits / self.spec.logits_scaling  # for transformers; equal in float32)
         cap = self.spec.final_logit_softcapping
         if cap is not None:  # Gemma's optional soft-capping, transformers' op order
             logits = torch.tanh(logits / cap) * cap
