@@ -101,6 +101,10 @@ _HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     # GraniteConfig: every multiplier 1.0 (_hf_smollm3_granite), the attention scale included.
     "granite": {"bos_token_id": 1, "eos_token_id": 2},
 }
+# Architectures whose attention (in transformers) biases o_proj as well as q/k/v when
+# config.json says `attention_bias: true`: refused then (our o_proj has no bias).
+_O_PROJ_BIASED = frozenset({"llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "smollm3",
+                            "granite"})
 # The config classes' `default_theta` (the rope base when a config gives none): 10000 unless here.
 _HF_DEFAULT_THETA: dict[str, float] = {"mixtral": 1_000_000.0, "smollm3": 2_000_000.0}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -494,8 +498,9 @@ class ModelSpec:
             head_dim = hidden_size // num_heads
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
-        if architecture in ("smollm3", "granite") and config.get("attention_bias"):
-            # Their attention (transformers' LlamaAttention) then has an o_proj bias too.
+        if architecture in _O_PROJ_BIASED and config.get("attention_bias"):
+            # Their attention (transformers') then has an o_proj bias too, which ours has not:
+            # the checkpoint's o_proj.bias would fail the load naming only the tensor.
             raise ValueError(f"config.json: attention_bias=true is not supported for "
                              f"{architecture} (it adds a bias to o_proj as well)")
         if config.get("hidden_act", "silu") != "silu":
@@ -510,6 +515,8 @@ class ModelSpec:
             attention_bias = True
         elif architecture == "qwen2_moe":
             attention_bias = bool(config.get("qkv_bias", True))
+        elif architecture in ("mistral", "mixtral", "phi3"):
+            attention_bias = False  # their attention has no bias, whatever the config says
         else:
             attention_bias = bool(config.get("attention_bias", False))
         eos_ids = _as_id_list(config.get("eos_token_id"), "config.json: eos_token_id")

@@ -79,3 +79,22 @@ def test_unsupported_rope_scaling_is_refused(key: str, scaling: dict, tmp_path) 
     kind = scaling.get("rope_type") or scaling["type"]
     with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
         LLM(model=str(folder), dtype="float32", block_size=4)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_attention_bias_where_transformers_has_none_is_ignored(arch: str, tmp_path,
+                                                               hf_reference) -> None:  # noqa: ANN001
+    # Mistral's, Mixtral's and Phi-3's attention has no bias whatever the config says: the
+    # load looked for q/k/v bias tensors the checkpoint (as transformers writes it) lacks.
+    folder = make_random_model_dir(tmp_path, arch, num_hidden_layers=1)
+    assert_equals_transformers(edit_config(folder, lambda c: c.update(attention_bias=True)),
+                               hf_reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_attention_bias_on_o_proj_is_refused(arch: str, tmp_path) -> None:  # noqa: ANN001
+    # transformers biases o_proj too there: the load failed naming only the o_proj.bias tensor.
+    folder = make_random_model_dir(tmp_path, arch, num_hidden_layers=1)
+    edit_config(folder, lambda c: c.update(attention_bias=True))
+    with pytest.raises(ValueError, match="attention_bias=true is not supported for .*o_proj"):
+        LLM(model=str(folder), dtype="float32", block_size=4)
