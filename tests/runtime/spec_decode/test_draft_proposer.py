@@ -20,22 +20,14 @@ from engine_helpers import assert_no_leaks  # noqa: E402
 from engine_helpers import run_to_completion as run  # noqa: E402
 from model_factory import make_random_model_dir  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Tight pool (20 blocks of 4 tokens, 2 KiB each, for 6 requests of up to ~56 tokens) and small
 # chunks: requests get preempted and come back through prefix-cache hits on their own blocks
 # and on the prefix all prompts share.
 TIGHT = dict(dtype="float32", block_size=4, kv_cache_memory=20 * 2048, max_num_batched_tokens=16)
 TIGHT_BLOCKS = 20
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # noqa: ANN201
-    # These models are tiny: on a shared, oversubscribed CPU, intra-op threads only add
-    # synchronization stalls (measured 10x slower with 2 threads under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -47,8 +39,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
         phrase = [rng.randrange(3, 49152) for _ in range(rng.randint(3, 6))]
         out.append(prefix + phrase * rng.randint(2, 4))
     return out
-
-
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
 
@@ -15,14 +14,7 @@ from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
 from engine_helpers import assert_no_leaks, run_requests  # noqa: E402
 from model_factory import make_peft_adapter, make_random_model_dir  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # noqa: ANN201
-    # Tiny models on a shared CPU: intra-op threads only add synchronization stalls.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_full_depth_self_draft_applies_the_requests_adapter(tmp_path: Path) -> None:

@@ -7,38 +7,20 @@ with n-gram drafts the same tokens (docs/speculative.md); both pools end empty."
 from __future__ import annotations
 
 import random
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
 
 from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
 from engine_helpers import assert_no_leaks, run_requests  # noqa: E402
-from model_factory import make_random_model_dir, make_scripted_model_dir  # noqa: E402
+from model_factory import make_scripted_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 2048  # bytes of a float32 block of 4 tokens of the 2-layer random model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # noqa: ANN201
-    # Tiny models on a shared CPU: intra-op threads only add synchronization stalls.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec-diff")
-    target = make_random_model_dir(root, "llama", num_hidden_layers=2)
-    copy = root / "copy"  # the target's weights as a separate draft: long accepted runs
-    shutil.copytree(target, copy)
-    return {"target": target, "copy": copy}
 
 
 def summary(outputs: list) -> list:
@@ -51,7 +33,7 @@ def summary(outputs: list) -> list:
 
 
 @pytest.fixture(scope="module")
-def greedy_requests(models: dict[str, Path]) -> list[tuple[list[int], SamplingParams]]:
+def greedy_requests(target_and_copy: dict[str, Path]) -> list[tuple[list[int], SamplingParams]]:
     """Prompts sharing a prefix; stops placed inside each plain output, read off a first
     plain run (so they fall after the first drafts were accepted)."""
     rng = random.Random(0)
@@ -59,7 +41,7 @@ def greedy_requests(models: dict[str, Path]) -> list[tuple[list[int], SamplingPa
     prompts = [prefix + [rng.randrange(3, 49152) for _ in range(rng.randint(3, 9))]
                for _ in range(6)]
     free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    plain = run_requests(LLMEngine(model=str(models["target"]), dtype="float32"),
+    plain = run_requests(LLMEngine(model=str(target_and_copy["target"]), dtype="float32"),
                          [(p, free) for p in prompts])
     tokens = [o.outputs[0].token_ids for o in plain]
     texts = [o.outputs[0].text for o in plain]
@@ -95,17 +77,17 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_features_under_preemption_equal_plain_decoding(
-        name: str, models: dict[str, Path], greedy_requests: list) -> None:  # noqa: ANN001
+        name: str, target_and_copy: dict[str, Path], greedy_requests: list) -> None:  # noqa: ANN001
     spec, extra, budget = CONFIGS[name]
     spec = {**spec, "adaptive": False}
     if "model" in spec:
-        spec["model"] = str(models[spec["model"]])
+        spec["model"] = str(target_and_copy[spec["model"]])
     options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, **extra)
-    plain = LLMEngine(model=str(models["target"]), **options)
+    plain = LLMEngine(model=str(target_and_copy["target"]), **options)
     expected = summary(run_requests(plain, greedy_requests))
     assert [s[2] for s in expected] == ["stop", "stop", "length", "length", "stop", "stop",
                                         "length"]
-    engine = LLMEngine(model=str(models["target"]), **options, speculative=spec,
+    engine = LLMEngine(model=str(target_and_copy["target"]), **options, speculative=spec,
                        kv_cache_memory=budget)
     assert summary(run_requests(engine, greedy_requests)) == expected
     stats = engine.get_stats()

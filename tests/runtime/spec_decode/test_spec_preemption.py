@@ -6,12 +6,10 @@ when the drafts' blocks are still free when it runs."""
 from __future__ import annotations
 
 import random
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: model_factory
 
@@ -19,27 +17,10 @@ from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
 from argosy_runtime.scheduler import Scheduler  # noqa: E402
 from engine_helpers import assert_no_leaks  # noqa: E402
 from engine_helpers import run_to_completion as run  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 2048  # bytes of a float32 block of 4 tokens of the 2-layer random model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # noqa: ANN201
-    # Tiny models on a shared CPU: intra-op threads only add synchronization stalls.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec-preempt")
-    target = make_random_model_dir(root, "llama", num_hidden_layers=2)
-    copy = root / "copy"  # the target's weights as a separate draft: every draft is accepted
-    shutil.copytree(target, copy)
-    return {"target": target, "copy": copy}
 
 
 def random_prompts(seed: int, n: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -57,14 +38,14 @@ CASES = {
 
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_no_preemption_victim_holds_blocks_for_ungranted_drafts(
-        kind: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        kind: str, target_and_copy: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     draft, seed, n, lengths, k, blocks = CASES[kind]
     if "model" in draft:
-        draft = {"model": str(models[draft["model"]])}
+        draft = {"model": str(target_and_copy[draft["model"]])}
     prompts = random_prompts(seed, n, lengths)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16)
-    expected = run(LLMEngine(model=str(models["target"]), **options), prompts, params)
+    expected = run(LLMEngine(model=str(target_and_copy["target"]), **options), prompts, params)
 
     # Blocks each victim holds past its own tokens, when the scheduler preempts it. Equal
     # priorities: victims come from the back of the running list, not yet scheduled this
@@ -80,7 +61,7 @@ def test_no_preemption_victim_holds_blocks_for_ungranted_drafts(
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
     separate = "model" in draft  # its own cache takes a block per target block
-    engine = LLMEngine(model=str(models["target"]), **options,
+    engine = LLMEngine(model=str(target_and_copy["target"]), **options,
                        kv_cache_memory=blocks * BLOCK * (2 if separate else 1),
                        speculative={"method": "draft", "num_speculative_tokens": k,
                                     "adaptive": False, **draft})
