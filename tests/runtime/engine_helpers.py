@@ -184,3 +184,26 @@ def check_window_prefix_hits_and_preemption(folder, ref: FullForwardReference,  
     shared = random_prompts(3, (shared_len,))[0]
     prompts = [shared + tail for tail in random_prompts(4, tails)]
     check_prefix_hits_and_preemption(engine, ref, prompts, n)
+
+
+def assert_dynamic_rope_gguf_and_gptq_refused(folder, architecture: str, tmp_path) -> None:  # noqa: ANN001
+    """A Llama-decoder variant's refusals, each a ValueError naming what is refused: dynamic
+    rope scaling, a llama.cpp file of its general.architecture, GPTQ calibration (its
+    forward is Llama's layer)."""
+    import pytest
+    import torch
+    from argosy_runtime import LLM
+    from argosy_runtime.model_loader import load_checkpoint
+    from argosy_runtime.models.build import build_model
+    from argosy_runtime.quantization import QuantizationConfig
+    from model_factory import write_tiny_gguf
+
+    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+        LLM(model=str(folder), dtype="float32", hf_overrides=dynamic)
+    with pytest.raises(ValueError,
+                       match=f"GGUF general.architecture '{architecture}' is not supported"):
+        LLM(model=str(write_tiny_gguf(tmp_path / f"{architecture}.gguf", architecture)))
+    with pytest.raises(ValueError, match=f"GPTQ calibration does not support {architecture}"):
+        build_model(load_checkpoint(str(folder)), torch.float32, torch.device("cpu"), 64,
+                    QuantizationConfig("int4", algorithm="gptq"))

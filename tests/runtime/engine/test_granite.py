@@ -17,13 +17,17 @@ import pytest
 import torch
 import transformers
 from argosy_runtime import LLM, LLMEngine, SamplingParams
-from argosy_runtime.model_loader import ModelSpec, load_checkpoint
-from argosy_runtime.models.build import build_model
-from engine_helpers import assert_no_leaks, random_prompts, record_cpp_layer_calls, run_requests
+from argosy_runtime.model_loader import ModelSpec
+from engine_helpers import (
+    assert_dynamic_rope_gguf_and_gptq_refused,
+    assert_no_leaks,
+    random_prompts,
+    record_cpp_layer_calls,
+    run_requests,
+)
 from model_factory import (
     assert_equals_transformers_generate,
     make_random_model_dir,
-    write_tiny_gguf,
 )
 
 MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.1,
@@ -163,13 +167,4 @@ def test_unsupported_config_is_a_value_error(architecture: str, fields: dict, ma
 
 def test_unsupported_rope_scaling_gguf_and_gptq_are_value_errors(granite, tmp_path) -> None:  # noqa: ANN001
     folder, _ = granite
-    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}
-    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
-        LLM(model=str(folder), dtype="float32", hf_overrides=dynamic)
-    with pytest.raises(ValueError, match="GGUF general.architecture 'granite' is not supported"):
-        LLM(model=str(write_tiny_gguf(tmp_path / "granite.gguf", "granite")))
-    from argosy_runtime.quantization import QuantizationConfig
-
-    with pytest.raises(ValueError, match="GPTQ calibration does not support granite"):
-        build_model(load_checkpoint(str(folder)), torch.float32, torch.device("cpu"), 64,
-                    QuantizationConfig("int4", algorithm="gptq"))
+    assert_dynamic_rope_gguf_and_gptq_refused(folder, "granite", tmp_path)

@@ -16,13 +16,17 @@ import pytest
 import torch
 import transformers
 from argosy_runtime import LLM, LLMEngine, SamplingParams
-from argosy_runtime.model_loader import ModelSpec, load_checkpoint
-from argosy_runtime.models.build import build_model
-from engine_helpers import assert_no_leaks, random_prompts, record_cpp_layer_calls, run_requests
+from argosy_runtime.model_loader import ModelSpec
+from engine_helpers import (
+    assert_dynamic_rope_gguf_and_gptq_refused,
+    assert_no_leaks,
+    random_prompts,
+    record_cpp_layer_calls,
+    run_requests,
+)
 from model_factory import (
     assert_equals_transformers_generate,
     make_random_model_dir,
-    write_tiny_gguf,
 )
 
 NO_ROPE_LAYERS = [1, 0, 1, 0]  # 1: rotary; layers 1 and 3 are NoPE
@@ -183,14 +187,4 @@ def test_unsupported_config_is_a_value_error(fields: dict, match: str) -> None:
 
 def test_unsupported_rope_scaling_gguf_and_gptq_are_value_errors(smollm3, tmp_path) -> None:  # noqa: ANN001
     folder, _ = smollm3
-    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}}
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        LLM(model=str(folder), dtype="float32", hf_overrides=yarn)
-    # llama.cpp writes SmolLM3 as general.architecture "smollm3": not read here.
-    with pytest.raises(ValueError, match="GGUF general.architecture 'smollm3' is not supported"):
-        LLM(model=str(write_tiny_gguf(tmp_path / "smollm3.gguf", "smollm3")))
-    from argosy_runtime.quantization import QuantizationConfig
-
-    with pytest.raises(ValueError, match="GPTQ calibration does not support smollm3"):
-        build_model(load_checkpoint(str(folder)), torch.float32, torch.device("cpu"), 64,
-                    QuantizationConfig("int4", algorithm="gptq"))
+    assert_dynamic_rope_gguf_and_gptq_refused(folder, "smollm3", tmp_path)
