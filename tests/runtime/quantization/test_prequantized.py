@@ -24,13 +24,6 @@ from prequant_factory import load_prequantized, reference_weights, write_quantiz
 GROUP = 32
 
 
-@pytest.fixture(scope="module")
-def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # qwen2: q/k/v carry biases, which must survive next to the quantized weights
-    return make_random_model_dir(tmp_path_factory.mktemp("float"), "qwen2", hidden_size=96,
-                                 intermediate_size=160, num_attention_heads=3,
-                                 num_key_value_heads=1, init_std=0.1)
-
 
 CASES = [
     ("gptq", {"checkpoint_format": "gptq"}),

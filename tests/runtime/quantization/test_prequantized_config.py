@@ -10,18 +10,11 @@ import pytest
 import torch
 from argosy_runtime.model_loader import load_checkpoint
 from argosy_runtime.quantization import detect_prequantized
-from model_factory import make_random_model_dir
 from prequant_factory import load_prequantized, reference_weights, write_quantized
 from transformers import AwqConfig, GPTQConfig
 
 GROUP = 32
 
-
-@pytest.fixture(scope="module")
-def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model_dir(tmp_path_factory.mktemp("float"), "qwen2", hidden_size=96,
-                                 intermediate_size=160, num_attention_heads=3,
-                                 num_key_value_heads=1, init_std=0.1)
 
 
 def _set_quantization_config(folder: Path, drop: tuple[str, ...] = (), **changes: object) -> dict:
