@@ -36,7 +36,7 @@ _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.
 PEFT_DEFAULT_LORA_ALPHA = 8
 # init_lora_weights values (prefixes: "pissa_niter_4") whose saved A, B apply to base weights
 # the initialisation changed (PEFT: "changes the base weights of the model").
-_INITS_CHANGING_BASE = ("pissa", "olora", "corda", "loftq")
+_INITS_CHANGING_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # A multimodal Gemma 3's image encoder and projector (PEFT's target_modules match their
 # q_proj/v_proj/... too: `...vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight`).
 _VISION = re.compile(r"(?:^|\.)(?:vision_tower|multi_modal_projector)\.")
@@ -221,6 +221,15 @@ def _check_supported(name: str, config: dict) -> None:
         # token it answers differently from the model it was trained as.
         "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
         "lora_bias": bool(config.get("lora_bias")),  # a bias on lora_B
+        # Variants whose saved A and B alone are not the trained model: KaSA truncates the
+        # base weight's smallest singular values and scales B A by learned ones; BD-LoRA's
+        # factors are block-diagonal; Arrow routes among several adapters; MonteCLoRA samples
+        # around them; layer_replication stacks base layers anew; trainable tokens change
+        # embedding rows; target_parameters puts LoRA on parameters (MoE experts) we do not
+        # adapt. (VeLoRA changes training only: served as plain LoRA.)
+        **{key: bool(config.get(key)) for key in (
+            "kasa_config", "use_bdlora", "arrow_config", "monteclora_config",
+            "layer_replication", "trainable_token_indices", "target_parameters")},
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
@@ -229,8 +238,8 @@ def _check_supported(name: str, config: dict) -> None:
                          "only)")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_INITS_CHANGING_BASE):
-        # These replace the base weights at initialisation (PiSSA, OLoRA, CorDA: W minus
-        # their initial B A; LoftQ: a quantized residual); PEFT saves A and B for that changed
+        # These replace the base weights at initialisation (PiSSA, OLoRA, CorDA, LoRA-GA: W
+        # minus their initial B A; LoftQ: a quantized residual); PEFT saves A and B for that changed
         # base and recomputes it when it loads the adapter. Added to the unchanged base they
         # answer differently from the model that was trained, silently: every shape fits.
         raise ValueError(

@@ -10,6 +10,7 @@ refused naming why, never loaded to answer differently. Real adapters saved by P
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -59,6 +60,45 @@ def test_adapters_peft_applies_otherwise_are_refused(llama_dir, tmp_path, config
         check_registrable("a", str(folder))
 
 
+@pytest.mark.parametrize("setting, value", [
+    ("kasa_config", {"truncate_svd": True}),
+    ("use_bdlora", {"lora_a_is_blockdiagonal": True, "nblocks": 2}),
+    ("arrow_config", {"top_k": 2}),
+    ("monteclora_config", {"num_samples": 4}),
+    ("layer_replication", [[0, 2], [1, 2]]),
+    ("trainable_token_indices", [5, 6]),
+    ("target_parameters", ["mlp.experts.gate_up_proj"]),
+])
+def test_variants_whose_factors_are_not_the_model_are_refused(llama_dir, tmp_path, setting,  # noqa: ANN001
+                                                              value) -> None:
+    """Settings of PEFT variants under which A and B alone do not give the trained model
+    (written into a real adapter's config): they loaded as a plain LoRA, silently."""
+    folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj"])
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config[setting] = value
+    config_path.write_text(json.dumps(config))
+    spec = load_checkpoint(str(llama_dir)).spec
+    message = f"^LoRA adapter 'a': unsupported adapter_config.json setting.*{setting}"
+    with pytest.raises(ValueError, match=message):
+        LoRAAdapter.load("a", folder, spec, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        check_registrable("a", str(folder))
+
+
+def test_a_lora_ga_adapter_is_refused_as_pissas_are(llama_dir, tmp_path) -> None:  # noqa: ANN001
+    """LoRA-GA also subtracts its initial B A from the base weights (PEFT converts it with
+    PiSSA's route); its name written into a real adapter's config, as PEFT saves it."""
+    folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj"])
+    config_path = folder / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
+                                       "init_lora_weights": "lora_ga"}))
+    with pytest.raises(ValueError, match="init_lora_weights 'lora_ga': .*changed"):
+        LoRAAdapter.load("a", folder, load_checkpoint(str(llama_dir)).spec, torch.float32)
+
+
 def _multimodal_gemma3(tmp_path: Path) -> Path:
     """A tiny Gemma3ForConditionalGeneration folder whose SigLIP tower's k/v projections have
     the text model's shapes (hidden 64 -> 64), so a tower LoRA fits a text layer."""
@@ -68,7 +108,6 @@ def _multimodal_gemma3(tmp_path: Path) -> Path:
                                  tie_word_embeddings=True, init_std=0.15, rms_norm_eps=1e-6)
     text_config = load_checkpoint(str(text)).spec  # checks the folder serves
     assert (text_config.hidden_size, text_config.num_key_value_heads) == (64, 2)
-    import json
 
     vision = SiglipVisionConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                 num_attention_heads=2, image_size=28, patch_size=14)
@@ -220,7 +259,6 @@ def test_qalora_adapter_for_a_gptq_base_gets_a_clear_error(llama_dir, tmp_path) 
     """QA-LoRA on a GPTQ base pools the input in groups before lora_A: A is [r, in / group].
     The error says so (it was a bare shape mismatch). Trained on a float base, PEFT ignores
     use_qalora (A [r, in], plain LoRA), and such an adapter still loads."""
-    import json
 
     from safetensors.torch import load_file, save_file
 
