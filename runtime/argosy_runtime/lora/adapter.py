@@ -122,6 +122,10 @@ class LoRAAdapter:
                     continue
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: an image "
                                  f"encoder's weights; a {spec.architecture} model has none")
+            if ".lora_monteclora_sampler." in key:
+                # MonteCLoRA's sampler perturbs lora_A in training only: PEFT's eval forward
+                # is plain LoRA, so its saved priors have no part in serving.
+                continue
             match = _KEY.search(key)
             if match is None and spec.is_moe and re.search(r"\.(experts|shared_expert)", key):
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: LoRA on the "
@@ -223,13 +227,13 @@ def _check_supported(name: str, config: dict) -> None:
         "lora_bias": bool(config.get("lora_bias")),  # a bias on lora_B
         # Variants whose saved A and B alone are not the trained model: KaSA truncates the
         # base weight's smallest singular values and scales B A by learned ones; BD-LoRA's
-        # factors are block-diagonal; Arrow routes among several adapters; MonteCLoRA samples
-        # around them; layer_replication stacks base layers anew; trainable tokens change
-        # embedding rows; target_parameters puts LoRA on parameters (MoE experts) we do not
-        # adapt. (VeLoRA changes training only: served as plain LoRA.)
+        # factors are block-diagonal; Arrow routes among several adapters; layer_replication
+        # stacks base layers anew; trainable tokens change embedding rows; target_parameters
+        # puts LoRA on parameters (MoE experts) we do not adapt. (VeLoRA and MonteCLoRA
+        # change training only: served as plain LoRA.)
         **{key: bool(config.get(key)) for key in (
-            "kasa_config", "use_bdlora", "arrow_config", "monteclora_config",
-            "layer_replication", "trainable_token_indices", "target_parameters")},
+            "kasa_config", "use_bdlora", "arrow_config", "layer_replication",
+            "trainable_token_indices", "target_parameters")},
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:

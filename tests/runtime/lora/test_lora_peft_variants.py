@@ -64,7 +64,6 @@ def test_adapters_peft_applies_otherwise_are_refused(llama_dir, tmp_path, config
     ("kasa_config", {"truncate_svd": True}),
     ("use_bdlora", {"lora_a_is_blockdiagonal": True, "nblocks": 2}),
     ("arrow_config", {"top_k": 2}),
-    ("monteclora_config", {"num_samples": 4}),
     ("layer_replication", [[0, 2], [1, 2]]),
     ("trainable_token_indices", [5, 6]),
     ("target_parameters", ["mlp.experts.gate_up_proj"]),
@@ -85,6 +84,38 @@ def test_variants_whose_factors_are_not_the_model_are_refused(llama_dir, tmp_pat
         LoRAAdapter.load("a", folder, spec, torch.float32)
     with pytest.raises(ValueError, match=message):
         check_registrable("a", str(folder))
+
+
+def test_a_monteclora_adapter_is_served_as_peft_evaluates_it(llama_dir, tmp_path) -> None:  # noqa: ANN001
+    """MonteCLoRA samples around lora_A in training only; PEFT's eval forward is plain LoRA.
+    Its adapter also holds the sampler's priors (`...lora_monteclora_sampler.std_prior`),
+    which failed the load as tensors of no projection."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora.config import MontecloraConfig
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    trained = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                   monteclora_config=MontecloraConfig()))
+    with torch.no_grad():
+        for key, param in trained.named_parameters():
+            if key.endswith(("lora_A.default.weight", "lora_B.default.weight")):
+                param.add_(torch.randn_like(param) * 0.3)
+    folder = tmp_path / "a"
+    trained.save_pretrained(str(folder))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32),
+        str(folder)).eval()
+    prompt = random_prompts(5, (12,))[0]
+    expected = FullForwardReference(peft).greedy(prompt, 10)[0]
+    with peft.disable_adapter():
+        assert FullForwardReference(peft).greedy(prompt, 10)[0] != expected  # it matters
+    engine = LLMEngine(model=str(llama_dir), dtype="float32", lora_modules={"a": str(folder)})
+    (out,) = run_requests(engine, [(prompt, greedy(10))], ["a"])
+    assert out.outputs[0].token_ids == expected
+    assert_no_leaks(engine)
 
 
 def test_a_lora_ga_adapter_is_refused_as_pissas_are(llama_dir, tmp_path) -> None:  # noqa: ANN001
