@@ -37,6 +37,9 @@ PEFT_DEFAULT_LORA_ALPHA = 8
 # init_lora_weights values (prefixes: "pissa_niter_4") whose saved A, B apply to base weights
 # the initialisation changed (PEFT: "changes the base weights of the model").
 _INITS_CHANGING_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# State PEFT saves for variants that differ from plain LoRA in training only (their eval
+# forward is B A x): MonteCLoRA's sampler priors, VeLoRA's activation-compression embedding.
+_TRAINING_ONLY = re.compile(r"\.lora_(?:monteclora_sampler\.|velora_embed(?:\.|$))")
 # A multimodal Gemma 3's image encoder and projector (PEFT's target_modules match their
 # q_proj/v_proj/... too: `...vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight`).
 _VISION = re.compile(r"(?:^|\.)(?:vision_tower|multi_modal_projector)\.")
@@ -122,9 +125,7 @@ class LoRAAdapter:
                     continue
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: an image "
                                  f"encoder's weights; a {spec.architecture} model has none")
-            if ".lora_monteclora_sampler." in key:
-                # MonteCLoRA's sampler perturbs lora_A in training only: PEFT's eval forward
-                # is plain LoRA, so its saved priors have no part in serving.
+            if _TRAINING_ONLY.search(key):
                 continue
             match = _KEY.search(key)
             if match is None and spec.is_moe and re.search(r"\.(experts|shared_expert)", key):

@@ -86,19 +86,23 @@ def test_variants_whose_factors_are_not_the_model_are_refused(llama_dir, tmp_pat
         check_registrable("a", str(folder))
 
 
-def test_a_monteclora_adapter_is_served_as_peft_evaluates_it(llama_dir, tmp_path) -> None:  # noqa: ANN001
-    """MonteCLoRA samples around lora_A in training only; PEFT's eval forward is plain LoRA.
-    Its adapter also holds the sampler's priors (`...lora_monteclora_sampler.std_prior`),
-    which failed the load as tensors of no projection."""
+@pytest.mark.parametrize("variant", ["monteclora_config", "velora_config"])
+def test_training_only_variants_are_served_as_peft_evaluates_them(llama_dir, tmp_path,  # noqa: ANN001
+                                                                  variant) -> None:
+    """MonteCLoRA samples around lora_A and VeLoRA compresses its activations in training
+    only; PEFT's eval forward is plain LoRA. Their adapters also hold that training state
+    (`...lora_monteclora_sampler.std_prior`, `...lora_velora_embed`), which failed the load
+    as tensors of no projection."""
     from peft import LoraConfig, PeftModel, get_peft_model
-    from peft.tuners.lora.config import MontecloraConfig
+    from peft.tuners.lora.config import MontecloraConfig, VeloraConfig
     from transformers import AutoModelForCausalLM
 
+    variant_config = {"monteclora_config": MontecloraConfig, "velora_config": VeloraConfig}
     torch.manual_seed(0)
     trained = get_peft_model(
         AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                   monteclora_config=MontecloraConfig()))
+                   **{variant: variant_config[variant]()}))
     with torch.no_grad():
         for key, param in trained.named_parameters():
             if key.endswith(("lora_A.default.weight", "lora_B.default.weight")):
