@@ -127,6 +127,9 @@ def gemma_text_config(config: dict[str, Any], architecture: str = "gemma3"
     if local_type != "default":
         raise ValueError(f"config.json: rope scaling {local_type!r} on the sliding-window "
                          "layers is not supported (Gemma 3 scales the full-attention layers only)")
+    # transformers' yarn reads `truncate` from the top of the rope_parameters, which Gemma 3
+    # always keys by layer type: its yarn truncates whatever the full-attention dict says.
+    full.pop("truncate", None)
     merged["rope_parameters"] = full
     for key in ("rope_scaling", "rope_theta", "rope_local_base_freq"):
         merged.pop(key, None)

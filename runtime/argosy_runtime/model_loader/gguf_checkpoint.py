@@ -459,6 +459,9 @@ def _gguf_rope_scaling(
         original = read_field(reader, f"{gguf_arch}.rope.scaling.original_context_length", None)
         if original is not None:
             out["original_max_position_embeddings"] = int(original)
+        if scaling_type == "yarn":  # (llama.cpp's n_ctx_orig_yarn defaults to the context too)
+            out.setdefault("original_max_position_embeddings", context_length)
+            out.update(_gguf_yarn_fields(reader, gguf_arch))
         return out
     if scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope.scaling.type {scaling_type!r} is not supported (linear, yarn)")
@@ -466,6 +469,28 @@ def _gguf_rope_scaling(
         factors = dequantize_tensor(tensors["rope_freqs.weight"]).double()
         return _llama3_scaling_from_factors(factors, head_dim, rope_theta)
     return None
+
+
+# The optional yarn keys llama.cpp's convert_hf_to_gguf.py writes -> the HF field each holds
+# (yarn_attn_factor: HF's `attention_factor`, the whole cos/sin scale as transformers reads it).
+_GGUF_YARN_FIELDS = {"yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
+                     "yarn_beta_slow": "beta_slow"}
+
+
+def _gguf_yarn_fields(reader: GGUFReader, gguf_arch: str) -> dict:
+    """A yarn dict's optional fields, as config.json names them. truncate is never written:
+    ggml's yarn truncates (floor / ceil), transformers' default."""
+    out: dict[str, Any] = {}
+    for key, field in _GGUF_YARN_FIELDS.items():
+        value = read_field(reader, f"{gguf_arch}.rope.scaling.{key}", None)
+        if value is not None:
+            out[field] = float(value)
+    # ext_factor weighs the ramp; transformers' yarn has none (always 1.0).
+    ext_factor = read_field(reader, f"{gguf_arch}.rope.scaling.yarn_ext_factor", None)
+    if ext_factor is not None and float(ext_factor) != 1.0:
+        raise ValueError(f"GGUF {gguf_arch}.rope.scaling.yarn_ext_factor {ext_factor} is not "
+                         "supported (1.0 only, as transformers' yarn)")
+    return out
 
 
 def _llama3_scaling_from_factors(factors: torch.Tensor, head_dim: int, theta: float) -> dict:

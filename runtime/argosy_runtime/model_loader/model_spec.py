@@ -783,7 +783,8 @@ def _hf_rope(config: dict[str, Any], default_theta: float = 10000.0
     wins over `rope_parameters` (a 5.x config a user added rope_scaling to, as model cards
     tell them to: ignoring it would serve the unscaled rotary), its base then read from the
     top-level `rope_theta`, else the model's default (`default_theta`). A llama3 / yarn /
-    longrope dict without `original_max_position_embeddings` takes max_position_embeddings.
+    longrope dict without `original_max_position_embeddings` takes max_position_embeddings;
+    a yarn dict's null `factor` is max_position_embeddings / original (transformers').
     """
     params = config.get("rope_parameters")
     if params is not None and not isinstance(params, dict):  # else silently theta 10000
@@ -798,6 +799,12 @@ def _hf_rope(config: dict[str, Any], default_theta: float = 10000.0
     if scaling.get("rope_type") in ("llama3", "yarn", "longrope"):  # (Phi-3: _phi3_rope)
         scaling.setdefault("original_max_position_embeddings",
                            config_int(config, "max_position_embeddings", 2048))
+    if scaling.get("rope_type") == "yarn" and "factor" in scaling and scaling["factor"] is None:
+        # transformers' reading of a null yarn factor (DeepSeek-V3 style configs); a missing
+        # one is refused below, as transformers' KeyError.
+        scaling["factor"] = (config_int(config, "max_position_embeddings", 2048)
+                             / _as_number(scaling["original_max_position_embeddings"],
+                                          "config.json: original_max_position_embeddings"))
     theta = _as_number(theta, "config.json: rope_theta")
     kind = scaling.get("rope_type", "default")
     if kind == "default":
@@ -811,6 +818,9 @@ def _hf_rope(config: dict[str, Any], default_theta: float = 10000.0
         if not _as_number(scaling[key], f"config.json: rope scaling {key}") > 0:
             raise ValueError(f"config.json: rope scaling {key} must be positive, "
                              f"got {scaling[key]!r}")
+    for key in _ROPE_SCALING_NUMBERS.get(kind, ()):  # optional, but a string fails late
+        if scaling.get(key) is not None:
+            _as_number(scaling[key], f"config.json: rope scaling {key}")
     return theta, scaling
 
 
@@ -862,6 +872,10 @@ def _phi3_rope(config: dict[str, Any], scaling: dict | None, head_dim: int
 _ROPE_SCALING_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_ROPE_SCALING_NUMBERS = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
 }
 _REQUIRED = object()
 

@@ -18,6 +18,8 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
     served context length) picks longrope's factor list: see `_longrope_inv_freq`."""
     if rope_scaling and rope_scaling.get("rope_type") == "longrope":
         return _longrope_inv_freq(head_dim, theta, rope_scaling, max_positions)
+    if rope_scaling and rope_scaling.get("rope_type") == "yarn":
+        return _yarn_inv_freq(head_dim, theta, rope_scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not rope_scaling:
         return inv_freq, 1.0
@@ -30,7 +32,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
         return _llama3_inv_freq(inv_freq, rope_scaling), 1.0
     raise ValueError(
         f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, "
-        "longrope)"
+        "longrope, yarn)"
     )
 
 
@@ -60,6 +62,52 @@ def _longrope_inv_freq(dim: int, theta: float, cfg: dict, max_positions: int | N
     ext_factors = torch.tensor(factors, dtype=torch.float32)
     inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (ext_factors * theta ** inv_freq_shape), attention_factor
+
+
+def _yarn_inv_freq(dim: int, theta: float, cfg: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 / Qwen3 long context, SmolLM3), op for op as transformers'
+    `_compute_yarn_parameters`, so that the tables are bit for bit its own: the frequencies
+    blend interpolated (divided by `factor`) and original ones along a linear ramp between
+    the dimensions that turn `beta_fast` and `beta_slow` times over
+    `original_max_position_embeddings` positions (floor / ceil unless `truncate` is false).
+    cos/sin are scaled by `attention_factor`, else derived from `factor` (and `mscale` /
+    `mscale_all_dim` when both are set): vLLM's YaRNScalingRotaryEmbedding agrees.
+    ModelSpec fills in `original_max_position_embeddings` and a null `factor`."""
+    try:
+        factor = cfg["factor"]
+        original = cfg["original_max_position_embeddings"]
+    except KeyError as exc:
+        raise ValueError(f"yarn rope_scaling needs {exc.args[0]!r}") from exc
+    attention_factor = cfg.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = cfg.get("mscale"), cfg.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    # (`or`: transformers takes a 0 / null beta for its default too)
+    beta_fast, beta_slow = cfg.get("beta_fast") or 32, cfg.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:  # the dimension turning that many times
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if cfg.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    # 1: the original frequency, 0: interpolated. (1 - (1 - ramp), not ramp: transformers' bits)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """The YaRN paper's attention scale 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Checkpoints whose config.json leans on transformers' reading of it give transformers'
 outputs (float32 logprobs of every prompt position and greedy tokens): fields left to the
 config class's defaults (a Mixtral without rope_theta / rms_norm_eps: base 1e6, eps 1e-5), and
-a `rope_scaling` added next to a transformers 5 `rope_parameters` (it wins there). The
+a `rope_scaling` added next to a transformers 5 `rope_parameters` (it wins there: linear, and
+yarn as Qwen2.5's model card adds it; tests/runtime/engine/test_yarn.py covers yarn). The
 config parsing itself is tests/runtime/model_loader/test_loader_config_defaults.py."""
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
     return folder
 
 
-def assert_equals_transformers(folder: Path, hf_reference) -> None:  # noqa: ANN001
+def assert_equals_transformers(folder: Path, hf_reference, prompt_len: int = 24,  # noqa: ANN001
+                               model: str | None = None) -> None:
+    """`model` (default: the folder) served by us gives transformers' outputs of `folder`."""
     hf = hf_reference(folder)
-    llm = LLM(model=str(folder), dtype="float32", block_size=4)
+    llm = LLM(model=model or str(folder), dtype="float32", block_size=4)
     rng = random.Random(0)
-    prompt = [rng.randrange(3, 49152) for _ in range(24)]
+    prompt = [rng.randrange(3, 49152) for _ in range(prompt_len)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0)
     [out] = llm.generate([prompt], params)
@@ -67,10 +70,19 @@ def test_rope_scaling_added_to_rope_parameters_applies(arch: str, tmp_path, hf_r
     assert_equals_transformers(edit_config(folder, add), hf_reference)
 
 
+def test_model_card_yarn_beside_rope_parameters_applies(tmp_path, hf_reference) -> None:  # noqa: ANN001
+    # Qwen2.5's model card: add this to config.json for long prompts (4.x style: `type`). In a
+    # 5.x config beside rope_parameters it applies in transformers, and so here (it was once
+    # refused). Original length 16: the prompt and its continuation run past it.
+    folder = make_random_model_dir(tmp_path, "qwen2", rope_theta=5000.0)
+    edit_config(folder, lambda config: config.update(rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}))
+    assert_equals_transformers(folder, hf_reference)
+
+
 @pytest.mark.parametrize("key,scaling", [
-    # Qwen2.5's model card: add this to config.json for long prompts. In a 5.x config beside
-    # rope_parameters it applies in transformers, so serving without it would be silently wrong.
-    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+    # Serving a scaled model unscaled would be silently wrong: refused, in either layout.
+    ("rope_scaling", {"type": "dynamic", "factor": 4.0}),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
 ])
 def test_unsupported_rope_scaling_is_refused(key: str, scaling: dict, tmp_path) -> None:  # noqa: ANN001
