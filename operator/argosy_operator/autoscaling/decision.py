@@ -40,7 +40,8 @@ class DecisionState:
     """What one decision hands to the next. Start with `DecisionState()`.
 
     recommendations: (t, raw recommended replicas) of recent decisions, for stabilization;
-    observed_since: time of the first decision (scale-down needs a full window of history);
+    observed_since: time of the first decision, or of the first sample after a gap in them
+        (scale-down needs a full window of history);
     panic_until: panic mode lasts while now < panic_until;
     idle_since: start of the current fully idle stretch (scale-to-zero), None when busy;
     last_sample_t: newest sample already folded into idle_since;
@@ -175,15 +176,24 @@ def decide(
         raise ValueError(f"current_replicas: must be >= 0, got {current_replicas}")
     samples = [s for s in samples if s.t <= now]
 
-    # Fold samples not seen yet into the idle stretch (scale-to-zero bookkeeping).
+    # Fold samples not seen yet into the idle stretch (scale-to-zero bookkeeping). A gap of
+    # more than the stable window between two samples (the sample age the decision trusts)
+    # is time nothing was seen, the API server unreachable say: neither idleness nor a
+    # watched window, so both start again after it, as after an operator restart.
     idle_since = state.idle_since
     last_sample_t = state.last_sample_t
+    observed_since = state.observed_since
+    previous: MetricsSample | None = None
     for s in samples:
-        if last_sample_t is not None and s.t <= last_sample_t:
-            continue
-        idle_since = (idle_since if idle_since is not None else s.t) if s.is_idle else None
-        last_sample_t = s.t
-    observed_since = state.observed_since if state.observed_since is not None else now
+        if last_sample_t is None or s.t > last_sample_t:
+            if last_sample_t is not None and s.t - last_sample_t > policy.stable_window_seconds:
+                idle_since, observed_since = None, s.t
+            idle = s.is_idle_since(previous)
+            idle_since = (idle_since if idle_since is not None else s.t) if idle else None
+            last_sample_t = s.t
+        previous = s
+    if observed_since is None:
+        observed_since = now
     base = dataclasses.replace(state, observed_since=observed_since, idle_since=idle_since,
                                last_sample_t=last_sample_t)
 

@@ -29,7 +29,11 @@ class ReplicaSample:
 
     kv_cache_usage: `argosy:kv_cache_usage_perc` (fraction 0..1);
     num_waiting / num_running: `argosy:num_requests_waiting` / `argosy:num_requests_running`;
-    batch_pending: `argosy:batch_requests_pending` (0 for a runtime without the gauge).
+    batch_pending: `argosy:batch_requests_pending` (0 for a runtime without the gauge);
+    num_finished: `argosy:request_success_total`, requests finished since the replica started;
+    name: which replica (its pod's name), to find it in the next sample. With both, a request
+    that came and went between two scrapes, which the gauges never show, keeps the replica
+    from looking idle (decision.py); without them only the gauges say.
     """
 
     ready: bool = True
@@ -37,9 +41,12 @@ class ReplicaSample:
     num_waiting: float | None = None
     num_running: float | None = None
     batch_pending: float | None = None
+    num_finished: float | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_usage", "num_waiting", "num_running", "batch_pending"):
+        for name in ("kv_cache_usage", "num_waiting", "num_running", "batch_pending",
+                     "num_finished"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0):
                 raise ValueError(f"{name}: must be a finite number >= 0 or None, got {value!r}")
@@ -64,15 +71,19 @@ class ReplicaSample:
     @classmethod
     def from_trace(cls, obj: Mapping[str, Any]) -> ReplicaSample:
         """Parse one replica of a trace line: `{"kv": .., "waiting": .., "running": ..,
-        "batch": .., "ready": ..}` (`batch`: Batch API requests pending, optional)."""
+        "batch": .., "finished": .., "name": .., "ready": ..}` (optional: `batch`, Batch API
+        requests pending; `finished`, requests finished so far, with `name`, the replica's)."""
         if not isinstance(obj, Mapping):
             raise ValueError(f"replica: must be an object, got {obj!r}")
-        unknown = set(obj) - {"kv", "waiting", "running", "batch", "ready"}
+        unknown = set(obj) - {"kv", "waiting", "running", "batch", "finished", "name", "ready"}
         if unknown:
             raise ValueError(f"replica: unknown keys {sorted(unknown)}")
         ready = obj.get("ready", True)
         if not isinstance(ready, bool):
             raise ValueError(f"replica.ready: must be a boolean, got {ready!r}")
+        name = obj.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"replica.name: must be a string, got {name!r}")
 
         def num(key: str) -> float | None:
             value = obj.get(key)
@@ -83,7 +94,8 @@ class ReplicaSample:
             return float(value)
 
         return cls(ready=ready, kv_cache_usage=num("kv"), num_waiting=num("waiting"),
-                   num_running=num("running"), batch_pending=num("batch"))
+                   num_running=num("running"), batch_pending=num("batch"),
+                   num_finished=num("finished"), name=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +139,19 @@ class MetricsSample:
         evidence of idleness)."""
         return (bool(self.replicas) and self.held_requests == 0
                 and all(r.is_idle for r in self.replicas))
+
+    def is_idle_since(self, previous: MetricsSample | None) -> bool:
+        """Idle now, and idle since `previous` as far as the request counters tell: a named
+        replica whose `num_finished` is not the same known count as in `previous` (it
+        finished requests, it restarted, or it was not there) served in between. Replicas
+        without a name or a count, and a first sample, are judged by the gauges alone."""
+        if not self.is_idle:
+            return False
+        if previous is None:
+            return True
+        before = {r.name: r.num_finished for r in previous.replicas if r.name is not None}
+        return all(before.get(r.name) == r.num_finished for r in self.replicas
+                   if r.name is not None and r.num_finished is not None)
 
     @classmethod
     def from_trace(cls, obj: Mapping[str, Any]) -> MetricsSample:

@@ -13,6 +13,7 @@ replica as fully loaded, never as idle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ KV_CACHE_USAGE = "argosy:kv_cache_usage_perc"
 NUM_WAITING = "argosy:num_requests_waiting"
 NUM_RUNNING = "argosy:num_requests_running"
 BATCH_PENDING = "argosy:batch_requests_pending"  # optional: runtimes before the Batch API lack it
+# A counter whose labelled series appear with the first finished request: absent means none.
+NUM_FINISHED = "argosy:request_success_total"
 
 PORT_ANNOTATION = "prometheus.io/port"
 PATH_ANNOTATION = "prometheus.io/path"
@@ -46,22 +49,25 @@ def parse_metrics(text: str) -> ReplicaSample:
 
     Several series of one gauge (e.g. one per model_name label) are combined: KV usage by
     mean, request counts by sum; values are clamped into range. A missing KV or request gauge
-    raises ValueError; a missing batch gauge counts as no batch requests.
+    raises ValueError; a missing batch gauge counts as no batch requests, a missing
+    finished-requests counter as none finished yet.
     """
     values: dict[str, list[float]] = {KV_CACHE_USAGE: [], NUM_WAITING: [], NUM_RUNNING: [],
-                                      BATCH_PENDING: []}
+                                      BATCH_PENDING: [], NUM_FINISHED: []}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name].append(float(sample.value))
-    missing = [name for name, v in values.items() if not v and name != BATCH_PENDING]
+    missing = [name for name, v in values.items()
+               if not v and name not in (BATCH_PENDING, NUM_FINISHED)]
     if missing:
         raise ValueError(f"metrics missing: {', '.join(missing)}")
     kv = values[KV_CACHE_USAGE]
     return ReplicaSample(ready=True, kv_cache_usage=min(max(sum(kv) / len(kv), 0.0), 1.0),
                          num_waiting=max(sum(values[NUM_WAITING]), 0.0),
                          num_running=max(sum(values[NUM_RUNNING]), 0.0),
-                         batch_pending=max(sum(values[BATCH_PENDING]), 0.0))
+                         batch_pending=max(sum(values[BATCH_PENDING]), 0.0),
+                         num_finished=max(sum(values[NUM_FINISHED]), 0.0))
 
 
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
@@ -130,7 +136,8 @@ async def scrape_pods(
     session: aiohttp.ClientSession | None = None,
     url_for: Callable[[Mapping[str, Any]], str | None] = pod_metrics_url,
 ) -> list[ReplicaSample]:
-    """One sample per pod, in order: unready pods are not scraped; ready ones concurrently.
+    """One sample per pod, in order, named after it: unready pods are not scraped; ready
+    ones concurrently.
 
     The whole round takes at most about `timeout` seconds however many pods there are.
     """
@@ -139,12 +146,13 @@ async def scrape_pods(
         session = aiohttp.ClientSession()
     try:
         async def one(pod: Mapping[str, Any]) -> ReplicaSample:
+            name = (pod.get("metadata") or {}).get("name")
             if not pod_is_ready(pod):
-                return ReplicaSample(ready=False)
+                return ReplicaSample(ready=False, name=name)
             url = url_for(pod)
             if url is None:
-                return ReplicaSample(ready=True)  # ready but unreachable: a failed scrape
-            return await scrape_url(session, url, timeout)
+                return ReplicaSample(ready=True, name=name)  # unreachable: a failed scrape
+            return dataclasses.replace(await scrape_url(session, url, timeout), name=name)
 
         return list(await asyncio.gather(*(one(p) for p in pods)))
     finally:

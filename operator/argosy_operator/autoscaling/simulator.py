@@ -1,7 +1,9 @@
 """Replay a recorded metrics trace through the decision function (`argosy autoscale-sim`).
 
 Trace: JSON lines `{"t": seconds, "replicas": [{"kv": 0.4, "waiting": 2, "running": 5,
-"batch": 0, "ready": true}, ...]}` (`batch`, Batch API requests pending, is optional); the replicas listed are those that existed at `t` (the trace is
+"batch": 0, "finished": 17, "name": "pod-a", "ready": true}, ...]}` (optional: `batch`, Batch
+API requests pending; `finished` and `name`, requests finished so far and whose, for
+idleness between lines); the replicas listed are those that existed at `t` (the trace is
 recorded traffic, so the simulator's decisions do not change it); a failed scrape has `null`
 metrics, an unready replica `"ready": false`. One decision per line, in order.
 """

@@ -33,31 +33,39 @@ def rfc3339(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def scaling_conditions(decision: Decision) -> list[dict[str, Any]]:
-    """ScalingActive (could it compute a decision?) and ScalingLimited (did a bound bite?)."""
+def scaling_conditions(decision: Decision, generation: int | None = None
+                       ) -> list[dict[str, Any]]:
+    """ScalingActive (could it compute a decision?) and ScalingLimited (did a bound bite?).
+
+    generation: the LLMDeployment's metadata.generation whose policy decided (the conditions'
+    observedGeneration, as the reconciler's conditions carry theirs)."""
     if decision.reason == "NoMetrics":
-        active = condition(SCALING_ACTIVE, False, "FailedGetMetrics", decision.message)
+        active = condition(SCALING_ACTIVE, False, "FailedGetMetrics", decision.message,
+                           generation)
     else:
         active = condition(SCALING_ACTIVE, True, "ValidMetrics",
                            "the autoscaler computes replicas from KV-cache utilization and "
-                           "queue depth")
+                           "queue depth", generation)
     limit = decision.limit_reason
     if limit is None and decision.reason in ("AtMaxReplicas", "AtMinReplicas"):
         limit = "MaxReplicas" if decision.reason == "AtMaxReplicas" else "MinReplicas"
     if limit is not None:
         limited = condition(SCALING_LIMITED, True, _LIMIT_REASONS[limit],
-                            f"the desired replica count is limited by {limit}")
+                            f"the desired replica count is limited by {limit}", generation)
     else:
         limited = condition(SCALING_LIMITED, False, "DesiredWithinRange",
-                            "the desired replica count is within the acceptable range")
+                            "the desired replica count is within the acceptable range",
+                            generation)
     return [active, limited]
 
 
-def inactive_conditions(reason: str, message: str) -> list[dict[str, Any]]:
-    """When no decision could be made at all (invalid policy, no Deployment)."""
-    return [condition(SCALING_ACTIVE, False, reason, message),
+def inactive_conditions(reason: str, message: str, generation: int | None = None
+                        ) -> list[dict[str, Any]]:
+    """When no decision could be made at all (invalid policy, no Deployment); `generation`
+    as in `scaling_conditions`."""
+    return [condition(SCALING_ACTIVE, False, reason, message, generation),
             condition(SCALING_LIMITED, False, "ScalingInactive",
-                      "the autoscaler could not compute a decision")]
+                      "the autoscaler could not compute a decision", generation)]
 
 
 def disabled_status() -> dict[str, Any]:
@@ -74,11 +82,13 @@ def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def autoscaling_status(decision: Decision, last_scale_time: float | None) -> dict[str, Any]:
+def autoscaling_status(decision: Decision, last_scale_time: float | None,
+                       generation: int | None = None) -> dict[str, Any]:
     """The status fields the autoscaler owns (conditions unmerged: a list of updates).
 
     No timestamps other than lastScaleTime, so an unchanged decision produces an unchanged
-    status and `status_patch` writes nothing. `last_scale_time`: wall-clock epoch seconds.
+    status and `status_patch` writes nothing. `last_scale_time`: wall-clock epoch seconds;
+    `generation`: as in `scaling_conditions`.
     """
     m = decision.metrics
     out: dict[str, Any] = {
@@ -103,13 +113,14 @@ def autoscaling_status(decision: Decision, last_scale_time: float | None) -> dic
             "batchReplicas": m.batch_replicas,
             "limitedBy": decision.limit_reason,
         },
-        "conditions": scaling_conditions(decision),
+        "conditions": scaling_conditions(decision, generation),
     }
-    if m.kv_cache_utilization is not None:
-        out["kvCacheUtilization"] = _round(m.kv_cache_utilization)
-        out["kvCachePercent"] = int(round(100 * m.kv_cache_utilization))
-    if m.queue_depth is not None:
-        out["queueDepth"] = _round(m.queue_depth)
+    # Readings of this decision; null (deleted) without one (no replica could be scraped, or
+    # none runs), so `kubectl get llmd` never shows an old reading as the current one.
+    kv = m.kv_cache_utilization
+    out["kvCacheUtilization"] = _round(kv)
+    out["kvCachePercent"] = None if kv is None else int(round(100 * kv))
+    out["queueDepth"] = _round(m.queue_depth)
     if last_scale_time is not None:
         out["lastScaleTime"] = rfc3339(last_scale_time)
     return out

@@ -149,6 +149,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
                     memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """One timer tick for one LLMDeployment (see the module docstring)."""
     llmd = dict(body)
+    generation = (llmd.get("metadata") or {}).get("generation")
     try:
         policy = AutoscalingPolicy.from_spec(spec.get("autoscaling"))
     except ValueError as exc:
@@ -158,7 +159,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
             memo[_INVALID_KEY] = str(exc)
             logger.error(f"autoscaling: invalid policy: {exc}")
         await _write_status(_client(), llmd, {"conditions": inactive_conditions(
-            "InvalidPolicy", str(exc))}, logger)
+            "InvalidPolicy", str(exc), generation)}, logger)
         return
     memo.pop(_INVALID_KEY, None)
     if not policy.enabled:
@@ -170,7 +171,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         # (or that of a newer one not checked yet) would change them.
         await _write_status(_client(), llmd, {"conditions": inactive_conditions(
             "SpecRefused", "the current spec is refused (see the Stalled condition): not "
-            "scaling until a spec is applied")}, logger)
+            "scaling until a spec is applied", generation)}, logger)
         return
 
     now = time.monotonic()
@@ -190,8 +191,8 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         deployment = await get_deployment(client, namespace, name)
         if deployment is None:
             await _write_status(client, llmd, {"conditions": inactive_conditions(
-                "DeploymentNotFound", f"Deployment {namespace}/{name} does not exist yet")},
-                                logger)
+                "DeploymentNotFound", f"Deployment {namespace}/{name} does not exist yet",
+                generation)}, logger)
             return
         pods = _live_pods(await list_pods(client, namespace, name))
     except API_ERRORS as exc:
@@ -234,7 +235,7 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         kopf.event(body, type="Normal", reason=direction, message=message)
         logger.info(f"autoscaling: {message}")
 
-    computed = autoscaling_status(decision, state.last_scale_wall)
+    computed = autoscaling_status(decision, state.last_scale_wall, generation)
     await _write_status(client, llmd, computed, logger)
 
 
