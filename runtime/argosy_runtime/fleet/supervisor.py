@@ -501,6 +501,8 @@ class Fleet:
                         num_waiting=replica.num_waiting,
                         num_running=replica.num_running,
                         batch_pending=replica.batch_pending,
+                        num_finished=replica.num_finished,
+                        name=proc.url,
                     )
                 )
             activator = self.gateway.activators.get(c.name)

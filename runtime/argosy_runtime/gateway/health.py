@@ -33,6 +33,7 @@ SCRAPED = {
     "argosy:batch_requests_pending": "batch_pending",
     "argosy:prefix_cache_queries_total": "prefix_cache_queries",
     "argosy:prefix_cache_hits_total": "prefix_cache_hits",
+    "argosy:request_success_total": "num_finished",
 }
 
 

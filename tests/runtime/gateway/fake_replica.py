@@ -163,6 +163,9 @@ class FakeReplica(Served):
             f'argosy:num_requests_running{{model_name="{self.model}"}} 0\n'
             "# TYPE argosy:batch_requests_pending gauge\n"
             f'argosy:batch_requests_pending{{model_name="{self.model}"}} {self.batch_pending}\n'
+            "# TYPE argosy:request_success counter\n"
+            f'argosy:request_success_total{{model_name="{self.model}",finished_reason="length"}} '
+            f"{self.completed}\n"
             "# TYPE argosy:prefix_cache_queries counter\n"
             f'argosy:prefix_cache_queries_total{{model_name="{self.model}"}} {self.prefix_queries}\n'
             "# TYPE argosy:prefix_cache_hits counter\n"

@@ -106,6 +106,29 @@ async def test_fleet_scales_to_zero_when_idle_and_a_request_wakes_it(tmp_path: P
         await fleet.stop()
 
 
+async def test_requests_served_between_scrapes_keep_the_fleet_from_scaling_to_zero(
+        tmp_path: Path) -> None:
+    # Each request ends before the next scrape (the gauges read 0 throughout), so the gauges
+    # alone took a replica answering one every 0.4 s for idle and scaled it to zero. The
+    # replica's finished-requests counter moves between scrapes: not idle.
+    fleet = Fleet(fast_fleet(tmp_path, min_replicas=0, max_replicas=2,
+                             scaleToZeroIdleSeconds=1))
+    url = await fleet.start()
+    try:
+        first = fleet.processes[0]
+        async with aiohttp.ClientSession() as s:
+            for _ in range(12):  # ~5 s: several times the idle limit
+                async with s.post(f"{url}/v1/completions",
+                                  json={"model": "tiny", "prompt": "x"}) as resp:
+                    assert resp.status == 200
+                await asyncio.sleep(0.4)
+        assert fleet.processes == [first]
+        assert all(d.reason != "ScaleToZero" for d in fleet.decisions)
+        await wait_for(lambda: not fleet.processes, 20, "scale to zero once the traffic stops")
+    finally:
+        await fleet.stop()
+
+
 async def test_fleet_scales_up_under_queueing_and_back_down_when_idle(tmp_path: Path) -> None:
     fleet = Fleet(fast_fleet(tmp_path, min_replicas=1, max_replicas=3, targetQueueDepth=1))
     url = await fleet.start()

@@ -23,6 +23,10 @@ class Replica:
     batch_pending: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # Requests the replica has finished since it started: one served between two scrapes
+    # moves it, where the gauges above never show the request (the fleet's autoscaler
+    # then does not take the replica for idle).
+    num_finished: float = 0.0
     # LoRA adapters the replica serves now, loaded or loaded on first use
     # (`argosy:lora_adapter_loaded` and `argosy:lora_adapter_registered`); None when its
     # metrics do not say (not scraped yet, or a server that does not export them).
