@@ -270,7 +270,7 @@ async def refresh_status(client: KubeClient, llmd: Mapping[str, Any], *,
                 and find_condition(current.get("conditions"), SCALING_ACTIVE):
             # Autoscaling was switched off: its timer stopped, so clear what it wrote (the
             # printer columns showed its last KV-cache % and queue depth forever).
-            cleared = disabled_status()
+            cleared = disabled_status(meta.get("generation"))
             computed["conditions"] = computed["conditions"] + cleared.pop("conditions")
             computed.update(cleared)
         return status_patch(current, computed, now_rfc3339())

@@ -68,14 +68,14 @@ def inactive_conditions(reason: str, message: str, generation: int | None = None
                       "the autoscaler could not compute a decision", generation)]
 
 
-def disabled_status() -> dict[str, Any]:
+def disabled_status(generation: int | None = None) -> dict[str, Any]:
     """What clears the autoscaler's part of the status once spec.autoscaling.enabled is false
     (the timer no longer runs to refresh it); nulls delete in a merge patch. lastScaleTime
-    stays: it is history, not a reading."""
+    stays: it is history, not a reading. `generation`: the one that switched it off."""
     return {"desiredReplicas": None, "kvCacheUtilization": None, "kvCachePercent": None,
             "queueDepth": None, "autoscaling": None,
             "conditions": inactive_conditions("AutoscalingDisabled",
-                                              "spec.autoscaling.enabled is false")}
+                                              "spec.autoscaling.enabled is false", generation)}
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:

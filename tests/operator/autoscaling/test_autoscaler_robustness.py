@@ -227,6 +227,10 @@ async def test_disabling_autoscaling_clears_the_autoscalers_status(api: Api,
                             "queueDepth", "autoscaling"} & set(st)
                 limited = next(c for c in st["conditions"] if c["type"] == "ScalingLimited")
                 assert limited["status"] == "False"
+                # for the generation that switched it off, as every other condition says
+                generation = (await api.call("GET", f"{LLMD_PATH}/llm"))["metadata"]["generation"]
+                assert {c["observedGeneration"] for c in st["conditions"]
+                        if c["type"] in ("ScalingActive", "ScalingLimited")} == {generation}
     finally:
         await server.stop()
 
