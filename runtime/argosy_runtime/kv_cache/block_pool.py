@@ -122,7 +122,9 @@ class BlockPool:
                     self._free[block.block_id] = block
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
+        """Forget every cached-free block. Blocks that requests hold keep their hash: their
+        K/V are written, and their managers offer each block to the cache only once."""
+        for block in self._free.values():
             self._evict(block)
 
     def _evict(self, block: KVCacheBlock) -> None:

@@ -75,6 +75,10 @@ class KVCacheManager:
         self._num_released: dict[str, int] = {}
         # request id -> blocks it gave a hash since begin_step (their K/V are this step's).
         self._hashed_this_step: dict[str, list[KVCacheBlock]] = {}
+        # request id -> how many leading table entries hold a cache entry (or are the null
+        # block): a step offers the cache only the full blocks after them, not the whole
+        # table again (that cost grew with every running request's context, each step).
+        self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up (by admitted requests)
         self.prefix_cache_hits = 0  # tokens found
 
@@ -255,9 +259,18 @@ class KVCacheManager:
             # Only final tokens are hashed (draft tokens are not in `token_ids`).
             num_full = min(num_total_tokens, len(token_ids)) // self.block_size
             hashes = self.block_hashes(request_id, token_ids, salt)
-            for i in range(num_full):
-                if self.pool.cache_block(blocks[i], hashes[i]):
-                    self._hashed_this_step.setdefault(request_id, []).append(blocks[i])
+            num_cached = self._num_cached_blocks.get(request_id, 0)
+            for i in range(num_cached, num_full):
+                block = blocks[i]
+                if self.pool.cache_block(block, hashes[i]):
+                    self._hashed_this_step.setdefault(request_id, []).append(block)
+                # A copy of a block cached elsewhere stays unhashed (BlockPool.cache_block)
+                # and stops the count: it is offered again each step, to become the cached
+                # one if the original is evicted.
+                if num_cached == i and (block.block_hash is not None
+                                        or block is self.pool.null_block):
+                    num_cached += 1
+            self._num_cached_blocks[request_id] = num_cached
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the blocks hashed before hold written K/V."""
@@ -270,8 +283,10 @@ class KVCacheManager:
         if request_id is None:
             hashed = [b for blocks in self._hashed_this_step.values() for b in blocks]
             self._hashed_this_step.clear()
+            self._num_cached_blocks.clear()
         else:
             hashed = self._hashed_this_step.pop(request_id, [])
+            self._num_cached_blocks.pop(request_id, None)
         for block in hashed:
             self.pool.uncache_block(block)
 
@@ -294,6 +309,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self._req_block_hashes.pop(request_id, None)
         self._num_released.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
@@ -309,9 +325,12 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(extra))
             if self._num_released.get(request_id, 0) > keep:
                 self._num_released[request_id] = keep
+        num_full = num_tokens // self.block_size
         hashes = self._req_block_hashes.get(request_id)
-        if hashes is not None and len(hashes) > num_tokens // self.block_size:
-            del hashes[num_tokens // self.block_size :]
+        if hashes is not None and len(hashes) > num_full:
+            del hashes[num_full:]
+        if self._num_cached_blocks.get(request_id, 0) > num_full:
+            self._num_cached_blocks[request_id] = num_full
 
     def num_released_blocks(self, request_id: str) -> int:
         """Leading table entries released behind the sliding window (the null block)."""
