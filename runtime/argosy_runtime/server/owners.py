@@ -35,9 +35,10 @@ def cache_salt_of(owner: str | None, salt: str | None) -> str | None:
     `cache_salt`): each owner's requests share cached prompts only with each other, as
     OpenAI keeps prompt caches per organization (another tenant's `usage.cached_tokens`, or
     its time to first token, would otherwise tell what prompts this one sent). A header
-    value holds no NUL, so no owner's salt equals another's."""
+    value holds no NUL, so no owner's salt equals another's; a request naming no owner gets
+    an empty owner part, so its salt cannot spell an owner's ("alice\0x" was alice's "x")."""
     if owner is None:
-        return salt
+        return None if salt is None else f"\0{salt}"
     return f"{owner}\0{salt or ''}"
 
 

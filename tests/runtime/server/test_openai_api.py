@@ -370,9 +370,13 @@ def test_each_owner_has_a_prefix_cache_of_its_own(client: OpenAI) -> None:
     assert cached("team-b", "team-a") == 0  # a salt cannot reach into another's cache
     assert cached("team-a", "sub") == 0
     assert cached("team-a", "sub") > 32
-    # Nor does a request naming no owner (a direct call with the replica's key) hit them.
-    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1
-                                          ).usage.prompt_tokens_details.cached_tokens <= 32
+    # Nor does a request naming no owner (a direct call with the replica's key) hit them,
+    # even with a salt that spells an owner's and its salt (it was team-a's "sub").
+    for salt in (None, "team-a\0sub"):
+        assert client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1,
+            extra_body={"cache_salt": salt} if salt else None,
+        ).usage.prompt_tokens_details.cached_tokens <= 32
 
 
 def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(client: OpenAI) -> None:
