@@ -182,8 +182,9 @@ class Scheduler:
                 break
             # Not blocks hashed in this step by requests it outranks (see the module doc).
             outranked = [r.request_id for r in self.running if r.priority > req.priority]
+            lookup_limit = _prefix_lookup_limit(req)
             computed = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids,
-                                                         _prefix_lookup_limit(req),
+                                                         lookup_limit,
                                                          salt=req.cache_salt, exclude=outranked)
             num_computed = len(computed) * self.kv_cache.block_size
             remaining = req.num_tokens - num_computed
@@ -229,7 +230,10 @@ class Scheduler:
                 # re-lookup mostly finds its own blocks, and that is recomputation, not reuse
                 # (the counters agree with the requests' num_cached_tokens, as in vLLM)
                 req.num_cached_tokens = num_computed
-                self.kv_cache.record_prefix_lookup(req.num_tokens, num_computed)
+                if lookup_limit is None or lookup_limit > 0:
+                    # one that may not read the cache (scoring every prompt token, whole-
+                    # prompt pooling) asks it nothing: no misses counted, as in vLLM
+                    self.kv_cache.record_prefix_lookup(req.num_tokens, num_computed)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.scheduled.append(ScheduledRequest(req, num_new))

@@ -299,6 +299,23 @@ def test_blocks_recomputed_beside_a_cached_copy_do_not_outlive_the_cached_copy()
     assert again.num_cached_tokens == 8
 
 
+def test_requests_that_may_not_read_the_cache_are_no_prefix_cache_queries() -> None:
+    """A request scoring every prompt token (prompt_logprobs) takes no hits, so it asks the
+    cache nothing: counted as all misses, it lowered the hit rate of the requests that can
+    use it (vLLM records no lookup for such requests)."""
+    s = make(num_blocks=9, block_size=4, budget=64)
+    s.add_request(req("a", 9, 0.0))
+    assert run_step(s) == {"a": 9}
+    s.add_request(Request("scored", list(range(9)),
+                          SamplingParams(max_tokens=5, prompt_logprobs=1), max_tokens=5,
+                          arrival_time=1.0))
+    assert run_step(s) == {"a": 1, "scored": 9}
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (9, 0)
+    s.add_request(req("b", 9, 2.0))
+    run_step(s)
+    assert (s.kv_cache.prefix_cache_queries, s.kv_cache.prefix_cache_hits) == (18, 8)
+
+
 def test_prefix_cache_counters_do_not_count_a_preempted_request_again() -> None:
     """A preempted request is looked up again when re-admitted and mostly hits its own blocks.
     Counting that would inflate the hit rate with recomputation (vLLM counts preempted
