@@ -554,3 +554,25 @@ def assert_equals_transformers_generate(outputs, prompts: list[list[int]], model
             for i in range(1, len(prompt)):
                 want = logprobs[i - 1, prompt[i]].item()
                 assert abs(out.prompt_logprobs[i][prompt[i]].logprob - want) < atol, (len(prompt), i)
+
+
+def greedy_with_logprobs(n: int, prompt_logprobs: bool = False):  # noqa: ANN201
+    """Greedy SamplingParams for n tokens (EOS not stopping it) with the chosen tokens'
+    logprobs (and the prompt's), as assert_equals_transformers_generate reads them."""
+    from argosy_runtime import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
+                          prompt_logprobs=0 if prompt_logprobs else None)
+
+
+def assert_cached_prefix_equals_transformers(llm, shared: list[int], model) -> None:  # noqa: ANN001
+    """Prompts extending `shared` (a prefix `llm` has already run): answered from the prefix
+    cache (its hit counter moves), still equal to transformers, and nothing leaked."""
+    from engine_helpers import assert_no_leaks, random_prompts
+
+    cached = [shared + tail for tail in random_prompts(2, (1, 9, 5))]
+    hits = llm.engine.get_stats().prefix_cache_hits
+    assert_equals_transformers_generate(llm.generate(cached, greedy_with_logprobs(12)), cached,
+                                        model, 12)
+    assert llm.engine.get_stats().prefix_cache_hits > hits
+    assert_no_leaks(llm.engine)

@@ -16,17 +16,18 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime import LLM, LLMEngine
 from argosy_runtime.model_loader import ModelSpec
 from engine_helpers import (
     assert_dynamic_rope_gguf_and_gptq_refused,
-    assert_no_leaks,
     random_prompts,
     record_cpp_layer_calls,
     run_requests,
 )
 from model_factory import (
+    assert_cached_prefix_equals_transformers,
     assert_equals_transformers_generate,
+    greedy_with_logprobs,
     make_random_model_dir,
 )
 
@@ -38,10 +39,6 @@ def load_hf(folder, dtype: torch.dtype = torch.float32, **overrides):  # noqa: A
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype, **overrides).eval()
 
-
-def greedy(n: int, prompt_logprobs: bool = False) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
-                          prompt_logprobs=0 if prompt_logprobs else None)
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +57,11 @@ def test_multipliers_equal_transformers_generate(granite) -> None:  # noqa: ANN0
     assert {name: getattr(spec, name) for name in MULTIPLIERS} == MULTIPLIERS
     assert llm.engine.runner.backend.scale == spec.attention_scale == 0.1
     prompts = random_prompts(1, (1, 7, 23, 40))
-    outputs = llm.generate(prompts, greedy(16, prompt_logprobs=True))
+    outputs = llm.generate(prompts, greedy_with_logprobs(16, prompt_logprobs=True))
     assert_equals_transformers_generate(outputs, prompts, hf, 16)
     assert len({t for o in outputs for t in o.outputs[0].token_ids}) > 16  # not degenerate
 
-    shared = prompts[3][:24]
-    cached = [shared + tail for tail in random_prompts(2, (1, 9, 5))]
-    hits = llm.engine.get_stats().prefix_cache_hits
-    assert_equals_transformers_generate(llm.generate(cached, greedy(12)), cached, hf, 12)
-    assert llm.engine.get_stats().prefix_cache_hits > hits
-    assert_no_leaks(llm.engine)
+    assert_cached_prefix_equals_transformers(llm, prompts[3][:24], hf)
 
     # Each multiplier matters: transformers with any one of them at 1 gives other logits.
     with torch.no_grad():
@@ -86,7 +78,7 @@ def test_two_tensor_parallel_ranks_equal_transformers(granite) -> None:  # noqa:
     try:
         assert engine.model.spec.num_attention_heads == 2
         prompts = random_prompts(3, (5, 30))
-        outputs = run_requests(engine, [(p, greedy(10)) for p in prompts])
+        outputs = run_requests(engine, [(p, greedy_with_logprobs(10)) for p in prompts])
         assert_equals_transformers_generate(outputs, prompts, hf, 10)
     finally:
         engine.shutdown()
@@ -104,7 +96,7 @@ def test_bfloat16_declines_the_cpu_decode_layers(granite, monkeypatch) -> None: 
     hf = load_hf(folder, torch.bfloat16)
     prompts = random_prompts(4, (6, 17))
     agree = total = 0
-    for prompt, out in zip(prompts, llm.generate(prompts, greedy(6))):
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy_with_logprobs(6))):
         with torch.no_grad():
             ids = torch.tensor([prompt + out.outputs[0].token_ids])
             logprobs = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from argosy_runtime import LLM, LLMEngine, SamplingParams
+from argosy_runtime import LLM, LLMEngine
 from argosy_runtime.model_loader import ModelSpec
 from engine_helpers import (
     assert_dynamic_rope_gguf_and_gptq_refused,
@@ -25,7 +25,9 @@ from engine_helpers import (
     run_requests,
 )
 from model_factory import (
+    assert_cached_prefix_equals_transformers,
     assert_equals_transformers_generate,
+    greedy_with_logprobs,
     make_random_model_dir,
 )
 
@@ -45,10 +47,6 @@ def load_hf(folder, **overrides):  # noqa: ANN001, ANN003, ANN201
         str(folder), dtype=torch.float32, **overrides).eval()
 
 
-def greedy(n: int, prompt_logprobs: bool = False) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0,
-                          prompt_logprobs=0 if prompt_logprobs else None)
-
 
 @pytest.fixture(scope="module")
 def smollm3(tmp_path_factory):  # noqa: ANN001, ANN201
@@ -67,16 +65,11 @@ def test_nope_layers_equal_transformers_generate(smollm3) -> None:  # noqa: ANN0
     assert [layer.self_attn.use_rope for layer in llm.engine.model.model.layers] == [
         True, False, True, False]
     prompts = random_prompts(1, (1, 7, 23, 40))
-    outputs = llm.generate(prompts, greedy(20, prompt_logprobs=True))
+    outputs = llm.generate(prompts, greedy_with_logprobs(20, prompt_logprobs=True))
     assert_equals_transformers_generate(outputs, prompts, hf, 20)
     assert len({t for o in outputs for t in o.outputs[0].token_ids}) > 20  # not degenerate
 
-    shared = prompts[3][:24]
-    cached = [shared + tail for tail in random_prompts(2, (1, 9, 5))]
-    hits = llm.engine.get_stats().prefix_cache_hits
-    assert_equals_transformers_generate(llm.generate(cached, greedy(12)), cached, hf, 12)
-    assert llm.engine.get_stats().prefix_cache_hits > hits
-    assert_no_leaks(llm.engine)
+    assert_cached_prefix_equals_transformers(llm, prompts[3][:24], hf)
 
     # The NoPE layers matter: rotating them too gives transformers other logits.
     rotated = load_hf(folder, no_rope_layers=[1, 1, 1, 1])
@@ -93,7 +86,7 @@ def test_sliding_window_on_the_nope_layers(tmp_path) -> None:  # noqa: ANN001
     llm = LLM(model=str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert llm.engine.spec.layer_sliding_windows == (None, WINDOW, None, WINDOW)
     prompts = random_prompts(3, (1, WINDOW, WINDOW + 1, 23))
-    assert_equals_transformers_generate(llm.generate(prompts, greedy(12)), prompts,
+    assert_equals_transformers_generate(llm.generate(prompts, greedy_with_logprobs(12)), prompts,
                                         load_hf(folder), 12)
     assert_no_leaks(llm.engine)
 
@@ -105,7 +98,7 @@ def test_two_tensor_parallel_ranks_equal_transformers(smollm3) -> None:  # noqa:
     try:
         assert engine.model.spec.num_attention_heads == 2 and engine.model.spec.nope_layers == (1, 3)
         prompts = random_prompts(4, (5, 30))
-        outputs = run_requests(engine, [(p, greedy(10)) for p in prompts])
+        outputs = run_requests(engine, [(p, greedy_with_logprobs(10)) for p in prompts])
         assert_equals_transformers_generate(outputs, prompts, hf, 10)
     finally:
         engine.shutdown()
@@ -121,7 +114,7 @@ def test_bfloat16_cpu_decode_layers_equal_the_module_path(smollm3, monkeypatch) 
         pytest.skip("the fused C++ kernels did not build here")
     assert model.cpu_decode.rope_layers == [True, False, True, False]
     prompts = random_prompts(5, (6, 17, 30))
-    params = [greedy(n) for n in (12, 5, 9)]
+    params = [greedy_with_logprobs(n) for n in (12, 5, 9)]
 
     def run() -> list:
         return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs])
