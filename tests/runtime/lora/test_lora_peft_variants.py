@@ -52,12 +52,7 @@ def test_adapters_peft_applies_otherwise_are_refused(llama_dir, tmp_path, config
     plain LoRA on every token (aLoRA loaded without complaint before)."""
     folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
                                target_modules=["q_proj", "v_proj"], **config)
-    spec = load_checkpoint(str(llama_dir)).spec
-    message = f"^LoRA adapter 'a': unsupported adapter_config.json setting.*{setting}"
-    with pytest.raises(ValueError, match=message):
-        LoRAAdapter.load("a", folder, spec, torch.float32)
-    with pytest.raises(ValueError, match=message):
-        check_registrable("a", str(folder))
+    _assert_refused(llama_dir, folder, setting)
 
 
 @pytest.mark.parametrize("setting, value", [
@@ -72,12 +67,22 @@ def test_variants_whose_factors_are_not_the_model_are_refused(llama_dir, tmp_pat
                                                               value) -> None:
     """Settings of PEFT variants under which A and B alone do not give the trained model
     (written into a real adapter's config): they loaded as a plain LoRA, silently."""
+    _assert_refused(llama_dir, _adapter_with_config(llama_dir, tmp_path, **{setting: value}),
+                    setting)
+
+
+def _adapter_with_config(llama_dir: Path, tmp_path: Path, **changes: object) -> Path:
+    """A real PEFT adapter whose adapter_config.json then gets `changes` (settings PEFT
+    cannot build here, written as PEFT saves them)."""
     folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
                                target_modules=["q_proj", "v_proj"])
     config_path = folder / "adapter_config.json"
-    config = json.loads(config_path.read_text())
-    config[setting] = value
-    config_path.write_text(json.dumps(config))
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+    return folder
+
+
+def _assert_refused(llama_dir: Path, folder: Path, setting: str) -> None:
+    """Refused naming `setting`, at loading and at lazy registration (--max-loaded-loras)."""
     spec = load_checkpoint(str(llama_dir)).spec
     message = f"^LoRA adapter 'a': unsupported adapter_config.json setting.*{setting}"
     with pytest.raises(ValueError, match=message):
@@ -125,11 +130,7 @@ def test_training_only_variants_are_served_as_peft_evaluates_them(llama_dir, tmp
 def test_a_lora_ga_adapter_is_refused_as_pissas_are(llama_dir, tmp_path) -> None:  # noqa: ANN001
     """LoRA-GA also subtracts its initial B A from the base weights (PEFT converts it with
     PiSSA's route); its name written into a real adapter's config, as PEFT saves it."""
-    folder = make_peft_adapter(llama_dir, tmp_path / "a", 1, r=4, lora_alpha=8,
-                               target_modules=["q_proj", "v_proj"])
-    config_path = folder / "adapter_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
-                                       "init_lora_weights": "lora_ga"}))
+    folder = _adapter_with_config(llama_dir, tmp_path, init_lora_weights="lora_ga")
     with pytest.raises(ValueError, match="init_lora_weights 'lora_ga': .*changed"):
         LoRAAdapter.load("a", folder, load_checkpoint(str(llama_dir)).spec, torch.float32)
 
