@@ -28,13 +28,6 @@ def build_model(checkpoint: Any, dtype: torch.dtype, device: torch.device, max_p
         encoder = BertModel(checkpoint.spec, dtype, device)
         encoder.check_all_loaded(encoder.load_weights(checkpoint.iter_weights()))
         return encoder.eval()
-    spec = checkpoint.spec
-    if (quant_config is not None and quant_config.algorithm == "gptq"
-            and quant_config.source == "rtn" and (spec.nope_layers or spec.architecture == "granite")):
-        # GPTQ's calibration forward (quantization/calibration.py) is Llama's layer: it would
-        # rotate SmolLM3's NoPE layers and skip Granite's multipliers.
-        raise ValueError(f"GPTQ calibration does not support {spec.architecture}; use "
-                         "round-to-nearest int8 / int4")
     build_on = device if quant_config is None else torch.device("cpu")
     model = LlamaForCausalLM(checkpoint.spec, dtype, max_positions=max_positions, device=build_on)
     if quant_config is None:

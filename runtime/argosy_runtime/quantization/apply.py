@@ -66,7 +66,10 @@ def load_quantized_weights(model: nn.Module, checkpoint: Any,
         if moe:
             raise ValueError(f"GPTQ calibration does not support Mixture-of-Experts models "
                              f"({spec.architecture}); use round-to-nearest int8 / int4")
-        if spec is not None and spec.is_gemma:  # calibration runs Llama's layer
+        # Calibration runs Llama's plain layer: not Gemma's, and it would rotate SmolLM3's
+        # NoPE layers and skip Granite's multipliers.
+        if spec is not None and (spec.is_gemma or spec.nope_layers
+                                 or spec.architecture == "granite"):
             raise ValueError(f"GPTQ calibration does not support {spec.architecture} (its "
                              "calibration forward is Llama's layer); use round-to-nearest "
                              "int8 / int4")
