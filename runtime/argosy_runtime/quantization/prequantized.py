@@ -9,14 +9,13 @@ Phi-3's fused `qkv_proj` / `gate_up_proj` layers are split into their projection
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from argosy_runtime.model_loader.hf_checkpoint import read_json
 from argosy_runtime.quantization.awq import AWQ_SUFFIXES, awq_to_int4
 from argosy_runtime.quantization.config import INT4_GROUP_SIZES, QuantizationConfig
 from argosy_runtime.quantization.gptq import GPTQ_SUFFIXES, gptq_to_int4
@@ -45,11 +44,12 @@ def read_quantization_config(checkpoint: Any) -> dict | None:
     """
     if checkpoint.format != "hf":
         return None
-    qc = _read_json(checkpoint.path / "config.json").get("quantization_config")
+    qc = read_json(checkpoint.path / "config.json").get("quantization_config")
     if isinstance(qc, dict):
         return qc
     for name in ("quantize_config.json", "quant_config.json"):
-        legacy = _read_json(checkpoint.path / name)
+        path = checkpoint.path / name
+        legacy = read_json(path) if path.is_file() else {}
         if "w_bit" in legacy:  # AutoAWQ's names
             return {"quant_method": "awq", "bits": legacy["w_bit"],
                     "group_size": legacy.get("q_group_size"),
@@ -58,15 +58,6 @@ def read_quantization_config(checkpoint: Any) -> dict | None:
         if "bits" in legacy:
             return {"quant_method": "gptq", **legacy}
     return None
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object file's contents; {} when it is missing or not a JSON object."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def detect_prequantized(checkpoint: Any) -> QuantizationConfig | None:
