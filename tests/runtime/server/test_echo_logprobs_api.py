@@ -6,16 +6,31 @@ read back). Checked on a real server against the offline engine's `prompt_logpro
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from argosy_runtime import SamplingParams
-from serve_harness import MODEL
+from serve_harness import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATIONS = [" Paris", " Berlin"]
+# The context-filling tests run on their own server with a shorter context: prefills of the
+# shared server's 2048 tokens took a minute of CPU per test. 640 tokens still span two
+# 512-token prefill steps and end on a block boundary, as 2048 did.
+SHORT_CONTEXT = 640
+
+
+@pytest.fixture(scope="module")
+def short_http() -> Iterator[httpx.Client]:
+    proc = ServerProcess("--max-model-len", str(SHORT_CONTEXT))
+    try:
+        with httpx.Client(base_url=proc.wait_ready().url, timeout=120) as c:
+            yield c
+    finally:
+        proc.stop()
 
 
 def offline_prompt_logprobs(llm, ids: list[int], k: int) -> list:  # noqa: ANN001
@@ -146,14 +161,15 @@ def test_echoed_token_prompt_keeps_its_special_tokens(http: httpx.Client, stream
     assert lp["text_offset"] == starts
 
 
-def test_max_tokens_0_scores_a_prompt_filling_the_context(http: httpx.Client,
+def test_max_tokens_0_scores_a_prompt_filling_the_context(short_http: httpx.Client,
                                                          offline_llm) -> None:
-    """echo with max_tokens 0 generates nothing, so a prompt of max_model_len (2048) tokens
+    """echo with max_tokens 0 generates nothing, so a prompt of max_model_len tokens
     fits; it was a 400 (the engine runs one token past a prompt, and the check counted it)."""
     tok = offline_llm.engine.tokenizer
-    head = (tok.encode("The quick brown fox jumps over the lazy dog. " * 300))[:2047]
-    # the reference: the offline engine's logprobs of every position, the 2048th included
-    # (the sampled position of the 2047-token prompt); the last token is the second most
+    ctx = SHORT_CONTEXT
+    head = (tok.encode("The quick brown fox jumps over the lazy dog. " * 300))[:ctx - 1]
+    # the reference: the offline engine's logprobs of every position, the last one included
+    # (the sampled position of the prompt one token short); the last token is the second most
     # likely, so the score cannot come from a mask that left it the only choice
     ref = offline_llm.generate([head], SamplingParams(max_tokens=1, temperature=0,
                                                        logprobs=3, prompt_logprobs=3))[0]
@@ -161,84 +177,88 @@ def test_max_tokens_0_scores_a_prompt_filling_the_context(http: httpx.Client,
     last = next(t for t, lp in last_entry.items() if lp.rank == 2)
     ids = head + [last]
     body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3}
-    r = http.post("/v1/completions", json=body)
+    r = short_http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     [choice] = r.json()["choices"]
     assert choice["text"] == tok.decode(ids, skip_special_tokens=False)
     assert choice["finish_reason"] == "length"
     usage = r.json()["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2048, 0), usage
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ctx, 0), usage
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 2048
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == ctx
     want = [*ref.prompt_logprobs, last_entry]
-    for pos in (1, 1000, 2046, 2047):
+    for pos in (1, ctx // 2, ctx - 2, ctx - 1):
         assert lp["token_logprobs"][pos] == pytest.approx(want[pos][ids[pos]].logprob,
                                                           abs=1e-4), pos
         assert sorted(lp["top_logprobs"][pos].values()) == pytest.approx(
             _top_k_and_chosen(want[pos], ids[pos], 3), abs=1e-4), pos
-    assert lp["token_logprobs"][2047] < max(lp["top_logprobs"][2047].values())  # rank 2
+    assert lp["token_logprobs"][ctx - 1] < max(lp["top_logprobs"][ctx - 1].values())  # rank 2
     # streamed: the same single chunk
-    streamed = [line for line in http.post("/v1/completions", json={**body, "stream": True})
-                .text.splitlines() if line.startswith("data: {")]
+    stream = short_http.post("/v1/completions", json={**body, "stream": True})
+    streamed = [line for line in stream.text.splitlines() if line.startswith("data: {")]
     assert len(streamed) == 1
     [streamed_choice] = json.loads(streamed[0][6:])["choices"]
     assert streamed_choice["logprobs"]["tokens"] == lp["tokens"]
-    assert streamed_choice["logprobs"]["token_logprobs"][2047] == pytest.approx(
-        lp["token_logprobs"][2047], abs=1e-4)
+    assert streamed_choice["logprobs"]["token_logprobs"][ctx - 1] == pytest.approx(
+        lp["token_logprobs"][ctx - 1], abs=1e-4)
     # without logprobs: the echo alone; vLLM's prompt_logprobs extra: the last one too
-    plain = http.post("/v1/completions", json={**body, "logprobs": None, "prompt_logprobs": 1})
+    plain = short_http.post("/v1/completions",
+                            json={**body, "logprobs": None, "prompt_logprobs": 1})
     assert plain.status_code == 200, plain.text
     [plain_choice] = plain.json()["choices"]
     assert plain_choice["text"] == choice["text"] and plain_choice["logprobs"] is None
-    assert len(plain_choice["prompt_logprobs"]) == 2048
-    assert plain_choice["prompt_logprobs"][2047][str(last)]["logprob"] == pytest.approx(
-        lp["token_logprobs"][2047], abs=1e-4)
+    assert len(plain_choice["prompt_logprobs"]) == ctx
+    assert plain_choice["prompt_logprobs"][ctx - 1][str(last)]["logprob"] == pytest.approx(
+        lp["token_logprobs"][ctx - 1], abs=1e-4)
     # n > 1 and a batch beside a shorter prompt: each choice scores its own whole prompt
-    r = http.post("/v1/completions", json={**body, "prompt": [ids, ids[:5]], "n": 2})
+    r = short_http.post("/v1/completions", json={**body, "prompt": [ids, ids[:5]], "n": 2})
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
-    assert [len(c["logprobs"]["tokens"]) for c in choices] == [2048, 2048, 5, 5]
-    assert choices[1]["logprobs"]["token_logprobs"][2047] == pytest.approx(
-        lp["token_logprobs"][2047], abs=1e-4)
-    assert r.json()["usage"]["prompt_tokens"] == 2053
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [ctx, ctx, 5, 5]
+    assert choices[1]["logprobs"]["token_logprobs"][ctx - 1] == pytest.approx(
+        lp["token_logprobs"][ctx - 1], abs=1e-4)
+    assert r.json()["usage"]["prompt_tokens"] == ctx + 5
     # a token to generate still needs room past the prompt
     for extra in ({"max_tokens": 1}, {"max_tokens": 1, "echo": False}):
-        r = http.post("/v1/completions", json={**body, **extra})
+        r = short_http.post("/v1/completions", json={**body, **extra})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt", r.text
-        assert err["code"] == "context_length_exceeded" and "2048" in err["message"], err
+        assert err["code"] == "context_length_exceeded" and str(ctx) in err["message"], err
     # and past the context, max_tokens 0 is still refused
-    r = http.post("/v1/completions", json={**body, "prompt": ids + [28]})
+    r = short_http.post("/v1/completions", json={**body, "prompt": ids + [28]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
-def test_max_tokens_0_whole_context_streamed_with_n_2(http: httpx.Client) -> None:
+
+def test_max_tokens_0_whole_context_streamed_with_n_2(short_http: httpx.Client) -> None:
     """Streamed, each of n choices of a prompt filling the context echoes it whole. The n
     sequences prefill one after the other (512-token steps on the CPU), so the first one
-    finishes while its request does not: its chunk went out with the shortened prompt (2047
-    tokens, the last one's logprob missing). Sampling fields change no prompt logprob."""
-    ids = http.post("/tokenize", json={
-        "prompt": "The quick brown fox jumps over the lazy dog. " * 300}).json()["tokens"][:2048]
+    finishes while its request does not: its chunk went out with the shortened prompt (the
+    context less one token, the last one's logprob missing). Sampling fields change no prompt
+    logprob."""
+    ctx = SHORT_CONTEXT
+    ids = short_http.post("/tokenize", json={
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 300}).json()["tokens"][:ctx]
     body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2}
-    whole = http.post("/v1/completions", json=body)
+    whole = short_http.post("/v1/completions", json=body)
     assert whole.status_code == 200, whole.text
     want = whole.json()["choices"][0]["logprobs"]
-    r = http.post("/v1/completions", json={**body, "n": 2, "stream": True,
-                                           "temperature": 1.5, "presence_penalty": 2,
-                                           "logit_bias": {str(ids[-1]): -100}})
+    r = short_http.post("/v1/completions", json={**body, "n": 2, "stream": True,
+                                                 "temperature": 1.5, "presence_penalty": 2,
+                                                 "logit_bias": {str(ids[-1]): -100}})
     assert r.status_code == 200, r.text
     choices = [c for line in r.text.splitlines() if line.startswith("data: {")
                for c in json.loads(line[6:])["choices"]]
     assert sorted(c["index"] for c in choices) == [0, 1]
     for c in choices:
         lp = c["logprobs"]
-        assert lp["tokens"] == want["tokens"] and len(lp["tokens"]) == 2048
+        assert lp["tokens"] == want["tokens"] and len(lp["tokens"]) == ctx
         assert lp["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-4)
         assert c["finish_reason"] == "length"
     # cut to the context by truncate_prompt_tokens -1: the same whole-context prompt
-    cut = http.post("/v1/completions", json={**body, "prompt": [28] * 100 + ids,
-                                             "truncate_prompt_tokens": -1})
+    cut = short_http.post("/v1/completions", json={**body, "prompt": [28] * 100 + ids,
+                                                   "truncate_prompt_tokens": -1})
     assert cut.status_code == 200, cut.text
-    assert cut.json()["usage"]["prompt_tokens"] == 2048
+    assert cut.json()["usage"]["prompt_tokens"] == ctx
     assert cut.json()["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
         want["token_logprobs"][1:], abs=1e-4)
 
