@@ -604,3 +604,23 @@ def test_a_background_run_whose_engine_fails_ends_failed() -> None:
         assert closed == ["closed"] and len(runs) == 0
 
     asyncio.run(main())
+
+
+def _tool_call(arguments: str, finish: str | None = None) -> str:
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": arguments}}
+    return _chunk({"choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                                "finish_reason": finish}], "usage": None})
+
+
+def test_a_whole_call_ending_a_cut_reply_is_completed_as_unstreamed() -> None:
+    """A reply cut by max_output_tokens right after a parsed (or "required") call: the call
+    came whole, so it is `completed` as the unstreamed response has it; it was `incomplete`
+    because it was the item still open."""
+    events, done = _translate([_tool_call('{"x": 1}'), _delta(None, "length")])
+    assert events[-1]["type"] == "response.incomplete"
+    [call] = done[0]["output"]
+    assert (call["type"], call["status"], call["arguments"]) == \
+        ("function_call", "completed", '{"x": 1}')
+    item_done = next(e for e in events if e["type"] == "response.output_item.done")
+    assert item_done["item"]["status"] == "completed"

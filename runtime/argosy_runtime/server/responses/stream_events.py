@@ -114,7 +114,7 @@ class ResponseEventStream:
         if self.current is None:  # nothing generated: still one (empty) message, as unstreamed
             for event in self._open_message():
                 yield event
-        for event in self._close(outcome.item_status):
+        for event in self._close(self._last_item_status(outcome.item_status)):
             yield event
         final = self.response(outcome.status, self._output(outcome.item_status),
                               usage=usage_of(usage),
@@ -221,6 +221,13 @@ class ResponseEventStream:
                            part=text_part(text)),
                 self.event("response.output_item.done", output_index=where["output_index"],
                            item=done)]
+
+    def _last_item_status(self, status: str) -> str:
+        """The open item's status at the end. Only a forced function's call streams as it is
+        generated, so only it can be cut; a "required" or parsed call came whole (a dict
+        tool_choice is a forced function: `chat_tool_choice` refuses any other)."""
+        call = self.current is not None and self.current["type"] == "function_call"
+        return "completed" if call and not isinstance(self.req.tool_choice, dict) else status
 
     def _output(self, status: str) -> list[dict[str, Any]]:
         """The items so far, the open one (if any) with `status`."""
