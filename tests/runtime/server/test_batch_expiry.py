@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,26 @@ async def test_a_batch_with_output_expires_after_writes_expiring_files(
     with pytest.raises(openai.NotFoundError):
         await client.files.content(batch.output_file_id)
     assert [x.id for x in (await client.files.list()).data] == [f.id]
+
+
+async def test_the_scan_deletes_expired_files_nobody_looks_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk is given back without a lookup: each replica's periodic scan deletes the
+    expired files (an expired file used to stay on disk until someone asked for it)."""
+    store = FileStore(tmp_path)
+    gone = store.create(BytesIO(LINES), "a.jsonl", "batch", owner="tenant-a",
+                        expires_after_s=3600)
+    kept = store.create(BytesIO(LINES), "b.jsonl", "batch", expires_after_s=7200)
+    forever = store.create(BytesIO(LINES), "c.jsonl", "batch")
+    runner = BatchRunner(tmp_path, store, FastAPI(), concurrency=1, scan_interval_s=0.01)
+    await runner.start()
+    try:
+        _in(monkeypatch, 3601)
+        for _ in range(500):
+            if not (store.dir / gone["id"]).exists():
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await runner.shutdown()
+    on_disk = {p.name for p in store.dir.iterdir()}
+    assert on_disk == {kept["id"], f"{kept['id']}.json", forever["id"], f"{forever['id']}.json"}

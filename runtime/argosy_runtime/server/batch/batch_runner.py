@@ -14,9 +14,10 @@ left go to the error file as `batch_expired`).
 Several replicas may share one `--batch-dir`. Each sees every file and batch; a batch runs on
 the one replica holding its lock (batch_lock.py), and every `scan_interval_s` each replica
 that is not draining takes over the unfinished batches nobody holds: those of a replica that
-drained, crashed or was scaled away. A batch's record on disk is written by its runner only
-(status changes, and its counts at most once per SAVE_INTERVAL_S); a cancel that reaches
-another replica leaves a `<id>.cancel` marker that the runner acts on.
+drained, crashed or was scaled away. Each scan also deletes the files past their
+`expires_at`. A batch's record on disk is written by its runner only (status changes, and its
+counts at most once per SAVE_INTERVAL_S); a cancel that reaches another replica leaves a
+`<id>.cancel` marker that the runner acts on.
 """
 
 from __future__ import annotations
@@ -222,6 +223,8 @@ class BatchRunner:
                 for batch in list(self.batches.values()):
                     self._honour_cancel_marker(batch)
                 self._take_over_orphans()
+                if expired := self.files.delete_expired():
+                    logger.info("deleted %d expired file(s) from %s", expired, self.files.dir)
             except Exception:  # a bad file must not stop the scans for good
                 logger.exception("scanning %s for batches failed", self.dir)
 

@@ -88,13 +88,19 @@ class FileStore:
 
     def _expired(self, meta: dict[str, Any]) -> bool:
         """Is the file past its `expires_at`? Such a file is deleted now: expiry is applied
-        whenever a file is looked up or listed (there is no sweeper)."""
+        whenever a file is looked up or listed, and by `delete_expired`."""
         expires_at = meta.get("expires_at")
         if expires_at is None or time.time() < expires_at:
             return False
         self._meta_path(meta["id"]).unlink(missing_ok=True)
         (self.dir / meta["id"]).unlink(missing_ok=True)
         return True
+
+    def delete_expired(self) -> int:
+        """Delete every file past its `expires_at`, whoever owns it: the disk is given back
+        even for files nobody looks up again. Returns how many were deleted."""
+        records = (read_json_record(p) for p in self.dir.glob("file-*.json"))
+        return sum(self._expired(meta) for meta in records if meta is not None)
 
     def _not_found(self, file_id: str) -> APIError:
         return APIError(404, f"no file with id {file_id!r}", param="file_id",
