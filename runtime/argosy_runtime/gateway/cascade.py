@@ -19,7 +19,7 @@ from aiohttp import web
 from argosy_runtime.gateway.config import CascadeConfig
 from argosy_runtime.gateway.request_text import (
     content_text,
-    prompt_text,
+    prompt_texts,
     requested_max_tokens,
 )
 
@@ -70,11 +70,13 @@ def decide(
 
     def small(reason: str) -> CascadeDecision:
         # A streamed answer is gone before it could be judged; a beam search returns no
-        # logprobs (asking for them would be a 400). A client that asked for the small model
-        # (header or `:small`) gets its answer, never the large model's: only the rules'
-        # own choice is checked.
+        # logprobs (asking for them would be a 400); an echoed completion's token_logprobs
+        # start with the prompt's, so their mean would judge the prompt, not the answer.
+        # A client that asked for the small model (header or `:small`) gets its answer,
+        # never the large model's: only the rules' own choice is checked.
         check = (cascade.min_mean_logprob is not None and reason == REASON_DEFAULT
-                 and not body.get("stream", False) and not body.get("use_beam_search", False))
+                 and not body.get("stream", False) and not body.get("use_beam_search", False)
+                 and not body.get("echo", False))
         return CascadeDecision("small", cascade.small, reason, check_confidence=check)
 
     header = str(headers.get(cascade.header, "")).strip().lower()
@@ -82,8 +84,8 @@ def decide(
         return large(REASON_HEADER) if header == "large" else small(REASON_HEADER)
     if forced_tier is not None:
         return large(REASON_MODEL_NAME) if forced_tier == "large" else small(REASON_MODEL_NAME)
-    text = prompt_text(path, body)
-    if cascade.prompt_chars_over is not None and len(text) > cascade.prompt_chars_over:
+    longest = max(len(text) for text in prompt_texts(path, body))
+    if cascade.prompt_chars_over is not None and longest > cascade.prompt_chars_over:
         return large(REASON_PROMPT_LENGTH)
     max_tokens = requested_max_tokens(body)
     if (

@@ -10,8 +10,10 @@ from typing import Any
 # Separators that cannot be confused with message text, so "ab"+"c" != "a"+"bc" across turns.
 _ROLE_SEP = "\x1f"
 _TURN_SEP = "\x1e"
-# chat's text parts, and the Responses API's (input, and earlier output passed back)
-_TEXT_PARTS = ("text", "input_text", "output_text")
+# content part type -> the key holding its text: chat's parts, and the Responses API's
+# (input, and earlier output passed back), a refusal read as its text, as the replica reads it
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+               "refusal": "refusal"}
 # The runtime's scoring and classification routes (vLLM's paths, Cohere's /v2/rerank), and
 # every route answered from one model's pooled hidden states: routed like /v1/embeddings,
 # never through a cascade.
@@ -24,11 +26,15 @@ POOLING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS, *CLASSIFY_PATHS)
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(
-            str(p.get("text", ""))
+    if isinstance(content, list):
+        # The text parts joined with newlines, as the replica joins them (serving_chat.py,
+        # responses/input_items.py): parts and the string they make are one cached prompt.
+        return "\n".join(
+            str(p.get(_TEXT_PARTS[p["type"]], ""))
             for p in content
-            if isinstance(p, dict) and p.get("type") in _TEXT_PARTS
+            # str first: a list `type` is unhashable, and a malformed part must not fail
+            # routing (the replica answers it with its own 400)
+            if isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] in _TEXT_PARTS
         )
     return ""
 
@@ -67,9 +73,21 @@ def content_text(path: str, body: dict[str, Any]) -> str:
     keywords in it). Turns stay separated, so a keyword never spans two of them."""
     messages = _chat_messages(path, body)
     if messages is None:
-        return prompt_text(path, body)
+        return _TURN_SEP.join(prompt_texts(path, body))
     return _TURN_SEP.join(_content_text(m.get("content")) for m in messages
                           if isinstance(m, dict))
+
+
+def prompt_texts(path: str, body: dict[str, Any]) -> list[str]:
+    """Every prompt of a completions batch, each as `prompt_text` reads one; `[prompt_text]`
+    for any other request. The cascade judges each: the model it picks answers them all, so a
+    long prompt (or one with a keyword) must not hide behind a short first one."""
+    prompt = body.get("prompt")
+    completions = path.endswith("/completions") and not path.endswith("/chat/completions")
+    if completions and isinstance(prompt, list) and prompt \
+            and not all(isinstance(t, int) for t in prompt):
+        return [_first_prompt([item]) for item in prompt]
+    return [prompt_text(path, body)]
 
 
 def _chat_messages(path: str, body: dict[str, Any]) -> list[Any] | None:
@@ -126,10 +144,15 @@ def _all_chars(texts: Any) -> int:
 
 def _turns(messages: list[Any]) -> str:
     return "".join(
-        f"{m.get('role', '')}{_ROLE_SEP}{_content_text(m.get('content'))}{_TURN_SEP}"
+        f"{_role(m.get('role', ''))}{_ROLE_SEP}{_content_text(m.get('content'))}{_TURN_SEP}"
         for m in messages
         if isinstance(m, dict)
     )
+
+
+def _role(role: Any) -> Any:
+    """The replica renders a developer turn as a system turn (serving_chat.py)."""
+    return "system" if role == "developer" else role
 
 
 def _responses_messages(body: dict[str, Any]) -> list[Any]:
@@ -140,7 +163,19 @@ def _responses_messages(body: dict[str, Any]) -> list[Any]:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     elif isinstance(items, list):
-        messages.extend(items)
+        # The chat messages the replica makes of the items (responses/input_items.py), so a
+        # conversation reads as in chat: a function call is an assistant turn's tool call
+        # (consecutive ones, and ones right after an assistant message, share its turn), its
+        # output a tool turn, and earlier reasoning is not shown to the model.
+        for item in items:
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "message":
+                messages.append(item)
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "content": item.get("output")})
+            elif kind == "function_call" and not (
+                    messages and messages[-1].get("role") == "assistant"):
+                messages.append({"role": "assistant", "content": None})
     return messages
 
 

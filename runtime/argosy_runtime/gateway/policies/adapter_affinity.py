@@ -94,7 +94,10 @@ class AdapterAffinityPolicy(Policy):
         # now on), so the load is paid once rather than once per replica.
         others = [c for c in candidates if not self.holds(c, adapter, now)]
         home = self.home(others, adapter, cap, now)
-        return [home] if home is not None else others
+        # No replica within the bound (only the KV high-watermark does that): all of them, as
+        # for a base-model request; forcing a non-holder would add an adapter load (and an
+        # eviction) on a replica no less full than the holders.
+        return [home] if home is not None else candidates
 
     def home(self, replicas: Sequence[Replica], adapter: str, cap: int, now: float
              ) -> Replica | None:

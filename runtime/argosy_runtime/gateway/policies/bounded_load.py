@@ -19,7 +19,9 @@ from argosy_runtime.gateway.config import RoutingConfig
 def capacity(candidates: Sequence[Replica], routing: RoutingConfig) -> int:
     """Most in-flight requests one of `candidates` may hold, counting the one being placed."""
     total = sum(c.in_flight for c in candidates) + 1
-    bound = math.ceil(routing.load_factor * total / len(candidates))
+    # Rounded before the ceil: the float product overshoots integers now and then (1.1 * 50 / 5
+    # is 11.000000000000002), and its ceil would let a replica one request past the bound.
+    bound = math.ceil(round(routing.load_factor * total / len(candidates), 9))
     return max(routing.min_capacity, bound)
 
 

@@ -1,0 +1,57 @@
+"""Review fixes of the routing policies: each test fails without its fix."""
+
+from __future__ import annotations
+
+from argosy_runtime.gateway.backends.replica import Replica
+from argosy_runtime.gateway.config import RoutingConfig
+from argosy_runtime.gateway.policies import RouteRequest, make_policy
+from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
+
+
+def replicas(n: int) -> list[Replica]:
+    return [Replica(url=f"http://10.0.0.{i}:8000") for i in range(n)]
+
+
+def test_adapter_with_every_replica_over_the_kv_watermark_may_stay_on_its_holder() -> None:
+    """No replica within the bound (all KV-full): the request goes to the inner policy over
+    all candidates, as the docstring says, not only to the replicas that would have to load
+    the adapter (evicting another one, on a replica no less full)."""
+    policy = make_policy("least-load")
+    holder, other = replicas(2)
+    for r in (holder, other):
+        r.adapters = frozenset({"sql", "chat"})
+        r.kv_cache_usage = 0.99
+    holder.loaded_adapters = frozenset({"sql"})
+    other.loaded_adapters = frozenset({"chat"})
+    other.in_flight = 3  # the holder is also the less loaded one
+    chosen = policy.choose([holder, other], RouteRequest(prefix="x" * 64, adapter="sql"))
+    assert chosen is holder
+
+
+def test_bound_is_exact_where_the_float_product_is_not() -> None:
+    """ceil(1.1 * 50 / 5) is 11, but 1.1 * 50 / 5 is 11.000000000000002 in floats, whose
+    ceil let a replica take a 12th request past the bound."""
+    routing = RoutingConfig(load_factor=1.1, min_capacity=1)
+    rs = replicas(5)
+    for r, n in zip(rs, (11, 10, 10, 9, 9), strict=True):
+        r.in_flight = n  # 49 in flight, 50 with the request being placed
+    assert capacity(rs, routing) == 11
+    assert not within_bound(rs[0], capacity(rs, routing), routing)
+
+
+def test_a_prefix_learned_under_an_adapter_does_not_steer_the_base_model() -> None:
+    """A replica caches an adapter's K/V apart from the base model's (the adapter salts its
+    prefix-cache hashes, request.py `cache_salt`): where an adapter's request with a prompt
+    went says nothing of where the base model's prompt is cached."""
+    from argosy_runtime.gateway.policies import PrefixAffinityPolicy
+
+    prompt = "You are a helpful assistant. " * 20
+    rs = replicas(4)
+    base_home = PrefixAffinityPolicy().choose(rs, RouteRequest(prefix=prompt))
+    policy = PrefixAffinityPolicy()
+    elsewhere = next(r for r in rs if r is not base_home)
+    # Adapter affinity narrowed the adapter's request to the replica holding the adapter.
+    assert policy.choose([elsewhere], RouteRequest(prefix=prompt, adapter="sql")) is elsewhere
+    assert policy.choose(rs, RouteRequest(prefix=prompt)) is base_home
+    # The adapter's own prompts still follow what they taught the table.
+    assert policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")) is elsewhere
