@@ -55,3 +55,55 @@ def test_a_prefix_learned_under_an_adapter_does_not_steer_the_base_model() -> No
     assert policy.choose(rs, RouteRequest(prefix=prompt)) is base_home
     # The adapter's own prompts still follow what they taught the table.
     assert policy.choose(rs, RouteRequest(prefix=prompt, adapter="sql")) is elsewhere
+
+
+def test_a_prefix_learned_under_a_cache_salt_steers_only_that_salt() -> None:
+    """vLLM's `cache_salt`: a replica shares cached blocks only between requests with the
+    same salt, so a salted request's prompt must not place unsalted (or other salts')
+    requests, and the same salt keeps following its own prompt."""
+    from argosy_runtime.gateway.policies import PrefixAffinityPolicy
+
+    prompt = "You are a helpful assistant. " * 20
+    rs = replicas(4)
+    base_home = PrefixAffinityPolicy().choose(rs, RouteRequest(prefix=prompt))
+    policy = PrefixAffinityPolicy()
+    elsewhere = next(r for r in rs if r is not base_home)
+    salted = RouteRequest(prefix=prompt, cache_salt="user-1")
+    assert policy.choose([elsewhere], salted) is elsewhere  # the others were busy
+    assert policy.choose(rs, RouteRequest(prefix=prompt)) is base_home
+    assert policy.choose(rs, salted) is elsewhere
+    # an adapter with the salt is a partition of its own, apart from the adapter's unsalted
+    assert policy.choose([elsewhere], RouteRequest(prefix=prompt, adapter="sql")) is elsewhere
+    both = RouteRequest(prefix=prompt, adapter="sql", cache_salt="user-1")
+    assert policy.choose(rs, both) is PrefixAffinityPolicy().choose(rs, both)
+
+
+async def test_the_gateway_routes_a_cache_salt_apart(fake_replicas, gateway) -> None:
+    """Through the gateway: salted requests sent first change nothing of where unsalted
+    requests with the same documents land, as for another tenant's."""
+    import aiohttp
+    from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
+
+    replicas = await fake_replicas(4)
+    config = GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=tuple(r.url for r in replicas),
+                                 policy="prefix-affinity"),),
+        health=HealthConfig(interval_s=60))
+    documents = [f"Document {i}: the confidential figures of quarter {i} are as follows. " * 2
+                 for i in range(8)]
+
+    async def where_unsalted_lands(salted_first: bool) -> list[str]:
+        _, url = await gateway(config)  # a new gateway: nothing routed yet
+        landed = []
+        async with aiohttp.ClientSession() as s:
+            for document in documents:
+                for prompt, extra in ([(document + "Summarize.", {"cache_salt": "u1"})]
+                                      if salted_first else []) + [(document + "Risks?", {})]:
+                    async with s.post(f"{url}/v1/completions", json={
+                            "model": "tiny", "prompt": prompt, **extra}) as resp:
+                        assert resp.status == 200
+                        backend = resp.headers["x-argosy-backend"]
+                landed.append(backend)
+        return landed
+
+    assert await where_unsalted_lands(True) == await where_unsalted_lands(False)

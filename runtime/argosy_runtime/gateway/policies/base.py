@@ -12,12 +12,14 @@ from argosy_runtime.gateway.backends.replica import Replica
 @dataclass(frozen=True)
 class RouteRequest:
     """What routing sees of a request: the leading text of its prompt (or flattened chat),
-    the LoRA adapter it names (None for a base model), and the tenant that sends it (its
-    `X-Argosy-Owner`; None without tenants)."""
+    the LoRA adapter it names (None for a base model), the tenant that sends it (its
+    `X-Argosy-Owner`; None without tenants), and its `cache_salt` (vLLM's field: replicas
+    share cached blocks only between requests with the same salt)."""
 
     prefix: str = ""
     adapter: str | None = None
     owner: str | None = None
+    cache_salt: str | None = None
 
 
 class Policy(ABC):

@@ -31,15 +31,15 @@ from argosy_runtime.gateway.policies.hashing import hash64, utf8
 
 
 def block_hashes(text: str, block_chars: int, owner: str | None = None,
-                 adapter: str | None = None) -> list[bytes]:
+                 partition: str | None = None) -> list[bytes]:
     """Digests of text[:block_chars], text[:2*block_chars], ... (whole blocks only), salted
-    with `owner` and `adapter` when given (see `owned_key`).
+    with `owner` and `partition` when given (see `owned_key`).
 
     One running hash, copied at each boundary: O(len(text)), not O(len(text)^2 / block).
     """
     running = hashlib.blake2b(digest_size=16)
-    if owner is not None or adapter is not None:
-        running.update(utf8(owned_key(owner, "", adapter)))
+    if owner is not None or partition is not None:
+        running.update(utf8(owned_key(owner, "", partition)))
     out = []
     for end in range(block_chars, len(text) + 1, block_chars):
         running.update(utf8(text[end - block_chars : end]))
@@ -47,20 +47,30 @@ def block_hashes(text: str, block_chars: int, owner: str | None = None,
     return out
 
 
-def owned_key(owner: str | None, text: str, adapter: str | None = None) -> str:
-    """`text` as the routing key of `owner`'s request for `adapter` (unchanged without them).
+def owned_key(owner: str | None, text: str, partition: str | None = None) -> str:
+    """`text` as the routing key of `owner`'s request in its cache `partition` (unchanged
+    without them).
 
     Replicas keep each tenant's prefix cache to itself (server.md, "Prefix cache per owner"),
     so one tenant's prompt never places another's request: if it did, the replica a request
     lands on (`x-argosy-backend`) would tell one tenant whether another had sent a prompt
     starting alike. The length prefix keeps (owner, text) pairs apart.
 
-    A LoRA adapter's K/V differ from the base model's, and replicas salt their prefix cache
-    with the adapter too (request.py, `cache_salt`): an adapter's prompts must not place the
-    base model's (nor another adapter's), whose cached blocks are not the same."""
-    if adapter is not None:
-        text = f"\x00{len(adapter)}:{adapter}:{text}"
+    A replica divides its prefix cache further (request.py, `cache_salt`): by LoRA adapter,
+    whose K/V differ from the base model's, and by the client's own `cache_salt`. A prompt in
+    one partition must not place a request of another, whose cached blocks are not the same
+    (`cache_partition`)."""
+    if partition is not None:
+        text = f"\x00{len(partition)}:{partition}:{text}"
     return text if owner is None else f"{len(owner)}:{owner}:{text}"
+
+
+def cache_partition(request: RouteRequest) -> str | None:
+    """The part of a replica's prefix cache `request` can read, within its tenant's: its
+    adapter's and its cache_salt's (None: the base model's, unsalted)."""
+    if request.cache_salt is None:
+        return request.adapter
+    return f"{len(request.adapter or '')}:{request.adapter or ''}:{request.cache_salt}"
 
 
 class HashRing:
@@ -159,7 +169,8 @@ class PrefixAffinityPolicy(Policy):
             return self._fallback(candidates, request)
         by_url = {c.url: c for c in candidates}
         cap = self.capacity(candidates)
-        hashes = block_hashes(text, self.routing.block_chars, request.owner, request.adapter)
+        hashes = block_hashes(text, self.routing.block_chars, request.owner,
+                              cache_partition(request))
         chosen: Replica | None = None
         for digest in reversed(hashes):  # longest known prefix first
             url = self._affinity.get(digest)
@@ -168,7 +179,8 @@ class PrefixAffinityPolicy(Policy):
                     chosen = by_url[url]
                 break  # shorter prefixes of the same prompt live on the same replica or older
         if chosen is None:
-            key = owned_key(request.owner, text[: self.routing.prefix_chars], request.adapter)
+            key = owned_key(request.owner, text[: self.routing.prefix_chars],
+                            cache_partition(request))
             for url in self.ring(list(by_url)).walk(key):
                 if within_bound(by_url[url], cap, self.routing):
                     chosen = by_url[url]

@@ -434,6 +434,8 @@ class Gateway:
                 # only its own requests (policies/prefix_affinity.py, `owned_key`).
                 owner=next((v for k, v in headers.items() if k.lower() == OWNER_HEADER.lower()),
                            None),
+                # a non-string salt is the replica's 400, whatever the route
+                cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else None,
             )
             result = await send(
                 session=self.session,
