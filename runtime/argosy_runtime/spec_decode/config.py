@@ -49,7 +49,8 @@ class SpeculativeConfig:
         if self.quantization not in (None, "int4", "int8"):
             raise ValueError(f"speculative quantization must be 'int4', 'int8' or unset, "
                              f"got {self.quantization!r}")
-        if self.method == "ngram" and (self.model or self.draft_layers or self.quantization):
+        if self.method == "ngram" and (self.model is not None or self.draft_layers is not None
+                                       or self.quantization is not None):
             raise ValueError("speculative model/draft_layers/quantization need method 'draft'")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1 or unset, got {self.disable_by_batch_size}")
@@ -79,7 +80,8 @@ class SpeculativeConfig:
             raise ValueError(f"min_acceptance_rate must be a number in [0, 1], got {rate!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
-        if self.model is not None and not isinstance(self.model, str):
+        if self.model is not None and not (isinstance(self.model, str) and self.model.strip()):
+            # "" is no model: it passed as one for "draft", and as none for "ngram"
             raise ValueError(f"model must be a path or unset, got {self.model!r}")
 
     @classmethod

@@ -218,6 +218,8 @@ def test_draft_with_another_vocabulary_is_rejected(models: dict[str, Path], tmp_
     ({"method": "draft", "draft_layers": 0}, "draft_layers"),
     ({"method": "draft", "quantization": "int3"}, "quantization"),
     ({"method": "ngram", "model": "x"}, "method 'draft'"),
+    ({"method": "ngram", "model": ""}, "model must be a path"),
+    ({"method": "draft", "model": " "}, "model must be a path"),
 ])
 def test_bad_draft_options_name_the_field(spec: dict, field: str, models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match=field):
