@@ -274,7 +274,10 @@ class DraftProposer:
         next position after them): a refused token breaks the request's matcher for good."""
         if not drafted:
             return False
-        if drafted[-1] in self.engine.end_token_ids or drafted[-1] in req.params.stop_token_ids:
+        # The engine's own end test: the model's end tokens end nothing under ignore_eos
+        # (all_stop_token_ids is empty then), so a draft goes on past one.
+        params = req.params
+        if drafted[-1] in params.all_stop_token_ids or drafted[-1] in params.stop_token_ids:
             return True
         return (req.grammar is not None
                 and len(req.grammar.valid_prefix(req.output_token_ids, drafted)) < len(drafted))

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: m
 from argosy_runtime import LLMEngine, SamplingParams  # noqa: E402
 from engine_helpers import assert_no_leaks  # noqa: E402
 from engine_helpers import run_to_completion as run  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
+from model_factory import EMBEDDED_EOS_ID, make_random_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -270,3 +270,24 @@ def test_adaptive_k_shrinks_for_a_bad_draft_and_stays_full_for_a_good_one(
     # A draft that is always right keeps k = 4: 6 requests x 20 tokens in steps of up to 5.
     assert good.spec_decode_num_accepted_tokens == good.spec_decode_num_draft_tokens
     assert good.spec_decode_num_draft_tokens >= 0.7 * good.generation_tokens
+
+
+def test_under_ignore_eos_a_draft_goes_on_past_the_end_token(models: dict[str, Path]) -> None:
+    """ignore_eos: the model's end token ends nothing, so drafting stops at it no more; it
+    did, and a request whose text is end tokens verified one draft token a step, not k."""
+    engine = LLMEngine(model=str(models["target"]), dtype="float32", block_size=4,
+                       speculative={"method": "draft", "draft_layers": 1,
+                                    "num_speculative_tokens": 4, "adaptive": False})
+    params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True,
+                            logit_bias={EMBEDDED_EOS_ID: 100})  # target and draft: EOS first
+    engine.add_request("r", list(range(5, 13)), params)
+    steps, out = 0, None
+    while engine.has_unfinished_requests():
+        steps += 1
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.outputs[0].token_ids == [EMBEDDED_EOS_ID] * 11
+    stats = engine.get_stats()
+    # the prefill's token, then two steps of 4 accepted drafts + 1 (was 5 steps of 1 + 1)
+    assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_accepted_tokens == 8
+    assert steps == 3
+    assert_no_leaks(engine)
