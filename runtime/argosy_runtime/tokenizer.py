@@ -10,7 +10,10 @@ the way transformers' `apply_chat_template` does (sandboxed, trim_blocks, lstrip
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -70,6 +73,10 @@ def _encode_releasing_gil(backend: BackendTokenizer, text: str | tuple[str, str]
     return encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
+# Truncating copies of a backend kept at once (`Tokenizer._truncating`).
+TRUNCATING_COPIES = 8
+
+
 class Tokenizer:
     """A model's tokenizer: encode/decode, special tokens and the chat template."""
 
@@ -93,6 +100,10 @@ class Tokenizer:
         eos_ids = [self._token_id(eos_token)] if eos_token is not None else []
         eos_ids += list(extra_eos_token_ids)
         self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        # `_truncating`'s copies, most recently used last, and the lock of the server's
+        # tokenizing threads over them
+        self._truncating_backends: OrderedDict[int, BackendTokenizer] = OrderedDict()
+        self._truncating_lock = threading.Lock()
 
     # ---- construction -------------------------------------------------------------------
 
@@ -202,16 +213,21 @@ class Tokenizer:
     def _truncating(self, max_length: int) -> BackendTokenizer:
         """A copy of the backend that truncates to `max_length` (longest text first, from the
         right: transformers' defaults). A copy, not the shared backend switched on and off: the
-        server tokenizes on several threads."""
-        import copy
-
-        cache = self.__dict__.setdefault("_truncating_backends", {})
-        if max_length not in cache:
-            backend = copy.deepcopy(self.backend)
-            backend.no_padding()
-            backend.enable_truncation(max_length, strategy="longest_first", direction="right")
+        server tokenizes on several threads. Only the last few lengths asked for are kept:
+        each copy is a whole vocabulary (8 MB for 49k tokens), and a client may ask for any
+        length up to the model's (200 lengths held 1.7 GB)."""
+        with self._truncating_lock:
+            cache = self._truncating_backends
+            backend = cache.pop(max_length, None)
+            if backend is None:
+                backend = copy.deepcopy(self.backend)
+                backend.no_padding()
+                backend.enable_truncation(max_length, strategy="longest_first",
+                                          direction="right")
             cache[max_length] = backend
-        return cache[max_length]
+            while len(cache) > TRUNCATING_COPIES:
+                cache.popitem(last=False)
+        return backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped when asked."""

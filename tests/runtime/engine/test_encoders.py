@@ -352,3 +352,20 @@ def test_score_truncate_prompt_tokens(folders: dict[str, Path], key: str) -> Non
     assert_no_leaks(llm.engine)
     with pytest.raises(ValueError, match="an embedding model's texts are not truncated"):
         _llm(folders["bert_mean"]).score(QUERY, docs, truncate_prompt_tokens=8)
+
+
+def test_truncating_tokenizer_copies_are_bounded(folders: dict[str, Path]) -> None:
+    """Each truncate_prompt_tokens value needs a truncating copy of the tokenizer (a whole
+    vocabulary); a client sending many values grew the server by 8 MB each (1.7 GB for 200),
+    kept for good. Only the most recently used few are kept, and a cut is the same after its
+    copy was dropped and made again."""
+    from argosy_runtime.tokenizer import TRUNCATING_COPIES
+
+    llm = _llm(folders["bert_ce"])
+    tok = llm.engine.tokenizer
+    first = tok.encode_pair(QUERY, DOCS[0], max_length=9)
+    for k in range(10, 10 + 3 * TRUNCATING_COPIES):
+        assert len(tok.encode_pair(QUERY, DOCS[0], max_length=k)[0]) <= k
+    assert len(tok._truncating_backends) == TRUNCATING_COPIES
+    assert tok.encode_pair(QUERY, DOCS[0], max_length=9) == first
+    assert len(tok._truncating_backends) == TRUNCATING_COPIES
