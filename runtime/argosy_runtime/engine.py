@@ -828,13 +828,15 @@ class LLMEngine:
         if first.pooling is not None:  # a pooling request: finished once it has its output
             del self._groups[parent_id]
             classify = first.pooling.task == "classify"
+            classification = (ClassificationOutput.from_logits(first.pooled, self.spec.id2label,
+                                                               self.spec.problem_type)
+                              if classify else None)
             return RequestOutput(
                 request_id=parent_id, prompt=first.prompt,
                 prompt_token_ids=first.prompt_token_ids, outputs=[], finished=True,
                 num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics,
                 embedding=None if classify else first.pooled,
-                classification=(ClassificationOutput.from_logits(first.pooled, self.spec.id2label)
-                                if classify else None))
+                classification=classification)
         outputs = [
             CompletionOutput(
                 index=c.index,

@@ -39,9 +39,12 @@ class CompletionOutput:
 @dataclass
 class ClassificationOutput:
     """What a classify request (PoolingParams(task="classify")) returns: the head's `logits`
-    at the last token, `probs` (softmax over the labels; for a one-label head, a reward model
-    or cross-encoder, the sigmoid of its logit, as vLLM's classify activation) and `label`,
-    the most probable class's name (config.json `id2label`)."""
+    at the last token, `probs` and `label`, the most probable class's name (config.json
+    `id2label`). `probs` as transformers' text-classification pipeline makes them from
+    config.json `problem_type`: the softmax over the labels; for a one-label head (a reward
+    model, a cross-encoder; vLLM's classify activation too) or a multi-label one, each
+    logit's sigmoid (a softmax would make independent labels compete); a regression head's
+    values as they are."""
 
     logits: list[float]
     probs: list[float]
@@ -52,11 +55,17 @@ class ClassificationOutput:
         return len(self.probs)
 
     @classmethod
-    def from_logits(cls, logits: list[float], labels: tuple[str, ...]) -> ClassificationOutput:
+    def from_logits(cls, logits: list[float], labels: tuple[str, ...],
+                    problem_type: str | None = None) -> ClassificationOutput:
         import torch  # here, not at the top: outputs.py is plain dataclasses, light to import
 
         values = torch.tensor(logits, dtype=torch.float32)
-        probs = values.sigmoid() if len(logits) == 1 else values.softmax(dim=0)
+        if problem_type == "regression":
+            probs = values
+        elif problem_type == "multi_label_classification" or len(logits) == 1:
+            probs = values.sigmoid()
+        else:
+            probs = values.softmax(dim=0)
         return cls(logits=list(logits), probs=probs.tolist(),
                    label=labels[int(probs.argmax())])
 

@@ -179,6 +179,9 @@ class ModelSpec:
     # What a one-label head's logit goes through as a score (LLM.score, /v1/score, /v1/rerank):
     # "sigmoid" (vLLM's default), "identity" or "tanh" (`_hf_score_activation`).
     score_activation: str = "sigmoid"
+    # config.json `problem_type` of a classifier: how its logits become `probs`
+    # (ClassificationOutput.from_logits); None: by the number of labels.
+    problem_type: str | None = None
     matryoshka_dimensions: tuple[int, ...] | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -474,7 +477,8 @@ class ModelSpec:
         if encoder is not None:  # BERT / XLM-RoBERTa: their own config fields
             return cls(**encoder_spec_fields(config, *encoder), checkpoint_dtype=checkpoint_dtype,
                        id2label=_hf_labels(config) if encoder[1] else (),
-                       score_activation=_hf_score_activation(config))
+                       score_activation=_hf_score_activation(config),
+                       problem_type=_hf_problem_type(config))
         architecture, has_lm_head, is_classifier = _hf_architecture(config)
         gemma: dict[str, Any] = {}
         if architecture in GEMMA_ARCHITECTURES:  # Hub defaults; Gemma 3: text_config, 2 rotaries
@@ -550,6 +554,7 @@ class ModelSpec:
             layer_sliding_windows=_hf_sliding_windows(config, architecture),
             id2label=_hf_labels(config) if is_classifier else (),
             score_activation=_hf_score_activation(config),
+            problem_type=_hf_problem_type(config),
             matryoshka_dimensions=_hf_matryoshka(config),
             **_hf_moe(config, architecture),
             partial_rotary_factor=partial_rotary_factor,
@@ -715,6 +720,18 @@ def _hf_score_activation(config: dict[str, Any]) -> str:
         raise ValueError(f"config.json: cross-encoder activation {name!r} is not supported "
                          f"(one of {', '.join(_SCORE_ACTIVATIONS)})")
     return _SCORE_ACTIVATIONS[name]
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def _hf_problem_type(config: dict[str, Any]) -> str | None:
+    """transformers' `problem_type` (what the head was trained for), or None."""
+    problem = config.get("problem_type")
+    if problem is not None and problem not in PROBLEM_TYPES:
+        raise ValueError(f"config.json: problem_type must be one of {', '.join(PROBLEM_TYPES)} "
+                         f"or null, got {problem!r}")
+    return problem
 
 
 def _hf_matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:

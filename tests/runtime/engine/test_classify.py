@@ -3,13 +3,14 @@ checkpoints equal transformers' own `*ForSequenceClassification` (float32, CPU).
 
 The reference is transformers' pooled logits for the prompt alone (batch 1: the last token,
 which is what it picks for an unpadded prompt), then softmax over the labels (sigmoid for a
-one-label head). Covered: mixed-length batches on llama and qwen2 (q/k/v biases), one-label
+one-label head; config.json `problem_type` as transformers' pipeline reads it). Covered: mixed-length batches on llama and qwen2 (q/k/v biases), one-label
 heads, many classify requests sharing steps in small prefill chunks, preemption in the middle
 of a prompt, prefix-cache hits, bfloat16, and the errors a caller gets.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -197,3 +198,40 @@ def test_bad_pooling_params() -> None:
     with pytest.raises(ValueError, match="^pooling: task 'classify' reads the head at the last"):
         PoolingParams(task="classify", pooling="mean")
     assert PoolingParams().task == "embed"
+
+
+@pytest.mark.parametrize("problem_type,num_labels", [("multi_label_classification", 3),
+                                                     ("regression", 2),
+                                                     ("single_label_classification", 3)])
+def test_probs_follow_problem_type_as_transformers_pipeline(
+        problem_type: str, num_labels: int, tmp_path: Path) -> None:
+    """`probs` as transformers' text-classification pipeline scores each label from
+    config.json `problem_type`: a multi-label head's labels each through a sigmoid (they
+    were a softmax, so independent labels competed), a regression head's values as they are."""
+    from transformers import pipeline
+
+    folder = make_random_model_dir(tmp_path, "qwen2", num_labels=num_labels,
+                                   extra_config={"problem_type": problem_type})
+    texts = ["The capital of France is Paris.", "I did not like it at all"]
+    reference = pipeline("text-classification", model=str(folder), top_k=None,
+                         dtype=torch.float32)
+    outs = LLM(model=str(folder), dtype="float32").classify(texts)
+    for text, out in zip(texts, outs, strict=True):
+        want = {r["label"]: r["score"] for r in reference([text])[0]}
+        got = out.classification
+        assert dict(zip(LABELS_OF[num_labels], got.probs, strict=True)) == pytest.approx(
+            want, abs=1e-5)
+        assert got.label == max(want, key=want.get)
+    if problem_type == "multi_label_classification":
+        assert sum(outs[0].classification.probs) != pytest.approx(1.0, abs=1e-3)
+
+
+LABELS_OF = {n: tuple(f"LABEL_{i}" for i in range(n)) for n in (2, 3)}
+
+
+def test_an_unknown_problem_type_is_refused(tmp_path: Path) -> None:
+    folder = make_random_model_dir(tmp_path, "qwen2", num_labels=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "ranking"}))
+    with pytest.raises(ValueError, match="problem_type must be one of"):
+        LLM(model=str(folder), dtype="float32")
