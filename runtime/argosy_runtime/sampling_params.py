@@ -12,9 +12,20 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_BAD_WORDS = 128  # vLLM's default VLLM_MAX_NUM_BAD_WORDS (it counts token sequences)
+# The engine thread tokenizes bad words when it admits the request (twice each): 128 words of
+# 100k characters held every other request for ~6 s. A word or phrase is far shorter.
+MAX_BAD_WORD_CHARS = 256
+# Every step of the request scans each stop string on the engine thread: a million of them
+# cost ~0.25 s per token, for everyone in the batch. OpenAI takes at most 4.
+MAX_STOP_STRINGS = 256
 # Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
 # ~1e-38 or less overflows them to inf, and the softmax then samples NaNs (token 0 every step).
 GREEDY_TEMPERATURE = 1e-5
+# The sampler divides a seen token's positive float32 logit by repetition_penalty: below
+# ~1e-37 that overflows to inf (or the penalty itself rounds to 0), the softmax is all NaN and
+# every step samples token 0. Anything under ~1e-2 already just forces repetition, so this
+# floor takes nothing a client could want and keeps logits finite (up to ~1e32).
+MIN_REPETITION_PENALTY = 1e-6
 
 
 @dataclass
@@ -91,9 +102,8 @@ class SamplingParams:
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 100.0)
-        if self.repetition_penalty == 0.0:
-            raise ValueError("repetition_penalty must be > 0, got 0")
+        _check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                      100.0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 0, 1 << 30)
         _check_int("min_tokens", self.min_tokens, 0, 1 << 30)
@@ -111,8 +121,15 @@ class SamplingParams:
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
+        self.stop = list(dict.fromkeys(self.stop))  # a repeat can stop nothing more
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         for i, t in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", t, 0, 1 << 31)
+        # Repeats dropped: each step tests the sampled token against this list, and the
+        # sampler indexes the logits with allowed_token_ids, so a 16 MiB body of one id
+        # repeated slowed every step of the batch several times over.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError("logit_bias must map token ids to numbers")
@@ -126,12 +143,16 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             for i, t in enumerate(self.allowed_token_ids):
                 _check_int(f"allowed_token_ids[{i}]", t, 0, 1 << 31)
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.bad_words is not None:
             if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
                 raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
             for i, word in enumerate(self.bad_words):
                 if not isinstance(word, str) or not word.strip():
                     raise ValueError(f"bad_words[{i}] must be a non-blank string, got {word!r}")
+                if len(word) > MAX_BAD_WORD_CHARS:
+                    raise ValueError(f"bad_words[{i}] has {len(word)} characters; at most "
+                                     f"{MAX_BAD_WORD_CHARS}")
             self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats too
             if len(self.bad_words) > MAX_BAD_WORDS:
                 raise ValueError(f"bad_words has {len(self.bad_words)} words; at most "

@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N
+from argosy_runtime.sampling_params import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,6 +36,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -47,6 +48,9 @@ class StreamOptions(BaseModel):
     model_config = _FORBID
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
+    # OpenAI's (chat and completions alike): padding against size side channels. Accepted,
+    # and no `obfuscation` field is ever added, as on /v1/responses.
+    include_obfuscation: StrictBool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -90,7 +94,8 @@ class VLLMExtras(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
+                                                   le=100.0)
     stop_token_ids: list[StrictInt] | None = None
     # Lower runs earlier, and may preempt requests of a higher value when the batch is full.
     # Strict: "1", 1.5 or true is a 400, not a silent coercion.
@@ -190,6 +195,13 @@ class ChatMessage(BaseModel):
     # An assistant reply's thinking as a reasoning parser returned it, sent back with the
     # history: accepted and not shown to the model (templates drop earlier turns' thinking).
     reasoning_content: str | None = None
+    # Fields of a reply message (OpenAI's and vLLM's) that a client sends back with the
+    # history as it got them (`message.model_dump()` sets them all, mostly to null). Citations
+    # do not change the text, so they are dropped; a previous audio reply or a legacy
+    # function call cannot be shown to the model, so only null is accepted for those.
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -204,6 +216,18 @@ class ChatMessage(BaseModel):
                     "part {i} has type '{kind}': this model reads text only (send 'text' "
                     "parts)", {"i": i, "kind": kind})
         return content
+
+    @field_validator("audio", "function_call", mode="before")
+    @classmethod
+    def _only_null(cls, value: Any, info: ValidationInfo) -> Any:
+        """Clearer than pydantic's "Input should be None"."""
+        if value is not None:
+            raise PydanticCustomError(
+                "unsupported_reply_field",
+                "{field} of an earlier reply cannot be shown to this model (only null is "
+                "accepted): send its text as content, a function call as tool_calls",
+                {"field": info.field_name})
+        return value
 
 
 class FunctionDefinition(BaseModel):
@@ -250,6 +274,10 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: str | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
+    # OpenAI's end-user tag (`user`'s successor) and prefix-cache routing hint: accepted and
+    # ignored, as `user` is (the prefix cache needs no hint; cache_salt separates tenants).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's: extra variables for the chat template (Qwen3's {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: render without the assistant turn's opening, or leave the final message open
