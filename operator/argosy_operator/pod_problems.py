@@ -40,6 +40,11 @@ def _container_problem(pod: str, status: Mapping[str, Any], init: bool) -> PodPr
         return PodProblem("ImagePullFailure", pod, f"{where}: {reason}: {detail}".rstrip(": "))
     if reason in CONFIG_REASONS:
         return PodProblem("ContainerConfigError", pod, f"{where}: {reason}: {detail}".rstrip(": "))
+    if init and terminated and terminated.get("exitCode", 0) == 0:
+        # Completed: a failed earlier attempt (lastState: a network blip, an OOM) was retried
+        # and the download succeeded; the pod goes on, and lastState keeps that attempt for
+        # the pod's lifetime, which reported Degraded on a healthy pod until it was replaced.
+        return None
     failed = terminated if terminated.get("exitCode", 0) != 0 else last
     if init and name == DOWNLOAD_CONTAINER and (reason == "CrashLoopBackOff" or (
             failed and failed.get("exitCode", 0) != 0)):

@@ -9,6 +9,7 @@ builders always work on `normalize_spec(spec)`. `DEFAULTS` must equal the defaul
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -302,10 +303,36 @@ def runtime_image(spec: Mapping[str, Any]) -> str:
     return RUNTIME_IMAGE_CUDA if spec["resources"]["gpus"] > 0 else RUNTIME_IMAGE_CPU
 
 
-def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
-    """preStop pause + drain timeout + a margin, so the kubelet never kills a draining server."""
+def drain_timeout_seconds(spec: Mapping[str, Any]) -> float:
+    """The drain timeout the runtime will use: `--drain-timeout` in runtime.extraArgs if
+    there (they come last and the last flag wins), else runtime.drainTimeoutSeconds."""
     runtime = spec["runtime"]
-    return int(runtime["preStopSleepSeconds"] + runtime["drainTimeoutSeconds"]
+    drain = float(runtime["drainTimeoutSeconds"])
+    args = [str(a) for a in runtime.get("extraArgs") or []]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        # argparse also takes an unambiguous abbreviation (`--drain`); no other serve flag
+        # starts with `--dr`.
+        if len(flag) < 4 or not "--drain-timeout".startswith(flag):
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue  # the runtime refuses to start on it; the field's value is as good
+        if math.isfinite(seconds):
+            drain = max(0.0, seconds)
+    return drain
+
+
+def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
+    """preStop pause + drain timeout + a margin, so the kubelet never kills a draining server.
+
+    The drain timeout as the runtime sees it: a `--drain-timeout` in extraArgs raised the
+    server's drain past the grace period, and the kubelet killed it mid-drain."""
+    runtime = spec["runtime"]
+    return int(runtime["preStopSleepSeconds"] + math.ceil(drain_timeout_seconds(spec))
                + GRACE_MARGIN_SECONDS)
 
 

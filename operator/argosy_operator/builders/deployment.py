@@ -24,7 +24,12 @@ from argosy_operator.constants import (
     TMP_VOLUME,
 )
 from argosy_operator.model_source import PVC_MOUNT, ModelSource, parse_model_source
-from argosy_operator.spec import runtime_image, serves_lora_adapters, termination_grace_seconds
+from argosy_operator.spec import (
+    InvalidSpecError,
+    runtime_image,
+    serves_lora_adapters,
+    termination_grace_seconds,
+)
 
 STARTUP_PROBE_PERIOD = 10
 # Shared memory for the CUDA runtime's IPC (the container default of 64 MiB is too small).
@@ -94,9 +99,35 @@ def _volumes(name: str, spec: Mapping[str, Any], source: ModelSource
         volumes.append({"name": LORA_VOLUME, "configMap": {"name": name}})
         mounts.append({"name": LORA_VOLUME, "mountPath": LORA_MOUNT, "readOnly": True})
     template = spec["podTemplate"]
-    volumes += [dict(v) for v in template.get("volumes", [])]
-    mounts += [dict(m) for m in template.get("volumeMounts", [])]
+    volumes += _unique("spec.podTemplate.volumes", "name", volumes, template.get("volumes", []))
+    mounts += _unique("spec.podTemplate.volumeMounts", "mountPath", mounts,
+                      template.get("volumeMounts", []))
+    names = [v.get("name") for v in volumes]  # a list: the message must not vary
+    for mount in mounts:
+        if mount.get("name") not in names:  # the API server's 422 "Not found", likewise
+            raise InvalidSpecError(
+                f"spec.podTemplate.volumeMounts: name {mount.get('name')!r} is no volume of "
+                f"the pod ({', '.join(repr(n) for n in names)}); add it to "
+                "spec.podTemplate.volumes")
     return volumes, mounts
+
+
+def _unique(field: str, key: str, operators: list[dict[str, Any]],
+            extra: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`extra` (the spec's) as dicts; InvalidSpecError when one repeats a `key` of the
+    operator's entries or of an earlier one. The API server refuses the Deployment then
+    (422 "Duplicate value"), which was ApplyFailed, retried forever, never Stalled."""
+    ours = ", ".join(repr(e.get(key)) for e in operators)
+    seen = {e.get(key): f"is the operator's (this spec's pods already have {ours})"
+            for e in operators}
+    out = []
+    for entry in extra:
+        value = entry.get(key)
+        if value in seen:
+            raise InvalidSpecError(f"{field}: {key} {value!r} {seen[value]}; use another {key}")
+        seen[value] = "is given twice"
+        out.append(dict(entry))
+    return out
 
 
 def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
