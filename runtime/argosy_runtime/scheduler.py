@@ -10,14 +10,19 @@ Preemption frees a running request's blocks; it goes back to waiting and is reco
 (prefix caching makes that cheap). The victim is always the lowest-ranked running request
 (highest priority value, then newest), in two cases:
 - a running request needs blocks that are not free (memory): that step admits nothing new.
-  Its speculative draft tokens are dropped first (the step verifies none of them): a draft is
-  a bet on future tokens, never worth another request's recomputation;
+  Its speculative draft tokens are dropped first (the step verifies none of them), then those
+  of the requests scheduled before it in this step (their slots given back): a draft is a
+  bet on future tokens, never worth another request's recomputation;
 - the head of the waiting queue cannot be admitted (`max_num_seqs` reached, blocks short, or
   without chunked prefill the step's token budget short) and it strictly outranks the victim
   by priority. Equal priorities never preempt each other, so first come first served within a
   priority never thrashes; and nobody is preempted for a head that would still not fit (seats,
   blocks, and without chunked prefill the budget) after every request it outranks was
-  preempted.
+  preempted. Short of blocks, it takes those of the drafts scheduled in step 1 before it
+  preempts anyone for them.
+
+Drafts dropped so are the ones that took blocks past their request's final tokens, lowest
+rank first; drafts inside a request's last block cost nobody and stay.
 
 `max_loras` caps the distinct LoRA adapters among running requests, so every step runs at
 most that many adapters' deltas. A waiting request whose adapter would exceed it is passed
@@ -152,6 +157,12 @@ class Scheduler:
                     num_new -= num_spec
                     num_spec = 0
                     continue
+                # Nor are the drafts of requests scheduled before it: their slots come back
+                # first (lowest rank first), so no request loses its work to another's bet.
+                reclaimed = self._drop_scheduled_drafts(out)
+                if reclaimed:
+                    budget += reclaimed
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -221,6 +232,8 @@ class Scheduler:
                 req.request_id, req.token_ids, num_computed + num_new, computed,
                 salt=req.cache_salt, num_computed_tokens=num_computed,
             ):
+                if self._drop_scheduled_drafts(out):
+                    continue  # step 1's drafts are a bet: their blocks go before anyone's work
                 if not self._preempt_for(req, out):
                     return out  # the head waits, and nothing behind it may pass it
             # Victims went back to waiting behind `req` (they rank lower), so `i` is still it.
@@ -296,6 +309,26 @@ class Scheduler:
         # tokens go back to the budget (see _budget_left).
         out.scheduled = [sr for sr in out.scheduled if sr.request is not victim]
         return True
+
+    def _drop_scheduled_drafts(self, out: SchedulerOutput) -> int:
+        """Unschedule the drafts of the lowest-ranked request scheduled with drafts that took
+        blocks past its final tokens, and give those blocks back (drafts inside its last
+        block cost nobody: kept). Returns the draft tokens dropped (0: none)."""
+        block_size = self.kv_cache.block_size
+        for sr in reversed(out.scheduled):
+            if not sr.num_spec_tokens:
+                continue
+            req = sr.request
+            num_final = req.num_computed_tokens + sr.num_new_tokens - sr.num_spec_tokens
+            if len(self.kv_cache.req_to_blocks.get(req.request_id, ())) <= -(-num_final
+                                                                            // block_size):
+                continue
+            num_spec = sr.num_spec_tokens
+            sr.num_new_tokens -= num_spec
+            sr.num_spec_tokens = 0
+            self.kv_cache.truncate(req.request_id, num_final)
+            return num_spec
+        return 0
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_batched_tokens

@@ -171,7 +171,7 @@ CASES = {
                                    "adaptive": False}),
         dict(seed=3, num=6, max_tokens=12, n=True), {"preempt", "hits", "drafts"}),
     "selfdraft+prefix+priority+abort": (
-        "llama", dict(block_size=2, budget=8, blocks=23,
+        "llama", dict(block_size=2, budget=8, blocks=22,
                       speculative={"method": "draft", "draft_layers": 1,
                                    "num_speculative_tokens": 3, "adaptive": False}),
         dict(seed=4, num=7, max_tokens=12, priority=True, abort=True),
