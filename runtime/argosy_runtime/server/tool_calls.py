@@ -79,7 +79,14 @@ def tool_call_constraint(req: ChatCompletionRequest) -> StructuredOutputsParams 
         # Each tool's schema is a resource of its own ($id), so that its local references
         # ("#/$defs/X", draft-07's "#/definitions/X", "#" for itself) resolve against it, not
         # against this array: two tools may then define the same $defs name differently.
-        params.setdefault("$id", f"urn:argosy:tool:{i}")
+        # A draft-04 (or -03) schema names itself with `id` and ignores `$id`: it needs both,
+        # `$id` for the array around it to find it, `id` for its references to resolve in it.
+        draft4 = str(params.get("$schema", "")).rstrip("#").endswith(("draft-04/schema",
+                                                                       "draft-03/schema"))
+        own_id = params.get("id") if draft4 and isinstance(params.get("id"), str) else None
+        params.setdefault("$id", own_id or f"urn:argosy:tool:{i}")
+        if draft4:
+            params.setdefault("id", params["$id"])
         items.append({"type": "object",
                       "properties": {"name": {"enum": [tool.function.name]},
                                      "parameters": params},

@@ -19,8 +19,9 @@ vLLM does.
   the start of a `<tool_call>` tag, and each call whole once its block closes.
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): a reply that is a call is
   JSON from its first character, `{"name": "get_weather", "parameters": {"city": "Paris"}}`
-  (several separated by `;`), possibly after `<|python_tag|>`. Streaming sends a reply that
-  does not start with `{` as content at once, and one that does when it is complete.
+  (several separated by `;`), possibly after `<|python_tag|>`; JSON without "parameters" or
+  "arguments" (`{"name": "John", "age": 30}`) is an answer, not a call. Streaming sends a
+  reply that does not start with `{` as content at once, and one that does when complete.
 - `mistral` (Mistral 7B Instruct v0.3, Mistral Small / Nemo, Magistral, Devstral): calls follow
   a `[TOOL_CALLS]` marker, after any content: a JSON list
   `[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]` (v0.3 tokenizers), or
@@ -415,6 +416,10 @@ def _json_calls(body: str) -> list[dict[str, Any]] | None:
         try:
             value, end = decoder.raw_decode(body, pos)
         except _UNREADABLE:
+            return None
+        # A reply that is JSON is a call only with its arguments (as in vLLM): a model asked
+        # for data writes `{"name": "John", "age": 30}`, no call to a function "John".
+        if not isinstance(value, dict) or not ("arguments" in value or "parameters" in value):
             return None
         call = _call_of_value(value)
         if call is None:

@@ -12,8 +12,8 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from argosy_runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("argosy.structured_output")
+T = TypeVar("T")
 
 # llguidance's `initial_lexer_fuel` caps the size of any regex expression its lexer builds
 # (the grammar's, and each derivative it takes while matching). Past it, the matcher fails
@@ -105,8 +106,6 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     def _prototype(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        import llguidance
-
         key = params.key
         with self._lock:
             cached = self._cache.get(key)
@@ -114,6 +113,17 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return cached
             self._llguidance_tokenizer()
+        matcher = _on_big_stack(lambda: self._build(params))
+        with self._lock:
+            self._cache[key] = matcher
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def _build(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A new matcher, checked (on a thread with a big stack: `_on_big_stack`)."""
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._ll_tokenizer, _llguidance_grammar(params),
                                        log_level=0, limits=parser_limits())
         if matcher.is_error():
@@ -126,11 +136,49 @@ class GrammarCompiler:
         if error is not None:
             raise ValueError(f"structured_outputs: the grammar is too complex to follow "
                              f"({error}); use smaller repetition counts, lengths or nesting")
-        with self._lock:
-            self._cache[key] = matcher
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
         return matcher
+
+
+# llguidance builds a grammar with recursion as deep as its chains of rules: a Lark grammar
+# `a: b`, `b: c`, ... of 2,800 rules (25k characters), or a JSON schema whose `$defs` refer
+# one to the next 3,000 times (95k), overflowed a default 8 MiB thread stack and killed the
+# whole server process (SIGSEGV) while the matcher was built. The longest chains that fit in
+# MAX_SPEC_CHARS (12,500 rules; 3,100 $refs) need about 40 MiB; a thread stack is virtual
+# memory, touched only as deep as it is used. Only the build recurses so: masks, deep copies
+# and advances of such a grammar run on the engine's own stack (tested).
+BUILD_STACK_BYTES = 256 * 2**20
+_stack_size_lock = threading.Lock()
+
+
+def _on_big_stack(build: Callable[[], T]) -> T:
+    """`build()`, run on a new thread with a BUILD_STACK_BYTES stack; its exception is
+    raised here."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as exc:  # raised again in the caller's thread
+            failure.append(exc)
+
+    # threading.stack_size applies to the threads started after it: set it around this one
+    with _stack_size_lock:
+        previous = threading.stack_size(BUILD_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="argosy-grammar-build", daemon=True)
+            thread.start()
+        except RuntimeError as exc:  # no room for the stack (strict overcommit): build here
+            logger.warning("grammar build on the caller's stack (%s)", exc)
+            thread = None
+        finally:
+            threading.stack_size(previous)
+    if thread is None:
+        return build()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 class RequestGrammar:
