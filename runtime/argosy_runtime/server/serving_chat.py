@@ -219,8 +219,9 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     params = make_sampling_params(req, max_tokens, k, ctx.tokenizer.vocab_size,
                                   owner_of(request))
     if tool_parser is not None and STREAMS[tool_parser].keep_special_tokens:
-        # The format's marker is a control token (Mistral's [TOOL_CALLS]): keep it in the text
-        # the parser reads, as vLLM does for this parser.
+        # The format's marker may be a control token (Mistral's [TOOL_CALLS], Hermes 2 Pro's
+        # <tool_call>): keep it in the text the parser reads, as vLLM's parsers do when the
+        # request may call tools (without, `tool_parser` is None: no special tokens shown).
         params.skip_special_tokens = False
     await compile_grammar(ctx, req, params)
     # A constrained reply (forced tool calls, response_format) cannot think: nothing to split.

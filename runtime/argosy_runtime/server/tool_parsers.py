@@ -51,8 +51,9 @@ class ToolCallParserStream:
     """One choice's text in, content and tool-call deltas out: `feed` each piece of text,
     `finish` at the end (or `step`, which does both as a stream needs them)."""
 
-    # True where the format's marker is a control token (Mistral's [TOOL_CALLS]) that
-    # decoding with skip_special_tokens would drop: the server then keeps special tokens.
+    # True where the format's marker may be a control token (Mistral's [TOOL_CALLS], the
+    # <tool_call> tags of Hermes 2 Pro) that decoding with skip_special_tokens would drop:
+    # the server then keeps special tokens for requests with tools (as vLLM's parsers do).
     keep_special_tokens = False
 
     def __init__(self) -> None:
@@ -91,6 +92,7 @@ class ToolCallParserStream:
 
 class HermesToolCallStream(ToolCallParserStream):
     START, END = "<tool_call>", "</tool_call>"
+    keep_special_tokens = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -203,3 +203,21 @@ def test_parameters_of_another_type_are_a_400(client: OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
                                        tool_choice=GET_WEATHER, max_tokens=5)
     assert info.value.body["param"] == "tools" and "type 'object'" in info.value.body["message"]
+
+
+def test_special_tokens_are_kept_for_the_hermes_parser_only_with_tools(
+        client: OpenAI, http) -> None:  # noqa: ANN001
+    """Hermes 2 Pro's <tool_call> tags are special tokens: with tools (tool_choice not
+    "none"), the reply is decoded keeping special tokens so the parser sees them, as vLLM's
+    hermes parser asks; without tools nothing changes. The model is made to write one (a
+    logit_bias on <|im_start|>, a special token of this vocabulary) to see which it was."""
+    [special] = http.post("/tokenize", json={"model": MODEL, "prompt": "<|im_start|>",
+                                             "add_special_tokens": False}).json()["tokens"]
+    forced = {"model": MODEL, "messages": ASK, "max_tokens": 1, "temperature": 0,
+              "logit_bias": {str(special): 100}}
+
+    def content(**extra: object) -> str | None:
+        return client.chat.completions.create(**forced, **extra).choices[0].message.content
+
+    assert content(tools=TOOLS) == "<|im_start|>"
+    assert content() == "" and content(tools=TOOLS, tool_choice="none") == ""

@@ -279,10 +279,12 @@ def test_mistral_streams_content_before_the_marker_at_once() -> None:
     assert stream.feed("  ") == {} and stream.feed("Hi [f()]") == {"content": "  Hi [f()]"}
 
 
-def test_only_mistral_keeps_special_tokens() -> None:
-    """[TOOL_CALLS] is a control token in Mistral's vocabulary: decoding must keep it for the
-    parser to see it (the server sets skip_special_tokens=False for this parser, as vLLM)."""
-    assert {name for name, cls in STREAMS.items() if cls.keep_special_tokens} == {"mistral"}
+def test_mistral_and_hermes_keep_special_tokens() -> None:
+    """[TOOL_CALLS] is a control token in Mistral's vocabulary, <tool_call> in Hermes 2 Pro's:
+    decoding must keep them for the parser to see them (the server sets
+    skip_special_tokens=False for requests with tools under these parsers, as vLLM)."""
+    assert {name for name, cls in STREAMS.items() if cls.keep_special_tokens} == \
+        {"mistral", "hermes"}
 
 
 @pytest.mark.parametrize(("parser", "text"), [
