@@ -53,6 +53,7 @@ from argosy_runtime.server.serving_common import (
 from argosy_runtime.server.streaming import GuardedStreamingResponse
 from argosy_runtime.server.tool_calls import (
     ToolCallStream,
+    call_id_maker,
     calls_tools,
     may_call_tools,
     reply_message,
@@ -253,7 +254,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             return sse(body)
 
         hold = stop_holdback(params)
-        tool_stream = ToolCallStream(req, n) if calls_tools(req) else None
+        tool_stream = (ToolCallStream(req, n, call_id_maker(ctx.config.tool_call_parser))
+                       if calls_tools(req) else None)
         parsers = ([make_stream(tool_parser, req.parallel_tool_calls is not False)
                     for _ in range(n)] if tool_parser else None)
         thinking = ([ReasoningStream(reasoning_parser) for _ in range(n)]
@@ -337,7 +339,8 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                              else (None, seq.text))
         message, finish = {"role": "assistant", "content": answer}, seq.finish_reason
         if calls_tools(req):
-            message, finish = reply_message(req, seq.text, seq.finish_reason)
+            message, finish = reply_message(req, seq.text, seq.finish_reason,
+                                            call_id_maker(ctx.config.tool_call_parser))
         elif tool_parser:
             message, finish = parse_message(tool_parser, answer, seq.finish_reason,
                                             req.parallel_tool_calls is not False)

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import copy
 import json
+import random
+import string
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from argosy_runtime.server.errors import bad_request
@@ -117,7 +120,21 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_calls_of(text: str) -> list[dict[str, Any]] | None:
+def new_mistral_call_id() -> str:
+    """Mistral's templates (mistral_common) reject a tool call id that is not exactly 9
+    letters and digits when the conversation comes back, so these calls get such ids (as in
+    vLLM)."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def call_id_maker(tool_call_parser: str | None) -> Callable[[], str]:
+    """How the server's calls are named: forced and "required" calls too, so that a Mistral
+    model's conversation, sent back with them, renders (`new_mistral_call_id`)."""
+    return new_mistral_call_id if tool_call_parser == "mistral" else new_call_id
+
+
+def tool_calls_of(text: str, new_id: Callable[[], str] = new_call_id
+                  ) -> list[dict[str, Any]] | None:
     """The OpenAI tool_calls of a finished "required" output (a JSON array of calls); None
     when it is not complete JSON (cut by a stop string), in which case the caller returns the
     text as content."""
@@ -128,7 +145,7 @@ def tool_calls_of(text: str) -> list[dict[str, Any]] | None:
     # of another shape (a stop string cut it)
     except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
         return None
-    return [{"id": new_call_id(), "type": "function",
+    return [{"id": new_id(), "type": "function",
              "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]
 
@@ -145,17 +162,19 @@ def _sendable_arguments(value: Any) -> str:
     return arguments
 
 
-def reply_message(req: ChatCompletionRequest, text: str,
-                  finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish_reason of a finished choice that must call tools."""
+def reply_message(req: ChatCompletionRequest, text: str, finish_reason: str | None,
+                  new_id: Callable[[], str] = new_call_id
+                  ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish_reason of a finished choice that must call tools
+    (its calls named by `new_id`: `call_id_maker`)."""
     tool = forced_tool(req)
     if tool is not None and text:
         # A named function's output is its arguments, cut short (max_tokens, a stop string)
         # or not: one call, as streamed (ToolCallStream) and as vLLM answers it.
-        call = {"id": new_call_id(), "type": "function",
+        call = {"id": new_id(), "type": "function",
                 "function": {"name": tool.function.name, "arguments": text}}
         return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
-    calls = tool_calls_of(text) if finish_reason == "stop" else None
+    calls = tool_calls_of(text, new_id) if finish_reason == "stop" else None
     if calls is None:  # cut short (max_tokens, a stop string): give the text back as it is
         return {"role": "assistant", "content": text}, finish_reason
     return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
@@ -169,10 +188,12 @@ class ToolCallStream:
     known only as it completes, so its calls are sent whole when the choice finishes.
     """
 
-    def __init__(self, req: ChatCompletionRequest, n: int) -> None:
+    def __init__(self, req: ChatCompletionRequest, n: int,
+                 new_id: Callable[[], str] = new_call_id) -> None:
         self.req = req
         self.tool = forced_tool(req)
         self.started = [False] * n
+        self.new_id = new_id
 
     def delta(self, index: int, text: str, finish_reason: str | None,
               full_text: str) -> tuple[dict[str, Any], str | None]:
@@ -182,12 +203,12 @@ class ToolCallStream:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self.started[index]:
                 self.started[index] = True
-                call = {"index": 0, "id": new_call_id(), "type": "function",
+                call = {"index": 0, "id": self.new_id(), "type": "function",
                         "function": {"name": self.tool.function.name, "arguments": text}}
             return {"tool_calls": [call]}, finish_reason
         if finish_reason is None:
             return {}, None
-        message, finish = reply_message(self.req, full_text, finish_reason)
+        message, finish = reply_message(self.req, full_text, finish_reason, self.new_id)
         if "tool_calls" in message:
             return {"tool_calls": [{"index": i, **call}
                                    for i, call in enumerate(message["tool_calls"])]}, finish

@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import ast
 import json
-import random
 import re
-import string
 from typing import Any
 
-from argosy_runtime.server.tool_calls import new_call_id
+from argosy_runtime.server.tool_calls import new_call_id, new_mistral_call_id
 
 
 class ToolCallParserStream:
@@ -331,13 +329,6 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def new_mistral_call_id() -> str:
-    """Mistral's templates (mistral_common) reject a tool call id that is not exactly 9
-    letters and digits when the conversation comes back, so these calls get such ids (as in
-    vLLM)."""
-    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 # A function name as Mistral's newer format writes it before [ARGS] (vLLM's pattern).

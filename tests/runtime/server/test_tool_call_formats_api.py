@@ -163,3 +163,27 @@ def test_tool_choice_none_leaves_the_text_alone(served: tuple[str, ServerProcess
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         SCRIPTS[parser].text
+
+
+@pytest.mark.parametrize("served", ["mistral"], indirect=True)
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "weather"}}], ids=["required", "named"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_are_named_as_the_parser_names_them(
+        served: tuple[str, ServerProcess], tool_choice: str | dict, stream: bool) -> None:
+    """Calls the grammar forces ("required", a named function) get the parser's ids too: a
+    Mistral model's conversation sent back with `call_...` ids fails its template (9 letters
+    and digits only), which they had. (The scripted model's reply under the grammar is
+    whatever its masked logits give: for the pythonic script's model it never closes the
+    "required" array, so this runs on the Mistral server only.)"""
+    parser, proc = served
+    kw = dict(model="caller", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
+              tool_choice=tool_choice)
+    client = client_of(proc)
+    if stream:
+        ids = [c["id"] for c in streamed_calls(
+            list(client.chat.completions.create(stream=True, **kw))).values()]
+    else:
+        ids = [c.id for c in client.chat.completions.create(**kw).choices[0].message.tool_calls
+               or []]
+    assert ids and all(has_call_id(parser, i) for i in ids), ids
