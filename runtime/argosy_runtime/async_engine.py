@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Protocol
 
 from argosy_runtime.outputs import EngineStats, RequestOutput
@@ -127,13 +127,15 @@ class AsyncEngine:
         self.max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
+        # Every count of waiting work here is in sequences, as the engine's (a request with
+        # n > 1 runs as n sequences, each taking a seat).
         self._pending_adds: collections.Counter[int] = collections.Counter()  # by priority
-        # Requests added since the last step (id -> priority): the scheduler has not tried
-        # them yet. Those it tried and left waiting beside free seats lack KV blocks (or
-        # budget): the seats do not make them about to run. The engine thread keeps the ids;
-        # the event loop reads the count by priority, published with each change (an add
-        # counting the dict itself cost O(requests) per add in a burst).
-        self._untried: dict[str, int] = {}
+        # Requests added since the last step (id -> (priority, sequences)): the scheduler has
+        # not tried them yet. Those it tried and left waiting beside free seats lack KV blocks
+        # (or budget): the seats do not make them about to run. The engine thread keeps the
+        # ids; the event loop reads the count by priority, published with each change (an
+        # add counting the dict itself cost O(requests) per add in a burst).
+        self._untried: dict[str, tuple[int, int]] = {}
         self._untried_by_priority: collections.Counter[int] = collections.Counter()
         # Adds waiting for their LoRA adapter (max_loaded_loras: loading it, or every loaded
         # slot held) before they are posted, by priority: waiting requests like any other.
@@ -231,8 +233,9 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream  # abort_all reaches it while it waits for an adapter
         held = lora_name if lora_name is not None and self._lazy_loras() else None
+        seqs = _num_seqs(params)
         if held is not None:
-            self._lora_waits[priority] += 1
+            self._lora_waits[priority] += seqs
             try:
                 await self._hold_lora(held, stream.added)
             except BaseException:
@@ -242,9 +245,9 @@ class AsyncEngine:
             finally:
                 # No await from here to the post below: the request never drops out of
                 # num_waiting on its way from this count to _pending_adds.
-                self._lora_waits[priority] -= 1
+                self._lora_waits[priority] -= seqs
         with self._cond:
-            self._pending_adds[priority] += 1
+            self._pending_adds[priority] += seqs
             self._commands.append(("add", (request_id, prompt, params, arrival, priority,
                                            lora_name, held)))
             self._cond.notify()
@@ -317,8 +320,12 @@ class AsyncEngine:
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """Abort every request. Unlike a client's `close`, someone still waits on each
-        stream, so each ends with RequestAbortedError(reason) instead of going silent."""
+        stream, so each ends with RequestAbortedError(reason) instead of going silent. A
+        request that already finished (its last output not read yet: a slow reader) keeps
+        its answer."""
         for request_id, stream in list(self._streams.items()):
+            if stream.finished:
+                continue
             self.abort(request_id)
             stream.finished = True  # freed in the engine; `close` must not abort it again
             stream._fail(RequestAbortedError(f"request aborted: {reason}; send it again"))
@@ -352,13 +359,14 @@ class AsyncEngine:
         for kind, payload in commands:
             if kind == "add":
                 request_id, prompt, params, arrival, priority, lora_name, held = payload
-                applied[priority] += 1
+                seqs = _num_seqs(params)
+                applied[priority] += seqs
                 try:
                     self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
                                             priority=priority, lora_name=lora_name)
                     self._trackers[request_id] = _Tracker(arrival)
                     results.append((request_id, None))
-                    untried[request_id] = priority
+                    untried[request_id] = (priority, seqs)
                 except Exception as exc:  # ValueError: bad request; anything else: engine bug
                     results.append((request_id, exc))
                 finally:
@@ -370,9 +378,11 @@ class AsyncEngine:
                     self.engine.abort_request(payload)
         stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
-            self._pending_adds -= applied
+            # Replaced, not updated in place: the event loop reads it unlocked (`-=` would
+            # drop keys at zero under an iteration there: "dictionary changed size").
+            self._pending_adds = self._pending_adds - applied
             # replaced, not mutated: the event loop reads it unlocked
-            self._untried_by_priority = collections.Counter(untried.values())
+            self._untried_by_priority = _by_priority(untried.values())
             self._stats = stats
         self._call(self._acknowledge, results)
 
@@ -477,11 +487,23 @@ class AsyncEngine:
 
     def _fail_ids(self, ids: list[str], exc: BaseException) -> None:
         for request_id in ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.finished:  # finished: its answer stands
+                del self._streams[request_id]
                 stream.finished = True  # already freed in the engine
                 stream._fail(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fail_ids(list(self._streams), exc)
 
+
+def _num_seqs(params: SamplingParams | PoolingParams) -> int:
+    """The sequences a request runs as (the engine counts each as a request)."""
+    return max(1, getattr(params, "n", 1) or 1)
+
+
+def _by_priority(entries: Iterable[tuple[int, int]]) -> collections.Counter[int]:
+    counts: collections.Counter[int] = collections.Counter()
+    for priority, seqs in entries:
+        counts[priority] += seqs
+    return counts
