@@ -418,7 +418,11 @@ async def _interleave(streams: list[RequestStream]
         finally:
             streams[0].close()
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: a pump waits for the reader, and its stream meanwhile keeps only its newest
+    # output (each is cumulative). Unbounded, a client that read slowly had every step's
+    # whole output so far queued for it: memory as the square of the output's length.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
+        maxsize=len(streams))
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
