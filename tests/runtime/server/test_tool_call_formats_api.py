@@ -187,3 +187,21 @@ def test_forced_calls_are_named_as_the_parser_names_them(
         ids = [c.id for c in client.chat.completions.create(**kw).choices[0].message.tool_calls
                or []]
     assert ids and all(has_call_id(parser, i) for i in ids), ids
+
+
+@pytest.mark.parametrize("served", ["pythonic"], indirect=True)
+def test_a_response_format_reply_streams_as_content_beside_tools(
+        served: tuple[str, ServerProcess]) -> None:
+    """response_format constrains the reply to its schema, so the model cannot write calls:
+    the parser is off and a JSON array streams as it is generated (the pythonic parser held
+    a reply starting with `[` back to the end, reading it as a possible list of calls)."""
+    _, proc = served
+    kw = dict(model="caller", messages=ASK, tools=TOOLS, temperature=0, max_tokens=12,
+              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                  "type": "array", "items": {"type": "integer", "maximum": 9}}}})
+    client = client_of(proc)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    assert whole.tool_calls is None and whole.content.startswith("[")
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+        stream=True, **kw) if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == whole.content and len(pieces) > 1, pieces
