@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from argosy_runtime.model_loader import (
     hf_checkpoint,
     lm_head_classifier,
 )
-from argosy_runtime.model_loader.gguf_metadata import read_field
+from argosy_runtime.model_loader.gguf_metadata import open_gguf, read_field
 from argosy_runtime.model_loader.model_spec import ModelSpec
 from argosy_runtime.tokenizer import Tokenizer
 
@@ -25,6 +26,10 @@ class Checkpoint:
     """A loaded model checkpoint. Weights are read only when `iter_weights` is iterated.
 
     `format` is "hf" (folder of safetensors) or "gguf"; `path` is the folder or the .gguf file.
+    A GGUF checkpoint does not keep its file mapped: the reader `load_checkpoint` parsed goes to
+    the first pass over the weights and is dropped with it; a later pass opens the file again
+    (so a served model holds no mapping of a file it has finished reading: deleting the file
+    frees its disk space, and its pages leave the process).
     """
 
     spec: ModelSpec
@@ -33,6 +38,11 @@ class Checkpoint:
     format: str
     _files: list[Path] = field(default_factory=list, repr=False, compare=False)
     _reader: GGUFReader | None = field(default=None, repr=False, compare=False)
+    _gguf_arch: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._reader is not None:  # gguf_rope_heads asks for it once per tensor
+            self._gguf_arch = read_field(self._reader, "general.architecture")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) for every weight the forward needs.
@@ -56,7 +66,8 @@ class Checkpoint:
                 weights = lm_head_classifier.convert_weights(weights, self.spec)
             yield from weights
         else:
-            yield from gguf_checkpoint.iter_dequantized(self.gguf_reader, self.spec)
+            with self._naming_the_file():
+                yield from gguf_checkpoint.iter_dequantized(self._take_reader(), self.spec)
 
     def iter_raw_gguf_tensors(self) -> Iterator[tuple[str, ReaderTensor | torch.Tensor]]:
         """GGUF only: (HF name, gguf ReaderTensor) with data still in its stored quantization.
@@ -69,19 +80,41 @@ class Checkpoint:
         """
         if self.format != "gguf":
             raise ValueError(f"iter_raw_gguf_tensors needs a GGUF checkpoint, this one is {self.format!r}")
-        yield from gguf_checkpoint.iter_raw_tensors(self.gguf_reader, self.spec)
+        with self._naming_the_file():
+            yield from gguf_checkpoint.iter_raw_tensors(self._take_reader(), self.spec)
 
     def gguf_rope_heads(self, hf_name: str) -> int | None:
         """GGUF only: head count for undoing the q/k row permutation of `hf_name`, or None."""
-        arch = read_field(self.gguf_reader, "general.architecture")
-        return gguf_checkpoint.rope_heads_for(arch, hf_name, self.spec)
+        if self._gguf_arch is None:
+            self._gguf_arch = read_field(self.gguf_reader, "general.architecture")
+        return gguf_checkpoint.rope_heads_for(self._gguf_arch, hf_name, self.spec)
 
     @property
     def gguf_reader(self) -> GGUFReader:
-        """The open GGUFReader (GGUF checkpoints only)."""
-        if self._reader is None:
+        """A GGUFReader of the file (GGUF checkpoints only): the one `load_checkpoint` parsed
+        until a pass over the weights takes it, else a new one, which maps the file until the
+        caller drops it."""
+        if self.format != "gguf":
             raise ValueError(f"checkpoint {self.path} is not a GGUF file")
-        return self._reader
+        return self._reader if self._reader is not None else open_gguf(self.path)
+
+    @contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """A GGUF tensor's ValueError (an unsupported type, a wrong shape, an unknown name)
+        names the tensor; this adds the file, as load_checkpoint's errors have it."""
+        try:
+            yield
+        except ValueError as exc:
+            if str(self.path) in str(exc):
+                raise
+            raise ValueError(f"{self.path}: {exc}") from exc
+
+    def _take_reader(self) -> GGUFReader:
+        """The reader for one pass over the tensors, not kept by the checkpoint: the tensors
+        (and the mapping of the file) are released when the pass ends."""
+        reader = self.gguf_reader
+        self._reader = None
+        return reader
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All weights at once (convenience for tests and small models)."""

@@ -134,6 +134,9 @@ def undo_rope_permutation(weights: ArrayT, num_heads: int) -> ArrayT:
     block data ([rows, bytes_per_row]) since quantization blocks run along a row.
     """
     rows = weights.shape[0]
+    if num_heads <= 0 or rows % (2 * num_heads):  # a malformed file: say so, not "cannot reshape"
+        raise ValueError(f"its {rows} rows do not split into {num_heads} heads of an even "
+                         "head_dim")
     half = rows // num_heads // 2
     w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
     if isinstance(w, torch.Tensor):
@@ -440,7 +443,10 @@ def dequantize_tensor(tensor: ReaderTensor, rope_heads: int | None = None) -> to
                              f"supported ({exc})") from exc
     array = np.ascontiguousarray(array.reshape(hf_shape))
     if rope_heads is not None:
-        array = np.ascontiguousarray(undo_rope_permutation(array, rope_heads))
+        try:
+            array = np.ascontiguousarray(undo_rope_permutation(array, rope_heads))
+        except ValueError as exc:
+            raise ValueError(f"GGUF tensor {tensor.name} of shape {hf_shape}: {exc}") from exc
     return torch.from_numpy(array)
 
 
@@ -453,9 +459,20 @@ def _gguf_rope_scaling(
     context_length: int,
 ) -> dict | None:
     scaling_type = read_field(reader, f"{gguf_arch}.rope.scaling.type", None)
-    if scaling_type in ("linear", "yarn"):
-        factor = float(read_field(reader, f"{gguf_arch}.rope.scaling.factor"))
-        out: dict[str, Any] = {"rope_type": scaling_type, "factor": factor}
+    if scaling_type not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"GGUF rope.scaling.type {scaling_type!r} is not supported (linear, yarn)")
+    # As llama.cpp reads it (llama-model.cpp load_hparams): the factor is optional, else the
+    # 2023 converters' `rope.scale_linear` (written with no scaling.type: llama.cpp's default
+    # type is linear), and 0 or absent means no scaling (freq_scale 1).
+    factor = read_field(reader, f"{gguf_arch}.rope.scaling.factor", None)
+    if factor is None:
+        factor = read_field(reader, f"{gguf_arch}.rope.scale_linear", None)
+    factor = float(factor or 0.0)
+    if not factor >= 0.0:  # negative or NaN: rotations llama.cpp would garble too
+        raise ValueError(f"GGUF {gguf_arch}.rope.scaling.factor must be positive, got {factor}")
+    linear = scaling_type == "linear" or (scaling_type is None and factor not in (0.0, 1.0))
+    if scaling_type == "yarn" or (linear and factor):
+        out: dict[str, Any] = {"rope_type": scaling_type or "linear", "factor": factor or 1.0}
         original = read_field(reader, f"{gguf_arch}.rope.scaling.original_context_length", None)
         if original is not None:
             out["original_max_position_embeddings"] = int(original)
@@ -463,8 +480,6 @@ def _gguf_rope_scaling(
             out.setdefault("original_max_position_embeddings", context_length)
             out.update(_gguf_yarn_fields(reader, gguf_arch))
         return out
-    if scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF rope.scaling.type {scaling_type!r} is not supported (linear, yarn)")
     if "rope_freqs.weight" in tensors:
         factors = dequantize_tensor(tensors["rope_freqs.weight"]).double()
         return _llama3_scaling_from_factors(factors, head_dim, rope_theta)

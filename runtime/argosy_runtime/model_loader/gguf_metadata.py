@@ -117,6 +117,87 @@ def read_field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
     return _part_value(field.parts[field.data[0]], main_type)
 
 
+_INTEGER_TYPES = frozenset({
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+})
+_NUMBER_TYPES = _INTEGER_TYPES | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+_BOOL_TYPES = _INTEGER_TYPES | {GGUFValueType.BOOL}
+_STRING_TYPES = frozenset({GGUFValueType.STRING})
+# The metadata the loader and the tokenizer read (llama.cpp's types, gguf-py's constants.py):
+# key -> (what it must be, allowed value types, whether it is an array of them). `{arch}.` keys
+# are listed without the architecture prefix. A field of another type would otherwise fail
+# deep inside the loader as a TypeError / AttributeError (int() of a list, .split of an int),
+# or be silently truncated (a float head count).
+_ARCH_FIELD_TYPES: dict[str, tuple[str, frozenset[GGUFValueType], bool]] = {
+    **{key: ("an integer", _INTEGER_TYPES, False) for key in (
+        "context_length", "embedding_length", "block_count", "feed_forward_length",
+        "attention.head_count", "attention.head_count_kv", "attention.key_length",
+        "rope.dimension_count", "expert_count", "expert_used_count",
+        "expert_feed_forward_length", "expert_shared_feed_forward_length",
+        "attention.sliding_window", "rope.scaling.original_context_length")},
+    **{key: ("a number", _NUMBER_TYPES, False) for key in (
+        "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
+        "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
+        "rope.scaling.yarn_attn_factor",
+        "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+        "rope.scaling.yarn_ext_factor", "final_logit_softcapping", "attn_logit_softcapping")},
+    "rope.scaling.type": ("a string", _STRING_TYPES, False),
+    "expert_weights_norm": ("a bool", _BOOL_TYPES, False),
+}
+_GLOBAL_FIELD_TYPES: dict[str, tuple[str, frozenset[GGUFValueType], bool]] = {
+    "general.architecture": ("a string", _STRING_TYPES, False),
+    "split.count": ("an integer", _INTEGER_TYPES, False),
+    "split.no": ("an integer", _INTEGER_TYPES, False),
+    "tokenizer.ggml.model": ("a string", _STRING_TYPES, False),
+    "tokenizer.ggml.pre": ("a string", _STRING_TYPES, False),
+    "tokenizer.chat_template": ("a string", _STRING_TYPES, False),
+    "tokenizer.ggml.tokens": ("an array of strings", _STRING_TYPES, True),
+    "tokenizer.ggml.merges": ("an array of strings", _STRING_TYPES, True),
+    "tokenizer.ggml.token_type": ("an array of integers", _INTEGER_TYPES, True),
+    "tokenizer.ggml.scores": ("an array of numbers", _NUMBER_TYPES, True),
+    **{f"tokenizer.ggml.{key}": ("a bool", _BOOL_TYPES, False)
+       for key in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+    **{f"tokenizer.ggml.{key}_token_id": ("an integer", _INTEGER_TYPES, False)
+       for key in ("bos", "eos", "eot", "eom", "padding", "unknown")},
+}
+
+
+def check_field_types(reader: GGUFReader) -> None:
+    """ValueError naming the key for a metadata field the loader reads stored with another type
+    than llama.cpp writes (a string head count, an array block count, integer merges)."""
+    arch = reader.fields.get("general.architecture")
+    prefix = ""
+    if arch is not None and arch.types == [GGUFValueType.STRING]:
+        prefix = read_field(reader, "general.architecture") + "."
+    for key, field in reader.fields.items():
+        if key in _GLOBAL_FIELD_TYPES:
+            expected = _GLOBAL_FIELD_TYPES[key]
+        elif prefix and key.startswith(prefix) and key[len(prefix):] in _ARCH_FIELD_TYPES:
+            expected = _ARCH_FIELD_TYPES[key[len(prefix):]]
+        else:
+            continue
+        what, allowed, is_array = expected
+        types = list(field.types)
+        if is_array:  # [ARRAY, item type]; an empty array has no item type (gguf-py)
+            ok = types[:1] == [GGUFValueType.ARRAY] and (
+                len(types) == 1 or (len(types) == 2 and types[1] in allowed))
+        else:
+            ok = len(types) == 1 and types[0] in allowed
+        if not ok:
+            got = " of ".join(t.name for t in types)
+            raise ValueError(f"GGUF metadata {key!r} must be {what}, got {got}")
+    # A score / type per token: the tokenizer pairs them by position, so a shorter array
+    # would silently drop merges or leave control tokens unmarked (llama.cpp reads past its
+    # end; a longer one it ignores, as we do).
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        field = reader.fields.get(key)
+        if tokens is not None and field is not None and len(field.data) < len(tokens.data):
+            raise ValueError(f"GGUF metadata {key!r} has {len(field.data)} entries for "
+                             f"{len(tokens.data)} tokens")
+
+
 def _part_value(part: Any, value_type: GGUFValueType) -> Any:
     if value_type == GGUFValueType.STRING:
         return bytes(part).decode("utf-8")

@@ -20,8 +20,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 logger = logging.getLogger("argosy.model_loader")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-# Buffers some older checkpoints saved that are recomputed by the model, not weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers some older checkpoints saved that are recomputed by the model, not weights
+# (cos/sin caches: models trained with ColossalAI, which vLLM's Llama loader skips too).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -54,6 +55,7 @@ def open_safetensors(file: Path) -> Iterator[Any]:
 def safetensors_files(folder: Path) -> list[Path]:
     """The folder's weight files: the shards listed by the index, or model.safetensors."""
     index = folder / INDEX_FILE
+    weight_map: dict[str, str] = {}
     if index.is_file():
         weight_map = read_json(index).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(
@@ -71,13 +73,31 @@ def safetensors_files(folder: Path) -> list[Path]:
     elif (folder / SINGLE_FILE).is_file():
         files = [folder / SINGLE_FILE]
     else:
-        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        hint = f" (found {', '.join(others)}: only safetensors is supported)" if others else ""
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in model folder {folder}{hint}")
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in model folder "
+                                f"{folder}{_weights_hint(folder)}")
     for file in files:
         if not file.is_file():
-            raise FileNotFoundError(f"weight shard {file.name} listed in {INDEX_FILE} is missing from {folder}")
+            listed = [tensor for tensor, shard in weight_map.items() if shard == file.name]
+            raise FileNotFoundError(
+                f"weight shard {file.name} listed in {INDEX_FILE} is missing from {folder}: "
+                f"it holds {len(listed)} tensor(s), e.g. {', '.join(listed[:3])}")
     return files
+
+
+def _weights_hint(folder: Path) -> str:
+    """What the folder holds instead of safetensors weights, and what to do about it."""
+    def named(*suffixes: str) -> list[str]:
+        return sorted(p.name for p in folder.iterdir()
+                      if p.is_file() and p.suffix.lower() in suffixes)
+
+    hints = []
+    if pickles := named(".bin", ".pt", ".pth"):
+        hints.append(f"found {', '.join(pickles)}: only safetensors is supported")
+    if shards := named(".safetensors"):  # e.g. shards whose index was not downloaded
+        hints.append(f"found {', '.join(shards)} without {INDEX_FILE} naming its tensors")
+    if ggufs := named(".gguf"):  # GGUF repos often carry a config.json too
+        hints.append(f"found {', '.join(ggufs)}: pass the .gguf file itself")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def checkpoint_dtype(files: list[Path]) -> str:

@@ -13,7 +13,7 @@ from argosy_runtime.model_loader import (
     lm_head_classifier,
 )
 from argosy_runtime.model_loader.checkpoint import Checkpoint
-from argosy_runtime.model_loader.gguf_metadata import open_gguf
+from argosy_runtime.model_loader.gguf_metadata import check_field_types, open_gguf
 from argosy_runtime.model_loader.resolve import resolve_model_path
 from argosy_runtime.tokenizer import Tokenizer
 
@@ -44,12 +44,17 @@ def load_checkpoint(model: str | os.PathLike[str],
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError) as exc:  # IndexError: a file cut inside the header
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-    gguf_checkpoint.check_not_split(reader, path)
     try:
+        check_field_types(reader)  # before anything reads them: int() of a list, ...
+        gguf_checkpoint.check_not_split(reader, path)
         spec = gguf_checkpoint.spec_from_gguf(reader)
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = _gguf_tokenizer(reader)
     except KeyError as exc:  # read_field: a metadata field the model or tokenizer needs is absent
         raise ValueError(f"{path}: {exc.args[0]}") from exc
+    except ValueError as exc:  # the spec's and tokenizer's checks: say which file
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: {exc}") from exc
     tokenizer.add_eos_token_ids(spec.eos_token_ids)
     return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="gguf", _reader=reader)
 
@@ -65,3 +70,16 @@ def _hf_tokenizer(folder: Path) -> Tokenizer:
     except Exception as exc:
         raise ValueError(f"{folder}: cannot read the tokenizer (tokenizer.json, "
                          f"tokenizer_config.json): {exc}") from exc
+
+
+def _gguf_tokenizer(reader: Any) -> Tokenizer:
+    """The file's tokenizer. Metadata the tokenizers library rejects (a merge that is not two
+    tokens, a merge of tokens not in the list, duplicate tokens) comes as its plain Exception
+    or TypeError: a ValueError instead, as for a folder's tokenizer.json."""
+    try:
+        return Tokenizer.from_gguf(reader)
+    except (KeyError, ValueError):  # a missing field; our own checks: messages of their own
+        raise
+    except Exception as exc:
+        raise ValueError(f"cannot build the tokenizer from its tokenizer.ggml.* metadata: "
+                         f"{exc}") from exc

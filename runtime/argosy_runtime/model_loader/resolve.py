@@ -33,7 +33,8 @@ def resolve_model_path(model: str | os.PathLike[str]) -> tuple[Path, str]:
         return _alias_file(model, *alias), "gguf"
     path = Path(model).expanduser()
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
+        # Any case, as for a file path below (glob is case-sensitive here); files only.
+        ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return ggufs[0], "gguf"
         if not (path / "config.json").is_file() and ggufs and all(
