@@ -28,9 +28,21 @@ class KubeAPI:
     base_url: str
     token: str | None = None
     ssl_context: ssl.SSLContext | bool | None = None
+    # Where `token` comes from, read again on every use: a pod's service-account token is a
+    # projected, bound token that kubelet rotates in place (hourly) and that expires, so a
+    # client must reload it (as client-go does); read once, discovery (and activation) would
+    # fail with 401 once it expired and keep routing to the last membership for good.
+    token_file: Path | None = None
 
     @property
     def headers(self) -> dict[str, str]:
+        if self.token_file is not None:
+            try:
+                token = self.token_file.read_text().strip()
+            except OSError:  # mid-rotation or gone: the last token read is the best guess
+                token = ""
+            if token:
+                self.token = token
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
 
@@ -66,9 +78,11 @@ def from_kubeconfig(path: str | Path) -> KubeAPI:
         if cert and key and isinstance(ctx, ssl.SSLContext):
             ctx.load_cert_chain(cert, key)
     token = user.get("token")
+    token_file = None
     if not token and user.get("tokenFile"):
-        token = Path(user["tokenFile"]).read_text().strip()
-    return KubeAPI(base_url=server, token=token, ssl_context=ctx)
+        token_file = Path(user["tokenFile"])
+        token = token_file.read_text().strip()
+    return KubeAPI(base_url=server, token=token, ssl_context=ctx, token_file=token_file)
 
 
 def resolve(api_url: str | None = None) -> KubeAPI:
@@ -84,6 +98,7 @@ def resolve(api_url: str | None = None) -> KubeAPI:
             base_url=f"https://{host}:{port}",
             token=(SERVICE_ACCOUNT / "token").read_text().strip(),
             ssl_context=ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt")),
+            token_file=SERVICE_ACCOUNT / "token",
         )
     path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(
         Path.home() / ".kube" / "config"
