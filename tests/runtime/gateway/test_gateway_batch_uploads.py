@@ -163,3 +163,52 @@ async def test_an_uploads_expires_after_reaches_the_replica(replica, gateway) ->
             await client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(500))),
                                       purpose="batch",
                                       expires_after={"anchor": "created_at", "seconds": 60})
+
+
+async def test_a_replica_hanging_on_its_list_leaves_it_out_in_the_health_timeout(
+        replica, gateway) -> None:
+    """A replica that is healthy but does not answer its list (its --batch-dir on a stalled
+    network file system, say) is left out after `health.timeout_s`, as other id lookups are:
+    the list waited for it the session's 5 minutes."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    released = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.wait_for(released.wait(), 60)
+        return web.json_response({"object": "list", "data": []})
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/ready", ok)
+    app.router.add_get("/v1/models", ok)
+    async def no_metrics(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app.router.add_get("/metrics", no_metrics)
+    app.router.add_get("/v1/files", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    stuck = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    good, files = await replica(FILE_LIMIT)
+    uploaded = files.create(io.BytesIO(_jsonl(500)), "a.jsonl", "batch")
+    try:
+        _, url = await gateway(GatewayConfig(
+            models=(ModelRouteConfig(name="tiny", backends=(good, stuck)),),
+            health=HealthConfig(interval_s=60, timeout_s=0.5)))
+        async with _client(url) as client:
+            start = time.monotonic()
+            listed = await client.files.list()
+            assert time.monotonic() - start < 10
+        assert [f.id for f in listed.data] == [uploaded["id"]]
+    finally:
+        released.set()
+        await runner.cleanup()

@@ -149,10 +149,13 @@ class BatchRoutes:
         except ValueError:
             return bad_request("limit must be an integer", param="limit")
         session = self._session()
+        # As the other id lookups: a replica that does not answer in time (its --batch-dir
+        # on a stalled network file system) is left out, not waited for the session's 5 min.
+        timeout = aiohttp.ClientTimeout(total=self.gateway.config.health.timeout_s)
 
         async def fetch(url: str) -> tuple[int, Any]:
             try:
-                async with session.get(f"{url}/v1/{kind}", params=query,
+                async with session.get(f"{url}/v1/{kind}", params=query, timeout=timeout,
                                        headers=to_replica(request.headers)) as resp:
                     return resp.status, await resp.json(content_type=None)
             except (TimeoutError, aiohttp.ClientError, ValueError):
