@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "argosy_runtime.cli.main", "serve")
 # After a replica exits, how long what is left of its process group may take to exit by itself.
 GROUP_EXIT_GRACE_S = 1.0
+# How much of the end of a replica's log `log_tail` reads.
+LOG_TAIL_BYTES = 64 * 1024
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,6 +76,10 @@ class ReplicaProcess:
         self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
         self.draining = False  # being drained: taken out of the fleet, not to be replaced
         self.stopping = False  # SIGTERM sent (`terminate`): it is exiting or about to be killed
+        # SIGTERM has gone out once: never again, since `argosy serve` takes a second SIGTERM
+        # during its drain as "exit at once", cutting the requests the first one let finish
+        # (a fleet stopped while the autoscaler drains a replica would send it one more).
+        self._sigterm_sent = False
         # time.monotonic() of the first of the liveness checks it is failing in a row, or None
         self.failing_since: float | None = None
 
@@ -145,7 +151,8 @@ class ReplicaProcess:
         if self.process is None:
             return None
         self.stopping = True
-        if self.process.returncode is None:
+        if self.process.returncode is None and not self._sigterm_sent:
+            self._sigterm_sent = True
             logger.info("replica %s (pid %d): SIGTERM (%s)", self.url, self.process.pid, why)
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
@@ -189,11 +196,21 @@ class ReplicaProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(self.process.pid, signal.SIGKILL)
 
-    def log_tail(self, n: int = 20) -> str:
+    def log_tail(self, n: int = 20, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        """The last `n` lines of its log, from its last `max_bytes` only: this runs on the
+        event loop the gateway serves from, and a log grows without bound (appended to across
+        restarts on one port)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - max_bytes))
+                data = f.read(max_bytes)
         except OSError:
             return ""
+        lines = data.decode(errors="replace").splitlines()
+        if size > max_bytes and len(lines) > 1:
+            lines = lines[1:]  # the first is likely cut
+        return "\n".join(lines[-n:])
 
 
 def _replica_env(orphan_grace_s: float = DEFAULT_GRACE_S) -> dict[str, str]:

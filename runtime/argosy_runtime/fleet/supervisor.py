@@ -185,10 +185,18 @@ class Fleet:
     # -- replicas ----------------------------------------------------------------------------
 
     def _new_process(self) -> ReplicaProcess:
+        # free_port() lets go of the port it found, so it may find one again that a replica
+        # still starting was given but has not bound yet: two replicas on one port, the second
+        # answered by the first's /ready, then exiting ("address in use") and taking the
+        # first's URL out of rotation with it.
+        taken = {p.port for p in self.processes}
+        port = free_port()
+        while port in taken:
+            port = free_port()
         return ReplicaProcess(
             self.config.model,
             self.config.name,
-            free_port(),
+            port,
             extra_args=self.config.serve_args,
             log_dir=self.log_dir,
             serve_command=self.config.serve_command,
@@ -265,8 +273,8 @@ class Fleet:
         """Start a replacement for a replica that exited (after `wait` seconds: a crash
         loop's backoff), retrying with backoff while it fails (its model no longer loads,
         memory not yet freed): the fleet must neither stay a replica short for good nor
-        restart a failing one in a tight loop."""
-        self._replacing += 1  # while none runs: the autoscaler counts it as starting
+        restart a failing one in a tight loop. The caller has counted it in `_replacing`
+        (while none runs, the autoscaler counts it as starting); this uncounts it."""
         try:
             await asyncio.sleep(wait)
             delay = max(1.0, min(2 * wait, RESTART_BACKOFF_MAX_S))
@@ -301,10 +309,17 @@ class Fleet:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RuntimeError(f"--log-dir {self.log_dir}: {exc.strerror or exc}") from None
+        launches = [asyncio.ensure_future(self._launch()) for _ in range(c.replicas)]
         try:
-            await asyncio.gather(*(self._launch() for _ in range(c.replicas)))
+            await asyncio.gather(*launches)
             await self._start_gateway()
         except BaseException:
+            # One replica failed: the others' start-ups end here, not run on behind stop()
+            # (a replica started again on another port after the fleet stopped, an exception
+            # nobody reads); what they started is in self.processes for stop() to drain.
+            for launch in launches:
+                launch.cancel()
+            await asyncio.gather(*launches, return_exceptions=True)
             await self.stop()
             raise
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_processes()))
@@ -391,6 +406,9 @@ class Fleet:
                 if self.gateway is not None:
                     self.gateway.pools[self.config.name].remove(proc.url)
                 if self.config.restart:
+                    # Counted as starting from now, not from when the task first runs: the
+                    # autoscaler may run before it and would start a replica of its own.
+                    self._replacing += 1
                     self._spawn(self._replace(self._restart_wait(proc)))
 
     async def _scale_up(self) -> None:
@@ -526,20 +544,35 @@ class Fleet:
             del self.decisions[:-100]
             if not decision.changed:
                 continue
-            logger.info(
-                "autoscaler: %d -> %d (%s: %s)",
-                current, decision.desired_replicas, decision.reason, decision.message,
-            )  # fmt: skip
             if decision.desired_replicas > current:
+                self._log_decision(decision, current)
                 for _ in range(decision.desired_replicas - current):
                     self._spawn(self._scale_up())
-            else:
-                # Drain the least busy ready replicas, those holding batch requests last (the
-                # decision keeps enough replicas for them); never one still starting.
-                ready = [(p, r) for p in self.live if (r := pool.get(p.url)) is not None]
-                ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].in_flight))
-                for proc, _ in ready[: current - decision.desired_replicas]:
-                    self._spawn(self.drain_replica(proc))
+                continue
+            # Drain the least busy ready replicas, those holding batch requests last (the
+            # decision keeps enough replicas for them), failing ones (out of rotation, or
+            # being stopped for their liveness) first; never one still starting.
+            ready = [(p, r) for p in self.live if (r := pool.get(p.url)) is not None]
+            ready.sort(key=lambda pr: (pr[1].batch_pending > 0, pr[1].healthy, pr[1].in_flight))
+            # `current` counts replicas still starting and replacements waiting to: they serve
+            # nothing yet, so drain ready ones only down to the desired count (else none might
+            # serve while they load, or for good should they never start); the next ticks
+            # drain the rest once they are ready.
+            excess = min(current, len(ready)) - decision.desired_replicas
+            if excess <= 0:
+                logger.debug("autoscaler: %d -> %d waits for the replicas starting",
+                             current, decision.desired_replicas)
+                continue
+            self._log_decision(decision, current)
+            for proc, _ in ready[:excess]:
+                self._spawn(self.drain_replica(proc))
+
+    @staticmethod
+    def _log_decision(decision: Any, current: int) -> None:
+        logger.info(
+            "autoscaler: %d -> %d (%s: %s)",
+            current, decision.desired_replicas, decision.reason, decision.message,
+        )  # fmt: skip
 
 
 def _backoff(failures: int) -> float:
