@@ -40,6 +40,8 @@ _INITS_CHANGING_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # State PEFT saves for variants that differ from plain LoRA in training only (their eval
 # forward is B A x): MonteCLoRA's sampler priors, VeLoRA's activation-compression embedding.
 _TRAINING_ONLY = re.compile(r"\.lora_(?:monteclora_sampler\.|velora_embed(?:\.|$))")
+# Whole (not LoRA) embedding or LM-head weights, as PEFT's save_embedding_layers saves them.
+_WHOLE_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|lm_head)\.weight$")
 # A multimodal Gemma 3's image encoder and projector (PEFT's target_modules match their
 # q_proj/v_proj/... too: `...vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight`).
 _VISION = re.compile(r"(?:^|\.)(?:vision_tower|multi_modal_projector)\.")
@@ -67,8 +69,10 @@ class LoRAWeights:
 @dataclass
 class LoRAAdapter:
     name: str
-    rank: int
-    scale: float  # lora_alpha / r (or / sqrt(r) with use_rslora)
+    rank: int  # r; a module of rank_pattern may have another (its A's rows)
+    # lora_alpha / r (or / sqrt(r) with use_rslora); a module whose own scale differs
+    # (rank_pattern / alpha_pattern) has the ratio folded into its B
+    scale: float
     cache_salt: int = 0  # distinct per adapter: its requests' prefix-cache blocks are its own
     # layer index -> fused module name (qkv_proj, o_proj, gate_up_proj, down_proj) -> weights
     layers: dict[int, dict[str, LoRAWeights]] = field(default_factory=dict)
@@ -105,7 +109,10 @@ class LoRAAdapter:
         _check_supported(name, config)
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        use_rslora = bool(config.get("use_rslora"))
+        scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        rank_pattern = config.get("rank_pattern") or {}
+        alpha_pattern = config.get("alpha_pattern") or {}
 
         from safetensors import SafetensorError
         from safetensors.torch import load
@@ -116,6 +123,7 @@ class LoRAAdapter:
         except SafetensorError as exc:  # truncated or not safetensors at all
             raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        module_keys: dict[tuple[int, str], str] = {}  # PEFT's name of the module (patterns)
         for key, tensor in tensors.items():
             if _VISION.search(key):
                 # The server runs a multimodal Gemma 3's text model only (as the base
@@ -132,6 +140,17 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key}: LoRA on the "
                                  f"Mixture-of-Experts MLP of a {spec.architecture} model is not "
                                  "supported (adapters on the attention projections are)")
+            if match is None and _WHOLE_EMBEDDING.search(key) and tensor.dim() == 2:
+                # PEFT saves these when the embeddings were resized for added tokens
+                # (save_embedding_layers), or trained whole: say so, with the vocabularies.
+                vocab = (f"a vocabulary of {tensor.shape[0]} tokens, this model's has "
+                         f"{spec.vocab_size}" if tensor.shape[0] != spec.vocab_size
+                         else f"{tensor.shape[0]} tokens")
+                raise ValueError(f"LoRA adapter {name!r}: cannot apply {key} "
+                                 f"{list(tensor.shape)}: the adapter replaces the model's "
+                                 f"whole embeddings or LM head ({vocab}; resized for added "
+                                 "tokens, or trained with them), which is not supported "
+                                 "(only LoRA on the attention and MLP projections)")
             if match is None:
                 raise ValueError(f"LoRA adapter {name!r}: cannot apply {key} (only the "
                                  "attention and MLP projections of decoder layers)")
@@ -141,6 +160,7 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
                                  f"appears twice (again as {key})")
             pair[which] = tensor
+            module_keys[(int(layer), module)] = _module_key(key)
         # The salt comes from the files' content: an adapter retrained in place and loaded
         # again must not hit prefix-cache blocks its old weights computed.
         digest = hashlib.sha256(config_path.read_bytes() + weights).digest()
@@ -167,30 +187,41 @@ class LoRAAdapter:
                                  "beyond the model's layers or not a projection it has")
             fused, offset, in_size, out_size = layout[module]
             a, b = ab["A"], ab["B"]
+            # PEFT's per-module rank and alpha: the first pattern matching the module's name.
+            module_key = module_keys[(layer, module)]
+            r = rank_pattern.get(_pattern_key(rank_pattern, module_key), rank)
+            module_alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module_key), alpha)
             if (a.dim() != 2 or b.dim() != 2  # before shape[1]: a 1-D tensor has none
-                    or a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != rank
-                    or b.shape[1] != rank):
+                    or a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != r
+                    or b.shape[1] != r):
                 _check_qalora(name, config, layer, module, a, in_size)
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)}; the model needs "
-                                 f"A [{rank}, {in_size}], B [{out_size}, {rank}]"
+                                 f"A [{r}, {in_size}], B [{out_size}, {r}]"
                                  + (f" (B spans the whole fused {module}: the rows of "
                                     f"{_FUSED_PARTS[module]} in turn)" if module in _FUSED_PARTS
-                                    else ""))
+                                    else "")
+                                 + _base_model_hint(config))
             for which, t in (("A", a), ("B", b)):
                 # Caught here, not in the first request: integer weights fail its matmul,
                 # and NaN or inf ones turn every answer of the adapter into garbage.
                 if not t.is_floating_point():
                     raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
                                      f"is {t.dtype}; LoRA weights are floating point")
-                if not torch.isfinite(t).all():
+                # In float32: isfinite has no float8 kernel (a NotImplementedError, a 500).
+                if not torch.isfinite(t.float()).all():
                     raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lora_{which} "
                                      "has values that are not finite (NaN or inf)")
+            module_scale = module_alpha / (math.sqrt(r) if use_rslora else r)
+            if module_scale != scale:  # the batch applies one scale per adapter
+                b = b.float() * (module_scale / scale)
             stacks.setdefault((layer, fused), []).append((offset, a, b))
         for (layer, fused), parts in stacks.items():
-            b_stacked = torch.zeros(fused_out[fused], rank * len(parts))
-            for i, (offset, _, b) in enumerate(parts):
-                b_stacked[offset : offset + b.shape[0], i * rank : (i + 1) * rank] = b
+            b_stacked = torch.zeros(fused_out[fused], sum(a.shape[0] for _, a, _ in parts))
+            col = 0
+            for offset, a, b in parts:
+                b_stacked[offset : offset + b.shape[0], col : col + a.shape[0]] = b
+                col += a.shape[0]
             a_stacked = torch.cat([a for _, a, _ in parts])
             adapter.layers.setdefault(layer, {})[fused] = LoRAWeights(
                 a_stacked.to(device=device, dtype=dtype), b_stacked.to(device=device, dtype=dtype))
@@ -220,8 +251,6 @@ def _check_supported(name: str, config: dict) -> None:
         "bias": config.get("bias", "none") != "none",
         "modules_to_save": bool(config.get("modules_to_save")),
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
         # aLoRA: the adapter applies only from its invocation tokens on; applied to every
         # token it answers differently from the model it was trained as.
         "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
@@ -267,6 +296,54 @@ def _check_supported(name: str, config: dict) -> None:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'lora_alpha' must be a "
                          f"number, not {alpha!r}")
+    _check_patterns(name, config)
+
+
+def _base_model_hint(config: dict) -> str:
+    """The base model the adapter says it was trained on, for a shape error: an adapter of
+    another model (another hidden size) is the usual cause."""
+    base = config.get("base_model_name_or_path")
+    return f"; it was trained on {base!r}" if isinstance(base, str) and base else ""
+
+
+def _module_key(key: str) -> str:
+    """The module's name as PEFT matched rank_pattern / alpha_pattern against it (the base
+    model's module name): the tensor key without PEFT's `base_model.model.` wrapper and
+    the `.lora_A.weight` tail."""
+    module = key[: key.index(".lora_")]
+    return module.removeprefix("base_model.model.")
+
+
+def _pattern_key(patterns: dict, module_key: str) -> str:
+    """PEFT's `get_pattern_key`: the first pattern that matches the end of `module_key` at a
+    name boundary (a regex), else `module_key` itself (an exact name, if any)."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", module_key):
+            return pattern
+    return module_key
+
+
+def _check_patterns(name: str, config: dict) -> None:
+    """rank_pattern {regex: positive int} and alpha_pattern {regex: number}: refused as a bad
+    r or lora_alpha is, naming the setting."""
+    checks = (("rank_pattern", "positive integers", lambda v: isinstance(v, int) and v > 0),
+              ("alpha_pattern", "numbers",
+               lambda v: isinstance(v, int | float) and math.isfinite(v)))
+    for setting, wanted, is_valid in checks:
+        patterns = config.get(setting)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict) or not all(
+                is_valid(v) and not isinstance(v, bool) for v in patterns.values()):
+            raise ValueError(f"LoRA adapter {name!r}: adapter_config.json {setting!r} must map "
+                             f"module name patterns to {wanted}, not {patterns!r}")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"LoRA adapter {name!r}: adapter_config.json {setting} "
+                                 f"pattern {pattern!r} is not a regular expression: "
+                                 f"{exc}") from exc
 
 
 def _check_qalora(name: str, config: dict, layer: int, module: str, a: torch.Tensor,

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import os
 import re
 import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 SCHEME = "hf://"
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -36,7 +38,9 @@ def is_hub_path(path: str | Path) -> bool:
 def parse_hub_path(path: str) -> tuple[str, str]:
     """`hf://org/name[@revision]` -> (repo, revision); ValueError naming what is wrong."""
     repo, _, revision = path[len(SCHEME):].partition("@")
-    if not _REPO.match(repo):
+    # ".." as the Hub forbids it: "hf://org/.." would resolve outside the repo's URLs
+    # (`{endpoint}/org/../resolve/...`), with the token.
+    if not _REPO.match(repo) or ".." in repo:
         raise ValueError(f"{path}: expected hf://org/name or hf://org/name@revision")
     return repo, revision or "main"
 
@@ -72,6 +76,40 @@ def make_cache_folder(path: str, folder: Path) -> None:
                          "(set ARGOSY_LORA_CACHE to a writable folder)") from exc
 
 
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
+class _NoTokenElsewhere(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, but not with the token to another host: the Hub redirects LFS
+    files (adapter_model.safetensors) to signed URLs on its CDN or S3, where the token would
+    leak and S3 refuses a presigned URL that also carries an Authorization header (400).
+    huggingface_hub drops it the same way; urllib's default handler keeps every header."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _body(resp: Any) -> Iterator[bytes]:
+    """`resp`'s body in chunks; IncompleteRead when it ends before its Content-Length
+    (http.client then returns what it got without complaint: a truncated file renamed into
+    the cache, where a commit is never fetched again)."""
+    expected = resp.headers.get("Content-Length")
+    if "chunked" in resp.headers.get("Transfer-Encoding", "").lower():
+        expected = None  # the length is the chunks' (http.client checks them itself)
+    received = 0
+    while chunk := resp.read(1 << 20):
+        received += len(chunk)
+        yield chunk
+    if expected is not None and expected.isdigit() and received != int(expected):
+        raise http.client.IncompleteRead(b"", int(expected) - received)
+
+
 def download_adapter(path: str, timeout: float = 60.0) -> Path:
     """The local folder holding the adapter `path` names (downloaded as the module says)."""
     repo, revision = parse_hub_path(path)
@@ -85,15 +123,17 @@ def download_adapter(path: str, timeout: float = 60.0) -> Path:
     if os.environ.get("HF_TOKEN"):
         headers["Authorization"] = "Bearer " + os.environ["HF_TOKEN"]
     quoted = urllib.parse.quote(revision, safe="")
+    opener = urllib.request.build_opener(_NoTokenElsewhere)
     for name in FILES:
         url = f"{endpoint}/{repo}/resolve/{quoted}/{name}"
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                        timeout=timeout) as resp:
-                write_atomic(folder / name, iter(lambda: resp.read(1 << 20), b""))
+            with opener.open(urllib.request.Request(url, headers=headers),
+                             timeout=timeout) as resp:
+                write_atomic(folder / name, _body(resp))
         except urllib.error.HTTPError as exc:
             hint = " (private? set HF_TOKEN)" if exc.code in (401, 403) else ""
             raise ValueError(f"{path}: cannot download {name}: HTTP {exc.code}{hint}") from exc
-        except (urllib.error.URLError, OSError) as exc:
+        # HTTPException: http.client.IncompleteRead, a chunked body cut short.
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise ValueError(f"{path}: cannot download {name}: {exc}") from exc
     return folder
