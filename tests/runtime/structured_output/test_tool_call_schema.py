@@ -108,3 +108,32 @@ def test_parameters_of_another_type_are_a_400(kind: object) -> None:
     with pytest.raises(APIError) as info:
         tool_call_constraint(req)
     assert info.value.status == 400 and info.value.param == "tools"
+
+
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+# As older generators and some MCP servers write tools: draft-04 names a schema with `id`
+# and ignores `$id`, which scoped each tool, so its `#/definitions/...` did not resolve in
+# its own parameters ("Pointer '/definitions/X' does not exist": a 400).
+DRAFT4_TOOLS = [
+    {"type": "function", "function": {"name": "a", "parameters": {
+        "$schema": DRAFT4, "type": "object", "properties": {"x": {"$ref": "#/definitions/X"}},
+        "required": ["x"], "definitions": {"X": {"type": "integer"}}}}},
+    # its own draft-04 id, and a definition of the same name but another type
+    {"type": "function", "function": {"name": "b", "parameters": {
+        "$schema": DRAFT4.rstrip("#"), "id": "http://example.com/b.json", "type": "object",
+        "properties": {"y": {"$ref": "#/definitions/X"}}, "required": ["y"],
+        "definitions": {"X": {"type": "string"}}}}},
+]
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ('[{"name":"a","parameters":{"x":1}}]', True),
+    ('[{"name":"a","parameters":{"x":"s"}}]', False),
+    ('[{"name":"b","parameters":{"y":"s"}}]', True),
+    ('[{"name":"b","parameters":{"y":1}}]', False),
+])
+def test_draft04_tools_resolve_their_own_definitions(compiler, checkpoint, text: str,
+                                                     ok: bool) -> None:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                tools=DRAFT4_TOOLS, tool_choice="required")
+    assert _accepts(compiler, checkpoint.tokenizer, text, req) is ok
