@@ -220,16 +220,18 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     params = make_sampling_params(req, max_tokens, k, ctx.tokenizer.vocab_size,
                                   owner_of(request))
     await compile_grammar(ctx, req, params)
-    # A constrained reply (forced tool calls, response_format) cannot think, nor write calls
-    # in the parser's format: nothing to split or parse. (A parser would hold a JSON reply
-    # back until it ended, reading it as a possible call: llama3_json's `{`, pythonic's `[`.)
-    if params.structured_outputs is not None:
+    # A JSON reply (response_format) is the answer, not calls in the parser's format: no
+    # parsing (a parser held it back to its end as a possible call: llama3_json's `{`,
+    # pythonic's `[`). vLLM's `structured_outputs` may shape calls themselves (a regex of
+    # the parser's format): parsed as usual.
+    if req.response_format is not None and req.response_format.type != "text":
         tool_parser = None
     if tool_parser is not None and STREAMS[tool_parser].keep_special_tokens:
         # The format's marker may be a control token (Mistral's [TOOL_CALLS], Hermes 2 Pro's
         # <tool_call>): keep it in the text the parser reads, as vLLM's parsers do when the
         # request may call tools (without, `tool_parser` is None: no special tokens shown).
         params.skip_special_tokens = False
+    # A constrained reply (forced tool calls, response_format) cannot think: nothing to split.
     reasoning_parser = (ctx.config.reasoning_parser
                         if params.structured_outputs is None else None)
     log = request_log(request.scope)
