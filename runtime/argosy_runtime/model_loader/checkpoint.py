@@ -66,7 +66,7 @@ class Checkpoint:
                 weights = lm_head_classifier.convert_weights(weights, self.spec)
             yield from weights
         else:
-            with self._naming_the_file():
+            with naming_the_file(self.path):
                 yield from gguf_checkpoint.iter_dequantized(self._take_reader(), self.spec)
 
     def iter_raw_gguf_tensors(self) -> Iterator[tuple[str, ReaderTensor | torch.Tensor]]:
@@ -80,7 +80,7 @@ class Checkpoint:
         """
         if self.format != "gguf":
             raise ValueError(f"iter_raw_gguf_tensors needs a GGUF checkpoint, this one is {self.format!r}")
-        with self._naming_the_file():
+        with naming_the_file(self.path):
             yield from gguf_checkpoint.iter_raw_tensors(self._take_reader(), self.spec)
 
     def gguf_rope_heads(self, hf_name: str) -> int | None:
@@ -98,17 +98,6 @@ class Checkpoint:
             raise ValueError(f"checkpoint {self.path} is not a GGUF file")
         return self._reader if self._reader is not None else open_gguf(self.path)
 
-    @contextmanager
-    def _naming_the_file(self) -> Iterator[None]:
-        """A GGUF tensor's ValueError (an unsupported type, a wrong shape, an unknown name)
-        names the tensor; this adds the file, as load_checkpoint's errors have it."""
-        try:
-            yield
-        except ValueError as exc:
-            if str(self.path) in str(exc):
-                raise
-            raise ValueError(f"{self.path}: {exc}") from exc
-
     def _take_reader(self) -> GGUFReader:
         """The reader for one pass over the tensors, not kept by the checkpoint: the tensors
         (and the mapping of the file) are released when the pass ends."""
@@ -119,3 +108,15 @@ class Checkpoint:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All weights at once (convenience for tests and small models)."""
         return dict(self.iter_weights())
+
+
+@contextmanager
+def naming_the_file(path: Path) -> Iterator[None]:
+    """A ValueError raised inside (a GGUF tensor's unsupported type or wrong shape, a
+    metadata check) gets the file's path in front, unless it already names it."""
+    try:
+        yield
+    except ValueError as exc:
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: {exc}") from exc

@@ -12,7 +12,7 @@ from argosy_runtime.model_loader import (
     hf_checkpoint,
     lm_head_classifier,
 )
-from argosy_runtime.model_loader.checkpoint import Checkpoint
+from argosy_runtime.model_loader.checkpoint import Checkpoint, naming_the_file
 from argosy_runtime.model_loader.gguf_metadata import check_field_types, open_gguf
 from argosy_runtime.model_loader.resolve import resolve_model_path
 from argosy_runtime.tokenizer import Tokenizer
@@ -44,17 +44,14 @@ def load_checkpoint(model: str | os.PathLike[str],
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError) as exc:  # IndexError: a file cut inside the header
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-    try:
-        check_field_types(reader)  # before anything reads them: int() of a list, ...
-        gguf_checkpoint.check_not_split(reader, path)
-        spec = gguf_checkpoint.spec_from_gguf(reader)
-        tokenizer = _gguf_tokenizer(reader)
-    except KeyError as exc:  # read_field: a metadata field the model or tokenizer needs is absent
-        raise ValueError(f"{path}: {exc.args[0]}") from exc
-    except ValueError as exc:  # the spec's and tokenizer's checks: say which file
-        if str(path) in str(exc):
-            raise
-        raise ValueError(f"{path}: {exc}") from exc
+    with naming_the_file(path):  # the spec's and tokenizer's checks: say which file
+        try:
+            check_field_types(reader)  # before anything reads them: int() of a list, ...
+            gguf_checkpoint.check_not_split(reader, path)
+            spec = gguf_checkpoint.spec_from_gguf(reader)
+            tokenizer = _gguf_tokenizer(reader)
+        except KeyError as exc:  # read_field: a metadata field the model or tokenizer needs
+            raise ValueError(exc.args[0]) from exc
     tokenizer.add_eos_token_ids(spec.eos_token_ids)
     return Checkpoint(spec=spec, tokenizer=tokenizer, path=path, format="gguf", _reader=reader)
 
