@@ -9,7 +9,11 @@ child (in an annotation) and patches the live object with:
 - `null` for every field the operator applied last time but no longer wants.
 
 Lists are atomic in JSON merge patch, so a list that differs is sent whole (a list "holds" the
-desired one when it has the same length and each item holds the desired item).
+desired one when it has the same length and each item holds the desired item). A list that
+changed since it was last applied is sent whole even when the live one holds the new one: a key
+the operator no longer sets inside a list item (a container's CPU request, its preStop hook, an
+emptyDir's sizeLimit) looks like an extra key the API server defaulted and would stay forever.
+Sent whole, the list replaces the live one and the API server fills its defaults in again.
 An empty patch means the child is already as desired: no API call, no rollout, no event.
 """
 
@@ -35,6 +39,12 @@ def holds(live: Any, desired: Any) -> bool:
     return bool(live == desired)
 
 
+def _list_changed(last_applied: Any, desired: Any) -> bool:
+    """Whether `desired` is a list that differs from the one applied last time."""
+    return isinstance(desired, list) and isinstance(last_applied, list) \
+        and desired != last_applied
+
+
 def three_way_merge_patch(last_applied: Mapping[str, Any] | None,
                           desired: Mapping[str, Any],
                           live: Mapping[str, Any]) -> dict[str, Any]:
@@ -49,7 +59,7 @@ def three_way_merge_patch(last_applied: Mapping[str, Any] | None,
                                         want, have)
             if sub:
                 patch[key] = sub
-        elif have is _MISSING or not holds(have, want):
+        elif have is _MISSING or not holds(have, want) or _list_changed(last.get(key), want):
             patch[key] = want
     for key in last:
         if key not in desired and key in live:

@@ -112,47 +112,6 @@ def _check_ours(res: Resource, live: Mapping[str, Any], owner_uid: str | None) -
             "rename the LLMDeployment or delete that object")
 
 
-def _changed_lists(last: Mapping[str, Any], desired: Mapping[str, Any],
-                   live: Mapping[str, Any]) -> dict[str, Any]:
-    """The lists of `desired` that differ from the ones last applied, nested as a merge patch.
-
-    `three_way_merge_patch` leaves a list alone while the live one "holds" it, which lets
-    the live items carry extra keys (the API server's defaults). A key the operator no longer
-    sets inside a list item (a container's CPU request, its preStop hook, an emptyDir's
-    sizeLimit) is such an extra key too, so it stayed forever. The last-applied record says
-    which keys are the operator's: a list that changed since is sent whole (merge patch
-    replaces lists), and the API server fills its defaults in again."""
-    out: dict[str, Any] = {}
-    for key, want in desired.items():
-        before, have = last.get(key), live.get(key)
-        if isinstance(want, list) and isinstance(before, list) and key in live \
-                and want != before:
-            out[key] = want
-        elif isinstance(want, Mapping) and isinstance(before, Mapping) \
-                and isinstance(have, Mapping):
-            sub = _changed_lists(before, want, have)
-            if sub:
-                out[key] = sub
-    return out
-
-
-def _merge_into(patch: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """`patch` with `extra` added (a key `patch` already sets whole keeps its value)."""
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(patch.get(key), dict):
-            _merge_into(patch[key], value)
-        elif key not in patch:
-            patch[key] = value
-    return patch
-
-
-def child_patch(last: Mapping[str, Any] | None, desired: Mapping[str, Any],
-                live: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch that takes `live` to `desired` on the operator's fields ({} if none)."""
-    patch = three_way_merge_patch(last, desired, live)
-    return _merge_into(patch, _changed_lists(last or {}, desired, live))
-
-
 _UNREAD: Any = object()  # apply_child's `live` when the caller has not read the child
 
 
@@ -189,7 +148,7 @@ async def apply_child(client: KubeClient, res: Resource, desired: Mapping[str, A
                     raise
         # The three-way patch below puts back any of the operator's labels removed by hand.
         _check_ours(res, live, _controller_uid(desired))
-        patch = child_patch(drift.last_applied(live), body, live)
+        patch = three_way_merge_patch(drift.last_applied(live), body, live)
         if not patch:
             return applied(None, live)
         return applied("updated", await client.patch(res, ns, name, patch))

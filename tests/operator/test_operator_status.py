@@ -30,6 +30,17 @@ def test_changed_list_is_sent_whole_and_scalars_alone() -> None:
         "spec": {"a": 2, "list": [{"name": "c", "image": "new"}]}}
 
 
+def test_a_key_dropped_from_a_list_item_sends_the_list_whole() -> None:
+    # The live list still "holds" the new one (the dropped key looks like a server default),
+    # but the last-applied record says the key was the operator's: only a whole list removes it.
+    last = {"spec": {"c": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}]}}
+    desired = {"spec": {"c": [{"name": "c", "resources": {}}]}}
+    live = {"spec": {"c": [{"name": "c", "resources": {"requests": {"cpu": "1"}},
+                            "imagePullPolicy": "Always"}]}}
+    assert three_way_merge_patch(last, desired, live) == desired
+    assert three_way_merge_patch(desired, desired, live) == {}  # unchanged since: no patch
+
+
 def test_fields_dropped_from_desired_are_nulled_but_foreign_fields_stay() -> None:
     last = {"metadata": {"labels": {"mine": "1", "gone": "1"}}, "spec": {"opt": True}}
     desired = {"metadata": {"labels": {"mine": "1"}}, "spec": {}}
