@@ -203,6 +203,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
     # tool_choice "auto" (or unset with tools): the parser reads the calls the model writes
     tool_parser = (ctx.config.tool_call_parser
                    if may_call_tools(req, ctx.config.tool_call_parser) else None)
+    make_call_id = call_id_maker(ctx.config.tool_call_parser)  # forced/"required" calls' ids
     max_tokens = req.max_completion_tokens or req.max_tokens
     # a context-length error names the field the client set
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -260,7 +261,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
             return sse(body)
 
         hold = stop_holdback(params)
-        tool_stream = (ToolCallStream(req, n, call_id_maker(ctx.config.tool_call_parser))
+        tool_stream = (ToolCallStream(req, n, make_call_id)
                        if calls_tools(req) else None)
         parsers = ([make_stream(tool_parser, req.parallel_tool_calls is not False)
                     for _ in range(n)] if tool_parser else None)
@@ -345,8 +346,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest,
                              else (None, seq.text))
         message, finish = {"role": "assistant", "content": answer}, seq.finish_reason
         if calls_tools(req):
-            message, finish = reply_message(req, seq.text, seq.finish_reason,
-                                            call_id_maker(ctx.config.tool_call_parser))
+            message, finish = reply_message(req, seq.text, seq.finish_reason, make_call_id)
         elif tool_parser:
             message, finish = parse_message(tool_parser, answer, seq.finish_reason,
                                             req.parallel_tool_calls is not False)
