@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import aiohttp
 from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
+
+S = TypeVar("S")
 
 
 def tiny_config(*urls: str, policy: str | None = None, **kw) -> GatewayConfig:
@@ -60,3 +65,22 @@ async def counts_a_499_not_a_200(s: aiohttp.ClientSession, url: str, backend: st
 
     await eventually(counted)
     assert await requests_total(s, url, model="tiny", backend=backend, code="200") == 0
+
+
+@asynccontextmanager
+async def servers_of(kind: Callable[..., S]) -> AsyncIterator[Callable[..., Awaitable[S]]]:
+    """`await make(*args)` builds `kind(*args)` and starts it; every one started is stopped
+    at exit. The factory behind the fixtures that start fake servers of one kind."""
+    started: list[Any] = []
+
+    async def make(*args: Any) -> S:
+        server: Any = kind(*args)
+        await server.start()
+        started.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in started:
+            await server.stop()

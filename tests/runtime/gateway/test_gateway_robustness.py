@@ -23,6 +23,7 @@ from argosy_runtime.gateway.config import (
 )
 from argosy_runtime.gateway.proxy import app as gateway_app
 from argosy_runtime.gateway.proxy.upstream import MAX_RETRY_AFTER_S, parse_retry_after
+from gateway_helpers import servers_of
 
 COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 4}
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -85,17 +86,8 @@ class RawReplica:
 
 @pytest.fixture
 async def raw_replica() -> AsyncIterator[Callable[..., Awaitable[RawReplica]]]:
-    started: list[RawReplica] = []
-
-    async def make(answer) -> RawReplica:
-        replica = RawReplica(answer)
-        await replica.start()
-        started.append(replica)
-        return replica
-
-    yield make
-    for replica in started:
-        await replica.stop()
+    async with servers_of(RawReplica) as make:
+        yield make
 
 
 # -- client input ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fake_replica import Served
-from gateway_helpers import tiny_config
+from gateway_helpers import servers_of, tiny_config
 
 COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 4}
 
@@ -41,17 +41,8 @@ class AppReplica(Served):
 
 @pytest.fixture
 async def app_replica() -> AsyncIterator[Callable[..., Awaitable[AppReplica]]]:
-    started: list[AppReplica] = []
-
-    async def make(handler) -> AppReplica:
-        replica = AppReplica(handler)
-        await replica.start()
-        started.append(replica)
-        return replica
-
-    yield make
-    for replica in started:
-        await replica.stop()
+    async with servers_of(AppReplica) as make:
+        yield make
 
 
 async def test_a_stream_keeps_the_replicas_x_accel_buffering_no(app_replica, gateway) -> None:
