@@ -107,3 +107,56 @@ async def test_the_gateway_routes_a_cache_salt_apart(fake_replicas, gateway) -> 
         return landed
 
     assert await where_unsalted_lands(True) == await where_unsalted_lands(False)
+
+
+def test_a_prompt_cache_key_spreads_a_shared_prefix_and_keeps_each_key_together() -> None:
+    """OpenAI's `prompt_cache_key`: many users send one long system prompt. Unkeyed, they all
+    follow it to the replica that cached it first; keyed, each key is placed on its own (so
+    the load spreads) and a key's later requests, the grown conversation and a short prompt
+    alike, go where its first one went."""
+    from argosy_runtime.gateway.policies import PrefixAffinityPolicy
+
+    system = "You are a helpful assistant who answers in detail. " * 10
+    rs = replicas(4)
+    policy = PrefixAffinityPolicy()
+    unkeyed = {policy.choose(rs, RouteRequest(prefix=system + f"user {i} asks")).url
+               for i in range(16)}
+    assert len(unkeyed) == 1
+    homes = {f"user-{i}": policy.choose(rs, RouteRequest(prefix=system + f"user {i} asks",
+                                                         cache_key=f"user-{i}"))
+             for i in range(16)}
+    assert len({r.url for r in homes.values()}) >= 3
+    rs[0].in_flight = rs[1].in_flight = 1  # a short prompt's least-load would move it
+    for key, home in homes.items():
+        grown = RouteRequest(prefix=system + "a long conversation " * 20, cache_key=key)
+        assert policy.choose(rs, grown) is home
+        assert policy.choose(rs, RouteRequest(prefix="hi", cache_key=key)) is home
+
+
+async def test_the_gateway_places_chat_requests_by_their_prompt_cache_key(
+        fake_replicas, gateway) -> None:
+    """Through the gateway: a chat request's `prompt_cache_key` reaches the policy, so one
+    key's short messages (which least-load would scatter) land together."""
+    import aiohttp
+    from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
+
+    backends = await fake_replicas(4)
+    config = GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=tuple(r.url for r in backends),
+                                 policy="prefix-affinity"),),
+        health=HealthConfig(interval_s=60))
+    _, url = await gateway(config)
+
+    async def landed(extra: dict) -> set[str]:
+        seen = set()
+        async with aiohttp.ClientSession() as s:
+            for i in range(8):
+                async with s.post(f"{url}/v1/chat/completions", json={
+                        "model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
+                        **extra}) as resp:
+                    assert resp.status == 200
+                    seen.add(resp.headers["x-argosy-backend"])
+        return seen
+
+    assert len(await landed({"prompt_cache_key": "conversation-7"})) == 1
+    assert len(await landed({})) > 1  # without it, least-load spreads them

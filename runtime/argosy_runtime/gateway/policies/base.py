@@ -13,13 +13,16 @@ from argosy_runtime.gateway.backends.replica import Replica
 class RouteRequest:
     """What routing sees of a request: the leading text of its prompt (or flattened chat),
     the LoRA adapter it names (None for a base model), the tenant that sends it (its
-    `X-Argosy-Owner`; None without tenants), and its `cache_salt` (vLLM's field: replicas
-    share cached blocks only between requests with the same salt)."""
+    `X-Argosy-Owner`; None without tenants), its `cache_salt` (vLLM's field: replicas
+    share cached blocks only between requests with the same salt), and its
+    `prompt_cache_key` (OpenAI's field: a hint that requests with the same key belong
+    together; replicas do not divide their cache by it)."""
 
     prefix: str = ""
     adapter: str | None = None
     owner: str | None = None
     cache_salt: str | None = None
+    cache_key: str | None = None
 
 
 class Policy(ABC):

@@ -30,16 +30,14 @@ from argosy_runtime.gateway.policies.bounded_load import capacity, within_bound
 from argosy_runtime.gateway.policies.hashing import hash64, utf8
 
 
-def block_hashes(text: str, block_chars: int, owner: str | None = None,
-                 partition: str | None = None) -> list[bytes]:
-    """Digests of text[:block_chars], text[:2*block_chars], ... (whole blocks only), salted
-    with `owner` and `partition` when given (see `owned_key`).
+def block_hashes(text: str, block_chars: int, salt: str = "") -> list[bytes]:
+    """Digests of salt + text[:block_chars], salt + text[:2*block_chars], ... (whole blocks of
+    `text` only; `salt` is a request's `routing_salt`).
 
     One running hash, copied at each boundary: O(len(text)), not O(len(text)^2 / block).
     """
     running = hashlib.blake2b(digest_size=16)
-    if owner is not None or partition is not None:
-        running.update(utf8(owned_key(owner, "", partition)))
+    running.update(utf8(salt))
     out = []
     for end in range(block_chars, len(text) + 1, block_chars):
         running.update(utf8(text[end - block_chars : end]))
@@ -47,30 +45,28 @@ def block_hashes(text: str, block_chars: int, owner: str | None = None,
     return out
 
 
-def owned_key(owner: str | None, text: str, partition: str | None = None) -> str:
-    """`text` as the routing key of `owner`'s request in its cache `partition` (unchanged
-    without them).
+def routing_salt(request: RouteRequest) -> str:
+    """What goes in front of `request`'s prompt in every routing key ("" for a base-model
+    request without tenants, salt or prompt_cache_key). Each part is length-prefixed, so two
+    requests get the same salt only when all their parts are equal.
 
-    Replicas keep each tenant's prefix cache to itself (server.md, "Prefix cache per owner"),
-    so one tenant's prompt never places another's request: if it did, the replica a request
-    lands on (`x-argosy-backend`) would tell one tenant whether another had sent a prompt
-    starting alike. The length prefix keeps (owner, text) pairs apart.
-
-    A replica divides its prefix cache further (request.py, `cache_salt`): by LoRA adapter,
-    whose K/V differ from the base model's, and by the client's own `cache_salt`. A prompt in
-    one partition must not place a request of another, whose cached blocks are not the same
-    (`cache_partition`)."""
-    if partition is not None:
-        text = f"\x00{len(partition)}:{partition}:{text}"
-    return text if owner is None else f"{len(owner)}:{owner}:{text}"
-
-
-def cache_partition(request: RouteRequest) -> str | None:
-    """The part of a replica's prefix cache `request` can read, within its tenant's: its
-    adapter's and its cache_salt's (None: the base model's, unsalted)."""
-    if request.cache_salt is None:
-        return request.adapter
-    return f"{len(request.adapter or '')}:{request.adapter or ''}:{request.cache_salt}"
+    - Its owner: replicas keep each tenant's prefix cache to itself (server.md, "Prefix cache
+      per owner"), so one tenant's prompt never places another's request: if it did, the
+      replica a request lands on (`x-argosy-backend`) would tell one tenant whether another
+      had sent a prompt starting alike.
+    - Its cache partition: a replica divides its prefix cache further (request.py,
+      `cache_salt`) by LoRA adapter, whose K/V differ from the base model's, and by the
+      client's own `cache_salt`. A prompt in one partition must not place a request of
+      another, whose cached blocks are not the same.
+    - Its `prompt_cache_key` (OpenAI's field): the client's word that requests with the same
+      key belong together. Keyed, requests that share a long prefix (a system prompt every
+      user sends) are spread over the replicas key by key instead of piling onto the one
+      that first cached it, and each key's requests stay together, short prompts too.
+    """
+    parts = [request.owner, request.adapter, request.cache_salt, request.cache_key]
+    if all(part is None for part in parts):
+        return ""
+    return "".join("-" if part is None else f"{len(part)}:{part}:" for part in parts)
 
 
 class HashRing:
@@ -115,7 +111,8 @@ class PrefixAffinityPolicy(Policy):
     """Longest known prefix first, else consistent hashing with bounded load.
 
     Prompts shorter than `routing.min_prefix_chars` carry no useful prefix and go to the
-    `fallback` policy (least-load by default); so do requests when every replica is over its
+    `fallback` policy (least-load by default), unless a `prompt_cache_key` places them; so do
+    requests when every replica is over its
     bound, which only the KV high-watermark can cause (the in-flight bound always leaves room).
     """
 
@@ -165,12 +162,12 @@ class PrefixAffinityPolicy(Policy):
         if not candidates:
             return None
         text = request.prefix[: self.routing.max_prefix_chars]
-        if len(text) < self.routing.min_prefix_chars:
+        if len(text) < self.routing.min_prefix_chars and request.cache_key is None:
             return self._fallback(candidates, request)
         by_url = {c.url: c for c in candidates}
         cap = self.capacity(candidates)
-        hashes = block_hashes(text, self.routing.block_chars, request.owner,
-                              cache_partition(request))
+        salt = routing_salt(request)
+        hashes = block_hashes(text, self.routing.block_chars, salt)
         chosen: Replica | None = None
         for digest in reversed(hashes):  # longest known prefix first
             url = self._affinity.get(digest)
@@ -179,8 +176,10 @@ class PrefixAffinityPolicy(Policy):
                     chosen = by_url[url]
                 break  # shorter prefixes of the same prompt live on the same replica or older
         if chosen is None:
-            key = owned_key(request.owner, text[: self.routing.prefix_chars],
-                            cache_partition(request))
+            # A prompt_cache_key alone places its requests: the key says they belong
+            # together, however their prompts start.
+            key = salt + ("" if request.cache_key is not None
+                          else text[: self.routing.prefix_chars])
             for url in self.ring(list(by_url)).walk(key):
                 if within_bound(by_url[url], cap, self.routing):
                     chosen = by_url[url]

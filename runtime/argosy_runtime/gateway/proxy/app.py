@@ -431,11 +431,12 @@ class Gateway:
             route = RouteRequest(
                 prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter,
                 # The tenant (set by the tenants' gate, never by a client): its prompts place
-                # only its own requests (policies/prefix_affinity.py, `owned_key`).
+                # only its own requests (policies/prefix_affinity.py, `routing_salt`).
                 owner=next((v for k, v in headers.items() if k.lower() == OWNER_HEADER.lower()),
                            None),
                 # a non-string salt is the replica's 400, whatever the route
                 cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) else None,
+                cache_key=key if isinstance(key := body.get("prompt_cache_key"), str) else None,
             )
             result = await send(
                 session=self.session,
