@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     max_loras: int | None = None  # most distinct LoRA adapters per step; None: no cap
+    # With chunked prefill, the most prompt tokens one request prefills per step; None: the
+    # budget is the only cap. Without chunked prefill a prompt runs whole: not used.
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         check_max_loras(self.max_loras)

@@ -112,6 +112,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked,
             max_loras=args.max_loras,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         )
         quant_config = self._quantization_config(checkpoint)
         self.quantization = quant_config.method if quant_config is not None else "none"

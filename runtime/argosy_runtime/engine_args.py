@@ -74,6 +74,13 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt(
         "Split long prompts across steps so running decodes never stall.", default=True
     )
+    long_prefill_token_threshold: int | None = _opt(
+        "With chunked prefill, the most prompt tokens one request prefills in a step: a long "
+        "prompt then leaves room in every step for the prompts behind it, so short requests "
+        "get their first token sooner (at the long one's expense). Default: no cap beyond the "
+        "step's token budget.",
+        default=None,
+    )
     speculative: dict[str, Any] | str | None = _opt(
         "Speculative decoding: 'ngram', or JSON such as "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -195,6 +202,7 @@ _INT_OPTIONS: dict[str, tuple[int, str | None]] = {
     "max_model_len": (2, "the model's context length"),
     "max_num_seqs": (1, None),
     "max_num_batched_tokens": (1, "the default"),
+    "long_prefill_token_threshold": (1, "no cap"),
     "cpu_threads": (1, "every CPU this process may use"),
     "tensor_parallel_size": (1, None),
 }

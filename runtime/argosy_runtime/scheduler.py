@@ -3,7 +3,8 @@
 Every step serves running requests first (decodes, and the next chunk of partially prefilled
 prompts), then admits waiting requests while the token budget, `max_num_seqs` and free KV
 blocks allow. A long prompt is split into chunks (chunked prefill) so it never stalls the
-running decodes. Both queues are ordered by `Request.sort_key`: lower `priority` value first,
+running decodes; `long_prefill_token_threshold` caps one request's chunk further, so that a
+long prompt shares each step's budget with the prompts behind it (vLLM's option). Both queues are ordered by `Request.sort_key`: lower `priority` value first,
 then arrival.
 
 Preemption frees a running request's blocks; it goes back to waiting and is recomputed later
@@ -140,6 +141,8 @@ class Scheduler:
             req = self.running[i]
             num_spec = len(req.spec_token_ids)
             num_new = req.num_tokens + num_spec - req.num_computed_tokens
+            if num_new - num_spec > self._chunk_cap:  # a long prompt's next chunk
+                num_new, num_spec = self._chunk_cap, 0
             if num_new > budget:
                 num_spec = max(0, num_spec - (num_new - budget))
                 num_new = req.num_tokens + num_spec - req.num_computed_tokens
@@ -199,9 +202,9 @@ class Scheduler:
                                                          salt=req.cache_salt, exclude=outranked)
             num_computed = len(computed) * self.kv_cache.block_size
             remaining = req.num_tokens - num_computed
-            num_new = min(remaining, budget)
             # Without chunked prefill the whole rest runs in this step, or the head waits.
             whole = not self.config.enable_chunked_prefill
+            num_new = min(remaining, budget, self._chunk_cap)
             budget_short = whole and num_new < remaining
             if (seats_full or budget_short or not self.kv_cache.can_allocate(
                     req.request_id, num_computed + num_new, computed,
@@ -224,7 +227,7 @@ class Scheduler:
                 # The seat's victim gave back its step-1 tokens: a longer chunk, but only on
                 # blocks free now. Those checked above were for `num_new`: more could cost
                 # another victim its work for a token or so of this chunk, or find nobody.
-                grown = min(remaining, self._budget_left(out))
+                grown = min(remaining, self._budget_left(out), self._chunk_cap)
                 if self.kv_cache.can_allocate(req.request_id, num_computed + grown, computed,
                                               num_computed_tokens=num_computed):
                     num_new = grown
@@ -257,6 +260,16 @@ class Scheduler:
                 elif req.lora is not None:
                     loras.add(id(req.lora))
         return out
+
+    @property
+    def _chunk_cap(self) -> int:
+        """The most prompt tokens one request prefills in a step: `long_prefill_token_threshold`
+        with chunked prefill (so one long prompt leaves room for the prompts behind it),
+        else no cap (the budget caps a chunk; without chunked prefill a prompt runs whole)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is None or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
+        return threshold
 
     def _running_loras(self) -> set[int] | None:
         """The distinct adapters (by object: a name loaded again is another adapter, as in

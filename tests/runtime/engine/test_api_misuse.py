@@ -37,6 +37,7 @@ def assert_still_serving(llm: LLM, reference: str) -> None:
     ({"block_size": 0}, "block_size"),  # was a ZeroDivisionError
     ({"seed": "x"}, "seed"),  # was a RuntimeError from torch.manual_seed
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),  # was silently the default
+    ({"long_prefill_token_threshold": 0}, "long_prefill_token_threshold"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),  # was a TypeError naming nothing
     ({"kv_cache_memory_fraction": -1.0}, "kv_cache_memory_fraction"),  # was accepted
     ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),  # was truthy: caching on

@@ -52,10 +52,12 @@ def test_same_bits_in_a_batch_and_after_a_prefix_hit(llm, alone) -> None:
 
 
 def test_same_bits_chunked_beside_others_and_preempted(alone) -> None:
-    """16 tokens a step: the prompt is prefilled in chunks beside other requests' chunks and
-    decodes; 12 blocks of KV cache for 9 requests: some are preempted and recomputed."""
+    """16 tokens a step, at most 8 for one prompt: the prompt is prefilled in chunks beside
+    other requests' chunks and decodes; 12 blocks of KV cache for 9 requests: some are
+    preempted and recomputed."""
     busy = LLM(model="smollm2-135m", dtype="bfloat16", batch_invariant=True,
-               max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 23_040, max_model_len=128)
+               max_num_batched_tokens=16, long_prefill_token_threshold=8,
+               kv_cache_memory=12 * 16 * 23_040, max_model_len=128)
     outs = busy.generate(OTHERS[:2] + [TARGET] + OTHERS[2:], GREEDY)
     assert busy.engine.get_stats().num_preemptions > 0
     assert tokens_and_logprobs(outs[2]) == alone

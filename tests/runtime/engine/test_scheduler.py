@@ -10,9 +10,11 @@ from argosy_runtime.scheduler import Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
-         chunked: bool = True, max_model_len: int = 256) -> Scheduler:
+         chunked: bool = True, max_model_len: int = 256,
+         long_prefill: int | None = None) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                          max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                          long_prefill_token_threshold=long_prefill)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
 
 
@@ -49,6 +51,20 @@ def test_long_prompt_is_chunked_and_decodes_keep_running() -> None:
     # Every step decodes "a" (1 token) and gives the rest of the budget to the long prompt.
     assert steps == [{"a": 1, "long": 7}, {"a": 1, "long": 7}, {"a": 1, "long": 6}]
     assert s.requests["long"].num_output_tokens == 1
+
+
+def test_long_prefill_token_threshold_leaves_room_for_the_prompts_behind() -> None:
+    uncapped, capped = make(budget=16), make(budget=16, long_prefill=6)
+    for s in (uncapped, capped):
+        s.add_request(req("long", 30, 0.0))
+        s.add_request(req("short", 3, 1.0, base=100))
+    # Uncapped, the long prompt takes the budget and the short one gets a 2-token chunk.
+    assert run_step(uncapped) == {"long": 16}
+    assert run_step(uncapped) == {"long": 14, "short": 2}
+    # Capped, both prefill in the first step: the short prompt samples its first token.
+    assert run_step(capped) == {"long": 6, "short": 3}
+    assert capped.requests["short"].num_output_tokens == 1
+    assert run_step(capped) == {"long": 6, "short": 1}
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:

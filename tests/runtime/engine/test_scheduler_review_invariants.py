@@ -47,7 +47,8 @@ def _scheduler(rng: random.Random, chunked: bool, layout: str) -> Scheduler:
     num_blocks = rng.randint(per_seq, 3 * per_seq)
     caching = rng.random() < 0.8
     cfg = SchedulerConfig(max_num_seqs=rng.choice([1, 2, 3, 8]), max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                          max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                          long_prefill_token_threshold=rng.choice([None, None, 1, 3, 8]))
     if layout == "hybrid":
         kv = HybridKVCacheManager(2 * num_blocks + 1, bs, caching, [None, rng.choice([4, 8])])
     elif layout == "window":
@@ -105,6 +106,8 @@ def _run(seed: int, chunked: bool, layout: str) -> None:
             assert not sr.num_spec_tokens or num_final == r.num_tokens
             if not chunked:
                 assert num_final == r.num_tokens, (r, sr)
+            elif cfg.long_prefill_token_threshold is not None:
+                assert sr.num_new_tokens - sr.num_spec_tokens <= cfg.long_prefill_token_threshold
             held = len(s.kv_cache.req_to_blocks.get(r.request_id, ()))
             assert held * bs >= r.num_computed_tokens + sr.num_new_tokens, (r, sr)
         for r in s.waiting:
