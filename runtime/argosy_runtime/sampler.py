@@ -212,9 +212,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     """Mask logits outside each row's top-k and nucleus (top-p); keeps at least one token."""
     vocab = logits.shape[1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k])
-    positions = torch.arange(vocab)[None, :]
-    mask = positions >= k[:, None]  # outside top-k
+    k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k])
+    # Outside top-k: strictly below the k-th largest logit, as vLLM and transformers mask.
+    # Tokens tied with the k-th stay (by position, top_k=1 always took whichever of tied
+    # tokens the sort put first).
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [num_rows, 1]
+    mask = sorted_logits < kth
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)

@@ -56,3 +56,17 @@ def test_logit_bias_is_added_before_the_repetition_penalty() -> None:
     processed = Sampler(VOCAB).process(logits, [request])
     assert processed[0, 5].item() == pytest.approx(1.0)
     assert processed[0, 1].item() == 0.0  # a seen prompt token at 0 stays 0
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(1, 1.0), (2, 1.0), (2, 0.99)])
+def test_top_k_keeps_every_token_tied_with_the_kth(top_k: int, top_p: float) -> None:
+    """vLLM and transformers' TopKLogitsWarper mask only logits strictly below the k-th
+    largest, so tokens tied with it stay (half-precision logits tie often). The mask was by
+    sorted position: of three tokens tied for first, top_k=1 always sampled whichever the
+    sort put first, never the other two."""
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, [7, 19, 33]] = 3.0  # three-way tie for the best logit
+    logits[0, 4] = 1.0
+    probs = Sampler(VOCAB).probs(logits, [_request("r", top_k=top_k, top_p=top_p)])[0]
+    assert (probs > 0).nonzero().flatten().tolist() == [7, 19, 33]
+    assert probs[7] == probs[19] == probs[33]
