@@ -59,8 +59,15 @@ class _Tracker:
     arrival: float
     scheduled: bool = False  # its queue time was observed
     first_token: float | None = None
-    last_token: float | None = None
     num_tokens: int = 0
+    # per sequence (n > 1): tokens seen and when its last one came, for inter-token latency
+    seq_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    seq_last_token: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def finish(self, observer: RequestObserver | None, reason: str) -> None:
+        """Count a request that ended without its last output ("abort", "error")."""
+        if observer is not None:
+            observer.on_finished(time.monotonic() - self.arrival, 0, self.num_tokens, reason)
 
 
 class RequestStream:
@@ -374,8 +381,10 @@ class AsyncEngine:
                         self.engine.lora_registry.release(held)
             else:
                 untried.pop(payload, None)  # gone: not waiting any more
-                if self._trackers.pop(payload, None) is not None:
+                tracker = self._trackers.pop(payload, None)
+                if tracker is not None:
                     self.engine.abort_request(payload)
+                    tracker.finish(self.observer, "abort")
         stats = dataclasses.replace(self.engine.get_stats())  # the engine reuses its object
         with self._cond:
             # Replaced, not updated in place: the event loop reads it unlocked (`-=` would
@@ -395,6 +404,8 @@ class AsyncEngine:
             logger.exception("engine step failed; aborting the requests in flight")
             self.num_step_errors += 1
             ids = list(self._trackers)
+            for tracker in self._trackers.values():
+                tracker.finish(self.observer, "error")
             self._trackers.clear()
             try:
                 self.engine.abort_request(ids)
@@ -428,17 +439,18 @@ class AsyncEngine:
                 # Every request, those that produce no token too (embeddings, prompt-only).
                 tracker.scheduled = True
                 self.observer.on_scheduled(max(0.0, m.first_scheduled_time - m.arrival_time))
-            new = num_tokens - tracker.num_tokens
-            if new > 0:
-                if tracker.first_token is None:
-                    tracker.first_token = now
-                    self.observer.on_first_token(now - tracker.arrival)
-                    new -= len(out.outputs)  # the first token of each sequence is TTFT
-                if new > 0 and tracker.last_token is not None:
-                    # tokens per sequence this step (> 1 only with speculative decoding)
-                    per_seq = max(1, round(new / max(1, len(out.outputs))))
-                    self.observer.on_tokens(now - tracker.last_token, per_seq)
-                tracker.last_token = now
+            if num_tokens > tracker.num_tokens and tracker.first_token is None:
+                tracker.first_token = now
+                self.observer.on_first_token(now - tracker.arrival)
+            for seq in out.outputs:  # every sequence's tokens after its first: inter-token
+                new = len(seq.token_ids) - tracker.seq_tokens.get(seq.index, 0)
+                if new <= 0:
+                    continue
+                last = tracker.seq_last_token.get(seq.index)
+                if last is not None:  # > 1 token: speculative decoding, a grammar's jump
+                    self.observer.on_tokens(now - last, new)
+                tracker.seq_tokens[seq.index] = len(seq.token_ids)
+                tracker.seq_last_token[seq.index] = now
             tracker.num_tokens = num_tokens
             if out.finished:
                 # An embedding request has no sequences: it finished by producing its vector.

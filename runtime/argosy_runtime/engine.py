@@ -454,7 +454,6 @@ class LLMEngine:
             for child in children:
                 self.scheduler.add_request(child)
         self._groups[request_id] = children
-        self.stats.prompt_tokens += len(prompt_ids)
 
     def _check_sequence_ids_free(self, request_id: str,
                                  params: SamplingParams | PoolingParams) -> None:
@@ -538,7 +537,6 @@ class LLMEngine:
         else:
             self.scheduler.add_request(request)
         self._groups[request_id] = [request]
-        self.stats.prompt_tokens += len(prompt_ids)
 
     def spec_pooling(self, params: PoolingParams) -> PoolingParams:
         """`params` with what it leaves to the model filled in: the pooling (a decoder's last
@@ -658,6 +656,7 @@ class LLMEngine:
                 req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
             if req.pooling is not None:
                 req.num_computed_tokens += sr.num_new_tokens
+                self._count_prompt(req)
                 if req.request_id in result.pooled:
                     req.pooled = result.pooled[req.request_id]
                     req.metrics.finished_time = now
@@ -670,6 +669,7 @@ class LLMEngine:
                 req.num_computed_tokens += sr.num_new_tokens
                 tokens = result.sampled.get(req.request_id, [])
                 logprobs = result.logprobs.get(req.request_id)
+            self._count_prompt(req)
             if not tokens:
                 if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                     # A prompt-only request: its prompt (and its prompt logprobs) is done.
@@ -681,6 +681,15 @@ class LLMEngine:
             self._jump_forward(req)
             progressed[req.parent_id] = None
         return [self._make_output(pid) for pid in progressed]
+
+    def _count_prompt(self, req: Request) -> None:
+        """Count a request's prompt in `prompt_tokens` once it is prefilled (as vLLM does), so
+        requests aborted while they waited (a client gone, a queue timeout) are not prompt
+        throughput. Its n sequences share one prompt: the first one counts it."""
+        if req.index == 0 and not req.prompt_counted \
+                and req.num_computed_tokens >= req.num_prompt_tokens:
+            req.prompt_counted = True
+            self.stats.prompt_tokens += req.num_prompt_tokens
 
     def get_stats(self) -> EngineStats:
         """A snapshot (a copy: the engine keeps updating its own counters)."""

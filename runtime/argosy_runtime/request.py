@@ -74,6 +74,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 = unset
+        self.prompt_counted = False  # in the engine's prompt_tokens (once, preempted or not)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why it ended FINISHED_ERROR

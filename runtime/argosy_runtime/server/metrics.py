@@ -191,7 +191,9 @@ class ServerMetrics:
 
     def on_finished(self, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int,
                     finish_reason: str | None) -> None:
-        self.e2e.observe(e2e_s)
+        # The latency of an answer: a request aborted (its client gone) or failed has none.
+        if finish_reason not in ("abort", "error"):
+            self.e2e.observe(e2e_s)
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
 
     def on_http(self, path: str, status: int) -> None:
