@@ -768,6 +768,8 @@ class LLMEngine:
                 req.text += req.detokenizer.push([token])  # the text follows token_ids
                 status = RequestStatus.FINISHED_ERROR
             elif ends:
+                if req.params.include_stop_str_in_output:  # as vLLM: its text too (shown
+                    req.text += req.detokenizer.push([token])  # when special tokens are)
                 status = RequestStatus.FINISHED_STOPPED
             else:
                 status = self._check_stop(req, token, req.detokenizer.push([token]))

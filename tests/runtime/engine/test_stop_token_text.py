@@ -1,6 +1,7 @@
 """The model's end token that stops a request is not part of its text, also when special
 tokens are kept (skip_special_tokens=False, which the mistral tool-call parser needs for its
-[TOOL_CALLS] marker), as in vLLM; other special tokens the model writes stay."""
+[TOOL_CALLS] marker), as in vLLM; other special tokens the model writes stay. Unless the
+request asks for its stop in the output (include_stop_str_in_output), as in vLLM too."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def test_the_end_token_is_no_text(llm: LLM, skip: bool, text: str) -> None:
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids[-1] == 2  # <|im_end|> ended it ...
     assert out.outputs[0].text == text  # ... and is not in the text
+
+
+@pytest.mark.parametrize(("skip", "text"), [(True, "Hi there!"),
+                                            (False, "Hi there<|im_start|>!<|im_end|>")])
+def test_the_end_token_is_text_when_the_stop_is_asked_for(llm: LLM, skip: bool,
+                                                          text: str) -> None:
+    [out] = llm.generate([[198]], SamplingParams(temperature=0, max_tokens=20,
+                                                 skip_special_tokens=skip,
+                                                 include_stop_str_in_output=True))
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text
