@@ -52,7 +52,10 @@ def _container_problem(pod: str, status: Mapping[str, Any], init: bool) -> PodPr
         return PodProblem("ModelDownloadFailed", pod,
                           f"{where}: model download failed (exit {failed.get('exitCode', '?')})"
                           f": {msg}")
-    if last.get("reason") == "OOMKilled" or terminated.get("reason") == "OOMKilled":
+    # lastState keeps the kill for the pod's lifetime: once the restarted container is ready
+    # again, it is history (the restart count says so), not a reason to stay Degraded.
+    if terminated.get("reason") == "OOMKilled" or (
+            last.get("reason") == "OOMKilled" and not status.get("ready")):
         return PodProblem("OOMKilled", pod, f"{where}: killed for exceeding its memory limit "
                           "(OOMKilled); raise spec.resources.memory or lower maxNumSeqs")
     if reason == "CrashLoopBackOff":

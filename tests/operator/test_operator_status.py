@@ -127,6 +127,14 @@ def test_healthy_pods_have_no_problems() -> None:
         {"name": "runtime", "ready": True, "state": {"running": {}}}])]) == []
 
 
+def test_an_oom_kill_the_ready_container_recovered_from_is_no_problem() -> None:
+    # lastState keeps the kill as long as the pod lives: Degraded until it was replaced.
+    oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    assert pod_problems([_pod("a", containerStatuses=[
+        {"name": "runtime", "ready": True, "restartCount": 1, "state": {"running": {}},
+         "lastState": oom}])]) == []
+
+
 # --- computed status -------------------------------------------------------------------------
 
 LLMD = {"metadata": {"name": "chat", "namespace": "ml", "generation": 4},
