@@ -17,14 +17,21 @@ class Autoscaler:
 
     def __init__(self, policy: AutoscalingPolicy) -> None:
         self.policy = policy
-        self.window = MetricsWindow(keep_seconds=policy.history_seconds)
+        self.window = MetricsWindow(keep_seconds=self._keep_seconds(policy))
         self.state = DecisionState()
         self.last_decision: Decision | None = None
 
     def update_policy(self, policy: AutoscalingPolicy) -> None:
         """Adopt an edited policy, keeping the history gathered so far."""
         self.policy = policy
-        self.window.keep_seconds = policy.history_seconds
+        self.window.keep_seconds = self._keep_seconds(policy)
+
+    @staticmethod
+    def _keep_seconds(policy: AutoscalingPolicy) -> float:
+        # One scrape interval more than the windows: the idleness check compares each sample
+        # with the one before (requests finished in between), which a scrape interval longer
+        # than the stable window would otherwise have dropped (as `argosy fleet` keeps too).
+        return policy.history_seconds + policy.scrape_interval_seconds
 
     def observe(self, sample: MetricsSample) -> None:
         self.window.add(sample)

@@ -183,10 +183,15 @@ def decide(
     idle_since = state.idle_since
     last_sample_t = state.last_sample_t
     observed_since = state.observed_since
+    # Samples come every scrapeIntervalSeconds, which the CRD allows to exceed the stable
+    # window: then every sample followed a "gap", and the scale-down window and the idle
+    # clock restarted at each one (never a scale-down, never zero). Only a missed sample
+    # beyond that is a gap.
+    gap = max(policy.stable_window_seconds, 2 * policy.scrape_interval_seconds)
     previous: MetricsSample | None = None
     for s in samples:
         if last_sample_t is None or s.t > last_sample_t:
-            if last_sample_t is not None and s.t - last_sample_t > policy.stable_window_seconds:
+            if last_sample_t is not None and s.t - last_sample_t > gap:
                 idle_since, observed_since = None, s.t
             idle = s.is_idle_since(previous)
             idle_since = (idle_since if idle_since is not None else s.t) if idle else None
@@ -257,9 +262,17 @@ def decide(
     stable = _aggregate(policy, _in_window(samples, now, policy.stable_window_seconds))
     if latest is None or measured == 0 or now - latest.t > policy.stable_window_seconds or stable is None:
         # No trustworthy data right now: hold (never scale down on missing samples).
+        blind = base
+        if stable is None:
+            # Nothing measured for a whole stable window (every scrape failed, every pod
+            # unready): as blind as a gap without samples, so the scale-down window starts
+            # again after it. Otherwise the recommendations from before had aged out and the
+            # first low sample afterwards scaled down at once (8 -> 4), unstabilized.
+            blind = dataclasses.replace(base, observed_since=now)
         return finish(current_replicas, "NoMetrics",
                       f"no ready replica could be scraped ({ready} ready of {current_replicas})",
-                      DecisionMetrics(ready_replicas=ready, measured_replicas=measured), False, base)
+                      DecisionMetrics(ready_replicas=ready, measured_replicas=measured), False,
+                      blind)
     panic_agg = _aggregate(policy, _in_window(samples, now, policy.panic_window_seconds))
     panic_ratio = panic_agg.demand_low / current_replicas if panic_agg else None
     stable_ratio = stable.demand_low / current_replicas

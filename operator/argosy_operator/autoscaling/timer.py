@@ -89,6 +89,15 @@ async def _write_status(client: KubeClient, llmd: Mapping[str, Any],
         logger.warning(f"autoscaling: cannot write the status: {exc}")
 
 
+def _inactive(reason: str, message: str, generation: int | None) -> dict[str, Any]:
+    """The status of a tick that decides nothing (invalid policy, refused spec, no
+    Deployment): the conditions say why, and the readings go (nulls delete in a merge patch),
+    as for NoMetrics: nothing is scraped meanwhile, so the printer columns (KV-cache %, Queue)
+    showed the last reading, frozen, as the current one for as long as that lasted."""
+    return {"kvCacheUtilization": None, "kvCachePercent": None, "queueDepth": None,
+            "conditions": inactive_conditions(reason, message, generation)}
+
+
 def _live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # Terminating pods are neither capacity nor demand any more; nor are pods that ended
     # (an evicted pod stays, phase Failed, until it is garbage-collected, and its ReplicaSet
@@ -158,8 +167,8 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
             # stays as it is buried the operator's log (the reconcile reports InvalidSpec).
             memo[_INVALID_KEY] = str(exc)
             logger.error(f"autoscaling: invalid policy: {exc}")
-        await _write_status(_client(), llmd, {"conditions": inactive_conditions(
-            "InvalidPolicy", str(exc), generation)}, logger)
+        await _write_status(_client(), llmd, _inactive("InvalidPolicy", str(exc), generation),
+                            logger)
         return
     memo.pop(_INVALID_KEY, None)
     if not policy.enabled:
@@ -169,9 +178,9 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
         # InvalidSpec): the children of the last applied spec stay as they are, their
         # replicas included, until a spec is applied. Scaling from the refused spec's policy
         # (or that of a newer one not checked yet) would change them.
-        await _write_status(_client(), llmd, {"conditions": inactive_conditions(
+        await _write_status(_client(), llmd, _inactive(
             "SpecRefused", "the current spec is refused (see the Stalled condition): not "
-            "scaling until a spec is applied", generation)}, logger)
+            "scaling until a spec is applied", generation), logger)
         return
 
     now = time.monotonic()
@@ -190,9 +199,9 @@ async def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str,
     try:
         deployment = await get_deployment(client, namespace, name)
         if deployment is None:
-            await _write_status(client, llmd, {"conditions": inactive_conditions(
+            await _write_status(client, llmd, _inactive(
                 "DeploymentNotFound", f"Deployment {namespace}/{name} does not exist yet",
-                generation)}, logger)
+                generation), logger)
             return
         pods = _live_pods(await list_pods(client, namespace, name))
     except API_ERRORS as exc:
