@@ -577,8 +577,21 @@ async def servicemonitor_crd_changed(event: kopf.RawEvent, body: kopf.Body, meta
             _log.warning("asking API discovery for the ServiceMonitor API failed: %s",
                          _describe(exc))
         await asyncio.sleep(reapply_retry_delay(attempt))
+    # Retried until it succeeds, for the same reason (kopf never retries an event handler,
+    # and no later event of this CRD reconciles: its uid is marked seen); kopf cancels the
+    # wait at shutdown, and the resume reconciles after a restart cover it.
+    attempt = 0
+    while True:
+        try:
+            listed = await client.list(LLMDEPLOYMENTS, None)
+            break
+        except API_ERRORS as exc:
+            _log.warning("listing the LLMDeployments to reconcile for the ServiceMonitor CRD "
+                         "failed (retrying): %s", _describe(exc))
+        await asyncio.sleep(reapply_retry_delay(attempt))
+        attempt += 1
     owners = [(o["metadata"]["namespace"], o["metadata"]["name"])
-              for o in await client.list(LLMDEPLOYMENTS, None) if _wants_servicemonitor(o)]
+              for o in listed if _wants_servicemonitor(o)]
     _log.info("the ServiceMonitor CRD is established: reconciling %d LLMDeployments",
               len(owners))
     # Concurrently: one owner whose reapply keeps failing (a foreign ServiceMonitor in the

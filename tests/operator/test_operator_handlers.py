@@ -811,6 +811,38 @@ async def test_a_discovery_5xx_does_not_stop_noticing_the_crd(
         assert "upstream connect error" in lines[0].getMessage()
 
 
+@pytest.mark.no_servicemonitor
+async def test_a_failed_list_of_owners_does_not_lose_the_crds_reconciles(
+        kube: Any, api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRD handler marks the CRD seen, then lists the LLMDeployments to reconcile. A 503
+    on that list escaped the handler (kopf never retries an event handler), and with the CRD
+    already marked seen no later event of it tried again: no ServiceMonitor until a restart
+    or a spec change. The list is retried, as the discovery request before it is."""
+    import aiohttp.web
+    from argosy_operator import handlers
+
+    async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
+        crd = await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
+        reconciled = _count_reconciles(monkeypatch, "name")
+        handle, failures = kube._handle, [1]
+
+        async def list_hiccup(request: Any) -> Any:
+            if request.method == "GET" and failures \
+                    and request.url.path == "/apis/argosy.dev/v1alpha1/llmdeployments":
+                failures.pop()
+                return aiohttp.web.Response(status=503, text="upstream connect error")
+            return await handle(request)
+
+        monkeypatch.setattr(kube, "_handle", list_hiccup)
+        monkeypatch.setitem(handlers._state, "clusterwide", True)
+        monkeypatch.setattr(handlers, "_established_crds", set())
+        await handlers.servicemonitor_crd_changed(
+            event={"type": "ADDED", "object": crd}, body=crd, meta=crd["metadata"])
+        assert failures == []  # the list did fail once
+        assert reconciled == ["chat"]
+        assert await api.get_or_none(f"{SM_PATH}/chat") is not None
+
+
 def test_the_servicemonitor_recheck_runs_only_namespaced_and_where_wanted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from argosy_operator import handlers
