@@ -95,6 +95,10 @@ class UsageMeter:
         self.ok = 200 <= status < 300
         self.content_chunks = 0
         self._reported: Usage | None = None
+        # choice index -> its usage so far, from chunks that carry both choices and usage
+        # (`stream_options.continuous_usage_stats`, vLLM's: each such chunk counts its own
+        # choice, not the answer; only the final chunk, without choices, has the total)
+        self._per_choice: dict[Any, Usage] = {}
         self._pending = bytearray()  # streamed: the unfinished last line; else: the body
         self._body_too_large = False
 
@@ -133,7 +137,15 @@ class UsageMeter:
             return
         reported = usage_of(event)
         if reported is not None:
-            self._reported = reported
+            choices = event.get("choices") if isinstance(event, dict) else None
+            if isinstance(choices, list) and choices:
+                # A per-choice count (see __init__): with n > 1 the last one is one choice's,
+                # so a stream cut short before its total is charged every choice's tokens.
+                for choice in choices:
+                    if isinstance(choice, dict):
+                        self._per_choice[choice.get("index")] = reported
+            else:
+                self._reported = reported
         elif _is_content(event):
             self.content_chunks += 1
 
@@ -146,4 +158,10 @@ class UsageMeter:
                 self._reported = usage_of(json.loads(bytes(self._pending)))
             except (UnicodeDecodeError, json.JSONDecodeError):
                 pass  # cut short: estimated below
+        if self._reported is None and self._per_choice:
+            # Cut short before the total: every choice's tokens so far. The prompt is counted
+            # once (the choices of a chat answer share it; for a completions batch of several
+            # prompts this is the longest one's count, a lower bound).
+            return Usage(max(u.prompt_tokens for u in self._per_choice.values()),
+                         sum(u.completion_tokens for u in self._per_choice.values()))
         return self._reported or estimate(self.prompt_chars, self.content_chunks)
