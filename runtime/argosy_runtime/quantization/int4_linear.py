@@ -189,6 +189,11 @@ class Int4Linear(nn.Module):
             # instead of 1558).
             sz = self.scales_and_zeros.float()
             scale, zero = sz[..., 0], sz[..., 1]  # [ng, Np]
+            # A group of one constant value c has scale 0 and z = c: GGUF Q4_1 blocks with
+            # d = 0, or load-time int4 in float16 (its 1e-12 scale floor rounds to 0).
+            # (q - zero) * 0 cannot give c, so such a group gets a scale 2^-20 |c| and the
+            # zero point 8 - c / scale: (q - zero) * scale = c + (q - 8) * 2^-20 |c|.
+            scale = torch.where(scale == 0, zero.abs() * 2.0**-20, scale)
             safe = torch.where(scale == 0, torch.ones_like(scale), scale)
             self.kernel_scales = scale.contiguous().t()
             self.kernel_zeros = torch.where(scale == 0, torch.zeros_like(zero),

@@ -79,13 +79,18 @@ def quantize_int4(w: torch.Tensor, group_size: int, clip_search: bool = True) ->
     hi = groups.amax(dim=2)
     best_q, best_s, best_lo = _int4_round(groups, lo, hi)
     if clip_search:
-        best_err = _int4_error(groups, best_q, best_s, best_lo)
+        # 1 for real inputs, 0 for the pad [ng, group_size]: the pad's replicated copies of
+        # the last column must not count in the last group's error, or the search picks the
+        # range that best fits that one column (65 copies of it for 576 inputs at group 128)
+        # instead of the group's real inputs.
+        real = (torch.arange(kp) < k).to(w.dtype).view(ng, group_size)
+        best_err = _int4_error(groups, best_q, best_s, best_lo, real)
         mid = (lo + hi) / 2
         for frac in _CLIP_GRID[1:]:
             c_lo = mid - (mid - lo) * frac
             c_hi = mid + (hi - mid) * frac
             q, s, base = _int4_round(groups, c_lo, c_hi)
-            err = _int4_error(groups, q, s, base)
+            err = _int4_error(groups, q, s, base, real)
             better = err < best_err  # [N, ng]
             best_err = torch.where(better, err, best_err)
             best_q = torch.where(better[..., None], q, best_q)
@@ -102,7 +107,7 @@ def _int4_round(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     return q, scale, lo
 
 
-def _int4_error(groups: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor
-                ) -> torch.Tensor:
+def _int4_error(groups: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                real: torch.Tensor) -> torch.Tensor:
     deq = q * scale[..., None] + lo[..., None]
-    return (deq - groups).pow(2).sum(dim=2)
+    return ((deq - groups).pow(2) * real).sum(dim=2)
