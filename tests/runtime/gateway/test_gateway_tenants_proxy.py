@@ -157,25 +157,40 @@ async def test_tokens_are_charged_from_usage_and_debt_holds_the_tenant_back(fake
     assert tokens is not None and -44 <= tokens.level < -40
 
 
-async def test_streams_charge_the_usage_chunk_or_the_estimate(fake_replicas, gateway) -> None:
+async def test_streams_charge_the_usage_the_gateway_asks_for(fake_replicas, gateway) -> None:
+    """A stream is charged its reported usage, also when the client did not ask for it: the
+    gateway asks (one content chunk may carry many tokens: speculative decoding, beam
+    search) and the client gets the stream it asked for, without the usage event."""
     (r,) = await fake_replicas(1, prompt_tokens=50, num_chunks=3, chunk_delay=0.0)
     _, url = await gateway(config([r.url]))
-    prompt = "x" * 41  # estimated as 11 prompt tokens
     async with aiohttp.ClientSession() as s:
-        with_usage = {**BODY, "prompt": prompt, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        with_usage = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
         async with s.post(f"{url}/v1/completions", json=with_usage, headers=auth(KEY_A)) as resp:
             raw = await resp.read()
         assert b'"usage"' in raw and raw.endswith(b"data: [DONE]\n\n")
+        for without in ({**BODY, "stream": True},
+                        {**BODY, "stream": True, "stream_options": {"include_usage": False}}):
+            async with s.post(f"{url}/v1/completions", json=without,
+                              headers=auth(KEY_A)) as resp:
+                raw = await resp.read()
+            assert b'"usage"' not in raw and raw.count(b"data: ") == 3 + 1  # chunks, [DONE]
+            assert raw.endswith(b"\n\ndata: [DONE]\n\n")
         assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
-                            kind="prompt") == 50
-        without = {**BODY, "prompt": prompt, "stream": True}
-        async with s.post(f"{url}/v1/completions", json=without, headers=auth(KEY_A)) as resp:
-            await resp.read()
+                            kind="prompt") == 3 * 50
         assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
-                            kind="prompt") == 50 + 11
-        assert await metric(s, url, "argosy:gateway_tenant_tokens_total", tenant="a",
-                            kind="completion") == 3 + 3
+                            kind="completion") == 3 * 3
+
+
+def test_the_usage_event_is_removed_across_chunk_boundaries() -> None:
+    from argosy_runtime.gateway.proxy.asked_usage import UsageEventRemover
+
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
+              b'data: {"choices": [], "usage": {"prompt_tokens": 5}}\n\ndata: [DONE]\n\n')
+    want = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
+    for size in (1, 3, 7, len(stream)):
+        remover = UsageEventRemover()
+        out = b"".join(remover(stream[i:i + size]) for i in range(0, len(stream), size))
+        assert out + remover.rest() == want, size
 
 
 async def test_concurrency_slots_come_back_on_every_path(fake_replicas, gateway) -> None:

@@ -265,7 +265,9 @@ class Gateway:
             model = next(iter(self.pools))
         if not isinstance(model, str) or not model:
             return bad_request("model: a model name is required", param="model")
-        if self.tenants.apply_priority(request, body):
+        changed = self.tenants.apply_priority(request, body)
+        changed = self.tenants.ask_for_usage(request, body) or changed
+        if changed:  # every route below sends `body` (or a copy) as it is now
             raw = json.dumps(body).encode()
         path = request.path
         headers = to_replica(request.headers)
@@ -545,7 +547,8 @@ class Gateway:
         try:
             code = await relay(request, out, resp, upstream.replica.url,
                                first_chunk=upstream.first_chunk, feed=charged.feed,
-                               idle_timeout_s=self.config.stream_idle_timeout_s)
+                               idle_timeout_s=self.config.stream_idle_timeout_s,
+                               remove_usage=self.tenants.usage_remover(request))
         except asyncio.CancelledError:
             code = CLIENT_CLOSED  # the client went away (handler cancelled)
             raise

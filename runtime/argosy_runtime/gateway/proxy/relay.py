@@ -26,6 +26,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from argosy_runtime.gateway.proxy.asked_usage import UsageEventRemover
 from argosy_runtime.gateway.proxy.errors import end_stream_with_error
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,12 @@ class StreamIdle(Exception):
 async def relay(request: web.Request, out: web.StreamResponse,
                 resp: aiohttp.ClientResponse, backend: str, *, first_chunk: bytes = b"",
                 feed: Callable[[bytes], None] | None = None,
-                idle_timeout_s: float | None = None) -> str:
+                idle_timeout_s: float | None = None,
+                remove_usage: UsageEventRemover | None = None) -> str:
     """Prepare `out` and write `first_chunk` (bytes of the body already read), then the rest
-    of `resp`'s body as it arrives, each piece also given to `feed`; returns the code the
+    of `resp`'s body as it arrives, each piece also given to `feed` (whole: `remove_usage`
+    takes the usage event the gateway asked for out of what the client gets, not out of what
+    is metered, asked_usage.py); returns the code the
     answer counts under (see above). A replica (`backend`, its URL) that breaks mid-answer
     ends an event stream with an error event, and the client's connection is cut without a
     clean end, so that the client sees the answer was cut short (a stored response's events
@@ -57,10 +61,7 @@ async def relay(request: web.Request, out: web.StreamResponse,
     try:
         await out.prepare(request)
         if first_chunk:
-            await out.write(first_chunk)
-            if feed is not None:
-                feed(first_chunk)
-            last = first_chunk[-4:]
+            last = await _pass_on(out, first_chunk, feed, remove_usage, last)
         while True:
             try:
                 async with asyncio.timeout(idle_timeout_s) as idle:
@@ -71,10 +72,9 @@ async def relay(request: web.Request, out: web.StreamResponse,
                 raise
             if not chunk:
                 break
-            await out.write(chunk)
-            if feed is not None:
-                feed(chunk)
-            last = (last + chunk)[-4:]
+            last = await _pass_on(out, chunk, feed, remove_usage, last)
+        if remove_usage is not None and (rest := remove_usage.rest()):
+            await out.write(rest)
         await out.write_eof()
     except ConnectionResetError:
         # A write found the client gone (also a client that closes right after the last
@@ -92,3 +92,15 @@ async def relay(request: web.Request, out: web.StreamResponse,
             request.transport.close()
         return BROKEN
     return str(resp.status)
+
+
+async def _pass_on(out: web.StreamResponse, chunk: bytes, feed: Callable[[bytes], None] | None,
+                   remove_usage: UsageEventRemover | None, last: bytes) -> bytes:
+    """Write `chunk` (less the usage event the gateway asked for) and meter it; returns the
+    last bytes relayed so far."""
+    sent = chunk if remove_usage is None else remove_usage(chunk)
+    if sent:
+        await out.write(sent)
+    if feed is not None:
+        feed(chunk)
+    return (last + sent)[-4:]

@@ -50,6 +50,7 @@ from multidict import CIMultiDict
 from argosy_runtime.background_tasks import running
 from argosy_runtime.gateway.config import GatewayConfig, TenantConfig
 from argosy_runtime.gateway.metrics import GatewayMetrics
+from argosy_runtime.gateway.proxy.asked_usage import UsageEventRemover, ask_for_usage
 from argosy_runtime.gateway.proxy.errors import error_response, invalid_api_key
 from argosy_runtime.gateway.proxy.relay import CLIENT_CLOSED
 from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_chars
@@ -83,6 +84,7 @@ def _request_key(name: str, kind: Any) -> Any:
 _TENANT = _request_key("argosy_tenant", str)
 _LEASE = _request_key("argosy_tenant_lease", Lease)
 _HEADERS = _request_key("argosy_tenant_ratelimit_headers", dict)
+_ASKED_USAGE = _request_key("argosy_tenant_asked_usage", bool)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -258,6 +260,19 @@ class TenantGate:
             return False
         body["priority"] = floor
         return True
+
+    def ask_for_usage(self, request: web.Request, body: dict[str, Any]) -> bool:
+        """Ask for the usage of a metered stream the client did not ask it for (asked_usage.py);
+        True when `body` changed."""
+        if request.get(_LEASE) is None or not ask_for_usage(request.path, body):
+            return False
+        request[_ASKED_USAGE] = True
+        return True
+
+    @staticmethod
+    def usage_remover(request: web.Request) -> UsageEventRemover | None:
+        """What takes the usage event `ask_for_usage` asked for out of the client's stream."""
+        return UsageEventRemover() if request.get(_ASKED_USAGE) else None
 
     def meter(self, request: web.Request, path: str, body: dict, status: int,
               content_type: str) -> ChargedAnswer | _Uncharged:
