@@ -333,6 +333,8 @@ def test_usage_of_chat_completions_and_responses_answers() -> None:
     assert usage_of({"type": "response.completed",
                      "response": {"usage": {"input_tokens": 2, "output_tokens": 9}}}) == Usage(2, 9)
     assert usage_of({"choices": [], "usage": None}) is None
+    # vLLM's rerank answer: only total_tokens, every one of them input
+    assert usage_of({"results": [], "usage": {"total_tokens": 12}}) == Usage(12, 0)
     assert usage_of({"usage": {"prompt_tokens": "5", "completion_tokens": 1}}) is None
     assert usage_of([1, 2]) is None
 

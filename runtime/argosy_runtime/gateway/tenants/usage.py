@@ -53,6 +53,8 @@ def usage_of(answer: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if prompt is None and not {"completion_tokens", "output_tokens"} & usage.keys():
+        prompt = usage.get("total_tokens")  # vLLM's rerank answers say only this: all input
     # An embeddings answer reports only `prompt_tokens` (and `total_tokens`): it generated
     # nothing, so its completion tokens are 0 and the tenant pays for its inputs alone.
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
