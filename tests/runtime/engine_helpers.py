@@ -86,6 +86,22 @@ def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Sampl
     return done
 
 
+def fail_the_nth_step(engine: LLMEngine, monkeypatch, n: int) -> None:  # noqa: ANN001
+    """The model runner's n-th step from now on raises RuntimeError("injected step
+    failure"); the others run."""
+    execute = engine.runner.execute
+    calls = 0
+
+    def fails_on_the_nth_call(sched):  # noqa: ANN001, ANN202
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise RuntimeError("injected step failure")
+        return execute(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", fails_on_the_nth_call)
+
+
 def record_cpp_layer_calls(monkeypatch) -> list[int]:  # noqa: ANN001
     """From now on, the row count of every step that runs the C++ decode layers
     (CpuDecodeLayers), for tests that must prove the C++ path ran or did not."""

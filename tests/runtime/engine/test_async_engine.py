@@ -17,7 +17,7 @@ from argosy_runtime.async_engine import (
     RequestAbortedError,
 )
 from argosy_runtime.server.serving_common import with_deadline
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, fail_the_nth_step
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
@@ -68,17 +68,7 @@ async def test_abort_all_ends_every_waiting_consumer_with_a_reason(engine: LLMEn
 
 async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    execute = engine.runner.execute
-    calls = 0
-
-    def fails_on_the_third_call(sched):  # noqa: ANN001, ANN202
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("injected step failure")
-        return execute(sched)
-
-    monkeypatch.setattr(engine.runner, "execute", fails_on_the_third_call)
+    fail_the_nth_step(engine, monkeypatch, 3)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:

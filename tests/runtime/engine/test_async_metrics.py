@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from argosy_runtime import LLMEngine, SamplingParams
 from argosy_runtime.async_engine import AsyncEngine, EngineDeadError
+from engine_helpers import fail_the_nth_step
 
 
 class Recorder:
@@ -88,17 +89,7 @@ async def test_a_request_aborted_while_waiting_is_counted_but_not_its_prompt(
 
 async def test_the_requests_of_a_failed_step_are_counted_as_errors(
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    execute = engine.runner.execute
-    calls = 0
-
-    def fails_on_the_third_call(sched):  # noqa: ANN001, ANN202
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("injected step failure")
-        return execute(sched)
-
-    monkeypatch.setattr(engine.runner, "execute", fails_on_the_third_call)
+    fail_the_nth_step(engine, monkeypatch, 3)
 
     async def body(async_engine: AsyncEngine) -> None:
         with pytest.raises(EngineDeadError):
