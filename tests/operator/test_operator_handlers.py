@@ -763,20 +763,22 @@ async def test_a_cached_absent_answer_does_not_delay_noticing_the_crd(
             assert len(_discovery_reads(kube)) == 3
 
 
-def _fail_discovery_once(kube: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The next ServiceMonitor discovery request gets a proxy's plain-text 503."""
+def _fail_get_once(kube: Any, monkeypatch: pytest.MonkeyPatch,
+                   path: str = "/apis/monitoring.coreos.com/v1") -> list[int]:
+    """The next GET of `path` (by default the ServiceMonitor discovery request) gets a
+    proxy's plain-text 503. Returns a list emptied when it has."""
     import aiohttp.web
 
     handle, failures = kube._handle, [1]
 
     async def proxy_hiccup(request: Any) -> Any:
-        if request.method == "GET" and failures \
-                and request.url.path == "/apis/monitoring.coreos.com/v1":
+        if request.method == "GET" and failures and request.url.path == path:
             failures.pop()
             return aiohttp.web.Response(status=503, text="upstream connect error")
         return await handle(request)
 
     monkeypatch.setattr(kube, "_handle", proxy_hiccup)
+    return failures
 
 
 @pytest.mark.no_servicemonitor
@@ -793,7 +795,7 @@ async def test_a_discovery_5xx_does_not_stop_noticing_the_crd(
         owner = await api.get_or_none(f"{LLMD_PATH}/chat")
         crd = await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
         reconciled = _count_reconciles(monkeypatch, "name")
-        _fail_discovery_once(kube, monkeypatch)
+        _fail_get_once(kube, monkeypatch)
         with caplog.at_level(logging.WARNING, logger="argosy.operator"):
             if path == "recheck-timer":
                 await handlers.servicemonitor_recheck(meta=owner["metadata"], namespace=NS)
@@ -818,22 +820,12 @@ async def test_a_failed_list_of_owners_does_not_lose_the_crds_reconciles(
     on that list escaped the handler (kopf never retries an event handler), and with the CRD
     already marked seen no later event of it tried again: no ServiceMonitor until a restart
     or a spec change. The list is retried, as the discovery request before it is."""
-    import aiohttp.web
     from argosy_operator import handlers
 
     async with reconciled_by_the_handlers(kube, api, monkeypatch, (0.05,)):
         crd = await api.call("POST", CRD_PATH, SERVICEMONITOR_CRD, "application/json")
         reconciled = _count_reconciles(monkeypatch, "name")
-        handle, failures = kube._handle, [1]
-
-        async def list_hiccup(request: Any) -> Any:
-            if request.method == "GET" and failures \
-                    and request.url.path == "/apis/argosy.dev/v1alpha1/llmdeployments":
-                failures.pop()
-                return aiohttp.web.Response(status=503, text="upstream connect error")
-            return await handle(request)
-
-        monkeypatch.setattr(kube, "_handle", list_hiccup)
+        failures = _fail_get_once(kube, monkeypatch, "/apis/argosy.dev/v1alpha1/llmdeployments")
         monkeypatch.setitem(handlers._state, "clusterwide", True)
         monkeypatch.setattr(handlers, "_established_crds", set())
         await handlers.servicemonitor_crd_changed(
