@@ -112,8 +112,8 @@ class PrefixAffinityPolicy(Policy):
 
     Prompts shorter than `routing.min_prefix_chars` carry no useful prefix and go to the
     `fallback` policy (least-load by default), unless a `prompt_cache_key` places them; so do
-    requests when every replica is over its
-    bound, which only the KV high-watermark can cause (the in-flight bound always leaves room).
+    requests when every replica is over its bound, which only the KV high-watermark can
+    cause (the in-flight bound always leaves room).
     """
 
     name = "prefix-affinity"
