@@ -90,6 +90,7 @@ class Tokenizer:
         unk_token: str | None = None,
         chat_template: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
+        tool_use_chat_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -97,6 +98,10 @@ class Tokenizer:
         self.pad_token = pad_token
         self.unk_token = unk_token
         self.chat_template = chat_template
+        # A model's template named "tool_use" (Hermes 2 Pro / Hermes 3, Command R): what
+        # transformers' get_chat_template (and so vLLM) renders a request with tools through.
+        # Set after chat_template: assigning chat_template clears it.
+        self._tool_use_chat_template = tool_use_chat_template
         eos_ids = [self._token_id(eos_token)] if eos_token is not None else []
         eos_ids += list(extra_eos_token_ids)
         self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
@@ -104,6 +109,18 @@ class Tokenizer:
         # tokenizing threads over them
         self._truncating_backends: OrderedDict[int, BackendTokenizer] = OrderedDict()
         self._truncating_lock = threading.Lock()
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's default chat template (None: it has none)."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, value: str | None) -> None:
+        # A template set in its place (--chat-template) is used for every request, tools or
+        # not, as vLLM's --chat-template is: the model's own tool_use template goes with it.
+        self._chat_template = value
+        self._tool_use_chat_template = None
 
     # ---- construction -------------------------------------------------------------------
 
@@ -129,13 +146,15 @@ class Tokenizer:
                 value = value.get("content")
             return value
 
+        templates = _hf_chat_templates(folder, config)
         return cls(
             backend,
             bos_token=special("bos_token"),
             eos_token=special("eos_token"),
             pad_token=special("pad_token"),
             unk_token=special("unk_token"),
-            chat_template=_hf_chat_template(folder, config),
+            chat_template=templates.get("default"),
+            tool_use_chat_template=templates.get("tool_use"),
         )
 
     @classmethod
@@ -309,13 +328,17 @@ class Tokenizer:
         Same environment as transformers: sandboxed jinja2 with trim_blocks/lstrip_blocks, the
         `raise_exception`, `strftime_now` globals and a non-escaping `tojson` filter; the
         special tokens are available as `bos_token`, `eos_token`, `pad_token`, `unk_token`.
+        With `tools`, a model's template named "tool_use" renders instead of its default one,
+        as transformers' `get_chat_template(tools=...)` picks it.
         """
-        if not self.chat_template:
+        source = self.chat_template
+        if template_kwargs.get("tools") is not None and self._tool_use_chat_template:
+            source = self._tool_use_chat_template
+        if not source:
             raise ValueError(
                 "this model's tokenizer has no chat template; send a plain completion prompt instead"
             )
-        return self.render_template(self.chat_template, messages, add_generation_prompt,
-                                    **template_kwargs)
+        return self.render_template(source, messages, add_generation_prompt, **template_kwargs)
 
     def render_template(
         self,
@@ -364,18 +387,27 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """The default chat template: chat_template.jinja, chat_template.json or tokenizer_config."""
+def _hf_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The chat templates by name ("default", "tool_use", ...), where transformers finds
+    them: template files (chat_template.jinja is "default", additional_chat_templates/X.jinja
+    is "X": how transformers saves several), else chat_template.json, else tokenizer_config
+    (one template, or a list of named ones)."""
+    named: dict[str, str] = {}
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        named["default"] = jinja_file.read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            named[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if named:  # template files take precedence over templates in the configs, as there
+        return named
     template = _read_json(folder / "chat_template.json").get("chat_template")
     if template is None:
         template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default")
-    return template
+        return {t.get("name"): t.get("template") for t in template if t.get("template")}
+    return {"default": template} if template is not None else {}
 
 
 def _byte_level_bpe(
