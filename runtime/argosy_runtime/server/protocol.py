@@ -193,7 +193,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     refusal: str | None = None
     # An assistant reply's thinking as a reasoning parser returned it, sent back with the
-    # history: accepted and not shown to the model (templates drop earlier turns' thinking).
+    # history: passed to the template, which decides (most drop earlier turns' thinking;
+    # Qwen3's shows that of the turns after the last user message, as in a tool-call chain).
     reasoning_content: str | None = None
     # Fields of a reply message (OpenAI's and vLLM's) that a client sends back with the
     # history as it got them (`message.model_dump()` sets them all, mostly to null). Citations

@@ -130,6 +130,8 @@ def render_chat_text(ctx: ServingContext, chat_messages: list[ChatMessage],
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             msg["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+        if m.reasoning_content is not None:  # Qwen3's template shows it after the last user turn
+            msg["reasoning_content"] = m.reasoning_content
         messages.append(msg)
     # Templates that know tools (Llama 3.1, Qwen2.5, ...) show them to the model.
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}

@@ -19,12 +19,15 @@ pytestmark = pytest.mark.slow  # starts `argosy serve` processes
 # Qwen3's switch, reduced to what it does to the prompt: an empty think block when off.
 # Refusing a system message with `raise_exception`, as Gemma's and Mistral's templates refuse
 # what they cannot render.
-# `keep_last` is a template variable of this test's own: the last k messages.
+# `keep_last` is a template variable of this test's own: the last k messages. An assistant
+# turn's `reasoning_content` is shown, as Qwen3's template shows it after the last user turn.
 TEMPLATE = (
     "{% if keep_last is defined %}{% set messages = messages[-keep_last:] %}{% endif %}"
     "{% for m in messages %}{% if m.role == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}"
-    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
@@ -55,6 +58,15 @@ def test_template_variables_reach_the_template(server: ServerProcess) -> None:
     assert "<think>" not in _prompt(server, chat_template_kwargs={"enable_thinking": True})
     assert _prompt(server, chat_template_kwargs={"enable_thinking": False}).endswith(
         "assistant\n<think>\n\n</think>\n\n")
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template(server: ServerProcess) -> None:
+    # Qwen3's template shows the thinking of the turns after the last user message (a tool
+    # call's reasoning, then its result): vLLM passes it on; it was dropped.
+    messages = [*MESSAGES, {"role": "assistant", "content": "", "reasoning_content": "I need a tool",
+                            "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                "name": "f", "arguments": "{}"}}]}]
+    assert "<think>I need a tool</think>" in _prompt(server, messages=messages)
 
 
 def test_chat_completion_counts_the_rendered_prompt(server: ServerProcess) -> None:
