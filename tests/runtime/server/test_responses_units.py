@@ -167,6 +167,23 @@ def _entry(i: int) -> StoredResponse:
     return StoredResponse({"id": f"resp_{i}", "output": []}, (), ())
 
 
+def test_text_verbosity_is_accepted_and_echoed() -> None:
+    """OpenAI's `text.verbosity` (GPT-5 clients send it; vLLM takes it) was an "unknown
+    field" 400: it is accepted and echoed without effect, as `reasoning.effort` is."""
+    from pydantic import ValidationError
+
+    req = ResponsesRequest(input="Hi", text={"verbosity": "low"})
+    made = response_object(req, response_id="resp_1", created_at=1, model="m",
+                           status="completed", output=[])
+    assert Response.model_validate(made).text.verbosity == "low"
+    assert made["text"] == {"format": {"type": "text"}, "verbosity": "low"}
+    unset = response_object(ResponsesRequest(input="Hi"), response_id="resp_2", created_at=1,
+                            model="m", status="completed", output=[])
+    assert unset["text"] == {"format": {"type": "text"}}
+    with pytest.raises(ValidationError):  # OpenAI's three values only
+        ResponsesRequest(input="Hi", text={"verbosity": "loud"})
+
+
 def test_store_is_a_bounded_lru() -> None:
     store = ResponseStore(max_entries=2)
     store.put(_entry(1))

@@ -5,10 +5,10 @@ honoured (`model`, `input`, `instructions`, `max_output_tokens`, `temperature`, 
 `stream`, `store`, `background` (with `store`), `previous_response_id`, `text.format`,
 function `tools`, `tool_choice`, `parallel_tool_calls`), accepted and echoed without effect
 (`user`, `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
-`prompt_cache_retention`, `max_tool_calls`, `reasoning.effort`, `stream_options`), and
-accepted only at their "off" value, anything else a 400 naming the field (`include`,
-`truncation`, `top_logprobs`, `reasoning.summary`). vLLM's sampling extras are accepted as on chat
-completions.
+`prompt_cache_retention`, `max_tool_calls`, `reasoning.effort`, `text.verbosity`,
+`stream_options`), and accepted only at their "off" value, anything else a 400 naming the
+field (`include`, `truncation`, `top_logprobs`, `reasoning.summary`). vLLM's sampling extras
+are accepted as on chat completions.
 
 `input`, `tools` and `tool_choice` are plain JSON here, checked by `input_items.py` and
 `tools.py` so that each 400 names the exact item and part (`input[1].content[0].type`,
@@ -52,6 +52,9 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = _FORBID
     format: TextFormat | None = None
+    # OpenAI's `text.verbosity` (what GPT-5 clients send, and vLLM takes): accepted and echoed
+    # without effect, like `reasoning.effort`; it was an "unknown field" 400.
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class Reasoning(BaseModel):
