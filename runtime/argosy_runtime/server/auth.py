@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import hmac
 
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
+# Exact paths, not prefixes: `path.startswith(...)` left every unknown path that begins with
+# one open ("/healthz", "/metrics/x", "/docs-internal") answered without the key, where
+# docs/server.md has unknown paths ask for it like any other. "/docs/oauth2-redirect" is the
+# Swagger UI page /docs loads.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect",
+                        "/openapi.json", "/redoc"})
 
 
 def requires_auth(path: str) -> bool:
-    return not path.startswith(OPEN_PATHS)
+    # A trailing slash stays open ("/health/" is redirected to "/health", a probe follows it)
+    return path.rstrip("/") not in OPEN_PATHS
 
 
 def is_authorized(authorization: str | None, api_key: str) -> bool:

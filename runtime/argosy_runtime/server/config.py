@@ -86,8 +86,14 @@ class ServerConfig:
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.log_level!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None:
+            if not self.api_key.strip():
+                raise ValueError("api_key must not be empty")
+            # An HTTP header value has no leading or trailing whitespace (the server strips
+            # it, clients refuse a newline in one), so a key with some could never match:
+            # every request, the batch runner's own included, was a 401. Kubernetes hands
+            # ARGOSY_API_KEY over so from a Secret made of a file ending in a newline.
+            object.__setattr__(self, "api_key", self.api_key.strip())
         if self.embedding_pooling is not None and self.embedding_pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
                              f"got {self.embedding_pooling!r}")
