@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,8 @@ from argosy_runtime.server.request_log import request_log
 from argosy_runtime.server.tool_calls import calls_tools, check_tool_choice, tool_call_constraint
 from argosy_runtime.structured_output import StructuredOutputsParams
 from starlette.requests import Request
+
+logger = logging.getLogger(__name__)
 
 MAX_PROMPTS_PER_REQUEST = 64
 
@@ -572,6 +575,16 @@ async def with_deadline(ctx: ServingContext, gen: AsyncIterator[str],
                 return
             except APIError as exc:  # a sequence failed mid-generation (merge_streams)
                 yield sse(exc.body())
+                yield SSE_DONE
+                return
+            except Exception:  # a bug making the stream's events (a parser's, say)
+                # The status line went out: without an event the client saw the connection
+                # cut, with no word of why and no [DONE]. The traceback is for the log.
+                logger.exception("a stream failed mid-answer")
+                yield sse({"error": {"message": "internal server error while streaming the "
+                                                "answer (the server's log has the traceback)",
+                                     "type": "server_error", "param": None,
+                                     "code": "internal_error"}})
                 yield SSE_DONE
                 return
             yield chunk

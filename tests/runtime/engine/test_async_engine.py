@@ -89,18 +89,25 @@ async def _assert_serves_a_new_request(async_engine: AsyncEngine) -> None:
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
 
 
-async def test_a_stream_the_engine_ends_closes_with_an_error_event_and_done() -> None:
+@pytest.mark.parametrize(("failure", "code", "said"), [
+    (RequestAbortedError("request aborted: the server is shutting down; send it again"),
+     "engine_unavailable", "shutting down"),
+    # a bug while the events are made (was: the connection cut, no event, no [DONE])
+    (RuntimeError("a parser bug"), "internal_error", "server's log"),
+])
+async def test_a_stream_the_engine_ends_closes_with_an_error_event_and_done(
+        failure: Exception, code: str, said: str) -> None:
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(request_timeout=None))
 
     async def chunks():  # noqa: ANN202
         yield "data: {}\n\n"
-        raise RequestAbortedError("request aborted: the server is shutting down; send it again")
+        raise failure
 
     sent = [c async for c in with_deadline(ctx, chunks(), on_timeout=lambda: "unused")]
     assert sent[0] == "data: {}\n\n" and sent[-1] == "data: [DONE]\n\n"
     error = json.loads(sent[1].removeprefix("data: "))["error"]
-    assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
-    assert "shutting down" in error["message"]
+    assert (error["type"], error["code"]) == ("server_error", code)
+    assert said in error["message"]
 
 
 async def test_a_failed_step_does_not_leave_a_full_queue_refusing_every_request(
