@@ -82,13 +82,17 @@ class LLM:
                             f"prompt (LLM.embed takes PoolingParams); got {_type_names(params)}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._run(prompts, params, lora_name)
+        outs = self._run(prompts, params, lora_name)
+        _fill_decoded_tokens(outs, self.engine.tokenizer)  # here: beam_search needs none
+        return outs
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                    params: BeamSearchParams, lora_name: str | None = None
-                    ) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_name: str | None = None, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """The `params.beam_width` most probable continuations of each prompt, best first
-        (beam_search.py: transformers' beam search). All prompts' beams share each step."""
+        (beam_search.py: transformers' beam search). All prompts' beams share each step.
+        `use_tqdm` (vLLM's) is accepted and ignored."""
+        del use_tqdm
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         tokenizer = self.engine.tokenizer
@@ -107,9 +111,17 @@ class LLM:
 
     def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
               params: PoolingParams | None = None,
-              lora_name: str | None = None) -> list[RequestOutput]:
+              lora_name: str | None = None, *, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
         """Embeddings in the order of `prompts`: each output's `embedding` is the pooled
-        (default: last token), L2-normalized final hidden state (pooling_params.py)."""
+        (default: last token), L2-normalized final hidden state (pooling_params.py).
+        `pooling_params=` (vLLM's keyword for `params`) and `use_tqdm` are accepted so that
+        vLLM code runs unchanged."""
+        del use_tqdm
+        if pooling_params is not None:
+            if params is not None:
+                raise TypeError("give params or pooling_params (the same argument), not both")
+            params = pooling_params
         prompts = self._prompt_list(prompts)
         if params is not None and not isinstance(params, PoolingParams):
             # A SamplingParams here generated text instead, and returned no embeddings.
@@ -118,17 +130,21 @@ class LLM:
         return self._run(prompts, [params or PoolingParams()] * len(prompts), lora_name)
 
     def classify(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                 lora_name: str | None = None) -> list[RequestOutput]:
+                 lora_name: str | None = None, *, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
         """Classes in the order of `prompts`, for a sequence-classification checkpoint
         (`*ForSequenceClassification`: a classifier, reward model or cross-encoder): each
         output's `classification` holds the head's `logits` at the last token, `probs`
-        (softmax; sigmoid for one label) and the most probable `label`."""
+        (softmax; sigmoid for one label) and the most probable `label`. `use_tqdm`
+        (vLLM's) is accepted and ignored."""
+        del use_tqdm
         prompts = self._prompt_list(prompts)
         return self._run(prompts, [PoolingParams(task="classify")] * len(prompts), lora_name)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               lora_name: str | None = None, *, chat_template: str | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[float]:
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+              ) -> list[float]:
         """The score of each (text_1, text_2) pair, as POST /v1/score answers: pairs 1-to-1,
         1-to-N or N-to-N (scoring.pair_up). An embedding model scores by the cosine of the
         two embeddings (each distinct text embedded once); a cross-encoder (a one-label
@@ -138,7 +154,8 @@ class LLM:
         {"role": "document", "content": text_2}] (the text, or a file holding it).
         `truncate_prompt_tokens` (vLLM's, cross-encoders): each pair's prompt cut to k tokens
         from its end, as /v1/score cuts it (-1: the model's length; see
-        scoring.cross_encoder_prompt)."""
+        scoring.cross_encoder_prompt). `use_tqdm` (vLLM's) is accepted and ignored."""
+        del use_tqdm
         firsts = _texts("text_1", text_1)
         seconds = _texts("text_2", text_2)
         if not firsts or not seconds:
@@ -206,9 +223,15 @@ class LLM:
                     # Which of many prompts is wrong: the engine's message cannot say.
                     raise ValueError(f"prompts[{i}]: {exc}") from exc
                 added.append(rid)
-            while len(finished) < len(ids):
+            # Only this call's requests count: `LLM.engine` is public, and a request a caller
+            # added there directly finishing here made len(finished) reach len(ids) early,
+            # so the return below raised a KeyError with this call's requests still running
+            # (never aborted: they held their KV blocks and ran on in later calls).
+            pending = set(ids)
+            while pending:
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
                         finished[out.request_id] = out
         except BaseException:
             # A bad prompt, a failing step (the model raised, out of memory) or Ctrl-C: no
@@ -220,14 +243,19 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             lora_name: str | None = None, *, chat_template: str | None = None,
+             lora_name: str | None = None, *,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation as POST /v1/chat/completions renders it (its
         render_chat_text: content parts joined, "developer" as "system", tool-call arguments
         as objects, `tools` and `chat_template_kwargs` shown to the template), then generate.
-        `chat_template` (the text, or a file holding it) replaces the model's for this call."""
+        `chat_template` (the text, or a file holding it) replaces the model's for this call.
+        `sampling_params=` and `use_tqdm` as LLM.generate takes them (vLLM's chat examples
+        call `llm.chat(messages, sampling_params=..., use_tqdm=False)`: a TypeError here)."""
+        del use_tqdm
         # The server's own renderer, imported here: `import argosy_runtime` stays free of
         # fastapi, and the two can never render a conversation differently.
         from pydantic import ValidationError
@@ -265,7 +293,7 @@ class LLM:
             # The template already holds any BOS it wants: encode without special tokens.
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
             texts.append(text)
-        outs = self.generate(prompts, params, lora_name)
+        outs = self.generate(prompts, params, lora_name, sampling_params=sampling_params)
         for out, text in zip(outs, texts, strict=True):
             out.prompt = text  # the rendered conversation, as vLLM's chat outputs hold it
         return outs
@@ -301,6 +329,28 @@ def _prompt_of_dict(prompt: dict[str, Any], where: str) -> str | list[int]:
     if "prompt" in prompt:
         return prompt["prompt"]
     raise ValueError(f"{where}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+
+
+def _fill_decoded_tokens(outs: list[RequestOutput], tokenizer: Any) -> None:
+    """Each Logprob's `decoded_token`, as vLLM's LLM returns it: the engine leaves it None
+    (the server decodes its JSON itself), so `lp.decoded_token` of LLM.generate was always
+    None where vLLM code reads the token's text. Each token decoded alone with its special
+    tokens, as vLLM's convert_ids_list_to_tokens (and the server's token_text) do."""
+    cache: dict[int, str] = {}
+
+    def fill(position: dict[int, Any] | None) -> None:
+        for token, lp in (position or {}).items():
+            if lp.decoded_token is None:
+                if token not in cache:
+                    cache[token] = tokenizer.decode([token], skip_special_tokens=False)
+                lp.decoded_token = cache[token]
+
+    for out in outs:
+        for position in out.prompt_logprobs or ():
+            fill(position)
+        for seq in out.outputs:
+            for position in seq.logprobs or ():
+                fill(position)
 
 
 def _type_names(value: Any) -> str:
