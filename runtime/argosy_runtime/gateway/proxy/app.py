@@ -548,7 +548,8 @@ class Gateway:
             code = await relay(request, out, resp, upstream.replica.url,
                                first_chunk=upstream.first_chunk, feed=charged.feed,
                                idle_timeout_s=self.config.stream_idle_timeout_s,
-                               remove_usage=self.tenants.usage_remover(request))
+                               remove_usage=self.tenants.usage_remover(
+                                   request, resp.content_type))
         except asyncio.CancelledError:
             code = CLIENT_CLOSED  # the client went away (handler cancelled)
             raise

@@ -270,9 +270,12 @@ class TenantGate:
         return True
 
     @staticmethod
-    def usage_remover(request: web.Request) -> UsageEventRemover | None:
-        """What takes the usage event `ask_for_usage` asked for out of the client's stream."""
-        return UsageEventRemover() if request.get(_ASKED_USAGE) else None
+    def usage_remover(request: web.Request, content_type: str) -> UsageEventRemover | None:
+        """What takes the usage event `ask_for_usage` asked for out of the client's stream
+        (an answer of another type, such as a JSON error, passes as it is)."""
+        if request.get(_ASKED_USAGE) and content_type == "text/event-stream":
+            return UsageEventRemover()
+        return None
 
     def meter(self, request: web.Request, path: str, body: dict, status: int,
               content_type: str) -> ChargedAnswer | _Uncharged:
