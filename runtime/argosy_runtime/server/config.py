@@ -94,6 +94,11 @@ class ServerConfig:
             # every request, the batch runner's own included, was a 401. Kubernetes hands
             # ARGOSY_API_KEY over so from a Secret made of a file ending in a newline.
             object.__setattr__(self, "api_key", self.api_key.strip())
+            if not self.api_key.isascii():
+                # Header bytes arrive decoded as latin-1: a non-ASCII key could never match
+                # what a client sends (its UTF-8 bytes), so every request would be a 401.
+                raise ValueError("api_key must be ASCII (HTTP header values are bytes; "
+                                 "clients send a non-ASCII key as something else)")
         if self.embedding_pooling is not None and self.embedding_pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
                              f"got {self.embedding_pooling!r}")

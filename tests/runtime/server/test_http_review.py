@@ -32,6 +32,8 @@ def test_an_api_key_from_a_secret_file_with_a_newline_still_authorizes(
     assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert c.get("/v1/models", headers={"Authorization": "Bearer other"}).status_code == 401
     assert ServerConfig(api_key="  s3cret ").api_key == "s3cret"  # --api-key, the same
+    with pytest.raises(ValueError, match="ASCII"):  # it could never match a header either
+        ServerConfig(api_key="clé")
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/metrics/x", "/ready-now", "/docs-internal",
