@@ -335,6 +335,8 @@ def test_reasoning_items_are_listed_but_not_shown_to_the_model() -> None:
                                        "function_call", "message"]
     assert parsed.items[1] == reasoning
     assert items[3].id.startswith("rs_") and items[3].summary[0].text == "s"
+    # a message sent back keeps its id (as function calls do); one without gets a new one
+    assert items[2].id == "msg_1" and items[0].id.startswith("msg_") and items[0].id != "msg_1"
 
 
 def test_http_metrics_label_response_routes_by_template() -> None:

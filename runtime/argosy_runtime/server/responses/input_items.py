@@ -72,7 +72,7 @@ def parse_input(value: Any, history: Iterable[dict[str, Any]] = ()) -> ParsedInp
         if kind == "message":
             message = _message(item, where)
             messages.append(message)
-            items.append(_listed_message(message["role"], message["content"]))
+            items.append(_listed_message(message["role"], message["content"], item.get("id")))
         elif kind == "function_call":
             listed = _function_call(item, where)
             known_calls.add(listed["call_id"])
@@ -101,10 +101,14 @@ def parse_input(value: Any, history: Iterable[dict[str, Any]] = ()) -> ParsedInp
     return ParsedInput(messages, items)
 
 
-def _listed_message(role: str, text: str) -> dict[str, Any]:
+def _listed_message(role: str, text: str, item_id: Any = None) -> dict[str, Any]:
+    """A message as input_items lists it: under the id it was sent back with (an earlier
+    response's `msg_...`), as function calls keep theirs; a new one if it has none."""
+    if not (isinstance(item_id, str) and item_id):
+        item_id = new_item_id("msg")
     if role == "assistant":
-        return message_item(new_item_id("msg"), text, "completed")
-    return {"id": new_item_id("msg"), "type": "message", "role": role, "status": "completed",
+        return message_item(item_id, text, "completed")
+    return {"id": item_id, "type": "message", "role": role, "status": "completed",
             "content": [{"type": "input_text", "text": text}]}
 
 
