@@ -12,6 +12,7 @@ import statistics
 import pytest
 from argosy_runtime.benchmarks import serve
 from argosy_runtime.benchmarks.serve import arrival_times
+from http_helpers import serve_app
 
 
 def test_poisson_arrivals_offer_the_stated_rate() -> None:
@@ -88,16 +89,12 @@ async def _run_against_fake(endpoint: str, specs: list[serve.RequestSpec],
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, url = await serve_app(app)
     try:
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)
         args = parser.parse_args(["--endpoint", endpoint, *cli])
-        results, duration = await serve.run_rate(f"http://127.0.0.1:{port}", "m", specs,
+        results, duration = await serve.run_rate(url, "m", specs,
                                                  float("inf"), args)
         return serve.summarize(results, duration, float("inf")), state["max_running"]
     finally:

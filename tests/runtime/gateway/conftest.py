@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # serve_harness
+sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/runtime: http_helpers
 
 from argosy_runtime.gateway.config import GatewayConfig  # noqa: E402
 from argosy_runtime.gateway.proxy.app import Gateway, start_gateway  # noqa: E402

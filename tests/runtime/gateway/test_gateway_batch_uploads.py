@@ -20,6 +20,7 @@ from argosy_runtime.gateway.proxy import app as gateway_app
 from argosy_runtime.gateway.proxy import batch_routes
 from argosy_runtime.server.batch.file_store import FileStore
 from batch_replica import BatchReplica, start_batch_replica
+from http_helpers import serve_app
 
 BODY_LIMIT = 8 * 1024  # the gateway's request body limit in these tests
 FILE_LIMIT = 64 * 1024  # the file limit of the gateway and the replica
@@ -193,11 +194,7 @@ async def test_a_replica_hanging_on_its_list_leaves_it_out_in_the_health_timeout
 
     app.router.add_get("/metrics", no_metrics)
     app.router.add_get("/v1/files", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    stuck = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, stuck = await serve_app(app)
     good, files = await replica(FILE_LIMIT)
     uploaded = files.create(io.BytesIO(_jsonl(500)), "a.jsonl", "batch")
     try:

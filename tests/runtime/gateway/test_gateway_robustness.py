@@ -24,6 +24,7 @@ from argosy_runtime.gateway.config import (
 from argosy_runtime.gateway.proxy import app as gateway_app
 from argosy_runtime.gateway.proxy.upstream import MAX_RETRY_AFTER_S, parse_retry_after
 from gateway_helpers import servers_of
+from http_helpers import serve_app
 
 COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 4}
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -430,11 +431,7 @@ async def test_a_replica_listing_models_wrongly_breaks_nothing(fake_replicas, ga
     odd.router.add_get("/v1/models", models)
     odd.router.add_get("/v1/files", models)
     odd.router.add_get("/v1/batches", batches)
-    runner = web.AppRunner(odd)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    odd_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, odd_url = await serve_app(odd)
     try:
         (r,) = await fake_replicas(1)
         _, url = await gateway(config(r.url, odd_url))
