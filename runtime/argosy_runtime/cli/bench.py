@@ -46,3 +46,8 @@ def run(args: argparse.Namespace) -> int:
         # --engine-arg, an --input-len the engine refuses): one line, not a traceback.
         print(f"argosy bench {args.bench_kind}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # A file it reads or writes (--compare, --json, --markdown): a FileNotFoundError
+        # traceback, exit 1, the writes only once the whole benchmark had run.
+        print(f"argosy bench {args.bench_kind}: error: {exc}", file=sys.stderr)
+        return 2

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     import yaml
 
+    from argosy_runtime.cli.serve import check_listen_address  # light: no torch
     from argosy_runtime.gateway.proxy.app import run_gateway
 
     logging.basicConfig(
@@ -115,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
     except yaml.YAMLError as exc:  # not a ValueError: was a traceback
         print(f"argosy gateway: --config {args.config}: not valid YAML: "
               f"{' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    try:  # a mistyped --host or a port in use: was an OSError traceback, exit 1
+        check_listen_address(config.host, config.port)
+    except ValueError as exc:
+        print(f"argosy gateway: error: {exc}", file=sys.stderr)
         return 2
     # Ctrl-C before run_gateway's handlers are in place (the listening socket not yet bound)
     # reaches main(): one line and 130, as every other argosy command.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import urllib.parse
 
 HANDLERS_MODULE = "argosy_operator.handlers"
 # A namespace name (DNS-1123 label). The operator turns off kopf's namespace scanning (no RBAC
@@ -28,6 +29,20 @@ def namespace_name(value: str) -> str:
     return value
 
 
+def liveness_url(value: str) -> str:
+    """kopf serves only http://HOST:PORT/PATH; anything else was a traceback from kopf's
+    health reporter, after start-up, exit 1."""
+    parts = urllib.parse.urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme != "http" or port == -1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an http URL with a valid port, e.g. http://0.0.0.0:8080/healthz")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "operator",
@@ -41,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="Watch only this namespace (repeatable; exact names, not patterns). "
              "Default: all namespaces.")
     parser.add_argument(
-        "--liveness", metavar="URL",
+        "--liveness", metavar="URL", type=liveness_url,
         help="Serve kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
     parser.add_argument("--verbose", action="store_true", help="Log more.")
     parser.add_argument("--debug", action="store_true", help="Log everything.")
