@@ -7,12 +7,26 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
 
 S = TypeVar("S")
+
+FAKE_REPLICA = str(Path(__file__).with_name("fake_replica.py"))  # a replica command's script
+
+# fake_replica.py, unless the file named by $FAIL_IF_EXISTS exists: then it exits 1 at once,
+# like a replica whose model no longer loads.
+FLAKY = f"""
+import os, runpy, sys
+if os.path.exists(os.environ["FAIL_IF_EXISTS"]):
+    print("error: cannot load the model", flush=True)
+    sys.exit(1)
+sys.argv[0] = {FAKE_REPLICA!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def tiny_config(*urls: str, policy: str | None = None, **kw) -> GatewayConfig:

@@ -13,9 +13,9 @@ import pytest
 from argosy_runtime.fleet import supervisor
 from argosy_runtime.fleet.replica_process import ReplicaProcess
 from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
+from gateway_helpers import FAKE_REPLICA, FLAKY
 
 HERE = Path(__file__).parent
-FAKE_REPLICA = str(HERE / "fake_replica.py")
 
 # fake_replica.py with `argosy serve`'s drain: the first SIGTERM drains (here: 1.5 s, then exit
 # 0) and writes $DRAIN_MARK; a second SIGTERM during the drain exits at once (code 3), cutting
@@ -201,18 +201,6 @@ async def test_a_replica_failing_at_start_ends_the_others_start_ups(
     for pid in alive:
         psutil.Process(pid).kill()
     assert len(pids) == 2 and alive == [], f"started {len(pids)}, {len(alive)} left running"
-
-
-# fake_replica.py, unless the file named by $FAIL_IF_EXISTS exists: then it exits 1 at once,
-# like a replica whose model no longer loads.
-FLAKY = f"""
-import os, runpy, sys
-if os.path.exists(os.environ["FAIL_IF_EXISTS"]):
-    print("error: cannot load the model", flush=True)
-    sys.exit(1)
-sys.argv[0] = {FAKE_REPLICA!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 async def test_scale_down_keeps_the_ready_replica_while_a_replacement_is_pending(

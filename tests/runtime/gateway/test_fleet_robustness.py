@@ -23,8 +23,7 @@ import psutil
 import pytest
 from argosy_runtime.fleet import supervisor
 from argosy_runtime.fleet.supervisor import Fleet, FleetConfig
-
-FAKE_REPLICA = str(Path(__file__).with_name("fake_replica.py"))
+from gateway_helpers import FAKE_REPLICA, FLAKY
 
 # `argosy fleet ARGV[2:]` whose replicas run the script ARGV[1] instead of `argosy serve` (the
 # same flags are passed to it).
@@ -37,18 +36,6 @@ sys.exit(main(["fleet", *sys.argv[2:]]))
 """
 
 NEVER_READY = "import time\ntime.sleep(600)\n"  # a model that takes forever to load
-
-# fake_replica.py, unless the file named by $FAIL_IF_EXISTS exists: then it exits 1 at once,
-# like a replica whose model no longer loads.
-FLAKY = f"""
-import os, runpy, sys
-if os.path.exists(os.environ["FAIL_IF_EXISTS"]):
-    print("error: cannot load the model", flush=True)
-    sys.exit(1)
-sys.argv[0] = {FAKE_REPLICA!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def _running(pid: int) -> bool:
     try:
