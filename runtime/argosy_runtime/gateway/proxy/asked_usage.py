@@ -12,6 +12,7 @@ client did not ask for it, and code reading `chunk.choices[0]` breaks on it.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 STREAMED_GENERATIONS = ("/v1/completions", "/v1/chat/completions")
@@ -58,9 +59,15 @@ class UsageEventRemover:
         return rest
 
 
+# An empty `choices` array, with any JSON whitespace: with include_usage every chunk carries
+# `"usage"` (null until the last), so only lines with this are parsed (the meter parses every
+# line already; parsing each one again here would double that work per chunk).
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
 def _is_usage_event(line: bytes) -> bool:
     """`data: {..., "choices": [], "usage": {...}}`: the chunk include_usage adds."""
-    if not line.startswith(b"data:") or b'"usage"' not in line:
+    if not line.startswith(b"data:") or not _EMPTY_CHOICES.search(line):
         return False
     try:
         event = json.loads(line[5:])
