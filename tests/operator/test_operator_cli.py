@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -49,6 +50,28 @@ def test_kopf_drops_patterns_when_it_does_not_scan_namespaces() -> None:
     from kopf._cogs.structs.references import select_specific_namespaces
 
     assert select_specific_namespaces(["ml", "dev-*", "ml-?", "!kube-system", "a,b"]) == {"ml"}
+
+
+@pytest.mark.parametrize("kubeconfig_text,words", [
+    (None, ["no Kubernetes credentials", "KUBECONFIG"]),  # two tracebacks, exit 1
+    ("", ["/missing.yaml"]),  # a missing file: retried every 60 s forever
+    ("clusters: []\n", ["context is not set"]),  # kopf's LoginError, retried forever too
+])
+def test_an_operator_without_usable_credentials_says_so_and_exits(
+        tmp_path: Any, kubeconfig_text: str | None, words: list[str]) -> None:
+    env = {**os.environ, "HOME": str(tmp_path)}  # no ~/.kube/config
+    env.pop("KUBECONFIG", None)
+    if kubeconfig_text == "":
+        env["KUBECONFIG"] = str(tmp_path / "missing.yaml")
+    elif kubeconfig_text is not None:
+        (tmp_path / "config.yaml").write_text(kubeconfig_text)
+        env["KUBECONFIG"] = str(tmp_path / "config.yaml")
+    proc = subprocess.run([sys.executable, "-c", LAUNCH, "operator"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("argosy operator: error:"), proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
+    assert all(word in proc.stderr for word in words), proc.stderr
 
 
 async def test_argosy_operator_reconciles_without_torch(kube: Any, kubeconfig: str, api: Api

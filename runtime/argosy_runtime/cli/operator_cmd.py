@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import urllib.parse
 
 HANDLERS_MODULE = "argosy_operator.handlers"
@@ -80,8 +81,35 @@ def kopf_argv(args: argparse.Namespace) -> list[str]:
     return argv + ["-m", HANDLERS_MODULE]
 
 
+def credentials_problem() -> str | None:
+    """Why the operator could not log in to Kubernetes, or None if it can: the same two login
+    handlers the operator uses (argosy_operator.handlers.login), tried once before kopf starts.
+
+    Under kopf, a kubeconfig that cannot be read (a $KUBECONFIG naming a missing file, no
+    current-context) was retried every 60 s forever, and no credentials at all ended in two
+    tracebacks advising to "install an API client library".
+    """
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    try:
+        info = (kopf.login_with_service_account(settings=settings)
+                or kopf.login_with_kubeconfig(settings=settings))
+    except Exception as exc:  # OSError, yaml errors, KeyError of a context it names, ...
+        return (f"cannot use the kubeconfig ($KUBECONFIG or ~/.kube/config): "
+                f"{type(exc).__name__}: {exc}")
+    if info is None:
+        return ("no Kubernetes credentials: not in a pod with a service account, $KUBECONFIG "
+                "is unset and ~/.kube/config does not exist")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from kopf import cli  # kopf only here: `argosy --help` stays light
 
+    problem = credentials_problem()
+    if problem:
+        print(f"argosy operator: error: {problem}", file=sys.stderr)
+        return 2
     cli.main.main(args=kopf_argv(args), prog_name="kopf", standalone_mode=False)
     return 0
