@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     import yaml
 
+    from argosy_runtime.cli.serve import check_listen_address  # light: no torch
     from argosy_runtime.fleet.supervisor import Fleet, fleet_config_from
 
     logging.basicConfig(
@@ -116,6 +117,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"argosy fleet: {_name_the_flag(str(exc))}", file=sys.stderr)
+        return 2
+    try:  # a port in use is the user's to change: exit 2 like serve and gateway, not 1
+        check_listen_address(config.host, config.port)
+    except ValueError as exc:
+        print(f"argosy fleet: error: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> int:
