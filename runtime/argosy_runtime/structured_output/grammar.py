@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -313,6 +314,13 @@ def _allowed(bitmask: bytes, vocab_size: int) -> torch.Tensor:
     return bits.flatten()[:vocab_size].bool()
 
 
+# llguidance's `grammar_from("grammar", ...)` reads a text as Lark only where a line starts
+# with `start:` (or `%llguidance`), and converts anything else from GBNF: a Lark grammar whose
+# start rule is inlined (`?start: value`, the first line of Lark's own JSON example) or kept
+# (`!start:`) was a 400 "Failed to convert the grammar from GBNF to Lark".
+_LARK_INLINED_START = re.compile(r"(?m)^\s*[?!]start\s*:")
+
+
 def _llguidance_grammar(params: StructuredOutputsParams) -> str:
     import llguidance
 
@@ -327,6 +335,8 @@ def _llguidance_grammar(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in params.choice))
     try:
+        if _LARK_INLINED_START.search(params.grammar):
+            return llguidance.LLMatcher.grammar_from_lark(params.grammar)
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
     except ValueError as exc:
         raise ValueError(f"structured_outputs.grammar: {exc}") from None
