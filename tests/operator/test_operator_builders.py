@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import re
 from typing import Any
 
 import pytest
@@ -318,6 +319,24 @@ def test_a_pod_with_several_gpus_runs_one_tensor_parallel_engine() -> None:
     # extraArgs come after it, and the runtime's parser keeps the last value given
     args = _serve_args(resources={"gpus": 4}, runtime={"extraArgs": ["--tensor-parallel-size", "2"]})
     assert build_parser().parse_args(args).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("rollout", [{"maxSurge": "2", "maxUnavailable": "0"},
+                                     {"maxSurge": "25%", "maxUnavailable": 1}])
+def test_rollout_counts_written_as_strings_make_a_deployment_the_api_server_accepts(
+        rollout: dict[str, Any]) -> None:
+    llmd = {"apiVersion": "argosy.dev/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "x", "namespace": "ns", "uid": "u"},
+            "spec": {"model": {"name": "m", "path": "/models/m"}, "rollout": rollout}}
+    obj, errors = validate(llmd)
+    assert errors == []  # the CRD admits a count as a string, as it admits "25%"
+    dep = build_deployment(obj, normalize_spec(obj["spec"]), replicas=1)
+    rolling = dep["spec"]["strategy"]["rollingUpdate"]
+    for key, written in rollout.items():
+        # apps/v1 (ValidatePositiveIntOrPercent): an integer, or a string only as "N%"; a
+        # "2" there was refused on every reconcile.
+        assert isinstance(rolling[key], int) or re.fullmatch(r"[0-9]+%", rolling[key])
+        assert str(rolling[key]) == str(written)
 
 
 def test_pdb_follows_the_replica_ceiling() -> None:

@@ -45,6 +45,12 @@ def _probe(path: str, *, period: int, timeout: int, failures: int) -> dict[str, 
     }
 
 
+def _count_or_percent(value: int | str) -> int | str:
+    """A rollout count the CRD admits as a string ("1", like "25%") as the integer the
+    Deployment needs: the API server refuses a string there unless it is a percentage."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
 def _resources(spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
     res = spec["resources"]
     requests: dict[str, Any] = {}
@@ -222,7 +228,8 @@ def build_deployment(llmd: Mapping[str, Any], spec: Mapping[str, Any],
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {
-            "maxSurge": rollout["maxSurge"], "maxUnavailable": rollout["maxUnavailable"]}},
+            "maxSurge": _count_or_percent(rollout["maxSurge"]),
+            "maxUnavailable": _count_or_percent(rollout["maxUnavailable"])}},
         "progressDeadlineSeconds": rollout["progressDeadlineSeconds"],
         "revisionHistoryLimit": 5,
         "template": {
