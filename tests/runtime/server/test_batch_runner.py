@@ -311,6 +311,35 @@ async def test_a_cancel_through_another_replica_reaches_the_runner(tmp_path: Pat
     assert batch["request_counts"]["completed"] == 0  # the cut request is not a result
 
 
+async def test_a_cancel_through_another_replica_shows_cancelling_until_it_ends(
+        tmp_path: Path) -> None:
+    """Until the runner acts on the marker (its next scan, or its next free slot), a
+    retrieve or list through any replica showed the batch `in_progress` again right after
+    the cancel answered `cancelling`; a second cancel answered another `cancelling_at`."""
+    endpoint = Endpoint()
+    endpoint.gate = asyncio.Event()  # A's one slot stays busy: it does not see the marker
+    a, file_id = _runner(tmp_path, endpoint)
+    a.scan_interval_s = 60.0
+    b = BatchRunner(tmp_path, FileStore(tmp_path), Endpoint().app, concurrency=1,
+                    scan_interval_s=60.0)
+    await a.start()
+    await b.start()
+    batch = a.create(file_id, "/v1/completions", "24h", None)
+    await _until(lambda: endpoint.bodies, "A's first request")
+    answer = b.cancel(batch["id"])
+    assert answer["status"] == "cancelling"
+    for runner in (b, a):
+        assert runner.get(batch["id"])["status"] == "cancelling"
+        assert [x["status"] for x in runner.list()] == ["cancelling"]
+    assert b.cancel(batch["id"])["cancelling_at"] == answer["cancelling_at"]
+    endpoint.gate.set()  # the slot frees: A sees the marker and ends the batch
+    batch = await _finish(a, batch)
+    await a.shutdown()
+    await b.shutdown()
+    assert batch["status"] == "cancelled" == b.get(batch["id"])["status"]
+    assert len(endpoint.bodies) == 1
+
+
 async def test_batch_ids_outside_the_folder_are_404(tmp_path: Path) -> None:
     runner, _ = _runner(tmp_path, Endpoint())
     (tmp_path / "secret.json").write_text('{"id": "x"}')

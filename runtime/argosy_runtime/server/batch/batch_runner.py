@@ -170,13 +170,26 @@ class BatchRunner:
             shutil.copyfile(source, target)
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
-        """The batch's record (this runner's live one when it runs it); 404 for an unknown
-        id and for another owner's batch alike."""
+        """The batch's record (this runner's live one when it runs it), `cancelling` once a
+        cancel is left for its runner; 404 for an unknown id and for another owner's batch
+        alike."""
         batch = self.batches.get(batch_id) or read_json_record(self._record_path(batch_id))
         if batch is None or not visible_to(batch.get("owner"), owner):
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id",
                            code="batch_not_found")
-        return batch
+        return self._with_pending_cancel(batch)
+
+    def _with_pending_cancel(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch as its runner will show it once it acts on a cancel left by another
+        replica (within a scan): a client told `cancelling` must not see it `in_progress`
+        again on its next retrieve."""
+        if batch["status"] not in ("validating", "in_progress"):
+            return batch
+        try:
+            cancelled_at = self._cancel_marker(batch["id"]).stat().st_mtime
+        except FileNotFoundError:
+            return batch
+        return {**batch, "status": "cancelling", "cancelling_at": int(cancelled_at)}
 
     def list(self, owner: str | None = None) -> list[dict[str, Any]]:
         """Every batch in the folder `owner` may see, newest first (this runner's own from
@@ -187,8 +200,8 @@ class BatchRunner:
             if batch is not None:
                 found[batch["id"]] = batch
         found.update(self.batches)
-        return sorted((b for b in found.values() if visible_to(b.get("owner"), owner)),
-                      key=list_key, reverse=True)
+        return sorted((self._with_pending_cancel(b) for b in found.values()
+                       if visible_to(b.get("owner"), owner)), key=list_key, reverse=True)
 
     def num_pending(self) -> int:
         """Requests of unfinished batches not answered yet (a gauge)."""
@@ -206,7 +219,7 @@ class BatchRunner:
         if batch_id not in self.batches:
             # Another replica runs it (or will): leave it the word, answer as it will.
             self._cancel_marker(batch_id).touch()
-            return {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
+            return self._with_pending_cancel(batch)
         self._start_cancelling(batch)
         return batch
 
