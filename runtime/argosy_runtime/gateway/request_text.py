@@ -5,6 +5,7 @@ Routing hashes the leading part of this text; the cascade measures and searches 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Separators that cannot be confused with message text, so "ab"+"c" != "a"+"bc" across turns.
@@ -66,6 +67,31 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     if path in RERANK_PATHS:
         return _first_prompt(body.get("query"))
     return _first_prompt(body.get("prompt"))
+
+
+def routing_text(path: str, body: dict[str, Any]) -> str:
+    """`prompt_text` with a chat or Responses request's function `tools`, where chat templates
+    render them: after the leading system turns (inside the system prompt for Qwen, Hermes and
+    SmolLM3; the first user turn for Llama 3.1). Agents that send one long tool list with
+    different conversations share that prefix in the replica's cache, and a changed tool list
+    changes it: routing that ignored the tools placed neither by what the replica had cached.
+
+    Only routing reads it: the cascade judges what the client wrote, not the tool schemas."""
+    messages = _chat_messages(path, body)
+    tools = body.get("tools")
+    if messages is None or not isinstance(tools, list) or not tools:
+        return prompt_text(path, body)
+    lead = 0
+    while (lead < len(messages) and isinstance(messages[lead], dict)
+           and _role(messages[lead].get("role")) == "system"):
+        lead += 1
+    # Responses' flat function tools as the chat tools the replica makes of them
+    # (responses/tools.py), so both APIs place the same request alike.
+    as_chat = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+               if isinstance(t, dict) and t.get("type") == "function" and "function" not in t
+               else t for t in tools]
+    schemas = json.dumps(as_chat, sort_keys=True, separators=(",", ":"), default=str)
+    return f"{_turns(messages[:lead])}tools{_ROLE_SEP}{schemas}{_TURN_SEP}{_turns(messages[lead:])}"
 
 
 def content_text(path: str, body: dict[str, Any]) -> str:

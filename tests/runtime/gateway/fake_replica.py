@@ -22,6 +22,7 @@ KNOWN_FIELDS = {
     "top_p", "stream", "stop", "n", "logprobs", "top_logprobs", "seed", "ignore_eos",
     "stream_options", "presence_penalty", "frequency_penalty", "user", "priority", "cache_salt",
     "prompt_cache_key",  # chat only on the server; the fake takes it on both
+    "tools",
 }
 # The server's embeddings fields (OpenAI's and `priority`): anything else is refused, as there.
 EMBEDDINGS_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}

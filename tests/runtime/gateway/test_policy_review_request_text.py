@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from argosy_runtime.gateway.request_text import content_text, prompt_text
+from argosy_runtime.gateway.request_text import content_text, prompt_text, routing_text
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -52,3 +52,35 @@ def test_content_parts_join_as_the_replica_joins_them() -> None:
     # A malformed part (the replica's 400) reads as no text, never an error here.
     assert prompt_text(CHAT, {"messages": [{"role": "user", "content": [
         {"type": ["text"], "text": "x"}, {"type": "text", "text": "y"}]}]}) == "user\x1fy\x1e"
+
+
+WEATHER = {"name": "weather", "description": "Current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_routing_reads_the_tools_where_templates_render_them() -> None:
+    """Chat templates render `tools` after the system turns: requests sharing a tool list
+    share that prefix in the replica's cache, and another tool list starts another prefix
+    right after the system prompt. Routing that ignored the tools saw neither."""
+    system = {"role": "system", "content": "Be brief."}
+
+    def chat(tools: list, question: str) -> str:
+        return routing_text(CHAT, {"messages": [system, {"role": "user", "content": question}],
+                                   "tools": tools})
+
+    tools = [{"type": "function", "function": WEATHER}]
+    paris, rome = chat(tools, "Weather in Paris?"), chat(tools, "Weather in Rome?")
+    assert paris.startswith("system\x1fBe brief.\x1etools\x1f")
+    shared = len(paris) - len("user\x1fWeather in Paris?\x1e")
+    assert paris[:shared] == rome[:shared] and paris != rome
+    other_tools = chat([{"type": "function", "function": {**WEATHER, "name": "forecast"}}],
+                       "Weather in Paris?")
+    before_tools = len("system\x1fBe brief.\x1etools\x1f")
+    assert other_tools[:before_tools] == paris[:before_tools] and other_tools != paris
+    # Responses' flat function tools are the chat tools the replica makes of them.
+    responses = routing_text(RESPONSES, {"instructions": "Be brief.", "input": "Weather in Paris?",
+                                         "tools": [{"type": "function", **WEATHER}]})
+    assert responses == paris
+    # No tools (or an empty list): the prompt as the cascade reads it.
+    for body in ({"messages": [system]}, {"messages": [system], "tools": []}):
+        assert routing_text(CHAT, body) == prompt_text(CHAT, body)

@@ -160,3 +160,36 @@ async def test_the_gateway_places_chat_requests_by_their_prompt_cache_key(
 
     assert len(await landed({"prompt_cache_key": "conversation-7"})) == 1
     assert len(await landed({})) > 1  # without it, least-load spreads them
+
+
+async def test_the_gateway_places_chat_requests_by_their_tools(fake_replicas, gateway) -> None:
+    """Agents sending one tool list with different questions share the rendered tools in the
+    replica's prefix cache: they land together (the questions alone hash apart)."""
+    import aiohttp
+    from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
+
+    backends = await fake_replicas(4)
+    config = GatewayConfig(
+        models=(ModelRouteConfig(name="tiny", backends=tuple(r.url for r in backends),
+                                 policy="prefix-affinity"),),
+        health=HealthConfig(interval_s=60))
+    _, url = await gateway(config)
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{n}", "description": "Looks something up in the company's records.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+        for n in range(4)]
+
+    async def landed(extra: dict) -> set[str]:
+        seen = set()
+        async with aiohttp.ClientSession() as s:
+            for i in range(8):
+                question = f"Question {i}: what did the team decide about the launch date?"
+                async with s.post(f"{url}/v1/chat/completions", json={
+                        "model": "tiny", "messages": [{"role": "user", "content": question}],
+                        **extra}) as resp:
+                    assert resp.status == 200
+                    seen.add(resp.headers["x-argosy-backend"])
+        return seen
+
+    assert len(await landed({"tools": tools})) == 1
+    assert len(await landed({})) > 1  # the questions alone hash to several replicas

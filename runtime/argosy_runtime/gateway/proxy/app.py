@@ -67,7 +67,7 @@ from argosy_runtime.gateway.proxy.responses_routes import (
 )
 from argosy_runtime.gateway.proxy.tenant_gate import TenantGate
 from argosy_runtime.gateway.proxy.upstream import Upstream, send
-from argosy_runtime.gateway.request_text import POOLING_PATHS, prompt_text
+from argosy_runtime.gateway.request_text import POOLING_PATHS, routing_text
 from argosy_runtime.gateway.routing import Routing
 from argosy_runtime.gateway.tenants.config_file import ConfigFile
 from argosy_runtime.gateway.tenants.key_files import POLL_SECONDS
@@ -431,7 +431,7 @@ class Gateway:
                         pinned.cooldown_until - time.monotonic())}))
             routing = self.routing  # one snapshot for all of this request's tries
             route = RouteRequest(
-                prefix=prompt_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter,
+                prefix=routing_text(path, body)[: routing.config.max_prefix_chars], adapter=adapter,
                 # The tenant (set by the tenants' gate, never by a client): its prompts place
                 # only its own requests (policies/prefix_affinity.py, `routing_salt`).
                 owner=next((v for k, v in headers.items() if k.lower() == OWNER_HEADER.lower()),
