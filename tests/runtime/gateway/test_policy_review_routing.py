@@ -133,11 +133,8 @@ def test_a_prompt_cache_key_spreads_a_shared_prefix_and_keeps_each_key_together(
         assert policy.choose(rs, RouteRequest(prefix="hi", cache_key=key)) is home
 
 
-async def test_the_gateway_places_chat_requests_by_their_prompt_cache_key(
-        fake_replicas, gateway) -> None:
-    """Through the gateway: a chat request's `prompt_cache_key` reaches the policy, so one
-    key's short messages (which least-load would scatter) land together."""
-    import aiohttp
+async def prefix_affinity_gateway(fake_replicas, gateway) -> str:  # noqa: ANN001
+    """A gateway's URL in front of four fake replicas under prefix affinity."""
     from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
 
     backends = await fake_replicas(4)
@@ -146,50 +143,44 @@ async def test_the_gateway_places_chat_requests_by_their_prompt_cache_key(
                                  policy="prefix-affinity"),),
         health=HealthConfig(interval_s=60))
     _, url = await gateway(config)
+    return url
 
-    async def landed(extra: dict) -> set[str]:
-        seen = set()
-        async with aiohttp.ClientSession() as s:
-            for i in range(8):
-                async with s.post(f"{url}/v1/chat/completions", json={
-                        "model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
-                        **extra}) as resp:
-                    assert resp.status == 200
-                    seen.add(resp.headers["x-argosy-backend"])
-        return seen
 
-    assert len(await landed({"prompt_cache_key": "conversation-7"})) == 1
-    assert len(await landed({})) > 1  # without it, least-load spreads them
+async def where_chats_land(url: str, questions: list[str], extra: dict) -> set[str]:
+    """The replicas that answered one chat request per question, sent one after another."""
+    import aiohttp
+
+    seen = set()
+    async with aiohttp.ClientSession() as s:
+        for question in questions:
+            async with s.post(f"{url}/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": question}],
+                    **extra}) as resp:
+                assert resp.status == 200
+                seen.add(resp.headers["x-argosy-backend"])
+    return seen
+
+
+async def test_the_gateway_places_chat_requests_by_their_prompt_cache_key(
+        fake_replicas, gateway) -> None:
+    """Through the gateway: a chat request's `prompt_cache_key` reaches the policy, so one
+    key's short messages (which least-load would scatter) land together."""
+    url = await prefix_affinity_gateway(fake_replicas, gateway)
+    short = [f"hi {i}" for i in range(8)]
+    assert len(await where_chats_land(url, short, {"prompt_cache_key": "conversation-7"})) == 1
+    assert len(await where_chats_land(url, short, {})) > 1  # without it, least-load spreads them
 
 
 async def test_the_gateway_places_chat_requests_by_their_tools(fake_replicas, gateway) -> None:
     """Agents sending one tool list with different questions share the rendered tools in the
     replica's prefix cache: they land together (the questions alone hash apart)."""
-    import aiohttp
-    from argosy_runtime.gateway.config import GatewayConfig, HealthConfig, ModelRouteConfig
-
-    backends = await fake_replicas(4)
-    config = GatewayConfig(
-        models=(ModelRouteConfig(name="tiny", backends=tuple(r.url for r in backends),
-                                 policy="prefix-affinity"),),
-        health=HealthConfig(interval_s=60))
-    _, url = await gateway(config)
+    url = await prefix_affinity_gateway(fake_replicas, gateway)
     tools = [{"type": "function", "function": {
         "name": f"tool_{n}", "description": "Looks something up in the company's records.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
         for n in range(4)]
-
-    async def landed(extra: dict) -> set[str]:
-        seen = set()
-        async with aiohttp.ClientSession() as s:
-            for i in range(8):
-                question = f"Question {i}: what did the team decide about the launch date?"
-                async with s.post(f"{url}/v1/chat/completions", json={
-                        "model": "tiny", "messages": [{"role": "user", "content": question}],
-                        **extra}) as resp:
-                    assert resp.status == 200
-                    seen.add(resp.headers["x-argosy-backend"])
-        return seen
-
-    assert len(await landed({"tools": tools})) == 1
-    assert len(await landed({})) > 1  # the questions alone hash to several replicas
+    questions = [f"Question {i}: what did the team decide about the launch date?"
+                 for i in range(8)]
+    assert len(await where_chats_land(url, questions, {"tools": tools})) == 1
+    # the questions alone hash to several replicas
+    assert len(await where_chats_land(url, questions, {})) > 1
