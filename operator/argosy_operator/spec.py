@@ -189,6 +189,18 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             "spec.runtime.quantization: int4 needs dtype auto, float16 or bfloat16")
     if out["runtime"]["batchInvariant"]:
         _check_batch_invariant(out)
+    tensor_parallel = tensor_parallel_size(out)
+    if serves_lora_adapters(out) and tensor_parallel > 1:
+        # The runtime refuses to start with a LoRA modules file under tensor parallelism (an
+        # empty adapter list included: the file is passed all the same).
+        raise InvalidSpecError(
+            "spec.runtime.loraAdapters: cannot be served with tensor parallelism "
+            f"(resources.gpus or --tensor-parallel-size: {tensor_parallel}), which "
+            "does not split adapter weights over the GPUs: use resources.gpus 1 and more "
+            "replicas")
+    if out["runtime"].get("hfOverrides") and _is_gguf(out["model"]):
+        raise InvalidSpecError("spec.runtime.hfOverrides: applies only to Hugging Face "
+                               "folders; the runtime refuses it for a GGUF model")
     autoscaling = out["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         raise InvalidSpecError("spec.autoscaling.minReplicas: must be <= maxReplicas")
@@ -200,6 +212,7 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             AutoscalingPolicy.from_spec(autoscaling)
         except ValueError as exc:
             raise InvalidSpecError(str(exc)) from exc
+    _check_rollout(out["rollout"])
     if out["rollout"]["progressDeadlineSeconds"] <= out["runtime"]["startupTimeoutSeconds"]:
         raise InvalidSpecError("spec.rollout.progressDeadlineSeconds: must exceed "
                                "runtime.startupTimeoutSeconds")
@@ -295,6 +308,33 @@ def _check_batch_invariant(spec: Mapping[str, Any]) -> None:
                                "must be 0")
 
 
+# A rollout count: a number or a percentage (apps/v1 reads "00%" as 0, as the CRD's rules do).
+_ROLLOUT_COUNT = re.compile(r"([0-9]+)(%?)")
+
+
+def _check_rollout(rollout: Mapping[str, Any]) -> None:
+    """What apps/v1 refuses in a RollingUpdate, on every reconcile (the CRD's rules, which
+    an older CRD lacked: it admitted maxUnavailable "150%", "00%" for 0 and negative counts)."""
+    counts = {}
+    for key in ("maxSurge", "maxUnavailable"):
+        match = _ROLLOUT_COUNT.fullmatch(str(rollout[key]))
+        if match is None:
+            raise InvalidSpecError(f"spec.rollout.{key}: {rollout[key]!r} is not a count or a "
+                                   "percentage (e.g. 1 or 25%)")
+        counts[key] = (int(match[1]), match[2])
+    if counts["maxSurge"][0] == 0 and counts["maxUnavailable"][0] == 0:
+        raise InvalidSpecError("spec.rollout: maxSurge and maxUnavailable cannot both be 0")
+    if counts["maxUnavailable"][1] and counts["maxUnavailable"][0] > 100:
+        raise InvalidSpecError("spec.rollout.maxUnavailable: must not be greater than 100%")
+
+
+def _is_gguf(model: Mapping[str, Any]) -> bool:
+    """Whether the model is one GGUF file by its spec (the runtime also takes a folder that
+    holds one, which only it can see)."""
+    location = str(model.get("source") or model.get("path") or "")
+    return model["format"] == "gguf" or location.lower().endswith(".gguf")
+
+
 def runtime_image(spec: Mapping[str, Any]) -> str:
     """The runtime image: spec.runtime.image, else the CUDA image with GPUs, else the CPU one."""
     image = spec["runtime"].get("image")
@@ -303,20 +343,30 @@ def runtime_image(spec: Mapping[str, Any]) -> str:
     return RUNTIME_IMAGE_CUDA if spec["resources"]["gpus"] > 0 else RUNTIME_IMAGE_CPU
 
 
-def drain_timeout_seconds(spec: Mapping[str, Any]) -> float:
-    """The drain timeout the runtime will use: `--drain-timeout` in runtime.extraArgs if
-    there (they come last and the last flag wins), else runtime.drainTimeoutSeconds."""
-    runtime = spec["runtime"]
-    drain = float(runtime["drainTimeoutSeconds"])
-    args = [str(a) for a in runtime.get("extraArgs") or []]
+def _extra_arg_values(spec: Mapping[str, Any], flag: str, aliases: tuple[str, ...] = ()
+                      ) -> list[str]:
+    """The values runtime.extraArgs gives the `argosy serve` flag `flag` (`--flag value` or
+    `--flag=value`; also under its short `aliases`), in order: they come after the operator's
+    own flags, and the runtime keeps the last. argparse also takes an unambiguous
+    abbreviation: the callers' flags are the only serve flags starting with their first two
+    letters (`--dr`, `--te`), so any prefix that long is one."""
+    args = [str(a) for a in spec["runtime"].get("extraArgs") or []]
+    values = []
     for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        # argparse also takes an unambiguous abbreviation (`--drain`); no other serve flag
-        # starts with `--dr`.
-        if len(flag) < 4 or not "--drain-timeout".startswith(flag):
+        name, eq, value = arg.partition("=")
+        if name not in aliases and (len(name) < 4 or not flag.startswith(name)):
             continue
         if not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
+        values.append(value)
+    return values
+
+
+def drain_timeout_seconds(spec: Mapping[str, Any]) -> float:
+    """The drain timeout the runtime will use: `--drain-timeout` in runtime.extraArgs if
+    there, else runtime.drainTimeoutSeconds."""
+    drain = float(spec["runtime"]["drainTimeoutSeconds"])
+    for value in _extra_arg_values(spec, "--drain-timeout"):
         try:
             seconds = float(value)
         except ValueError:
@@ -324,6 +374,19 @@ def drain_timeout_seconds(spec: Mapping[str, Any]) -> float:
         if math.isfinite(seconds):
             drain = max(0.0, seconds)
     return drain
+
+
+def tensor_parallel_size(spec: Mapping[str, Any]) -> int:
+    """The GPUs (ranks) the runtime will split the model over: `--tensor-parallel-size` (or
+    `-tp`) in runtime.extraArgs if there, else resources.gpus (the operator passes it when
+    above 1)."""
+    size = max(1, spec["resources"]["gpus"])
+    for value in _extra_arg_values(spec, "--tensor-parallel-size", aliases=("-tp",)):
+        try:
+            size = int(value)
+        except ValueError:
+            continue  # the runtime refuses to start on it
+    return size
 
 
 def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
