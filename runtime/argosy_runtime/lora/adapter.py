@@ -111,6 +111,10 @@ class LoRAAdapter:
         alpha = float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
         use_rslora = bool(config.get("use_rslora"))
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        if scale == 0:
+            # lora_alpha 0: a module's own scale (alpha_pattern) cannot be folded into its B
+            # as a ratio to 0, so the batch applies 1 and every B carries its whole scale.
+            scale = 1.0
         rank_pattern = config.get("rank_pattern") or {}
         alpha_pattern = config.get("alpha_pattern") or {}
 
