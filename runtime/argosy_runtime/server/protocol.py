@@ -73,7 +73,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one constraint (json, regex, choice, grammar,
-    json_object)."""
+    json_object), and vLLM's options for it."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -82,6 +82,14 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool = False
+    whitespace_pattern: StrictStr | None = None
+    disable_additional_properties: StrictBool = False
+    # vLLM's: do not retry with another backend when the first cannot compile the spec.
+    # Argosy has one backend (llguidance) and never falls back: accepted, nothing to do.
+    disable_fallback: StrictBool = False
+    # vLLM's tool-call tags in free text: not supported, a 400 naming it
+    # (serving_common.structured_outputs_of) rather than "unknown field".
+    structural_tag: Any = None
 
 
 class VLLMExtras(BaseModel):

@@ -189,9 +189,14 @@ def structured_outputs_of(req: CompletionRequest | ChatCompletionRequest
     try:
         if source == "structured_outputs":
             so = req.structured_outputs
+            if so.structural_tag is not None:
+                raise ValueError("structured_outputs.structural_tag is not supported; use "
+                                 "tools with tool_choice, or a grammar")
             return StructuredOutputsParams(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                whitespace_pattern=so.whitespace_pattern,
+                disable_additional_properties=so.disable_additional_properties)
         if source == "response_format":
             fmt = req.response_format
             if fmt.type == "json_object":

@@ -324,9 +324,20 @@ _LARK_INLINED_START = re.compile(r"(?m)^\s*[?!]start\s*:")
 def _llguidance_grammar(params: StructuredOutputsParams) -> str:
     import llguidance
 
-    options = {"whitespace_flexible": not params.disable_any_whitespace}
+    options: dict[str, object] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.whitespace_pattern is not None and (params.json is not None
+                                                  or params.json_object):
+        # llguidance's matcher would report a bad pattern as the whole spec's error
+        error = llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_regex(params.whitespace_pattern))
+        if error:
+            raise ValueError(f"structured_outputs.whitespace_pattern: {_one_line(error)}")
+        options["whitespace_pattern"] = params.whitespace_pattern  # replaces the default
     if params.json is not None:
-        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=options)
+        schema = params.json
+        if params.disable_additional_properties:
+            schema = _without_additional_properties(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if params.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if params.regex is not None:
@@ -340,6 +351,48 @@ def _llguidance_grammar(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
     except ValueError as exc:
         raise ValueError(f"structured_outputs.grammar: {exc}") from None
+
+
+# Where a JSON schema holds subschemas (as vLLM's `disable_additional_properties` walks them):
+# maps of name -> schema, and keywords whose value is a schema or a list of schemas. Other
+# values are data (`const`, `enum`, `default`, `examples`), never rewritten.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+               "additionalItems", "unevaluatedItems", "not", "if", "then", "else",
+               "contentSchema", "items", "prefixItems", "allOf", "anyOf", "oneOf")
+
+
+def _without_additional_properties(schema: dict) -> dict:
+    """`schema` with `"additionalProperties": false` in every object schema that has
+    `properties` or `patternProperties` but no `additionalProperties` (vLLM's
+    `disable_additional_properties`). The rewritten schemas are copies (the request's own
+    dict is left as it is); iterative, since a schema may nest as deep as the request parser
+    allowed (copy.deepcopy would recurse)."""
+    stack: list[dict] = []
+
+    def copied(value: object) -> object:
+        """A copy of a subschema (or of a list of them), queued to be rewritten."""
+        if isinstance(value, list):
+            return [copied(item) if isinstance(item, dict) else item for item in value]
+        if isinstance(value, dict):
+            value = dict(value)
+            stack.append(value)
+        return value  # a boolean schema, or a malformed one that llguidance will name
+
+    root = copied(schema)
+    while stack:
+        node = stack.pop()
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                node[key] = {name: copied(sub) for name, sub in node[key].items()}
+        for key in _SUBSCHEMAS:
+            if isinstance(node.get(key), (dict, list)):
+                node[key] = copied(node[key])
+        if "additionalProperties" not in node and (isinstance(node.get("properties"), dict) or
+                                                   isinstance(node.get("patternProperties"), dict)):
+            node["additionalProperties"] = False
+    return root
 
 
 def _one_line(message: str, limit: int = 300) -> str:

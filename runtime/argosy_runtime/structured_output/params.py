@@ -45,8 +45,17 @@ class StructuredOutputsParams:
     - `choice`: the output is exactly one of these strings;
     - `grammar`: a Lark (or llama.cpp GBNF) context-free grammar.
 
-    `disable_any_whitespace` makes JSON compact (no optional whitespace between tokens), which
-    also keeps small models from looping on newlines.
+    Options for `json` and `json_object` (vLLM's; ignored with the others, as in vLLM):
+
+    - `disable_any_whitespace` makes JSON compact (no optional whitespace between tokens),
+      which also keeps small models from looping on newlines;
+    - `whitespace_pattern`: a regex (Rust `regex` syntax) for the whitespace allowed between
+      JSON tokens instead of the default `[\\x20\\x0A\\x0D\\x09]+`; there may always be
+      none;
+    - `disable_additional_properties`: an object schema with `properties` (or
+      `patternProperties`) and no `additionalProperties` takes no other properties (JSON
+      Schema's default would allow any).
+
     Raises ValueError naming the field for anything malformed.
     """
 
@@ -56,6 +65,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -66,8 +77,18 @@ class StructuredOutputsParams:
                              f"grammar, json_object; got {what}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a boolean")
+        if self.whitespace_pattern is not None:
+            # "" is allowed: no whitespace at all, as with outlines (vLLM's first backend)
+            if (not isinstance(self.whitespace_pattern, str)
+                    or len(self.whitespace_pattern) > MAX_SPEC_CHARS):
+                raise ValueError("structured_outputs.whitespace_pattern must be a string of at "
+                                 f"most {MAX_SPEC_CHARS} characters")
+            if self.disable_any_whitespace:  # llguidance would follow the pattern: say so
+                raise ValueError("structured_outputs.whitespace_pattern cannot be used with "
+                                 "disable_any_whitespace")
         if self.json is not None:
             self.json = _schema_dict(self.json)
         for name in ("regex", "grammar"):
@@ -101,7 +122,8 @@ class StructuredOutputsParams:
         sorted: the order of a schema's `properties` is the order its output writes them
         (reasoning before answer), so two orders are two grammars."""
         spec = {name: getattr(self, name) for name in
-                ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")}
+                ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                 "whitespace_pattern", "disable_additional_properties")}
         return json.dumps(spec)
 
 

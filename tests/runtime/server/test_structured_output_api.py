@@ -151,6 +151,35 @@ def test_unusable_schemas_are_400s_naming_the_field(http: httpx.Client, constrai
     assert http.get("/health").status_code == 200  # still serving
 
 
+def test_vllm_structured_outputs_options_are_honoured_or_refused_by_name(
+        http: httpx.Client) -> None:
+    """The options vLLM clients send beside the constraint were 400 "unknown field". Unlisted
+    properties are refused (the model writes "id", "name", ... without the option), the
+    whitespace pattern holds (none allowed: compact JSON), `disable_fallback` is accepted,
+    and `structural_tag` is a 400 that says it is not supported."""
+    schema = {"type": "object",
+              "properties": {"population": {"type": "integer", "minimum": 0,
+                                            "maximum": 100_000_000}}}
+    body = {"model": MODEL, "prompt": "Describe Paris as JSON:", "max_tokens": 40,
+            "temperature": 0}
+    so = {"json": schema, "disable_additional_properties": True, "whitespace_pattern": "",
+          "disable_fallback": True}
+    r = http.post("/v1/completions", json={**body, "structured_outputs": so})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    value = json.loads(choice["text"])
+    assert choice["finish_reason"] == "stop" and set(value) <= {"population"}, choice
+    assert choice["text"] == json.dumps(value, separators=(",", ":")), choice
+    for extra, param, words in (
+            ({"whitespace_pattern": "[a-"}, "structured_outputs.whitespace_pattern", "unclosed"),
+            ({"structural_tag": '{"type": "structural_tag"}'},
+             "structured_outputs.structural_tag", "is not supported")):
+        r = http.post("/v1/completions", json={**body, "structured_outputs": {**so, **extra}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+
+
 def test_a_grammar_past_the_matcher_limits_is_a_400_before_any_token(http: httpx.Client) -> None:
     """The fuzzed `a{1000000}` compiles, then fails on its first token: it used to return
     one token with finish_reason "stop". The compile-time probe makes it a 400 naming the

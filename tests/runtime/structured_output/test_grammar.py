@@ -4,6 +4,7 @@ back, and specs that cannot compile are ValueErrors."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -343,3 +344,68 @@ def test_token_bytes_give_up_once_when_llguidance_cannot_read_the_tokenizer(
     assert compiler.token_bytes(100) is None
     assert compiler.token_bytes(101) is None
     assert calls == [1]
+
+
+def _matches(compiler: GrammarCompiler, tok, params: StructuredOutputsParams,  # noqa: ANN001
+             text: str) -> bool:
+    """Whether the grammar allows `text`'s tokens one by one and is complete after them."""
+    grammar = compiler.compile(params)
+    ids = tok.encode(text, add_special_tokens=False)
+    return (all(grammar.allowed_tokens(ids[:n])[ids[n]] for n in range(len(ids)))
+            and grammar.is_done(ids))
+
+
+def test_disable_additional_properties_refuses_unlisted_properties_at_every_level(
+        compiler: GrammarCompiler, checkpoint) -> None:  # noqa: ANN001
+    """vLLM's option: objects with `properties` take no others where the schema does not say
+    (JSON Schema's default takes any). Subschemas are found under properties, $defs, items
+    and anyOf; values that are data (`const`) are not schemas and stay as written."""
+    tok = checkpoint.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"$ref": "#/$defs/city"},
+            "tags": {"type": "array", "items": {"type": "object",
+                                                "properties": {"t": {"type": "string"}}}},
+            "either": {"anyOf": [{"type": "object", "properties": {"n": {"type": "integer"}}},
+                                 {"type": "null"}]},
+            "free": {"type": "object", "properties": {}, "additionalProperties": True},
+            "data": {"const": {"properties": {"x": 1}}},
+        },
+        "$defs": {"city": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    }
+    before = json.dumps(schema)
+    strict = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    lax = StructuredOutputsParams(json=schema)
+    valid = ('{"city": {"name": "Paris"}, "tags": [{"t": "x"}], "either": {"n": 1}, '
+             '"free": {"any": 1}, "data": {"properties": {"x": 1}}}')
+    assert _matches(compiler, tok, strict, valid)
+    extras = ['{"extra": 1}', '{"city": {"name": "Paris", "extra": 1}}',
+              '{"tags": [{"t": "x", "extra": 1}]}', '{"either": {"n": 1, "extra": 1}}']
+    for text in extras:
+        assert _matches(compiler, tok, lax, text), text  # (compiled from the same cache)
+        assert not _matches(compiler, tok, strict, text), text
+    assert json.dumps(schema) == before  # the caller's schema is not rewritten
+
+
+def test_whitespace_pattern_replaces_the_default_whitespace(
+        compiler: GrammarCompiler, checkpoint) -> None:  # noqa: ANN001
+    """vLLM's `whitespace_pattern`: the whitespace allowed between JSON tokens (none is
+    always allowed)."""
+    tok = checkpoint.tokenizer
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for spec in ({"json": schema}, {"json_object": True}):
+        one_space = StructuredOutputsParams(**spec, whitespace_pattern="[ ]?")
+        assert _matches(compiler, tok, one_space, '{"a":1}')
+        assert _matches(compiler, tok, one_space, '{ "a": 1 }')
+        for text in ('{\n"a": 1}', '{"a":  1}'):
+            assert _matches(compiler, tok, StructuredOutputsParams(**spec), text), text
+            assert not _matches(compiler, tok, one_space, text), text
+    newlines = StructuredOutputsParams(json=schema, whitespace_pattern="\n+")
+    assert _matches(compiler, tok, newlines, '{\n\n"a":\n1}')
+    assert not _matches(compiler, tok, newlines, '{"a": 1}')
+
+
+def test_an_invalid_whitespace_pattern_names_its_field(compiler: GrammarCompiler) -> None:
+    with pytest.raises(ValueError, match=r"^structured_outputs.whitespace_pattern: .*unclosed"):
+        compiler.check(StructuredOutputsParams(json_object=True, whitespace_pattern="[a-"))

@@ -59,6 +59,15 @@ def test_json_text_is_parsed_and_booleans_become_schemas() -> None:
     ({"choice": ["yes", ""]}, r"structured_outputs.choice\[1\]"),
     ({"json_object": False}, "json_object must be true"),
     ({"json_object": True, "disable_any_whitespace": "yes"}, "disable_any_whitespace"),
+    ({"json_object": True, "disable_additional_properties": 1},
+     "structured_outputs.disable_additional_properties must be a boolean"),
+    ({"json_object": True, "whitespace_pattern": 5},
+     "structured_outputs.whitespace_pattern must be a string"),
+    ({"json_object": True, "whitespace_pattern": " " * 100_001},
+     "structured_outputs.whitespace_pattern must be a string of at most"),
+    # llguidance lets the pattern win: whitespace the client asked to disable would pass
+    ({"json_object": True, "whitespace_pattern": "[ ]?", "disable_any_whitespace": True},
+     "structured_outputs.whitespace_pattern cannot be used with disable_any_whitespace"),
 ])
 def test_malformed_constraints_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
