@@ -69,9 +69,10 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in rows:
-            p = requests[i].params
+            req = requests[i]
+            p = req.params
             stop_ids = [t for t in (set(p.stop_token_ids) | p.all_stop_token_ids) if t < logits.shape[1]]
-            if stop_ids:
+            if stop_ids and not _grammar_allows_only(req, stop_ids):
                 logits[i, stop_ids] = float("-inf")
         return logits
 
@@ -230,3 +231,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _grammar_allows_only(req: Request, stop_ids: list[int]) -> bool:
+    """Whether the request's structured output may only end next (complete, or a grammar
+    only the empty output matches): min_tokens banning its stop tokens left no token at all,
+    and the request failed instead of stopping. A complete structured output is never
+    padded (docs/structured_outputs.md)."""
+    if req.grammar is None:
+        return False
+    allowed = req.grammar.allowed_tokens(req.output_token_ids).clone()
+    allowed[stop_ids] = False
+    return not bool(allowed.any())

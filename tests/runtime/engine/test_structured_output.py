@@ -175,6 +175,12 @@ def test_the_grammar_ending_ends_the_request_even_with_ignore_eos(engine) -> Non
         params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=choice, **extra)
         [out] = run(engine, [(chat(engine, "Is water wet?"), params)])
         assert out.text in ("yes", "no") and out.finish_reason == "stop", extra
+    # A grammar complete before any token (only the empty output matches): min_tokens banned
+    # the EOS that is all it allows, and the request ended in "error".
+    empty = StructuredOutputsParams(regex="a{0}")
+    params = SamplingParams(max_tokens=5, temperature=0, structured_outputs=empty, min_tokens=1)
+    [out] = run(engine, [(chat(engine, "Say nothing."), params)])
+    assert (out.text, out.finish_reason) == ("", "stop")
     assert_no_leaks(engine)
 
 
