@@ -5,6 +5,7 @@ The happy paths run on the real server in test_batch_api.py."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import logging
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from argosy_runtime.server.batch import batch_runner
+from argosy_runtime.server.batch import batch_results, batch_runner
 from argosy_runtime.server.batch.batch_runner import BatchRunner
 from argosy_runtime.server.batch.file_store import FileStore
 from argosy_runtime.server.errors import APIError
@@ -142,6 +143,35 @@ async def test_a_batch_that_breaks_fails_visibly(tmp_path: Path) -> None:
     await runner.shutdown()
     assert batch["status"] == "failed"
     assert batch["errors"]["data"][0]["code"] == "internal_error"
+
+
+async def test_a_batch_that_breaks_midway_publishes_the_answers_it_had(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its result files stayed in the folder for good: unreachable, and never cleaned up.
+    append = batch_results.BatchResults._append
+
+    def disk_full_after_one(self: batch_results.BatchResults, record: dict[str, Any]) -> None:
+        if self.completed:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append(self, record)
+
+    monkeypatch.setattr(batch_results.BatchResults, "_append", disk_full_after_one)
+    runner, file_id = _runner(tmp_path, Endpoint(script=[(200, {
+        "choices": [{"text": "first", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3}})]))
+    await runner.start()
+    batch = runner.create(file_id, "/v1/completions", "24h", None)
+    batch = await _finish(runner, batch)
+    await runner.shutdown()
+    assert batch["status"] == "failed"
+    assert batch["errors"]["data"][0]["code"] == "internal_error"
+    assert batch["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert batch["usage"]["input_tokens"] == 2
+    [answer] = [json.loads(line) for line in
+                runner.files.content_path(batch["output_file_id"]).read_text().splitlines()]
+    assert answer["custom_id"] == "c0"
+    assert answer["response"]["body"]["choices"][0]["text"] == "first"
+    assert not (tmp_path / "batches" / f"{batch['id']}.output.jsonl").exists()
 
 
 async def test_an_input_file_deleted_after_create_still_runs_and_resumes(

@@ -27,10 +27,15 @@ class BatchResults:
     output_tokens: int = 0
     reasoning_tokens: int = 0  # of output_tokens, thinking (servers with --reasoning-parser)
 
+    @staticmethod
+    def paths(folder: Path, batch_id: str) -> tuple[Path, Path]:
+        """The batch's output and error files."""
+        return folder / f"{batch_id}.output.jsonl", folder / f"{batch_id}.errors.jsonl"
+
     @classmethod
     def open(cls, folder: Path, batch_id: str) -> BatchResults:
         """Read back what an earlier run of this batch finished (nothing for a new one)."""
-        results = cls(folder / f"{batch_id}.output.jsonl", folder / f"{batch_id}.errors.jsonl")
+        results = cls(*cls.paths(folder, batch_id))
         for path in (results.output_path, results.error_path):
             for record in _read_complete_lines(path):
                 results._count(record)

@@ -316,7 +316,12 @@ class BatchRunner:
             batch["errors"] = {"object": "list", "data": [
                 {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}",
                  "line": None, "param": None}]}
+            try:  # the answers it had are the user's: published, not left in the folder
+                self._publish_results(batch, BatchResults.open(self.dir, batch["id"]))
+            except Exception:  # the disk that broke the batch may refuse this too
+                logger.exception("%s: its results could not be published", batch["id"])
             self._set_status(batch, "failed")
+            self._remove_results(batch["id"])
 
     async def _run(self, batch: dict[str, Any]) -> None:
         self._honour_cancel_marker(batch)
@@ -442,23 +447,31 @@ class BatchRunner:
             final = "completed"
         if final != "cancelled":  # a cancel goes cancelling -> cancelled, as OpenAI's does
             self._set_status(batch, "finalizing")
+        self._publish_results(batch, results)
+        self._set_status(batch, final)
+        self._remove_results(batch["id"])  # only now: until here a resume reads them
+        counts = batch["request_counts"]
+        logger.info("%s %s: %d completed, %d failed of %d", batch["id"], final,
+                    counts["completed"], counts["failed"], counts["total"])
+
+    def _publish_results(self, batch: dict[str, Any], results: BatchResults) -> None:
+        """The result files into the file store as the batch's output and error files, with
+        the counts and token usage they hold."""
         self._update_counts(batch, results)
         batch["usage"] = results.usage()
-        result_files = (("output_file_id", results.output_path, "output"),
-                        ("error_file_id", results.error_path, "errors"))
-        for key, path, name in result_files:
-            if path.exists() and path.stat().st_size:
+        for key, path, name in (("output_file_id", results.output_path, "output"),
+                                ("error_file_id", results.error_path, "errors")):
+            if path.is_file() and path.stat().st_size:
                 # An id fixed by the batch: finalizing again after a crash replaces the file.
                 file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, batch['id'] + name).hex}"
                 batch[key] = self.files.adopt(path, f"{batch['id']}_{name}.jsonl",
                                               file_id, batch.get("owner"),
                                               batch.get("output_expires_after_s"))["id"]
-        self._set_status(batch, final)
-        for _, path, _ in result_files:  # only now: until here a resume reads them
-            path.unlink(missing_ok=True)
-        counts = batch["request_counts"]
-        logger.info("%s %s: %d completed, %d failed of %d", batch["id"], final,
-                    counts["completed"], counts["failed"], counts["total"])
+
+    def _remove_results(self, batch_id: str) -> None:
+        for path in BatchResults.paths(self.dir, batch_id):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                path.unlink()
 
     def _update_counts(self, batch: dict[str, Any], results: BatchResults) -> None:
         batch["request_counts"].update(completed=results.completed, failed=results.failed)
