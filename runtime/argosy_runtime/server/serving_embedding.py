@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import struct
 from dataclasses import replace
 
@@ -117,8 +118,25 @@ async def pool_prompts(request: Request, ctx: ServingContext, prompts: list[list
         return None
     finally:
         ctx.lifecycle.exit()
+    _check_finite(ctx, finals)
     log.update(finish_reason="stop")
     return finals
+
+
+def _check_finite(ctx: ServingContext, finals: list[RequestOutput]) -> None:
+    """A 500 that says why when a vector or logit is NaN or infinite (activations that
+    overflowed the model's dtype, float16 most often): JSON cannot carry such a value (the
+    response would fail to render, an opaque 500), and base64 would hand the client NaNs as
+    if they were a vector, or a score that sorts nowhere."""
+    # The sum of finite float32 values is a finite float64, and NaN or inf makes it not.
+    bad = sum(not math.isfinite(sum(out.classification.logits if out.classification is not None
+                                    else out.embedding or []))
+              for out in finals)
+    if bad:
+        raise APIError(500, f"the model's output for {bad} of the {len(finals)} texts of this "
+                       "request is not finite (NaN or infinity): its activations overflowed "
+                       f"in {ctx.engine.engine.dtype} (float16's range is the usual cause: "
+                       "serve it in bfloat16 or float32)", code="non_finite_output")
 
 
 def _inputs_in_flight(ctx: ServingContext) -> int:
