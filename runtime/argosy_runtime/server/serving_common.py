@@ -246,11 +246,12 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,
-                 param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
+                 param: str = "prompt", max_tokens_param: str = "max_tokens",
+                 index: int | None = None) -> None:
     """Reject prompts the engine cannot run with a 400 before they reach it. The length is
     checked first: it is cheap, and a long list of ids need not be walked to be refused. The
     error names the field to change: `max_tokens_param` (chat's max_completion_tokens) when
-    the prompt would fit alone, else `param`."""
+    the prompt would fit alone, else `param`; and, for one prompt of several, its `index`."""
     if not token_ids:
         raise bad_request(f"{param} must not be empty", param)
     need = len(token_ids) + (1 if max_tokens is None else max_tokens)
@@ -258,10 +259,16 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
         what = f" + {max_tokens_param} {max_tokens}" if max_tokens else ""
         blame = max_tokens_param if max_tokens and len(token_ids) < ctx.max_model_len else param
         raise bad_request(
-            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
-            f"has {len(token_ids)} tokens{what}", blame,
+            f"this model's maximum context length is {ctx.max_model_len} tokens; "
+            f"{_the_prompt(param, index)} has {len(token_ids)} tokens{what}", blame,
             code="context_length_exceeded")
     check_token_ids(token_ids, ctx.tokenizer.vocab_size, param)
+
+
+def _the_prompt(param: str, index: int | None) -> str:
+    """How an error names the prompt: which one of a batch (among a thousand inputs, "the
+    prompt" left the client to find it)."""
+    return "the prompt" if index is None else f"{param}[{index}]"
 
 
 # Texts this long (~10 ms of tokenizer time) or longer are tokenized in a worker thread: the
@@ -286,17 +293,19 @@ async def encode_texts(ctx: ServingContext, texts: list[str],
         ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts])
 
 
-def check_text_fits(ctx: ServingContext, text: str, param: str) -> None:
+def check_text_fits(ctx: ServingContext, text: str, param: str,
+                    index: int | None = None) -> None:
     """400 for a text too long for the model's context whatever its tokenization (more
     characters than max_model_len tokens of the tokenizer's longest can cover), before
-    spending tokenizer time on it. Callers skip it when the request truncates the prompt."""
+    spending tokenizer time on it. Callers skip it when the request truncates the prompt.
+    `index`: which of several prompts it is."""
     bound = getattr(ctx.tokenizer, "character_bound", None)
     limit = ctx.max_model_len * bound.per_token if bound is not None else None
     # counting skips the characters the tokenizer drops: only worth it past the plain length
     if limit is not None and len(text) > limit and (counted := bound.counted(text)) > limit:
         raise bad_request(
-            f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt "
-            f"has {counted} characters, more than {ctx.max_model_len} tokens can hold (at "
+            f"this model's maximum context length is {ctx.max_model_len} tokens; "
+            f"{_the_prompt(param, index)} has {counted} characters, more than {ctx.max_model_len} tokens can hold (at "
             f"most {bound.per_token} characters each)", param, code="context_length_exceeded")
 
 
@@ -332,10 +341,11 @@ def truncate_prompts(ctx: ServingContext, prompts: list[list[int]], truncate: in
     if truncate == -1:
         keep = max(1, ctx.max_model_len - (1 if max_tokens is None else max_tokens))
     out = []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         if keep and len(ids) > keep:
             ids = ids[: keep - 1] + ids[-1:] if ctx.encoder else ids[-keep:]
-        check_prompt(ctx, ids, max_tokens, param=param, max_tokens_param=max_tokens_param)
+        check_prompt(ctx, ids, max_tokens, param=param, max_tokens_param=max_tokens_param,
+                     index=i if len(prompts) > 1 else None)
         out.append(ids)
     return out
 

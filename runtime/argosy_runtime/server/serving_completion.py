@@ -62,8 +62,9 @@ async def normalize_prompts(ctx: ServingContext, prompt: Any, param: str = "prom
         raise bad_request(f"{param}: at most {max_items} items per request", param)
     strings = [item for item in items if isinstance(item, str)]
     if not truncate:
-        for text in strings:
-            check_text_fits(ctx, text, param)
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                check_text_fits(ctx, item, param, index=i if len(items) > 1 else None)
     encoded = iter(await encode_texts(ctx, strings))
     texts: list[str | None] = []
     ids: list[list[int]] = []

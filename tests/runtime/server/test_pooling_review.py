@@ -56,3 +56,19 @@ def test_the_overflowing_model_really_gives_nan(overflowing_model: Path) -> None
     # Else the test above would prove nothing.
     [out] = LLM(model=str(overflowing_model), dtype="float32").embed([TEXTS[0]], PoolingParams())
     assert any(v != v for v in out.embedding)  # NaN
+
+
+@pytest.mark.parametrize("too_long", ["word " * 3000, list(range(100, 400))])
+def test_an_overlong_input_of_a_batch_is_named_by_its_index(overflowing: TestClient,
+                                                            too_long: str | list[int]) -> None:
+    # Among a thousand inputs, "the prompt has 300 tokens" left the client to find which.
+    resp = overflowing.post("/v1/embeddings", json={"input": ["fine", "also fine", too_long]
+                                                    if isinstance(too_long, str) else
+                                                    [[1, 2], [3], too_long]})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+    assert "input[2] has" in error["message"], error
+    # one input alone is still "the prompt"
+    resp = overflowing.post("/v1/embeddings", json={"input": too_long})
+    assert "the prompt has" in resp.json()["error"]["message"], resp.text
