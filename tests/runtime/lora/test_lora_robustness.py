@@ -126,7 +126,9 @@ def test_adapters_that_load_still_do(model_dir, good, tmp_path) -> None:
     a float32 base (converted), "r": 4.0, no lora_alpha at all (PEFT's default 8, see
     test_an_adapter_config_without_lora_alpha_scales_as_peft)."""
     spec = load_checkpoint(str(model_dir)).spec
-    for name, edit, scale in [("alpha0", _patch_config(lora_alpha=0), 0.0),
+    # alpha0: scale 1, its Bs carry the module scale 0 (folded in since alpha_pattern with
+    # lora_alpha 0 is served: test_lora_review_serving.py)
+    for name, edit, scale in [("alpha0", _patch_config(lora_alpha=0), 1.0),
                               ("r-float", _patch_config(r=4.0), 2.0),
                               ("no-alpha", _drop_alpha, 2.0),
                               ("fp16", _to_float16, 2.0)]:
@@ -137,6 +139,8 @@ def test_adapters_that_load_still_do(model_dir, good, tmp_path) -> None:
         adapter = LoRAAdapter.load(name, folder, spec, torch.float32)
         assert (adapter.rank, adapter.scale) == (4, scale), name
         assert adapter.layers[0]["qkv_proj"].a.dtype == torch.float32
+        if name == "alpha0":  # still a no-op
+            assert not adapter.layers[0]["qkv_proj"].b.any()
 
 
 def _drop_alpha(folder: Path) -> None:
