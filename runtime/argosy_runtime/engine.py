@@ -291,8 +291,8 @@ class LLMEngine:
         # garbage collector to find a cycle.
         self.lora_registry = LoRARegistry(
             functools.partial(_read_lora_adapter, spec=self.spec, dtype=self.dtype,
-                              device=self.device),
-            self.args.max_loaded_loras)
+                              device=self.device, max_rank=self.args.max_lora_rank),
+            self.args.max_loaded_loras, self.args.max_lora_rank)
         # False: add_request never reads adapter weights on its thread (the AsyncEngine sets
         # it and loads adapters on short-lived threads before it posts their requests).
         self.lora_loads_inline = True
@@ -881,8 +881,8 @@ class LLMEngine:
 
 
 def _read_lora_adapter(name: str, path: str, *, spec: ModelSpec, dtype: torch.dtype,
-                       device: torch.device) -> LoRAAdapter:
-    adapter = LoRAAdapter.load(name, path, spec, dtype, device)
+                       device: torch.device, max_rank: int | None) -> LoRAAdapter:
+    adapter = LoRAAdapter.load(name, path, spec, dtype, device, max_rank)
     logger.info("LoRA adapter %s: rank %d, %d layers, from %s", name, adapter.rank,
                 len(adapter.layers), path)
     return adapter

@@ -97,7 +97,10 @@ class EngineArgs:
     )
     lora_modules: dict[str, str] | None = _opt(
         "LoRA adapters to serve beside the base model: name=path[,name=path...] or a JSON "
-        "object; each path is a PEFT adapter folder, hf://org/name[@revision] or "
+        "object {\"name\": \"path\", ...}, or as vLLM takes them, several words each "
+        "name=path or {\"name\": ..., \"path\": ..., \"base_model_name\": ...} (the "
+        "base model name is ignored: there is one base model); each path is a PEFT adapter "
+        "folder, hf://org/name[@revision] or "
         "s3://bucket/prefix (boto3's AWS credentials; AWS_ENDPOINT_URL for MinIO/R2). Requests "
         "pick one by name (the 'model' field over HTTP). See docs/lora.md.",
         default=None,
@@ -126,6 +129,17 @@ class EngineArgs:
         "evicts the least recently used adapter no request uses (when all are in use, the "
         "request waits). At least 1, and at least --max-loras. See docs/lora.md.",
         aliases=("--max-cpu-loras",),
+        default=None,
+    )
+    enable_lora: bool = _opt(
+        "Accepted for vLLM compatibility and ignored: LoRA adapters are always served, "
+        "with or without it (default: off, which changes nothing either).",
+        default=False,
+    )
+    max_lora_rank: int | None = _opt(
+        "Refuse LoRA adapters of a higher rank (r, or the largest of rank_pattern) when they "
+        "are registered or loaded (vLLM's --max-lora-rank; default: no limit, where vLLM's is "
+        "16).",
         default=None,
     )
     seed: int = _opt("Seed for requests that give none.", default=0)
@@ -185,9 +199,12 @@ class EngineArgs:
                     default=f.default, help=help_text,
                 )
                 continue
+            # vLLM's --lora-modules takes several words: `--lora-modules a=/x b=/y`.
+            several = ({"nargs": "+", "action": _LoRAModulesAction}
+                       if f.name == "lora_modules" else {})
             parser.add_argument(
                 *flags, dest=f.name, type=_cli_type(f.name, str(f.type)),
-                default=f.default, help=help_text,
+                default=f.default, help=help_text, **several,
             )
 
     @classmethod
@@ -205,6 +222,7 @@ _INT_OPTIONS: dict[str, tuple[int, str | None]] = {
     "long_prefill_token_threshold": (1, "no cap"),
     "cpu_threads": (1, "every CPU this process may use"),
     "tensor_parallel_size": (1, None),
+    "max_lora_rank": (1, "no limit"),
 }
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -359,11 +377,19 @@ def parse_json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+# vLLM's JSON form of one adapter: {"name": ..., "path": ..., "base_model_name": ...}.
+_VLLM_LORA_FIELDS = frozenset({"name", "path", "base_model_name"})
+
+
 def parse_lora_modules(value: str) -> dict[str, str]:
-    """'a=/adapters/a,b=/adapters/b' or '{"a": "/adapters/a"}' -> {name: path}."""
+    """'a=/adapters/a,b=/adapters/b', '{"a": "/adapters/a"}' or vLLM's
+    '{"name": "a", "path": "/adapters/a"}' -> {name: path}."""
     value = value.strip()
     if value.startswith("{"):
         modules = parse_json_object(value)  # its message, not "invalid parse_lora_modules value"
+        if modules and modules.keys() <= _VLLM_LORA_FIELDS:
+            # Read as {name: path} it served adapters called "name" and "path".
+            modules = _vllm_lora_module(modules)
         for name, path in modules.items():
             # {"a": 1} or {"a": null} loaded the folder "1" or "None" once the model was loaded
             if not name or not isinstance(path, str) or not path:
@@ -379,6 +405,33 @@ def parse_lora_modules(value: str) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"adapter {name!r} is named twice")
         modules[name] = path
     return modules
+
+
+def _vllm_lora_module(item: dict[str, Any]) -> dict[str, str]:
+    """vLLM's {"name", "path", "base_model_name"} -> {name: path}. base_model_name is
+    ignored, as vLLM ignores one that is not a served model: it only sets the adapter's
+    `parent` in /v1/models, which here is always the one base model."""
+    name, path = item.get("name"), item.get("path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(
+            f"expected {{\"name\": \"...\", \"path\": \"...\"}} with both set, got "
+            f"{json.dumps(item)}")
+    return {name: path}
+
+
+class _LoRAModulesAction(argparse.Action):
+    """Merges the words of `--lora-modules a=/x b=/y` (each parsed by parse_lora_modules)
+    into one {name: path}."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        merged: dict[str, str] = {}
+        for modules in values:
+            for name in modules:
+                if name in merged:
+                    parser.error(f"argument {option_string}: adapter {name!r} is named twice")
+            merged.update(modules)
+        setattr(namespace, self.dest, merged)
 
 
 def parse_bytes(value: str | int) -> int:

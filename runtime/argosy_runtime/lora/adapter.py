@@ -12,6 +12,7 @@ that spans it (the q/k/v and gate/up orders are the model's own).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -56,6 +57,54 @@ def _local_folder(path: str) -> Path:
     return Path(path)
 
 
+# The weights, in the order PEFT prefers them: older PEFT (and many Hub adapters) saved only
+# the pickled adapter_model.bin, which vLLM reads too.
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_files(name: str, path: str, folder: Path) -> tuple[Path, Path]:
+    """(adapter_config.json, weights file) of the adapter folder `folder` (`path` as the user
+    wrote it); ValueError naming the adapter when one is missing."""
+    config_path = folder / "adapter_config.json"
+    weights = [folder / f for f in WEIGHTS_FILES if (folder / f).is_file()]
+    if config_path.is_file() and weights:
+        return config_path, weights[0]
+    if not folder.exists() and hub.looks_like_repo_id(path):
+        # vLLM downloads a bare org/name from the Hub; here that takes the hf:// scheme.
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a local folder; for a Hugging "
+                         f"Face Hub adapter write {hub.SCHEME}{path}")
+    raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
+                     "adapter_model.safetensors (or adapter_model.bin): a PEFT adapter folder")
+
+
+def _read_weights(name: str, weights_path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The tensors of `weights_path` (safetensors, or a PyTorch pickle read with
+    weights_only, which runs no code) and its bytes; ValueError naming the adapter and the
+    file when it cannot be read: an OSError was a 500 for an adapter loaded on first use."""
+    try:
+        data = weights_path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
+    if weights_path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            return load(data), data
+        except SafetensorError as exc:  # truncated or not safetensors at all
+            raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
+    try:
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (pickle, zip and torch errors alike: not loadable)
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path} as PyTorch "
+                         f"weights (torch.load with weights_only): {exc}") from exc
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise ValueError(f"LoRA adapter {name!r}: {weights_path} does not hold a "
+                         "{name: tensor} state dict")
+    return tensors, data
+
+
 @dataclass
 class LoRAWeights:
     """One fused projection's adapted modules stacked: A [k * r, in] holds each module's A,
@@ -92,21 +141,17 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype,
-             device: torch.device | str = "cpu") -> LoRAAdapter:
+             device: torch.device | str = "cpu", max_rank: int | None = None) -> LoRAAdapter:
         """Raises ValueError naming what the adapter has that this server cannot apply.
         `path`: a PEFT adapter folder, `hf://org/name[@revision]` (lora/hub.py) or
-        `s3://bucket/prefix` (lora/s3.py)."""
+        `s3://bucket/prefix` (lora/s3.py). `max_rank`: --max-lora-rank (None: any rank)."""
         try:
             folder = _local_folder(str(path))
         except ValueError as exc:  # hf:// or s3:// download: say which adapter failed
             raise ValueError(f"LoRA adapter {name!r}: {exc}") from exc
-        config_path = folder / "adapter_config.json"
-        weights_path = folder / "adapter_model.safetensors"
-        if not config_path.is_file() or not weights_path.is_file():
-            raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
-                             "adapter_model.safetensors (a PEFT adapter folder)")
+        config_path, weights_path = adapter_files(name, str(path), folder)
         config = read_config(name, config_path)
-        _check_supported(name, config)
+        _check_supported(name, config, max_rank)
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
         use_rslora = bool(config.get("use_rslora"))
@@ -118,14 +163,7 @@ class LoRAAdapter:
         rank_pattern = config.get("rank_pattern") or {}
         alpha_pattern = config.get("alpha_pattern") or {}
 
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
-        weights = weights_path.read_bytes()
-        try:
-            tensors = load(weights)
-        except SafetensorError as exc:  # truncated or not safetensors at all
-            raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
+        tensors, weights = _read_weights(name, weights_path)
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         module_keys: dict[tuple[int, str], str] = {}  # PEFT's name of the module (patterns)
         for key, tensor in tensors.items():
@@ -248,7 +286,7 @@ def read_config(name: str, config_path: Path) -> dict:
     return config
 
 
-def _check_supported(name: str, config: dict) -> None:
+def _check_supported(name: str, config: dict, max_rank: int | None = None) -> None:
     unsupported = {
         "peft_type": config.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(config.get("use_dora")),
@@ -301,6 +339,12 @@ def _check_supported(name: str, config: dict) -> None:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json 'lora_alpha' must be a "
                          f"number, not {alpha!r}")
     _check_patterns(name, config)
+    # vLLM's --max-lora-rank, checked on the config so lazy registration refuses it too.
+    largest = max([rank, *(config.get("rank_pattern") or {}).values()])
+    if max_rank is not None and largest > max_rank:
+        raise ValueError(f"LoRA adapter {name!r}: rank {largest} (r or rank_pattern) is above "
+                         f"max_lora_rank (--max-lora-rank) {max_rank}; raise it, or leave it "
+                         "unset for no limit")
 
 
 def _base_model_hint(config: dict) -> str:

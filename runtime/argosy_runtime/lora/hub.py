@@ -45,6 +45,15 @@ def parse_hub_path(path: str) -> tuple[str, str]:
     return repo, revision or "main"
 
 
+def looks_like_repo_id(path: str) -> bool:
+    """`org/name` (or `org/name@revision`): what vLLM takes as a Hub repo id."""
+    try:
+        parse_hub_path(SCHEME + path)
+    except ValueError:
+        return False
+    return True
+
+
 def cache_root() -> Path:
     cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return Path(os.environ.get("ARGOSY_LORA_CACHE", cache_home / "argosy" / "lora"))

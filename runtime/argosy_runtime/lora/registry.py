@@ -39,12 +39,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("argosy.lora")
 
 
-def check_registrable(name: str, path: str) -> None:
+def check_registrable(name: str, path: str, max_rank: int | None = None) -> None:
     """What can be checked without reading weights or the network (ValueError naming the
     adapter): hf:// and s3:// paths must parse; a folder must hold both PEFT files and an
-    adapter_config.json this server supports (no DoRA, biases, modules_to_save, ...). Shapes
-    and module names are checked when the weights are loaded."""
-    from argosy_runtime.lora.adapter import _check_supported, read_config
+    adapter_config.json this server supports (no DoRA, biases, modules_to_save, a rank
+    above `max_rank`, ...). Shapes and module names are checked when the weights are loaded."""
+    from argosy_runtime.lora.adapter import _check_supported, adapter_files, read_config
 
     try:
         if hub.is_hub_path(path):
@@ -55,12 +55,8 @@ def check_registrable(name: str, path: str) -> None:
             return
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {name!r}: {exc}") from exc
-    folder = Path(path)
-    config_path = folder / "adapter_config.json"
-    if not config_path.is_file() or not (folder / "adapter_model.safetensors").is_file():
-        raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and "
-                         "adapter_model.safetensors (a PEFT adapter folder)")
-    _check_supported(name, read_config(name, config_path))
+    config_path, _ = adapter_files(name, path, Path(path))
+    _check_supported(name, read_config(name, config_path), max_rank)
 
 
 class _Load:
@@ -72,9 +68,11 @@ class _Load:
 
 
 class LoRARegistry:
-    def __init__(self, load: Callable[[str, str], LoRAAdapter], max_loaded: int | None) -> None:
+    def __init__(self, load: Callable[[str, str], LoRAAdapter], max_loaded: int | None,
+                 max_rank: int | None = None) -> None:
         self._load = load  # (name, path) -> LoRAAdapter; raises ValueError / OSError
         self.max_loaded = max_loaded
+        self.max_rank = max_rank  # --max-lora-rank, checked at lazy registration (load: too)
         self.paths: dict[str, str] = {}  # every registered adapter; replaced, never mutated
         self.loaded: dict[str, LoRAAdapter] = {}  # in memory now; replaced, never mutated
         self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # oldest first
@@ -104,7 +102,7 @@ class LoRARegistry:
         try:
             adapter = None
             if self.is_lazy:
-                check_registrable(name, path)
+                check_registrable(name, path, self.max_rank)
             else:
                 adapter = self._load(name, path)
             with self._cond:

@@ -374,7 +374,7 @@ def test_unloading_a_name_whose_first_registration_is_still_loading(
     loader = GatedLoader()
     gate = loader.gates["/slow"] = threading.Event()
     if max_loaded is not None:  # lazy registration reads only the config: gate that instead
-        def slow_check(name: str, path: str) -> None:
+        def slow_check(name: str, path: str, max_rank: int | None = None) -> None:
             if path == "/slow":
                 loader.entered.set()
                 gate.wait(10)
