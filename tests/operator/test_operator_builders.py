@@ -155,6 +155,12 @@ def test_gpu_sample_deployment() -> None:
     (init,) = pod["initContainers"]
     assert init["name"] == "model-download"
     assert init["image"] == runtime["image"]
+    # A ResourceQuota on memory refuses a pod whose init container sets none: it takes the
+    # runtime's CPU and memory (not its GPUs, not the emptyDir's disk).
+    main = pod["containers"][0]["resources"]
+    assert init["resources"] == {
+        "requests": {"cpu": main["requests"]["cpu"], "memory": main["requests"]["memory"]},
+        "limits": {"memory": main["limits"]["memory"]}}
     assert init["command"][:2] == ["python3", "-c"]
     assert init["command"][3:] == ["meta-llama/Llama-3.1-8B-Instruct", "main", "",
                                    "/models/model"]

@@ -75,6 +75,19 @@ def _resources(spec: Mapping[str, Any], source: ModelSource) -> dict[str, Any]:
     return out
 
 
+def _cpu_and_memory(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime container's CPU and memory, for the download init container: a namespace
+    whose ResourceQuota covers memory refuses every pod with a container that sets none (the
+    ReplicaSet then creates no pod at all), and an init container as large as the runtime
+    leaves the pod's effective request unchanged (the larger of the two counts)."""
+    out = {}
+    for kind, amounts in resources.items():
+        kept = {k: v for k, v in amounts.items() if k in ("cpu", "memory")}
+        if kept:
+            out[kind] = kept
+    return out
+
+
 def _volumes(name: str, spec: Mapping[str, Any], source: ModelSource
              ) -> tuple[list[dict], list[dict]]:
     """(pod volumes, runtime container mounts); `name` is the LLMDeployment's."""
@@ -184,8 +197,10 @@ def _pod_spec(name: str, spec: Mapping[str, Any], source: ModelSource) -> dict[s
         "automountServiceAccountToken": bool(template.get("serviceAccountName")),
     }
     if source.needs_download:
-        pod["initContainers"] = [download_container(spec, source, image,
-                                                    runtime["imagePullPolicy"])]
+        init = download_container(spec, source, image, runtime["imagePullPolicy"])
+        if cpu_memory := _cpu_and_memory(container["resources"]):
+            init["resources"] = cpu_memory
+        pod["initContainers"] = [init]
     if template.get("serviceAccountName"):
         pod["serviceAccountName"] = template["serviceAccountName"]
     if template.get("imagePullSecrets"):
