@@ -39,9 +39,11 @@ lint: install
 # Container images (needs Docker); names and tags in docs/deploy.md. make images IMAGES=operator
 IMAGES ?= runtime-cpu runtime-cuda operator gateway
 IMAGE_TAG ?= 0.1.0
+# The commit, for each image's org.opencontainers.image.revision label ("unknown" outside git).
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 .PHONY: images e2e-kind
 images:
-	for name in $(IMAGES); do docker build -f docker/$$name.Dockerfile -t ghcr.io/argosy-project/argosy-$$name:$(IMAGE_TAG) . || exit 1; done
+	for name in $(IMAGES); do docker build -f docker/$$name.Dockerfile --build-arg REVISION=$(REVISION) -t ghcr.io/argosy-project/argosy-$$name:$(IMAGE_TAG) . || exit 1; done
 
 # kind cluster, images, operator, CPU sample, completions, autoscaling, delete (needs Docker + kind).
 e2e-kind: install
