@@ -122,15 +122,23 @@ def request_logprobs(path: str, body: dict[str, Any]) -> tuple[dict[str, Any], b
 
 
 def mean_logprob(response: dict[str, Any]) -> float | None:
-    """Mean logprob of the sampled tokens of the first choice; None when absent or empty.
+    """The mean logprob of the sampled tokens of the least confident choice; None when no
+    choice has any. Every choice counts: a completions batch holds one answer per prompt (and
+    `n` per prompt), and judging the first alone accepted a batch whose other answers the
+    small model was unsure of.
 
     Reads both shapes: completions (`logprobs.token_logprobs`) and chat
     (`logprobs.content[].logprob`).
     """
     choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list):
         return None
-    logprobs = choices[0].get("logprobs")
+    means = [m for c in choices if isinstance(c, dict)
+             and (m := _choice_mean(c.get("logprobs"))) is not None]
+    return min(means, default=None)
+
+
+def _choice_mean(logprobs: Any) -> float | None:
     if not isinstance(logprobs, dict):
         return None
     values: list[float] = []

@@ -125,6 +125,12 @@ def test_mean_logprob_both_shapes() -> None:
     assert c.mean_logprob({"choices": [{"logprobs": None}]}) is None
     assert c.mean_logprob({"choices": []}) is None
     assert c.mean_logprob({"choices": [{"logprobs": {"content": []}}]}) is None
+    # A batch (or n > 1): the least confident answer decides; the first alone let a batch
+    # whose other answers the small model was unsure of stand.
+    batch = {"choices": [{"logprobs": {"token_logprobs": [-0.1]}},
+                         {"logprobs": {"token_logprobs": [-3.0, -1.0]}},
+                         {"logprobs": None}]}
+    assert c.mean_logprob(batch) == pytest.approx(-2.0)
 
 
 def test_strip_logprobs() -> None:
