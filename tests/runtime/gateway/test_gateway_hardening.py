@@ -39,7 +39,7 @@ async def test_a_bug_in_the_gateway_is_an_openai_error_and_its_traceback_is_logg
     def broken(*_, **__):
         raise raised
 
-    monkeypatch.setattr(gateway_app, "prompt_text", broken)  # called for every routed request
+    monkeypatch.setattr(gateway_app, "routing_text", broken)  # called for every routed request
     with caplog.at_level(logging.ERROR, logger=gateway_app.logger.name):
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{url}/v1/completions", json=COMPLETION) as resp:
@@ -82,7 +82,7 @@ async def test_the_openai_client_reads_the_gateways_500(fake_replicas, gateway,
                                                         monkeypatch) -> None:
     (r,) = await fake_replicas(1)
     _, url = await gateway(config(r.url))
-    monkeypatch.setattr(gateway_app, "prompt_text", lambda *_: 1 / 0)
+    monkeypatch.setattr(gateway_app, "routing_text", lambda *_: 1 / 0)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     try:
         with pytest.raises(openai.InternalServerError) as exc:
