@@ -166,6 +166,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"w2 {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError("topk_weights and topk_ids must both be [tokens, top_k]")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:  # tl.dot needs one dtype on both sides
+        raise ValueError(f"w13 and w2 must be in x's dtype {x.dtype}, got {w13.dtype} and "
+                         f"{w2.dtype}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("w13 and w2 must be contiguous in their last dimension")
     check_device(x)

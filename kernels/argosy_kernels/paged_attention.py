@@ -376,11 +376,21 @@ def paged_decode_attention(
     if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
     check_softcap(softcap)
-    check_device(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
+    # The kernel reads row `seq` of both for every sequence: fewer rows would be read out of
+    # bounds (garbage, no error), and float lengths would be read as integer bits.
+    if context_lens.dim() != 1 or context_lens.shape[0] < num_seqs \
+            or context_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"context_lens must be an int32 [num_seqs = {num_seqs}] tensor, got "
+                         f"{context_lens.dtype} {tuple(context_lens.shape)}")
+    if block_tables.shape[0] < num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
+    check_device(query, key_cache, value_cache, block_tables, context_lens)
     _, block_size, num_kv_heads, _ = key_cache.shape
     if out is None:
-        out = torch.empty_like(query)
+        # Row-major whatever query's layout: the kernel writes head_dim with a unit stride, and
+        # empty_like would copy the strides of a permuted query.
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError("out must match query's shape and dtype, contiguous in head_dim")
     if num_seqs == 0:

@@ -274,11 +274,18 @@ def paged_prefill_attention(
                          f"{tuple(query_start_loc.shape)}")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
+    # Float positions would be read as integer bits: garbage, no error.
+    if query_start_loc.dtype not in (torch.int32, torch.int64) \
+            or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_start_loc and seq_lens must be int32, got "
+                         f"{query_start_loc.dtype} and {seq_lens.dtype}")
     check_device(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if out is None:
-        out = torch.empty_like(query)
+        # Row-major whatever query's layout: the kernel writes head_dim with a unit stride, and
+        # empty_like would copy the strides of a permuted query.
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError("out must match query's shape and dtype, contiguous in head_dim")
     if num_tokens == 0 or num_seqs == 0:

@@ -86,7 +86,9 @@ def rms_norm(
     check_device(x, weight, *([residual] if residual is not None else []))
     num_tokens, hidden = x.shape
     if out is None:
-        out = torch.empty_like(x)
+        # Row-major whatever x's layout: the kernel writes hidden with a unit stride, and
+        # empty_like would copy the strides of a transposed x.
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("out must match x's shape and dtype, contiguous in hidden")
     if x.stride(1) != 1:
