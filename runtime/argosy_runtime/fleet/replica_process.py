@@ -71,6 +71,10 @@ class ReplicaProcess:
         # Should this process die without draining it, how long the replica may take to
         # drain on its own before it kills itself (exit_with_parent.py).
         self.orphan_grace_s = orphan_grace_s
+        # Where this start's output begins in `log_path`: a log is appended to by every
+        # replica that ran on this port (in this fleet or an earlier one with this log dir),
+        # and `log_tail` must not show an earlier one's last words as this one's.
+        self.log_start = 0
         self.process: asyncio.subprocess.Process | None = None
         self.ready = False  # has answered /ready once (until then its start-up is in charge)
         self.ready_at: float | None = None  # time.monotonic() when it first answered /ready
@@ -102,6 +106,7 @@ class ReplicaProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it open)
         try:
+            self.log_start = log.seek(0, os.SEEK_END)
             self.process = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdout=log,
@@ -197,18 +202,20 @@ class ReplicaProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
 
     def log_tail(self, n: int = 20, max_bytes: int = LOG_TAIL_BYTES) -> str:
-        """The last `n` lines of its log, from its last `max_bytes` only: this runs on the
-        event loop the gateway serves from, and a log grows without bound (appended to across
-        restarts on one port)."""
+        """The last `n` lines this start wrote to its log, from its last `max_bytes` only:
+        this runs on the event loop the gateway serves from, and a log grows without bound
+        (appended to across restarts on one port)."""
         try:
             with open(self.log_path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - max_bytes))
+                ours = self.log_start if self.log_start <= size else 0  # truncated since
+                start = max(ours, size - max_bytes)
+                f.seek(start)
                 data = f.read(max_bytes)
         except OSError:
             return ""
         lines = data.decode(errors="replace").splitlines()
-        if size > max_bytes and len(lines) > 1:
+        if start > ours and len(lines) > 1:
             lines = lines[1:]  # the first is likely cut
         return "\n".join(lines[-n:])
 

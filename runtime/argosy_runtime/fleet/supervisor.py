@@ -56,6 +56,9 @@ CRASH_LOOP_WINDOW_S = 60.0
 PORT_ATTEMPTS = 3
 # One /health probe's limit (the operator's livenessProbe timeoutSeconds).
 LIVENESS_PROBE_TIMEOUT_S = 5.0
+# A replica past its own --drain-timeout aborts what still runs, then exits: time for that
+# before SIGKILL (as the operator's GRACE_MARGIN_SECONDS over the drain timeout).
+DRAIN_MARGIN_S = 15.0
 # A replica that fails its liveness check gets SIGTERM, then SIGKILL (its whole process group)
 # this long after if it has not exited: time to log and let go of its workers, not to drain
 # (its requests are not going to finish). `argosy serve` gives its HTTP server 5 s too.
@@ -143,6 +146,23 @@ class FleetConfig:
         same folder."""
         return _serve_arg(self.serve_args, "batch_dir") is not None
 
+    @functools.cached_property
+    def replica_drain_s(self) -> float | None:
+        """`--drain-timeout` among the serve args (the replicas' drain on SIGTERM); None
+        when not there (its default, 30 s, is within drain_timeout_s's default) or not valid
+        (no replica starts)."""
+        value = _serve_arg(self.serve_args, "drain_timeout")
+        return value if value is not None and value >= 0 else None  # NaN fails ">= 0" too
+
+    @property
+    def kill_after_s(self) -> float:
+        """How long a draining replica gets before SIGKILL: drain_timeout_s, or longer when
+        the serve args give the replicas a longer --drain-timeout (a SIGKILL at 60 s cut the
+        requests `-- --drain-timeout 300` was letting finish)."""
+        if self.replica_drain_s is None:
+            return self.drain_timeout_s
+        return max(self.drain_timeout_s, self.replica_drain_s + DRAIN_MARGIN_S)
+
     @property
     def scales_from_zero(self) -> bool:
         """--min 0: the gateway holds requests while no replica runs and the autoscaler wakes
@@ -172,6 +192,7 @@ class Fleet:
         self._background: set[asyncio.Task[Any]] = set()
         self.decisions: list[Any] = []  # autoscaler decisions, newest last
         self._quick_exits = 0  # replicas in a row that exited soon after becoming ready
+        self._last_quick_exit = float("-inf")  # time.monotonic() of the last of them
         # Replacements waiting to start (_replace's backoff): without them, the autoscaler
         # would start replicas of its own for the ones missing, a crash loop's backoff aside.
         self._replacing = 0
@@ -200,7 +221,7 @@ class Fleet:
             extra_args=self.config.serve_args,
             log_dir=self.log_dir,
             serve_command=self.config.serve_command,
-            orphan_grace_s=self.config.drain_timeout_s,
+            orphan_grace_s=self.config.kill_after_s,
         )
 
     async def _launch(self) -> ReplicaProcess:
@@ -246,7 +267,7 @@ class Fleet:
         proc.draining = True
         if self.gateway is not None:
             self.gateway.pools[self.config.name].remove(proc.url)
-        code = await proc.drain(self.config.drain_timeout_s)
+        code = await proc.drain(self.config.kill_after_s)
         if proc in self.processes:
             self.processes.remove(proc)
         logger.info("replica %s drained (exit %s)", proc.url, code)
@@ -350,6 +371,10 @@ class Fleet:
             ),
             routing=RoutingConfig(policy=c.policy),
             health=HealthConfig(interval_s=c.health_interval_s, timeout_s=2.0),
+            # On stop, the answers in flight get as long as a replica's drain would give them
+            # (the gateway's own default, 30 s, cut those a longer --drain-timeout allowed).
+            drain_timeout_s=GatewayConfig.drain_timeout_s if c.replica_drain_s is None
+            else c.replica_drain_s,
         )
         self.gateway = Gateway(gw_config)
         try:
@@ -378,7 +403,7 @@ class Fleet:
         # One being stopped for failing its liveness check (its stop was cancelled above) is
         # hung: killed, not drained, or it would hold the fleet's exit for drain_timeout_s.
         await asyncio.gather(
-            *(p.kill() if p.stopping and not p.draining else p.drain(self.config.drain_timeout_s)
+            *(p.kill() if p.stopping and not p.draining else p.drain(self.config.kill_after_s)
               for p in self.processes),
             return_exceptions=True,
         )
@@ -478,8 +503,17 @@ class Fleet:
     def _restart_wait(self, proc: ReplicaProcess) -> float:
         """How long to wait before replacing `proc`, which exited: at once, unless replicas
         keep exiting soon after becoming ready (a crash loop: 2, 4, 8... s)."""
-        lived = time.monotonic() - (proc.ready_at or 0.0)
-        self._quick_exits = self._quick_exits + 1 if lived < CRASH_LOOP_WINDOW_S else 0
+        now = time.monotonic()
+        # The longest a crash loop's next exit can take: its backoff, a start-up, the window.
+        # Quick exits further apart are not a loop (else one that ended long ago, its
+        # replicas serving since, delayed the next quick exit's replacement by up to 60 s).
+        loop_gap = RESTART_BACKOFF_MAX_S + self.config.ready_timeout_s + CRASH_LOOP_WINDOW_S
+        if now - (proc.ready_at or 0.0) >= CRASH_LOOP_WINDOW_S:
+            self._quick_exits = 0
+        else:
+            in_a_row = now - self._last_quick_exit <= loop_gap
+            self._quick_exits = self._quick_exits + 1 if in_a_row else 1
+            self._last_quick_exit = now
         if self._quick_exits < 2:
             return 0.0
         wait = _backoff(self._quick_exits)
@@ -624,12 +658,14 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def _serve_arg(serve_args: tuple[str, ...], dest: str) -> Any:
-    """The value `argosy serve` takes for option `dest` from `serve_args`; None when the
-    args do not parse (every replica then fails at start, with its own message)."""
+    """The value `argosy serve` takes for option `dest` from `serve_args`; None when they
+    do not give it, or do not parse (every replica then fails at start, with its own
+    message)."""
     from argosy_runtime.cli.serve import add_arguments  # light: no torch
 
     parser = _RaisingParser(add_help=False)
     add_arguments(parser)
+    parser.set_defaults(**{dest: None})
     try:
         namespace, _ = parser.parse_known_args(list(serve_args))
     except ValueError:

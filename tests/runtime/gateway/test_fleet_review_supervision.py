@@ -263,3 +263,68 @@ async def test_scale_down_drains_a_failing_replica_before_a_healthy_one(tmp_path
         assert fleet.live == [serving]
     finally:
         await fleet.stop()
+
+
+async def test_a_replica_drain_timeout_longer_than_the_fleets_is_not_cut_by_sigkill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-- --drain-timeout N` lets each replica's requests finish for N s on SIGTERM; the
+    fleet SIGKILLed a draining replica after its own drain timeout (60 s) whatever N was,
+    cutting them, and its gateway cut the answers in flight on stop after 30 s. Here the
+    replica drains for 1.5 s, the fleet's own timeout is 0.5 s and --drain-timeout 5."""
+    script = tmp_path / "draining_replica.py"
+    script.write_text(DRAINING_REPLICA)
+    monkeypatch.setenv("DRAIN_MARK", str(tmp_path / "drain-started"))
+    fleet = Fleet(FleetConfig(
+        model="tiny", replicas=1, port=0, serve_command=(sys.executable, str(script)),
+        serve_args=("--drain-timeout", "5"), health_interval_s=0.2, log_dir=str(tmp_path),
+        ready_timeout_s=30, drain_timeout_s=0.5, liveness_timeout_s=0))  # fmt: skip
+    await fleet.start()
+    try:
+        assert fleet.gateway.config.drain_timeout_s == 5
+        code = await fleet.drain_replica(fleet.processes[0])  # as a scale-down does
+    finally:
+        await fleet.stop()
+    assert code == 0, "the replica was killed mid-drain"
+
+
+async def test_a_replicas_log_tail_is_its_own_not_an_earlier_one_on_its_port(
+    tmp_path: Path,
+) -> None:
+    """Replica logs are named by port and appended to: a replica failing at start on a port
+    an earlier one had used showed that one's last words as its own, and an earlier "address
+    already in use" there had it taken for a lost port and started again elsewhere."""
+    earlier = "OSError: [Errno 98] address already in use"
+    (tmp_path / "replica-41005.log").write_text(f"{earlier}\n")
+    proc = ReplicaProcess("tiny", "tiny", 41005, log_dir=tmp_path, serve_command=(
+        sys.executable, "-c", "print('error: cannot load the model')"))
+    await proc.start()
+    await proc.process.wait()
+    assert proc.log_tail() == "error: cannot load the model"
+    assert not supervisor._port_taken(proc.log_tail())
+    assert earlier in proc.log_path.read_text(), "the earlier replica's log was overwritten"
+
+
+def test_quick_exits_long_apart_are_not_a_crash_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas exiting soon after becoming ready, in a row, are a crash loop whose restarts
+    back off. The count was never reset by time: a loop that ended (its replica serving for
+    hours since) made the next replica exiting soon after its start wait 60 s to be replaced,
+    logged as "8 in a row"."""
+    now = [1000.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    fleet = Fleet(FleetConfig(model="tiny", replicas=1, port=0, log_dir=str(tmp_path)))
+
+    def quick_exit() -> float:
+        proc = ReplicaProcess("tiny", "tiny", 41006, log_dir=tmp_path)
+        proc.ready_at = now[0] - 5  # ready 5 s before it exited
+        return fleet._restart_wait(proc)
+
+    waits = []
+    for _ in range(8):  # the crash loop
+        waits.append(quick_exit())
+        now[0] += waits[-1] + 10  # the replacement starts, is ready, exits
+    assert waits[0] == 0 and waits[1:] == sorted(waits[1:]) and waits[-1] == 60
+    now[0] += 6 * 3600  # the last replacement has served for hours
+    assert quick_exit() == 0
