@@ -82,6 +82,11 @@ def encoder_spec_fields(config: dict[str, Any], architecture: str, is_classifier
     if kind != "absolute":
         raise ValueError(f"config.json: position_embedding_type {kind!r} is not supported "
                          "(absolute only)")
+    if config.get("is_decoder"):
+        # transformers' BERT / XLM-R layers then attend causally; ours attend both ways, so
+        # serving it would silently give other vectors.
+        raise ValueError(f"config.json: is_decoder=true (causal attention) is not supported "
+                         f"for {architecture}: encoders attend bidirectionally")
     act = config.get("hidden_act", "gelu")
     if act not in ENCODER_ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported for "

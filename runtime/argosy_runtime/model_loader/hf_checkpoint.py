@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -124,7 +125,35 @@ def load_hf_spec(folder: Path, files: list[Path],
     spec = ModelSpec.from_hf_config(
         config, checkpoint_dtype=checkpoint_dtype(files), generation_config=generation
     )
+    if spec.tie_word_embeddings and _stores_distinct_lm_head(files):
+        # transformers ties only what the checkpoint does not contradict: an lm_head.weight
+        # stored beside the embeddings with other values is served as it is ("both are
+        # present in the checkpoints with different values, so we will NOT tie them").
+        # Tying it here would silently serve another model.
+        logger.warning("config.json says tie_word_embeddings but the checkpoint stores an "
+                       "lm_head.weight that differs from the embeddings: serving it untied, "
+                       "as transformers does")
+        spec = dataclasses.replace(spec, tie_word_embeddings=False)
     return lm_head_classifier.convert_spec(spec, config, file_config)
+
+
+def _stores_distinct_lm_head(files: list[Path]) -> bool:
+    """Whether the checkpoint stores an lm_head.weight that is not exactly the embeddings
+    (transformers' torch.equal test; a tied checkpoint usually stores no lm_head at all)."""
+    found: dict[str, tuple[Path, str]] = {}
+    for file in files:
+        with open_safetensors(file) as f:
+            for stored in f.keys():
+                name = model_weight_name(stored)
+                if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                    found[name] = (file, stored)
+    if len(found) < 2:
+        return False
+    tensors = []
+    for file, stored in found.values():
+        with open_safetensors(file) as f:
+            tensors.append(f.get_tensor(stored))
+    return not torch.equal(*tensors)
 
 
 def expected_weight_names(spec: ModelSpec) -> list[str]:
