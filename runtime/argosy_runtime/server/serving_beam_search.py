@@ -19,12 +19,18 @@ from argosy_runtime.beam_search import (
     BeamSearch,
     BeamSearchOutput,
     BeamSearchParams,
+    BeamSearchSequence,
     advance_searches,
     live_requests,
 )
 from argosy_runtime.server.errors import APIError, bad_request
 from argosy_runtime.server.owners import cache_salt_of, owner_of
 from argosy_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from argosy_runtime.server.reasoning_parser import (
+    count_reasoning_tokens,
+    split_reasoning,
+    token_ends,
+)
 from argosy_runtime.server.request_log import request_id_of, request_log
 from argosy_runtime.server.serving_common import (
     SSE_DONE,
@@ -128,17 +134,24 @@ async def beam_search_response(request: Request, ctx: ServingContext,
         return Response(status_code=499)
     finally:
         ctx.lifecycle.exit()
+    # A chat reply is split as a sampled one is (and as vLLM splits a beam's): with
+    # --reasoning-parser the thinking goes to reasoning_content, not into content.
+    reasoning_parser = ctx.config.reasoning_parser if chat else None
+    reasoning_tokens: int | None = 0 if reasoning_parser else None
     choices = []
     for i, out in enumerate(outputs):
         for j, seq in enumerate(out.sequences):
-            body: dict[str, Any] = (
-                {"message": {"role": "assistant", "content": seq.text}} if chat
-                else {"text": (prefixes[i] if prefixes else "") + seq.text})
+            body: dict[str, Any] = {"text": (prefixes[i] if prefixes else "") + seq.text}
+            if chat:
+                message, thinking = _chat_message(ctx, prompts[i], seq, reasoning_parser)
+                body = {"message": message}
+                if reasoning_tokens is not None:
+                    reasoning_tokens += thinking
             choices.append({"index": i * params.beam_width + j, **body, "logprobs": None,
                             "finish_reason": seq.finish_reason})
     completion_tokens = sum(len(seq.tokens) - len(prompt) for prompt, out in zip(prompts, outputs)
                             for seq in out.sequences)
-    usage = usage_info(sum(len(p) for p in prompts), completion_tokens, 0)
+    usage = usage_info(sum(len(p) for p in prompts), completion_tokens, 0, reasoning_tokens)
     log.update(completion_tokens=completion_tokens,
                finish_reason=",".join(sorted({c["finish_reason"] for c in choices})))
     created = now()
@@ -165,3 +178,18 @@ async def beam_search_response(request: Request, ctx: ServingContext,
         yield SSE_DONE
 
     return GuardedStreamingResponse(events(), on_close=lambda: None)
+
+
+def _chat_message(ctx: ServingContext, prompt: list[int], seq: BeamSearchSequence,
+                  reasoning_parser: str | None) -> tuple[dict[str, Any], int]:
+    """A hypothesis's chat message, and how many of its tokens are thinking (serving_chat's
+    split and count)."""
+    if not reasoning_parser:
+        return {"role": "assistant", "content": seq.text}, 0
+    reasoning, answer = split_reasoning(reasoning_parser, seq.text)
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    # seq.text is decoded without special tokens, as token_ends replays it
+    ends = token_ends(ctx.tokenizer, prompt, seq.tokens[len(prompt):], True)
+    return message, count_reasoning_tokens(reasoning_parser, seq.text, ends)
