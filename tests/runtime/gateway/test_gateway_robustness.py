@@ -277,6 +277,26 @@ async def test_a_replica_answering_garbage_is_retried_then_a_502(raw_replica, fa
     assert in_flight(gw) == [0, 0]
 
 
+@pytest.mark.parametrize("answer", [
+    b"",  # the connection closed with no answer
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+], ids=["before_the_headers", "after_the_headers"])
+async def test_a_replica_cutting_the_request_before_answering_is_a_502_naming_it(
+        raw_replica, gateway, answer: bytes) -> None:
+    """A replica that takes the request and closes the connection before the answer's first
+    byte (a crash) stays in rotation, so on the last try the client's answer is a 502 naming
+    it, not the 503 "no replica of 'tiny' is available" that sent operators looking for a
+    scaling or discovery problem while /ready said the model was served."""
+    bad = await raw_replica(answer)
+    gw, url = await gateway(config(bad.url))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 502
+            error = await error_of(resp)
+            assert error["type"] == "bad_gateway_error" and bad.url in error["message"]
+    assert in_flight(gw) == [0]
+
+
 async def test_a_5xx_without_an_openai_body_becomes_one(raw_replica, gateway) -> None:
     """A replica's 5xx (or 429) body that is not an OpenAI error (a proxy's HTML page,
     uvicorn's bare "Internal Server Error") reaches the client as one, its status and

@@ -112,6 +112,9 @@ class Gateway:
         self.catalog = ModelCatalog(self)
         # Replicas holding Batch API files and batches, and stored responses, by id.
         self.id_owners = IdOwners(self)
+        # The tasks of the requests being handled, which the drain cuts at its deadline.
+        self._handling: set[asyncio.Task[Any]] = set()
+        self._drain_deadline: asyncio.TimerHandle | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -134,7 +137,23 @@ class Gateway:
         self.health = HealthChecker(lambda: list(self.pools.values()), self.config.health, self.session)
         self.health.start()
 
+    def start_drain(self) -> None:
+        """Cut the requests still being handled `drain_timeout_s` from now. aiohttp's own
+        drain (runner.cleanup) waits that long, but past it only wakes a handler reading the
+        client's body: one relaying a replica's answer ran on for another `drain_timeout_s`
+        (a 30 s drain lasted 60 s, past the pod's grace period, so the kubelet's SIGKILL
+        ended it), and a drain of 0 waited for every answer to end."""
+
+        def cut() -> None:
+            for task in self._handling:
+                task.cancel()  # as a client leaving: the replica aborts, the client is cut
+
+        self._drain_deadline = asyncio.get_running_loop().call_later(
+            self.config.drain_timeout_s, cut)
+
     async def close(self) -> None:
+        if self._drain_deadline is not None:
+            self._drain_deadline.cancel()
         for activator in self.activators.values():
             await activator.close()
         if self.health is not None:
@@ -160,9 +179,20 @@ class Gateway:
                     413, f"request body is larger than this gateway's limit of {limit} bytes "
                          f"({limit / 2**20:g} MiB)", code="request_too_large")
 
-        # Outermost: the tenants' gate inside counts a failed request as its 500.
+        @web.middleware
+        async def tracked(request: web.Request, handler: Any) -> web.StreamResponse:
+            # Outermost, so that the drain's deadline (start_drain) cuts all of a request.
+            task = asyncio.current_task()
+            assert task is not None
+            self._handling.add(task)
+            try:
+                return await handler(request)
+            finally:
+                self._handling.discard(task)
+
+        # Inside `tracked`: the tenants' gate inside counts a failed request as its 500.
         app = web.Application(client_max_size=limit,
-                              middlewares=[internal_error, body_too_large])
+                              middlewares=[tracked, internal_error, body_too_large])
         self.tenants.install(app)
         # Innermost, so that the tenants' gate counts (and releases) a 408 or 400 like any
         # answer.
@@ -183,10 +213,15 @@ class Gateway:
         async def on_startup(_: web.Application) -> None:
             await self.start()
 
+        async def on_shutdown(_: web.Application) -> None:
+            # runner.cleanup: no longer accepting, the answers in flight not yet waited for
+            self.start_drain()
+
         async def on_cleanup(_: web.Application) -> None:
             await self.close()
 
         app.on_startup.append(on_startup)
+        app.on_shutdown.append(on_shutdown)
         app.on_cleanup.append(on_cleanup)
         return app
 
@@ -569,9 +604,11 @@ class Gateway:
 async def start_gateway(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve `gateway` on host:port (0 picks a free port); returns the runner and the port.
     `runner.cleanup()` stops accepting, then waits up to `drain_timeout_s` for the answers
-    in flight (aiohttp's shutdown timeout) before it cancels them."""
+    in flight before it cancels them (Gateway.start_drain)."""
+    # aiohttp's shutdown timeout is only a fallback, a second after the gateway's own cut:
+    # ending together, aiohttp's wait and the handler's end raised InvalidStateError in it.
     runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=gateway.config.drain_timeout_s)
+                           shutdown_timeout=gateway.config.drain_timeout_s + 1)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -161,7 +161,7 @@ async def _attempt(
         replica.mark_failure(config.health.unhealthy_after)
         metrics.retries.labels(pool.model, "connection_reset").inc()
         logger.warning("replica %s dropped the request before answering: %r", replica.url, exc)
-        return None
+        return _dropped(replica, exc)
     except aiohttp.ClientResponseError as exc:
         # An answer that is not HTTP (a bad status line or headers: another service on that
         # port, a broken proxy). A failed try like a 5xx, retried elsewhere; the last one is
@@ -206,11 +206,19 @@ async def _attempt(
         replica.mark_failure(config.health.unhealthy_after)
         metrics.retries.labels(pool.model, "broken_before_first_byte").inc()
         logger.warning("replica %s broke before the first byte: %r", replica.url, exc)
-        return None
+        return _dropped(replica, exc)
     except BaseException:  # cancelled by a client disconnect
         resp.close()
         raise
     return Upstream(replica=replica, response=resp, first_chunk=first)
+
+
+def _dropped(replica: Replica, exc: Exception) -> web.Response:
+    """The client's 502 when the last try's replica cut the request before any answer. The
+    replica stays in rotation (a reset only counts toward `unhealthy_after`), so the 503 "no
+    replica is available" the client got instead pointed at scaling, not at a crash."""
+    return error_response(502, f"replica {replica.url} closed the connection before "
+                               f"answering: {exc!r}")
 
 
 def _first_byte_timed_out(config: GatewayConfig, metrics: GatewayMetrics, pool: ReplicaPool,
