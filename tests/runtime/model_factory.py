@@ -23,6 +23,7 @@ with high probability; bfloat16 ones (error ~1e-2) can flip about 1 position in 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import tempfile
 from collections.abc import Callable
 from functools import lru_cache
@@ -100,6 +101,15 @@ def embedded_tokenizer_files() -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         embedded_transformers_tokenizer().save_pretrained(tmp)
         return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+def edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
+    """`edit` applied to the config.json of the model folder `folder`; returns `folder`."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    return folder
 
 
 def make_random_model_dir(

@@ -7,22 +7,12 @@ config parsing itself is tests/runtime/model_loader/test_loader_config_defaults.
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from argosy_runtime import LLM, SamplingParams
-from model_factory import make_random_model_dir
-
-
-def edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    edit(config)
-    path.write_text(json.dumps(config))
-    return folder
+from model_factory import edit_config, make_random_model_dir
 
 
 def assert_equals_transformers(folder: Path, hf_reference, prompt_len: int = 24,  # noqa: ANN001

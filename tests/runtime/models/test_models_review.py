@@ -10,10 +10,8 @@ a BERT / XLM-R config with `is_decoder: true` (transformers attends causally).
 
 from __future__ import annotations
 
-import json
 import random
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: t
 from argosy_runtime import LLM, SamplingParams  # noqa: E402
 from argosy_runtime.model_loader import load_checkpoint  # noqa: E402
 from encoder_factory import make_encoder_dir  # noqa: E402
-from model_factory import make_random_model_dir  # noqa: E402
+from model_factory import edit_config, make_random_model_dir  # noqa: E402
 
 NUM_TOKENS = 6
 # Gemma's norms scale by 1 + w: a smaller init keeps its logits away from near-ties.
@@ -61,13 +59,6 @@ def _assert_greedy_equals_transformers(folder: Path) -> None:
         [out] = llm.generate([prompt], params)
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, NUM_TOKENS), len(prompt)
 
-
-def _edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    edit(config)
-    path.write_text(json.dumps(config))
-    return folder
 
 
 # (id, arch, make_random_model_dir keywords): each a knob at a non-default value.
@@ -127,7 +118,7 @@ def test_knob_gives_transformers_greedy_tokens(arch: str, kwargs: dict, tmp_path
 def test_unserved_knob_is_refused_naming_it(arch: str, fields: dict, message: str,
                                             tmp_path: Path) -> None:
     folder = make_random_model_dir(tmp_path, arch, num_hidden_layers=1)
-    _edit_config(folder, lambda config: config.update(fields))
+    edit_config(folder, lambda config: config.update(fields))
     with pytest.raises(ValueError, match=message):
         LLM(model=str(folder), dtype="float32", block_size=4)
 
@@ -138,7 +129,7 @@ def test_tied_config_over_a_distinct_stored_lm_head_serves_the_stored_head(
     # An untied checkpoint whose config says tie_word_embeddings: transformers keeps the
     # stored lm_head (it differs from the embeddings); tying it served another model.
     folder = make_random_model_dir(tmp_path, arch, tie_word_embeddings=False)
-    _edit_config(folder, lambda config: config.update(tie_word_embeddings=True))
+    edit_config(folder, lambda config: config.update(tie_word_embeddings=True))
     assert not load_checkpoint(folder).spec.tie_word_embeddings
     _assert_greedy_equals_transformers(folder)
 
@@ -159,6 +150,6 @@ def test_stored_lm_head_equal_to_the_embeddings_stays_tied(tmp_path: Path) -> No
 def test_encoder_with_is_decoder_is_refused(arch: str, tmp_path: Path) -> None:
     # transformers' BERT / XLM-R layers attend causally then; ours attend both ways.
     folder = make_encoder_dir(tmp_path, arch)
-    _edit_config(folder, lambda config: config.update(is_decoder=True))
+    edit_config(folder, lambda config: config.update(is_decoder=True))
     with pytest.raises(ValueError, match="is_decoder"):
         load_checkpoint(folder)
