@@ -178,7 +178,12 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        """The engine thread runs and can run steps: a tensor-parallel engine whose worker
+        died, or whose ranks fell out of step, answers every request 503 from then on, and
+        /health must say so for the liveness probe to restart it."""
+        workers = getattr(self.engine, "tensor_parallel_workers", None)
+        return (self._thread is not None and self._thread.is_alive() and self.dead is None
+                and (workers is None or workers.is_alive))
 
     # ------------------------------------------------------------------- queries
     @property

@@ -195,7 +195,17 @@ class ModelRunner:
         if self.spec.is_encoder:  # token types travel with the request, not in its ids
             types = [sr.request.pooling.token_type_start if sr.request.pooling else None
                      for sr in scheduled]
-        hidden = self.forward(entries, self._lora_batch(scheduled), types)
+        try:
+            hidden = self.forward(entries, self._lora_batch(scheduled), types)
+        except BaseException as exc:
+            if self.tensor_parallel_workers is not None:
+                # Stopped between two all-reduces (out of memory, a kernel's error), the
+                # workers wait in the next one: rank 0's next step would meet them there,
+                # summing another layer's partial sums. On CUDA the workers' all-reduces do
+                # not block them, so their progress alone (run_step's check) cannot tell.
+                self.tensor_parallel_workers.abandon(f"rank 0's step failed in its forward: "
+                                                     f"{exc!r}")
+            raise
 
         out = ModelRunnerOutput()
         head = self.model.compute_class_logits if self.model.score is not None else None

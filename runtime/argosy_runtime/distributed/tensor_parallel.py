@@ -140,6 +140,11 @@ class TensorParallelGroup:
         # Rank 0's: why the other ranks failed (TensorParallelWorkers.failure), asked when a
         # collective fails, since gloo says only that a peer closed its connection.
         self.explain_failure: Callable[[], str | None] | None = None
+        # All-reduces this rank has started. A worker also publishes it to rank 0 in
+        # `progress` (shared memory, [reduces started, steps done]): rank 0 compares it with
+        # its own count to tell whether the ranks are still in step (TensorParallelWorkers).
+        self.num_all_reduces = 0
+        self.progress: Any = None
         prefixed = dist.PrefixStore("argosy-tp", store)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -158,6 +163,9 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
+        self.num_all_reduces += 1
+        if self.progress is not None:
+            self.progress[0] = self.num_all_reduces
         try:
             self._group.allreduce([x]).wait()
         except RuntimeError as exc:

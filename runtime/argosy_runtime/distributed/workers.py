@@ -89,7 +89,8 @@ def _exit_with_engine_process() -> None:
     os._exit(1)
 
 
-def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -> None:
+def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection,
+                 progress: Any) -> None:
     threading.Thread(target=_exit_with_engine_process, name="argosy-tp-parent-watch",
                      daemon=True).start()
     logging.basicConfig(level=logging.WARNING,
@@ -102,6 +103,7 @@ def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -
         model = build_rank_model(config, rank)
         conn.send(("ready", kv_cache_budget(device, config.kv_cache_memory_fraction)))
         group = TensorParallelGroup(rank, config.world_size, "127.0.0.1", port, device)
+        group.progress = progress
         model.use_tensor_parallel(group)
         kind, cache_config = conn.recv()
         if kind == "stop":  # the engine failed to start after the shards loaded
@@ -115,6 +117,7 @@ def _worker_main(rank: int, config: WorkerConfig, port: int, conn: Connection) -
             if kind == "stop":
                 return
             runner.forward(payload)
+            progress[1] += 1  # steps done
     except EOFError:  # the engine process is gone
         return
     except CollectiveError:
@@ -144,13 +147,18 @@ class TensorParallelWorkers:
         ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and CUDA
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
+        # Per worker, written by it: [all-reduces started, steps done] (`_check_in_step`).
+        self._progress = [ctx.Array("q", 2, lock=False) for _ in range(1, config.world_size)]
+        self._steps_sent = 0
+        self.broken: str | None = None  # why no more steps can run, once that is so
         self.group: TensorParallelGroup | None = None
         self._closed = False
         try:
             for rank in range(1, config.world_size):
                 ours, theirs = ctx.Pipe()
                 self._conns.append(ours)
-                proc = ctx.Process(target=_worker_main, args=(rank, config, self.port, theirs),
+                proc = ctx.Process(target=_worker_main,
+                                   args=(rank, config, self.port, theirs, self._progress[rank - 1]),
                                    name=f"argosy-tp-rank{rank}", daemon=True)
                 try:
                     proc.start()
@@ -251,12 +259,51 @@ class TensorParallelWorkers:
         self.group.explain_failure = self.failure
         return self.group
 
+    @property
+    def is_alive(self) -> bool:
+        """False once a worker has exited or the ranks fell out of step: this engine can run
+        no step again (what a liveness check should report)."""
+        return self.broken is None and all(proc.is_alive() for proc in self._procs)
+
     def allocate(self, cache_config: CacheConfig) -> None:
         self._send(("allocate", cache_config))
 
     def run_step(self, entries: list) -> None:
         """Have every worker run the forward of this step's batch (ModelRunner.forward)."""
+        if self.broken is not None:
+            raise WorkerFailed(self.broken)
+        self._check_in_step()
         self._send(("step", entries))
+        self._steps_sent += 1
+
+    def _check_in_step(self) -> None:
+        """WorkerFailed, and the workers stopped, if rank 0's last forward stopped partway.
+
+        Rank 0's forward can raise between its all-reduces (out of memory, a kernel's error):
+        the step fails, the server keeps serving, and the workers wait in the next
+        all-reduce of that step. Rank 0's next step would then meet them there: its first
+        all-reduce summed with another layer's (wrong tokens, no error), until two sizes
+        differed and gloo aborted the whole process. Each worker either finishes its step,
+        or waits in an all-reduce rank 0 never started (one more than rank 0's count).
+
+        On CUDA a worker's all-reduces do not block its Python thread, so it may report its
+        step done with an all-reduce still queued: there only `abandon` (called when rank 0's
+        forward raises) keeps the ranks from running out of step."""
+        reduces = self.group.num_all_reduces if self.group is not None else 0
+        for progress, proc in zip(self._progress, self._procs):
+            while progress[1] < self._steps_sent and proc.is_alive():  # a dead one: _send
+                if progress[0] > reduces:
+                    raise self.abandon(f"rank 0's step failed partway through the model while "
+                                        f"{proc.name} went on (rank 0's error was raised then)")
+                time.sleep(0.0001)  # finishing its last layer: its last all-reduce is done
+
+    def abandon(self, why: str) -> WorkerFailed:
+        """Stop the workers for good: the ranks are out of step (`why`). Every later step
+        raises the returned error, which says so."""
+        self.broken = (f"tensor-parallel ranks are out of step: {why}; the workers are "
+                       "stopped and this engine can run no more steps: restart it")
+        self.close(timeout=0.0)  # they wait in an all-reduce: no "stop" message is read
+        return WorkerFailed(self.broken)
 
     def _send(self, message: tuple) -> None:
         for conn, proc in zip(self._conns, self._procs):

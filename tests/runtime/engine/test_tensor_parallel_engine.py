@@ -3,6 +3,7 @@ transformers (float32) and with the single-process engine."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 import torch
 from argosy_runtime import LLMEngine, SamplingParams
+from argosy_runtime.async_engine import AsyncEngine
 from argosy_runtime.distributed import TensorParallelWorkers, WorkerConfig
 from engine_helpers import (
     FullForwardReference,
@@ -135,8 +137,66 @@ def test_a_killed_worker_fails_the_step_instead_of_hanging(tmp_path) -> None:
             while engine.has_unfinished_requests():
                 engine.step()
         assert time.monotonic() - started < 30
+        assert not engine.tensor_parallel_workers.is_alive
+        # /health reads the async engine's is_alive: its thread runs on, but no step can, so
+        # the liveness probe must restart the pod (every request was a 503 forever).
+        async def health() -> bool:
+            async_engine = AsyncEngine(engine)
+            async_engine.start()
+            try:
+                return async_engine.is_alive
+            finally:
+                async_engine.shutdown()
+
+        assert not asyncio.run(health())
     finally:
         engine.shutdown()
+
+
+def _fail_once(module: object, name: str) -> None:
+    """Make `module.name` raise a MemoryError on its next call only (rank 0 out of memory)."""
+    original = getattr(module, name)
+
+    def fail(*args, **kwargs):
+        setattr(module, name, original)
+        raise MemoryError("rank 0 out of memory")
+
+    setattr(module, name, fail)
+
+
+def test_a_rank_0_step_failing_partway_stops_the_engine_instead_of_wrong_tokens(
+        tmp_path) -> None:
+    """Rank 0's forward raising between its all-reduces (the server then serves on) left the
+    workers waiting inside that step: the next step's all-reduces met the old step's, so the
+    next request got wrong tokens without an error, then gloo aborted the whole process."""
+    folder = make_random_model_dir(tmp_path, "llama", num_hidden_layers=2)
+    prompt = [5, 6, 7, 8]
+    expected = run_requests(LLMEngine(model=str(folder), dtype="float32"),
+                            [(prompt, greedy(3))])[0].outputs[0].token_ids
+    engine = LLMEngine(model=str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        # A failure after the forward (the ranks stay in step) leaves the engine serving.
+        _fail_once(engine.model, "compute_logits")
+        engine.add_request("late", prompt, greedy(3))
+        with pytest.raises(MemoryError):
+            engine.step()
+        engine.abort_request("late")
+        assert run_requests(engine, [(prompt, greedy(3))])[0].outputs[0].token_ids == expected
+        assert engine.tensor_parallel_workers.is_alive
+        # One between the all-reduces (layer 1's attention, after layer 0's two) does not.
+        _fail_once(engine.model.model.layers[1].self_attn, "forward")
+        engine.add_request("partway", prompt, greedy(3))
+        with pytest.raises(MemoryError):
+            engine.step()
+        engine.abort_request("partway")
+        for _ in range(2):  # and every later step says so
+            engine.add_request("next", prompt, greedy(3))
+            with pytest.raises(RuntimeError, match="ranks are out of step"):
+                engine.step()
+            engine.abort_request("next")
+        assert not engine.tensor_parallel_workers.is_alive
+    finally:
+        _stop(engine)
 
 
 def _workers(model: str) -> TensorParallelWorkers:
