@@ -815,24 +815,42 @@ class LLMEngine:
                 req.text = text_before
                 req.detokenizer.flush()
             return RequestStatus.FINISHED_STOPPED
-        if params.stop and delta and req.num_output_tokens >= params.min_tokens:
-            longest = max(len(s) for s in params.stop)
-            search_from = max(0, len(text_before) - longest + 1)
-            found = [(idx, stop) for stop in params.stop
-                     if (idx := req.text.find(stop, search_from)) != -1]
-            if found:
-                # The first to appear in the text (one token's text can hold two), so the
-                # output holds none: OpenAI's rule.
-                idx, stop = min(found, key=lambda f: f[0])
-                end = idx + len(stop) if params.include_stop_str_in_output else idx
-                req.text = req.text[:end]
-                req.stop_reason = stop
-                return RequestStatus.FINISHED_STOPPED
+        finished = None
         if req.grammar is not None and req.grammar.is_done(req.output_token_ids):
-            return RequestStatus.FINISHED_STOPPED  # the structured output is complete
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            finished = RequestStatus.FINISHED_STOPPED  # the structured output is complete
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            finished = RequestStatus.FINISHED_LENGTH
+        if finished is not None:
+            # The text held back for an incomplete character is final now: a stop string in
+            # it must end the output like one in any other text (it was left in, as "length").
+            req.text += req.detokenizer.flush()
+        if self._find_stop_string(req, text_before):
+            return RequestStatus.FINISHED_STOPPED
+        return finished
+
+    @staticmethod
+    def _find_stop_string(req: Request, text_before: str) -> bool:
+        """Whether a stop string ends in the text added after `text_before`; if so, cut the
+        text there (after it with include_stop_str_in_output) and set `req.stop_reason`.
+        As vLLM, stop strings ending in the text of the first min_tokens tokens are ignored."""
+        params = req.params
+        if not params.stop or len(req.text) == len(text_before) or \
+                req.num_output_tokens <= params.min_tokens:
+            return False
+        # Each stop string is looked for only where it would end in the new text: one window
+        # for all (the longest stop's) found a short one wholly in text that min_tokens had
+        # kept from being searched, cutting the output back to before it.
+        found = [(idx, stop) for stop in params.stop
+                 if (idx := req.text.find(stop, max(0, len(text_before) - len(stop) + 1))) != -1]
+        if not found:
+            return False
+        # The first to appear in the text (one token's text can hold two), so the output
+        # holds none: OpenAI's rule.
+        idx, stop = min(found, key=lambda f: f[0])
+        end = idx + len(stop) if params.include_stop_str_in_output else idx
+        req.text = req.text[:end]
+        req.stop_reason = stop
+        return True
 
     def _make_output(self, parent_id: str) -> RequestOutput:
         children = self._groups[parent_id]
