@@ -8,7 +8,6 @@ needed to know which tokens come, so these tests take milliseconds.
 
 from __future__ import annotations
 
-import random
 import types
 
 import pytest
@@ -104,28 +103,3 @@ def test_the_stream_adds_up_to_the_output_cut_at_the_first_stop(tok: Tokenizer, 
     idx, stop = min(stops)
     assert req.stop_reason == stop
     assert req.text == full[: idx + len(stop) if kw.get("include_stop_str_in_output") else idx]
-
-
-def test_random_ids_and_splits_match_decode(tok: Tokenizer) -> None:
-    """Random ids (byte tokens, special tokens, whitespace, anything) in random pushes: the
-    deltas add up to decode(ids), and no delta shows U+FFFD that decode does not."""
-    rng = random.Random(0)
-    vocab = tok.vocab_size
-    byte_ids = [i for i in range(vocab) if len(tok.convert_ids_to_tokens([i])[0] or "") == 1]
-    special = sorted(tok.skipped_special_ids)
-    spaces = [tok.token_to_id(t) for t in ("Ġ", "ĠĠ", "Ċ", "ĊĊ", "ĉ")]
-    for _ in range(300):
-        pools = rng.choice([[byte_ids], [byte_ids, special, spaces], [range(vocab), byte_ids]])
-        ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 20))]
-        skip = rng.random() < 0.5
-        detok = IncrementalDetokenizer(tok, [rng.randrange(vocab) for _ in range(rng.randint(0, 6))],
-                                       skip_special_tokens=skip)
-        deltas, start = [], 0
-        while start < len(ids):
-            size = rng.randint(1, 4)
-            deltas.append(detok.push(ids[start:start + size]))
-            start += size
-        deltas.append(detok.flush())
-        expected = tok.decode(ids, skip_special_tokens=skip)
-        assert "".join(deltas) == expected == detok.text, ids
-        assert sum(d.count("\ufffd") for d in deltas) == expected.count("\ufffd"), ids

@@ -101,8 +101,10 @@ def test_random_sequences_property(tok: Tokenizer) -> None:
     multi_byte = [i for i in byte_ids if tok.decode([i]) == "\ufffd"]
     specials = tok.all_special_ids
 
+    spaces = [tok.token_to_id(t) for t in ("Ġ", "ĠĠ", "Ċ", "ĊĊ", "ĉ")]  # whitespace only
+
     def random_ids(n: int) -> list[int]:
-        pools = [multi_byte, specials, range(tok.vocab_size), tok.encode("日本語 🎉 é")]
+        pools = [multi_byte, specials, spaces, range(tok.vocab_size), tok.encode("日本語 🎉 é")]
         return [rng.choice(rng.choice(pools)) for _ in range(n)]
 
     for _ in range(300):
@@ -117,6 +119,8 @@ def test_random_sequences_property(tok: Tokenizer) -> None:
         deltas.append(detok.flush())
         expected = tok.decode(ids, skip_special_tokens=skip)
         assert "".join(deltas) == expected == detok.text, (prompt, ids, skip)
+        # no delta shows a half character as U+FFFD that decode does not
+        assert sum(d.count("\ufffd") for d in deltas) == expected.count("\ufffd"), ids
 
 
 def test_character_started_in_the_prompt(tok: Tokenizer) -> None:
