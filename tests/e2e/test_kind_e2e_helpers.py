@@ -149,8 +149,8 @@ def test_make_targets_build_the_four_images_and_run_the_script() -> None:
                             text=True, check=True).stdout
     # One docker build per image, each from its Dockerfile, tagged with the contract's name.
     assert "for name in runtime-cpu runtime-cuda operator gateway" in images
-    assert ("docker build -f docker/$name.Dockerfile "
-            "-t ghcr.io/argosy-project/argosy-$name:0.1.0 ." in images)
+    assert "docker build -f docker/$name.Dockerfile " in images
+    assert "-t ghcr.io/argosy-project/argosy-$name:0.1.0 ." in images
     e2e = subprocess.run(["make", "-n", "e2e-kind"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert "e2e/kind/kind_e2e.py" in e2e
