@@ -150,11 +150,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.background.cancellation_polling = 1.0
 
 
+def connection_info(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The operator's credentials: the in-cluster service account first, else the kubeconfig
+    (`argosy operator` tries this once before kopf starts, to refuse a setup without any)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.login()
 async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """In-cluster service account first, else the kubeconfig; also rebuilds our client
-    (kopf logs in again when a token expires, e.g. a rotated service-account token)."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    """`connection_info`; also rebuilds our client (kopf logs in again when a token expires,
+    e.g. a rotated service-account token)."""
+    info = connection_info(**kwargs)
     if info is not None and info != _state["info"]:
         _state["info"] = info
         old, _state["client"] = _state["client"], None  # rebuilt lazily from the new info

@@ -82,19 +82,18 @@ def kopf_argv(args: argparse.Namespace) -> list[str]:
 
 
 def credentials_problem() -> str | None:
-    """Why the operator could not log in to Kubernetes, or None if it can: the same two login
-    handlers the operator uses (argosy_operator.handlers.login), tried once before kopf starts.
+    """Why the operator could not log in to Kubernetes, or None if it can: the operator's own
+    login (argosy_operator.handlers.connection_info), tried once before kopf starts.
 
     Under kopf, a kubeconfig that cannot be read (a $KUBECONFIG naming a missing file, no
     current-context) was retried every 60 s forever, and no credentials at all ended in two
     tracebacks advising to "install an API client library".
     """
     import kopf
+    from argosy_operator.handlers import connection_info
 
-    settings = kopf.OperatorSettings()
     try:
-        info = (kopf.login_with_service_account(settings=settings)
-                or kopf.login_with_kubeconfig(settings=settings))
+        info = connection_info(settings=kopf.OperatorSettings())
     except Exception as exc:  # OSError, yaml errors, KeyError of a context it names, ...
         return (f"cannot use the kubeconfig ($KUBECONFIG or ~/.kube/config): "
                 f"{type(exc).__name__}: {exc}")
